@@ -1,0 +1,113 @@
+"""Decode-attention micro-benchmark: exact vs block-sparse top-k on one Qwen3-0.6B-shaped layer.
+
+Random K/V/query and random importance; per context and KV dtype the exact and sparse kernels
+run interleaved (exact, k=32, k=16, ... then again) so machine-load drift hits them alike. The
+ratio is the median over repeats of exact_ms / sparse_ms from the same round.
+"""
+
+import argparse
+import math
+import statistics
+import time
+
+import numba
+import numpy as np
+
+from sparrow.kernels.attention import decode_attention
+from sparrow.kv_cache import LayerCache, SparseParams
+
+N_HEADS, N_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
+_FILL_CHUNK = 2048
+
+
+def _filled_layer(kv_dtype, capacity, rng):
+    layer = LayerCache(N_KV_HEADS, HEAD_DIM, capacity, kv_dtype)
+    for s0 in range(0, capacity, _FILL_CHUNK):
+        n = min(_FILL_CHUNK, capacity - s0)
+        k = rng.standard_normal((n, N_KV_HEADS, HEAD_DIM), dtype=np.float32)  # [n, KVH, D]
+        v = rng.standard_normal((n, N_KV_HEADS, HEAD_DIM), dtype=np.float32)  # [n, KVH, D]
+        layer.append(s0, k, v)
+    layer.importance[:] = rng.random(capacity, dtype=np.float32)
+    return layer
+
+
+def run(contexts=(2048, 4096, 8192, 16384, 32768), ks=(32, 16, 8), kv_dtypes=("f32", "int8"),
+        repeats=7, seed=0, threads=None):
+    """Returns one dict per (kv_dtype, context, mode): mode "exact" or "k=<k>", median ms per
+    decoded token for this one layer, and for sparse modes the paired exact/sparse ratio."""
+    saved = numba.get_num_threads()
+    if threads:
+        numba.set_num_threads(threads)
+    scale = 1.0 / math.sqrt(HEAD_DIM)
+    rows = []
+    try:
+        for kv_dtype in kv_dtypes:
+            rng = np.random.default_rng(seed)
+            layer = _filled_layer(kv_dtype, max(contexts), rng)
+            for ctx in contexts:
+                q = rng.standard_normal((N_HEADS, HEAD_DIM), dtype=np.float32)  # [H, D]
+                modes = [("exact", None)] + [(f"k={k}", SparseParams(k=k)) for k in ks]
+                times = {name: [] for name, _ in modes}
+                for name, sp in modes:  # warm-up: JIT compile and page in the cache
+                    decode_attention(q, layer, ctx, scale, sp)
+                for _ in range(repeats):
+                    for name, sp in modes:
+                        t0 = time.perf_counter()
+                        decode_attention(q, layer, ctx, scale, sp)
+                        times[name].append(1e3 * (time.perf_counter() - t0))
+                for name, sp in modes:
+                    row = {"kv_dtype": kv_dtype, "context": ctx, "mode": name,
+                           "k": sp.k if sp else None, "ms": statistics.median(times[name]),
+                           "threads": numba.get_num_threads()}
+                    if sp is not None:
+                        nb = -(-ctx // sp.block)
+                        row["blocks"] = nb
+                        row["ratio"] = statistics.median(
+                            e / s for e, s in zip(times["exact"], times[name]))
+                    rows.append(row)
+            del layer
+    finally:
+        numba.set_num_threads(saved)
+    return rows
+
+
+def format_table(rows):
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    head = f"{'kv':>5} {'context':>8} " + " ".join(
+        f"{m + ' ms':>10}" if m == "exact" else f"{m + ' ms (x)':>18}" for m in modes)
+    lines = [head, "-" * len(head)]
+    keys = list(dict.fromkeys((r["kv_dtype"], r["context"]) for r in rows))
+    for kv, ctx in keys:
+        cells = []
+        for m in modes:
+            r = next(r for r in rows if (r["kv_dtype"], r["context"], r["mode"]) == (kv, ctx, m))
+            if m == "exact":
+                cells.append(f"{r['ms']:>10.2f}")
+            else:
+                cells.append(f"{r['ms']:>9.2f} ({r['ratio']:>4.1f}x)".rjust(18))
+        lines.append(f"{kv:>5} {ctx:>8} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(
+        prog="sparrow bench attention",
+        description="Decode attention ms/token for one Qwen3-0.6B-shaped layer "
+                    f"({N_HEADS} q heads, {N_KV_HEADS} KV heads, head_dim {HEAD_DIM}): "
+                    "exact vs block-sparse top-k, random tensors.")
+    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
+    p.add_argument("--ks", type=int, nargs="+", default=[32, 16, 8])
+    p.add_argument("--kv-dtypes", nargs="+", default=["f32", "int8"], choices=["f32", "f16", "int8"])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="numba threads (default: numba's)")
+    a = p.parse_args(argv)
+    rows = run(tuple(a.contexts), tuple(a.ks), tuple(a.kv_dtypes), a.repeats, a.seed, a.threads)
+    print(f"decode attention, one layer, ms/token (median of {a.repeats}); "
+          f"(x) = exact/sparse, paired per round; numba threads {rows[0]['threads']}")
+    print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,220 @@
+"""Command line: `sparrow generate | chat | serve | bench ...`.
+
+User errors (SparrowError) print one line on stderr and exit with status 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .errors import SparrowError
+
+DEMO_PROMPT = "In three sentences, why is the sky blue?"
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", "-m", default=None, help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--ctx", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--kv-dtype", default="f32", choices=["f32", "f16", "int8"], help="KV cache storage")
+    g.add_argument("--threads", "-t", type=int, default=None, help="compute threads (default: all cores)")
+    g.add_argument("--quantize", default=None, choices=["q8_0"], help="quantise f16/bf16/f32 weights at load")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", "-n", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g = p.add_argument_group("sparse attention")
+    g.add_argument("--sparse-attn", action="store_true", help="block-sparse top-k decode attention")
+    g.add_argument("--sparse-k", type=int, default=32, help="blocks per query head")
+    g.add_argument("--sparse-block", type=int, default=32, help="tokens per block")
+    g.add_argument("--sparse-probe", type=int, default=8, help="probe keys per block")
+    g.add_argument("--sparse-prefill", action="store_true", help="select blocks during prefill too")
+    g.add_argument("--sparse-trace", default=None, metavar="FILE", help="write selected blocks per token/layer/head as JSON lines")
+    p.add_argument("--timings", action="store_true", help="print load/prefill/decode speed and per-token times")
+
+
+def _gen_kwargs(a) -> dict:
+    return dict(
+        max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
+        repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty, seed=a.seed, stop=a.stop, sparse_attn=a.sparse_attn,
+        sparse_k=a.sparse_k, sparse_block=a.sparse_block, sparse_probe=a.sparse_probe,
+        sparse_prefill=a.sparse_prefill,
+    )
+
+
+def _load(a):
+    from .api import load
+
+    llm = load(a.model, kv_dtype=a.kv_dtype, threads=a.threads, quantize=a.quantize, ctx=a.ctx, progress=sys.stderr.isatty())
+    if getattr(a, "timings", False):
+        print(f"[LOAD] {llm.name}: {llm.load_seconds:.2f} s, {llm.config.architecture}, {llm.threads} threads", file=sys.stderr)
+    return llm
+
+
+def _run(llm, prompt, a, **extra) -> str:
+    """Streams one answer to stdout; returns its text. Handles --timings and --sparse-trace."""
+    trace = [] if a.sparse_trace else None
+    trace_file = open(a.sparse_trace, "a") if a.sparse_trace else None
+    text, n_dec, dec_s, t_first, dec_lines = [], 0, 0.0, None, []
+    t0 = time.perf_counter()
+    try:
+        for i, out in enumerate(llm.stream(prompt, timings=a.timings, trace=trace, **_gen_kwargs(a), **extra)):
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+            text.append(out.text)
+            if a.timings and out.timing:
+                if "prefill_ms" in out.timing:
+                    t_first = out.timing
+                else:
+                    n_dec += 1
+                    dec_s += out.timing["total"] / 1e3
+                    tm = out.timing
+                    dec_lines.append(f"[DEC-SINGLE] tok={i} total={tm['total']:.2f} ms attn={tm['attn']:.2f} ms mlp={tm['mlp']:.2f} ms")
+            if trace_file is not None and trace:
+                for layer, heads in trace.pop():
+                    for head, blocks, stages in heads:
+                        trace_file.write(json.dumps({"token": i, "layer": layer, "head": head, "blocks": list(map(int, blocks)), "stages": list(stages)}) + "\n")
+    finally:
+        if trace_file is not None:
+            trace_file.close()
+    print()
+    if dec_lines:  # after the answer, so the streamed text stays readable
+        print("\n".join(dec_lines), file=sys.stderr)
+    if a.timings and t_first:
+        n = t_first["prefill_tokens"]
+        ms = t_first["prefill_ms"]
+        print(f"[TIMINGS] prefill {n} tokens in {ms:.1f} ms ({n / max(ms, 1e-9) * 1e3:.1f} tok/s); "
+              f"decode {n_dec} tokens in {dec_s * 1e3:.1f} ms ({n_dec / max(dec_s, 1e-9):.1f} tok/s); "
+              f"wall {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    return "".join(text)
+
+
+def cmd_generate(a) -> None:
+    llm = _load(a)
+    prompt = a.prompt
+    if prompt is None and not sys.stdin.isatty():
+        prompt = sys.stdin.read()
+    if not prompt:  # `sparrow generate` alone: a demo chat turn
+        prompt, a.chat = DEMO_PROMPT, True
+        print(f"> {prompt}", file=sys.stderr)
+    extra = {}
+    if a.chat:
+        extra = dict(chat=True, system=a.system, chat_template_kwargs=_think_kwargs(a))
+    _run(llm, prompt, a, **extra)
+
+
+def _think_kwargs(a) -> dict:
+    return {"enable_thinking": False} if getattr(a, "no_think", False) else {}
+
+
+def cmd_chat(a) -> None:
+    llm = _load(a)
+    messages = [{"role": "system", "content": a.system}] if a.system else []
+    print(f"sparrow chat with {llm.name} ({'sparse k=%d' % a.sparse_k if a.sparse_attn else 'exact attention'}). "
+          "/reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            messages = messages[:1] if a.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            answer = _run(llm, messages, a, chat=True, chat_template_kwargs=_think_kwargs(a))
+        except SparrowError as e:
+            messages.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:
+            messages.pop()
+            print("\n[interrupted]", file=sys.stderr)
+            continue
+        messages.append({"role": "assistant", "content": answer})
+
+
+def cmd_serve(a) -> None:
+    from .server.app import serve
+
+    serve(a)
+
+
+def cmd_bench(a) -> None:
+    import importlib
+
+    mod = importlib.import_module(f".bench.{a.bench}", __package__)
+    mod.main(a.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sparrow", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="complete a prompt (or chat with --chat)")
+    g.add_argument("--prompt", "-p", default=None, help="prompt text (default: stdin if piped, else a demo chat prompt)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--system", default=None, help="system message (with --chat)")
+    g.add_argument("--no-think", action="store_true", help="Qwen3: enable_thinking=False in the chat template")
+    _model_args(g)
+    _sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive multi-turn chat")
+    c.add_argument("--system", default=None)
+    c.add_argument("--no-think", action="store_true", help="Qwen3: enable_thinking=False in the chat template")
+    _model_args(c)
+    _sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--max-batch", type=int, default=16, help="most sequences decoded together")
+    _model_args(s)
+    s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="benchmarks: attention, speed, needle, fidelity")
+    b.add_argument("bench", choices=["attention", "speed", "needle", "fidelity", "serve"])
+    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="options of that benchmark (see sparrow bench NAME --help)")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except SparrowError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""A generation request in flight: its tokens, KV cache, sampler and text/stop handling.
+
+The model-facing side is token ids and typed settings; text only appears through the
+incremental detokenizer so that stop strings and streaming deltas are handled in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import ContextLengthError
+from ..kv_cache import KVCache, SparseParams
+from ..models.decoder import Segment
+from .sampling import Sampler, SamplingParams, log_softmax
+
+
+@dataclass
+class StepOutput:
+    """One generated token and the text it released."""
+
+    token_id: int
+    text: str  # text that became final with this token (may be "" while a stop string is pending)
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None  # [(token_id, logprob)] best first
+    finish_reason: str | None = None  # "stop" | "length" | None while running
+    timing: dict | None = None  # per-step times in ms when requested
+
+
+@dataclass
+class Sequence:
+    prompt: list[int]
+    params: SamplingParams
+    cache: KVCache
+    sampler: Sampler
+    detok: object  # tokenizer.IncrementalDecoder
+    eos_ids: set[int]
+    sparse: SparseParams | None = None
+    trace: list | None = None  # sparse selection records, when tracing
+    output: list[int] = field(default_factory=list)
+    prefilled: int = 0
+    finish_reason: str | None = None
+    _pending: str = ""  # decoded text held back because it may start a stop string
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.prefilled >= len(self.prompt)
+
+    def prefill_segment(self, chunk: int) -> Segment:
+        ids = self.prompt[self.prefilled : self.prefilled + chunk]
+        seg = Segment(np.asarray(ids, np.int64), self.cache, self.prefilled, self.sparse)
+        self.prefilled += len(ids)
+        return seg
+
+    def decode_segment(self) -> Segment:
+        pos = len(self.prompt) + len(self.output) - 1  # the last sampled token is not cached yet
+        tok = np.asarray([self.output[-1]], np.int64)
+        return Segment(tok, self.cache, pos, self.sparse, decode=True, trace=self.trace)
+
+    def accept(self, logits: np.ndarray) -> StepOutput:
+        """Samples from the logits of the last position [V] and updates the stop state."""
+        p = self.params
+        tok = self.sampler(logits)
+        self.output.append(tok)
+        self.sampler.observe(tok)
+        lp = top = None
+        if p.logprobs is not None:
+            ls = log_softmax(logits)  # [V]
+            lp = float(ls[tok])
+            if p.logprobs > 0:
+                best = np.argsort(-ls, kind="stable")[: p.logprobs]
+                top = [(int(i), float(ls[i])) for i in best]
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            self.finish_reason = "stop"
+            text, self._pending = self._pending, ""  # no stop string came: release what was held
+        else:
+            text = self._push_text(self.detok.push(tok))
+            if not self.done and len(self.output) >= p.max_tokens:
+                self.finish_reason = "length"
+                text += self._push_text(self.detok.flush())  # may still complete a stop string
+                if self.finish_reason == "length":
+                    text, self._pending = text + self._pending, ""
+        return StepOutput(tok, text, lp, top, self.finish_reason)
+
+    def _push_text(self, piece: str) -> str:
+        stops = self.params.stop
+        if not stops:
+            return piece
+        buf = self._pending + piece
+        hits = [(buf.find(s), s) for s in stops if s and buf.find(s) >= 0]
+        if hits:
+            idx = min(h[0] for h in hits)
+            self.finish_reason = "stop"
+            self._pending = ""
+            return buf[:idx]
+        # Hold back the longest tail that could still grow into a stop string.
+        hold = 0
+        for s in stops:
+            for n in range(min(len(s) - 1, len(buf)), 0, -1):
+                if buf.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        self._pending = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold]
+
+
+def check_context(n_prompt: int, max_tokens: int, ctx: int) -> None:
+    if n_prompt == 0:
+        raise ContextLengthError("the prompt is empty")
+    if n_prompt + max_tokens > ctx:
+        raise ContextLengthError(
+            f"prompt has {n_prompt} tokens and max_tokens is {max_tokens}: {n_prompt + max_tokens} exceeds the context length {ctx}"
+        )

@@ -1,0 +1,122 @@
+"""Block selection for block-sparse top-k attention (spec: shared/SPARSE_ATTENTION.md).
+
+Two implementations of the same four-stage rule:
+- `select_blocks`: plain Python over numpy arrays, for tests and tooling.
+- `select_blocks_nb`: the numba version the attention kernels call per query head.
+Both take the per-block probe maxima (and optionally the per-block importance sums) and
+return the selected block ids in ascending order with the stage that chose each block.
+"""
+
+import numpy as np
+from numba import njit
+
+STAGE_IMPORTANCE = 0
+STAGE_PROBE = 1
+STAGE_RECENCY = 2
+STAGE_NAMES = ("importance", "probe", "recency")
+
+PROBE_START = -1e30
+
+
+def probe_block_maxima(dots, seq_len, block, n_probe):
+    """Spec stage 1 from precomputed per-position dots [seq_len]: max over the probed keys."""
+    n_blocks = (seq_len + block - 1) // block
+    out = np.empty(n_blocks, dtype=np.float32)
+    for b in range(n_blocks):
+        p0, p1 = b * block, min((b + 1) * block, seq_len)
+        step = max(1, (p1 - p0) // n_probe)
+        best = np.float32(PROBE_START)
+        for ps in range(p0, p1, step):
+            if dots[ps] > best:
+                best = dots[ps]
+        out[b] = best
+    return out
+
+
+def block_sums(importance, seq_len, block):
+    """Per-block float32 sums of importance[:seq_len], summed in position order."""
+    n_blocks = (seq_len + block - 1) // block
+    out = np.zeros(n_blocks, dtype=np.float32)
+    for b in range(n_blocks):
+        acc = np.float32(0.0)
+        for p in range(b * block, min((b + 1) * block, seq_len)):
+            acc = np.float32(acc + importance[p])
+        out[b] = acc
+    return out
+
+
+def select_blocks(probe_scores, imp_sums, k):
+    """Select up to k blocks; returns (blocks: list[int] ascending, stages: list[str]).
+
+    probe_scores: per-block probe maxima; imp_sums: per-block importance sums or None.
+    """
+    probe = [float(x) for x in probe_scores]
+    n = len(probe)
+    stage = {}  # block -> stage name
+    if imp_sums is not None:
+        imp = [float(x) for x in imp_sums]
+        for _ in range(min((k + 1) // 2, n)):
+            best = None
+            for b in range(n):  # strict > keeps the lower index on ties
+                if b not in stage and (best is None or imp[b] > imp[best]):
+                    best = b
+            stage[best] = "importance"
+    while len(stage) < min(k, n):
+        best = None
+        for b in range(n):
+            if b not in stage and (best is None or probe[b] > probe[best]):
+                best = b
+        stage[best] = "probe"
+    last = n - 1
+    if n > 0 and last not in stage:
+        victim = None
+        for b in sorted(stage):  # <= moves a tie onto the larger index
+            if stage[b] == "probe" and (victim is None or probe[b] <= probe[victim]):
+                victim = b
+        if victim is not None:
+            del stage[victim]
+            stage[last] = "recency"
+    blocks = sorted(stage)
+    return blocks, [stage[b] for b in blocks]
+
+
+@njit(cache=True, nogil=True)
+def select_blocks_nb(probe, imp, use_imp, k, sel, stages):
+    """numba twin of `select_blocks`; writes ascending ids to sel[:n] and stage codes to
+    stages[:n] (STAGE_* constants) and returns n. imp is ignored unless use_imp."""
+    n = probe.shape[0]
+    mark = np.full(n, -1, dtype=np.int8)  # stage code per block, -1 = unused
+    taken = 0
+    if use_imp:
+        budget = min((k + 1) // 2, n)
+        while taken < budget:
+            best = -1
+            for b in range(n):
+                if mark[b] < 0 and (best < 0 or imp[b] > imp[best]):
+                    best = b
+            mark[best] = STAGE_IMPORTANCE
+            taken += 1
+    limit = min(k, n)
+    while taken < limit:
+        best = -1
+        for b in range(n):
+            if mark[b] < 0 and (best < 0 or probe[b] > probe[best]):
+                best = b
+        mark[best] = STAGE_PROBE
+        taken += 1
+    last = n - 1
+    if n > 0 and mark[last] < 0:
+        victim = -1
+        for b in range(n):
+            if mark[b] == STAGE_PROBE and (victim < 0 or probe[b] <= probe[victim]):
+                victim = b
+        if victim >= 0:
+            mark[victim] = -1
+            mark[last] = STAGE_RECENCY
+    m = 0
+    for b in range(n):
+        if mark[b] >= 0:
+            sel[m] = b
+            stages[m] = mark[b]
+            m += 1
+    return m

@@ -1,0 +1,138 @@
+"""Per-sequence KV cache: f32, f16 or int8 storage, plus per-position prefill importance.
+
+Layout per layer: k, v are [KVH, capacity, D] so one KV head's keys are contiguous rows (the
+decode kernel streams them; prefill slices [:S] and hands them to BLAS).
+
+Storage:
+- "f32": float32.
+- "f16": IEEE half stored as uint16 bit patterns (numba has no float16 type on the CPU; the
+  kernels widen the bits with an LLVM fpext). `LayerCache.k.view(np.float16)` gives the values.
+- "int8": symmetric per (head, position) quantisation: scale = absmax/127 over D,
+  q = rint(x / scale) in [-127, 127]; an all-zero row gets scale 0 and codes 0.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sparrow.errors import SparrowError
+
+KV_DTYPES = ("f32", "f16", "int8")
+_STORAGE = {"f32": np.float32, "f16": np.uint16, "int8": np.int8}
+
+
+@dataclass
+class SparseParams:
+    """Per-request block-sparse attention settings (None instead of this means exact)."""
+
+    k: int = 32  # blocks selected per query head
+    block: int = 32  # tokens per block
+    probe: int = 8  # probe keys per block
+    prefill: bool = False  # also select blocks for prefill queries (causal prefix, no importance)
+
+    def __post_init__(self):
+        if self.k < 1 or self.block < 1 or self.probe < 1:
+            raise SparrowError(
+                f"sparse attention needs k, block and probe >= 1 (got k={self.k}, "
+                f"block={self.block}, probe={self.probe})"
+            )
+
+
+def quantize_int8(x):
+    """x float32 [..., D] -> (codes int8 [..., D], scale float32 [...]) with scale = absmax/127."""
+    absmax = np.max(np.abs(x), axis=-1)  # [...]
+    scale = (absmax / np.float32(127.0)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
+    codes = np.clip(np.rint(x / safe[..., None]), -127, 127).astype(np.int8)
+    return codes, scale
+
+
+class LayerCache:
+    """One layer of one sequence."""
+
+    def __init__(self, n_kv_heads, head_dim, capacity, dtype="f32"):
+        if dtype not in _STORAGE:
+            raise SparrowError(f"unknown KV cache dtype {dtype!r} (choose from {', '.join(KV_DTYPES)})")
+        self.dtype = dtype
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.capacity = capacity
+        shape = (n_kv_heads, capacity, head_dim)
+        self.k = np.zeros(shape, dtype=_STORAGE[dtype])  # [KVH, C, D]
+        self.v = np.zeros(shape, dtype=_STORAGE[dtype])  # [KVH, C, D]
+        if dtype == "int8":
+            self.k_scale = np.zeros((n_kv_heads, capacity), dtype=np.float32)  # [KVH, C]
+            self.v_scale = np.zeros((n_kv_heads, capacity), dtype=np.float32)  # [KVH, C]
+        else:
+            self.k_scale = None
+            self.v_scale = None
+        self.importance = np.zeros(capacity, dtype=np.float32)  # [C]
+
+    def append(self, start, k, v):
+        """Write float32 k, v [T, KVH, D] at positions start..start+T-1."""
+        k = np.asarray(k, dtype=np.float32)
+        v = np.asarray(v, dtype=np.float32)
+        T = k.shape[0]
+        if k.shape != (T, self.n_kv_heads, self.head_dim) or v.shape != k.shape:
+            raise ValueError(f"append expects [T, {self.n_kv_heads}, {self.head_dim}], got {k.shape} / {v.shape}")
+        if start < 0 or start + T > self.capacity:
+            raise SparrowError(f"KV cache overflow: positions {start}..{start + T - 1} exceed capacity {self.capacity}")
+        kt = k.transpose(1, 0, 2)  # [KVH, T, D]
+        vt = v.transpose(1, 0, 2)  # [KVH, T, D]
+        end = start + T
+        if self.dtype == "f32":
+            self.k[:, start:end] = kt
+            self.v[:, start:end] = vt
+        elif self.dtype == "f16":
+            self.k[:, start:end] = kt.astype(np.float16).view(np.uint16)
+            self.v[:, start:end] = vt.astype(np.float16).view(np.uint16)
+        else:
+            self.k[:, start:end], self.k_scale[:, start:end] = quantize_int8(kt)
+            self.v[:, start:end], self.v_scale[:, start:end] = quantize_int8(vt)
+        # a rewritten position (prompt-cache reuse) must not keep stale prefill mass
+        self.importance[start:end] = 0.0
+
+    def keys_f32(self, kh, n):
+        """Dequantised keys of KV head kh for positions 0..n-1 as float32 [n, D]."""
+        return self._f32(self.k, self.k_scale, kh, n)
+
+    def values_f32(self, kh, n):
+        """Dequantised values of KV head kh for positions 0..n-1 as float32 [n, D]."""
+        return self._f32(self.v, self.v_scale, kh, n)
+
+    def _f32(self, x, scale, kh, n):
+        if self.dtype == "f32":
+            return x[kh, :n]
+        if self.dtype == "f16":
+            return x[kh, :n].view(np.float16).astype(np.float32)
+        return x[kh, :n].astype(np.float32) * scale[kh, :n, None]
+
+    @property
+    def nbytes(self):
+        n = self.k.nbytes + self.v.nbytes + self.importance.nbytes
+        if self.k_scale is not None:
+            n += self.k_scale.nbytes + self.v_scale.nbytes
+        return n
+
+
+class KVCache:
+    """All layers of one sequence; `length` is advanced by the model after each forward."""
+
+    def __init__(self, n_layers, n_kv_heads, head_dim, capacity, dtype="f32"):
+        if capacity < 1:
+            raise SparrowError(f"KV cache capacity must be >= 1 (got {capacity})")
+        self.dtype = dtype
+        self.capacity = capacity
+        self.layers = [LayerCache(n_kv_heads, head_dim, capacity, dtype) for _ in range(n_layers)]
+        self.length = 0
+
+    @property
+    def nbytes(self):
+        return sum(layer.nbytes for layer in self.layers)
+
+    def truncate(self, n):
+        """Drop positions >= n (their K/V are simply overwritten later)."""
+        n = max(0, min(int(n), self.length))
+        self.length = n
+        for layer in self.layers:
+            layer.importance[n:] = 0.0

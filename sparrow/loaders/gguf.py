@@ -1,0 +1,69 @@
+"""GGUF reader: metadata, tensors (memory-mapped, HF names) and the tokenizer, via the gguf package."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import SparrowError
+from .names import gguf_to_hf, llama_unpermute_rows
+from .tensor import StoredTensor
+
+# Large arrays that are read directly by the tokenizer; skip them when building the metadata dict.
+_BULK_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
+
+
+def open_gguf(path: str):
+    """Returns (reader, metadata dict). A file that is not GGUF is a one-line SparrowError."""
+    import gguf
+
+    name = os.path.basename(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise SparrowError(f"{name}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as e:  # the gguf package raises ValueError/IndexError/struct errors on corrupt files
+        raise SparrowError(f"{name}: corrupt GGUF file: {type(e).__name__}: {e}") from None
+    meta = {}
+    for key, field in reader.fields.items():
+        if key in _BULK_KEYS:
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:
+            continue
+    return reader, meta
+
+
+def gguf_tensors(reader, cfg: ModelConfig) -> dict[str, StoredTensor]:
+    import gguf
+
+    native = {gguf.GGMLQuantizationType.F32: "f32", gguf.GGMLQuantizationType.F16: "f16"}
+    out: dict[str, StoredTensor] = {}
+    for t in reader.tensors:
+        hf = gguf_to_hf(t.name)
+        if hf is None:
+            continue
+        shape = tuple(int(s) for s in reversed(t.shape))  # ggml order is (in, out, ...)
+        kind = native.get(t.tensor_type, "gguf")
+        st = StoredTensor(hf, t.data, kind, shape, t.tensor_type)
+        # llama.cpp permutes llama q/k rows so that its interleaved RoPE works; sparrow uses
+        # rotate-half RoPE everywhere, so undo it here (rows are whole quant blocks).
+        if cfg.architecture == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = cfg.num_attention_heads if "attn_q" in t.name else cfg.num_key_value_heads
+            st = st.rows(llama_unpermute_rows(heads, cfg.head_dim))
+        out[hf] = st
+    return out
+
+
+def gguf_config(reader, meta: dict) -> ModelConfig:
+    names = {t.name for t in reader.tensors}
+    emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if emb is None:
+        raise SparrowError("GGUF has no token_embd.weight tensor")
+    vocab = int(emb.shape[-1])
+    return ModelConfig.from_gguf(meta, names, vocab)

@@ -1,0 +1,39 @@
+"""A tensor as stored in a checkpoint: a memory-mapped view plus how to read it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..quant import Weight
+
+
+@dataclass
+class StoredTensor:
+    name: str
+    data: np.ndarray  # memory-mapped view: f32/f16 values, bf16 as uint16, or raw GGUF blocks
+    dtype: str  # "f32" | "f16" | "bf16" | "gguf"
+    shape: tuple[int, ...]  # logical shape, Hugging Face order (out, in)
+    ggml_type: object = None  # gguf.GGMLQuantizationType when dtype == "gguf"
+
+    def to_weight(self) -> Weight:
+        """Keep a 2-D matrix in its stored form (no f32 expansion)."""
+        if self.dtype == "gguf":
+            return Weight.from_gguf(self.data, self.ggml_type, self.shape)
+        if self.dtype == "bf16":
+            return Weight.from_bf16(self.data.reshape(self.shape))
+        return Weight.from_array(self.data.reshape(self.shape))
+
+    def to_array(self) -> np.ndarray:
+        """Small tensors (norms, biases): a float32 copy."""
+        if self.dtype == "bf16":
+            return (self.data.astype(np.uint32) << 16).view(np.float32).reshape(self.shape)
+        if self.dtype == "gguf":
+            return self.to_weight().dequantize().reshape(self.shape)
+        return np.asarray(self.data, dtype=np.float32).reshape(self.shape)
+
+    def rows(self, idx: np.ndarray) -> "StoredTensor":
+        """A row-permuted copy (GGUF llama q/k un-permutation); rows are independent blocks."""
+        data = self.data.reshape(self.shape[0], -1)[idx]
+        return StoredTensor(self.name, np.ascontiguousarray(data), self.dtype, self.shape, self.ggml_type)

@@ -1,0 +1,24 @@
+"""Model families. Llama, Qwen2 and Qwen3 share one decoder; Qwen3-MoE swaps in its MoE block."""
+
+from __future__ import annotations
+
+from ..errors import SparrowError
+from .decoder import Decoder
+
+
+def build_model(ckpt, quantize: str | None = None, progress: bool = False) -> Decoder:
+    cfg = ckpt.config
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        def bar(it):
+            return tqdm(it, desc="loading layers", unit="layer", leave=False)
+
+    if cfg.architecture in ("llama", "qwen2", "qwen3"):
+        return Decoder(cfg, ckpt.tensors, quantize=quantize, progress=bar)
+    if cfg.architecture == "qwen3_moe":
+        from .qwen3_moe import moe_mlp_factory
+
+        return Decoder(cfg, ckpt.tensors, quantize=quantize, mlp_factory=moe_mlp_factory, progress=bar)
+    raise SparrowError(f"unsupported architecture {cfg.architecture!r}")

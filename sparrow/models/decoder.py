@@ -1,0 +1,187 @@
+"""The decoder shared by Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm, explicit head_dim).
+
+One forward runs a batch of *segments*: each segment is a run of consecutive tokens of one
+sequence (a prefill chunk, or the single token of a decode step). Linear layers see all rows
+at once; attention runs per segment against that sequence's KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import SparrowError
+from ..kernels.attention import decode_attention, prefill_attention
+from ..kernels.linear import linear
+from ..kv_cache import KVCache, SparseParams
+from ..loaders.tensor import StoredTensor
+from ..quant import Weight
+from .layers import MLP, Rope, rms_norm
+
+
+@dataclass
+class Segment:
+    """Tokens [start, start + len(tokens)) of one sequence."""
+
+    tokens: np.ndarray  # [T] int
+    cache: KVCache
+    start: int
+    sparse: SparseParams | None = None
+    decode: bool = False  # a single new token attending over its cache (decode kernel)
+    trace: list | None = None  # (layer, per-head selection records) appended here (decode only)
+
+
+class Timer:
+    """Per-forward time split, filled only when requested (--timings)."""
+
+    def __init__(self):
+        self.attn = 0.0  # attention kernels only (scores, softmax, selection, weighted sum)
+        self.mlp = 0.0  # post-attention norm + MLP (or MoE) block
+        self.total = 0.0
+
+
+class Attention:
+    def __init__(self, cfg: ModelConfig, get, prefix: str):
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q = get.weight(prefix + "q_proj.weight")
+        self.k = get.weight(prefix + "k_proj.weight")
+        self.v = get.weight(prefix + "v_proj.weight")
+        self.o = get.weight(prefix + "o_proj.weight")
+        bias = cfg.attention_bias
+        self.q_b = get.array(prefix + "q_proj.bias") if bias else None
+        self.k_b = get.array(prefix + "k_proj.bias") if bias else None
+        self.v_b = get.array(prefix + "v_proj.bias") if bias else None
+        self.q_norm = get.array(prefix + "q_norm.weight") if cfg.qk_norm else None
+        self.k_norm = get.array(prefix + "k_norm.weight") if cfg.qk_norm else None
+        self.eps = cfg.rms_norm_eps
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+
+    def qkv(self, x: np.ndarray, rope: Rope, positions: np.ndarray):
+        T, H, KV, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
+        q = linear(x, self.q)  # [T, H*D]
+        k = linear(x, self.k)  # [T, KV*D]
+        v = linear(x, self.v)  # [T, KV*D]
+        if self.q_b is not None:
+            q += self.q_b
+            k += self.k_b
+            v += self.v_b
+        q = q.reshape(T, H, D)
+        k = k.reshape(T, KV, D)
+        v = v.reshape(T, KV, D)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, self.eps)  # per head, over D
+            k = rms_norm(k, self.k_norm, self.eps)
+        return rope.apply(q, positions), rope.apply(k, positions), v  # [T,H,D] [T,KV,D] [T,KV,D]
+
+
+class DecoderLayer:
+    def __init__(self, cfg: ModelConfig, get, i: int, mlp_factory):
+        p = f"model.layers.{i}."
+        self.index = i
+        self.input_norm = get.array(p + "input_layernorm.weight")
+        self.post_norm = get.array(p + "post_attention_layernorm.weight")
+        self.attn = Attention(cfg, get, p + "self_attn.")
+        self.mlp = mlp_factory(cfg, get, i, p + "mlp.")
+        self.eps = cfg.rms_norm_eps
+
+
+def dense_mlp(cfg: ModelConfig, get, i: int, prefix: str) -> MLP:
+    return MLP(get.weight(prefix + "gate_proj.weight"), get.weight(prefix + "up_proj.weight"), get.weight(prefix + "down_proj.weight"))
+
+
+class WeightSource:
+    """Looks tensors up by HF name, converting on demand; reports missing tensors clearly."""
+
+    def __init__(self, tensors: dict[str, StoredTensor], quantize: str | None):
+        self.tensors = tensors
+        self.quantize = quantize
+
+    def _get(self, name: str) -> StoredTensor:
+        t = self.tensors.get(name)
+        if t is None:
+            raise SparrowError(f"checkpoint is missing tensor {name}")
+        return t
+
+    def weight(self, name: str) -> Weight:
+        w = self._get(name).to_weight()
+        if self.quantize and w.qtype in ("f32", "f16", "bf16"):
+            w = w.quantize(self.quantize)
+        return w
+
+    def array(self, name: str) -> np.ndarray:
+        return np.ascontiguousarray(self._get(name).to_array(), dtype=np.float32)
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+
+class Decoder:
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, StoredTensor], quantize: str | None = None, mlp_factory=dense_mlp, progress=None):
+        get = WeightSource(tensors, quantize)
+        self.config = cfg
+        self.embed = get._get("model.embed_tokens.weight").to_weight()  # rows looked up, never multiplied
+        layers = range(cfg.num_hidden_layers)
+        if progress is not None:
+            layers = progress(layers)
+        self.layers = [DecoderLayer(cfg, get, i, mlp_factory) for i in layers]
+        self.norm = get.array("model.norm.weight")
+        if cfg.tie_word_embeddings or not get.has("lm_head.weight"):
+            self.lm_head = self.embed
+        else:
+            self.lm_head = get.weight("lm_head.weight")
+        self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def new_cache(self, capacity: int, kv_dtype: str = "f32") -> KVCache:
+        c = self.config
+        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, capacity, kv_dtype)
+
+    def forward(self, segments: list[Segment], all_logits: bool = False, timer: Timer | None = None) -> np.ndarray:
+        """Runs the segments; returns logits [sum(T), V] if all_logits else [len(segments), V]
+        for each segment's last token. Advances each cache's length."""
+        t_start = time.perf_counter()
+        tokens = np.concatenate([s.tokens for s in segments]).astype(np.int64)  # [N]
+        positions = np.concatenate([np.arange(s.start, s.start + len(s.tokens)) for s in segments])  # [N]
+        bounds = np.cumsum([0] + [len(s.tokens) for s in segments])
+        for s in segments:
+            end = s.start + len(s.tokens)
+            if end > s.cache.capacity:
+                raise SparrowError(f"sequence of {end} tokens exceeds the KV cache capacity {s.cache.capacity}")
+        x = self.embed.rows(tokens)  # [N, E]
+        for layer in self.layers:
+            h = rms_norm(x, layer.input_norm, layer.eps)  # [N, E]
+            q, k, v = layer.attn.qkv(h, self.rope, positions)  # [N,H,D] [N,KV,D] [N,KV,D]
+            out = np.empty_like(q)  # [N, H, D]
+            t0 = time.perf_counter() if timer else 0.0
+            for j, s in enumerate(segments):
+                a, b = bounds[j], bounds[j + 1]
+                lc = s.cache.layers[layer.index]
+                lc.append(s.start, k[a:b], v[a:b])
+                if s.decode:
+                    tr = [] if s.trace is not None else None
+                    out[a] = decode_attention(q[a], lc, s.start + 1, layer.attn.scale, s.sparse, tr)
+                    if tr is not None:
+                        s.trace.append((layer.index, tr))
+                else:
+                    out[a:b] = prefill_attention(q[a:b], lc, s.start, layer.attn.scale, s.sparse)
+            if timer:
+                timer.attn += time.perf_counter() - t0
+            x = x + linear(out.reshape(len(x), -1), layer.attn.o)  # [N, E]
+            t1 = time.perf_counter() if timer else 0.0
+            h = rms_norm(x, layer.post_norm, layer.eps)
+            x = x + layer.mlp(h)  # [N, E]
+            if timer:
+                timer.mlp += time.perf_counter() - t1
+        for s in segments:
+            s.cache.length = s.start + len(s.tokens)
+        if not all_logits:
+            x = x[bounds[1:] - 1]  # [B, E] last token of each segment
+        x = rms_norm(x, self.norm, self.config.rms_norm_eps)
+        logits = linear(np.ascontiguousarray(x), self.lm_head)  # [*, V]
+        if timer:
+            timer.total += time.perf_counter() - t_start
+        return logits

@@ -1,0 +1,82 @@
+"""Small building blocks shared by the decoders: RMSNorm, RoPE, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..kernels.linear import linear
+from ..quant import Weight
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis in f32, weight applied as is (Llama/Qwen, not 1 + w)."""
+    var = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)  # [..., 1]
+    return (x * (1.0 / np.sqrt(var + np.float32(eps)))).astype(np.float32, copy=False) * w
+
+
+class Rope:
+    """Rotate-half rotary embedding, cos/sin cached per position in f32 like transformers."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None):
+        # transformers: inv_freq = 1 / theta ** (arange(0, d, 2) / d) computed in f32
+        exps = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+        inv = (1.0 / (np.float32(theta) ** exps)).astype(np.float32)  # [D/2]
+        self.inv_freq = _scale_inv_freq(inv, scaling)
+        self.attention_factor = 1.0
+        self.cos = np.zeros((0, head_dim // 2), np.float32)
+        self.sin = np.zeros((0, head_dim // 2), np.float32)
+
+    def _grow(self, n: int) -> None:
+        n = max(n, 2 * len(self.cos), 256)
+        pos = np.arange(n, dtype=np.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]  # [n, D/2] f32 product, as torch does
+        self.cos = np.cos(freqs).astype(np.float32)
+        self.sin = np.sin(freqs).astype(np.float32)
+
+    def apply(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """x: [T, H, D] at the given absolute positions [T]; returns a new array."""
+        if positions.max() >= len(self.cos):
+            self._grow(int(positions.max()) + 1)
+        c = self.cos[positions][:, None, :]  # [T, 1, D/2]
+        s = self.sin[positions][:, None, :]
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]  # [T, H, D/2]
+        out = np.empty_like(x)
+        out[..., :half] = x1 * c - x2 * s
+        out[..., half:] = x2 * c + x1 * s
+        return out
+
+
+def _scale_inv_freq(inv: np.ndarray, scaling: dict | None) -> np.ndarray:
+    if not scaling:
+        return inv
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return (inv / np.float32(scaling["factor"])).astype(np.float32)
+    # llama3: long wavelengths slowed by `factor`, short kept, smooth blend in between.
+    factor = float(scaling["factor"])
+    lo = float(scaling.get("low_freq_factor", 1.0))
+    hi = float(scaling.get("high_freq_factor", 4.0))
+    old = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * np.pi / inv
+    smooth = (old / wavelen - lo) / (hi - lo)
+    scaled = np.where(wavelen > old / lo, inv / factor, inv)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= old / hi) & (wavelen <= old / lo)
+    return np.where(is_mid, mid, scaled).astype(np.float32)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+class MLP:
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, gate: Weight, up: Weight, down: Weight):
+        self.gate, self.up, self.down = gate, up, down
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        g = linear(x, self.gate)  # [T, F]
+        u = linear(x, self.up)  # [T, F]
+        return linear(silu(g) * u, self.down)  # [T, E]

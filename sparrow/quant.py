@@ -1,0 +1,234 @@
+"""Weight matrices kept in their stored (possibly quantised) form.
+
+A Weight is a 2-D matrix [out, in] used as y = x @ W.T. Quantised formats keep the raw
+GGUF/ggml block bytes (block size 32) as a read-only uint8 array [out, nblocks * blockbytes],
+usually a view of the model file's mmap, so resident memory stays close to the file size:
+  q8_0: f16 d, 32 x int8 q                 (34 B)  value = q * d
+  q4_0: f16 d, 16 B nibbles                (18 B)  value = (q - 8) * d
+  q4_1: f16 d, f16 m, 16 B nibbles         (20 B)  value = q * d + m
+Nibble byte j holds element j (low 4 bits) and element 16 + j (high 4 bits).
+f16 / bf16 are kept as uint16 [out, in], f32 as float32 [out, in].
+
+The numpy dequantisation here is the reference (bit-identical to gguf.quants.dequantize);
+the fast kernels live in sparrow.kernels.linear.
+"""
+
+import numpy as np
+
+from sparrow.errors import SparrowError
+
+BLOCK = 32
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+QTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
+_NATIVE_GGUF = {"F32": "f32", "F16": "f16", "BF16": "bf16",
+                "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+_ROW_CHUNK = 4096  # rows per numpy (de)quantisation step, bounds temporary memory
+
+
+def _readonly(a):
+    # One array type (read-only, C-contiguous, plain ndarray) for every Weight, so the
+    # numba kernels compile once per format whether the bytes come from a file or not.
+    a = np.ascontiguousarray(np.asarray(a))
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
+def _f16_bits_to_f32(u16):
+    return np.ascontiguousarray(u16).view(np.float16).astype(np.float32)
+
+
+def _bf16_bits_to_f32(u16):
+    return (np.asarray(u16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _f32_to_bf16_bits(a):
+    # Round to nearest even, NaN kept quiet (as ggml_compute_fp32_to_bf16).
+    n = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    nan = (n & 0x7FFFFFFF) > 0x7F800000
+    r = ((n.astype(np.uint64) + (0x7FFF + ((n >> 16) & 1))) >> 16).astype(np.uint16)
+    return np.where(nan, ((n >> 16) | 64).astype(np.uint16), r)
+
+
+def _roundf(v):
+    # C roundf (half away from zero), exactly as gguf.quants.np_roundf.
+    a = np.abs(v)
+    f = np.floor(a)
+    return np.sign(v) * (f + np.floor(2 * (a - f)))
+
+
+def dequantize_blocks(raw, qtype):
+    """Raw block bytes [n, nb * blockbytes] -> f32 [n, nb * 32] (numpy reference)."""
+    n = raw.shape[0]
+    blk = np.asarray(raw).reshape(n, -1, BLOCK_BYTES[qtype])  # [n, nb, bb]
+    d = _f16_bits_to_f32(blk[:, :, 0:2]).reshape(n, -1, 1)  # [n, nb, 1]
+    if qtype == "q8_0":
+        q = np.ascontiguousarray(blk[:, :, 2:]).view(np.int8).astype(np.float32)
+        return (q * d).reshape(n, -1)
+    qs = blk[:, :, 2:18] if qtype == "q4_0" else blk[:, :, 4:20]  # [n, nb, 16]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2)  # [n, nb, 32]
+    if qtype == "q4_0":
+        return (d * (q.astype(np.int8) - np.int8(8)).astype(np.float32)).reshape(n, -1)
+    m = _f16_bits_to_f32(blk[:, :, 2:4]).reshape(n, -1, 1)
+    return (d * q.astype(np.float32) + m).reshape(n, -1)
+
+
+def quantize_blocks(a, qtype):
+    """f32 [n, k] (k % 32 == 0) -> raw block bytes, rounding as ggml's reference quantizers."""
+    a = np.asarray(a, dtype=np.float32)
+    n = a.shape[0]
+    x = a.reshape(n, -1, BLOCK)  # [n, nb, 32]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if qtype == "q8_0":
+            d = np.abs(x).max(axis=2, keepdims=True) / np.float32(127)
+            inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+            q = _roundf(x * inv).astype(np.int8).view(np.uint8)
+            parts = [d.astype(np.float16).view(np.uint8), q]
+        elif qtype == "q4_0":
+            imax = np.abs(x).argmax(axis=2)[..., None]
+            d = np.take_along_axis(x, imax, axis=2) / np.float32(-8)
+            inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+            q = np.trunc(x * inv + np.float32(8.5)).astype(np.uint8).clip(0, 15)
+            parts = [d.astype(np.float16).view(np.uint8), q[..., :16] | (q[..., 16:] << 4)]
+        elif qtype == "q4_1":
+            lo = x.min(axis=2, keepdims=True)
+            d = (x.max(axis=2, keepdims=True) - lo) / np.float32(15)
+            inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+            q = np.trunc((x - lo) * inv + np.float32(0.5)).astype(np.uint8).clip(0, 15)
+            parts = [d.astype(np.float16).view(np.uint8), lo.astype(np.float16).view(np.uint8),
+                     q[..., :16] | (q[..., 16:] << 4)]
+        else:
+            raise SparrowError(f"cannot quantise to {qtype!r}")
+    return np.concatenate(parts, axis=2).reshape(n, -1)
+
+
+class Weight:
+    """A [out, in] weight matrix in stored form; see the module docstring for layouts."""
+
+    __slots__ = ("qtype", "shape", "data")
+
+    def __init__(self, qtype, data, shape):
+        if qtype not in QTYPES:
+            raise SparrowError(f"unknown weight type {qtype!r}")
+        out, k = int(shape[0]), int(shape[1])
+        if qtype in BLOCK_BYTES:
+            if k % BLOCK:
+                raise SparrowError(f"{qtype} weight needs in % 32 == 0, got shape {(out, k)}")
+            want, dtype = (out, k // BLOCK * BLOCK_BYTES[qtype]), np.uint8
+        else:
+            want, dtype = (out, k), {"f32": np.float32, "f16": np.uint16, "bf16": np.uint16}[qtype]
+        data = np.asarray(data)
+        if data.dtype != dtype or data.nbytes != want[0] * want[1] * data.itemsize:
+            raise SparrowError(f"{qtype} weight of shape {(out, k)} needs {want} "
+                               f"{np.dtype(dtype)}, got {data.shape} {data.dtype}")
+        self.qtype = qtype
+        self.shape = (out, k)
+        self.data = _readonly(data.reshape(want))  # [out, in] or [out, nb * blockbytes]
+
+    @property
+    def nbytes(self):
+        return self.data.nbytes
+
+    def __repr__(self):
+        return f"Weight({self.qtype}, shape={self.shape})"
+
+    # construction
+
+    @classmethod
+    def from_array(cls, a):
+        """np.float32 -> f32 Weight, np.float16 -> f16 Weight (a is [out, in])."""
+        a = np.asarray(a)
+        if a.ndim != 2:
+            raise SparrowError(f"weight must be 2-D, got shape {a.shape}")
+        if a.dtype == np.float32:
+            return cls("f32", np.array(a, dtype=np.float32, order="C"), a.shape)
+        if a.dtype == np.float16:
+            return cls("f16", np.ascontiguousarray(a).view(np.uint16), a.shape)
+        raise SparrowError(f"from_array takes float32 or float16, got {a.dtype}")
+
+    @classmethod
+    def from_bf16(cls, u16):
+        """bf16 bit patterns (uint16 [out, in]) -> bf16 Weight."""
+        u16 = np.asarray(u16)
+        if u16.ndim != 2 or u16.dtype != np.uint16:
+            raise SparrowError(f"from_bf16 takes a 2-D uint16 array, got {u16.shape} {u16.dtype}")
+        return cls("bf16", u16, u16.shape)
+
+    @classmethod
+    def from_gguf(cls, data, ggml_type, shape_out_in):
+        """A GGUFReader tensor's .data with its ggml type, as a Weight of shape (out, in).
+
+        F32/F16/BF16/Q8_0/Q4_0/Q4_1 keep the file's bytes (no copy); other types that
+        gguf.quants can dequantise (Q4_K, Q5_K, Q6_K, ...) are re-quantised to q8_0.
+        """
+        import gguf
+
+        try:
+            gt = gguf.GGMLQuantizationType(ggml_type)
+        except ValueError:
+            raise SparrowError(f"unknown GGML tensor type {ggml_type!r}") from None
+        out, k = int(shape_out_in[0]), int(shape_out_in[1])
+        data = np.asarray(data)
+        qtype = _NATIVE_GGUF.get(gt.name)
+        if qtype is not None:
+            raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+            if qtype == "f32":
+                raw = raw.view(np.float32)
+            elif qtype in ("f16", "bf16"):
+                raw = raw.view(np.uint16)
+            return cls(qtype, raw, (out, k))
+        try:
+            f = gguf.quants.dequantize(data, gt)
+        except (NotImplementedError, gguf.quants.QuantError, KeyError, ValueError) as e:
+            raise SparrowError(f"unsupported GGML tensor type {gt.name} ({e})") from None
+        if f.size != out * k:
+            raise SparrowError(f"{gt.name} tensor has {f.size} values, expected {out}x{k}")
+        return cls.from_array(f.reshape(out, k).astype(np.float32)).quantize("q8_0")
+
+    @classmethod
+    def concat_rows(cls, weights):
+        """One Weight stacking the rows of several of the same type and in (e.g. q, k, v):
+        one kernel launch instead of several; copies the stored bytes."""
+        weights = list(weights)
+        if not weights or len({(w.qtype, w.shape[1]) for w in weights}) != 1:
+            raise SparrowError("concat_rows needs weights of one type and one input size")
+        data = np.concatenate([w.data for w in weights], axis=0)
+        return cls(weights[0].qtype, data, (data.shape[0], weights[0].shape[1]))
+
+    # conversion
+
+    def quantize(self, qtype):
+        """A new Weight in qtype ("q8_0", "q4_0", "q4_1"); a no-op if already that type."""
+        if qtype == self.qtype:
+            return self
+        if qtype not in BLOCK_BYTES:
+            raise SparrowError(f"cannot quantise weights to {qtype!r} (use q8_0, q4_0 or q4_1)")
+        out, k = self.shape
+        if k % BLOCK:
+            raise SparrowError(f"cannot quantise to {qtype}: in={k} is not a multiple of 32")
+        raw = np.empty((out, k // BLOCK * BLOCK_BYTES[qtype]), np.uint8)
+        for a in range(0, out, _ROW_CHUNK):
+            b = min(out, a + _ROW_CHUNK)
+            raw[a:b] = quantize_blocks(self._dequant(self.data[a:b]), qtype)
+        return Weight(qtype, raw, self.shape)
+
+    def _dequant(self, stored):
+        if self.qtype == "f32":
+            return np.array(stored, dtype=np.float32)
+        if self.qtype == "f16":
+            return _f16_bits_to_f32(stored)
+        if self.qtype == "bf16":
+            return _bf16_bits_to_f32(stored)
+        return dequantize_blocks(stored, self.qtype)
+
+    def dequantize(self):
+        """f32 [out, in] (numpy reference)."""
+        return self._dequant(self.data)
+
+    def rows(self, ids):
+        """f32 [len(ids), in]: only the rows ids dequantised (embedding lookup)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
+            raise SparrowError(f"row id out of range [0, {self.shape[0]})")
+        return self._dequant(self.data[ids])

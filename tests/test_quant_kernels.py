@@ -1,0 +1,239 @@
+"""Weight storage formats (sparrow.quant) and the linear kernels (sparrow.kernels.linear)."""
+
+import gguf
+import numba
+import numpy as np
+import pytest
+
+from sparrow.errors import SparrowError
+from sparrow.kernels import linear as L
+from sparrow.quant import BLOCK_BYTES, Weight, _f32_to_bf16_bits, quantize_blocks
+
+GT = gguf.GGMLQuantizationType
+FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
+SHAPES = ((37, 64), (37, 96), (21, 576))
+PREFILL_T = L.SMALL_T + 13
+
+
+def make(qtype, shape, seed=0):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal(shape).astype(np.float32) * np.float32(0.05)
+    a[:, :3] *= 40  # a few large columns, as in real projections
+    if qtype == "f16":
+        return Weight.from_array(a.astype(np.float16))
+    if qtype == "bf16":
+        return Weight.from_bf16(_f32_to_bf16_bits(a))
+    w = Weight.from_array(a)
+    return w if qtype == "f32" else w.quantize(qtype)
+
+
+def acts(t, k, seed=1):
+    x = np.random.default_rng(seed).standard_normal((t, k)).astype(np.float32)
+    x[:, 5] = 0  # zero entries and, for k=64, an all-zero row below
+    if t > 2:
+        x[2] = 0
+    return x
+
+
+def ref_quant_act(x):
+    """numpy copy of the activation quantisation (per 32-block int8, C roundf)."""
+    t, k = x.shape
+    xb = x.reshape(t, k // 32, 32)
+    d = np.abs(xb).max(axis=2) / np.float32(127)  # [T, nb]
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+    v = xb * inv[..., None]
+    a = np.abs(v)
+    f = np.floor(a)
+    q = (np.sign(v) * (f + np.floor(np.float32(2) * (a - f)))).astype(np.int64)  # [T, nb, 32]
+    s = d * q.sum(axis=2).astype(np.float32)
+    return q, d, s
+
+
+def ref_block_linear(x, w):
+    """numpy copy of the small-T block kernels: exact int dots, blocks summed in order in f32."""
+    out, k = w.shape
+    nb = k // 32
+    blk = w.data.reshape(out, nb, BLOCK_BYTES[w.qtype])
+    d = blk[:, :, 0:2].copy().view(np.float16).astype(np.float32)[..., 0]  # [O, nb]
+    m = None
+    if w.qtype == "q8_0":
+        wq = blk[:, :, 2:].view(np.int8).astype(np.int64)
+    else:
+        qs = blk[:, :, 2:18] if w.qtype == "q4_0" else blk[:, :, 4:20]
+        wq = np.concatenate([qs & 15, qs >> 4], axis=2).astype(np.int64)
+        if w.qtype == "q4_0":
+            wq -= 8
+        else:
+            m = blk[:, :, 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
+    xq, xd, xs = ref_quant_act(x)
+    isum = np.einsum("obj,tbj->tob", wq, xq).astype(np.float32)  # [T, O, nb], exact
+    acc = np.zeros((x.shape[0], out), np.float32)
+    for b in range(nb):
+        term = d[None, :, b] * xd[:, None, b] * isum[:, :, b]
+        if m is not None:
+            term = term + m[None, :, b] * xs[:, None, b]
+        acc = acc + term
+    return acc, xd
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_linear_against_reference(qtype, shape):
+    w = make(qtype, shape)
+    wf = w.dequantize().astype(np.float64)
+    for t in (1, 3, PREFILL_T):
+        x = acts(t, shape[1])
+        y = L.linear(x, w)
+        assert y.dtype == np.float32 and y.shape == (t, shape[0])
+        exact = x.astype(np.float64) @ wf.T
+        scale = np.abs(x).astype(np.float64) @ np.abs(wf).T  # sum |x w|
+        if qtype in BLOCK_BYTES and t <= L.SMALL_T:
+            ref, xd = ref_block_linear(x, w)
+            assert np.array_equal(y, ref)
+            # activation rounding moves each x by at most half its block's step
+            bound = (np.abs(wf).reshape(shape[0], -1, 32).sum(axis=2) @ xd.T).T / 2
+            assert np.all(np.abs(y - exact) <= bound * 1.001 + 1e-5 * scale + 1e-30)
+        else:
+            assert np.all(np.abs(y - exact) <= 2e-6 * scale + 1e-30)
+
+
+def test_float_tail_and_out_buffer():
+    for qtype in ("f32", "f16", "bf16"):
+        w = make(qtype, (37, 50))  # in not a multiple of 32
+        wf = w.dequantize().astype(np.float64)
+        for t in (3, PREFILL_T):
+            x = acts(t, 50)
+            out = np.full((t, 37), np.nan, np.float32)
+            y = L.linear(x, w, out=out)
+            assert y is out
+            scale = np.abs(x).astype(np.float64) @ np.abs(wf).T
+            assert np.all(np.abs(y - x.astype(np.float64) @ wf.T) <= 2e-6 * scale)
+    assert L.linear(np.zeros((0, 50), np.float32), w).shape == (0, 37)
+    with pytest.raises(ValueError):
+        L.linear(np.zeros((2, 50), np.float64), w)
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_batch_and_thread_invariance(qtype):
+    w = make(qtype, (37, 96), seed=3)
+    x = acts(L.SMALL_T, 96, seed=4)
+    y = L.linear(x, w)
+    for i in range(x.shape[0]):
+        assert np.array_equal(L.linear(x[i:i + 1].copy(), w)[0], y[i])
+        assert np.array_equal(L.linear(x[i:i + 3].copy(), w)[0], y[i])
+    threads = numba.get_num_threads()
+    try:
+        for n in (1, 2):
+            if n <= numba.config.NUMBA_NUM_THREADS:
+                numba.set_num_threads(n)
+                assert np.array_equal(L.linear(x, w), y)
+                assert np.array_equal(L.linear(x[:1].copy(), w), y[:1])
+    finally:
+        numba.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("qtype", ["f32", "q4_1"])
+def test_prefill_thread_invariance(qtype):
+    w = make(qtype, (37, 96), seed=10)
+    x = acts(PREFILL_T, 96, seed=11)
+    y = L.linear(x, w)
+    threads = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        assert np.array_equal(L.linear(x, w), y)
+    finally:
+        numba.set_num_threads(threads)
+
+
+def test_concat_rows():
+    a, b = make("q4_1", (37, 96), seed=12), make("q4_1", (5, 96), seed=13)
+    c = Weight.concat_rows([a, b])
+    assert c.shape == (42, 96) and np.array_equal(c.dequantize()[37:], b.dequantize())
+    x = acts(2, 96)
+    assert np.array_equal(L.linear(x, c)[:, :37], L.linear(x, a))
+    with pytest.raises(SparrowError):
+        Weight.concat_rows([a, make("q8_0", (5, 96))])
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_dequantize_rows_and_embedding_rows(qtype):
+    w = make(qtype, (37, 96), seed=5)
+    full = w.dequantize()
+    tile = np.empty((20, 96), np.float32)
+    assert np.array_equal(L.dequantize_rows(w, 17, tile), full[17:37])
+    ids = np.array([36, 0, 5, 5])
+    assert np.array_equal(w.rows(ids), full[ids])
+    with pytest.raises(SparrowError):
+        w.rows([37])
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_block_formats_match_gguf(name):
+    a = np.random.default_rng(6).standard_normal((37, 96)).astype(np.float32)
+    a[3, :32] = 0  # an all-zero block
+    raw = gguf.quants.quantize(a, GT[name])
+    w = Weight.from_gguf(raw, GT[name], (37, 96))
+    assert w.qtype == name.lower() and w.shape == (37, 96) and w.nbytes == raw.nbytes
+    assert np.array_equal(w.dequantize(), gguf.quants.dequantize(raw, GT[name]))
+    # our quantiser writes the same bytes as gguf's (ggml reference rounding)
+    assert np.array_equal(Weight.from_array(a).quantize(name.lower()).data, raw)
+    assert np.array_equal(quantize_blocks(a, name.lower()), raw)
+
+
+def test_gguf_float_formats():
+    a = np.random.default_rng(7).standard_normal((5, 64)).astype(np.float32)
+    assert np.array_equal(Weight.from_gguf(a, GT.F32, (5, 64)).dequantize(), a)
+    h = a.astype(np.float16)
+    assert np.array_equal(Weight.from_gguf(h, GT.F16, (5, 64)).dequantize(), h.astype(np.float32))
+    bits = _f32_to_bf16_bits(a)
+    raw = bits.view(np.uint8)  # GGUFReader hands BF16 over as bytes [out, 2 * in]
+    bf = Weight.from_gguf(raw, GT.BF16, (5, 64)).dequantize()
+    assert np.array_equal(bf, gguf.quants.dequantize(raw, GT.BF16).reshape(5, 64))
+    assert np.all(np.abs(bf - a) <= np.abs(a) * 2.0**-8)
+
+
+def _q4_k_blocks(n_blocks, seed):
+    # Random Q4_K super-blocks (144 B per 256 values) with sane f16 d / dmin.
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n_blocks, 144), dtype=np.uint8)
+    raw[:, 0:4] = rng.uniform(1e-3, 1e-2, (n_blocks, 2)).astype(np.float16).view(np.uint8)
+    return raw
+
+
+def test_gguf_q4_k_requantised_to_q8_0():
+    raw = _q4_k_blocks(6, seed=8).reshape(3, 2 * 144)  # [3, 512] weight
+    ref = gguf.quants.dequantize(raw, GT.Q4_K).reshape(3, 512)
+    w = Weight.from_gguf(raw, GT.Q4_K, (3, 512))
+    assert w.qtype == "q8_0" and w.shape == (3, 512)
+    assert np.array_equal(w.data, quantize_blocks(ref, "q8_0"))
+    step = np.abs(ref).reshape(3, -1, 32).max(axis=2, keepdims=True) / 127
+    assert np.all(np.abs(w.dequantize() - ref).reshape(3, -1, 32) <= 0.57 * step)
+
+
+def test_quantize_q8_0_error_bound():
+    a = np.random.default_rng(9).standard_normal((37, 576)).astype(np.float32)
+    for w in (Weight.from_array(a), Weight.from_bf16(_f32_to_bf16_bits(a)),
+              Weight.from_array(a.astype(np.float16))):
+        src = w.dequantize()
+        q = w.quantize("q8_0")
+        assert q.qtype == "q8_0" and q.nbytes == 37 * 18 * 34
+        # half a step from rounding plus the step's own f16 rounding (127 * 2^-11 steps)
+        step = np.abs(src).reshape(37, -1, 32).max(axis=2, keepdims=True) / 127
+        assert np.all(np.abs(q.dequantize() - src).reshape(37, -1, 32) <= 0.57 * step)
+    assert w.quantize("f16") is w
+
+
+def test_errors():
+    with pytest.raises(SparrowError, match="I32"):
+        Weight.from_gguf(np.zeros((2, 32), np.int32), GT.I32, (2, 32))
+    with pytest.raises(SparrowError):
+        Weight.from_gguf(np.zeros(8, np.uint8), 12345, (2, 4))
+    with pytest.raises(SparrowError):
+        Weight.from_array(np.zeros((4, 40), np.float32)).quantize("q8_0")
+    with pytest.raises(SparrowError):
+        Weight.from_array(np.zeros((4, 64), np.float32)).quantize("q5_0")
+    with pytest.raises(SparrowError):
+        Weight.from_gguf(np.zeros((4, 33), np.uint8), GT.Q8_0, (4, 64))
+    with pytest.raises(SparrowError):
+        Weight.from_array(np.zeros((4, 64), np.int32))
