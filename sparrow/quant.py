@@ -43,7 +43,7 @@ def _bf16_bits_to_f32(u16):
     return (np.asarray(u16).astype(np.uint32) << 16).view(np.float32)
 
 
-def _f32_to_bf16_bits(a):
+def f32_to_bf16_bits(a):
     # Round to nearest even, NaN kept quiet (as ggml_compute_fp32_to_bf16).
     n = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
     nan = (n & 0x7FFFFFFF) > 0x7F800000
@@ -137,12 +137,15 @@ class Weight:
 
     @classmethod
     def from_array(cls, a):
-        """np.float32 -> f32 Weight, np.float16 -> f16 Weight (a is [out, in])."""
+        """np.float32 -> f32 Weight, np.float16 -> f16 Weight (a is [out, in]).
+
+        A C-contiguous array (e.g. a memory-mapped checkpoint) is kept as a read-only view,
+        not copied: do not modify it afterwards."""
         a = np.asarray(a)
         if a.ndim != 2:
             raise SparrowError(f"weight must be 2-D, got shape {a.shape}")
         if a.dtype == np.float32:
-            return cls("f32", np.array(a, dtype=np.float32, order="C"), a.shape)
+            return cls("f32", a, a.shape)
         if a.dtype == np.float16:
             return cls("f16", np.ascontiguousarray(a).view(np.uint16), a.shape)
         raise SparrowError(f"from_array takes float32 or float16, got {a.dtype}")

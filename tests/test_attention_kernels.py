@@ -141,7 +141,8 @@ def test_sparse_with_all_blocks_is_bit_identical_to_exact(dtype):
             assert np.array_equal(sparse, exact)
             # every block selected; stages as the rule gives them (probe values cannot matter)
             want = select_blocks(np.zeros(nb), block_sums(layer.importance, n, block), nb + 3)
-            assert all((blocks, stages) == want for _, blocks, stages in trace)
+            assert all((blocks, stages) == want for _, blocks, stages, _ in trace)
+            assert all(abs(mass - 1.0) < 1e-6 for *_, mass in trace)  # everything selected
 
 
 @pytest.mark.parametrize("dtype", ["f32", "int8"])
@@ -152,13 +153,16 @@ def test_sparse_decode_matches_selected_token_reference(dtype):
     trace = []
     out = decode_attention(q[-1], layer, S, SCALE, sp, trace)
     assert [rec[0] for rec in trace] == list(range(H))
-    for h, blocks, stages in trace:
+    for h, blocks, stages, mass in trace:
         probe = probe_block_maxima(raw_dots(q[-1, h], layer, h // G, S).astype(np.float32), S, 16, 4)
         imp = block_sums(layer.importance, S, 16)
         assert (blocks, stages) == select_blocks(probe, imp, 4)
         assert blocks[-1] == 12 and len(blocks) == 4 and stages.count("importance") == 2
         pos = np.concatenate([np.arange(b * 16, min(b * 16 + 16, S)) for b in blocks])
         np.testing.assert_allclose(out[h], attend(q[-1, h], layer, h // G, pos)[0], atol=1e-5)
+        scores = layer.keys_f32(h // G, S).astype(np.float64) @ q[-1, h] * SCALE  # exact mass reference
+        p = np.exp(scores - scores.max())
+        assert abs(mass - p[pos].sum() / p.sum()) < 1e-5 and 0 < mass < 1
 
 
 @pytest.mark.parametrize("dtype", ["f32", "int8"])
@@ -220,8 +224,9 @@ def test_trace_records():
     assert trace == []  # exact attention records nothing
     decode_attention(q[-1], layer, S, SCALE, SparseParams(k=5, block=16), trace)
     assert len(trace) == H
-    for h, (head, blocks, stages) in enumerate(trace):
+    for h, (head, blocks, stages, mass) in enumerate(trace):
         assert head == h and blocks == sorted(blocks) and len(blocks) == 5 == len(stages)
+        assert 0.0 < mass <= 1.0
         assert set(stages) <= {"importance", "probe", "recency"}
 
 

@@ -126,7 +126,7 @@ def test_needle_mid_block_found_by_probe_max(dtype):
     def run(k, probe):
         trace = []
         decode_attention(q, layer, n, 1 / math.sqrt(8), SparseParams(k=k, block=26, probe=probe), trace)
-        return trace
+        return [rec[:3] for rec in trace]  # (head, blocks, stages); mass is tested elsewhere
 
     # k=4: importance 3, 4; probe: 2 (the needle), then 0 (ties at 0 -> lowest);
     # recency: last block 5 replaces block 0 (lowest probe among probe-chosen)
@@ -143,5 +143,5 @@ def test_sequence_shorter_than_one_block():
     trace = []
     exact = decode_attention(q, layer, 5, 0.5)
     sparse = decode_attention(q, layer, 5, 0.5, SparseParams(k=1, block=32), trace)
-    assert trace == [(0, [0], ["importance"])]
+    assert [rec[:3] for rec in trace] == [(0, [0], ["importance"])]
     assert np.array_equal(exact, sparse)

@@ -2,7 +2,7 @@
 
 - widen_row / dequantize_rows: stored rows -> f32, bit-identical to Weight.dequantize()
   (same f32 operations: d * q, then + m).
-- matvec_widened: small T for f32 / f16 / bf16 weights; each row is widened once and
+- matvec_widened: small T for every format; each row is widened once and
   dotted with every x row by the same compiled loop (batch and thread invariant).
 - matmul_widened: large T (prefill) for every format; chunks of weight rows are widened
   into a small f32 tile and multiplied with x in 4 x 4 register blocks. Everything runs in
@@ -226,29 +226,27 @@ def _mv_f32(w, x, y):
 
 
 @njit(parallel=True, **KW)
-def _mv_half(w, x, is_bf16, lut, y):
-    # f16 / bf16 rows are widened to f32 once per row, then dotted with each x row.
-    o_n, k = w.shape
+def _mv_stored(data, kind, lut, x, y):
+    # Each stored row is widened to f32 once (bit-identical to Weight.dequantize()), then
+    # dotted with each x row in f32: activations are never quantised, so decode matches the
+    # prefill path and the f32 reference to rounding (int8 activations, as llama.cpp does,
+    # visibly change SmolLM2-135M's greedy output).
+    o_n, k = data.shape[0], x.shape[1]
     for c in prange((o_n + _ROWS - 1) // _ROWS):
         bits = np.empty(k, np.uint32)
         row = bits.view(np.float32)
         for o in range(c * _ROWS, min(o_n, (c + 1) * _ROWS)):
-            if is_bf16:
-                for i in range(k):
-                    bits[i] = np.uint32(w[o, i]) << np.uint32(16)
-            else:
-                for i in range(k):
-                    row[i] = lut[w[o, i]]
+            widen_row(data[o], kind, lut, row, bits)
             for t in range(x.shape[0]):
                 y[t, o] = dot(row, x[t])
 
 
 def matvec_widened(x, w, out):
-    """out [T, out] = x @ W.T for small T and f32 / f16 / bf16 weights (batch invariant)."""
+    """out [T, out] = x @ W.T for small T and every format (batch and thread invariant)."""
     if w.qtype == "f32":
         _mv_f32(w.data, x, out)
     else:
-        _mv_half(w.data, x, w.qtype == "bf16", F16_LUT, out)
+        call_slp(_mv_stored, w.data, KIND[w.qtype], F16_LUT, x, out)
     return out
 
 

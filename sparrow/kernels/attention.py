@@ -6,8 +6,9 @@ exact attention is the same kernel with every block selected, so sparse with k >
 bit-identical to exact.
 
 Accumulation order of the numba kernel, per query head:
-1. each score is one dot product q . K[t] over head_dim (SIMD-reassociated in a fixed,
-   compile-time order; int8: an exact int32 dot) times the scales, then times `scale`;
+1. each score is one dot product q . K[t] over head_dim, SIMD-reassociated in an order fixed
+   by the compiled code (int8: the int8 x int8 dot, exact since its float32 partial sums are
+   integers below 2**24), times the int8 scales if any, then times `scale`;
 2. scores are produced for the selected blocks in ascending block order, ascending position
    inside a block, i.e. in ascending position order overall;
 3. m = max; e_t = exp(s_t - m); den = sum of e_t sequentially in that same order;
@@ -25,7 +26,7 @@ from numba.core import types
 from numba.extending import intrinsic, overload
 
 from sparrow.kernels.sparse_select import STAGE_NAMES, select_blocks_nb
-from sparrow.kv_cache import SparseParams  # noqa: F401  (re-exported for callers)
+from sparrow.kv_cache import SparseParams, quantize_int8  # noqa: F401  (SparseParams re-exported)
 
 _TILE_ELEMS = 1 << 23  # floats per prefill score tile (32 MiB)
 _DOT_FM = {"reassoc", "contract"}  # lets LLVM vectorise the dot; order is fixed per build
@@ -236,11 +237,7 @@ def _sparse_prefill_kernel(qf, qi, qs, K, V, ks, vs, start, scale, G, k_blocks, 
 def _query_codes(q, layer):
     """Per-head int8 query codes and scales for an int8 cache, else small dummies."""
     if layer.dtype == "int8":
-        absmax = np.max(np.abs(q), axis=-1)  # [..., H]
-        qs = (absmax / np.float32(127.0)).astype(np.float32)
-        safe = np.where(qs > 0, qs, np.float32(1.0)).astype(np.float32)
-        qi = np.clip(np.rint(q / safe[..., None]), -127, 127).astype(np.int8)
-        return qi, qs
+        return quantize_int8(q)  # same absmax/127 rule as the cache: [..., H, D], [..., H]
     return np.zeros(q.shape[:-1] + (1,), np.int8), np.zeros(q.shape[:-1], np.float32)
 
 
@@ -261,7 +258,8 @@ def decode_attention(q, layer, seq_len, scale, sparse=None, trace=None):
     """Attention of q [H, D] (position seq_len-1, already appended) over the cache -> [H, D].
 
     sparse: SparseParams for block-sparse top-k (importance from layer.importance[:seq_len]).
-    trace: with sparse, appends (head, block ids ascending, stage names) per query head; exact
+    trace: with sparse, appends (head, block ids ascending, stage names, mass) per query head,
+    mass being the share of the exact softmax mass inside the selected blocks; exact
     attention records nothing.
     """
     q = np.ascontiguousarray(q, dtype=np.float32)  # [H, D]
@@ -284,8 +282,21 @@ def decode_attention(q, layer, seq_len, scale, sparse=None, trace=None):
     if trace is not None and sparse is not None:
         for h in range(H):
             n = nsel[h]
-            trace.append((h, sel[h, :n].tolist(), [STAGE_NAMES[c] for c in stages[h, :n]]))
+            blocks = sel[h, :n].tolist()
+            mass = _selected_mass(q[h], layer, h // group, seq_len, scale, bs, blocks)
+            trace.append((h, blocks, [STAGE_NAMES[c] for c in stages[h, :n]], mass))
     return out
+
+
+def _selected_mass(qh, layer, kh, seq_len, scale, bs, blocks):
+    """Share of the exact softmax mass (f32 keys) that falls inside the selected blocks.
+    Only computed when tracing: it costs a full exact pass over the head."""
+    s = (layer.keys_f32(kh, seq_len) @ qh) * np.float32(scale)  # [S]
+    p = np.exp(s - s.max())
+    inside = np.zeros(seq_len, bool)
+    for b in blocks:
+        inside[b * bs:(b + 1) * bs] = True
+    return float(p[inside].sum() / p.sum())
 
 
 def prefill_attention(q, layer, start, scale, sparse=None, record_importance=True):

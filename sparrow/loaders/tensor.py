@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import SparrowError
 from ..quant import Weight
 
 
@@ -37,3 +38,9 @@ class StoredTensor:
         """A row-permuted copy (GGUF llama q/k un-permutation); rows are independent blocks."""
         data = self.data.reshape(self.shape[0], -1)[idx]
         return StoredTensor(self.name, np.ascontiguousarray(data), self.dtype, self.shape, self.ggml_type)
+
+    def expert(self, e: int) -> "StoredTensor":
+        """Expert e of a stacked [E, out, in] tensor as a 2-D view (no copy: stays memory-mapped)."""
+        if len(self.shape) != 3 or not 0 <= e < self.shape[0]:
+            raise SparrowError(f"{self.name}: no expert {e} in a tensor of shape {self.shape}")
+        return StoredTensor(f"{self.name}[{e}]", self.data[e], self.dtype, self.shape[1:], self.ggml_type)

@@ -20,7 +20,7 @@ from ..kernels.linear import linear
 from ..kv_cache import KVCache, SparseParams
 from ..loaders.tensor import StoredTensor
 from ..quant import Weight
-from .layers import MLP, Rope, rms_norm
+from .layers import MLP, FusedLinear, Rope, rms_norm
 
 
 @dataclass
@@ -48,9 +48,7 @@ class Attention:
     def __init__(self, cfg: ModelConfig, get, prefix: str):
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.q = get.weight(prefix + "q_proj.weight")
-        self.k = get.weight(prefix + "k_proj.weight")
-        self.v = get.weight(prefix + "v_proj.weight")
+        self.qkv_proj = FusedLinear([get.weight(prefix + f"{n}_proj.weight") for n in "qkv"])
         self.o = get.weight(prefix + "o_proj.weight")
         bias = cfg.attention_bias
         self.q_b = get.array(prefix + "q_proj.bias") if bias else None
@@ -63,16 +61,14 @@ class Attention:
 
     def qkv(self, x: np.ndarray, rope: Rope, positions: np.ndarray):
         T, H, KV, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
-        q = linear(x, self.q)  # [T, H*D]
-        k = linear(x, self.k)  # [T, KV*D]
-        v = linear(x, self.v)  # [T, KV*D]
+        q, k, v = self.qkv_proj(x)  # [T, H*D] [T, KV*D] [T, KV*D]
         if self.q_b is not None:
-            q += self.q_b
-            k += self.k_b
-            v += self.v_b
+            q = q + self.q_b
+            k = k + self.k_b
+            v = v + self.v_b
         q = q.reshape(T, H, D)
         k = k.reshape(T, KV, D)
-        v = v.reshape(T, KV, D)
+        v = np.ascontiguousarray(v).reshape(T, KV, D)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, self.eps)  # per head, over D
             k = rms_norm(k, self.k_norm, self.eps)

@@ -67,16 +67,34 @@ def _scale_inv_freq(inv: np.ndarray, scaling: dict | None) -> np.ndarray:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+    with np.errstate(over="ignore"):  # exp(-x) -> inf for very negative x gives silu = -0, as wanted
+        return x / (1.0 + np.exp(-x))
+
+
+class FusedLinear:
+    """Several projections of the same input as one kernel launch when their formats agree
+    (q/k/v, gate/up): per-token decode is dominated by launch overhead, not arithmetic."""
+
+    def __init__(self, weights: list[Weight]):
+        self.sizes = [w.shape[0] for w in weights]
+        same = len({(w.qtype, w.shape[1]) for w in weights}) == 1
+        self.fused = Weight.concat_rows(weights) if same and len(weights) > 1 else None
+        self.parts = None if self.fused is not None else weights
+
+    def __call__(self, x: np.ndarray) -> list[np.ndarray]:
+        if self.fused is None:
+            return [linear(x, w) for w in self.parts]
+        y = linear(x, self.fused)  # [T, sum(sizes)]
+        return np.split(y, np.cumsum(self.sizes)[:-1], axis=1)
 
 
 class MLP:
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, gate: Weight, up: Weight, down: Weight):
-        self.gate, self.up, self.down = gate, up, down
+        self.gate_up = FusedLinear([gate, up])
+        self.down = down
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        g = linear(x, self.gate)  # [T, F]
-        u = linear(x, self.up)  # [T, F]
+        g, u = self.gate_up(x)  # [T, F] [T, F]
         return linear(silu(g) * u, self.down)  # [T, E]

@@ -1,0 +1,159 @@
+"""`sparrow bench needle`: needle-in-a-haystack recall, exact vs block-sparse top-k decode attention.
+
+The article's protocol: a chat prompt of seeded filler facts, the needle "Zara's favorite food is
+ramen." at a depth (on a sentence boundary), the question at the end, greedy decoding; recall =
+the answer word appears in the output. Also passkey and RULER-style tasks (--tasks). Each prompt
+is prefilled once (exact) and every configuration decodes from a copy of that cache.
+
+    sparrow bench needle --lengths 1K,2K,4K --depths 25,50,75 --ks 32,8,1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from ..errors import SparrowError
+
+DEFAULT_MODEL_TAG = "SmolLM2-135M"
+
+
+def add_common_args(p: argparse.ArgumentParser, lengths: str, depths: str, ks: str, tokens: int) -> None:
+    p.add_argument("--model", default=None, help="model folder or .gguf (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--tasks", default="needle",
+                   help="comma list of needle, passkey, niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt")
+    p.add_argument("--lengths", default=lengths, help="prompt lengths in tokens, e.g. 1K,2K,4K,7K (K = 1024)")
+    p.add_argument("--depths", default=depths, help="needle depths in percent (multi-fact tasks: one seed each)")
+    p.add_argument("--ks", default=ks, help="sparse k values (blocks per head); exact always runs")
+    p.add_argument("--block", type=int, default=32, help="sparse block size in tokens")
+    p.add_argument("--probe", type=int, default=8, help="probe keys per block")
+    p.add_argument("--seed", type=int, default=0, help="prompt seed (0 = Zara/ramen)")
+    p.add_argument("--max-tokens", type=int, default=tokens, help="greedy tokens generated per configuration")
+    p.add_argument("--answer-prefix", choices=["auto", "on", "off"], default="auto",
+                   help="pre-fill the assistant turn with the answer's opening (auto: on for SmolLM2-135M)")
+    p.add_argument("--kv-dtype", choices=["f32", "f16", "int8"], default="f32")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default=None, help="output directory (default runs/<bench>-<timestamp>/)")
+    p.add_argument("--no-plots", action="store_true")
+
+
+def _ints(s: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise SparrowError(f"--{what} takes a comma list of integers, got {s!r}") from None
+    if not vals:
+        raise SparrowError(f"--{what} is empty")
+    return vals
+
+
+def parse_grid(a) -> dict:
+    from ..eval.prompts import TASKS, parse_length
+    from ..kv_cache import SparseParams
+
+    tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
+    for t in tasks:
+        if t not in TASKS:
+            raise SparrowError(f"unknown task {t!r} (choose from {', '.join(TASKS)})")
+    depths = _ints(a.depths, "depths")
+    if any(not 0 <= d <= 100 for d in depths):
+        raise SparrowError("--depths are percentages in 0..100")
+    ks = sorted(set(_ints(a.ks, "ks")), reverse=True) if a.ks.strip() else []
+    if a.max_tokens < 2:
+        raise SparrowError("--max-tokens must be at least 2")
+    configs = [None] + [SparseParams(k=k, block=a.block, probe=a.probe) for k in ks]
+    return {"tasks": tasks, "lengths": [parse_length(x) for x in a.lengths.split(",") if x.strip()],
+            "depths": [d / 100 for d in depths], "configs": configs}
+
+
+def use_prefix(a, llm) -> bool:
+    if a.answer_prefix != "auto":
+        return a.answer_prefix == "on"
+    return a.model is None or DEFAULT_MODEL_TAG.lower() in (llm.name or "").lower()
+
+
+def warm_up(llm, configs) -> None:
+    """Compiles (or loads from numba's cache) every kernel before anything is timed."""
+    from ..eval.fidelity import run_prompt
+
+    ids = llm.tokenizer.encode("The library in Oakton opens at 9 am. " * 12)
+    run_prompt(llm, ids, configs, n_tokens=3, fidelity=True)
+
+
+def sweep(llm, grid: dict, seed: int, max_tokens: int, prefix: bool, fidelity: bool = True, desc: str = "") -> list[dict]:
+    """Every task x length x depth prompt, every configuration; one row per (prompt, config)."""
+    from tqdm import tqdm
+
+    from ..eval.fidelity import prefill, run_prompt
+    from ..eval.prompts import make_prompt
+    from ..eval.scoring import repetition_ratio, score
+
+    cases = [(t, L, i, d) for t in grid["tasks"] for L in grid["lengths"] for i, d in enumerate(grid["depths"])]
+    for _, L, _, _ in cases:
+        if L + max_tokens + 8 > llm.ctx:
+            raise SparrowError(f"length {L} + {max_tokens} tokens exceeds the context {llm.ctx}")
+    rows = []
+    bar = tqdm(cases, desc=desc or "prompts", unit="prompt", file=sys.stderr)
+    for task, L, i, d in bar:
+        single = task in ("needle", "passkey", "niah_single")
+        p = make_prompt(llm.tokenizer, task, L, d if single else None, seed if single else seed + i, prefix)
+        if abs(p.n_tokens - L) > 0.05 * L:
+            raise SparrowError(f"{task} prompt has {p.n_tokens} tokens, more than 5% off the target {L}")
+        bar.set_postfix_str(f"{task} {p.n_tokens} tok depth {d:.0%}")
+        pre = prefill(llm, p.ids, max_tokens)
+        for r in run_prompt(llm, p.ids, grid["configs"], max_tokens, fidelity, pre=pre):
+            r.update({"task": task, "target_tokens": L, "depth": d if single else None, "seed": p.meta["seed"],
+                      "answers": p.answers, "assistant_prefix": p.assistant_prefix,
+                      "score": score(task, r["text"], p.answers), "repetition": repetition_ratio(r["text"])})
+            r.pop("tokens", None)
+            rows.append(r)
+    return rows
+
+
+def run(a, bench: str, fidelity: bool, title: str) -> dict:
+    """Loads the model, sweeps, writes <bench>.json, <bench>.md and the plots; returns the record."""
+    import os
+
+    from .. import api
+    from ..eval import report
+
+    grid = parse_grid(a)
+    out = report.run_dir(bench, a.out)
+    t0 = time.time()
+    llm = api.load(a.model, kv_dtype=a.kv_dtype, threads=a.threads, ctx=None)
+    prefix = use_prefix(a, llm)
+    warm_up(llm, grid["configs"])
+    rows = sweep(llm, grid, a.seed, a.max_tokens, prefix, fidelity, desc=bench)
+    record = {"bench": bench, "argv": sys.argv[1:], "model": llm.name, "kv_dtype": llm.kv_dtype, "threads": llm.threads,
+              "answer_prefix": prefix, "seed": a.seed, "max_tokens": a.max_tokens, "block": a.block, "probe": a.probe,
+              "tasks": grid["tasks"], "lengths": grid["lengths"], "depths": grid["depths"],
+              "ks": [c.k for c in grid["configs"] if c is not None], "environment": report.environment(),
+              "wall_s": None, "summary": report.summary_rows(rows), "rows": rows}
+    record["wall_s"] = round(time.time() - t0, 1)
+    header = (f"{title}: model {llm.name}, kv {llm.kv_dtype}, {llm.threads} threads, answer prefix "
+              f"{'on' if prefix else 'off'}, {a.max_tokens} greedy tokens, block {a.block}, probe {a.probe}; "
+              f"ms/token = median decode step; load average at the end {record['environment']['loadavg']}")
+    report.write_json(os.path.join(out, f"{bench}.json"), record)
+    md = report.write_markdown(os.path.join(out, f"{bench}.md"), rows, title, header)
+    if bench == "fidelity":
+        with open(md, "a") as f:
+            f.write("\n" + report.mass_table(rows))
+    plots = [] if a.no_plots else report.plot(os.path.join(out, ""), rows)
+    record["outputs"] = {"dir": out, "json": f"{bench}.json", "markdown": f"{bench}.md", "plots": [os.path.basename(p) for p in plots]}
+    report.write_json(os.path.join(out, f"{bench}.json"), record)
+    print(open(md).read())
+    print(f"wrote {out}/ ({record['wall_s']} s)")
+    return record
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="sparrow bench needle", description=__doc__.split("\n\n")[0])
+    add_common_args(p, lengths="1K,2K,4K,7K", depths="10,20,30,40,50,60,70,80,90", ks="32,16,8,4,2,1", tokens=16)
+    p.add_argument("--no-fidelity", action="store_true", help="skip the teacher-forced KL/top-1/mass pass")
+    a = p.parse_args(argv)
+    return run(a, "needle", not a.no_fidelity, "Needle retrieval")
+
+
+if __name__ == "__main__":
+    main()

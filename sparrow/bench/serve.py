@@ -1,0 +1,137 @@
+"""`sparrow bench serve`: aggregate decode throughput of the server at 1, 4, 8 concurrent streams.
+
+Starts `sparrow serve` as a subprocess (or uses --url), then for each concurrency level runs
+that many identical streaming completions (same prompt token ids, greedy, ignore_eos, so every
+stream decodes exactly --max-tokens tokens) and reports:
+  decode tok/s   the server's own decode counters over that level: tokens produced by batched
+                 decode steps / time spent in them (prefill excluded)
+  e2e tok/s      client side: all completion tokens / wall time of the level (prefill included)
+  TTFT           mean time to the first streamed token
+Ratios are against the 1-stream row of the same run, so they hold under the same machine load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from ..server.metrics import parse_prometheus
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(a) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "sparrow.cli", "serve", "--port", str(port), "--max-batch", str(a.max_batch)]
+    for flag, v in (("--model", a.model), ("--threads", a.threads), ("--kv-dtype", a.kv_dtype)):
+        if v is not None:
+            cmd += [flag, str(v)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with status {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    proc.kill()
+    raise SystemExit("server did not become ready")
+
+
+def _stream(url: str, body: dict, out: dict) -> None:
+    t0 = time.perf_counter()
+    first, tokens = None, 0
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=3600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            msg = json.loads(line[6:])
+            if msg.get("choices") and msg["choices"][0].get("text") and first is None:
+                first = time.perf_counter() - t0
+            if msg.get("usage"):
+                tokens = msg["usage"]["completion_tokens"]
+    out.update(ttft=first or 0.0, tokens=tokens, seconds=time.perf_counter() - t0)
+
+
+def _level(url: str, body: dict, n: int) -> dict:
+    before = parse_prometheus(httpx.get(url + "/metrics").text)
+    results = [dict() for _ in range(n)]
+    threads = [threading.Thread(target=_stream, args=(url, body, results[i])) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    after = parse_prometheus(httpx.get(url + "/metrics").text)
+    d = {k: after[k] - before[k] for k in ("sparrow_decode_tokens_total", "sparrow_decode_seconds_total",
+                                           "sparrow_decode_forwards_total")}
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "streams": n, "tokens": tokens, "wall_s": wall,
+        "decode_tok_s": d["sparrow_decode_tokens_total"] / max(d["sparrow_decode_seconds_total"], 1e-9),
+        "rows_per_forward": d["sparrow_decode_tokens_total"] / max(d["sparrow_decode_forwards_total"], 1),
+        "e2e_tok_s": tokens / wall,
+        "ttft_s": sum(r["ttft"] for r in results) / n,
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="sparrow bench serve", description=__doc__.splitlines()[0])
+    p.add_argument("--url", default=None, help="use a running server instead of starting one")
+    p.add_argument("--model", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--kv-dtype", default=None)
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--streams", default="1,4,8", help="concurrency levels, comma separated")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--json", default=None, help="also write the rows to this file")
+    a = p.parse_args(argv)
+
+    proc = None
+    url = a.url
+    if url is None:
+        proc, url = _start(a)
+    try:
+        words = ("The quick brown fox jumps over the lazy dog while the sun sets behind the hills. " * 64)
+        ids = httpx.post(url + "/tokenize", json={"prompt": words}).json()["tokens"][: a.prompt_tokens]
+        body = {"prompt": ids, "max_tokens": a.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        _level(url, {**body, "max_tokens": 2}, 1)  # warm-up
+        rows = [_level(url, body, int(n)) for n in a.streams.split(",")]
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
+
+    load = os.getloadavg()
+    print(f"sparrow bench serve: prompt {len(ids)} tokens, {a.max_tokens} new tokens per stream, greedy; "
+          f"load average {load[0]:.1f} on {os.cpu_count()} cores")
+    base = rows[0]
+    print("| streams | decode tok/s | vs 1 | rows/forward | e2e tok/s | vs 1 | mean TTFT s | wall s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['streams']} | {r['decode_tok_s']:.1f} | {r['decode_tok_s'] / base['decode_tok_s']:.2f}x "
+              f"| {r['rows_per_forward']:.2f} | {r['e2e_tok_s']:.1f} | {r['e2e_tok_s'] / base['e2e_tok_s']:.2f}x "
+              f"| {r['ttft_s']:.2f} | {r['wall_s']:.1f} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)

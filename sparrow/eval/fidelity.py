@@ -1,0 +1,263 @@
+"""Sparse-vs-exact fidelity on one prompt: shared exact prefill, greedy decoding, teacher forcing.
+
+The prompt is prefilled once with exact attention (as `llm.stream` does unless sparse_prefill);
+each configuration decodes from a copy of that cache, so every configuration sees the same
+prompt state and the same first token (it comes from the prefill logits).
+
+Teacher forcing: the exact greedy continuation c_0..c_{n-1} is fed token by token to the
+sparse model; step i's logits predict c_{i+1} and are compared with the exact step i logits.
+The first step whose sparse argmax differs is where free-running sparse greedy decoding
+first leaves the exact text (earlier steps see identical prefixes).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..kv_cache import SparseParams
+from ..models.decoder import Segment, Timer
+
+PREFILL_CHUNK = 512
+
+
+# ---------------------------------------------------------------- metrics on logits
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)  # [..., V]
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def kl_per_token(p_logits, q_logits) -> np.ndarray:
+    """KL(softmax(p) || softmax(q)) per row, in nats: [T, V] x [T, V] -> [T]."""
+    lp, lq = log_softmax(p_logits), log_softmax(q_logits)  # [T, V]
+    return np.maximum((np.exp(lp) * (lp - lq)).sum(axis=-1), 0.0)
+
+
+def top1_agreement(a_logits, b_logits) -> float:
+    """Share of rows whose argmax agrees."""
+    a, b = np.argmax(a_logits, axis=-1), np.argmax(b_logits, axis=-1)
+    return float(np.mean(a == b)) if len(a) else float("nan")
+
+
+def first_divergence(a_tokens, b_tokens) -> int | None:
+    """Index of the first differing token over the common length; None if none differs."""
+    for i, (x, y) in enumerate(zip(a_tokens, b_tokens)):
+        if int(x) != int(y):
+            return i
+    return None
+
+
+# ---------------------------------------------------------------- running the model
+@dataclass
+class Prefilled:
+    cache: object  # KVCache holding the prompt, exact prefill (importance recorded)
+    n_prompt: int
+    logits: np.ndarray  # [V] last prompt position
+    prefill_ms: float
+
+
+def prefill(llm, ids, extra: int, chunk: int = PREFILL_CHUNK) -> Prefilled:
+    """Exact chunked prefill into a cache with room for `extra` generated tokens."""
+    import time
+
+    from ..api import set_threads
+
+    set_threads(llm.threads)
+    ids = np.asarray(ids, np.int64)
+    cache = llm.model.new_cache(len(ids) + extra + 1, llm.kv_dtype)
+    t0 = time.perf_counter()
+    logits = None
+    for s in range(0, len(ids), chunk):
+        logits = llm.model.forward([Segment(ids[s:s + chunk], cache, s, None)])
+    return Prefilled(cache, len(ids), logits[0], 1e3 * (time.perf_counter() - t0))
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]  # generated ids, c_0 first (c_0 comes from the prefill logits)
+    logits: list[np.ndarray] = field(default_factory=list)  # step i: [V] after feeding tokens[i]
+    attn_ms: list[float] = field(default_factory=list)  # per decode step
+    total_ms: list[float] = field(default_factory=list)
+    traces: list[list] = field(default_factory=list)  # step i: [(layer, [(head, ids, stages, mass)])]
+
+
+def _eos(llm) -> set[int]:
+    return set(llm.tokenizer.eos_token_ids)
+
+
+def greedy(llm, pre: Prefilled, n_tokens: int, sparse: SparseParams | None, keep_logits: bool = False) -> Decoded:
+    """Free-running greedy decoding from a copy of the prefilled cache, stopping at EOS."""
+    cache = copy.deepcopy(pre.cache)
+    tok = int(np.argmax(pre.logits))
+    out = Decoded([tok])
+    eos = _eos(llm)
+    for i in range(n_tokens - 1):
+        if tok in eos:
+            break
+        timer = Timer()
+        seg = Segment(np.asarray([tok], np.int64), cache, pre.n_prompt + i, sparse, decode=True)
+        row = llm.model.forward([seg], timer=timer)[0]  # [V]
+        out.attn_ms.append(1e3 * timer.attn)
+        out.total_ms.append(1e3 * timer.total)
+        if keep_logits:
+            out.logits.append(row)
+        tok = int(np.argmax(row))
+        out.tokens.append(tok)
+    return out
+
+
+def teacher_forced(llm, pre: Prefilled, tokens: list[int], sparse: SparseParams | None, trace: bool = True) -> Decoded:
+    """Feeds tokens[0..n-2] after the prompt; step i's logits predict tokens[i+1]."""
+    cache = copy.deepcopy(pre.cache)
+    out = Decoded(list(tokens))
+    cap = _QCapture(llm.model) if trace and sparse is not None else None
+    for i, tok in enumerate(tokens[:-1]):
+        tr = [] if cap is not None else None
+        timer = Timer()
+        seg = Segment(np.asarray([tok], np.int64), cache, pre.n_prompt + i, sparse, decode=True, trace=tr)
+        with cap or _Null():
+            row = llm.model.forward([seg], timer=timer)[0]  # [V]
+        out.logits.append(row)
+        out.attn_ms.append(1e3 * timer.attn)
+        out.total_ms.append(1e3 * timer.total)
+        if tr is not None:
+            out.traces.append(_with_mass(tr, cap, cache, pre.n_prompt + i + 1, sparse.block, llm.model))
+    return out
+
+
+# ---------------------------------------------------------------- softmax mass of the selection
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+class _QCapture:
+    """Keeps each layer's last query (after norm and RoPE) so the covered mass can be computed
+    when the kernel's trace records carry no mass of their own."""
+
+    def __init__(self, model):
+        self.model, self.q = model, {}
+
+    def __enter__(self):
+        for layer in self.model.layers:
+            orig = layer.attn.qkv
+
+            def wrapped(x, rope, positions, _orig=orig, _i=layer.index):
+                q, k, v = _orig(x, rope, positions)
+                self.q[_i] = q[-1]  # [H, D]
+                return q, k, v
+
+            layer.attn.qkv = wrapped
+        return self
+
+    def __exit__(self, *a):
+        for layer in self.model.layers:
+            layer.attn.__dict__.pop("qkv", None)
+        return False
+
+
+def selected_mass(q, layer_cache, seq_len, scale, block, heads_blocks) -> dict[int, float]:
+    """Exact softmax mass inside the selected blocks per head: q [H, D]; heads_blocks {h: ids}."""
+    H = q.shape[0]
+    group = H // layer_cache.n_kv_heads
+    starts = np.arange(0, seq_len, block)
+    out = {}
+    for kh in range(layer_cache.n_kv_heads):
+        K = layer_cache.keys_f32(kh, seq_len)  # [S, D]
+        for h in range(kh * group, (kh + 1) * group):
+            if h not in heads_blocks:
+                continue
+            s = (K.astype(np.float64) @ q[h].astype(np.float64)) * scale  # [S]
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            blocks = np.add.reduceat(p, starts)  # [n_blocks]
+            out[h] = float(blocks[np.asarray(heads_blocks[h], np.int64)].sum())
+    return out
+
+
+def _with_mass(tr, cap, cache, seq_len, block, model):
+    """Normalises trace records to (head, ids, stages, mass), computing mass if missing."""
+    res = []
+    for li, recs in tr:
+        if recs and len(recs[0]) >= 4:
+            res.append((li, [tuple(r[:4]) for r in recs]))
+            continue
+        scale = model.layers[li].attn.scale
+        m = selected_mass(cap.q[li], cache.layers[li], seq_len, scale, block, {r[0]: r[1] for r in recs})
+        res.append((li, [(r[0], r[1], r[2], m[r[0]]) for r in recs]))
+    return res
+
+
+# ---------------------------------------------------------------- summaries
+def mass_summary(traces) -> dict:
+    """Per layer (median, 5th percentile) over heads and steps, plus the same over all layers."""
+    per = {}
+    for step in traces:
+        for li, recs in step:
+            per.setdefault(li, []).extend(r[3] for r in recs)
+    allm = [m for v in per.values() for m in v]
+    if not allm:
+        return {}
+    q = lambda v, p: float(np.percentile(np.asarray(v), p))  # noqa: E731
+    return {"per_layer": {int(li): {"median": q(v, 50), "p5": q(v, 5)} for li, v in sorted(per.items())},
+            "median": q(allm, 50), "p5": q(allm, 5), "min_layer_median": min(q(v, 50) for v in per.values())}
+
+
+def compare(exact: Decoded, forced: Decoded) -> dict:
+    """KL(exact || sparse) per teacher-forced step, top-1 agreement, first divergence."""
+    n = min(len(exact.logits), len(forced.logits))
+    if n == 0:
+        return {"kl_mean": 0.0, "kl_max": 0.0, "top1": 1.0, "first_diff": None, "steps": 0}
+    E, S = np.stack(exact.logits[:n]), np.stack(forced.logits[:n])  # [n, V]
+    kl = kl_per_token(E, S)
+    # Step i predicts generated token i+1; token 0 always matches (shared exact prefill).
+    d = first_divergence(np.argmax(E, axis=-1), np.argmax(S, axis=-1))
+    return {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "top1": top1_agreement(E, S),
+            "first_diff": None if d is None else d + 1, "steps": n}
+
+
+def ms_summary(values) -> float:
+    """Median ms per decoded token (robust to the shared machine's load spikes)."""
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def nan_to_none(x):
+    return None if isinstance(x, float) and math.isnan(x) else x
+
+
+# ---------------------------------------------------------------- one prompt, many configurations
+def config_label(sp: SparseParams | None) -> str:
+    return "exact" if sp is None else f"sparse k={sp.k}" + (f" b={sp.block}" if sp.block != 32 else "") + (
+        f" p={sp.probe}" if sp.probe != 8 else "")
+
+
+def run_prompt(llm, ids, configs, n_tokens: int = 16, fidelity: bool = True, pre: Prefilled | None = None) -> list[dict]:
+    """One row per configuration (None = exact): greedy text and ms/token, and with fidelity the
+    teacher-forced KL/top-1/first divergence/mass against the exact greedy continuation."""
+    pre = pre or prefill(llm, ids, n_tokens)
+    exact = greedy(llm, pre, n_tokens, None, keep_logits=True)
+    rows = []
+    for sp in configs:
+        run = exact if sp is None else greedy(llm, pre, n_tokens, sp)
+        row = {"config": config_label(sp), "sparse": sp is not None,
+               "k": sp.k if sp else None, "block": sp.block if sp else None, "probe": sp.probe if sp else None,
+               "tokens": run.tokens, "text": llm.tokenizer.decode(run.tokens, skip_special_tokens=True),
+               "attn_ms": nan_to_none(ms_summary(run.attn_ms)), "total_ms": nan_to_none(ms_summary(run.total_ms)),
+               "prefill_ms": pre.prefill_ms, "n_prompt": pre.n_prompt,
+               "first_diff_free": first_divergence(exact.tokens, run.tokens) if sp else None}
+        if sp is None:
+            row.update({"kl_mean": 0.0, "kl_max": 0.0, "top1": 1.0, "first_diff": None, "steps": len(exact.logits)})
+        elif fidelity:
+            forced = teacher_forced(llm, pre, exact.tokens, sp, trace=True)
+            row.update(compare(exact, forced))
+            row["mass"] = mass_summary(forced.traces)
+        rows.append(row)
+    return rows

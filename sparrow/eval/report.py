@@ -1,0 +1,209 @@
+"""Run outputs: one JSON record, a markdown table like the article's, PNG plots (matplotlib Agg)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections import defaultdict
+
+from ..errors import SparrowError
+
+
+def run_dir(bench: str, out: str | None) -> str:
+    """The output folder: `out`, or runs/<bench>-<UTC timestamp>/."""
+    path = out or os.path.join("runs", f"{bench}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise SparrowError(f"cannot create output directory {path}: {e.strerror}") from None
+    return path
+
+
+def environment() -> dict:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "python": platform.python_version(),
+            "cpus": os.cpu_count(), "loadavg": load}
+
+
+def write_json(path: str, record: dict) -> str:
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1, default=_jsonable)
+    return path
+
+
+def _jsonable(x):
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if hasattr(x, "__dict__"):
+        return vars(x)
+    return str(x)
+
+
+def _fmt(x, nd=1):
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def _cell(text: str, width: int = 60) -> str:
+    t = " ".join(text.split()).replace("|", "\\|")
+    return t if len(t) <= width else t[: width - 1] + "…"
+
+
+def _config_order(name: str):
+    if name == "exact":
+        return (0, 0)
+    try:
+        return (1, -int(name.split("k=")[1].split()[0]))
+    except (IndexError, ValueError):
+        return (2, name)
+
+
+def group_rows(rows: list[dict]) -> dict[str, list[dict]]:
+    g = defaultdict(list)
+    for r in rows:
+        g[r["config"]].append(r)
+    return dict(sorted(g.items(), key=lambda kv: _config_order(kv[0])))
+
+
+def _mean(vals):
+    vals = [v for v in vals if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _median(vals):
+    vals = [v for v in vals if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def summary_rows(rows: list[dict]) -> list[dict]:
+    """One line per configuration: recall over prompts, medians of ms, means of KL/top-1."""
+    out = []
+    for name, rs in group_rows(rows).items():
+        mass = [r["mass"]["median"] for r in rs if r.get("mass")]
+        p5 = [r["mass"]["p5"] for r in rs if r.get("mass")]
+        out.append({
+            "config": name, "k": rs[0].get("k"), "n": len(rs),
+            "recall": _mean([r.get("score") for r in rs]),
+            "attn_ms": _median([r.get("attn_ms") for r in rs]), "total_ms": _median([r.get("total_ms") for r in rs]),
+            "kl": _mean([r.get("kl_mean") for r in rs]), "top1": _mean([r.get("top1") for r in rs]),
+            "mass_median": _median(mass), "mass_p5": _median(p5),
+            "example": rs[len(rs) // 2].get("text", ""),
+        })
+    return out
+
+
+def markdown_table(rows: list[dict], title: str = "") -> str:
+    """The article's table: configuration, recall, generated text, attention and total ms/token,
+    KL(exact || sparse), top-1 agreement; summary first, then every prompt."""
+    lines = [f"### {title}", ""] if title else []
+    lines += ["| configuration | recall | generated text (middle prompt) | attn ms/tok | total ms/tok | KL | top-1 | mass median / p5 |",
+              "|---|---|---|---|---|---|---|---|"]
+    for s in summary_rows(rows):
+        rec = "-" if s["recall"] is None else f"{s['recall']:.0%} ({s['n']})"
+        mass = "-" if s["mass_median"] is None else f"{s['mass_median']:.3f} / {s['mass_p5']:.3f}"
+        lines.append(f"| {s['config']} | {rec} | {_cell(s['example'])} | {_fmt(s['attn_ms'])} | {_fmt(s['total_ms'])} "
+                     f"| {_fmt(s['kl'], 3)} | {_fmt(s['top1'], 2)} | {mass} |")
+    lines += ["", "| task | length | depth | configuration | score | first diff | generated text |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        depth = "-" if r.get("depth") is None else f"{r['depth']:.0%}"
+        lines.append(f"| {r.get('task', '-')} | {r.get('n_prompt', '-')} | {depth} | {r['config']} | {_fmt(r.get('score'), 2)} "
+                     f"| {_fmt(r.get('first_diff'))} | {_cell(r.get('text', ''))} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(path: str, rows: list[dict], title: str = "", header: str = "") -> str:
+    with open(path, "w") as f:
+        f.write((header + "\n\n" if header else "") + markdown_table(rows, title))
+    return path
+
+
+def plot(path_prefix: str, rows: list[dict]) -> list[str]:
+    """recall vs k, KL vs k, mass coverage vs k, attention ms vs context; returns the PNG paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sparse = [r for r in rows if r.get("k") is not None]
+    exact = [r for r in rows if r.get("k") is None]
+    ks = sorted({r["k"] for r in sparse})
+    written = []
+
+    def by_k(key, agg, rs):
+        return [agg([r.get(key) for r in rs if r["k"] == k]) for k in ks]
+
+    def save(fig, name):
+        p = f"{path_prefix}{name}.png"
+        fig.tight_layout()
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+
+    if ks and any(r.get("score") is not None for r in sparse):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for L in sorted({r["n_prompt"] for r in sparse}):
+            rs = [r for r in sparse if r["n_prompt"] == L]
+            ax.plot(ks, by_k("score", _mean, rs), "o-", label=f"{L} tok")
+        ex = _mean([r.get("score") for r in exact])
+        if ex is not None:
+            ax.axhline(ex, color="gray", ls="--", label="exact")
+        ax.set(xscale="log", xlabel="k (blocks)", ylabel="recall", ylim=(-0.05, 1.05), title="Recall vs k")
+        ax.set_xticks(ks, [str(k) for k in ks])
+        ax.legend(fontsize=7)
+        save(fig, "recall_vs_k")
+    if ks and any(r.get("kl_mean") is not None for r in sparse):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot(ks, by_k("kl_mean", _mean, sparse), "o-", label="KL (mean)")
+        ax2 = ax.twinx()
+        ax2.plot(ks, by_k("top1", _mean, sparse), "s--", color="tab:orange", label="top-1")
+        ax.set(xscale="log", xlabel="k (blocks)", ylabel="KL(exact || sparse), nats", title="Fidelity vs k")
+        ax2.set(ylabel="top-1 agreement", ylim=(-0.05, 1.05))
+        ax.set_xticks(ks, [str(k) for k in ks])
+        save(fig, "kl_vs_k")
+    if ks and any(r.get("mass") for r in sparse):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        med = [_median([r["mass"]["median"] for r in sparse if r["k"] == k and r.get("mass")]) for k in ks]
+        p5 = [_median([r["mass"]["p5"] for r in sparse if r["k"] == k and r.get("mass")]) for k in ks]
+        ax.plot(ks, med, "o-", label="median")
+        ax.plot(ks, p5, "s--", label="5th percentile")
+        ax.set(xscale="log", xlabel="k (blocks)", ylabel="softmax mass in selected blocks", ylim=(-0.05, 1.05),
+               title="Mass coverage vs k")
+        ax.set_xticks(ks, [str(k) for k in ks])
+        ax.legend(fontsize=7)
+        save(fig, "mass_vs_k")
+    lengths = sorted({r["n_prompt"] for r in rows if r.get("attn_ms") is not None})
+    if lengths:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for name, rs in group_rows(rows).items():
+            xs = [L for L in lengths if any(r["n_prompt"] == L for r in rs)]
+            ax.plot(xs, [_median([r.get("attn_ms") for r in rs if r["n_prompt"] == L]) for L in xs], "o-", label=name)
+        ax.set(xlabel="context (tokens)", ylabel="decode attention ms/token (all layers)", title="Attention time vs context")
+        ax.legend(fontsize=7)
+        save(fig, "attn_ms_vs_context")
+    return written
+
+
+def mass_table(rows: list[dict]) -> str:
+    """Per layer: median / 5th percentile (over heads, steps, prompts' medians) of the softmax
+    mass the selected blocks cover, one column per k."""
+    sparse = [r for r in rows if r.get("mass")]
+    if not sparse:
+        return ""
+    ks = sorted({r["k"] for r in sparse}, reverse=True)
+    layers = sorted({int(li) for r in sparse for li in r["mass"]["per_layer"]})
+    lines = ["### Softmax mass covered by the selected blocks (median / p5 per layer)", "",
+             "| layer | " + " | ".join(f"k={k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]
+    for li in layers:
+        cells = []
+        for k in ks:
+            st = [r["mass"]["per_layer"].get(li) or r["mass"]["per_layer"].get(str(li)) for r in sparse if r["k"] == k]
+            st = [s for s in st if s]
+            cells.append(f"{_median([s['median'] for s in st]):.3f} / {_median([s['p5'] for s in st]):.3f}" if st else "-")
+        lines.append(f"| {li} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,410 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over the engine thread.
+
+JSON, chat templating and tokenization live here; the engine (sparrow.engine.scheduler) sees
+token ids and typed settings. uvicorn starts serving at once (/health answers 503) while the
+model loads and warms up in a background thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+import sys
+import threading
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine.scheduler import Engine
+from ..engine.sequence import check_context
+from ..errors import ContextLengthError, SparrowError
+from .metrics import Metrics
+from .protocol import (DEFAULT_MAX_TOKENS, APIError, ReasoningSplitter, chat_logprobs, completion_logprobs,
+                       error_body, new_id, now, parse_chat, parse_completion, starts_in_reasoning, usage)
+
+MAX_BODY = 8 * 1024 * 1024  # bytes; larger bodies get 413
+_DRAIN = 64 * 1024 * 1024  # read and drop up to this much of an oversized body so the client sees the 413
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize")
+
+
+class ServerState:
+    def __init__(self, api_key: str | None = None, max_batch: int = 16):
+        self.api_key = api_key
+        self.max_batch = max_batch
+        self.metrics = Metrics()
+        self.llm = None
+        self.engine: Engine | None = None
+        self.ready = False
+        self.load_error: str | None = None
+
+    def attach(self, llm, warmup: bool = True) -> None:
+        """Starts the engine on a loaded model; ready once its warm-up step has run."""
+        self.llm = llm
+        self.aliases = {llm.name, os.path.splitext(llm.name)[0]}
+        self.created = now()
+        self.engine = Engine(llm, max_batch=self.max_batch, metrics=self.metrics)
+        self.engine.start(warmup=warmup, on_ready=self._ready)
+
+    def _ready(self) -> None:
+        self.ready = self.metrics.ready = True
+
+    def require_ready(self) -> None:
+        if not self.ready:
+            raise APIError(503, self.load_error or "the model is still loading", type="server_error",
+                           code="model_not_ready")
+
+
+async def read_json(request: Request):
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY:
+        if int(size) <= _DRAIN:
+            async for _ in request.stream():
+                pass
+        raise APIError(413, f"request body of {size} bytes exceeds the limit of {MAX_BODY}", code="request_too_large")
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n <= MAX_BODY:
+            chunks.append(chunk)
+        elif n > _DRAIN:
+            break
+    if n > MAX_BODY:
+        raise APIError(413, f"request body exceeds the limit of {MAX_BODY} bytes", code="request_too_large")
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}"[:300], code="invalid_json") from None
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _SSEResponse(StreamingResponse):
+    """Runs on_close however the response ends (finished, client gone, task cancelled)."""
+
+    def __init__(self, gen, on_close):
+        super().__init__(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class _CountRequests:
+    """Counts responses by endpoint and status (pure ASGI, so streaming and disconnects pass untouched)."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope.get("path", "")
+            self.metrics.request(path if path in ENDPOINTS else "other", status[0])
+
+
+class _Accumulator:
+    """Turns StepOutputs into content/reasoning deltas and logprob entries."""
+
+    def __init__(self, llm, splitter: ReasoningSplitter | None, want_lp: bool):
+        self.tok, self.splitter, self.want_lp = llm.tokenizer, splitter, want_lp
+        self.eos = set(llm.tokenizer.eos_token_ids)
+        self.tokens = 0
+
+    def add(self, out):
+        self.tokens += 1
+        final = out.finish_reason is not None
+        if self.splitter is not None:
+            reasoning, content = self.splitter.push(out.text, final)
+        else:
+            reasoning, content = "", out.text
+        hidden = out.finish_reason == "stop" and out.token_id in self.eos  # the end-of-turn token
+        lps = [out] if self.want_lp and out.logprob is not None and not hidden else []
+        return reasoning, content, lps
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="sparrow", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.sparrow = state
+    metrics = state.metrics
+
+    app.add_middleware(_CountRequests, metrics=metrics)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _crash(request, e):
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
+
+    def auth(request: Request) -> None:
+        if state.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(token.encode(), state.api_key.encode()):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                           code="invalid_api_key")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in state.aliases:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{state.llm.name}'",
+                           param="model", code="model_not_found")
+
+    @app.get("/health")
+    async def health():
+        if not state.ready:
+            return JSONResponse({"status": "error" if state.load_error else "loading", "error": state.load_error},
+                                status_code=503)
+        return {"status": "ok", "model": state.llm.name}
+
+    @app.get("/metrics")
+    async def get_metrics():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        auth(request)
+        state.require_ready()
+        llm = state.llm
+        return {"object": "list", "data": [{"id": llm.name, "object": "model", "created": state.created,
+                                            "owned_by": "sparrow", "max_model_len": llm.ctx}]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        auth(request)
+        body = await read_json(request)
+        state.require_ready()
+        llm = state.llm
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        check_model(body.get("model"))
+        try:
+            if body.get("messages") is not None:
+                req = parse_chat({"messages": body["messages"], "chat_template_kwargs": body.get("chat_template_kwargs")})
+                ids = await run_in_threadpool(llm.prompt_ids, req.messages, True, None, req.chat_template_kwargs)
+            elif isinstance(body.get("prompt"), str):
+                add = body.get("add_special_tokens", True)
+                ids = await run_in_threadpool(llm.tokenizer.encode, body["prompt"], bool(add))
+            else:
+                raise APIError(400, "send 'prompt' (a string) or 'messages'", param="prompt")
+        except SparrowError as e:
+            raise APIError(400, str(e)) from None
+        out = {"count": len(ids), "max_model_len": llm.ctx, "tokens": ids}
+        if body.get("return_token_strs"):
+            out["token_strs"] = [llm.tokenizer.id_to_token(i) for i in ids]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        auth(request)
+        body = await read_json(request)
+        state.require_ready()
+        llm = state.llm
+        ids = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise APIError(400, "'tokens' must be a list of token ids", param="tokens")
+        check_model(body.get("model"))
+        if any(not 0 <= i < llm.tokenizer.vocab_size for i in ids):
+            raise APIError(400, f"token ids must be in [0, {llm.tokenizer.vocab_size})", param="tokens")
+        return {"prompt": llm.tokenizer.decode(ids)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(request, chat=False)
+
+    async def _prepare(request: Request, chat: bool):
+        auth(request)
+        body = await read_json(request)
+        state.require_ready()
+        llm = state.llm
+        req = (parse_chat if chat else parse_completion)(body, llm.checkpoint.generation_defaults)
+        check_model(req.model)
+        param = "messages" if chat else "prompt"
+        try:
+            if chat:
+                ids = await run_in_threadpool(llm.prompt_ids, req.messages, True, None, req.chat_template_kwargs)
+            elif isinstance(req.prompt, str):
+                ids = await run_in_threadpool(llm.prompt_ids, req.prompt)
+            else:
+                ids = req.prompt
+                if any(not 0 <= i < llm.config.vocab_size for i in ids):
+                    raise APIError(400, f"token ids must be in [0, {llm.config.vocab_size})", param="prompt")
+            if not ids:
+                raise APIError(400, "the prompt is empty", param=param)
+            max_tokens = req.max_tokens or max(1, min(DEFAULT_MAX_TOKENS, llm.ctx - len(ids)))
+            req.params.max_tokens = max_tokens
+            check_context(len(ids), max_tokens, llm.ctx)
+            req.params.validate()
+        except ContextLengthError as e:
+            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
+        except SparrowError as e:
+            raise APIError(400, str(e), param=param) from None
+        splitter = None
+        if chat and llm.tokenizer.token_to_id(ReasoningSplitter.CLOSE) is not None:
+            splitter = ReasoningSplitter(starts_in_reasoning(llm.tokenizer.decode(ids[-16:])))
+        return req, ids, splitter
+
+    async def _generate(request: Request, chat: bool):
+        req, ids, splitter = await _prepare(request, chat)
+        llm, engine = state.llm, state.engine
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def emit(kind, payload):  # engine thread
+            loop.call_soon_threadsafe(queue.put_nowait, (kind, payload))
+
+        handle = engine.submit(ids, req.params, req.sparse, emit)
+        acc = _Accumulator(llm, splitter, req.logprobs)
+        rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
+        obj = ("chat.completion" if chat else "text_completion")
+        lp_fmt = (lambda outs: chat_logprobs(llm.tokenizer, outs)) if chat else (
+            lambda outs: completion_logprobs(llm.tokenizer, outs))
+
+        if req.stream:
+            return _SSEResponse(_stream(req, ids, queue, acc, rid, created, chat, lp_fmt), lambda: engine.cancel(handle))
+        try:
+            result = await _collect(request, queue, acc)
+        finally:
+            engine.cancel(handle)  # no-op once finished
+        if result is None:
+            return JSONResponse(error_body("client disconnected"), status_code=499)
+        reasoning, content, lps, finish = result
+        lp = lp_fmt(lps) if req.logprobs else None
+        if chat:
+            msg = {"role": "assistant", "content": content}
+            if splitter is not None and reasoning:
+                msg["reasoning_content"] = reasoning
+            choice = {"index": 0, "message": msg, "logprobs": lp, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": content, "logprobs": lp, "finish_reason": finish}
+        return {"id": rid, "object": obj, "created": created, "model": llm.name, "choices": [choice],
+                "usage": usage(len(ids), acc.tokens)}
+
+    async def _collect(request: Request, queue, acc):
+        """Waits for the whole answer; None if the client disconnects first."""
+
+        async def disconnected():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        watch = asyncio.ensure_future(disconnected())
+        reasoning, content, lps = [], [], []
+        try:
+            while True:
+                get = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({get, watch}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    return None
+                kind, out = get.result()
+                if kind == "error":
+                    raise APIError(500, out, type="server_error")
+                r, c, lp = acc.add(out)
+                reasoning.append(r)
+                content.append(c)
+                lps += lp
+                if out.finish_reason:
+                    return "".join(reasoning), "".join(content), lps, out.finish_reason
+        finally:
+            watch.cancel()
+
+    async def _stream(req, ids, queue, acc, rid, created, chat, lp_fmt):
+        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": state.llm.name}
+        extra = {"usage": None} if req.include_usage else {}
+
+        def chunk(delta_or_text, lps=None, finish=None):
+            choice = {"index": 0, ("delta" if chat else "text"): delta_or_text,
+                      "logprobs": lp_fmt(lps) if lps else None, "finish_reason": finish}
+            return _sse({**base, "choices": [choice], **extra})
+
+        if chat:
+            yield chunk({"role": "assistant", "content": ""})
+        while True:
+            kind, out = await queue.get()
+            if kind == "error":
+                yield _sse(error_body(out, "server_error"))
+                break
+            r, c, lps = acc.add(out)
+            if chat:
+                delta = {k: v for k, v in (("reasoning_content", r), ("content", c)) if v}
+                if delta or lps:
+                    yield chunk(delta, lps)
+            elif c or lps:
+                yield chunk(c, lps)
+            if out.finish_reason:
+                yield chunk({} if chat else "", finish=out.finish_reason)
+                if req.include_usage:
+                    yield _sse({**base, "choices": [], "usage": usage(len(ids), acc.tokens)})
+                break
+        yield "data: [DONE]\n\n"
+
+    return app
+
+
+def serve(args) -> None:
+    """`sparrow serve`: binds at once, loads the model in the background, serves until Ctrl-C."""
+    import uvicorn
+
+    from .. import api
+
+    state = ServerState(api_key=args.api_key, max_batch=args.max_batch)
+    app = create_app(state)
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # Fail in-flight generations first so their streams end and shutdown is not held up.
+            if state.engine is not None:
+                state.engine.stop(timeout=0)
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                   access_log=False, timeout_graceful_shutdown=3))
+
+    def load():
+        try:
+            llm = api.load(args.model, kv_dtype=args.kv_dtype, threads=args.threads, quantize=args.quantize, ctx=args.ctx)
+            state.attach(llm)
+            print(f"sparrow: {llm.name} loaded in {llm.load_seconds:.1f} s ({llm.threads} threads, ctx {llm.ctx})",
+                  file=sys.stderr, flush=True)
+        except Exception as e:  # noqa: BLE001 - any load failure ends the server with one line
+            state.load_error = f"model failed to load: {e}"
+            server.should_exit = True
+
+    print(f"sparrow: serving on http://{args.host}:{args.port} (model loading)", file=sys.stderr, flush=True)
+    threading.Thread(target=load, name="sparrow-load", daemon=True).start()
+    try:
+        server.run()
+    finally:
+        if state.engine is not None:
+            state.engine.stop(timeout=2)
+    if state.load_error:
+        raise SparrowError(state.load_error)

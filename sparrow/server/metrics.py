@@ -1,0 +1,117 @@
+"""Server counters and gauges, rendered in the Prometheus text exposition format.
+
+The engine thread and the asyncio side both update these, so every update takes one lock;
+nothing here is on a per-element hot path (a few updates per engine step).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+
+def _esc(v: str) -> str:
+    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class Metrics:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.requests: Counter = Counter()  # (endpoint, status) -> count
+        self.prompt_tokens = 0  # prompts of admitted requests, counted when their prefill ends
+        self.generation_tokens = 0
+        self.prefill_tokens = 0  # tokens run through prefill forwards, and the time they took
+        self.prefill_seconds = 0.0
+        self.decode_tokens = 0  # tokens produced by batched decode forwards, and their time
+        self.decode_seconds = 0.0
+        self.decode_forwards = 0
+        self.cancelled = 0  # requests dropped because their client went away
+        self.finished: Counter = Counter()  # finish_reason -> count
+        self.running = 0
+        self.waiting = 0
+        self.ready = False
+
+    # ------------------------------------------------------------------ updates
+    def request(self, endpoint: str, status: int) -> None:
+        with self._lock:
+            self.requests[(endpoint, int(status))] += 1
+
+    def prefill(self, tokens: int, seconds: float) -> None:
+        with self._lock:
+            self.prefill_tokens += tokens
+            self.prefill_seconds += seconds
+
+    def decode(self, tokens: int, seconds: float, forwards: int) -> None:
+        with self._lock:
+            self.decode_tokens += tokens
+            self.decode_seconds += seconds
+            self.decode_forwards += forwards
+
+    def add(self, **counts) -> None:
+        """Adds to plain integer counters: prompt_tokens, generation_tokens, cancelled."""
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def finish(self, reason: str) -> None:
+        with self._lock:
+            self.finished[reason] += 1
+
+    def set_queue(self, running: int, waiting: int) -> None:
+        with self._lock:
+            self.running, self.waiting = running, waiting
+
+    # ------------------------------------------------------------------ reading
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
+                "prefill_tokens": self.prefill_tokens, "prefill_seconds": self.prefill_seconds,
+                "decode_tokens": self.decode_tokens, "decode_seconds": self.decode_seconds,
+                "cancelled": self.cancelled, "running": self.running, "waiting": self.waiting,
+            }
+
+    def render(self) -> str:
+        with self._lock:
+            lines: list[str] = []
+
+            def metric(name, kind, help_, samples):
+                lines.append(f"# HELP sparrow_{name} {help_}")
+                lines.append(f"# TYPE sparrow_{name} {kind}")
+                for labels, value in samples:
+                    lab = ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items())
+                    lines.append(f"sparrow_{name}{'{' + lab + '}' if lab else ''} {value}")
+
+            metric("model_ready", "gauge", "1 once the model is loaded and warmed up", [({}, int(self.ready))])
+            metric("requests_total", "counter", "HTTP requests by endpoint and status code",
+                   [({"endpoint": e, "status": s}, n) for (e, s), n in sorted(self.requests.items())])
+            metric("prompt_tokens_total", "counter", "prompt tokens of admitted requests", [({}, self.prompt_tokens)])
+            metric("generation_tokens_total", "counter", "generated tokens", [({}, self.generation_tokens)])
+            metric("request_finished_total", "counter", "finished generations by finish reason",
+                   [({"finish_reason": r}, n) for r, n in sorted(self.finished.items())])
+            metric("requests_cancelled_total", "counter", "generations dropped because the client disconnected",
+                   [({}, self.cancelled)])
+            metric("num_requests_running", "gauge", "sequences in the decode batch", [({}, self.running)])
+            metric("num_requests_waiting", "gauge", "sequences queued or in prefill", [({}, self.waiting)])
+            metric("prefill_tokens_total", "counter", "tokens run through prefill forwards", [({}, self.prefill_tokens)])
+            metric("prefill_seconds_total", "counter", "time spent in prefill forwards", [({}, f"{self.prefill_seconds:.6f}")])
+            metric("decode_tokens_total", "counter", "tokens produced by decode forwards", [({}, self.decode_tokens)])
+            metric("decode_seconds_total", "counter", "time spent in decode steps", [({}, f"{self.decode_seconds:.6f}")])
+            metric("decode_forwards_total", "counter", "decode forwards (a step runs one per SMALL_T rows)",
+                   [({}, self.decode_forwards)])
+            pf = self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+            dc = self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+            metric("prefill_tokens_per_second", "gauge", "prefill throughput over all prefill time", [({}, f"{pf:.3f}")])
+            metric("decode_tokens_per_second", "gauge", "aggregate decode throughput over all decode time",
+                   [({}, f"{dc:.3f}")])
+            return "\n".join(lines) + "\n"
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """'name{labels}' -> value, for tests and the benchmark."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
