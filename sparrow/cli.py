@@ -86,8 +86,9 @@ def _run(llm, prompt, a, **extra) -> str:
                     dec_lines.append(f"[DEC-SINGLE] tok={i} total={tm['total']:.2f} ms attn={tm['attn']:.2f} ms mlp={tm['mlp']:.2f} ms")
             if trace_file is not None and trace:
                 for layer, heads in trace.pop():
-                    for head, blocks, stages in heads:
-                        trace_file.write(json.dumps({"token": i, "layer": layer, "head": head, "blocks": list(map(int, blocks)), "stages": list(stages)}) + "\n")
+                    for head, blocks, stages, mass in heads:
+                        trace_file.write(json.dumps({"token": i, "layer": layer, "head": head, "blocks": blocks,
+                                                     "stages": stages, "mass": round(mass, 6)}) + "\n")
     finally:
         if trace_file is not None:
             trace_file.close()

@@ -8,10 +8,10 @@ max_tokens stays tiny: the machine is shared and the model decodes a few tokens 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -66,10 +66,10 @@ def test_parse_validation():
     r = parse_chat({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                              {"type": "text", "text": "b"}]}],
                     "max_completion_tokens": 7, "stop": "x", "seed": -1, "top_k": -1, "whatever": {"x": 1},
-                    "logprobs": True, "top_logprobs": 2, "sparse_attn": True, "sparse_k": 4})
+                    "logprobs": True, "top_logprobs": 2, "sparse_attn": True, "sparse_k": 4, "stop_token_ids": [5]})
     assert r.messages == [{"role": "user", "content": "a\nb"}]
     assert (r.max_tokens, r.params.stop, r.params.seed, r.params.top_k, r.params.logprobs) == (7, ["x"], 2**64 - 1, 0, 2)
-    assert (r.sparse.k, r.sparse.block) == (4, 32)
+    assert (r.sparse.k, r.sparse.block, r.params.stop_token_ids) == (4, 32, [5])
     assert parse_completion({"prompt": [[1, 2, 3]]}).prompt == [1, 2, 3]
     bad = [
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
@@ -79,10 +79,14 @@ def test_parse_validation():
         ({"messages": CHAT, "max_tokens": 2.5}, "max_tokens"),
         ({"messages": CHAT, "temperature": "hot"}, "temperature"),
         ({"messages": CHAT, "temperature": True}, "temperature"),
+        ({"messages": CHAT, "temperature": float("nan")}, "temperature"),
+        ({"messages": CHAT, "top_p": float("inf")}, "top_p"),
         ({"messages": CHAT, "n": 2}, "n"),
         ({"messages": CHAT, "stop": [1]}, "stop"),
         ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
         ({"messages": CHAT, "sparse_attn": True, "sparse_k": 0}, "sparse_k"),
+        ({"messages": CHAT, "stop_token_ids": ["a"]}, "stop_token_ids"),
+        ({"messages": CHAT, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ]
     for body, param in bad:
         with pytest.raises(APIError) as e:
@@ -102,14 +106,17 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server():
     port = _free_port()
+    log = tempfile.TemporaryFile("w+")  # not a pipe: a full pipe would block the server
     proc = subprocess.Popen([sys.executable, "-m", "sparrow.cli", "serve", "--port", str(port), "--api-key", KEY],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=log, text=True)
     base = f"http://127.0.0.1:{port}"
     saw_503 = False
     try:
         deadline = time.time() + 600
         while True:
-            assert proc.poll() is None, proc.stderr.read()
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"server exited: {log.read()}")
             try:
                 code = httpx.get(base + "/health", timeout=5).status_code
                 saw_503 |= code == 503
@@ -119,7 +126,7 @@ def server():
                 pass
             assert time.time() < deadline, "server did not become ready"
             time.sleep(0.25)
-        yield {"base": base, "saw_503": saw_503}
+        yield {"base": base, "saw_503": saw_503, "log": log}
     finally:
         proc.terminate()
         try:
@@ -127,6 +134,7 @@ def server():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -202,14 +210,17 @@ def test_completion_stop_strings(client, ref, model_id):
 
 @pytest.fixture(scope="module")
 def seeded(client, model_id):
-    kw = dict(model=model_id, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=6, temperature=0.8, seed=1234)
+    kw = dict(model=model_id, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=6, temperature=0.8,
+              seed=1234, top_p=0.95, presence_penalty=0.5, frequency_penalty=0.3,
+              extra_body={"top_k": 50, "min_p": 0.02, "repetition_penalty": 1.1})
     return kw, client.chat.completions.create(**kw).choices[0].message.content
 
 
 def test_seed_reproducible(client, ref, seeded):
     kw, first = seeded
     assert client.chat.completions.create(**kw).choices[0].message.content == first
-    text, _ = _ref_text(ref, kw["messages"], chat=True, max_tokens=6, temperature=0.8, seed=1234)
+    text, _ = _ref_text(ref, kw["messages"], chat=True, max_tokens=6, temperature=0.8, seed=1234, top_p=0.95,
+                        presence_penalty=0.5, frequency_penalty=0.3, top_k=50, min_p=0.02, repetition_penalty=1.1)
     assert first == text
 
 
@@ -386,3 +397,10 @@ def test_tokenize_detokenize(server, ref, model_id):
     assert _post(server, "/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": "Hello world"}
     _err(_post(server, "/detokenize", {"tokens": ["a"]}), 400)
     _err(_post(server, "/detokenize", {"tokens": [10**9]}), 400)
+
+
+def test_server_log_has_no_tracebacks(server):
+    """Runs last: nothing above made the server log an internal error."""
+    server["log"].seek(0)
+    text = server["log"].read()
+    assert "Traceback" not in text and "internal error" not in text, text[-3000:]

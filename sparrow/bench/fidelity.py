@@ -20,7 +20,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="sparrow bench fidelity", description=__doc__.split("\n\n")[0])
     add_common_args(p, lengths="2K", depths="50", ks="32,16,8,4,2,1", tokens=32)
     a = p.parse_args(argv)
-    return run(a, "fidelity", True, "Sparse fidelity")
+    return run(a, "fidelity", True, "Sparse fidelity", argv)
 
 
 if __name__ == "__main__":

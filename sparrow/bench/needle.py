@@ -11,6 +11,8 @@ is prefilled once (exact) and every configuration decodes from a copy of that ca
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 
@@ -36,6 +38,7 @@ def add_common_args(p: argparse.ArgumentParser, lengths: str, depths: str, ks: s
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=None, help="output directory (default runs/<bench>-<timestamp>/)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--from-json", default=None, help="re-render the table and plots of a finished run's JSON")
 
 
 def _ints(s: str, what: str) -> list[int]:
@@ -111,13 +114,18 @@ def sweep(llm, grid: dict, seed: int, max_tokens: int, prefix: bool, fidelity: b
     return rows
 
 
-def run(a, bench: str, fidelity: bool, title: str) -> dict:
-    """Loads the model, sweeps, writes <bench>.json, <bench>.md and the plots; returns the record."""
-    import os
-
+def run(a, bench: str, fidelity: bool, title: str, argv=None) -> dict:
+    """Loads the model, sweeps, writes <bench>.json, <bench>.md and the plots; returns the record.
+    With --from-json, only re-renders the table and plots of a finished run."""
     from .. import api
     from ..eval import report
 
+    if a.from_json:
+        try:
+            record = json.load(open(a.from_json))
+        except (OSError, ValueError) as e:
+            raise SparrowError(f"cannot read {a.from_json}: {e}") from None
+        return write_outputs(record, a.out or os.path.dirname(a.from_json) or ".", title, not a.no_plots)
     grid = parse_grid(a)
     out = report.run_dir(bench, a.out)
     t0 = time.time()
@@ -125,25 +133,34 @@ def run(a, bench: str, fidelity: bool, title: str) -> dict:
     prefix = use_prefix(a, llm)
     warm_up(llm, grid["configs"])
     rows = sweep(llm, grid, a.seed, a.max_tokens, prefix, fidelity, desc=bench)
-    record = {"bench": bench, "argv": sys.argv[1:], "model": llm.name, "kv_dtype": llm.kv_dtype, "threads": llm.threads,
-              "answer_prefix": prefix, "seed": a.seed, "max_tokens": a.max_tokens, "block": a.block, "probe": a.probe,
-              "tasks": grid["tasks"], "lengths": grid["lengths"], "depths": grid["depths"],
+    record = {"bench": bench, "argv": list(sys.argv[1:] if argv is None else argv), "model": llm.name,
+              "kv_dtype": llm.kv_dtype, "threads": llm.threads, "answer_prefix": prefix, "seed": a.seed,
+              "max_tokens": a.max_tokens, "block": a.block, "probe": a.probe, "tasks": grid["tasks"],
+              "lengths": grid["lengths"], "depths": grid["depths"],
               "ks": [c.k for c in grid["configs"] if c is not None], "environment": report.environment(),
-              "wall_s": None, "summary": report.summary_rows(rows), "rows": rows}
-    record["wall_s"] = round(time.time() - t0, 1)
-    header = (f"{title}: model {llm.name}, kv {llm.kv_dtype}, {llm.threads} threads, answer prefix "
-              f"{'on' if prefix else 'off'}, {a.max_tokens} greedy tokens, block {a.block}, probe {a.probe}; "
-              f"ms/token = median decode step; load average at the end {record['environment']['loadavg']}")
-    report.write_json(os.path.join(out, f"{bench}.json"), record)
+              "wall_s": round(time.time() - t0, 1), "summary": report.summary_rows(rows), "rows": rows}
+    return write_outputs(record, out, title, not a.no_plots)
+
+
+def write_outputs(record: dict, out: str, title: str, plots: bool = True) -> dict:
+    from ..eval import report
+
+    bench, rows = record["bench"], record["rows"]
+    os.makedirs(out, exist_ok=True)
+    header = (f"{title}: model {record['model']}, kv {record['kv_dtype']}, {record['threads']} threads, answer prefix "
+              f"{'on' if record['answer_prefix'] else 'off'}, {record['max_tokens']} greedy tokens, block "
+              f"{record['block']}, probe {record['probe']}; ms/token = median decode step; load average at the end "
+              f"{[round(x, 1) for x in record['environment']['loadavg'] or []]}; wall {record['wall_s']} s")
     md = report.write_markdown(os.path.join(out, f"{bench}.md"), rows, title, header)
     if bench == "fidelity":
         with open(md, "a") as f:
             f.write("\n" + report.mass_table(rows))
-    plots = [] if a.no_plots else report.plot(os.path.join(out, ""), rows)
-    record["outputs"] = {"dir": out, "json": f"{bench}.json", "markdown": f"{bench}.md", "plots": [os.path.basename(p) for p in plots]}
+    pngs = report.plot(os.path.join(out, ""), rows) if plots else []
+    record["outputs"] = {"dir": out, "json": f"{bench}.json", "markdown": f"{bench}.md",
+                         "plots": [os.path.basename(p) for p in pngs]}
     report.write_json(os.path.join(out, f"{bench}.json"), record)
     print(open(md).read())
-    print(f"wrote {out}/ ({record['wall_s']} s)")
+    print(f"wrote {out}/")
     return record
 
 
@@ -152,7 +169,7 @@ def main(argv=None) -> dict:
     add_common_args(p, lengths="1K,2K,4K,7K", depths="10,20,30,40,50,60,70,80,90", ks="32,16,8,4,2,1", tokens=16)
     p.add_argument("--no-fidelity", action="store_true", help="skip the teacher-forced KL/top-1/mass pass")
     a = p.parse_args(argv)
-    return run(a, "needle", not a.no_fidelity, "Needle retrieval")
+    return run(a, "needle", not a.no_fidelity, "Needle retrieval", argv)
 
 
 if __name__ == "__main__":

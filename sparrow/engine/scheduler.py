@@ -140,7 +140,8 @@ class Engine:
         """One short generation so numba's compiled kernels are loaded before the first request."""
         try:
             tok = self.llm.tokenizer
-            ids = tok.encode("Hello", add_special_tokens=True) or [0]
+            # Longer than SMALL_T so that both linear paths (prefill and decode) get loaded.
+            ids = (tok.encode("Hello there. " * 8) or [0] * 16)[: 2 * _linear.SMALL_T]
             seq = new_sequence(self.model, tok, ids, SamplingParams(max_tokens=2), len(ids) + 2, self.llm.kv_dtype)
             logits = self.model.forward([seq.prefill_segment(self.prefill_chunk)])
             seq.accept(logits[0])

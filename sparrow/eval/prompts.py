@@ -26,7 +26,7 @@ COLORS = ["red", "blue", "green", "yellow", "white", "gray", "orange", "purple",
 WEEKDAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 MONTHS = ["January", "March", "April", "June", "July", "September", "October", "November"]
 WEATHER = ["rainy", "sunny", "windy", "foggy", "cold", "warm", "humid", "snowy"]
-GOODS = ["apples", "fresh bread", "flowers", "cheese", "honey", "pottery", "wool", "candles"]
+GOODS = ["flowers", "pottery", "wool", "candles", "books", "lamps", "rugs", "old maps"]  # no foods: they distract the answer
 RIVERS = ["Silver", "Blue", "Stone", "Willow", "Clear", "Swift", "Quiet", "Long"]
 
 FILLER_TEMPLATES = [
@@ -165,7 +165,8 @@ class _Haystack:
             err = self.target - len(ids)
             if abs(err) <= max(2, 0.01 * self.target):
                 break
-            n = max(1, n + int(round(err / per)) or (1 if err > 0 else -1))
+            step = int(round(err / per)) or (1 if err > 0 else -1)
+            n = max(1, n + step)
         return msgs, ids, offsets
 
 

@@ -117,9 +117,27 @@ def markdown_table(rows: list[dict], title: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+def timing_table(rows: list[dict]) -> str:
+    """Decode ms/token (attention / total, medians over prompts) per configuration and context."""
+    lengths = sorted({r["n_prompt"] for r in rows if r.get("attn_ms") is not None})
+    if not lengths:
+        return ""
+    bucket = lambda n: min(lengths, key=lambda L: abs(L - n))  # noqa: E731
+    lines = ["### Decode ms/token by context (attention / total)", "",
+             "| configuration | " + " | ".join(f"{L} tok" for L in lengths) + " |", "|---|" + "---|" * len(lengths)]
+    for name, rs in group_rows(rows).items():
+        cells = []
+        for L in lengths:
+            sel = [r for r in rs if bucket(r["n_prompt"]) == L]
+            a, t = _median([r.get("attn_ms") for r in sel]), _median([r.get("total_ms") for r in sel])
+            cells.append(f"{_fmt(a)} / {_fmt(t)}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def write_markdown(path: str, rows: list[dict], title: str = "", header: str = "") -> str:
     with open(path, "w") as f:
-        f.write((header + "\n\n" if header else "") + markdown_table(rows, title))
+        f.write((header + "\n\n" if header else "") + markdown_table(rows, title) + "\n" + timing_table(rows))
     return path
 
 
@@ -128,6 +146,7 @@ def plot(path_prefix: str, rows: list[dict]) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.ticker
     import matplotlib.pyplot as plt
 
     sparse = [r for r in rows if r.get("k") is not None]
@@ -155,6 +174,7 @@ def plot(path_prefix: str, rows: list[dict]) -> list[str]:
             ax.axhline(ex, color="gray", ls="--", label="exact")
         ax.set(xscale="log", xlabel="k (blocks)", ylabel="recall", ylim=(-0.05, 1.05), title="Recall vs k")
         ax.set_xticks(ks, [str(k) for k in ks])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.legend(fontsize=7)
         save(fig, "recall_vs_k")
     if ks and any(r.get("kl_mean") is not None for r in sparse):
@@ -165,6 +185,7 @@ def plot(path_prefix: str, rows: list[dict]) -> list[str]:
         ax.set(xscale="log", xlabel="k (blocks)", ylabel="KL(exact || sparse), nats", title="Fidelity vs k")
         ax2.set(ylabel="top-1 agreement", ylim=(-0.05, 1.05))
         ax.set_xticks(ks, [str(k) for k in ks])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         save(fig, "kl_vs_k")
     if ks and any(r.get("mass") for r in sparse):
         fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -175,6 +196,7 @@ def plot(path_prefix: str, rows: list[dict]) -> list[str]:
         ax.set(xscale="log", xlabel="k (blocks)", ylabel="softmax mass in selected blocks", ylim=(-0.05, 1.05),
                title="Mass coverage vs k")
         ax.set_xticks(ks, [str(k) for k in ks])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.legend(fontsize=7)
         save(fig, "mass_vs_k")
     lengths = sorted({r["n_prompt"] for r in rows if r.get("attn_ms") is not None})

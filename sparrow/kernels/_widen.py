@@ -225,6 +225,65 @@ def _mv_f32(w, x, y):
             y[t, o] = dot(w[o], x[t])
 
 
+@njit(fastmath=FM, **KW)
+def _qdot(row, kind, lut, xr, half):
+    """Stored block row . xr in f32, weights rebuilt in registers block by block.
+
+    Each weight is formed as in Weight.dequantize() (d * q (+ m), up to FMA contraction),
+    multiplied by x and summed inside its 32-element block in vector lanes; the block sums
+    are then added in block order. The order depends only on the row length. `half` (16)
+    comes in at run time so LLVM vectorises the inner loop instead of unrolling it and
+    vectorising across blocks with gathers. Nibbles are split in f32 (floor(q / 16)),
+    which vectorises 16 wide where numba's int64-promoted integer ops would not.
+    """
+    s = np.float32(0)
+    nb = xr.shape[0] // 32
+    if kind == 2:  # q4_1
+        for b in range(nb):
+            p = b * 20
+            d = lut[np.int64(row[p]) | (np.int64(row[p + 1]) << 8)]
+            m = lut[np.int64(row[p + 2]) | (np.int64(row[p + 3]) << 8)]
+            a = np.float32(0)
+            for j in range(half):
+                qf = np.float32(row[p + 4 + j])
+                hi = np.floor(qf * np.float32(0.0625))
+                lo = qf - hi * np.float32(16)
+                a += (d * lo + m) * xr[b * 32 + j] + (d * hi + m) * xr[b * 32 + half + j]
+            s += a
+    elif kind == 1:  # q4_0
+        for b in range(nb):
+            p = b * 18
+            d = lut[np.int64(row[p]) | (np.int64(row[p + 1]) << 8)]
+            a = np.float32(0)
+            for j in range(half):
+                qf = np.float32(row[p + 2 + j])
+                hi = np.floor(qf * np.float32(0.0625))
+                lo = qf - hi * np.float32(16)
+                a += (d * (lo - np.float32(8))) * xr[b * 32 + j] + \
+                    (d * (hi - np.float32(8))) * xr[b * 32 + half + j]
+            s += a
+    else:  # q8_0
+        for b in range(nb):
+            p = b * 34
+            d = lut[np.int64(row[p]) | (np.int64(row[p + 1]) << 8)]
+            a = np.float32(0)
+            for j in range(2 * half):
+                a += (d * np.float32(np.int8(row[p + 2 + j]))) * xr[b * 32 + j]
+            s += a
+    return s
+
+
+@njit(parallel=True, **KW)
+def _mv_blocks(data, kind, lut, x, y, half):
+    # q8_0 / q4_0 / q4_1 rows dotted with f32 x directly from their blocks (no f32 row
+    # buffer); parallel over output rows only, so each y[t, o] has one summation order.
+    o_n = data.shape[0]
+    for c in prange((o_n + _ROWS - 1) // _ROWS):
+        for o in range(c * _ROWS, min(o_n, (c + 1) * _ROWS)):
+            for t in range(x.shape[0]):
+                y[t, o] = _qdot(data[o], kind, lut, x[t], half)
+
+
 @njit(parallel=True, **KW)
 def _mv_stored(data, kind, lut, x, y):
     # Each stored row is widened to f32 once (bit-identical to Weight.dequantize()), then
@@ -245,6 +304,8 @@ def matvec_widened(x, w, out):
     """out [T, out] = x @ W.T for small T and every format (batch and thread invariant)."""
     if w.qtype == "f32":
         _mv_f32(w.data, x, out)
+    elif KIND[w.qtype] <= 2:
+        _mv_blocks(w.data, KIND[w.qtype], F16_LUT, x, out, 16)
     else:
         call_slp(_mv_stored, w.data, KIND[w.qtype], F16_LUT, x, out)
     return out

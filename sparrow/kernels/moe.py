@@ -7,11 +7,12 @@ only replaces its best on a strictly larger value. Serial: it is tiny, and on a 
 machine every parallel launch can wait a scheduler slice for its threads.
 
 expert_pairs: the SwiGLU experts for a list of (token, expert) pairs in two parallel launches
-(gate+up, then down) instead of three linear calls per expert. Each stored weight row is
-widened to f32 once per expert and dotted with each of its pairs' f32 activation rows by one
-fixed loop, so every output of a pair depends only on that pair (batch and thread invariant). The widening and dot helpers
-are copied here from kernels/_widen.py on purpose: numba's on-disk cache does not notice
-edits to jitted functions inlined from another file.
+(gate+up, then down) instead of three linear calls per expert; parallel over (expert, chunk
+of weight rows), so each output has one writer. Each stored row is widened to f32 once per
+expert and dotted with each of its pairs' f32 activation rows by one fixed loop, so a pair's
+output depends only on that pair (batch and thread invariant). The widening and dot helpers
+are copied from kernels/_widen.py on purpose: numba's on-disk cache does not notice edits to
+jitted functions inlined from another file.
 """
 
 import math

@@ -41,6 +41,7 @@ class Timer:
     def __init__(self):
         self.attn = 0.0  # attention kernels only (scores, softmax, selection, weighted sum)
         self.mlp = 0.0  # post-attention norm + MLP (or MoE) block
+        self.matmul = 0.0  # projections: qkv (+ bias, RoPE), o, MLP block, lm_head
         self.total = 0.0
 
 
@@ -150,9 +151,12 @@ class Decoder:
         x = self.embed.rows(tokens)  # [N, E]
         for layer in self.layers:
             h = rms_norm(x, layer.input_norm, layer.eps)  # [N, E]
+            tq = time.perf_counter() if timer else 0.0
             q, k, v = layer.attn.qkv(h, self.rope, positions)  # [N,H,D] [N,KV,D] [N,KV,D]
             out = np.empty_like(q)  # [N, H, D]
             t0 = time.perf_counter() if timer else 0.0
+            if timer:
+                timer.matmul += t0 - tq
             for j, s in enumerate(segments):
                 a, b = bounds[j], bounds[j + 1]
                 lc = s.cache.layers[layer.index]
@@ -165,19 +169,28 @@ class Decoder:
                 else:
                     out[a:b] = prefill_attention(q[a:b], lc, s.start, layer.attn.scale, s.sparse)
             if timer:
-                timer.attn += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                timer.attn += t1 - t0
             x = x + linear(out.reshape(len(x), -1), layer.attn.o)  # [N, E]
-            t1 = time.perf_counter() if timer else 0.0
+            if timer:
+                t2 = time.perf_counter()
+                timer.matmul += t2 - t1
             h = rms_norm(x, layer.post_norm, layer.eps)
+            t3 = time.perf_counter() if timer else 0.0
             x = x + layer.mlp(h)  # [N, E]
             if timer:
-                timer.mlp += time.perf_counter() - t1
+                t4 = time.perf_counter()
+                timer.mlp += t4 - t2
+                timer.matmul += t4 - t3
         for s in segments:
             s.cache.length = s.start + len(s.tokens)
         if not all_logits:
             x = x[bounds[1:] - 1]  # [B, E] last token of each segment
         x = rms_norm(x, self.norm, self.config.rms_norm_eps)
+        t5 = time.perf_counter() if timer else 0.0
         logits = linear(np.ascontiguousarray(x), self.lm_head)  # [*, V]
         if timer:
-            timer.total += time.perf_counter() - t_start
+            t6 = time.perf_counter()
+            timer.matmul += t6 - t5
+            timer.total += t6 - t_start
         return logits

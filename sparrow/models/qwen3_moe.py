@@ -54,7 +54,10 @@ class MoEBlock:
         self.experts = experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
-        self.stacked = StackedExperts(experts)
+        try:
+            self.stacked = StackedExperts(experts)  # typed lists of views for the fused kernel
+        except ValueError:  # experts of mixed formats: every expert through linear()
+            self.stacked = None
 
     def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Experts [T, k] (descending weight, ties to the lower index) and their weights [T, k]."""
@@ -69,10 +72,10 @@ class MoEBlock:
         order = np.argsort(flat, kind="stable")  # (token, rank) pairs grouped by expert, tokens ascending
         bounds = np.searchsorted(flat[order], np.arange(len(self.experts) + 1))
         counts = np.diff(bounds)  # [E] rows routed to each expert
-        few = counts <= SMALL_T
+        few = counts <= SMALL_T if self.stacked is not None else np.zeros(len(counts), bool)
         # Experts with few rows: every pair in one fused call (row-wise kernels, two launches).
         pairs = order[few[flat[order]]]  # grouped by expert, like order
-        y_few = expert_pairs(x, pairs // k, flat[pairs], self.stacked)  # [P, hidden]
+        y_few = expert_pairs(x, pairs // k, flat[pairs], self.stacked) if len(pairs) else None  # [P, hidden]
         out = np.zeros_like(x)  # [T, hidden]
         at = 0
         for e in np.flatnonzero(counts):

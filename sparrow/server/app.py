@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import threading
+import traceback
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -98,8 +99,10 @@ class _SSEResponse(StreamingResponse):
             self._on_close()
 
 
-class _CountRequests:
-    """Counts responses by endpoint and status (pure ASGI, so streaming and disconnects pass untouched)."""
+class _Guard:
+    """Counts responses by endpoint and status, and turns any escaped exception into a 500 here, so
+    it never reaches uvicorn (which would drop the keep-alive connection). Pure ASGI: streaming and
+    disconnects pass untouched."""
 
     def __init__(self, app, metrics: Metrics):
         self.app, self.metrics = app, metrics
@@ -107,7 +110,7 @@ class _CountRequests:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = [500]
+        status = [0]
 
         async def send_status(message):
             if message["type"] == "http.response.start":
@@ -116,17 +119,24 @@ class _CountRequests:
 
         try:
             await self.app(scope, receive, send_status)
+        except Exception:
+            traceback.print_exc(file=sys.stderr)
+            if not status[0]:
+                body = json.dumps(error_body("internal server error", "server_error")).encode()
+                await send_status({"type": "http.response.start", "status": 500, "headers": [
+                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
         finally:
             path = scope.get("path", "")
-            self.metrics.request(path if path in ENDPOINTS else "other", status[0])
+            self.metrics.request(path if path in ENDPOINTS else "other", status[0] or 500)
 
 
 class _Accumulator:
     """Turns StepOutputs into content/reasoning deltas and logprob entries."""
 
-    def __init__(self, llm, splitter: ReasoningSplitter | None, want_lp: bool):
+    def __init__(self, llm, splitter: ReasoningSplitter | None, want_lp: bool, stop_ids=()):
         self.tok, self.splitter, self.want_lp = llm.tokenizer, splitter, want_lp
-        self.eos = set(llm.tokenizer.eos_token_ids)
+        self.eos = set(llm.tokenizer.eos_token_ids) | set(stop_ids)
         self.tokens = 0
 
     def add(self, out):
@@ -136,7 +146,7 @@ class _Accumulator:
             reasoning, content = self.splitter.push(out.text, final)
         else:
             reasoning, content = "", out.text
-        hidden = out.finish_reason == "stop" and out.token_id in self.eos  # the end-of-turn token
+        hidden = out.finish_reason == "stop" and out.token_id in self.eos  # end-of-turn / stop token: no text
         lps = [out] if self.want_lp and out.logprob is not None and not hidden else []
         return reasoning, content, lps
 
@@ -146,7 +156,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.sparrow = state
     metrics = state.metrics
 
-    app.add_middleware(_CountRequests, metrics=metrics)
+    app.add_middleware(_Guard, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -157,10 +167,6 @@ def create_app(state: ServerState) -> FastAPI:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
 
-    @app.exception_handler(Exception)
-    async def _crash(request, e):
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
-
     def auth(request: Request) -> None:
         if state.api_key is None:
             return
@@ -170,7 +176,9 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
                            code="invalid_api_key")
 
-    def check_model(name: str | None) -> None:
+    def check_model(name) -> None:
+        if name is not None and not isinstance(name, str):
+            raise APIError(400, "'model' must be a string", param="model")
         if name is not None and name not in state.aliases:
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{state.llm.name}'",
                            param="model", code="model_not_found")
@@ -283,11 +291,11 @@ def create_app(state: ServerState) -> FastAPI:
             loop.call_soon_threadsafe(queue.put_nowait, (kind, payload))
 
         handle = engine.submit(ids, req.params, req.sparse, emit)
-        acc = _Accumulator(llm, splitter, req.logprobs)
+        acc = _Accumulator(llm, splitter, req.logprobs, req.params.stop_token_ids)
         rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
         obj = ("chat.completion" if chat else "text_completion")
-        lp_fmt = (lambda outs: chat_logprobs(llm.tokenizer, outs)) if chat else (
-            lambda outs: completion_logprobs(llm.tokenizer, outs))
+        lp_fmt = (lambda outs, offset=0: chat_logprobs(llm.tokenizer, outs)) if chat else (
+            lambda outs, offset=0: completion_logprobs(llm.tokenizer, outs, offset))
 
         if req.stream:
             return _SSEResponse(_stream(req, ids, queue, acc, rid, created, chat, lp_fmt), lambda: engine.cancel(handle))
@@ -341,10 +349,11 @@ def create_app(state: ServerState) -> FastAPI:
         base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
                 "model": state.llm.name}
         extra = {"usage": None} if req.include_usage else {}
+        offset = 0  # characters streamed so far: completions' logprobs.text_offset
 
         def chunk(delta_or_text, lps=None, finish=None):
             choice = {"index": 0, ("delta" if chat else "text"): delta_or_text,
-                      "logprobs": lp_fmt(lps) if lps else None, "finish_reason": finish}
+                      "logprobs": lp_fmt(lps, offset) if lps else None, "finish_reason": finish}
             return _sse({**base, "choices": [choice], **extra})
 
         if chat:
@@ -361,6 +370,7 @@ def create_app(state: ServerState) -> FastAPI:
                     yield chunk(delta, lps)
             elif c or lps:
                 yield chunk(c, lps)
+                offset += len(c)
             if out.finish_reason:
                 yield chunk({} if chat else "", finish=out.finish_reason)
                 if req.include_usage:
@@ -379,6 +389,7 @@ def serve(args) -> None:
 
     state = ServerState(api_key=args.api_key, max_batch=args.max_batch)
     app = create_app(state)
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
             # Fail in-flight generations first so their streams end and shutdown is not held up.

@@ -7,6 +7,7 @@ way permissive OpenAI-compatible servers do.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -43,10 +44,9 @@ def _num(body: dict, name: str, default, lo=None, hi=None, integer=False):
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
-        raise _bad(name, f"'{name}' must be {'an integer' if integer else 'a number'}, got {v!r}"[:300])
-    if integer and isinstance(v, float):
-        v = int(v)
+    if (isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int))
+            or (isinstance(v, float) and not math.isfinite(v))):  # json.loads accepts NaN and Infinity
+        raise _bad(name, f"'{name}' must be {'an integer' if integer else 'a finite number'}, got {v!r}"[:300])
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
         raise _bad(name, f"'{name}' must be in {rng}, got {v!r}")
@@ -82,6 +82,15 @@ def _stop(body: dict) -> list[str]:
     if len(v) > 16:
         raise _bad("stop", "at most 16 stop strings are supported")
     return [s for s in v if s]
+
+
+def _token_ids(body: dict, name: str) -> list[int]:
+    v = body.get(name)
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
+        raise _bad(name, f"'{name}' must be a list of token ids")
+    return v
 
 
 @dataclass
@@ -137,6 +146,7 @@ def _common(body: dict, chat: bool, defaults: dict | None) -> GenRequest:
         seed=None if seed is None else seed % 2**64,
         stop=_stop(body),
         ignore_eos=_bool(body, "ignore_eos", False),
+        stop_token_ids=_token_ids(body, "stop_token_ids"),
         logprobs=logprobs,
     )
     if params.top_p == 0.0:
@@ -235,6 +245,10 @@ def usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def _lp(x: float) -> float:
+    return max(float(x), -9999.0)  # JSON has no -inf (vLLM clamps the same way)
+
+
 def token_entry(tokenizer, token_id: int, logprob: float) -> dict:
     b = tokenizer.token_bytes(token_id)
     if b is None:
@@ -242,7 +256,7 @@ def token_entry(tokenizer, token_id: int, logprob: float) -> dict:
         b = text.encode("utf-8")
     else:
         text = b.decode("utf-8", errors="replace")
-    return {"token": text, "logprob": logprob, "bytes": list(b)}
+    return {"token": text, "logprob": _lp(logprob), "bytes": list(b)}
 
 
 def chat_logprobs(tokenizer, outs) -> dict:
@@ -261,8 +275,8 @@ def completion_logprobs(tokenizer, outs, offset: int = 0) -> dict:
     for o in outs:
         t = token_entry(tokenizer, o.token_id, o.logprob)["token"]
         tokens.append(t)
-        lps.append(o.logprob)
-        tops.append({token_entry(tokenizer, i, lp)["token"]: lp for i, lp in (o.top_logprobs or [])})
+        lps.append(_lp(o.logprob))
+        tops.append({token_entry(tokenizer, i, lp)["token"]: _lp(lp) for i, lp in (o.top_logprobs or [])})
         offsets.append(offset)
         offset += len(t)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
