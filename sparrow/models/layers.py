@@ -1,17 +1,70 @@
-"""Small building blocks shared by the decoders: RMSNorm, RoPE, SwiGLU MLP."""
+"""Small building blocks shared by the decoders: RMSNorm, RoPE, SwiGLU MLP.
+
+RMSNorm, RoPE and silu(gate) * up are small numba kernels: at decode each is a few hundred
+floats, so one compiled call replaces several numpy calls (Python overhead dominated them).
+They are serial and work row by row, so a row's result never depends on the batch.
+"""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+from numba import njit
 
 from ..kernels.linear import linear
 from ..quant import Weight
 
+_KW = dict(cache=True, nogil=True)
+
+
+@njit(fastmath={"reassoc", "contract"}, **_KW)
+def _ssq(r):
+    s = np.float32(0)
+    for i in range(r.shape[0]):
+        s += r[i] * r[i]
+    return s
+
+
+@njit(**_KW)
+def _rms_rows(x, w, eps, out):
+    n = np.float32(x.shape[1])
+    for t in range(x.shape[0]):
+        inv = np.float32(1) / np.float32(math.sqrt(_ssq(x[t]) / n + eps))
+        for i in range(x.shape[1]):
+            out[t, i] = (x[t, i] * inv) * w[i]
+
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm over the last axis in f32, weight applied as is (Llama/Qwen, not 1 + w)."""
-    var = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)  # [..., 1]
-    return (x * (1.0 / np.sqrt(var + np.float32(eps)))).astype(np.float32, copy=False) * w
+    x2 = x.reshape(-1, x.shape[-1])  # [R, D] (a view when x allows it)
+    out = np.empty(x2.shape, np.float32)
+    _rms_rows(x2, w, np.float32(eps), out)
+    return out.reshape(x.shape)
+
+
+@njit(**_KW)
+def _rope(x, cos, sin, positions, out):
+    # rotate-half: out = [x1 c - x2 s, x2 c + x1 s] per head
+    half = cos.shape[1]
+    for t in range(x.shape[0]):
+        c = cos[positions[t]]
+        s = sin[positions[t]]
+        for h in range(x.shape[1]):
+            for i in range(half):
+                a = x[t, h, i]
+                b = x[t, h, half + i]
+                out[t, h, i] = a * c[i] - b * s[i]
+                out[t, h, half + i] = b * c[i] + a * s[i]
+
+
+@njit(**_KW)
+def _silu_mul(gu, f, out):
+    # silu(g) * u with g = gu[:, :f], u = gu[:, f:]; exp(-g) -> inf gives -0 * u as numpy does
+    for t in range(gu.shape[0]):
+        for i in range(f):
+            g = gu[t, i]
+            out[t, i] = g / (np.float32(1) + np.exp(-g)) * gu[t, f + i]
 
 
 class Rope:
@@ -37,13 +90,8 @@ class Rope:
         """x: [T, H, D] at the given absolute positions [T]; returns a new array."""
         if positions.max() >= len(self.cos):
             self._grow(int(positions.max()) + 1)
-        c = self.cos[positions][:, None, :]  # [T, 1, D/2]
-        s = self.sin[positions][:, None, :]
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]  # [T, H, D/2]
-        out = np.empty_like(x)
-        out[..., :half] = x1 * c - x2 * s
-        out[..., half:] = x2 * c + x1 * s
+        out = np.empty(x.shape, np.float32)
+        _rope(x, self.cos, self.sin, positions.astype(np.int64, copy=False), out)
         return out
 
 
@@ -96,5 +144,11 @@ class MLP:
         self.down = down
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        g, u = self.gate_up(x)  # [T, F] [T, F]
-        return linear(silu(g) * u, self.down)  # [T, E]
+        if self.gate_up.fused is None:
+            g, u = self.gate_up(x)  # [T, F] [T, F]
+            return linear(silu(g) * u, self.down)  # [T, E]
+        gu = linear(x, self.gate_up.fused)  # [T, 2F]
+        f = self.gate_up.sizes[0]
+        h = np.empty((gu.shape[0], f), np.float32)  # [T, F]
+        _silu_mul(gu, f, h)
+        return linear(h, self.down)  # [T, E]
