@@ -202,6 +202,8 @@ def test_markdown_table_and_plots(tmp_path):
     assert summary[1].startswith("| sparse k=8 | 100% (2) | ramen \\| ramen |")
     assert summary[2].startswith("| sparse k=1 | 0% (2) |") and "| 1.000 | 0.90 | 0.900 / 0.500 |" in summary[2]
     assert "| 0 | 0.900 / 0.500 | 0.900 / 0.500 |" in report.mass_table(_rows())
+    timing = report.timing_table(_rows())
+    assert "| exact | 10.0 / 40.0 | 20.0 / 40.0 |" in timing and "| sparse k=1 | 3.0 / 30.0 | 3.0 / 30.0 |" in timing
     pngs = report.plot(str(tmp_path) + "/", _rows())
     assert sorted(os.path.basename(p) for p in pngs) == ["attn_ms_vs_context.png", "kl_vs_k.png", "mass_vs_k.png", "recall_vs_k.png"]
     for p in pngs:

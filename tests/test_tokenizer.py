@@ -81,7 +81,9 @@ def ref_digits(ref):
 def test_metadata(tok):
     assert tok.vocab_size == 49152
     assert tok.bos_token_id == 1 and tok.id_to_token(1) == "<|im_start|>"
-    assert tok.eos_token_ids == [2]
+    # eos from the file, plus <|endoftext|> (id 0): a GGUF has no generation_config.json, so
+    # end-of-generation texts are recognised by name, as llama.cpp does
+    assert tok.eos_token_ids == [2, 0] and tok.id_to_token(0) == "<|endoftext|>"
     assert tok.add_bos is False
     assert tok.token_to_id("<|im_end|>") == 2
     assert tok.token_to_id("no-such-token-here") is None

@@ -117,18 +117,22 @@ def markdown_table(rows: list[dict], title: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+def _length(r: dict) -> int:
+    """The requested prompt length (actual lengths differ by a few tokens between prompts)."""
+    return r.get("target_tokens") or r["n_prompt"]
+
+
 def timing_table(rows: list[dict]) -> str:
     """Decode ms/token (attention / total, medians over prompts) per configuration and context."""
-    lengths = sorted({r["n_prompt"] for r in rows if r.get("attn_ms") is not None})
+    lengths = sorted({_length(r) for r in rows if r.get("attn_ms") is not None})
     if not lengths:
         return ""
-    bucket = lambda n: min(lengths, key=lambda L: abs(L - n))  # noqa: E731
     lines = ["### Decode ms/token by context (attention / total)", "",
              "| configuration | " + " | ".join(f"{L} tok" for L in lengths) + " |", "|---|" + "---|" * len(lengths)]
     for name, rs in group_rows(rows).items():
         cells = []
         for L in lengths:
-            sel = [r for r in rs if bucket(r["n_prompt"]) == L]
+            sel = [r for r in rs if _length(r) == L]
             a, t = _median([r.get("attn_ms") for r in sel]), _median([r.get("total_ms") for r in sel])
             cells.append(f"{_fmt(a)} / {_fmt(t)}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -166,8 +170,8 @@ def plot(path_prefix: str, rows: list[dict]) -> list[str]:
 
     if ks and any(r.get("score") is not None for r in sparse):
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        for L in sorted({r["n_prompt"] for r in sparse}):
-            rs = [r for r in sparse if r["n_prompt"] == L]
+        for L in sorted({_length(r) for r in sparse}):
+            rs = [r for r in sparse if _length(r) == L]
             ax.plot(ks, by_k("score", _mean, rs), "o-", label=f"{L} tok")
         ex = _mean([r.get("score") for r in exact])
         if ex is not None:
@@ -199,12 +203,12 @@ def plot(path_prefix: str, rows: list[dict]) -> list[str]:
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.legend(fontsize=7)
         save(fig, "mass_vs_k")
-    lengths = sorted({r["n_prompt"] for r in rows if r.get("attn_ms") is not None})
+    lengths = sorted({_length(r) for r in rows if r.get("attn_ms") is not None})
     if lengths:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for name, rs in group_rows(rows).items():
-            xs = [L for L in lengths if any(r["n_prompt"] == L for r in rs)]
-            ax.plot(xs, [_median([r.get("attn_ms") for r in rs if r["n_prompt"] == L]) for L in xs], "o-", label=name)
+            xs = [L for L in lengths if any(_length(r) == L for r in rs)]
+            ax.plot(xs, [_median([r.get("attn_ms") for r in rs if _length(r) == L]) for L in xs], "o-", label=name)
         ax.set(xlabel="context (tokens)", ylabel="decode attention ms/token (all layers)", title="Attention time vs context")
         ax.legend(fontsize=7)
         save(fig, "attn_ms_vs_context")

@@ -226,15 +226,26 @@ def _mv_f32(w, x, y):
 
 
 @njit(fastmath=FM, **KW)
-def _qdot(row, kind, lut, xr, half):
-    """Stored block row . xr in f32, weights rebuilt in registers block by block.
+def _block_sums(xr, sxr):
+    # sxr[b] = sum of xr over block b; the order depends only on the block length
+    for b in range(sxr.shape[0]):
+        a = np.float32(0)
+        for j in range(32):
+            a += xr[b * 32 + j]
+        sxr[b] = a
 
-    Each weight is formed as in Weight.dequantize() (d * q (+ m), up to FMA contraction),
-    multiplied by x and summed inside its 32-element block in vector lanes; the block sums
-    are then added in block order. The order depends only on the row length. `half` (16)
-    comes in at run time so LLVM vectorises the inner loop instead of unrolling it and
-    vectorising across blocks with gathers. Nibbles are split in f32 (floor(q / 16)),
-    which vectorises 16 wide where numba's int64-promoted integer ops would not.
+
+@njit(fastmath=FM, **KW)
+def _qdot(row, kind, lut, xr, sxr, half):
+    """Stored block row . xr in f32, straight from the blocks (no f32 row buffer).
+
+    Per block: the codes times x are summed in vector lanes, then scaled,
+    d * sum(q x) + m * sum(x) (q4_1), d * (sum(q x) - 8 sum(x)) (q4_0), d * sum(q x)
+    (q8_0), with sum(x) per block precomputed (sxr); block results are added in block
+    order. The order depends only on the row length. `half` (16) comes in at run time so
+    LLVM vectorises the inner loop instead of unrolling it and vectorising across blocks
+    with gathers. Nibbles are split in f32 (floor(q / 16)), which vectorises 16 wide where
+    numba's int64-promoted integer ops would not. Activations stay f32 throughout.
     """
     s = np.float32(0)
     nb = xr.shape[0] // 32
@@ -247,9 +258,8 @@ def _qdot(row, kind, lut, xr, half):
             for j in range(half):
                 qf = np.float32(row[p + 4 + j])
                 hi = np.floor(qf * np.float32(0.0625))
-                lo = qf - hi * np.float32(16)
-                a += (d * lo + m) * xr[b * 32 + j] + (d * hi + m) * xr[b * 32 + half + j]
-            s += a
+                a += (qf - hi * np.float32(16)) * xr[b * 32 + j] + hi * xr[b * 32 + half + j]
+            s += d * a + m * sxr[b]
     elif kind == 1:  # q4_0
         for b in range(nb):
             p = b * 18
@@ -258,30 +268,31 @@ def _qdot(row, kind, lut, xr, half):
             for j in range(half):
                 qf = np.float32(row[p + 2 + j])
                 hi = np.floor(qf * np.float32(0.0625))
-                lo = qf - hi * np.float32(16)
-                a += (d * (lo - np.float32(8))) * xr[b * 32 + j] + \
-                    (d * (hi - np.float32(8))) * xr[b * 32 + half + j]
-            s += a
+                a += (qf - hi * np.float32(16)) * xr[b * 32 + j] + hi * xr[b * 32 + half + j]
+            s += d * (a - np.float32(8) * sxr[b])
     else:  # q8_0
         for b in range(nb):
             p = b * 34
             d = lut[np.int64(row[p]) | (np.int64(row[p + 1]) << 8)]
             a = np.float32(0)
             for j in range(2 * half):
-                a += (d * np.float32(np.int8(row[p + 2 + j]))) * xr[b * 32 + j]
-            s += a
+                a += np.float32(np.int8(row[p + 2 + j])) * xr[b * 32 + j]
+            s += d * a
     return s
 
 
 @njit(parallel=True, **KW)
 def _mv_blocks(data, kind, lut, x, y, half):
-    # q8_0 / q4_0 / q4_1 rows dotted with f32 x directly from their blocks (no f32 row
-    # buffer); parallel over output rows only, so each y[t, o] has one summation order.
+    # q8_0 / q4_0 / q4_1 rows dotted with f32 x; parallel over output rows only, so each
+    # y[t, o] has one summation order whatever T and the thread count.
     o_n = data.shape[0]
+    sx = np.empty((x.shape[0], x.shape[1] // 32), np.float32)  # [T, nb]
+    for t in range(x.shape[0]):
+        _block_sums(x[t], sx[t])
     for c in prange((o_n + _ROWS - 1) // _ROWS):
         for o in range(c * _ROWS, min(o_n, (c + 1) * _ROWS)):
             for t in range(x.shape[0]):
-                y[t, o] = _qdot(data[o], kind, lut, x[t], half)
+                y[t, o] = _qdot(data[o], kind, lut, x[t], sx[t], half)
 
 
 @njit(parallel=True, **KW)

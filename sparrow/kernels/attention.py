@@ -102,6 +102,47 @@ def _ov_add_row(acc, w, vrow, vs, kh, t):
     return impl
 
 
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)  # ln 2 split so k * _LN2_HI is exact for |k| < 2**9
+_LN2_LO = np.float32(-2.12194440e-4)
+
+
+@njit(fastmath=_DOT_FM, cache=True, nogil=True)
+def _exp_shifted(s, m, n, ebits):
+    """s[:n] = exp(s[:n] - m) (all arguments <= 0), vectorised (libm expf is a scalar call).
+
+    exp(x) = 2**k * e**r with k = round(x / ln 2), |r| <= ln 2 / 2, e**r by its degree-6
+    Taylor polynomial (relative error < 2e-7); 2**k is built in the exponent bits of ebits.
+    Arguments below -87 are clamped there (weight ~2e-38 instead of a subnormal or 0).
+    """
+    fb = ebits.view(np.float32)
+    for i in range(n):
+        x = s[i] - m
+        x = max(x, np.float32(-87.0))
+        k = np.floor(x * _LOG2E + np.float32(0.5))
+        r = (x - k * _LN2_HI) - k * _LN2_LO
+        p = np.float32(1.0 / 720)
+        p = p * r + np.float32(1.0 / 120)
+        p = p * r + np.float32(1.0 / 24)
+        p = p * r + np.float32(1.0 / 6)
+        p = p * r + np.float32(0.5)
+        p = p * r + np.float32(1.0)
+        p = p * r + np.float32(1.0)
+        s[i] = p
+        ebits[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
+    for i in range(n):
+        s[i] = s[i] * fb[i]
+
+
+@njit(fastmath=_DOT_FM, cache=True, nogil=True)
+def _sum_f32(a, n):
+    # vector-lane sum; the order depends only on n (same for exact and all-blocks sparse)
+    t = np.float32(0.0)
+    for i in range(n):
+        t += a[i]
+    return t
+
+
 @njit(cache=True, nogil=True)
 def _attend_group(qf, qi, qs, K, V, ks, vs, kh, h0, G, seq_len, scale, bs, mark, ntok, out,
                   want_p, pacc):
@@ -129,13 +170,10 @@ def _attend_group(qf, qi, qs, K, V, ks, vs, kh, h0, G, seq_len, scale, bs, mark,
                     i += 1
                 cnt[g] = i
     inv = np.empty(G, dtype=np.float32)
+    ebits = np.empty(s.shape[1], dtype=np.int32)
     for g in range(G):
-        den = np.float32(0.0)
-        for i in range(ntok[g]):
-            e = np.exp(s[g, i] - m[g])
-            s[g, i] = e
-            den += e
-        inv[g] = np.float32(1.0) / den
+        _exp_shifted(s[g], m[g], ntok[g], ebits)
+        inv[g] = np.float32(1.0) / _sum_f32(s[g], ntok[g])
     acc = np.zeros((G, out.shape[1]), dtype=np.float32)
     cnt[:] = 0
     for b in range(nb):
@@ -237,7 +275,10 @@ def _sparse_prefill_kernel(qf, qi, qs, K, V, ks, vs, start, scale, G, k_blocks, 
 def _query_codes(q, layer):
     """Per-head int8 query codes and scales for an int8 cache, else small dummies."""
     if layer.dtype == "int8":
-        return quantize_int8(q)  # same absmax/127 rule as the cache: [..., H, D], [..., H]
+        # same absmax/127 rule as the cache: [..., H, D], [..., H]; the codes go in as f32
+        # (exact small integers) so the score loop converts only the cache's int8 codes
+        codes, scale = quantize_int8(q)
+        return codes.astype(np.float32), scale
     return np.zeros(q.shape[:-1] + (1,), np.int8), np.zeros(q.shape[:-1], np.float32)
 
 
