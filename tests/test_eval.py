@@ -240,3 +240,19 @@ def test_needle_sweep_end_to_end(tmp_path):
     assert saved["rows"] == json.loads(json.dumps(rec["rows"]))
     md = (tmp_path / "needle.md").read_text()
     assert re.search(r"^\| exact \| 100% \(1\) \|", md, re.M)
+
+
+def test_shared_prefill_decoding_matches_llm_stream():
+    """The benches decode every configuration from one exact prefill; the text must be what
+    llm.stream gives for the same prompt and sparse settings."""
+    import sparrow
+    from sparrow.kv_cache import SparseParams
+
+    llm = sparrow.load()
+    p = prompts.make_prompt(llm.tokenizer, "needle", 300, 0.5, seed=2)
+    configs = [None, SparseParams(k=2, block=16, probe=4)]
+    rows = fid.run_prompt(llm, p.ids, configs, n_tokens=6, fidelity=False)
+    for sp, row in zip(configs, rows):
+        kw = {} if sp is None else {"sparse_attn": True, "sparse_k": sp.k, "sparse_block": sp.block, "sparse_probe": sp.probe}
+        ids = [o.token_id for o in llm.stream(p.messages, max_tokens=6, chat=True, assistant_prefix=p.assistant_prefix, **kw)]
+        assert row["tokens"] == ids, row["config"]

@@ -115,57 +115,23 @@ def teacher_forced(llm, pre: Prefilled, tokens: list[int], sparse: SparseParams 
     """Feeds tokens[0..n-2] after the prompt; step i's logits predict tokens[i+1]."""
     cache = copy.deepcopy(pre.cache)
     out = Decoded(list(tokens))
-    cap = _QCapture(llm.model) if trace and sparse is not None else None
     for i, tok in enumerate(tokens[:-1]):
-        tr = [] if cap is not None else None
+        tr = [] if trace and sparse is not None else None
         timer = Timer()
         seg = Segment(np.asarray([tok], np.int64), cache, pre.n_prompt + i, sparse, decode=True, trace=tr)
-        with cap or _Null():
-            row = llm.model.forward([seg], timer=timer)[0]  # [V]
+        row = llm.model.forward([seg], timer=timer)[0]  # [V]
         out.logits.append(row)
         out.attn_ms.append(1e3 * timer.attn)
         out.total_ms.append(1e3 * timer.total)
         if tr is not None:
-            out.traces.append(_with_mass(tr, cap, cache, pre.n_prompt + i + 1, sparse.block, llm.model))
+            out.traces.append(tr)  # [(layer, [(head, blocks, stages, mass)])]
     return out
 
 
 # ---------------------------------------------------------------- softmax mass of the selection
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
-class _QCapture:
-    """Keeps each layer's last query (after norm and RoPE) so the covered mass can be computed
-    when the kernel's trace records carry no mass of their own."""
-
-    def __init__(self, model):
-        self.model, self.q = model, {}
-
-    def __enter__(self):
-        for layer in self.model.layers:
-            orig = layer.attn.qkv
-
-            def wrapped(x, rope, positions, _orig=orig, _i=layer.index):
-                q, k, v = _orig(x, rope, positions)
-                self.q[_i] = q[-1]  # [H, D]
-                return q, k, v
-
-            layer.attn.qkv = wrapped
-        return self
-
-    def __exit__(self, *a):
-        for layer in self.model.layers:
-            layer.attn.__dict__.pop("qkv", None)
-        return False
-
-
 def selected_mass(q, layer_cache, seq_len, scale, block, heads_blocks) -> dict[int, float]:
-    """Exact softmax mass inside the selected blocks per head: q [H, D]; heads_blocks {h: ids}."""
+    """Exact softmax mass inside the selected blocks per head, in float64: q [H, D]; heads_blocks
+    {h: ids}. An independent check of the `mass` the attention kernel puts in trace records."""
     H = q.shape[0]
     group = H // layer_cache.n_kv_heads
     starts = np.arange(0, seq_len, block)
@@ -181,19 +147,6 @@ def selected_mass(q, layer_cache, seq_len, scale, block, heads_blocks) -> dict[i
             blocks = np.add.reduceat(p, starts)  # [n_blocks]
             out[h] = float(blocks[np.asarray(heads_blocks[h], np.int64)].sum())
     return out
-
-
-def _with_mass(tr, cap, cache, seq_len, block, model):
-    """Normalises trace records to (head, ids, stages, mass), computing mass if missing."""
-    res = []
-    for li, recs in tr:
-        if recs and len(recs[0]) >= 4:
-            res.append((li, [tuple(r[:4]) for r in recs]))
-            continue
-        scale = model.layers[li].attn.scale
-        m = selected_mass(cap.q[li], cache.layers[li], seq_len, scale, block, {r[0]: r[1] for r in recs})
-        res.append((li, [(r[0], r[1], r[2], m[r[0]]) for r in recs]))
-    return res
 
 
 # ---------------------------------------------------------------- summaries

@@ -15,7 +15,10 @@ to the file that holds the cached function, not to jitted functions it inlines f
 
 import numba.core.config as _nbconfig
 import numpy as np
+from llvmlite import ir
 from numba import njit, prange
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 KW = dict(cache=True, nogil=True)
 FM = {"reassoc", "contract"}  # lets LLVM use vector lanes + FMA in the dot products
@@ -225,6 +228,110 @@ def _mv_f32(w, x, y):
             y[t, o] = dot(w[o], x[t])
 
 
+# ---------------------------------------------------------------- block row dots (decode)
+# Written as LLVM vector IR: numba promotes small integers to int64, which halves the SIMD
+# width of nibble unpacking, and LLVM will not keep a vector accumulator across blocks
+# when each block has its own scale. Per block: codes -> f32 lanes, t = q . x in 16 lanes,
+# acc += d * t (two accumulators, even / odd blocks, to hide FMA latency); the constant part
+# (q4_1: m * sum(x), q4_0: -8 d * sum(x)) goes to a scalar accumulator in block order. At
+# the end acc_even + acc_odd is summed by a fixed pairwise tree. Each row's order depends
+# only on its length: bit-identical whatever T, the row's batch or the thread count.
+
+_F32, _I8, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+_V16F, _V16I32 = ir.VectorType(_F32, 16), ir.VectorType(_I32, 16)
+_BB = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+
+
+def _fma(builder, a, b, c):
+    ty = a.type
+    name = "llvm.fma.v16f32" if isinstance(ty, ir.VectorType) else "llvm.fma.f32"
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty, ty]), name)
+    return builder.call(fn, [a, b, c])
+
+
+def _half_at(builder, rp, off):
+    ptr = builder.bitcast(builder.gep(rp, [off]), ir.HalfType().as_pointer())
+    return builder.fpext(builder.load(ptr, align=1), _F32)
+
+
+def _block_terms(builder, qtype, rp, xp, sp, b):
+    """(vector q . x for block b, d, scalar constant term) as LLVM values."""
+    c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+    p = builder.mul(b, c64(_BB[qtype]))
+    d = _half_at(builder, rp, p)
+    xo = builder.mul(b, c64(32))
+    xl = builder.load(builder.bitcast(builder.gep(xp, [xo]), _V16F.as_pointer()), align=4)
+    xh = builder.load(builder.bitcast(builder.gep(xp, [builder.add(xo, c64(16))]), _V16F.as_pointer()), align=4)
+    if qtype == "q8_0":
+        v16i8 = ir.VectorType(_I8, 16)
+        lo = builder.load(builder.bitcast(builder.gep(rp, [builder.add(p, c64(2))]), v16i8.as_pointer()), align=1)
+        hi = builder.load(builder.bitcast(builder.gep(rp, [builder.add(p, c64(18))]), v16i8.as_pointer()), align=1)
+        t = builder.fmul(builder.sitofp(lo, _V16F), xl)
+        return _fma(builder, builder.sitofp(hi, _V16F), xh, t), d, None
+    off = 4 if qtype == "q4_1" else 2
+    qp = builder.bitcast(builder.gep(rp, [builder.add(p, c64(off))]), ir.VectorType(_I8, 16).as_pointer())
+    q = builder.zext(builder.load(qp, align=1), _V16I32)
+    lo = builder.uitofp(builder.and_(q, ir.Constant(_V16I32, [15] * 16)), _V16F)
+    hi = builder.uitofp(builder.lshr(q, ir.Constant(_V16I32, [4] * 16)), _V16F)
+    t = _fma(builder, hi, xh, builder.fmul(lo, xl))
+    sx = builder.load(builder.gep(sp, [b]))
+    if qtype == "q4_1":
+        return t, d, (_half_at(builder, rp, builder.add(p, c64(2))), sx)
+    return t, d, (builder.fmul(d, ir.Constant(_F32, -8.0)), sx)
+
+
+def _make_rowdot(qtype):
+    @intrinsic
+    def rowdot(typingctx, row, x, sx):
+        """row: stored bytes [nb * bb] uint8, x: f32 [nb * 32], sx: f32 [nb] -> f32."""
+        sig = types.float32(row, x, sx)
+
+        def codegen(context, builder, signature, args):
+            arrs = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args)]
+            rp = builder.bitcast(arrs[0].data, _I8.as_pointer())
+            xp = builder.bitcast(arrs[1].data, _F32.as_pointer())
+            sp = builder.bitcast(arrs[2].data, _F32.as_pointer())
+            nb = builder.extract_value(arrs[2].shape, 0)
+            zero = ir.Constant(_V16F, [0.0] * 16)
+            accs = [cgutils.alloca_once_value(builder, zero) for _ in range(2)]
+            accm = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+            splat = ir.Constant(_V16I32, [0] * 16)
+            def block(b, acc):
+                t, d, const = _block_terms(builder, qtype, rp, xp, sp, b)
+                dv = builder.shuffle_vector(builder.insert_element(ir.Constant(_V16F, ir.Undefined), d,
+                                                                   ir.Constant(_I32, 0)),
+                                            ir.Constant(_V16F, ir.Undefined), splat)
+                builder.store(_fma(builder, t, dv, builder.load(acc)), acc)
+                if const is not None:
+                    builder.store(_fma(builder, const[0], const[1], builder.load(accm)), accm)
+
+            one = ir.Constant(_I64, 1)
+            with cgutils.for_range(builder, builder.lshr(nb, one)) as loop:
+                b0 = builder.shl(loop.index, one)
+                block(b0, accs[0])
+                block(builder.add(b0, one), accs[1])
+            with builder.if_then(builder.trunc(nb, ir.IntType(1))):
+                block(builder.sub(nb, one), accs[0])
+            v = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
+            n = 16
+            while n > 1:  # fixed pairwise tree 16 -> 8 -> 4 -> 2 -> 1
+                h = n // 2
+                lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h))))
+                hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h, n))))
+                v = builder.fadd(lo, hi)
+                n = h
+            return builder.fadd(builder.extract_element(v, ir.Constant(_I32, 0)), builder.load(accm))
+
+        return sig, codegen
+
+    return rowdot
+
+
+rowdot_q8_0 = _make_rowdot("q8_0")
+rowdot_q4_0 = _make_rowdot("q4_0")
+rowdot_q4_1 = _make_rowdot("q4_1")
+
+
 @njit(fastmath=FM, **KW)
 def _block_sums(xr, sxr):
     # sxr[b] = sum of xr over block b; the order depends only on the block length
@@ -235,54 +342,8 @@ def _block_sums(xr, sxr):
         sxr[b] = a
 
 
-@njit(fastmath=FM, **KW)
-def _qdot(row, kind, lut, xr, sxr, half):
-    """Stored block row . xr in f32, straight from the blocks (no f32 row buffer).
-
-    Per block: the codes times x are summed in vector lanes, then scaled,
-    d * sum(q x) + m * sum(x) (q4_1), d * (sum(q x) - 8 sum(x)) (q4_0), d * sum(q x)
-    (q8_0), with sum(x) per block precomputed (sxr); block results are added in block
-    order. The order depends only on the row length. `half` (16) comes in at run time so
-    LLVM vectorises the inner loop instead of unrolling it and vectorising across blocks
-    with gathers. Nibbles are split in f32 (floor(q / 16)), which vectorises 16 wide where
-    numba's int64-promoted integer ops would not. Activations stay f32 throughout.
-    """
-    s = np.float32(0)
-    nb = xr.shape[0] // 32
-    if kind == 2:  # q4_1
-        for b in range(nb):
-            p = b * 20
-            d = lut[np.int64(row[p]) | (np.int64(row[p + 1]) << 8)]
-            m = lut[np.int64(row[p + 2]) | (np.int64(row[p + 3]) << 8)]
-            a = np.float32(0)
-            for j in range(half):
-                qf = np.float32(row[p + 4 + j])
-                hi = np.floor(qf * np.float32(0.0625))
-                a += (qf - hi * np.float32(16)) * xr[b * 32 + j] + hi * xr[b * 32 + half + j]
-            s += d * a + m * sxr[b]
-    elif kind == 1:  # q4_0
-        for b in range(nb):
-            p = b * 18
-            d = lut[np.int64(row[p]) | (np.int64(row[p + 1]) << 8)]
-            a = np.float32(0)
-            for j in range(half):
-                qf = np.float32(row[p + 2 + j])
-                hi = np.floor(qf * np.float32(0.0625))
-                a += (qf - hi * np.float32(16)) * xr[b * 32 + j] + hi * xr[b * 32 + half + j]
-            s += d * (a - np.float32(8) * sxr[b])
-    else:  # q8_0
-        for b in range(nb):
-            p = b * 34
-            d = lut[np.int64(row[p]) | (np.int64(row[p + 1]) << 8)]
-            a = np.float32(0)
-            for j in range(2 * half):
-                a += np.float32(np.int8(row[p + 2 + j])) * xr[b * 32 + j]
-            s += d * a
-    return s
-
-
 @njit(parallel=True, **KW)
-def _mv_blocks(data, kind, lut, x, y, half):
+def _mv_blocks(data, kind, x, y):
     # q8_0 / q4_0 / q4_1 rows dotted with f32 x; parallel over output rows only, so each
     # y[t, o] has one summation order whatever T and the thread count.
     o_n = data.shape[0]
@@ -292,7 +353,12 @@ def _mv_blocks(data, kind, lut, x, y, half):
     for c in prange((o_n + _ROWS - 1) // _ROWS):
         for o in range(c * _ROWS, min(o_n, (c + 1) * _ROWS)):
             for t in range(x.shape[0]):
-                y[t, o] = _qdot(data[o], kind, lut, x[t], sx[t], half)
+                if kind == 2:
+                    y[t, o] = rowdot_q4_1(data[o], x[t], sx[t])
+                elif kind == 1:
+                    y[t, o] = rowdot_q4_0(data[o], x[t], sx[t])
+                else:
+                    y[t, o] = rowdot_q8_0(data[o], x[t], sx[t])
 
 
 @njit(parallel=True, **KW)
@@ -316,7 +382,7 @@ def matvec_widened(x, w, out):
     if w.qtype == "f32":
         _mv_f32(w.data, x, out)
     elif KIND[w.qtype] <= 2:
-        _mv_blocks(w.data, KIND[w.qtype], F16_LUT, x, out, 16)
+        _mv_blocks(w.data, KIND[w.qtype], x, out)
     else:
         call_slp(_mv_stored, w.data, KIND[w.qtype], F16_LUT, x, out)
     return out

@@ -28,7 +28,7 @@ from numba.extending import intrinsic, overload
 from sparrow.kernels.sparse_select import STAGE_NAMES, select_blocks_nb
 from sparrow.kv_cache import SparseParams, quantize_int8  # noqa: F401  (SparseParams re-exported)
 
-_TILE_ELEMS = 1 << 23  # floats per prefill score tile (32 MiB)
+_TILE_ELEMS = 1 << 19  # floats per prefill score tile (2 MiB: its passes stay in L2)
 _DOT_FM = {"reassoc", "contract"}  # lets LLVM vectorise the dot; order is fixed per build
 _DEFAULT_BLOCK = 32
 
@@ -380,19 +380,18 @@ def _exact_prefill(q, layer, start, scale, group, record_importance):
         for t0 in range(0, T, tile):
             t1 = min(T, t0 + tile)
             n, sk = t1 - t0, start + t1  # queries in tile, keys they can see
-            qt = q[t0:t1, hs].transpose(1, 0, 2).reshape(group * n, D)  # [G*n, D]
+            qt = q[t0:t1, hs].transpose(1, 0, 2).reshape(group * n, D) * scale  # [G*n, D]
             sc = qt @ Kf[:sk].T  # [G*n, sk]
-            sc *= scale
             # causal mask only touches the tile's own diagonal band
             band = sc.reshape(group, n, sk)[:, :, start + t0:]  # [G, n, n]
             band[:, np.triu(np.ones((n, n), dtype=bool), 1)] = -np.inf
             sc -= sc.max(axis=1, keepdims=True)
             np.exp(sc, out=sc)
-            sc /= sc.sum(axis=1, keepdims=True)
-            o = sc @ Vf[:sk]  # [G*n, D]
+            rinv = np.float32(1) / sc.sum(axis=1)  # [G*n]; normalise the small outputs, not sc
+            o = (sc @ Vf[:sk]) * rinv[:, None]  # [G*n, D]
             out[t0:t1, hs] = o.reshape(group, n, D).transpose(1, 0, 2)
             if imp is not None:
-                imp[:sk] += sc.sum(axis=0)
+                imp[:sk] += rinv @ sc
     if imp is not None:
         layer.importance[:S] += imp
     return out
