@@ -356,3 +356,13 @@ def test_from_hf_dir_add_bos_from_post_processor(ref, tmp_path):
     assert hf.add_bos is True
     assert hf.encode("hi", add_special_tokens=True) == [1] + hf.encode("hi")
     assert hf.encode("hi") == ref.encode("hi", add_special_tokens=False)
+
+
+@pytest.mark.parametrize("eos_text, want", [("<|im_end|>", ["<|im_end|>", "<|endoftext|>"]), ("</s>", ["</s>"])])
+def test_gguf_end_of_generation_tokens(tmp_path, eos_text, want):
+    # A GGUF has no generation_config.json: when its eos is a chat end-of-turn token, the other
+    # end-of-generation tokens (Qwen3 emits <|endoftext|> too) must stop generation as well.
+    tokens = ["a", "b", eos_text, "<|endoftext|>", "ab"]
+    _write_tokenizer_gguf(tmp_path / "t.gguf", "qwen3", "gpt2", tokens, [1, 1, 3, 3, 1], pre="qwen2", merges=["a b"])
+    t = Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "t.gguf"))
+    assert [t.id_to_token(i) for i in t.eos_token_ids] == want
