@@ -16,7 +16,7 @@ import threading
 import traceback
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -24,6 +24,7 @@ from ..engine.scheduler import Engine
 from ..engine.sequence import check_context
 from ..errors import ContextLengthError, SparrowError
 from .metrics import Metrics
+from .streaming import Accumulator, SSEResponse, collect, stream
 from .protocol import (DEFAULT_MAX_TOKENS, APIError, ReasoningSplitter, chat_logprobs, completion_logprobs,
                        error_body, new_id, now, parse_chat, parse_completion, starts_in_reasoning, usage)
 
@@ -81,24 +82,6 @@ async def read_json(request: Request):
         raise APIError(400, f"malformed JSON body: {e}"[:300], code="invalid_json") from None
 
 
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-class _SSEResponse(StreamingResponse):
-    """Runs on_close however the response ends (finished, client gone, task cancelled)."""
-
-    def __init__(self, gen, on_close):
-        super().__init__(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
 class _Guard:
     """Counts responses by endpoint and status, and turns any escaped exception into a 500 here, so
     it never reaches uvicorn (which would drop the keep-alive connection). Pure ASGI: streaming and
@@ -129,26 +112,6 @@ class _Guard:
         finally:
             path = scope.get("path", "")
             self.metrics.request(path if path in ENDPOINTS else "other", status[0] or 500)
-
-
-class _Accumulator:
-    """Turns StepOutputs into content/reasoning deltas and logprob entries."""
-
-    def __init__(self, llm, splitter: ReasoningSplitter | None, want_lp: bool, stop_ids=()):
-        self.tok, self.splitter, self.want_lp = llm.tokenizer, splitter, want_lp
-        self.eos = set(llm.tokenizer.eos_token_ids) | set(stop_ids)
-        self.tokens = 0
-
-    def add(self, out):
-        self.tokens += 1
-        final = out.finish_reason is not None
-        if self.splitter is not None:
-            reasoning, content = self.splitter.push(out.text, final)
-        else:
-            reasoning, content = "", out.text
-        hidden = out.finish_reason == "stop" and out.token_id in self.eos  # end-of-turn / stop token: no text
-        lps = [out] if self.want_lp and out.logprob is not None and not hidden else []
-        return reasoning, content, lps
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -291,16 +254,16 @@ def create_app(state: ServerState) -> FastAPI:
             loop.call_soon_threadsafe(queue.put_nowait, (kind, payload))
 
         handle = engine.submit(ids, req.params, req.sparse, emit)
-        acc = _Accumulator(llm, splitter, req.logprobs, req.params.stop_token_ids)
+        acc = Accumulator(llm, splitter, req.logprobs, req.params.stop_token_ids)
         rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
         obj = ("chat.completion" if chat else "text_completion")
         lp_fmt = (lambda outs, offset=0: chat_logprobs(llm.tokenizer, outs)) if chat else (
             lambda outs, offset=0: completion_logprobs(llm.tokenizer, outs, offset))
 
         if req.stream:
-            return _SSEResponse(_stream(req, ids, queue, acc, rid, created, chat, lp_fmt), lambda: engine.cancel(handle))
+            return SSEResponse(stream(req, ids, queue, acc, rid, created, chat, lp_fmt, llm.name), lambda: engine.cancel(handle))
         try:
-            result = await _collect(request, queue, acc)
+            result = await collect(request, queue, acc)
         finally:
             engine.cancel(handle)  # no-op once finished
         if result is None:
@@ -316,67 +279,6 @@ def create_app(state: ServerState) -> FastAPI:
             choice = {"index": 0, "text": content, "logprobs": lp, "finish_reason": finish}
         return {"id": rid, "object": obj, "created": created, "model": llm.name, "choices": [choice],
                 "usage": usage(len(ids), acc.tokens)}
-
-    async def _collect(request: Request, queue, acc):
-        """Waits for the whole answer; None if the client disconnects first."""
-
-        async def disconnected():
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        watch = asyncio.ensure_future(disconnected())
-        reasoning, content, lps = [], [], []
-        try:
-            while True:
-                get = asyncio.ensure_future(queue.get())
-                done, _ = await asyncio.wait({get, watch}, return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:
-                    get.cancel()
-                    return None
-                kind, out = get.result()
-                if kind == "error":
-                    raise APIError(500, out, type="server_error")
-                r, c, lp = acc.add(out)
-                reasoning.append(r)
-                content.append(c)
-                lps += lp
-                if out.finish_reason:
-                    return "".join(reasoning), "".join(content), lps, out.finish_reason
-        finally:
-            watch.cancel()
-
-    async def _stream(req, ids, queue, acc, rid, created, chat, lp_fmt):
-        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": state.llm.name}
-        extra = {"usage": None} if req.include_usage else {}
-        offset = 0  # characters streamed so far: completions' logprobs.text_offset
-
-        def chunk(delta_or_text, lps=None, finish=None):
-            choice = {"index": 0, ("delta" if chat else "text"): delta_or_text,
-                      "logprobs": lp_fmt(lps, offset) if lps else None, "finish_reason": finish}
-            return _sse({**base, "choices": [choice], **extra})
-
-        if chat:
-            yield chunk({"role": "assistant", "content": ""})
-        while True:
-            kind, out = await queue.get()
-            if kind == "error":
-                yield _sse(error_body(out, "server_error"))
-                break
-            r, c, lps = acc.add(out)
-            if chat:
-                delta = {k: v for k, v in (("reasoning_content", r), ("content", c)) if v}
-                if delta or lps:
-                    yield chunk(delta, lps)
-            elif c or lps:
-                yield chunk(c, lps)
-                offset += len(c)
-            if out.finish_reason:
-                yield chunk({} if chat else "", finish=out.finish_reason)
-                if req.include_usage:
-                    yield _sse({**base, "choices": [], "usage": usage(len(ids), acc.tokens)})
-                break
-        yield "data: [DONE]\n\n"
 
     return app
 

@@ -1,0 +1,112 @@
+"""Turning the engine's StepOutputs into OpenAI responses: whole answers and SSE streams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi.responses import StreamingResponse
+
+from .protocol import APIError, ReasoningSplitter, error_body, usage
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """Runs on_close however the response ends (finished, client gone, task cancelled)."""
+
+    def __init__(self, gen, on_close):
+        super().__init__(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class Accumulator:
+    """Turns StepOutputs into content/reasoning deltas and logprob entries."""
+
+    def __init__(self, llm, splitter: ReasoningSplitter | None, want_lp: bool, stop_ids=()):
+        self.tok, self.splitter, self.want_lp = llm.tokenizer, splitter, want_lp
+        self.eos = set(llm.tokenizer.eos_token_ids) | set(stop_ids)
+        self.tokens = 0
+
+    def add(self, out):
+        self.tokens += 1
+        final = out.finish_reason is not None
+        if self.splitter is not None:
+            reasoning, content = self.splitter.push(out.text, final)
+        else:
+            reasoning, content = "", out.text
+        hidden = out.finish_reason == "stop" and out.token_id in self.eos  # end-of-turn / stop token: no text
+        lps = [out] if self.want_lp and out.logprob is not None and not hidden else []
+        return reasoning, content, lps
+
+
+async def collect(request, queue, acc):
+    """Waits for the whole answer; None if the client disconnects first."""
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    reasoning, content, lps = [], [], []
+    try:
+        while True:
+            get = asyncio.ensure_future(queue.get())
+            done, _ = await asyncio.wait({get, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:
+                get.cancel()
+                return None
+            kind, out = get.result()
+            if kind == "error":
+                raise APIError(500, out, type="server_error")
+            r, c, lp = acc.add(out)
+            reasoning.append(r)
+            content.append(c)
+            lps += lp
+            if out.finish_reason:
+                return "".join(reasoning), "".join(content), lps, out.finish_reason
+    finally:
+        watch.cancel()
+
+async def stream(req, ids, queue, acc, rid, created, chat, lp_fmt, model_name):
+    """SSE chunks in OpenAI's shape: role first, deltas, finish, optional usage, [DONE]."""
+    base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model_name}
+    extra = {"usage": None} if req.include_usage else {}
+    offset = 0  # characters streamed so far: completions' logprobs.text_offset
+
+    def chunk(delta_or_text, lps=None, finish=None):
+        choice = {"index": 0, ("delta" if chat else "text"): delta_or_text,
+                  "logprobs": lp_fmt(lps, offset) if lps else None, "finish_reason": finish}
+        return sse({**base, "choices": [choice], **extra})
+
+    if chat:
+        yield chunk({"role": "assistant", "content": ""})
+    while True:
+        kind, out = await queue.get()
+        if kind == "error":
+            yield sse(error_body(out, "server_error"))
+            break
+        r, c, lps = acc.add(out)
+        if chat:
+            delta = {k: v for k, v in (("reasoning_content", r), ("content", c)) if v}
+            if delta or lps:
+                yield chunk(delta, lps)
+        elif c or lps:
+            yield chunk(c, lps)
+            offset += len(c)
+        if out.finish_reason:
+            yield chunk({} if chat else "", finish=out.finish_reason)
+            if req.include_usage:
+                yield sse({**base, "choices": [], "usage": usage(len(ids), acc.tokens)})
+            break
+    yield "data: [DONE]\n\n"
+
