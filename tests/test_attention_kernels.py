@@ -249,3 +249,16 @@ def test_cache_bookkeeping():
         KVCache(1, 1, 4, 8, "bf16")
     with pytest.raises(SparrowError):
         layer.append(60, x, x)
+
+
+def test_vectorised_exp_against_float64():
+    from sparrow.kernels.attention import _exp_shifted
+
+    x = np.concatenate([-np.linspace(0, 100, 20001), [-0.0, -1e-8, -87.5, -300.0]]).astype(np.float32)
+    for m in (0.0, 3.5):
+        s = x + np.float32(m)
+        _exp_shifted(s, np.float32(m), len(s), np.empty(len(s), np.int32))
+        ref = np.exp(x.astype(np.float64))
+        ok = x > -70
+        assert np.all(np.abs(s[ok] - ref[ok]) <= 3e-7 * ref[ok])
+        assert np.all(s[~ok] == 0)  # far tail dropped: < 4e-31 of the maximum's weight

@@ -7,11 +7,11 @@ import pytest
 
 from sparrow.errors import SparrowError
 from sparrow.kernels import linear as L
-from sparrow.quant import BLOCK_BYTES, Weight, f32_to_bf16_bits, quantize_blocks
+from sparrow.quant import Weight, f32_to_bf16_bits, quantize_blocks
 
 GT = gguf.GGMLQuantizationType
 FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
-SHAPES = ((37, 64), (37, 96), (21, 576))
+SHAPES = ((37, 64), (37, 96), (21, 576), (5, 32), (19, 608))  # 1 to 19 blocks, odd and even
 PREFILL_T = L.SMALL_T + 13
 
 
@@ -191,3 +191,37 @@ def test_errors():
         Weight.from_gguf(np.zeros((4, 33), np.uint8), GT.Q8_0, (4, 64))
     with pytest.raises(SparrowError):
         Weight.from_array(np.zeros((4, 64), np.int32))
+
+
+# ---------------------------------------------------------------- fused small ops (kernels.elementwise)
+
+
+def test_fused_small_ops_against_numpy():
+    from sparrow.kernels import elementwise as El
+    from sparrow.models import layers as Ly
+
+    rng = np.random.default_rng(20)
+    x = rng.standard_normal((5, 7, 64)).astype(np.float32)
+    w = rng.standard_normal(64).astype(np.float32)
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5) * w
+    assert np.abs(Ly.rms_norm(x, w, 1e-5) - ref).max() <= 2e-6 * np.abs(ref).max()
+    view = rng.standard_normal((3, 50)).astype(np.float32)[:, 5:38]  # non-contiguous rows, odd width
+    v64 = view.astype(np.float64)
+    ref = v64 / np.sqrt((v64 ** 2).mean(-1, keepdims=True) + 1e-6) * w[:33]
+    assert np.abs(Ly.rms_norm(view, w[:33], 1e-6) - ref).max() <= 2e-6 * np.abs(ref).max()
+    rope = Ly.Rope(64, 10000.0, None)
+    pos = np.array([0, 3, 100, 7, 2000])
+    got = rope.apply(x, pos)  # grows the cos / sin tables to position 2000
+    c, s = rope.cos[pos][:, None, :], rope.sin[pos][:, None, :]  # [T, 1, 32]
+    want = np.concatenate([x[..., :32] * c - x[..., 32:] * s, x[..., 32:] * c + x[..., :32] * s], -1)
+    assert np.array_equal(got, want)  # same f32 operations, same order
+    g = np.concatenate([rng.standard_normal((3, 61)).astype(np.float32) * 30,
+                        np.float32([[100, -100, 0, 88.5, -88.5]] * 3)], 1)  # [3, 66]
+    gu = np.concatenate([g, rng.standard_normal(g.shape).astype(np.float32)], 1)  # [3, 132]
+    h = El.silu_mul(gu, g.shape[1])
+    g64 = g.astype(np.float64)
+    ref = g64 / (1 + np.exp(-g64)) * gu[:, g.shape[1]:]
+    assert np.all(np.abs(h - ref) <= 1e-6 * np.abs(ref) + 1e-30)
+    one = El.silu_mul(gu[1:2].copy(), g.shape[1])
+    assert np.array_equal(one[0], h[1])  # a row alone == that row in a batch

@@ -34,7 +34,15 @@ def _load_avg():
 
 
 def _rss_mb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak; Linux: KiB
+
+
+def _rss_now_mb():
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) for x in f if x.startswith("VmRSS:")) / 1024
+    except (OSError, StopIteration):
+        return None
 
 
 class SparrowRunner:
@@ -71,16 +79,18 @@ class SparrowRunner:
 
         cache = self._int8_copy(start) if mode == "int8" else self.cache
         sp = SparseParams(k=sparse_k) if mode == "sparse" else None
-        times, timer = [], Timer()
+        times, parts = [], []
         for i, tok in enumerate(feed):
+            timer = Timer()
             t0 = time.perf_counter()
             self.model.forward([Segment(np.array([tok]), cache, start + i, sparse=sp, decode=True)],
                                timer=timer)
             times.append(time.perf_counter() - t0)
+            parts.append((timer.matmul, timer.attn, timer.total - timer.matmul - timer.attn))
         self.cache.truncate(start)
-        n = len(feed)
-        split = {"matmul_ms": timer.matmul / n * 1e3, "attention_ms": timer.attn / n * 1e3,
-                 "other_ms": (timer.total - timer.matmul - timer.attn) / n * 1e3}
+        # medians per component, like the per-token time (a one-off stall does not count)
+        split = {k: statistics.median(p[j] for p in parts) * 1e3
+                 for j, k in enumerate(("matmul_ms", "attention_ms", "other_ms"))}
         kv = {"kv_bytes_per_token": cache.nbytes / cache.capacity}
         return times, split, kv
 
@@ -136,14 +146,15 @@ def _startup(path, threads):
 
     llm = load(path, threads=threads)
     t_load = time.perf_counter() - t0
-    rss_load = _rss_mb()
+    rss_load, rss_now = _rss_mb(), _rss_now_mb()
     cache = llm.model.new_cache(64, "f32")
     llm.model.forward([Segment(np.arange(100, 116), cache, 0)])
     t_prefill = time.perf_counter() - t0
     llm.model.forward([Segment(np.array([5]), cache, 16, decode=True)])
     t_first = time.perf_counter() - t0
     print(json.dumps({"load_s": t_load, "first_prefill_s": t_prefill, "first_decode_s": t_first,
-                      "rss_python_mb": rss0, "rss_loaded_mb": rss_load, "rss_peak_mb": _rss_mb()}))
+                      "rss_python_mb": rss0, "rss_loaded_mb": rss_load, "rss_now_mb": rss_now,
+                      "rss_peak_mb": _rss_mb()}))
 
 
 def _llama_rss(path, threads):
@@ -166,7 +177,7 @@ def _startup_runs(path, threads, compare):
     res = {"load_before": _load_avg()}
     with tempfile.TemporaryDirectory() as d:
         env = dict(os.environ, NUMBA_CACHE_DIR=d)
-        base = ["--_child", "startup", "--threads", str(threads)] + (["--model", path] if path else [])
+        base = ["--_child", "startup", "--threads", str(threads), "--model", path]
         res["cold"] = _child(base, env)
         res["warm"] = _child(base, env)
     if compare:
@@ -210,7 +221,8 @@ def markdown(rec):
     lines = [f"Model `{os.path.basename(rec['config']['model'])}`, {rec['config']['threads']} threads, "
              f"{rec['config']['rounds']} rounds, {rec['config']['decode']} decode tokens per point; "
              f"load average {rec['load_start']} at start, {rec['load_end']} at end "
-             f"({os.cpu_count()} CPUs). llama.cpp: flash_attn={rec['config']['flash_attn']}, f16 KV.", "",
+             f"({os.cpu_count()} CPUs). llama.cpp: flash_attn={rec['config']['flash_attn']}, f16 KV, "
+             f"OMP_WAIT_POLICY={rec['config']['omp_wait_policy']}.", "",
              "| context | metric | sparrow | llama.cpp | sparrow / llama.cpp |", "|---|---|---|---|---|"]
     for c, row in t.items():
         lines.append(f"| {c} | prefill tok/s | {f(row['prefill_tok_s'])} | {f(row.get('llama_prefill_tok_s'))} "
@@ -235,9 +247,11 @@ def markdown(rec):
                          f"{s['load_s']:.1f} / {s['first_prefill_s']:.1f} / {s['first_decode_s']:.1f} | | |")
     w, lw = st.get("warm", {}), st.get("llama", {})
     if "rss_loaded_mb" in w:
-        lines.append(f"| memory | RSS MiB: python+imports -> loaded (GGUF {rec['gguf_mb']:.0f} MiB) | "
+        lines.append(f"| memory | peak RSS MiB: python+imports -> loaded (GGUF {rec['gguf_mb']:.0f} MiB) | "
                      f"{w['rss_python_mb']:.0f} -> {w['rss_loaded_mb']:.0f} | "
                      f"{f(lw.get('rss_python_mb'), 0)} -> {f(lw.get('rss_loaded_mb'), 0)} | |")
+        if w.get("rss_now_mb"):
+            lines.append(f"| memory | RSS MiB after load (not peak) | {w['rss_now_mb']:.0f} | | |")
     return "\n".join(lines)
 
 
@@ -276,6 +290,9 @@ def main(argv=None):
     contexts = sorted(int(c) for c in a.contexts.split(","))
     compare = a.compare == "llama-cpp"
     if compare:
+        # libgomp reads this when llama.cpp loads: spinning OpenMP threads collapse on a
+        # shared machine (0.3 tok/s measured), so passive unless the caller chose otherwise
+        os.environ.setdefault("OMP_WAIT_POLICY", "passive")
         try:
             import llama_cpp  # noqa: F401
         except ImportError:
@@ -284,10 +301,9 @@ def main(argv=None):
     rec = {"load_start": _load_avg(), "gguf_mb": os.path.getsize(path) / MB if os.path.isfile(path) else None,
            "config": {"model": path, "threads": a.threads, "contexts": contexts, "rounds": a.rounds,
                       "decode": a.decode, "sparse_k": a.sparse_k, "compare": compare,
-                      "flash_attn": a.flash_attn, "chunk": CHUNK}}
-    if compare:
-        os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # before llama.cpp's OpenMP starts
-    rec["startup"] = None if a.no_startup else _startup_runs(a.model and path, a.threads, compare)
+                      "flash_attn": a.flash_attn, "chunk": CHUNK,
+                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}}
+    rec["startup"] = None if a.no_startup else _startup_runs(path, a.threads, compare)
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, 40000, contexts[-1]).tolist()
     feed = rng.integers(100, 40000, a.decode).tolist()
@@ -298,7 +314,8 @@ def main(argv=None):
         runners.append(LlamaRunner(path, a.threads, capacity, a.flash_attn))
     for r in runners:  # warm-up: JIT load / compile, page in the weights
         r.prefill(prompt[:64], 0)
-        r.decode(feed[:2], 64, "exact")
+        for m in (modes if r.name == "sparrow" else ("exact",)):
+            r.decode(feed[:2], 64, m, a.sparse_k)
     rounds = []
     for i in range(a.rounds):
         res = {}

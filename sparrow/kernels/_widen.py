@@ -2,8 +2,10 @@
 
 - widen_row / dequantize_rows: stored rows -> f32, bit-identical to Weight.dequantize()
   (same f32 operations: d * q, then + m).
-- matvec_widened: small T for every format; each row is widened once and
-  dotted with every x row by the same compiled loop (batch and thread invariant).
+- matvec_widened: small T. q8_0 / q4_0 / q4_1 rows are dotted with f32 x straight from
+  their blocks (rowdot_*: LLVM vector IR, see below); f16 / bf16 rows are widened once and
+  dotted by one compiled loop. Either way each row's summation order depends only on its
+  length (batch and thread invariant). Small matvecs skip the thread pool.
 - matmul_widened: large T (prefill) for every format; chunks of weight rows are widened
   into a small f32 tile and multiplied with x in 4 x 4 register blocks. Everything runs in
   numba's pool, parallel over output-row chunks, so each y[t, o] has one summation order
@@ -30,6 +32,10 @@ F16_LUT.flags.writeable = False
 KIND = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "f16": 3, "bf16": 4}
 _ROWS = 16  # weight rows widened per parallel work item
 _TT = 128  # x rows per pass over the weight (keeps the x tile in L2)
+# Block matvecs below this many multiply-adds skip the thread pool: a parallel launch costs
+# 50-180 us of wall time here, as much as a 2M-MAC matvec on one core (measured with the
+# second core busy, the usual state of a shared machine). Results are identical either way.
+PARALLEL_MIN_MACS = 4_000_000
 
 
 def call_slp(kernel, *args):
@@ -342,23 +348,40 @@ def _block_sums(xr, sxr):
         sxr[b] = a
 
 
+@njit(**KW)
+def _x_block_sums(x):
+    sx = np.empty((x.shape[0], x.shape[1] // 32), np.float32)  # [T, nb]
+    for t in range(x.shape[0]):
+        _block_sums(x[t], sx[t])
+    return sx
+
+
+@njit(**KW)
+def _rows_blocks(data, kind, x, sx, y, o0, o1):
+    for o in range(o0, o1):
+        for t in range(x.shape[0]):
+            if kind == 2:
+                y[t, o] = rowdot_q4_1(data[o], x[t], sx[t])
+            elif kind == 1:
+                y[t, o] = rowdot_q4_0(data[o], x[t], sx[t])
+            else:
+                y[t, o] = rowdot_q8_0(data[o], x[t], sx[t])
+
+
 @njit(parallel=True, **KW)
 def _mv_blocks(data, kind, x, y):
     # q8_0 / q4_0 / q4_1 rows dotted with f32 x; parallel over output rows only, so each
     # y[t, o] has one summation order whatever T and the thread count.
     o_n = data.shape[0]
-    sx = np.empty((x.shape[0], x.shape[1] // 32), np.float32)  # [T, nb]
-    for t in range(x.shape[0]):
-        _block_sums(x[t], sx[t])
+    sx = _x_block_sums(x)
     for c in prange((o_n + _ROWS - 1) // _ROWS):
-        for o in range(c * _ROWS, min(o_n, (c + 1) * _ROWS)):
-            for t in range(x.shape[0]):
-                if kind == 2:
-                    y[t, o] = rowdot_q4_1(data[o], x[t], sx[t])
-                elif kind == 1:
-                    y[t, o] = rowdot_q4_0(data[o], x[t], sx[t])
-                else:
-                    y[t, o] = rowdot_q8_0(data[o], x[t], sx[t])
+        _rows_blocks(data, kind, x, sx, y, c * _ROWS, min(o_n, (c + 1) * _ROWS))
+
+
+@njit(**KW)
+def _mv_blocks_serial(data, kind, x, y):
+    # the same rows without the thread pool: a parallel launch costs ~50-180 us here
+    _rows_blocks(data, kind, x, _x_block_sums(x), y, 0, data.shape[0])
 
 
 @njit(parallel=True, **KW)
@@ -382,7 +405,8 @@ def matvec_widened(x, w, out):
     if w.qtype == "f32":
         _mv_f32(w.data, x, out)
     elif KIND[w.qtype] <= 2:
-        _mv_blocks(w.data, KIND[w.qtype], x, out)
+        small = x.shape[0] * w.data.shape[0] * x.shape[1] < PARALLEL_MIN_MACS
+        (_mv_blocks_serial if small else _mv_blocks)(w.data, KIND[w.qtype], x, out)
     else:
         call_slp(_mv_stored, w.data, KIND[w.qtype], F16_LUT, x, out)
     return out

@@ -1,10 +1,11 @@
 """y = x @ W.T for a sparrow.quant.Weight, working on the stored form.
 
 Small T (decode, a few batched sequences): numba kernels over the stored rows, parallel over
-output rows only. Each weight row is widened to f32 once (bit-identical to
-Weight.dequantize()) and dotted with each x row by one compiled f32 loop whose order depends
-only on the row length, so a row alone is bit-identical to that row in a batch and any
-number of threads gives the same bits. Activations stay f32: quantising them to int8 per
+output rows only (serial below PARALLEL_MIN_MACS, where a thread-pool launch costs more than
+it saves). Quantised rows are dotted with x block by block from the stored bytes (f32
+arithmetic, weights rebuilt in vector lanes); f16/bf16 rows are widened to f32 once. The
+order depends only on the row length, so a row alone is bit-identical to that row in a
+batch and any number of threads gives the same bits. Activations stay f32: quantising them to int8 per
 block, as llama.cpp does, costs SmolLM2-135M its greedy answers (logit errors ~1).
 Large T (prefill): chunks of W rows are widened to f32 and multiplied with every x row in
 4 x 4 register blocks (sparrow.kernels._widen). No BLAS: OpenBLAS's own threads spin after

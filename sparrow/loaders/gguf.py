@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-
 from ..config import ModelConfig
 from ..errors import SparrowError
 from .names import gguf_to_hf, llama_unpermute_rows

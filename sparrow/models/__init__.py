@@ -12,8 +12,7 @@ def build_model(ckpt, quantize: str | None = None, progress: bool = False) -> De
     if progress:
         from tqdm import tqdm
 
-        def bar(it):
-            return tqdm(it, desc="loading layers", unit="layer", leave=False)
+        bar = lambda it: tqdm(it, desc="loading layers", unit="layer", leave=False)  # noqa: E731
 
     if cfg.architecture in ("llama", "qwen2", "qwen3"):
         return Decoder(cfg, ckpt.tensors, quantize=quantize, progress=bar)

@@ -91,6 +91,31 @@ def dense_mlp(cfg: ModelConfig, get, i: int, prefix: str) -> MLP:
     return MLP(get.weight(prefix + "gate_proj.weight"), get.weight(prefix + "up_proj.weight"), get.weight(prefix + "down_proj.weight"))
 
 
+def _release_file_pages(tensors: dict[str, StoredTensor]) -> None:
+    """Drops memory-mapped checkpoint pages from this process's resident set (madvise
+    DONTNEED on the file mapping; the data stays in the page cache and comes back on the next
+    touch). Building a layer reads q/k/v and gate/up once to fuse them into new arrays; without
+    this their file pages would stay resident next to the fused copies, and peak RSS would be
+    about the file size more than needed."""
+    import mmap
+
+    seen = set()
+    for t in tensors.values():
+        obj = t.data
+        for _ in range(8):  # view -> ... -> np.memmap holding the mmap
+            mm = getattr(obj, "_mmap", None)
+            if mm is not None or obj is None:
+                break
+            obj = getattr(obj, "base", None)
+        if mm is None or id(mm) in seen:
+            continue
+        seen.add(id(mm))
+        try:
+            mm.madvise(mmap.MADV_DONTNEED)
+        except (AttributeError, ValueError, OSError):  # no madvise here, or a closed map
+            pass
+
+
 class WeightSource:
     """Looks tensors up by HF name, converting on demand; reports missing tensors clearly."""
 
@@ -125,7 +150,10 @@ class Decoder:
         layers = range(cfg.num_hidden_layers)
         if progress is not None:
             layers = progress(layers)
-        self.layers = [DecoderLayer(cfg, get, i, mlp_factory) for i in layers]
+        self.layers = []
+        for i in layers:
+            self.layers.append(DecoderLayer(cfg, get, i, mlp_factory))
+            _release_file_pages(tensors)
         self.norm = get.array("model.norm.weight")
         if cfg.tie_word_embeddings or not get.has("lm_head.weight"):
             self.lm_head = self.embed

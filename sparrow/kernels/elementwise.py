@@ -1,0 +1,103 @@
+"""Row-wise element kernels of the decoder: RMSNorm, rotate-half RoPE, silu(gate) * up.
+
+At decode each is a few hundred floats, so one compiled call replaces several numpy calls
+(Python overhead dominated them). They are serial and work row by row, so a row's result
+never depends on the batch it came in.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+_KW = dict(cache=True, nogil=True)
+
+
+@njit(fastmath={"reassoc", "contract"}, **_KW)
+def _ssq(r):
+    s = np.float32(0)
+    for i in range(r.shape[0]):
+        s += r[i] * r[i]
+    return s
+
+
+@njit(**_KW)
+def _rms_rows(x, w, eps, out):
+    n = np.float32(x.shape[1])
+    for t in range(x.shape[0]):
+        inv = np.float32(1) / np.float32(math.sqrt(_ssq(x[t]) / n + eps))
+        for i in range(x.shape[1]):
+            out[t, i] = (x[t, i] * inv) * w[i]
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis in f32, weight applied as is (Llama/Qwen, not 1 + w)."""
+    x2 = x.reshape(-1, x.shape[-1])  # [R, D] (a view when x allows it)
+    out = np.empty(x2.shape, np.float32)
+    _rms_rows(x2, w, np.float32(eps), out)
+    return out.reshape(x.shape)
+
+
+@njit(**_KW)
+def _rope(x, cos, sin, positions, out):
+    # rotate-half: out = [x1 c - x2 s, x2 c + x1 s] per head
+    half = cos.shape[1]
+    for t in range(x.shape[0]):
+        c = cos[positions[t]]
+        s = sin[positions[t]]
+        for h in range(x.shape[1]):
+            for i in range(half):
+                a = x[t, h, i]
+                b = x[t, h, half + i]
+                out[t, h, i] = a * c[i] - b * s[i]
+                out[t, h, half + i] = b * c[i] + a * s[i]
+
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)  # k * _LN2_HI is exact for |k| < 2**9
+_LN2_LO = np.float32(-2.12194440e-4)
+
+
+@njit(fastmath={"reassoc", "contract"}, **_KW)
+def _silu_mul(gu, f, out):
+    """out = silu(g) * u with g = gu[:, :f], u = gu[:, f:].
+
+    exp(-g) is computed so that LLVM vectorises it (libm expf is a scalar call): 2**k * e**r,
+    k = round(x / ln 2), e**r by its degree-6 Taylor polynomial (relative error < 3e-7),
+    2**k built in the exponent bits; the argument is clamped to [-87, 88] (finite f32).
+    """
+    ebits = np.empty(f, np.int32)
+    fb = ebits.view(np.float32)
+    for t in range(gu.shape[0]):
+        o = out[t]
+        for i in range(f):
+            x = min(max(-gu[t, i], np.float32(-87.0)), np.float32(88.0))
+            k = np.floor(x * _LOG2E + np.float32(0.5))
+            r = (x - k * _LN2_HI) - k * _LN2_LO
+            p = np.float32(1.0 / 720)
+            p = p * r + np.float32(1.0 / 120)
+            p = p * r + np.float32(1.0 / 24)
+            p = p * r + np.float32(1.0 / 6)
+            p = p * r + np.float32(0.5)
+            p = p * r + np.float32(1.0)
+            p = p * r + np.float32(1.0)
+            o[i] = p
+            ebits[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
+        for i in range(f):
+            o[i] = gu[t, i] / (np.float32(1) + o[i] * fb[i]) * gu[t, f + i]
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """x [T, H, D] rotated by the cos/sin rows [*, D/2] of positions [T]; a new array."""
+    out = np.empty(x.shape, np.float32)
+    _rope(x, cos, sin, positions.astype(np.int64, copy=False), out)
+    return out
+
+
+def silu_mul(gu: np.ndarray, f: int) -> np.ndarray:
+    """gu [T, 2F] = [gate | up] -> silu(gate) * up [T, F]."""
+    h = np.empty((gu.shape[0], f), np.float32)
+    _silu_mul(gu, f, h)
+    return h
