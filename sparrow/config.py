@@ -106,7 +106,7 @@ class ModelConfig:
         heads = int(get("attention.head_count"))
         hidden = int(get("embedding_length"))
         kv_heads = get("attention.head_count_kv", heads)
-        if isinstance(kv_heads, (list, tuple)):
+        if not isinstance(kv_heads, int):  # per-layer array in some files
             kv_heads = kv_heads[0]
         scaling = None
         stype = get("rope.scaling.type")

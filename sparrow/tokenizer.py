@@ -58,6 +58,21 @@ def _bytes_to_unicode() -> dict[int, str]:
 BYTE_DECODER: dict[str, int] = {c: b for b, c in _bytes_to_unicode().items()}
 
 
+def _reader_meta(reader) -> dict:
+    """The tokenizer's GGUF keys from a gguf.GGUFReader, as plain values (arrays as lists/numpy)."""
+    meta = {}
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+            meta[key] = _gguf_strings(field)
+        elif key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            meta[key] = _gguf_array(field)
+        else:
+            meta[key] = _gguf_value(reader, key)
+    return meta
+
+
 def _gguf_value(reader, key, default=None):
     field = reader.fields.get(key)
     if field is None:
@@ -152,28 +167,28 @@ class Tokenizer:
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, reader) -> "Tokenizer":
-        model = _gguf_value(reader, "tokenizer.ggml.model")
+    def from_gguf(cls, source) -> "Tokenizer":
+        """From GGUF metadata: a sparrow GGUFFile (its `meta` dict) or a gguf.GGUFReader."""
+        meta = source.meta if hasattr(source, "meta") else _reader_meta(source)
+        model = meta.get("tokenizer.ggml.model")
         if model not in ("gpt2", "llama"):
             raise SparrowError(f"unsupported GGUF tokenizer model {model!r} (supported: gpt2, llama)")
-        tokens = _gguf_strings(reader.fields["tokenizer.ggml.tokens"])
-        types_field = reader.fields.get("tokenizer.ggml.token_type")
-        types = _gguf_array(types_field) if types_field is not None else np.ones(len(tokens), np.int32)
-        merges_field = reader.fields.get("tokenizer.ggml.merges")
-        pre = _gguf_value(reader, "tokenizer.ggml.pre")
-        bos = _gguf_value(reader, "tokenizer.ggml.bos_token_id")
-        eos_ids = [_gguf_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        tokens = list(meta["tokenizer.ggml.tokens"])
+        types = np.asarray(meta.get("tokenizer.ggml.token_type", np.ones(len(tokens), np.int32)))
+        pre = meta.get("tokenizer.ggml.pre")
+        bos = meta.get("tokenizer.ggml.bos_token_id")
+        eos_ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         eos_ids = [i for i in eos_ids if i is not None and 0 <= i < len(tokens)]
         # A GGUF carries no generation_config.json: like llama.cpp, also end generation on the
         # end-of-turn tokens a chat model may emit (Qwen: <|im_end|> and <|endoftext|>).
         if eos_ids and tokens[eos_ids[0]] in _EOG_TEXTS:
             eos_ids += [i for i, t in enumerate(tokens) if t in _EOG_TEXTS]
         # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise.
-        add_bos = _gguf_value(reader, "tokenizer.ggml.add_bos_token", model == "llama")
-        if merges_field is not None:
-            merges = [tuple(m.split(" ", 1)) for m in _gguf_strings(merges_field)]
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", model == "llama")
+        if "tokenizer.ggml.merges" in meta:
+            merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
         elif model == "llama":
-            merges = _derive_merges(tokens, _gguf_array(reader.fields["tokenizer.ggml.scores"]).tolist())
+            merges = _derive_merges(tokens, np.asarray(meta["tokenizer.ggml.scores"]).tolist())
         else:
             raise SparrowError("GGUF byte-level tokenizer has no tokenizer.ggml.merges")
         is_added = (types == _TOKEN_CONTROL) | (types == _TOKEN_USER_DEFINED)
@@ -192,8 +207,8 @@ class Tokenizer:
             hf.decoder = decoders.ByteLevel()
             kind, strip = "byte_level", False
         else:
-            unk = _gguf_value(reader, "tokenizer.ggml.unknown_token_id", 0)
-            strip = bool(_gguf_value(reader, "tokenizer.ggml.add_space_prefix", True))
+            unk = meta.get("tokenizer.ggml.unknown_token_id", 0)
+            strip = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
             hf = _HFTokenizer(models.BPE(vocab, merges, unk_token=tokens[unk], fuse_unk=True, byte_fallback=True))
             hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if strip
                                                         else "never", split=False)
@@ -213,7 +228,7 @@ class Tokenizer:
         hf.add_special_tokens([t for t in added if t.special])
         hf.add_tokens([t for t in added if not t.special])
         return cls(hf, bos_token_id=bos, eos_token_ids=eos_ids, add_bos=add_bos,
-                   chat_template=_gguf_value(reader, "tokenizer.chat_template"), special_ids=special_ids,
+                   chat_template=meta.get("tokenizer.chat_template"), special_ids=special_ids,
                    decoder_kind=kind, strip_leading_space=strip)
 
     @classmethod

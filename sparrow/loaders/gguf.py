@@ -1,40 +1,30 @@
-"""GGUF reader: metadata, tensors (memory-mapped, HF names) and the tokenizer, via the gguf package."""
+"""GGUF checkpoints: config, tensors (memory-mapped, HF names) from sparrow's lean GGUF reader."""
 
 from __future__ import annotations
 
 import os
+import struct
 
 from ..config import ModelConfig
 from ..errors import SparrowError
+from .gguf_file import GGUFFile
 from .names import gguf_to_hf, llama_unpermute_rows
 from .tensor import StoredTensor
 
-# Large arrays that are read directly by the tokenizer; skip them when building the metadata dict.
-_BULK_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
-
-
 def open_gguf(path: str):
-    """Returns (reader, metadata dict). A file that is not GGUF is a one-line SparrowError."""
-    import gguf
-
+    """Returns (GGUFFile, metadata dict). A file that is not GGUF is a one-line SparrowError."""
     name = os.path.basename(path)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise SparrowError(f"{name}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
     try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as e:  # the gguf package raises ValueError/IndexError/struct errors on corrupt files
+        reader = GGUFFile(path)
+    except SparrowError as e:
+        raise SparrowError(f"{name}: {e}") from None
+    except (ValueError, OverflowError, UnicodeDecodeError, struct.error) as e:  # garbage where numbers should be
         raise SparrowError(f"{name}: corrupt GGUF file: {type(e).__name__}: {e}") from None
-    meta = {}
-    for key, field in reader.fields.items():
-        if key in _BULK_KEYS:
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception:
-            continue
-    return reader, meta
+    return reader, reader.meta
 
 
 def gguf_tensors(reader, cfg: ModelConfig) -> dict[str, StoredTensor]:
