@@ -20,7 +20,6 @@ class Rope:
         exps = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
         inv = (1.0 / (np.float32(theta) ** exps)).astype(np.float32)  # [D/2]
         self.inv_freq = _scale_inv_freq(inv, scaling)
-        self.attention_factor = 1.0
         self.cos = np.zeros((0, head_dim // 2), np.float32)
         self.sin = np.zeros((0, head_dim // 2), np.float32)
 
