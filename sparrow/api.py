@@ -19,10 +19,8 @@ from .engine.generate import generate_step, new_sequence
 from .engine.sampling import SamplingParams
 from .engine.sequence import StepOutput
 from .errors import SparrowError
-from .kv_cache import SparseParams
+from .kv_cache import KV_DTYPES, SparseParams
 from .loaders import open_checkpoint
-
-KV_DTYPES = ("f32", "f16", "int8")
 
 
 def set_threads(n: int | None) -> int:
@@ -38,9 +36,6 @@ def sparse_params(sparse_attn: bool = False, sparse_k: int = 32, sparse_block: i
                   sparse_probe: int = 8, sparse_prefill: bool = False) -> SparseParams | None:
     if not sparse_attn:
         return None
-    for name, v in (("sparse_k", sparse_k), ("sparse_block", sparse_block), ("sparse_probe", sparse_probe)):
-        if not isinstance(v, int) or v < 1:
-            raise SparrowError(f"{name} must be a positive integer, got {v!r}")
     return SparseParams(k=sparse_k, block=sparse_block, probe=sparse_probe, prefill=sparse_prefill)
 
 
@@ -106,9 +101,7 @@ class LLM:
             presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty), seed=seed,
             stop=[stop] if isinstance(stop, str) else list(stop or []), logprobs=logprobs,
         )
-        kv = kv_dtype or self.kv_dtype
-        if kv not in KV_DTYPES:
-            raise SparrowError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv!r}")
+        kv = kv_dtype or self.kv_dtype  # an unknown dtype is reported when the cache is made
         sparse = sparse_params(sparse_attn, sparse_k, sparse_block, sparse_probe, sparse_prefill)
         seq = new_sequence(self.model, self.tokenizer, list(ids), params, self.ctx, kv, sparse, trace is not None)
         for out in generate_step(self.model, seq, timings=timings):

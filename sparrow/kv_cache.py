@@ -31,11 +31,13 @@ class SparseParams:
     prefill: bool = False  # also select blocks for prefill queries (causal prefix, no importance)
 
     def __post_init__(self):
-        if self.k < 1 or self.block < 1 or self.probe < 1:
-            raise SparrowError(
-                f"sparse attention needs k, block and probe >= 1 (got k={self.k}, "
-                f"block={self.block}, probe={self.probe})"
-            )
+        for name in ("k", "block", "probe"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SparrowError(
+                    f"sparse attention needs integer k, block and probe >= 1 (got k={self.k!r}, "
+                    f"block={self.block!r}, probe={self.probe!r})"
+                )
 
 
 def quantize_int8(x):

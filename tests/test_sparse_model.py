@@ -120,3 +120,15 @@ def test_cli_sparse_trace_file(tmp_path):
     assert recs and {"token", "layer", "head", "blocks", "stages", "mass"} <= set(recs[0])
     assert all(len(r["blocks"]) == 2 and len(r["stages"]) == 2 for r in recs)
     assert "[DEC-SINGLE] tok=1 total=" in r.stderr and "attn=" in r.stderr
+
+
+def test_sparse_settings_are_validated_once(default_llm):
+    import pytest
+
+    from sparrow.errors import SparrowError
+
+    for bad in (dict(sparse_k=0), dict(sparse_k=2.5), dict(sparse_block=True), dict(sparse_probe=-1)):
+        with pytest.raises(SparrowError, match="sparse attention needs integer"):
+            list(default_llm.generate("hi", max_tokens=1, sparse_attn=True, **bad))
+    with pytest.raises(SparrowError, match="KV cache dtype"):
+        list(default_llm.generate("hi", max_tokens=1, kv_dtype="q4"))

@@ -23,7 +23,6 @@ class Checkpoint:
     tensors: dict[str, StoredTensor]
     tokenizer: object  # sparrow.tokenizer.Tokenizer
     generation_defaults: dict = field(default_factory=dict)  # from generation_config.json
-    file_bytes: int = 0
 
 
 def default_model_path() -> str:
@@ -52,7 +51,7 @@ def open_checkpoint(path: str | None) -> Checkpoint:
         cfg = gguf_config(reader, meta)
         tensors = gguf_tensors(reader, cfg)
         tok = Tokenizer.from_gguf(reader)
-        return Checkpoint(path, os.path.basename(path), cfg, tensors, tok, {}, os.path.getsize(path))
+        return Checkpoint(path, os.path.basename(path), cfg, tensors, tok)
     raise SparrowError(f"{path}: expected a Hugging Face folder or a .gguf file")
 
 
@@ -89,5 +88,4 @@ def _open_hf_dir(path: str) -> Checkpoint:
     gen_path = os.path.join(path, "generation_config.json")
     gen = _read_json(gen_path) if os.path.exists(gen_path) else {}
     tok = Tokenizer.from_hf_dir(path)
-    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
-    return Checkpoint(path, os.path.basename(os.path.normpath(path)), cfg, tensors, tok, gen, size)
+    return Checkpoint(path, os.path.basename(os.path.normpath(path)), cfg, tensors, tok, gen)

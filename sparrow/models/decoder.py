@@ -123,20 +123,20 @@ class WeightSource:
         self.tensors = tensors
         self.quantize = quantize
 
-    def _get(self, name: str) -> StoredTensor:
+    def stored(self, name: str) -> StoredTensor:
         t = self.tensors.get(name)
         if t is None:
             raise SparrowError(f"checkpoint is missing tensor {name}")
         return t
 
     def weight(self, name: str) -> Weight:
-        w = self._get(name).to_weight()
+        w = self.stored(name).to_weight()
         if self.quantize and w.qtype in ("f32", "f16", "bf16"):
             w = w.quantize(self.quantize)
         return w
 
     def array(self, name: str) -> np.ndarray:
-        return np.ascontiguousarray(self._get(name).to_array(), dtype=np.float32)
+        return np.ascontiguousarray(self.stored(name).to_array(), dtype=np.float32)
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -146,7 +146,7 @@ class Decoder:
     def __init__(self, cfg: ModelConfig, tensors: dict[str, StoredTensor], quantize: str | None = None, mlp_factory=dense_mlp, progress=None):
         get = WeightSource(tensors, quantize)
         self.config = cfg
-        self.embed = get._get("model.embed_tokens.weight").to_weight()  # rows looked up, never multiplied
+        self.embed = get.stored("model.embed_tokens.weight").to_weight()  # rows looked up, never multiplied
         layers = range(cfg.num_hidden_layers)
         if progress is not None:
             layers = progress(layers)

@@ -117,7 +117,7 @@ def _expert_weight(get, prefix: str, proj: str, e: int) -> Weight:
     stacked = f"{prefix}experts.{proj}_proj.weight"
     if not get.has(stacked):
         raise SparrowError(f"checkpoint is missing tensor {name} (or stacked {stacked})")
-    w = get._get(stacked).expert(e).to_weight()  # a view of the mmap, no copy
+    w = get.stored(stacked).expert(e).to_weight()  # a view of the mmap, no copy
     if get.quantize and w.qtype in ("f32", "f16", "bf16"):
         w = w.quantize(get.quantize)
     return w

@@ -157,6 +157,13 @@ def create_app(state: ServerState) -> FastAPI:
     async def get_metrics():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    async def read_body(request: Request):
+        """Key, then body, then readiness: the order every POST route checks them in."""
+        auth(request)
+        body = await read_json(request)
+        state.require_ready()
+        return body
+
     @app.get("/v1/models")
     async def models(request: Request):
         auth(request)
@@ -167,9 +174,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        auth(request)
-        body = await read_json(request)
-        state.require_ready()
+        body = await read_body(request)
         llm = state.llm
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
@@ -192,9 +197,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        auth(request)
-        body = await read_json(request)
-        state.require_ready()
+        body = await read_body(request)
         llm = state.llm
         ids = body.get("tokens") if isinstance(body, dict) else None
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
@@ -213,9 +216,7 @@ def create_app(state: ServerState) -> FastAPI:
         return await _generate(request, chat=False)
 
     async def _prepare(request: Request, chat: bool):
-        auth(request)
-        body = await read_json(request)
-        state.require_ready()
+        body = await read_body(request)
         llm = state.llm
         req = (parse_chat if chat else parse_completion)(body, llm.checkpoint.generation_defaults)
         check_model(req.model)
