@@ -252,13 +252,92 @@ def test_cache_bookkeeping():
 
 
 def test_vectorised_exp_against_float64():
-    from sparrow.kernels.attention import _exp_shifted
+    from sparrow.kernels._attn_decode import exp_shifted
 
     x = np.concatenate([-np.linspace(0, 100, 20001), [-0.0, -1e-8, -87.5, -300.0]]).astype(np.float32)
     for m in (0.0, 3.5):
         s = x + np.float32(m)
-        _exp_shifted(s, np.float32(m), len(s), np.empty(len(s), np.int32))
+        exp_shifted(s, np.float32(m), len(s), np.empty(len(s), np.int32))
         ref = np.exp(x.astype(np.float64))
         ok = x > -70
         assert np.all(np.abs(s[ok] - ref[ok]) <= 3e-7 * ref[ok])
         assert np.all(s[~ok] == 0)  # far tail dropped: < 4e-31 of the maximum's weight
+
+
+def _fma_order_dot(q, k):
+    """The documented order of a score: fma over 16-lane chunks into one vector, then the
+    pairwise tree 16 -> 8 -> 4 -> 2 -> 1, then sequential fma over a head_dim tail. fma is
+    emulated in float64 (the product of two float32 is exact there; the sum is then rounded
+    once to float32, matching fma whenever the float64 sum is exact, as it is for these
+    magnitudes)."""
+    nch = len(q) // 16
+    acc = np.zeros(16, np.float32)
+    for c in range(nch):
+        sl = slice(c * 16, c * 16 + 16)
+        acc = (q[sl].astype(np.float64) * k[sl].astype(np.float64) + acc).astype(np.float32)
+    while len(acc) > 1:
+        h = len(acc) // 2
+        acc = acc[:h] + acc[h:]
+    tot = acc[0]
+    for e in range(nch * 16, len(q)):
+        tot = np.float32(np.float64(q[e]) * np.float64(k[e]) + np.float64(tot))
+    return tot
+
+
+@pytest.mark.parametrize("dim", [64, 128, 48, 40, 8])
+def test_row_kernels_against_documented_order(dim):
+    from numba import njit
+
+    from sparrow.kernels._attn_decode import accum, dots
+
+    @njit
+    def run_dots(q, K2, t0, t1, step, s, off):
+        return dots(q, K2, t0, t1, step, s, off)
+
+    @njit
+    def run_accum(w, off, V2, t0, t1, acc):
+        accum(w, off, V2, t0, t1, acc)
+
+    rng = np.random.default_rng(dim)
+    q = rng.standard_normal(dim).astype(np.float32)
+    base = rng.standard_normal((70, dim)).astype(np.float32)
+    stores = {"f32": (base, base),
+              "f16": (base.astype(np.float16).view(np.uint16), base.astype(np.float16).astype(np.float32)),
+              "int8": (np.clip(np.rint(base * 30), -127, 127).astype(np.int8), None)}
+    for name, (K2, Kf) in stores.items():
+        Kf = K2.astype(np.float32) if Kf is None else Kf
+        s = np.full(80, np.nan, np.float32)
+        n = run_dots(q, K2, 3, 69, 2, s, 5)  # rows 3, 5, ..., 67: strided, 33 rows (odd)
+        want = [_fma_order_dot(q, Kf[t]) for t in range(3, 69, 2)]
+        assert n == 33 and np.array_equal(s[5:5 + n], np.array(want, np.float32)), name
+        # weighted sum: row i of w to accumulator i % 4, any split into calls gives the same bits
+        w = rng.standard_normal(100).astype(np.float32)
+        one = np.zeros((4, dim), np.float32)
+        run_accum(w, 7, K2, 0, 70, one)
+        split = np.zeros((4, dim), np.float32)
+        for a in range(0, 70, 9):
+            run_accum(w, 7 + a, K2, a, min(70, a + 9), split)
+        assert np.array_equal(one, split), name
+        ref = np.zeros((4, dim))
+        for j in range(70):
+            ref[(7 + j) % 4] += np.float64(w[7 + j]) * Kf[j]
+        np.testing.assert_allclose(one, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "int8"])
+def test_probe_key_copy_follows_rewrites(dtype):
+    # sparse decode reads the probe keys of full blocks from a copy (kv_cache.ProbeKeys); a
+    # rewritten position (cache rewound and refilled) must be seen exactly as a fresh cache sees it
+    layer, q, K, V = make(dtype, seed=11)
+    sp = SparseParams(k=7, block=16)  # no prefill: importance reserves blocks 0-3, probes pick 3
+    before = decode_attention(q[-1], layer, S, SCALE, sp)
+    copy = layer.probe_keys(16, sp.probe, S)
+    assert copy.blocks == S // 16 and copy.nbytes > 0
+    K2, V2 = K.copy(), V.copy()
+    K2[40:120] = 2 * q[-1, ::G]  # new keys in blocks 2..7, aligned with the query: selected now
+    layer.append(40, K2[40:], V2[40:])
+    after = decode_attention(q[-1], layer, S, SCALE, sp)
+    fresh = KVCache(1, KVH, D, 256, dtype).layers[0]
+    fresh.append(0, K2, V2)
+    assert np.array_equal(after, decode_attention(q[-1], fresh, S, SCALE, sp))
+    assert not np.array_equal(after, before)

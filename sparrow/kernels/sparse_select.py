@@ -81,33 +81,44 @@ def select_blocks(probe_scores, imp_sums, k):
 
 
 @njit(cache=True, nogil=True)
-def select_blocks_nb(probe, imp, use_imp, k, sel, stages):
-    """numba twin of `select_blocks`; writes ascending ids to sel[:n] and stage codes to
-    stages[:n] (STAGE_* constants) and returns n. imp is ignored unless use_imp."""
-    n = probe.shape[0]
-    mark = np.full(n, -1, dtype=np.int8)  # stage code per block, -1 = unused
-    taken = 0
-    if use_imp:
-        budget = min((k + 1) // 2, n)
-        while taken < budget:
-            best = -1
-            for b in range(n):
-                if mark[b] < 0 and (best < 0 or imp[b] > imp[best]):
-                    best = b
-            mark[best] = STAGE_IMPORTANCE
-            taken += 1
-    limit = min(k, n)
-    while taken < limit:
+def reserve_importance_nb(imp, k, n):
+    """Stage 2 alone: stage codes per block (-1 unused, STAGE_IMPORTANCE reserved).
+
+    Importance is per layer, so one reservation serves every query head of a decode step."""
+    mark = np.full(n, -1, dtype=np.int8)
+    for _ in range(min((k + 1) // 2, n)):
         best = -1
-        for b in range(n):
-            if mark[b] < 0 and (best < 0 or probe[b] > probe[best]):
+        for b in range(n):  # strict > keeps the lower index on ties
+            if mark[b] < 0 and (best < 0 or imp[b] > imp[best]):
                 best = b
-        mark[best] = STAGE_PROBE
-        taken += 1
+        mark[best] = STAGE_IMPORTANCE
+    return mark
+
+
+@njit(cache=True, nogil=True)
+def fill_probe_nb(probe, reserved, k, sel, stages):
+    """Stages 3 and 4 after a reservation (`reserve_importance_nb`, or all -1 without
+    importance): writes ascending ids to sel[:m], stage codes to stages[:m], returns m."""
+    n = probe.shape[0]
+    mark = reserved.copy()
+    taken = 0
+    for b in range(n):
+        taken += mark[b] >= 0
+    limit = min(k, n)
+    if taken < limit:
+        # a stable sort of -probe lists blocks by falling probe, ties by index: the greedy
+        # "largest probe, lowest index first" of the spec in O(n log n) instead of O(k n)
+        order = np.argsort(-probe, kind="mergesort")
+        for b in order:
+            if taken >= limit:
+                break
+            if mark[b] < 0:
+                mark[b] = STAGE_PROBE
+                taken += 1
     last = n - 1
     if n > 0 and mark[last] < 0:
         victim = -1
-        for b in range(n):
+        for b in range(n):  # <= moves a tie onto the larger index
             if mark[b] == STAGE_PROBE and (victim < 0 or probe[b] <= probe[victim]):
                 victim = b
         if victim >= 0:
@@ -120,3 +131,12 @@ def select_blocks_nb(probe, imp, use_imp, k, sel, stages):
             stages[m] = mark[b]
             m += 1
     return m
+
+
+@njit(cache=True, nogil=True)
+def select_blocks_nb(probe, imp, use_imp, k, sel, stages):
+    """numba twin of `select_blocks`; writes ascending ids to sel[:n] and stage codes to
+    stages[:n] (STAGE_* constants) and returns n. imp is ignored unless use_imp."""
+    n = probe.shape[0]
+    reserved = reserve_importance_nb(imp, k, n) if use_imp else np.full(n, -1, dtype=np.int8)
+    return fill_probe_nb(probe, reserved, k, sel, stages)
