@@ -130,7 +130,12 @@ class LayerCache:
         n = self.k.nbytes + self.v.nbytes + self.importance.nbytes
         if self.k_scale is not None:
             n += self.k_scale.nbytes + self.v_scale.nbytes
-        return n + sum(p.nbytes for p in self._probes.values())
+        return n
+
+    @property
+    def probe_nbytes(self):
+        """Bytes of the probe-key copies sparse decode made (not in nbytes)."""
+        return sum(p.nbytes for p in self._probes.values())
 
 
 class ProbeKeys:
@@ -176,6 +181,10 @@ class KVCache:
     @property
     def nbytes(self):
         return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def probe_nbytes(self):
+        return sum(layer.probe_nbytes for layer in self.layers)
 
     def truncate(self, n):
         """Drop positions >= n (their K/V are simply overwritten later)."""

@@ -6,8 +6,8 @@ One random prompt of max(contexts) token ids is prefilled in chunks of 512 (llam
 n_batch 512); at each context C the prefill time so far is the prefill of a C-token prompt,
 then --decode tokens are decoded one at a time (fixed token feed, no sampling; both engines
 compute the last row's logits) and the cache is rewound to C. sparrow decodes exact, sparse
-top-k (k=--sparse-k) and exact with an int8 KV cache (the f32 cache re-quantised, as appending
-would). Engines alternate within each round (order flipped every round) so load drift hits
+top-k (k=--sparse-k), each with the f32 KV cache and with f16 and int8 copies of it (re-encoded
+as appending would; llama.cpp's default KV is f16). Engines alternate within each round (order flipped every round) so load drift hits
 both; per-token times are medians within a round, results medians over rounds, ratios the
 median of per-round sparrow/llama ratios. Start-up (cold: empty numba cache; warm) and peak
 RSS are measured in fresh subprocesses. Load average is recorded with every measurement.
@@ -27,6 +27,12 @@ import numpy as np
 
 CHUNK = 512
 MB = 1 << 20
+# decode modes: (KV cache dtype, sparse top-k?)
+MODES = {"exact": ("f32", False), "sparse": ("f32", True), "f16": ("f16", False),
+         "sparse_f16": ("f16", True), "int8": ("int8", False), "sparse_int8": ("int8", True)}
+LABELS = {"exact": "exact, f32 KV", "sparse": "sparse k={k}, f32 KV", "f16": "exact, f16 KV",
+          "sparse_f16": "sparse k={k}, f16 KV", "int8": "exact, int8 KV",
+          "sparse_int8": "sparse k={k}, int8 KV"}
 
 
 def _load_avg():
@@ -64,21 +70,24 @@ class SparrowRunner:
             self.model.forward([Segment(np.asarray(tokens[a:a + CHUNK]), self.cache, start + a)])
         return time.perf_counter() - t0
 
-    def _int8_copy(self, n):
-        c8 = self.model.new_cache(self.capacity, "int8")
-        for src, dst in zip(self.cache.layers, c8.layers):
+    def _copy(self, n, kv_dtype):
+        if kv_dtype == "f32":
+            return self.cache
+        c = self.model.new_cache(self.capacity, kv_dtype)
+        for src, dst in zip(self.cache.layers, c.layers):
             dst.append(0, src.k[:, :n].transpose(1, 0, 2), src.v[:, :n].transpose(1, 0, 2))
             dst.importance[:n] = src.importance[:n]
-        c8.length = n
-        return c8
+        c.length = n
+        return c
 
     def decode(self, feed, start, mode="exact", sparse_k=32):
         """Per-token seconds and the mean time split (ms) for len(feed) steps after start."""
         from sparrow.kv_cache import SparseParams
         from sparrow.models.decoder import Segment, Timer
 
-        cache = self._int8_copy(start) if mode == "int8" else self.cache
-        sp = SparseParams(k=sparse_k) if mode == "sparse" else None
+        kv_dtype, sparse = MODES[mode]
+        cache = self._copy(start, kv_dtype)
+        sp = SparseParams(k=sparse_k) if sparse else None
         times, parts = [], []
         for i, tok in enumerate(feed):
             timer = Timer()
@@ -91,7 +100,8 @@ class SparrowRunner:
         # medians per component, like the per-token time (a one-off stall does not count)
         split = {k: statistics.median(p[j] for p in parts) * 1e3
                  for j, k in enumerate(("matmul_ms", "attention_ms", "other_ms"))}
-        kv = {"kv_bytes_per_token": cache.nbytes / cache.capacity}
+        kv = {"kv_bytes_per_token": cache.nbytes / cache.capacity,
+              "probe_copy_bytes_per_token": cache.probe_nbytes / cache.capacity}
         return times, split, kv
 
 
@@ -137,6 +147,22 @@ def _pass(runner, prompt, contexts, feed, modes, sparse_k):
     return out
 
 
+def _mapped_mb(*names):
+    """Resident MiB of file mappings whose path ends with one of names (from smaps)."""
+    total, cur = 0, None
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                parts = line.split()
+                if parts and "-" in parts[0] and not parts[0].endswith(":"):
+                    cur = parts[5] if len(parts) > 5 else ""
+                elif parts and parts[0] == "Rss:" and cur and cur.endswith(names):
+                    total += int(parts[1])
+    except OSError:
+        return None
+    return total / 1024
+
+
 def _startup(path, threads):
     """Child process: load, first forward; prints a JSON line (times in s, RSS in MiB)."""
     rss0 = _rss_mb()
@@ -152,9 +178,13 @@ def _startup(path, threads):
     t_prefill = time.perf_counter() - t0
     llm.model.forward([Segment(np.array([5]), cache, 16, decode=True)])
     t_first = time.perf_counter() - t0
+    # where the resident set goes: the model file's mapped pages, LLVM's code (numba links
+    # the cached kernels with it) and everything else
     print(json.dumps({"load_s": t_load, "first_prefill_s": t_prefill, "first_decode_s": t_first,
                       "rss_python_mb": rss0, "rss_loaded_mb": rss_load, "rss_now_mb": rss_now,
-                      "rss_peak_mb": _rss_mb()}))
+                      "rss_peak_mb": _rss_mb(), "rss_after_forward_mb": _rss_now_mb(),
+                      "rss_model_file_mb": _mapped_mb(os.path.basename(path)),
+                      "rss_llvm_mb": _mapped_mb("libllvmlite.so")}))
 
 
 def _llama_rss(path, threads):
@@ -201,6 +231,8 @@ def summarise(rounds, contexts, modes, compare):
             row[f"split_{m}"] = {k: _median([r[m]["split"][k] for r in s_runs])
                                  for k in s_runs[0][m]["split"]}
             row[f"kv_bytes_per_token_{m}"] = s_runs[0][m]["kv"]["kv_bytes_per_token"]
+        if "sparse" in modes:
+            row["probe_copy_bytes_per_token"] = s_runs[0]["sparse"]["kv"]["probe_copy_bytes_per_token"]
         if "int8" in modes:
             row["int8_vs_f32"] = _median([r["exact"]["ms"] / r["int8"]["ms"] for r in s_runs])
         if compare:
@@ -227,8 +259,8 @@ def markdown(rec):
     for c, row in t.items():
         lines.append(f"| {c} | prefill tok/s | {f(row['prefill_tok_s'])} | {f(row.get('llama_prefill_tok_s'))} "
                      f"| {f(row.get('ratio_prefill'), 2)} |")
-        for m, label in (("exact", "decode tok/s, exact f32 KV"), ("sparse", f"decode tok/s, sparse k={rec['config']['sparse_k']}"),
-                         ("int8", "decode tok/s, exact int8 KV")):
+        for m in MODES:
+            label = "decode tok/s, " + LABELS[m].format(k=rec["config"]["sparse_k"])
             if f"decode_{m}_tok_s" in row:
                 lines.append(f"| {c} | {label} | {f(row[f'decode_{m}_tok_s'])} | "
                              f"{f(row.get('llama_decode_tok_s')) if cmp else '-'} | {f(row.get(f'ratio_decode_{m}'), 2)} |")
@@ -239,6 +271,9 @@ def markdown(rec):
             lines.append(f"| {c} | int8 KV speed vs f32 KV; KV bytes/token int8 / f32 | "
                          f"{f(row['int8_vs_f32'], 2)}x; {row['kv_bytes_per_token_int8']:.0f} / "
                          f"{row['kv_bytes_per_token_exact']:.0f} | | |")
+        if row.get("probe_copy_bytes_per_token"):
+            lines.append(f"| {c} | sparse probe-key copy, bytes/token (f32 KV) | "
+                         f"{row['probe_copy_bytes_per_token']:.0f} | | |")
     st = rec.get("startup") or {}
     for k in ("cold", "warm"):
         s = st.get(k, {})
@@ -252,6 +287,10 @@ def markdown(rec):
                      f"{f(lw.get('rss_python_mb'), 0)} -> {f(lw.get('rss_loaded_mb'), 0)} | |")
         if w.get("rss_now_mb"):
             lines.append(f"| memory | RSS MiB after load (not peak) | {w['rss_now_mb']:.0f} | | |")
+        if w.get("rss_after_forward_mb"):
+            lines.append(f"| memory | RSS MiB after the first forward: total / model file pages / LLVM code | "
+                         f"{w['rss_after_forward_mb']:.0f} / {f(w.get('rss_model_file_mb'), 0)} / "
+                         f"{f(w.get('rss_llvm_mb'), 0)} | | |")
     return "\n".join(lines)
 
 
@@ -308,7 +347,7 @@ def main(argv=None):
     prompt = rng.integers(100, 40000, contexts[-1]).tolist()
     feed = rng.integers(100, 40000, a.decode).tolist()
     capacity = contexts[-1] + a.decode + 16
-    modes = ("exact", "sparse", "int8")
+    modes = tuple(MODES)
     runners = [SparrowRunner(path, a.threads, capacity)]
     if compare:
         runners.append(LlamaRunner(path, a.threads, capacity, a.flash_attn))
