@@ -6,15 +6,16 @@
   their blocks (rowdot_*: LLVM vector IR, see below); f16 / bf16 rows are widened once and
   dotted by one compiled loop. Either way each row's summation order depends only on its
   length (batch and thread invariant). Small matvecs skip the thread pool.
-- matmul_widened: large T (prefill) for every format; chunks of weight rows are widened
-  into a small f32 tile and multiplied with x in 4 x 4 register blocks. Everything runs in
-  numba's pool, parallel over output-row chunks, so each y[t, o] has one summation order
-  whatever the thread count. No BLAS: OpenBLAS's own threads spin after each call and
+- matmul_widened: large T (prefill) for every format, via sparrow.kernels.gemm: panels of
+  weight rows widened to packed f32, outer-product micro-kernel in vector registers,
+  parallel over panels, so each y[t, o] has one summation order (sequential fma over k)
+  whatever T and the thread count. No BLAS: OpenBLAS's own threads spin after each call and
   starve numba's threads when both pools share the cores.
 The jitted helpers live here, not in linear.py, because numba's cache only notices edits
 to the file that holds the cached function, not to jitted functions it inlines from others.
 """
 
+import numba
 import numba.core.config as _nbconfig
 import numpy as np
 from llvmlite import ir
@@ -31,7 +32,6 @@ F16_LUT.flags.writeable = False
 
 KIND = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "f16": 3, "bf16": 4}
 _ROWS = 16  # weight rows widened per parallel work item
-_TT = 128  # x rows per pass over the weight (keeps the x tile in L2)
 # Block matvecs below this many multiply-adds skip the thread pool: a parallel launch costs
 # 50-180 us of wall time here, as much as a 2M-MAC matvec on one core (measured with the
 # second core busy, the usual state of a shared machine). Results are identical either way.
@@ -62,76 +62,6 @@ def dot(w, x):
     for i in range(w.shape[0]):
         s += w[i] * x[i]
     return s
-
-
-@njit(fastmath=FM, **KW)
-def _dot4(w, r, x, y, t, o):
-    # y[t, o .. o + 3] = w[r .. r + 3] . x[t]: four reductions share each load of x.
-    s0 = s1 = s2 = s3 = np.float32(0)
-    xa = x[t]
-    for i in range(x.shape[1]):
-        u = xa[i]
-        s0 += w[r, i] * u
-        s1 += w[r + 1, i] * u
-        s2 += w[r + 2, i] * u
-        s3 += w[r + 3, i] * u
-    y[t, o] = s0
-    y[t, o + 1] = s1
-    y[t, o + 2] = s2
-    y[t, o + 3] = s3
-
-
-@njit(fastmath=FM, **KW)
-def _dot4x4(w, r, x, y, t, o):
-    # y[t .. t + 3, o .. o + 3] = x[t .. t + 3] . w[r .. r + 3]: 16 accumulators, 8 loads
-    # per 16 multiply-adds, which keeps the FMA units busy (~80 GFLOP/s a core here).
-    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0)
-    c0 = c1 = c2 = c3 = e0 = e1 = e2 = e3 = np.float32(0)
-    xa = x[t]
-    xb = x[t + 1]
-    xc = x[t + 2]
-    xe = x[t + 3]
-    for i in range(x.shape[1]):
-        u = xa[i]
-        v = xb[i]
-        p = xc[i]
-        q = xe[i]
-        w0 = w[r, i]
-        w1 = w[r + 1, i]
-        w2 = w[r + 2, i]
-        w3 = w[r + 3, i]
-        a0 += w0 * u
-        a1 += w1 * u
-        a2 += w2 * u
-        a3 += w3 * u
-        b0 += w0 * v
-        b1 += w1 * v
-        b2 += w2 * v
-        b3 += w3 * v
-        c0 += w0 * p
-        c1 += w1 * p
-        c2 += w2 * p
-        c3 += w3 * p
-        e0 += w0 * q
-        e1 += w1 * q
-        e2 += w2 * q
-        e3 += w3 * q
-    y[t, o] = a0
-    y[t, o + 1] = a1
-    y[t, o + 2] = a2
-    y[t, o + 3] = a3
-    y[t + 1, o] = b0
-    y[t + 1, o + 1] = b1
-    y[t + 1, o + 2] = b2
-    y[t + 1, o + 3] = b3
-    y[t + 2, o] = c0
-    y[t + 2, o + 1] = c1
-    y[t + 2, o + 2] = c2
-    y[t + 2, o + 3] = c3
-    y[t + 3, o] = e0
-    y[t + 3, o + 1] = e1
-    y[t + 3, o + 2] = e2
-    y[t + 3, o + 3] = e3
 
 
 @njit(**KW)
@@ -180,51 +110,6 @@ def dequantize_rows(w, r0, out):
     else:
         call_slp(_widen_rows, w.data, r0, KIND[w.qtype], F16_LUT, out)
     return out
-
-
-@njit(**KW)
-def _tile_dots(wt, base, n, x, t0, t1, y, o0):
-    # y[t, o0 + i] = wt[base + i] . x[t] for t0 <= t < t1, i < n; 4 x 4 blocks, then tails.
-    t = t0
-    while t < t1:
-        four = t + 4 <= t1
-        i = 0
-        while i + 4 <= n:
-            if four:
-                _dot4x4(wt, base + i, x, y, t, o0 + i)
-            else:
-                _dot4(wt, base + i, x, y, t, o0 + i)
-            i += 4
-        for tt in range(t, t + 4 if four else t + 1):
-            for j in range(i, n):
-                y[tt, o0 + j] = dot(wt[base + j], x[tt])
-        t += 4 if four else 1
-
-
-@njit(parallel=True, **KW)
-def _mm_f32(w, x, y):
-    o_n = w.shape[0]
-    for t0 in range(0, x.shape[0], _TT):
-        t1 = min(x.shape[0], t0 + _TT)
-        for c in prange((o_n + _ROWS - 1) // _ROWS):
-            r0 = c * _ROWS
-            _tile_dots(w, r0, min(_ROWS, o_n - r0), x, t0, t1, y, r0)
-
-
-@njit(parallel=True, **KW)
-def _mm_stored(data, kind, lut, x, y):
-    o_n = data.shape[0]
-    k = x.shape[1]
-    for t0 in range(0, x.shape[0], _TT):
-        t1 = min(x.shape[0], t0 + _TT)
-        for c in prange((o_n + _ROWS - 1) // _ROWS):
-            r0 = c * _ROWS
-            n = min(_ROWS, o_n - r0)
-            tile = np.empty((_ROWS, k), np.float32)  # [rows, in]
-            bits = tile.view(np.uint32)
-            for i in range(n):
-                widen_row(data[r0 + i], kind, lut, tile[i], bits[i])
-            _tile_dots(tile, 0, n, x, t0, t1, y, r0)
 
 
 @njit(parallel=True, **KW)
@@ -413,9 +298,13 @@ def matvec_widened(x, w, out):
 
 
 def matmul_widened(x, w, out):
-    """out [T, out] = x @ W.T with W widened to f32 chunk by chunk (prefill path)."""
+    """out [T, out] = x @ W.T for large T (prefill): packed f32 panels, outer-product GEMM."""
     if w.qtype == "f32":
-        _mm_f32(w.data, x, out)
+        gemm_f32(w.data, x, out, numba.get_num_threads())
     else:
-        call_slp(_mm_stored, w.data, KIND[w.qtype], F16_LUT, x, out)
+        call_slp(gemm_stored, w.data, KIND[w.qtype], F16_LUT, x, out, numba.get_num_threads())
     return out
+
+
+# At the end: gemm imports widen_row from this module.
+from sparrow.kernels.gemm import gemm_f32, gemm_stored  # noqa: E402

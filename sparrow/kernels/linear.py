@@ -7,9 +7,11 @@ arithmetic, weights rebuilt in vector lanes); f16/bf16 rows are widened to f32 o
 order depends only on the row length, so a row alone is bit-identical to that row in a
 batch and any number of threads gives the same bits. Activations stay f32: quantising them to int8 per
 block, as llama.cpp does, costs SmolLM2-135M its greedy answers (logit errors ~1).
-Large T (prefill): chunks of W rows are widened to f32 and multiplied with every x row in
-4 x 4 register blocks (sparrow.kernels._widen). No BLAS: OpenBLAS's own threads spin after
-each call and starve numba's threads on a shared machine.
+Large T (prefill): panels of 48 W rows are widened to packed f32 and multiplied with 8 x
+rows at a time by an outer-product micro-kernel that keeps its 8 x 48 accumulators in
+vector registers (sparrow.kernels.gemm, ~100 GFLOP/s a core here); each y[t, o] is a
+sequential fma over k whatever T and the thread count. No BLAS: OpenBLAS's own threads spin
+after each call and starve numba's threads on a shared machine.
 """
 
 import numpy as np
