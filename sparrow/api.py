@@ -27,7 +27,10 @@ def set_threads(n: int | None) -> int:
     """Numba's thread count is per calling thread, so every thread that runs the model calls this."""
     import numba
 
+    from .kernels import pin_worker_threads
+
     n = max(1, min(n or numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS))
+    pin_worker_threads()
     numba.set_num_threads(n)
     return n
 

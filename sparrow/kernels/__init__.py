@@ -13,3 +13,38 @@ import numba
 
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER = "workqueue"
+
+
+_pinned = None
+
+
+def pin_worker_threads() -> bool:
+    """Pins numba's worker threads one per allowed CPU (once per process, before the pool
+    starts; SPARROW_PIN_THREADS=0 turns it off). Returns whether it pinned.
+
+    Why: on this 2-CPU machine the scheduler often woke both workers on the same CPU after
+    a serial phase, and a 2-thread prefill GEMM then ran at exactly 1-thread speed for tens
+    of milliseconds (~105 GFLOP/s inside the model against ~190 alone). Which thread runs
+    which part of a kernel never changes results."""
+    global _pinned
+    if _pinned is not None:
+        return _pinned
+    _pinned = False
+    from numba.np.ufunc import parallel
+
+    if (os.environ.get("SPARROW_PIN_THREADS", "1") == "0" or not hasattr(os, "sched_setaffinity")
+            or not os.path.isdir("/proc/self/task") or parallel._is_initialized):
+        return False
+    before = set(os.listdir("/proc/self/task"))
+    parallel._launch_threads()
+    workers = sorted(int(t) for t in set(os.listdir("/proc/self/task")) - before)
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(workers) < 2 or len(cpus) < 2:
+        return False
+    try:
+        for i, tid in enumerate(workers):
+            os.sched_setaffinity(tid, {cpus[i % len(cpus)]})
+    except OSError:
+        return False
+    _pinned = True
+    return True

@@ -1,7 +1,7 @@
 """Attention over a LayerCache: exact and block-sparse top-k (spec: shared/SPARSE_ATTENTION.md).
 
 Decode runs one serial numba kernel, sparse prefill one parallel kernel (prange over KV heads
-only); both live in sparrow.kernels._attn_decode and attend each query head over its list of
+only); both live in sparrow.kernels._attn_kernels and attend each query head over its list of
 selected blocks, the query heads of a GQA group sharing the K/V reads. Exact attention is the
 same kernel with every block selected, so sparse with k >= n_blocks is bit-identical to exact.
 
@@ -23,7 +23,7 @@ small (about _TILE_ELEMS floats); f16/int8 keys and values are dequantised to f3
 
 import numpy as np
 
-from sparrow.kernels._attn_decode import decode_kernel, sparse_prefill_kernel
+from sparrow.kernels._attn_kernels import decode_kernel, softmax_causal_rows, sparse_prefill_kernel
 from sparrow.kernels.sparse_select import STAGE_NAMES
 from sparrow.kv_cache import SparseParams, quantize_int8  # noqa: F401  (SparseParams re-exported)
 
@@ -153,12 +153,8 @@ def _exact_prefill(q, layer, start, scale, group, record_importance):
             n, sk = t1 - t0, start + t1  # queries in tile, keys they can see
             qt = q[t0:t1, hs].transpose(1, 0, 2).reshape(group * n, D) * scale  # [G*n, D]
             sc = qt @ Kf[:sk].T  # [G*n, sk]
-            # causal mask only touches the tile's own diagonal band
-            band = sc.reshape(group, n, sk)[:, :, start + t0:]  # [G, n, n]
-            band[:, np.triu(np.ones((n, n), dtype=bool), 1)] = -np.inf
-            sc -= sc.max(axis=1, keepdims=True)
-            np.exp(sc, out=sc)
-            rinv = np.float32(1) / sc.sum(axis=1)  # [G*n]; normalise the small outputs, not sc
+            rinv = np.empty(group * n, np.float32)  # [G*n]; normalise the small outputs, not sc
+            softmax_causal_rows(sc, n, start + t0, rinv)  # causal mask, max, exp, sum
             o = (sc @ Vf[:sk]) * rinv[:, None]  # [G*n, D]
             out[t0:t1, hs] = o.reshape(group, n, D).transpose(1, 0, 2)
             if imp is not None:

@@ -1,0 +1,46 @@
+"""Worker-thread pinning (sparrow.kernels.pin_worker_threads) and the OpenBLAS setting."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+CHILD = r"""
+import json, os, threading
+import sparrow
+from sparrow.api import set_threads
+import sparrow.kernels as K
+set_threads(2)
+main = threading.get_native_id()
+aff = {t: sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task") if int(t) != main}
+print(json.dumps({"pinned": K._pinned, "aff": aff, "timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT")}))
+"""
+
+
+def _child(env_extra):
+    env = dict(os.environ, **env_extra)
+    env.pop("OPENBLAS_THREAD_TIMEOUT", None)
+    r = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="pinning needs Linux affinity and 2+ CPUs")
+def test_workers_pinned_one_per_cpu():
+    out = _child({})
+    assert out["pinned"] is True
+    assert out["timeout"] == "4"  # set by `import sparrow` before numpy loaded OpenBLAS
+    single = [cpus[0] for cpus in out["aff"].values() if len(cpus) == 1]
+    ncpu = len(os.sched_getaffinity(0))
+    # numba starts one worker per CPU (NUMBA_NUM_THREADS): each CPU gets exactly one
+    assert sorted(single) == sorted(os.sched_getaffinity(0))[:len(single)] and len(single) >= min(ncpu, 2)
+    assert len(set(single)) == len(single)
+
+
+def test_pinning_can_be_turned_off():
+    out = _child({"SPARROW_PIN_THREADS": "0"})
+    assert out["pinned"] is False
+    assert all(len(c) == len(os.sched_getaffinity(0)) for c in out["aff"].values())
