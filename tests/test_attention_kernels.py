@@ -252,7 +252,7 @@ def test_cache_bookkeeping():
 
 
 def test_vectorised_exp_against_float64():
-    from sparrow.kernels._attn_kernels import exp_shifted
+    from sparrow.kernels._attn_rows import exp_shifted
 
     x = np.concatenate([-np.linspace(0, 100, 20001), [-0.0, -1e-8, -87.5, -300.0]]).astype(np.float32)
     for m in (0.0, 3.5):
@@ -288,7 +288,7 @@ def _fma_order_dot(q, k):
 def test_row_kernels_against_documented_order(dim):
     from numba import njit
 
-    from sparrow.kernels._attn_kernels import accum, dots
+    from sparrow.kernels._attn_rows import accum, dots
 
     @njit
     def run_dots(q, K2, t0, t1, step, s, off):

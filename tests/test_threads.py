@@ -44,3 +44,24 @@ def test_pinning_can_be_turned_off():
     out = _child({"SPARROW_PIN_THREADS": "0"})
     assert out["pinned"] is False
     assert all(len(c) == len(os.sched_getaffinity(0)) for c in out["aff"].values())
+
+
+def test_numba_cache_dir_follows_kernel_sources(tmp_path):
+    # any edit to any kernel file must select a fresh cache (numba itself only notices
+    # edits to the file that holds a cached function, not to helpers it inlines)
+    import shutil
+
+    import sparrow.kernels as K
+
+    src = tmp_path / "kernels"
+    shutil.copytree(os.path.dirname(K.__file__), src, ignore=shutil.ignore_patterns("__pycache__"))
+    a = K._cache_dir(str(src), str(tmp_path / "cache"))
+    assert a == K._cache_dir(str(src), str(tmp_path / "cache")) and os.path.isdir(a)
+    with open(src / "_attn_rows.py", "a") as f:
+        f.write("\n# edited\n")
+    b = K._cache_dir(str(src), str(tmp_path / "cache"))
+    assert b != a and os.path.isdir(b)
+    if not os.environ.get("NUMBA_CACHE_DIR"):
+        import numba
+
+        assert numba.config.CACHE_DIR == K._cache_dir()

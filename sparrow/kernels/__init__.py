@@ -5,14 +5,48 @@ per decoded token on a shared 2-core machine that collapses throughput (measured
 against 6 tok/s with `workqueue` under load 9). `workqueue` never spins. Its one limit, no
 parallel kernels from two Python threads at once, matches sparrow's design: one thread owns
 the model. Set NUMBA_THREADING_LAYER to choose another layer.
+
+Compiled kernels are cached on disk in a directory keyed by these sources (see _cache_dir).
 """
 
+import hashlib
 import os
 
 import numba
 
 if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER = "workqueue"
+
+
+def _cache_dir(here=None, base=None):
+    """A numba cache directory named after a hash of every kernel source file here.
+
+    numba keys a cached function on its own file only, so an edit to a jitted helper or
+    intrinsic in another file (the row kernels, widen_row, sparse_select) would leave stale
+    machine code behind. Keying the whole directory on all sources makes any kernel edit
+    (or upgrade) start from a clean cache. NUMBA_CACHE_DIR, when set, wins."""
+    here = here or os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256(numba.__version__.encode())
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py"):
+            with open(os.path.join(here, name), "rb") as f:
+                h.update(name.encode() + b"\0" + f.read())
+    base = base or os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = os.path.join(base, "sparrow", "numba-" + h.hexdigest()[:16])
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, ".writable")
+        with open(probe, "w"):
+            pass
+    except OSError:
+        return None  # numba's default (next to the sources, or its own user cache)
+    return path
+
+
+if not os.environ.get("NUMBA_CACHE_DIR"):
+    _dir = _cache_dir()
+    if _dir:
+        numba.config.CACHE_DIR = _dir
 
 
 _pinned = None

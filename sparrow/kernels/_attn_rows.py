@@ -1,0 +1,344 @@
+"""Row kernels of attention as LLVM vector IR, and the softmax pieces (used by _attn_kernels).
+
+- dots(q, K2, t0, t1, step, s, off): s[off + j] = q . K2[t0 + j * step] for t0 + j * step < t1.
+- accum(w, off, V2, t0, t1, acc): acc[(off + j) % 4] += w[off + j] * V2[t0 + j] for t0 + j < t1.
+- prefetch(X2, t0, t1): hint rows t0..t1-1 into L2.
+- exp_shifted, sum_f32, max_at: vectorised exp(s - m), sum and max over packed scores.
+
+K2 / V2 are one KV head's rows [C, D] stored as float32, IEEE half bits (uint16) or int8 codes;
+q, w and acc are float32. Rows are widened 16 lanes at a time; a head_dim that is not a
+multiple of 16 finishes with scalar fma; head_dim 64 and 128 have unrolled paths that keep q
+(dots) and the accumulators (accum) in registers, with the same arithmetic as the loop.
+
+Why IR: numba's loops leave a dot's accumulator in one scalar chain and keep the weighted
+sum's accumulator in memory (a store-to-load dependency on every row), which made exact
+decode attention ~5x slower than its arithmetic. Here a dot is sum over 16-lane chunks with
+fma into one vector, then a fixed pairwise tree 16 -> 1; the weighted sum keeps four vector
+accumulators per chunk in registers, row i of the packed score list going to accumulator
+i % 4. Both orders depend only on D and on the packed position i, never on how the caller
+splits rows into calls (blocks), so exact attention and sparse attention with every block
+selected give the same bits, and the thread count never enters.
+"""
+
+import numpy as np
+from llvmlite import ir
+from numba import njit
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+_F32, _I8, _I16, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_V16F = ir.VectorType(_F32, 16)
+_ZERO = ir.Constant(_V16F, [0.0] * 16)
+
+
+def _fma(builder, a, b, c):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
+    return builder.call(fn, [a, b, c])
+
+
+def _kind(dtype):
+    return {types.float32: "f32", types.uint16: "f16", types.int8: "i8"}.get(dtype)
+
+
+def _elem(kind):
+    return {"f32": _F32, "f16": _I16, "i8": _I8}[kind]
+
+
+_ALIGN = {"f32": 4, "f16": 2, "i8": 1}
+
+
+def _load16(builder, kind, base, idx):
+    """16 consecutive elements at base[idx] widened to <16 x float>."""
+    elem = _elem(kind)
+    ptr = builder.bitcast(builder.gep(base, [idx]), ir.VectorType(elem, 16).as_pointer())
+    v = builder.load(ptr, align=_ALIGN[kind])
+    if kind == "f32":
+        return v
+    if kind == "f16":
+        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), 16)), _V16F)
+    return builder.sitofp(v, _V16F)
+
+
+def _load1(builder, kind, base, idx):
+    v = builder.load(builder.gep(base, [idx]))
+    if kind == "f32":
+        return v
+    if kind == "f16":
+        return builder.fpext(builder.bitcast(v, ir.HalfType()), _F32)
+    return builder.sitofp(v, _F32)
+
+
+def _fma1(builder, a, b, c):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
+    return builder.call(fn, [a, b, c])
+
+
+def _hsum(builder, v):
+    n = 16
+    while n > 1:  # fixed pairwise tree 16 -> 8 -> 4 -> 2 -> 1
+        h = n // 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h, n))))
+        v = builder.fadd(lo, hi)
+        n = h
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _splat(builder, x):
+    v = builder.insert_element(ir.Constant(_V16F, ir.Undefined), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(_V16F, ir.Undefined), ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
+
+
+def _ptr(context, builder, ty, val, elem):
+    arr = context.make_array(ty)(context, builder, val)
+    return builder.bitcast(arr.data, elem.as_pointer()), arr
+
+
+def _hsum4(builder, a):
+    """The four _hsum results of vectors a[0..3] as <4 x float>, with the same additions
+    (lane i + lane i+8, then i+4, i+2, i+1) but shuffled so four rows share each add."""
+    def sh(x, y, idx):
+        return builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(_I32, len(idx)), idx))
+
+    lo8, hi8 = list(range(8)) + list(range(16, 24)), list(range(8, 16)) + list(range(24, 32))
+    x01 = builder.fadd(sh(a[0], a[1], lo8), sh(a[0], a[1], hi8))
+    x23 = builder.fadd(sh(a[2], a[3], lo8), sh(a[2], a[3], hi8))
+    lo4 = [i + o for o in (0, 8, 16, 24) for i in range(4)]
+    y = builder.fadd(sh(x01, x23, lo4), sh(x01, x23, [i + 4 for i in lo4]))
+    z = builder.fadd(sh(y, y, [0, 1, 4, 5, 8, 9, 12, 13]), sh(y, y, [2, 3, 6, 7, 10, 11, 14, 15]))
+    return builder.fadd(sh(z, z, [0, 2, 4, 6]), sh(z, z, [1, 3, 5, 7]))
+
+
+def _dots_generic(builder, kind, qp, kp, sp, d, t0v, stepv, offv, j0, n):
+    """Rows j0..n-1: one row at a time, any head_dim."""
+    nch = builder.lshr(d, ir.Constant(_I64, 4))
+    acc = cgutils.alloca_once_value(builder, _ZERO)
+    tot = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+    with cgutils.for_range_slice(builder, j0, n, ir.Constant(_I64, 1)) as (j, _):
+        base = builder.mul(builder.add(t0v, builder.mul(j, stepv)), d)
+        builder.store(_ZERO, acc)
+        with cgutils.for_range(builder, nch) as ch:
+            c = builder.shl(ch.index, ir.Constant(_I64, 4))
+            qv = _load16(builder, "f32", qp, c)
+            kv = _load16(builder, kind, kp, builder.add(base, c))
+            builder.store(_fma(builder, qv, kv, builder.load(acc)), acc)
+        builder.store(_hsum(builder, builder.load(acc)), tot)
+        with cgutils.for_range_slice(builder, builder.shl(nch, ir.Constant(_I64, 4)), d, ir.Constant(_I64, 1)) as (e, _):
+            qe = _load1(builder, "f32", qp, e)
+            ke = _load1(builder, kind, kp, builder.add(base, e))
+            builder.store(_fma1(builder, qe, ke, builder.load(tot)), tot)
+        builder.store(builder.load(tot), builder.gep(sp, [builder.add(offv, j)]))
+
+
+def _dots_fixed(builder, kind, qp, kp, sp, dim, t0v, stepv, offv, n):
+    """head_dim == dim (a multiple of 16): q stays in registers and rows go four at a time
+    through _hsum4; the same fma chain and tree as _dots_generic, so the same bits."""
+    i64 = lambda x: ir.Constant(_I64, x)  # noqa: E731
+    qv = [_load16(builder, "f32", qp, i64(c * 16)) for c in range(dim // 16)]
+    ngroups = builder.lshr(n, i64(2))
+    with cgutils.for_range(builder, ngroups) as grp:
+        j0 = builder.shl(grp.index, i64(2))
+        accs = []
+        for r in range(4):
+            base = builder.mul(builder.add(t0v, builder.mul(builder.add(j0, i64(r)), stepv)), i64(dim))
+            acc = _ZERO
+            for c in range(dim // 16):
+                acc = _fma(builder, qv[c], _load16(builder, kind, kp, builder.add(base, i64(c * 16))), acc)
+            accs.append(acc)
+        out = builder.bitcast(builder.gep(sp, [builder.add(offv, j0)]), ir.VectorType(_F32, 4).as_pointer())
+        builder.store(_hsum4(builder, accs), out, align=4)
+    _dots_generic(builder, kind, qp, kp, sp, i64(dim), t0v, stepv, offv, builder.shl(ngroups, i64(2)), n)
+
+
+@intrinsic
+def dots(typingctx, q, K2, t0, t1, step, s, off):
+    """Raw dot products of q with rows t0, t0+step, ... < t1 of K2 into s[off:]; returns the count."""
+    kind = _kind(K2.dtype)
+    if kind is None or K2.ndim != 2 or K2.layout != "C":
+        return None
+    sig = types.int64(q, K2, types.int64, types.int64, types.int64, s, types.int64)
+
+    def codegen(context, builder, signature, args):
+        qp, _ = _ptr(context, builder, signature.args[0], args[0], _F32)
+        kp, karr = _ptr(context, builder, signature.args[1], args[1], _elem(kind))
+        sp, _ = _ptr(context, builder, signature.args[5], args[5], _F32)
+        t0v, t1v, stepv, offv = args[2], args[3], args[4], args[6]
+        d = builder.extract_value(karr.shape, 1)
+        span = builder.sub(t1v, t0v)
+        n = builder.sdiv(builder.add(span, builder.sub(stepv, ir.Constant(_I64, 1))), stepv)
+        n = builder.select(builder.icmp_signed(">", span, ir.Constant(_I64, 0)), n, ir.Constant(_I64, 0))
+        with builder.if_else(builder.icmp_signed("==", d, ir.Constant(_I64, 64))) as (d64, other):
+            with d64:
+                _dots_fixed(builder, kind, qp, kp, sp, 64, t0v, stepv, offv, n)
+            with other:
+                with builder.if_else(builder.icmp_signed("==", d, ir.Constant(_I64, 128))) as (d128, rest):
+                    with d128:
+                        _dots_fixed(builder, kind, qp, kp, sp, 128, t0v, stepv, offv, n)
+                    with rest:
+                        _dots_generic(builder, kind, qp, kp, sp, d, t0v, stepv, offv, ir.Constant(_I64, 0), n)
+        return n
+
+    return sig, codegen
+
+
+@intrinsic
+def prefetch(typingctx, X2, t0, t1):
+    """Hint the cache lines of rows t0..t1-1 of X2 into L2 (prefetcht1).
+
+    Sparse attention jumps between blocks, which the hardware prefetcher cannot guess, so
+    each block asks for the next selected block's rows while it computes."""
+    kind = _kind(X2.dtype)
+    if kind is None or X2.ndim != 2 or X2.layout != "C":
+        return None
+    sig = types.none(X2, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        xp, xarr = _ptr(context, builder, signature.args[0], args[0], _I8)
+        i64 = lambda x: ir.Constant(_I64, x)  # noqa: E731
+        row_bytes = builder.mul(builder.extract_value(xarr.shape, 1), i64(_ALIGN[kind]))
+        b0 = builder.mul(args[1], row_bytes)
+        nbytes = builder.sub(builder.mul(args[2], row_bytes), b0)
+        nlines = builder.sdiv(builder.add(nbytes, i64(63)), i64(64))
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
+        with cgutils.for_range(builder, nlines) as ln:
+            ptr = builder.gep(xp, [builder.add(b0, builder.shl(ln.index, i64(6)))])
+            builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _accum_chunks(builder, kind, wp, vp, ap, d, offv, t0v, n, chunks):
+    """acc += weighted rows for the 16-lane chunks `chunks` (constants, at most 4, so the
+    4 x len(chunks) accumulators stay in registers and each weight is splat once per row)."""
+    i64 = lambda x: ir.Constant(_I64, x)  # noqa: E731
+    rot = builder.and_(offv, i64(3))
+    # regs[j][c] holds accumulator (off + j) % 4, so row j of every group of four is static
+    slots = [builder.mul(builder.and_(builder.add(rot, i64(j)), i64(3)), d) for j in range(4)]
+    regs = [[cgutils.alloca_once_value(builder, _ZERO) for _ in chunks] for _ in range(4)]
+    for j in range(4):
+        for r, c in zip(regs[j], chunks):
+            builder.store(_load16(builder, "f32", ap, builder.add(slots[j], c)), r)
+
+    def row(j, r):  # r: row index relative to t0
+        wv = _splat(builder, builder.load(builder.gep(wp, [builder.add(offv, r)])))
+        base = builder.mul(builder.add(t0v, r), d)
+        for reg, c in zip(regs[j], chunks):
+            vv = _load16(builder, kind, vp, builder.add(base, c))
+            builder.store(_fma(builder, wv, vv, builder.load(reg)), reg)
+
+    ngroups = builder.lshr(n, i64(2))
+    with cgutils.for_range(builder, ngroups) as grp:
+        r0 = builder.shl(grp.index, i64(2))
+        for j in range(4):
+            row(j, builder.add(r0, i64(j)))
+    last = builder.shl(ngroups, i64(2))
+    tail = builder.and_(n, i64(3))
+    for j in range(3):
+        with builder.if_then(builder.icmp_unsigned(">", tail, i64(j))):
+            row(j, builder.add(last, i64(j)))
+    for j in range(4):
+        for r, c in zip(regs[j], chunks):
+            ptr = builder.bitcast(builder.gep(ap, [builder.add(slots[j], c)]), _V16F.as_pointer())
+            builder.store(builder.load(r), ptr, align=4)
+
+
+@intrinsic
+def accum(typingctx, w, off, V2, t0, t1, acc):
+    """acc [4, D] += the rows t0..t1-1 of V2 weighted by w[off:], row i of w to acc[i % 4]."""
+    kind = _kind(V2.dtype)
+    if kind is None or V2.ndim != 2 or V2.layout != "C":
+        return None
+    sig = types.none(w, types.int64, V2, types.int64, types.int64, acc)
+
+    def codegen(context, builder, signature, args):
+        wp, _ = _ptr(context, builder, signature.args[0], args[0], _F32)
+        vp, varr = _ptr(context, builder, signature.args[2], args[2], _elem(kind))
+        ap, _ = _ptr(context, builder, signature.args[5], args[5], _F32)
+        offv, t0v, t1v = args[1], args[3], args[4]
+        i64 = lambda x: ir.Constant(_I64, x)  # noqa: E731
+        d = builder.extract_value(varr.shape, 1)
+        nch = builder.lshr(d, i64(4))
+        n = builder.sub(t1v, t0v)
+        n = builder.select(builder.icmp_signed(">", n, i64(0)), n, i64(0))
+        # head_dim 64 / 128 (all real models here): chunks unrolled; others: a chunk loop
+        with builder.if_else(builder.icmp_signed("==", d, i64(64))) as (d64, other):
+            with d64:
+                _accum_chunks(builder, kind, wp, vp, ap, d, offv, t0v, n, [i64(c * 16) for c in range(4)])
+            with other:
+                with builder.if_else(builder.icmp_signed("==", d, i64(128))) as (d128, rest):
+                    with d128:
+                        for half in (0, 4):
+                            _accum_chunks(builder, kind, wp, vp, ap, d, offv, t0v, n,
+                                          [i64((half + c) * 16) for c in range(4)])
+                    with rest:
+                        with cgutils.for_range(builder, nch) as ch:
+                            _accum_chunks(builder, kind, wp, vp, ap, d, offv, t0v, n,
+                                          [builder.shl(ch.index, i64(4))])
+        with cgutils.for_range(builder, n) as r:  # head_dim tail (not a multiple of 16)
+            wr = builder.load(builder.gep(wp, [builder.add(offv, r.index)]))
+            slot = builder.mul(builder.and_(builder.add(offv, r.index), i64(3)), d)
+            rb = builder.mul(builder.add(t0v, r.index), d)
+            with cgutils.for_range_slice(builder, builder.shl(nch, i64(4)), d, i64(1)) as (e, _):
+                ae = builder.gep(ap, [builder.add(slot, e)])
+                builder.store(_fma1(builder, wr, _load1(builder, kind, vp, builder.add(rb, e)), builder.load(ae)), ae)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# ---------------------------------------------------------------- softmax pieces
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)  # ln 2 split so k * _LN2_HI is exact for |k| < 2**9
+_LN2_LO = np.float32(-2.12194440e-4)
+_FM = {"reassoc", "contract"}  # vector lanes; the order is fixed per build
+
+
+@njit(fastmath=_FM, cache=True, nogil=True)
+def exp_shifted(s, m, n, ebits):
+    """s[:n] = exp(s[:n] - m) (all arguments <= 0), vectorised (libm expf is a scalar call).
+
+    exp(x) = 2**k * e**r with k = round(x / ln 2), |r| <= ln 2 / 2, e**r by its degree-6
+    Taylor polynomial (relative error < 2e-7); 2**k is built in the exponent bits of ebits.
+    Arguments below -70 give 0: such weights (< 4e-31 of the maximum's) cannot change an f32
+    sum, and the tiny products they would make with V are subnormal, which x86 handles ~100x
+    slower (this made sparse decode on real model queries slower than exact).
+    """
+    fb = ebits.view(np.float32)
+    for i in range(n):
+        x = s[i] - m
+        x = max(x, np.float32(-87.0))
+        k = np.floor(x * _LOG2E + np.float32(0.5))
+        r = (x - k * _LN2_HI) - k * _LN2_LO
+        p = np.float32(1.0 / 720)
+        p = p * r + np.float32(1.0 / 120)
+        p = p * r + np.float32(1.0 / 24)
+        p = p * r + np.float32(1.0 / 6)
+        p = p * r + np.float32(0.5)
+        p = p * r + np.float32(1.0)
+        p = p * r + np.float32(1.0)
+        s[i] = p
+        e = (np.int32(k) + np.int32(127)) << np.int32(23)
+        ebits[i] = e if x > np.float32(-70.0) else np.int32(0)  # bits 0 = +0.0
+    for i in range(n):
+        s[i] = s[i] * fb[i]
+
+
+@njit(fastmath=_FM, cache=True, nogil=True)
+def sum_f32(a, n):
+    # vector-lane sum; the order depends only on n (same for exact and all-blocks sparse)
+    t = np.float32(0.0)
+    for i in range(n):
+        t += a[i]
+    return t
+
+
+@njit(fastmath=True, cache=True, nogil=True)
+def max_at(s, i, n):
+    # max is exact in any order, so the vector reduction fastmath allows changes no bits
+    m = np.float32(-np.inf)
+    for j in range(i, i + n):
+        m = max(m, s[j])
+    return m
