@@ -42,11 +42,9 @@ class SparseParams:
 
 def quantize_int8(x):
     """x float32 [..., D] -> (codes int8 [..., D], scale float32 [...]) with scale = absmax/127."""
-    absmax = np.max(np.abs(x), axis=-1)  # [...]
-    scale = (absmax / np.float32(127.0)).astype(np.float32)
-    safe = np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
-    codes = np.clip(np.rint(x / safe[..., None]), -127, 127).astype(np.int8)
-    return codes, scale
+    from sparrow.kernels.elementwise import quantize_int8_rows
+
+    return quantize_int8_rows(x)
 
 
 class LayerCache:

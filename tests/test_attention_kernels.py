@@ -341,3 +341,20 @@ def test_probe_key_copy_follows_rewrites(dtype):
     fresh.append(0, K2, V2)
     assert np.array_equal(after, decode_attention(q[-1], fresh, S, SCALE, sp))
     assert not np.array_equal(after, before)
+
+
+def test_int8_quantisation_rule():
+    from sparrow.kv_cache import quantize_int8
+
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal((5, 3, 40)).astype(np.float32) * 3
+    x[1, 2] = 0  # all-zero row: scale 0, codes 0
+    x[2, 0] = np.arange(-20, 20, dtype=np.float32) * np.float32(127 / 40)  # exact halves after scaling
+    codes, scale = quantize_int8(x)
+    absmax = np.abs(x).max(-1)
+    want_scale = (absmax / np.float32(127)).astype(np.float32)
+    safe = np.where(want_scale > 0, want_scale, np.float32(1)).astype(np.float32)
+    want = np.clip(np.rint(x / safe[..., None]), -127, 127).astype(np.int8)  # round half to even
+    assert codes.dtype == np.int8 and scale.dtype == np.float32
+    assert np.array_equal(scale, want_scale) and np.array_equal(codes, want)
+    assert not codes[1, 2].any() and scale[1, 2] == 0

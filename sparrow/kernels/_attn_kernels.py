@@ -173,8 +173,9 @@ def _block_sums(imp, seq_len, bs):
 @njit(cache=True, nogil=True)
 def decode_kernel(q, qa, qs, K, V, ks, vs, int8, imp, seq_len, scale, G, sparse, k_blocks, bs,
                   n_probe, P, ps, per_block, n_copied, out, sel, stages, nsel):
-    # Serial over KV heads: a parallel launch costs 50-180 us of wall time here, and with
-    # 3 KV heads on 2 shared cores prange measured slower at every context up to 7K.
+    # Serial over KV heads: with 3 KV heads on 2 cores a prange over them measured slower at
+    # every context up to 7K and every KV type (sparse f32 at 7K: 16.5 vs 12.6 ms a token,
+    # workers pinned), the launch and the 2:1 split costing more than the second core gives.
     nb = (seq_len + bs - 1) // bs
     if sparse:
         reserved = reserve_importance_nb(_block_sums(imp, seq_len, bs), k_blocks, nb)

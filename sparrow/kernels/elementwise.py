@@ -1,4 +1,5 @@
-"""Row-wise element kernels of the decoder: RMSNorm, rotate-half RoPE, silu(gate) * up.
+"""Row-wise element kernels of the decoder: RMSNorm, rotate-half RoPE, silu(gate) * up, and
+the int8 KV row quantisation.
 
 At decode each is a few hundred floats, so one compiled call replaces several numpy calls
 (Python overhead dominated them). They are serial and work row by row, so a row's result
@@ -101,3 +102,29 @@ def silu_mul(gu: np.ndarray, f: int) -> np.ndarray:
     h = np.empty((gu.shape[0], f), np.float32)
     _silu_mul(gu, f, h)
     return h
+
+
+@njit(**_KW)
+def _quant_rows(x, codes, scale):
+    for r in range(x.shape[0]):
+        a = np.float32(0)
+        for i in range(x.shape[1]):
+            a = max(a, abs(x[r, i]))
+        sc = a / np.float32(127.0)
+        scale[r] = sc
+        safe = sc if sc > np.float32(0) else np.float32(1)
+        for i in range(x.shape[1]):
+            q = np.float32(np.rint(x[r, i] / safe))
+            codes[r, i] = np.int8(min(max(q, np.float32(-127)), np.float32(127)))
+
+
+def quantize_int8_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x f32 [..., D] -> (codes int8 [..., D], scale f32 [...]): scale = absmax / 127 per row,
+    codes = rint(x / scale) clipped to +-127 (all-zero rows: scale 0, codes 0). One compiled
+    pass instead of ~8 numpy calls: the int8 cache quantises every appended K/V row and every
+    decode query, ~1 ms per token of numpy overhead on the default model."""
+    x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])  # [R, D]
+    codes = np.empty(x2.shape, np.int8)
+    scale = np.empty(x2.shape[0], np.float32)
+    _quant_rows(x2, codes, scale)
+    return codes.reshape(x.shape), scale.reshape(x.shape[:-1])
