@@ -8,31 +8,13 @@ import pytest
 
 from sparrow.kernels import gemm
 from sparrow.kernels.linear import SMALL_T, linear
-from sparrow.quant import Weight, f32_to_bf16_bits
+from sparrow.quant import Weight
+from weights import acts, make
 
 FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
 # O: below one panel, one panel and a tail, several panels; K: 1 to 19 blocks
 SHAPES = ((37, 32), (21, 96), (5, 576), (gemm.NR * 2 + 7, 608))
 TS = (9, 13, 37, 515)  # T: one x block and tails, several blocks, 515 = 64 blocks + 3
-
-
-def make(qtype, shape, seed=0):
-    rng = np.random.default_rng(seed)
-    a = rng.standard_normal(shape).astype(np.float32) * np.float32(0.05)
-    a[:, :3] *= 40  # a few large columns, as in real projections
-    if qtype == "f16":
-        return Weight.from_array(a.astype(np.float16))
-    if qtype == "bf16":
-        return Weight.from_bf16(f32_to_bf16_bits(a))
-    w = Weight.from_array(a)
-    return w if qtype == "f32" else w.quantize(qtype)
-
-
-def acts(t, k, seed=1):
-    x = np.random.default_rng(seed).standard_normal((t, k)).astype(np.float32)
-    x[:, 5] = 0
-    x[2] = 0  # an all-zero row
-    return x
 
 
 def fma_order_reference(x, wf):

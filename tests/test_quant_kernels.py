@@ -8,31 +8,12 @@ import pytest
 from sparrow.errors import SparrowError
 from sparrow.kernels import linear as L
 from sparrow.quant import Weight, f32_to_bf16_bits, quantize_blocks
+from weights import acts, make
 
 GT = gguf.GGMLQuantizationType
 FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
 SHAPES = ((37, 64), (37, 96), (21, 576), (5, 32), (19, 608))  # 1 to 19 blocks, odd and even
 PREFILL_T = L.SMALL_T + 13
-
-
-def make(qtype, shape, seed=0):
-    rng = np.random.default_rng(seed)
-    a = rng.standard_normal(shape).astype(np.float32) * np.float32(0.05)
-    a[:, :3] *= 40  # a few large columns, as in real projections
-    if qtype == "f16":
-        return Weight.from_array(a.astype(np.float16))
-    if qtype == "bf16":
-        return Weight.from_bf16(f32_to_bf16_bits(a))
-    w = Weight.from_array(a)
-    return w if qtype == "f32" else w.quantize(qtype)
-
-
-def acts(t, k, seed=1):
-    x = np.random.default_rng(seed).standard_normal((t, k)).astype(np.float32)
-    x[:, 5] = 0  # zero entries and, for k=64, an all-zero row below
-    if t > 2:
-        x[2] = 0
-    return x
 
 
 @pytest.mark.parametrize("qtype", FORMATS)

@@ -26,14 +26,18 @@ from numba import njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-_F32, _I8, _I16, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-_V16F = ir.VectorType(_F32, 16)
+from sparrow.kernels._ir import F32 as _F32
+from sparrow.kernels.elementwise import exp_parts
+from sparrow.kernels._ir import I8 as _I8
+from sparrow.kernels._ir import I16 as _I16
+from sparrow.kernels._ir import I32 as _I32
+from sparrow.kernels._ir import I64 as _I64
+from sparrow.kernels._ir import V16F as _V16F
+from sparrow.kernels._ir import fma as _fma
+from sparrow.kernels._ir import hsum16 as _hsum
+from sparrow.kernels._ir import splat16 as _splat
+
 _ZERO = ir.Constant(_V16F, [0.0] * 16)
-
-
-def _fma(builder, a, b, c):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
-    return builder.call(fn, [a, b, c])
 
 
 def _kind(dtype):
@@ -66,27 +70,6 @@ def _load1(builder, kind, base, idx):
     if kind == "f16":
         return builder.fpext(builder.bitcast(v, ir.HalfType()), _F32)
     return builder.sitofp(v, _F32)
-
-
-def _fma1(builder, a, b, c):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
-    return builder.call(fn, [a, b, c])
-
-
-def _hsum(builder, v):
-    n = 16
-    while n > 1:  # fixed pairwise tree 16 -> 8 -> 4 -> 2 -> 1
-        h = n // 2
-        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h))))
-        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h, n))))
-        v = builder.fadd(lo, hi)
-        n = h
-    return builder.extract_element(v, ir.Constant(_I32, 0))
-
-
-def _splat(builder, x):
-    v = builder.insert_element(ir.Constant(_V16F, ir.Undefined), x, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(_V16F, ir.Undefined), ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
 
 
 def _ptr(context, builder, ty, val, elem):
@@ -126,7 +109,7 @@ def _dots_generic(builder, kind, qp, kp, sp, d, t0v, stepv, offv, j0, n):
         with cgutils.for_range_slice(builder, builder.shl(nch, ir.Constant(_I64, 4)), d, ir.Constant(_I64, 1)) as (e, _):
             qe = _load1(builder, "f32", qp, e)
             ke = _load1(builder, kind, kp, builder.add(base, e))
-            builder.store(_fma1(builder, qe, ke, builder.load(tot)), tot)
+            builder.store(_fma(builder, qe, ke, builder.load(tot)), tot)
         builder.store(builder.load(tot), builder.gep(sp, [builder.add(offv, j)]))
 
 
@@ -282,7 +265,7 @@ def accum(typingctx, w, off, V2, t0, t1, acc):
             rb = builder.mul(builder.add(t0v, r.index), d)
             with cgutils.for_range_slice(builder, builder.shl(nch, i64(4)), d, i64(1)) as (e, _):
                 ae = builder.gep(ap, [builder.add(slot, e)])
-                builder.store(_fma1(builder, wr, _load1(builder, kind, vp, builder.add(rb, e)), builder.load(ae)), ae)
+                builder.store(_fma(builder, wr, _load1(builder, kind, vp, builder.add(rb, e)), builder.load(ae)), ae)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -290,9 +273,6 @@ def accum(typingctx, w, off, V2, t0, t1, acc):
 
 # ---------------------------------------------------------------- softmax pieces
 
-_LOG2E = np.float32(1.4426950408889634)
-_LN2_HI = np.float32(0.693359375)  # ln 2 split so k * _LN2_HI is exact for |k| < 2**9
-_LN2_LO = np.float32(-2.12194440e-4)
 _FM = {"reassoc", "contract"}  # vector lanes; the order is fixed per build
 
 
@@ -300,25 +280,15 @@ _FM = {"reassoc", "contract"}  # vector lanes; the order is fixed per build
 def exp_shifted(s, m, n, ebits):
     """s[:n] = exp(s[:n] - m) (all arguments <= 0), vectorised (libm expf is a scalar call).
 
-    exp(x) = 2**k * e**r with k = round(x / ln 2), |r| <= ln 2 / 2, e**r by its degree-6
-    Taylor polynomial (relative error < 2e-7); 2**k is built in the exponent bits of ebits.
+    exp(x) = p * 2**k from elementwise.exp_parts; 2**k is built in the exponent bits of ebits.
     Arguments below -70 give 0: such weights (< 4e-31 of the maximum's) cannot change an f32
     sum, and the tiny products they would make with V are subnormal, which x86 handles ~100x
     slower (this made sparse decode on real model queries slower than exact).
     """
     fb = ebits.view(np.float32)
     for i in range(n):
-        x = s[i] - m
-        x = max(x, np.float32(-87.0))
-        k = np.floor(x * _LOG2E + np.float32(0.5))
-        r = (x - k * _LN2_HI) - k * _LN2_LO
-        p = np.float32(1.0 / 720)
-        p = p * r + np.float32(1.0 / 120)
-        p = p * r + np.float32(1.0 / 24)
-        p = p * r + np.float32(1.0 / 6)
-        p = p * r + np.float32(0.5)
-        p = p * r + np.float32(1.0)
-        p = p * r + np.float32(1.0)
+        x = max(s[i] - m, np.float32(-87.0))
+        p, k = exp_parts(x)
         s[i] = p
         e = (np.int32(k) + np.int32(127)) << np.int32(23)
         ebits[i] = e if x > np.float32(-70.0) else np.int32(0)  # bits 0 = +0.0

@@ -23,6 +23,9 @@ from numba import njit, prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from sparrow.kernels._ir import F32, I8, I32, I64, V16F, V16I32, hsum16, splat16
+from sparrow.kernels._ir import fma as _fma
+
 KW = dict(cache=True, nogil=True)
 FM = {"reassoc", "contract"}  # lets LLVM use vector lanes + FMA in the dot products
 
@@ -30,7 +33,7 @@ FM = {"reassoc", "contract"}  # lets LLVM use vector lanes + FMA in the dot prod
 F16_LUT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 F16_LUT.flags.writeable = False
 
-KIND = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "f16": 3, "bf16": 4}
+KIND = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "f16": 3, "bf16": 4, "f32": 5}  # f32: rows as uint32 bits
 _ROWS = 16  # weight rows widened per parallel work item
 # Block matvecs below this many multiply-adds skip the thread pool: a parallel launch costs
 # 50-180 us of wall time here, as much as a 2M-MAC matvec on one core (measured with the
@@ -66,8 +69,12 @@ def dot(w, x):
 
 @njit(**KW)
 def widen_row(row, kind, lut, out, out_bits):
-    """One stored row -> f32 out [K] (out_bits: out viewed as uint32, for bf16)."""
+    """One stored row -> f32 out [K] (out_bits: out viewed as uint32, for bf16 and f32 bits)."""
     k = out.shape[0]
+    if kind == 5:
+        for i in range(k):
+            out_bits[i] = np.uint32(row[i])
+        return
     if kind == 3:
         for i in range(k):
             out[i] = lut[row[i]]
@@ -128,16 +135,8 @@ def _mv_f32(w, x, y):
 # the end acc_even + acc_odd is summed by a fixed pairwise tree. Each row's order depends
 # only on its length: bit-identical whatever T, the row's batch or the thread count.
 
-_F32, _I8, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
-_V16F, _V16I32 = ir.VectorType(_F32, 16), ir.VectorType(_I32, 16)
+_F32, _I8, _I32, _I64, _V16F, _V16I32 = F32, I8, I32, I64, V16F, V16I32
 _BB = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
-
-
-def _fma(builder, a, b, c):
-    ty = a.type
-    name = "llvm.fma.v16f32" if isinstance(ty, ir.VectorType) else "llvm.fma.f32"
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty, ty]), name)
-    return builder.call(fn, [a, b, c])
 
 
 def _half_at(builder, rp, off):
@@ -186,12 +185,9 @@ def _make_rowdot(qtype):
             zero = ir.Constant(_V16F, [0.0] * 16)
             accs = [cgutils.alloca_once_value(builder, zero) for _ in range(2)]
             accm = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
-            splat = ir.Constant(_V16I32, [0] * 16)
             def block(b, acc):
                 t, d, const = _block_terms(builder, qtype, rp, xp, sp, b)
-                dv = builder.shuffle_vector(builder.insert_element(ir.Constant(_V16F, ir.Undefined), d,
-                                                                   ir.Constant(_I32, 0)),
-                                            ir.Constant(_V16F, ir.Undefined), splat)
+                dv = splat16(builder, d)
                 builder.store(_fma(builder, t, dv, builder.load(acc)), acc)
                 if const is not None:
                     builder.store(_fma(builder, const[0], const[1], builder.load(accm)), accm)
@@ -204,14 +200,7 @@ def _make_rowdot(qtype):
             with builder.if_then(builder.trunc(nb, ir.IntType(1))):
                 block(builder.sub(nb, one), accs[0])
             v = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
-            n = 16
-            while n > 1:  # fixed pairwise tree 16 -> 8 -> 4 -> 2 -> 1
-                h = n // 2
-                lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h))))
-                hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h, n))))
-                v = builder.fadd(lo, hi)
-                n = h
-            return builder.fadd(builder.extract_element(v, ir.Constant(_I32, 0)), builder.load(accm))
+            return builder.fadd(hsum16(builder, v), builder.load(accm))
 
         return sig, codegen
 

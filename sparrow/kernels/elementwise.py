@@ -62,28 +62,35 @@ _LN2_LO = np.float32(-2.12194440e-4)
 
 
 @njit(fastmath={"reassoc", "contract"}, **_KW)
+def exp_parts(x):
+    """(p, k) with exp(x) = p * 2**k for finite f32 x in [-87, 88], written so that LLVM
+    vectorises loops calling it (libm expf is a scalar call): k = round(x / ln 2), p = e**r for
+    |r| <= ln 2 / 2 by its degree-6 Taylor polynomial (relative error < 3e-7). The caller
+    builds 2**k in exponent bits: (int32(k) + 127) << 23."""
+    k = np.floor(x * _LOG2E + np.float32(0.5))
+    r = (x - k * _LN2_HI) - k * _LN2_LO
+    p = np.float32(1.0 / 720)
+    p = p * r + np.float32(1.0 / 120)
+    p = p * r + np.float32(1.0 / 24)
+    p = p * r + np.float32(1.0 / 6)
+    p = p * r + np.float32(0.5)
+    p = p * r + np.float32(1.0)
+    p = p * r + np.float32(1.0)
+    return p, k
+
+
+@njit(fastmath={"reassoc", "contract"}, **_KW)
 def _silu_mul(gu, f, out):
     """out = silu(g) * u with g = gu[:, :f], u = gu[:, f:].
 
-    exp(-g) is computed so that LLVM vectorises it (libm expf is a scalar call): 2**k * e**r,
-    k = round(x / ln 2), e**r by its degree-6 Taylor polynomial (relative error < 3e-7),
-    2**k built in the exponent bits; the argument is clamped to [-87, 88] (finite f32).
+    exp(-g) by exp_parts (vectorised), the argument clamped to [-87, 88] (finite f32).
     """
     ebits = np.empty(f, np.int32)
     fb = ebits.view(np.float32)
     for t in range(gu.shape[0]):
         o = out[t]
         for i in range(f):
-            x = min(max(-gu[t, i], np.float32(-87.0)), np.float32(88.0))
-            k = np.floor(x * _LOG2E + np.float32(0.5))
-            r = (x - k * _LN2_HI) - k * _LN2_LO
-            p = np.float32(1.0 / 720)
-            p = p * r + np.float32(1.0 / 120)
-            p = p * r + np.float32(1.0 / 24)
-            p = p * r + np.float32(1.0 / 6)
-            p = p * r + np.float32(0.5)
-            p = p * r + np.float32(1.0)
-            p = p * r + np.float32(1.0)
+            p, k = exp_parts(min(max(-gu[t, i], np.float32(-87.0)), np.float32(88.0)))
             o[i] = p
             ebits[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
         for i in range(f):

@@ -28,6 +28,8 @@ from numba import njit, prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from sparrow.kernels._ir import F32, I8, I32, V16F
+from sparrow.kernels._ir import fma as _fma
 from sparrow.kernels._widen import widen_row
 
 KW = dict(cache=True, nogil=True)
@@ -35,14 +37,7 @@ MR = 8  # x rows per micro-kernel call
 NV = 3  # 16-lane vectors per panel row
 NR = 16 * NV  # weight rows per panel
 
-_F32, _I8, _I32 = ir.FloatType(), ir.IntType(8), ir.IntType(32)
-_V16F = ir.VectorType(_F32, 16)
-
-
-def _fma(builder, a, b, c):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3),
-                                        "llvm.fma.v16f32")
-    return builder.call(fn, [a, b, c])
+_F32, _I8, _I32, _V16F = F32, I8, I32, V16F
 
 
 def _f32_c2d(t):

@@ -11,8 +11,8 @@ expert_pairs: the SwiGLU experts for a list of (token, expert) pairs in two para
 of weight rows), so each output has one writer. Each stored row is widened to f32 once per
 expert and dotted with each of its pairs' f32 activation rows by one fixed loop, so a pair's
 output depends only on that pair (batch and thread invariant). The widening and dot helpers
-are copied from kernels/_widen.py on purpose: numba's on-disk cache does not notice edits to
-jitted functions inlined from another file.
+are kernels/_widen.py's (the numba cache directory is keyed on every kernel source, so an
+edit there recompiles these too).
 """
 
 import math
@@ -21,11 +21,11 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from sparrow.kernels._widen import F16_LUT, call_slp
+from sparrow.kernels._widen import F16_LUT, KIND, call_slp
+from sparrow.kernels._widen import dot as _dot
+from sparrow.kernels._widen import widen_row as _widen_row
 
 KW = dict(cache=True, nogil=True)
-FM = {"reassoc", "contract"}
-KIND = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "f16": 3, "bf16": 4, "f32": 5}
 _ROWS = 16  # weight rows per parallel work item
 
 
@@ -72,51 +72,6 @@ def route(logits, k, norm):
     if t_n:
         _route(logits, k, bool(norm), idx, w)
     return idx, w
-
-
-@njit(fastmath=FM, **KW)
-def _dot(w, x):
-    # Vector lanes then a fixed tree: the order depends only on the length.
-    s = np.float32(0)
-    for i in range(w.shape[0]):
-        s += w[i] * x[i]
-    return s
-
-
-@njit(**KW)
-def _widen_row(row, kind, lut, out, out_bits):
-    """One stored row (uint8 blocks, uint16 f16/bf16 bits, uint32 f32 bits) -> f32 out [K]."""
-    k = out.shape[0]
-    if kind == 5:
-        for i in range(k):
-            out_bits[i] = np.uint32(row[i])
-        return
-    if kind == 3:
-        for i in range(k):
-            out[i] = lut[row[i]]
-        return
-    if kind == 4:
-        for i in range(k):
-            out_bits[i] = np.uint32(row[i]) << np.uint32(16)
-        return
-    bb = 34 if kind == 0 else (18 if kind == 1 else 20)
-    for b in range(k // 32):
-        p = b * bb
-        d = lut[np.int32(row[p]) | (np.int32(row[p + 1]) << 8)]
-        if kind == 0:
-            for j in range(32):
-                out[b * 32 + j] = d * np.float32(np.int8(np.uint8(row[p + 2 + j])))
-        elif kind == 1:
-            for j in range(16):
-                q = np.int32(row[p + 2 + j])
-                out[b * 32 + j] = d * np.float32((q & 15) - 8)
-                out[b * 32 + 16 + j] = d * np.float32((q >> 4) - 8)
-        else:
-            m = lut[np.int32(row[p + 2]) | (np.int32(row[p + 3]) << 8)]
-            for j in range(16):
-                q = np.int32(row[p + 4 + j])
-                out[b * 32 + j] = d * np.float32(q & 15) + m
-                out[b * 32 + 16 + j] = d * np.float32(q >> 4) + m
 
 
 @njit(parallel=True, **KW)
