@@ -288,12 +288,10 @@ def matvec_widened(x, w, out):
 
 def matmul_widened(x, w, out):
     """out [T, out] = x @ W.T for large T (prefill): packed f32 panels, outer-product GEMM."""
-    if w.qtype == "f32":
-        gemm_f32(w.data, x, out, numba.get_num_threads())
-    else:
-        call_slp(gemm_stored, w.data, KIND[w.qtype], F16_LUT, x, out, numba.get_num_threads())
+    data = w.data.view(np.uint32) if w.qtype == "f32" else w.data  # f32 rows as their bits
+    call_slp(gemm_stored, data, KIND[w.qtype], F16_LUT, x, out, numba.get_num_threads())
     return out
 
 
 # At the end: gemm imports widen_row from this module.
-from sparrow.kernels.gemm import gemm_f32, gemm_stored  # noqa: E402
+from sparrow.kernels.gemm import gemm_stored  # noqa: E402

@@ -263,27 +263,9 @@ def _pack_stored(data, kind, lut, o0, n, tmp, bp):
 
 
 @njit(parallel=True, **KW)
-def gemm_f32(w, x, y, threads):
-    """y [T, O] = x [T, K] @ w.T for f32 w [O, K] (all C-contiguous); threads: numba's count."""
-    o_n, k = w.shape
-    n_p = (o_n + NR - 1) // NR
-    nxt = np.zeros(1, np.int64)
-    for _ in prange(min(n_p, threads)):
-        bp = np.zeros((k, NR), np.float32)  # [K, NR]
-        p = _claim(nxt)
-        while p < n_p:
-            o0 = p * NR
-            n = min(NR, o_n - o0)
-            if n < NR:
-                bp[:] = 0
-            _transpose_into(w, o0, n, bp)
-            _sweep(bp, x, y, o0, n)
-            p = _claim(nxt)
-
-
-@njit(parallel=True, **KW)
 def gemm_stored(data, kind, lut, x, y, threads):
-    """y [T, O] = x [T, K] @ W.T for stored rows data [O, *] of format kind (_widen.KIND)."""
+    """y [T, O] = x [T, K] @ W.T for stored rows data [O, *] of format kind (_widen.KIND;
+    f32 rows come as their uint32 bits, widened by a copy)."""
     o_n, k = data.shape[0], x.shape[1]
     n_p = (o_n + NR - 1) // NR
     nxt = np.zeros(1, np.int64)
