@@ -145,7 +145,7 @@ def test_sparse_with_all_blocks_is_bit_identical_to_exact(dtype):
             assert all(abs(mass - 1.0) < 1e-6 for *_, mass in trace)  # everything selected
 
 
-@pytest.mark.parametrize("dtype", ["f32", "int8"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
 def test_sparse_decode_matches_selected_token_reference(dtype):
     layer, q, _, _ = make(dtype, seed=3)
     prefill_attention(q[:150], layer, 0, SCALE)  # positions 150.. keep importance 0
@@ -165,7 +165,7 @@ def test_sparse_decode_matches_selected_token_reference(dtype):
         assert abs(mass - p[pos].sum() / p.sum()) < 1e-5 and 0 < mass < 1
 
 
-@pytest.mark.parametrize("dtype", ["f32", "int8"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
 def test_sparse_prefill_matches_per_query_reference(dtype):
     layer, q, _, _ = make(dtype, seed=5, n=100)
     sp = SparseParams(k=2, block=16, probe=4, prefill=True)
@@ -324,7 +324,7 @@ def test_row_kernels_against_documented_order(dim):
         np.testing.assert_allclose(one, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", ["f32", "int8"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
 def test_probe_key_copy_follows_rewrites(dtype):
     # sparse decode reads the probe keys of full blocks from a copy (kv_cache.ProbeKeys); a
     # rewritten position (cache rewound and refilled) must be seen exactly as a fresh cache sees it
