@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparrow.errors import SparrowError
+from sparrow.kernels.elementwise import quantize_int8_rows
 
 KV_DTYPES = ("f32", "f16", "int8")
 _STORAGE = {"f32": np.float32, "f16": np.uint16, "int8": np.int8}
@@ -42,8 +43,6 @@ class SparseParams:
 
 def quantize_int8(x):
     """x float32 [..., D] -> (codes int8 [..., D], scale float32 [...]) with scale = absmax/127."""
-    from sparrow.kernels.elementwise import quantize_int8_rows
-
     return quantize_int8_rows(x)
 
 

@@ -26,6 +26,14 @@ def _scale_rows(s, i, n, f, rs, r0, step):
 
 
 @njit(cache=True, nogil=True)
+def _prefetch_jump(X2, b, nxt, nb, bs, seq_len):
+    # a jump ahead is prefetched; consecutive blocks are left to the hardware prefetcher
+    # (software prefetching them too made exact attention ~15% slower)
+    if nxt < nb and nxt != b + 1:
+        prefetch(X2, nxt * bs, min(nxt * bs + bs, seq_len))
+
+
+@njit(cache=True, nogil=True)
 def _attend_group(qa, qs, K2, V2, ks, vs, int8, h0, G, seq_len, scale, bs, mark, ntok, out,
                   want_p, pacc):
     """Softmax attention of query heads h0..h0+G-1 over their marked blocks (mark [G, nb]).
@@ -38,24 +46,21 @@ def _attend_group(qa, qs, K2, V2, ks, vs, int8, h0, G, seq_len, scale, bs, mark,
     s = np.empty((G, max(1, ntok.max())), dtype=np.float32)  # packed scores, then weights
     m = np.full(G, -np.inf, dtype=np.float32)
     cnt = np.zeros(G, dtype=np.int64)
-    used = np.zeros(nb + 1, dtype=np.int64)  # used[b]: the next block at or after b any head marks
-    used[nb] = nb
-    for b in range(nb - 1, -1, -1):
-        used[b] = used[b + 1]
+    used = np.empty(nb + 1, dtype=np.int64)  # blocks any head marks, ascending, then nb
+    nu = 0
+    for b in range(nb):
         for g in range(G):
             if mark[g, b]:
-                used[b] = b
-    for b in range(nb):
-        if used[b] != b:
-            continue
+                used[nu] = b
+                nu += 1
+                break
+    used[nu] = nb
+    for j in range(nu):
+        b, nxt = used[j], used[j + 1]
         p0 = b * bs
         p1 = min(p0 + bs, seq_len)
-        nxt = used[b + 1]
-        # a jump ahead is prefetched; consecutive blocks are left to the hardware prefetcher
-        # (software prefetching them too made exact attention ~15% slower)
-        if nxt < nb and nxt != b + 1:
-            prefetch(K2, nxt * bs, min(nxt * bs + bs, seq_len))
-        elif nxt == nb and used[0] != 0:
+        _prefetch_jump(K2, b, nxt, nb, bs, seq_len)
+        if nxt == nb and used[0] != 0:  # the value pass starts with a jump back
             prefetch(V2, used[0] * bs, min(used[0] * bs + bs, seq_len))
         for g in range(G):
             if mark[g, b]:
@@ -73,14 +78,11 @@ def _attend_group(qa, qs, K2, V2, ks, vs, int8, h0, G, seq_len, scale, bs, mark,
     acc = np.zeros((G, 4, D), dtype=np.float32)
     w = np.empty(s.shape[1], dtype=np.float32) if int8 else s[0]
     cnt[:] = 0
-    for b in range(nb):
-        if used[b] != b:
-            continue
+    for j in range(nu):
+        b, nxt = used[j], used[j + 1]
         p0 = b * bs
         p1 = min(p0 + bs, seq_len)
-        nxt = used[b + 1]
-        if nxt < nb and nxt != b + 1:
-            prefetch(V2, nxt * bs, min(nxt * bs + bs, seq_len))
+        _prefetch_jump(V2, b, nxt, nb, bs, seq_len)
         for g in range(G):
             if mark[g, b]:
                 i = cnt[g]
