@@ -16,23 +16,12 @@ from typing import Iterator
 import numpy as np
 
 from .engine.generate import generate_step, new_sequence
-from .engine.sampling import SamplingParams
+from .params import SamplingParams
 from .engine.sequence import StepOutput
 from .errors import SparrowError
-from .kv_cache import KV_DTYPES, SparseParams
+from .kernels import set_threads
+from .params import KV_DTYPES, SparseParams
 from .loaders import open_checkpoint
-
-
-def set_threads(n: int | None) -> int:
-    """Numba's thread count is per calling thread, so every thread that runs the model calls this."""
-    import numba
-
-    from .kernels import pin_worker_threads
-
-    n = max(1, min(n or numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS))
-    pin_worker_threads()
-    numba.set_num_threads(n)
-    return n
 
 
 def sparse_params(sparse_attn: bool = False, sparse_k: int = 32, sparse_block: int = 32,

@@ -11,34 +11,13 @@ Storage:
   q = rint(x / scale) in [-127, 127]; an all-zero row gets scale 0 and codes 0.
 """
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from sparrow.errors import SparrowError
+from sparrow.params import KV_DTYPES
 from sparrow.kernels.elementwise import quantize_int8_rows
 
-KV_DTYPES = ("f32", "f16", "int8")
 _STORAGE = {"f32": np.float32, "f16": np.uint16, "int8": np.int8}
-
-
-@dataclass
-class SparseParams:
-    """Per-request block-sparse attention settings (None instead of this means exact)."""
-
-    k: int = 32  # blocks selected per query head
-    block: int = 32  # tokens per block
-    probe: int = 8  # probe keys per block
-    prefill: bool = False  # also select blocks for prefill queries (causal prefix, no importance)
-
-    def __post_init__(self):
-        for name in ("k", "block", "probe"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise SparrowError(
-                    f"sparse attention needs integer k, block and probe >= 1 (got k={self.k!r}, "
-                    f"block={self.block!r}, probe={self.probe!r})"
-                )
 
 
 def quantize_int8(x):

@@ -9,7 +9,8 @@ import pytest
 from sparrow.errors import SparrowError
 from sparrow.kernels.attention import decode_attention, prefill_attention
 from sparrow.kernels.sparse_select import block_sums, probe_block_maxima, select_blocks
-from sparrow.kv_cache import KVCache, SparseParams
+from sparrow.kv_cache import KVCache
+from sparrow.params import SparseParams
 
 H, KVH, D, S = 4, 2, 32, 200  # S = 12 blocks of 16 plus a short block of 8
 G = H // KVH

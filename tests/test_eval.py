@@ -154,7 +154,7 @@ def test_selected_mass_matches_hand_softmax():
 
 def test_kernel_trace_mass_matches_helper():
     from sparrow.kernels.attention import decode_attention
-    from sparrow.kv_cache import SparseParams
+    from sparrow.params import SparseParams
 
     rng = np.random.default_rng(0)
     lc = LayerCache(2, 16, 200, "f32")
@@ -246,7 +246,7 @@ def test_shared_prefill_decoding_matches_llm_stream():
     """The benches decode every configuration from one exact prefill; the text must be what
     llm.stream gives for the same prompt and sparse settings."""
     import sparrow
-    from sparrow.kv_cache import SparseParams
+    from sparrow.params import SparseParams
 
     llm = sparrow.load()
     p = prompts.make_prompt(llm.tokenizer, "needle", 300, 0.5, seed=2)

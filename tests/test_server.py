@@ -304,7 +304,7 @@ def test_engine_batches_match_solo(ref, monkeypatch):
     """Decode rows are split into forwards of at most SMALL_T and each sequence's tokens equal its solo run.
 
     SMALL_T is lowered to 2 so that four concurrent sequences need split forwards."""
-    from sparrow.engine.sampling import SamplingParams
+    from sparrow.params import SamplingParams
     from sparrow.engine.scheduler import Engine
     from sparrow.kernels import linear
 

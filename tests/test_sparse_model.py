@@ -11,7 +11,7 @@ import numpy as np
 
 from conftest import prompt
 from sparrow.api import set_threads
-from sparrow.kv_cache import SparseParams
+from sparrow.params import SparseParams
 from sparrow.models.decoder import Segment
 
 

@@ -13,7 +13,8 @@ from sparrow.kernels.sparse_select import (
     select_blocks,
     select_blocks_nb,
 )
-from sparrow.kv_cache import KVCache, SparseParams
+from sparrow.kv_cache import KVCache
+from sparrow.params import SparseParams
 
 
 def nb_select(probe, imp, k):

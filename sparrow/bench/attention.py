@@ -14,7 +14,8 @@ import numba
 import numpy as np
 
 from sparrow.kernels.attention import decode_attention
-from sparrow.kv_cache import LayerCache, SparseParams
+from sparrow.kv_cache import LayerCache
+from sparrow.params import SparseParams
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
 _FILL_CHUNK = 2048

@@ -53,7 +53,7 @@ def _ints(s: str, what: str) -> list[int]:
 
 def parse_grid(a) -> dict:
     from ..eval.prompts import TASKS, parse_length
-    from ..kv_cache import SparseParams
+    from ..params import SparseParams
 
     tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
     for t in tasks:

@@ -82,7 +82,7 @@ class SparrowRunner:
 
     def decode(self, feed, start, mode="exact", sparse_k=32):
         """Per-token seconds and the mean time split (ms) for len(feed) steps after start."""
-        from sparrow.kv_cache import SparseParams
+        from sparrow.params import SparseParams
         from sparrow.models.decoder import Segment, Timer
 
         kv_dtype, sparse = MODES[mode]

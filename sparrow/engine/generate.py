@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Iterator
 
-from ..kv_cache import SparseParams
+from ..params import SparseParams
 from ..models.decoder import Timer
 from .sampling import Sampler, SamplingParams
 from .sequence import Sequence, StepOutput, check_context

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..kernels import linear as _linear
-from ..kv_cache import SparseParams
+from ..kernels import set_threads
+from ..params import SparseParams
 from .generate import PREFILL_CHUNK, new_sequence
 from .sampling import SamplingParams
 from .sequence import Sequence
@@ -108,8 +109,6 @@ class Engine:
 
     # ------------------------------------------------------------------ engine thread
     def _main(self, warmup: bool, on_ready) -> None:
-        from ..api import set_threads
-
         set_threads(self.llm.threads)  # numba's thread count is per thread
         if warmup:
             self._warmup()

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import ContextLengthError
-from ..kv_cache import KVCache, SparseParams
+from ..kv_cache import KVCache
+from ..params import SparseParams
 from ..models.decoder import Segment
 from .sampling import Sampler, SamplingParams, log_softmax
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..kv_cache import SparseParams
+from ..kernels import set_threads
+from ..params import SparseParams
 from ..models.decoder import Segment, Timer
 
 PREFILL_CHUNK = 512
@@ -64,8 +65,6 @@ class Prefilled:
 def prefill(llm, ids, extra: int, chunk: int = PREFILL_CHUNK) -> Prefilled:
     """Exact chunked prefill into a cache with room for `extra` generated tokens."""
     import time
-
-    from ..api import set_threads
 
     set_threads(llm.threads)
     ids = np.asarray(ids, np.int64)

@@ -82,3 +82,13 @@ def pin_worker_threads() -> bool:
         return False
     _pinned = True
     return True
+
+
+def set_threads(n: int | None) -> int:
+    """Sets numba's thread count for the calling thread (numba keeps it per thread, so every
+    thread that runs the model calls this) and returns it: n, or all of numba's threads when
+    n is None, capped at NUMBA_NUM_THREADS. Pins the workers first (pin_worker_threads)."""
+    n = max(1, min(n or numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS))
+    pin_worker_threads()
+    numba.set_num_threads(n)
+    return n

@@ -25,7 +25,8 @@ import numpy as np
 
 from sparrow.kernels._attn_kernels import decode_kernel, softmax_causal_rows, sparse_prefill_kernel
 from sparrow.kernels.sparse_select import STAGE_NAMES
-from sparrow.kv_cache import SparseParams, quantize_int8  # noqa: F401  (SparseParams re-exported)
+from sparrow.kv_cache import quantize_int8
+from sparrow.params import SparseParams  # noqa: F401  (type of the sparse argument)
 
 _TILE_ELEMS = 1 << 19  # floats per prefill score tile (2 MiB: its passes stay in L2)
 _DEFAULT_BLOCK = 32

@@ -17,7 +17,8 @@ from ..config import ModelConfig
 from ..errors import SparrowError
 from ..kernels.attention import decode_attention, prefill_attention
 from ..kernels.linear import linear
-from ..kv_cache import KVCache, SparseParams
+from ..kv_cache import KVCache
+from ..params import SparseParams
 from ..loaders.tensor import StoredTensor
 from ..quant import Weight
 from .layers import MLP, FusedLinear, Rope, rms_norm

@@ -12,9 +12,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..engine.sampling import SamplingParams
+from ..params import SamplingParams
 from ..errors import SparrowError
-from ..kv_cache import SparseParams
+from ..params import SparseParams
 
 ROLES = {"system", "user", "assistant", "developer"}  # developer is OpenAI's newer name for system
 _TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "tools", "template", "self"}  # set by the server
