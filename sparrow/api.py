@@ -1,40 +1,42 @@
 """The public Python API shared by the CLI, the server and users.
 
-    llm = sparrow.load()                      # default model; or a folder / .gguf path
-    ids = llm.tokenizer.encode("Hello")
-    logits = llm.logits(ids)                  # [len(ids), vocab] float32, exact attention
-    for piece in llm.generate("Hi!", max_tokens=32, sparse_attn=True):
-        print(piece, end="")
+llm = sparrow.load()                      # default model; or a folder / .gguf path
+ids = llm.tokenizer.encode("Hello")
+logits = llm.logits(ids)                  # [len(ids), vocab] float32, exact attention
+for piece in llm.generate("Hi!", max_tokens=32, sparse_attn=True):
+    print(piece, end="")
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
-from .engine.generate import generate_step, new_sequence
-from .params import SamplingParams
-from .engine.sequence import StepOutput
+from .engine.generate import generate_step
+from .engine.runner import Runner
+from .engine.sequence import Sequence, StepOutput
 from .errors import SparrowError
 from .kernels import set_threads
-from .params import KV_DTYPES, SparseParams
 from .loaders import open_checkpoint
-
-
-def sparse_params(sparse_attn: bool = False, sparse_k: int = 32, sparse_block: int = 32,
-                  sparse_probe: int = 8, sparse_prefill: bool = False) -> SparseParams | None:
-    if not sparse_attn:
-        return None
-    return SparseParams(k=sparse_k, block=sparse_block, probe=sparse_probe, prefill=sparse_prefill)
+from .params import (
+    QUANTIZE,
+    SAMPLING_OPTIONS,
+    SPARSE_OPTIONS,
+    SamplingParams,
+    SparseParams,
+    check_kv_dtype,
+    options_to_params,
+)
 
 
 class LLM:
     def __init__(self, checkpoint, model, kv_dtype: str, threads: int, ctx: int, load_seconds: float):
         self.checkpoint = checkpoint
         self.model = model
+        self.runner = Runner(model)  # every forward goes through it (chunked prefill, decode batches)
         self.tokenizer = checkpoint.tokenizer
         self.config = checkpoint.config
         self.name = checkpoint.name
@@ -44,8 +46,14 @@ class LLM:
         self.load_seconds = load_seconds
 
     # ------------------------------------------------------------------ prompts
-    def prompt_ids(self, prompt, chat: bool | None = None, system: str | None = None,
-                   chat_template_kwargs: dict | None = None, assistant_prefix: str = "") -> list[int]:
+    def prompt_ids(
+        self,
+        prompt,
+        chat: bool | None = None,
+        system: str | None = None,
+        chat_template_kwargs: dict | None = None,
+        assistant_prefix: str = "",
+    ) -> list[int]:
         """A string is a raw completion prompt unless chat=True; a list is chat messages."""
         tok = self.tokenizer
         if isinstance(prompt, str) and not chat:
@@ -58,9 +66,15 @@ class LLM:
         return tok.encode(text + assistant_prefix, add_special_tokens=False)
 
     # ------------------------------------------------------------------ forward
-    def logits(self, token_ids, sparse_attn: bool = False, sparse_k: int = 32, sparse_block: int = 32,
-               sparse_probe: int = 8, sparse_prefill: bool = False, kv_dtype: str | None = None) -> np.ndarray:
-        """One full forward over token_ids; float32 logits [len(token_ids), vocab]."""
+    def logits(
+        self, token_ids, sparse: SparseParams | None = None, kv_dtype: str | None = None, **sparse_options
+    ) -> np.ndarray:
+        """One full forward over token_ids (a single chunk); float32 logits [len(token_ids), vocab].
+
+        Attention is exact unless `sparse` (or the sparse_attn=True, sparse_k=... keywords) says
+        otherwise."""
+        from .models.decoder import Segment
+
         set_threads(self.threads)
         ids = np.asarray(token_ids, np.int64)
         if ids.ndim != 1 or len(ids) == 0:
@@ -69,34 +83,45 @@ class LLM:
             raise SparrowError(f"{len(ids)} tokens exceed the context length {self.ctx}")
         if ids.min() < 0 or ids.max() >= self.config.vocab_size:
             raise SparrowError(f"token id out of range [0, {self.config.vocab_size})")
-        from .models.decoder import Segment
-
-        cache = self.model.new_cache(len(ids), kv_dtype or self.kv_dtype)
-        sparse = sparse_params(sparse_attn, sparse_k, sparse_block, sparse_probe, sparse_prefill)
+        if set(sparse_options) - set(SPARSE_OPTIONS):
+            raise SparrowError(f"logits() takes only sparse_* options, got {sorted(sparse_options)}")
+        _, sparse = _params(None, sparse, sparse_options)
+        cache = self.model.new_cache(len(ids), check_kv_dtype(kv_dtype or self.kv_dtype))
         return self.model.forward([Segment(ids, cache, 0, sparse)], all_logits=True)
 
     # ------------------------------------------------------------------ generation
-    def stream(self, prompt, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-               presence_penalty: float = 0.0, frequency_penalty: float = 0.0, seed: int | None = None,
-               stop=None, logprobs: int | None = None, chat: bool | None = None, system: str | None = None,
-               chat_template_kwargs: dict | None = None, assistant_prefix: str = "",
-               sparse_attn: bool = False, sparse_k: int = 32, sparse_block: int = 32, sparse_probe: int = 8,
-               sparse_prefill: bool = False, kv_dtype: str | None = None, timings: bool = False,
-               trace: list | None = None) -> Iterator[StepOutput]:
-        """Like generate() but yields StepOutput (token id, text delta, logprobs, finish reason)."""
+    def stream(
+        self,
+        prompt,
+        *,
+        sampling: SamplingParams | None = None,
+        sparse: SparseParams | None = None,
+        kv_dtype: str | None = None,
+        chat: bool | None = None,
+        system: str | None = None,
+        chat_template_kwargs: dict | None = None,
+        assistant_prefix: str = "",
+        timings: bool = False,
+        trace: list | None = None,
+        **options,
+    ) -> Iterator[StepOutput]:
+        """Like generate() but yields StepOutput (token id, text delta, logprobs, finish reason).
+
+        Settings come as objects (`sampling`, `sparse`) or as keyword conveniences: any
+        SamplingParams field (max_tokens=256, temperature=0.0, top_p, top_k, min_p, the
+        penalties, seed, stop, logprobs) and sparse_attn, sparse_k, sparse_block,
+        sparse_probe, sparse_prefill. trace: a list that receives, per decoded token, the
+        sparse selections [(layer, [(head, blocks, stages, mass)])]."""
         set_threads(self.threads)
-        ids = prompt if _is_token_ids(prompt) else self.prompt_ids(prompt, chat, system, chat_template_kwargs, assistant_prefix)
-        params = SamplingParams(
-            max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
-            min_p=float(min_p), repetition_penalty=float(repetition_penalty),
-            presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty), seed=seed,
-            stop=[stop] if isinstance(stop, str) else list(stop or []), logprobs=logprobs,
+        sampling, sparse = _params(sampling, sparse, options)
+        kv = check_kv_dtype(kv_dtype or self.kv_dtype)
+        ids = (
+            prompt
+            if _is_token_ids(prompt)
+            else self.prompt_ids(prompt, chat, system, chat_template_kwargs, assistant_prefix)
         )
-        kv = kv_dtype or self.kv_dtype  # an unknown dtype is reported when the cache is made
-        sparse = sparse_params(sparse_attn, sparse_k, sparse_block, sparse_probe, sparse_prefill)
-        seq = new_sequence(self.model, self.tokenizer, list(ids), params, self.ctx, kv, sparse, trace is not None)
-        for out in generate_step(self.model, seq, timings=timings):
+        seq = Sequence.create(self.runner, self.tokenizer, list(ids), sampling, self.ctx, kv, sparse, trace is not None)
+        for out in generate_step(self.runner, seq, timings=timings):
             if trace is not None and seq.trace:
                 trace.append(list(seq.trace))
                 seq.trace.clear()
@@ -109,19 +134,39 @@ class LLM:
                 yield out.text
 
 
+def _params(sampling, sparse, options) -> tuple[SamplingParams, SparseParams | None]:
+    """Objects win, keywords are the convenience; giving both for one kind is an error."""
+    kw_sampling, kw_sparse = options_to_params(options)  # also rejects unknown names
+    if sampling is not None and any(k in SAMPLING_OPTIONS for k in options):
+        raise SparrowError("pass sampling settings as `sampling=SamplingParams(...)` or as keywords, not both")
+    if sparse is not None and any(k in SPARSE_OPTIONS for k in options):
+        raise SparrowError("pass sparse settings as `sparse=SparseParams(...)` or as sparse_* keywords, not both")
+    return (sampling or kw_sampling).validate(), sparse or kw_sparse
+
+
 def _is_token_ids(prompt) -> bool:
-    return isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt) > 0 and isinstance(prompt[0], (int, np.integer))
+    return (
+        isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt) > 0 and isinstance(prompt[0], (int, np.integer))
+    )
 
 
-def load(path: str | None = None, kv_dtype: str = "f32", threads: int | None = None,
-         quantize: str | None = None, ctx: int | None = None, progress: bool = False) -> LLM:
+def load(
+    path: str | None = None,
+    kv_dtype: str = "f32",
+    threads: int | None = None,
+    quantize: str | None = None,
+    ctx: int | None = None,
+    progress: bool = False,
+) -> LLM:
     """Loads a HF folder, a .gguf file, or (path None) the default SmolLM2-135M-Instruct GGUF."""
     from .models import build_model
 
-    if kv_dtype not in KV_DTYPES:
-        raise SparrowError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    if quantize not in (None, "q8_0"):
-        raise SparrowError(f"--quantize supports q8_0, got {quantize!r}")
+    # Settings are checked before the (slow) load, so a typo costs nothing.
+    check_kv_dtype(kv_dtype)
+    if quantize not in QUANTIZE:
+        raise SparrowError(f"quantize must be 'q8_0' or None, got {quantize!r}")
+    if ctx is not None and (isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 1):
+        raise SparrowError(f"ctx must be a positive integer, got {ctx!r}")
     threads = set_threads(threads)
     try:
         from threadpoolctl import threadpool_limits
@@ -132,7 +177,4 @@ def load(path: str | None = None, kv_dtype: str = "f32", threads: int | None = N
     t0 = time.perf_counter()
     ckpt = open_checkpoint(os.path.expanduser(path) if path else None)
     model = build_model(ckpt, quantize=quantize, progress=progress)
-    max_ctx = ckpt.config.max_position_embeddings
-    if ctx is not None and (not isinstance(ctx, int) or ctx < 1):
-        raise SparrowError(f"ctx must be a positive integer, got {ctx!r}")
-    return LLM(ckpt, model, kv_dtype, threads, ctx or max_ctx, time.perf_counter() - t0)
+    return LLM(ckpt, model, kv_dtype, threads, ctx or ckpt.config.max_position_embeddings, time.perf_counter() - t0)

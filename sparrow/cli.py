@@ -11,17 +11,22 @@ import sys
 import time
 
 from .errors import SparrowError
+from .params import KV_DTYPES, QUANTIZE, SamplingParams, SparseParams
 
 DEMO_PROMPT = "In three sentences, why is the sky blue?"
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", "-m", default=None, help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument(
+        "--model", "-m", default=None, help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)"
+    )
     g.add_argument("--ctx", type=int, default=None, help="context length (default: the model's)")
-    g.add_argument("--kv-dtype", default="f32", choices=["f32", "f16", "int8"], help="KV cache storage")
+    g.add_argument("--kv-dtype", default="f32", choices=KV_DTYPES, help="KV cache storage")
     g.add_argument("--threads", "-t", type=int, default=None, help="compute threads (default: all cores)")
-    g.add_argument("--quantize", default=None, choices=["q8_0"], help="quantise f16/bf16/f32 weights at load")
+    g.add_argument(
+        "--quantize", default=None, choices=[q for q in QUANTIZE if q], help="quantise f16/bf16/f32 weights at load"
+    )
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -42,26 +47,51 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sparse-block", type=int, default=32, help="tokens per block")
     g.add_argument("--sparse-probe", type=int, default=8, help="probe keys per block")
     g.add_argument("--sparse-prefill", action="store_true", help="select blocks during prefill too")
-    g.add_argument("--sparse-trace", default=None, metavar="FILE", help="write selected blocks per token/layer/head as JSON lines")
+    g.add_argument(
+        "--sparse-trace", default=None, metavar="FILE", help="write selected blocks per token/layer/head as JSON lines"
+    )
     p.add_argument("--timings", action="store_true", help="print load/prefill/decode speed and per-token times")
 
 
-def _gen_kwargs(a) -> dict:
-    return dict(
-        max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
-        repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
-        frequency_penalty=a.frequency_penalty, seed=a.seed, stop=a.stop, sparse_attn=a.sparse_attn,
-        sparse_k=a.sparse_k, sparse_block=a.sparse_block, sparse_probe=a.sparse_probe,
-        sparse_prefill=a.sparse_prefill,
-    )
+def _params(a) -> tuple[SamplingParams, SparseParams | None]:
+    """The sampling and sparse settings of the command line, built and validated once."""
+    sampling = SamplingParams(
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        min_p=a.min_p,
+        repetition_penalty=a.repetition_penalty,
+        presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty,
+        seed=a.seed,
+        stop=a.stop or [],
+    ).validate()
+    sparse = SparseParams.from_options(a.sparse_attn, a.sparse_k, a.sparse_block, a.sparse_probe, a.sparse_prefill)
+    return sampling, sparse
+
+
+def _compile_notice() -> None:
+    """One line on stderr when the kernels are about to be compiled (a cold cache), so the
+    first run's pause does not look like a hang. The server prints it from serve()."""
+    from .kernels import COMPILE_NOTICE, cache_is_cold
+
+    if cache_is_cold():
+        print(COMPILE_NOTICE, file=sys.stderr, flush=True)
 
 
 def _load(a):
     from .api import load
 
-    llm = load(a.model, kv_dtype=a.kv_dtype, threads=a.threads, quantize=a.quantize, ctx=a.ctx, progress=sys.stderr.isatty())
+    llm = load(
+        a.model, kv_dtype=a.kv_dtype, threads=a.threads, quantize=a.quantize, ctx=a.ctx, progress=sys.stderr.isatty()
+    )
+    _compile_notice()  # after the load: a model that fails to load compiles nothing
     if getattr(a, "timings", False):
-        print(f"[LOAD] {llm.name}: {llm.load_seconds:.2f} s, {llm.config.architecture}, {llm.threads} threads", file=sys.stderr)
+        print(
+            f"[LOAD] {llm.name}: {llm.load_seconds:.2f} s, {llm.config.architecture}, {llm.threads} threads",
+            file=sys.stderr,
+        )
     return llm
 
 
@@ -72,7 +102,10 @@ def _run(llm, prompt, a, **extra) -> str:
     text, n_dec, dec_s, t_first, dec_lines = [], 0, 0.0, None, []
     t0 = time.perf_counter()
     try:
-        for i, out in enumerate(llm.stream(prompt, timings=a.timings, trace=trace, **_gen_kwargs(a), **extra)):
+        sampling, sparse = a.params
+        for i, out in enumerate(
+            llm.stream(prompt, sampling=sampling, sparse=sparse, timings=a.timings, trace=trace, **extra)
+        ):
             sys.stdout.write(out.text)
             sys.stdout.flush()
             text.append(out.text)
@@ -83,12 +116,26 @@ def _run(llm, prompt, a, **extra) -> str:
                     n_dec += 1
                     dec_s += out.timing["total"] / 1e3
                     tm = out.timing
-                    dec_lines.append(f"[DEC-SINGLE] tok={i} total={tm['total']:.2f} ms attn={tm['attn']:.2f} ms mlp={tm['mlp']:.2f} ms")
+                    dec_lines.append(
+                        f"[DEC-SINGLE] tok={i} total={tm['total']:.2f} ms attn={tm['attn']:.2f} ms "
+                        f"mlp={tm['mlp']:.2f} ms"
+                    )
             if trace_file is not None and trace:
                 for layer, heads in trace.pop():
                     for head, blocks, stages, mass in heads:
-                        trace_file.write(json.dumps({"token": i, "layer": layer, "head": head, "blocks": blocks,
-                                                     "stages": stages, "mass": round(mass, 6)}) + "\n")
+                        trace_file.write(
+                            json.dumps(
+                                {
+                                    "token": i,
+                                    "layer": layer,
+                                    "head": head,
+                                    "blocks": blocks,
+                                    "stages": stages,
+                                    "mass": round(mass, 6),
+                                }
+                            )
+                            + "\n"
+                        )
     finally:
         if trace_file is not None:
             trace_file.close()
@@ -98,13 +145,17 @@ def _run(llm, prompt, a, **extra) -> str:
     if a.timings and t_first:
         n = t_first["prefill_tokens"]
         ms = t_first["prefill_ms"]
-        print(f"[TIMINGS] prefill {n} tokens in {ms:.1f} ms ({n / max(ms, 1e-9) * 1e3:.1f} tok/s); "
-              f"decode {n_dec} tokens in {dec_s * 1e3:.1f} ms ({n_dec / max(dec_s, 1e-9):.1f} tok/s); "
-              f"wall {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+        print(
+            f"[TIMINGS] prefill {n} tokens in {ms:.1f} ms ({n / max(ms, 1e-9) * 1e3:.1f} tok/s); "
+            f"decode {n_dec} tokens in {dec_s * 1e3:.1f} ms ({n_dec / max(dec_s, 1e-9):.1f} tok/s); "
+            f"wall {time.perf_counter() - t0:.2f} s",
+            file=sys.stderr,
+        )
     return "".join(text)
 
 
 def cmd_generate(a) -> None:
+    a.params = _params(a)
     llm = _load(a)
     prompt = a.prompt
     if prompt is None and not sys.stdin.isatty():
@@ -123,10 +174,14 @@ def _think_kwargs(a) -> dict:
 
 
 def cmd_chat(a) -> None:
+    a.params = _params(a)
     llm = _load(a)
     messages = [{"role": "system", "content": a.system}] if a.system else []
-    print(f"sparrow chat with {llm.name} ({'sparse k=%d' % a.sparse_k if a.sparse_attn else 'exact attention'}). "
-          "/reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
+    print(
+        f"sparrow chat with {llm.name} ({f'sparse k={a.sparse_k}' if a.sparse_attn else 'exact attention'}). "
+        "/reset clears the conversation, /exit or Ctrl-D quits.",
+        file=sys.stderr,
+    )
     while True:
         try:
             line = input("> ")
@@ -163,6 +218,8 @@ def cmd_serve(a) -> None:
 def cmd_bench(a) -> None:
     import importlib
 
+    if not {"-h", "--help"} & set(a.bench_args):
+        _compile_notice()
     mod = importlib.import_module(f".bench.{a.bench}", __package__)
     mod.main(a.bench_args)
 
@@ -172,7 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="complete a prompt (or chat with --chat)")
-    g.add_argument("--prompt", "-p", default=None, help="prompt text (default: stdin if piped, else a demo chat prompt)")
+    g.add_argument(
+        "--prompt", "-p", default=None, help="prompt text (default: stdin if piped, else a demo chat prompt)"
+    )
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     g.add_argument("--system", default=None, help="system message (with --chat)")
     g.add_argument("--no-think", action="store_true", help="Qwen3: enable_thinking=False in the chat template")
@@ -197,7 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks: attention, speed, needle, fidelity")
     b.add_argument("bench", choices=["attention", "speed", "needle", "fidelity", "serve"])
-    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="options of that benchmark (see sparrow bench NAME --help)")
+    b.add_argument(
+        "bench_args", nargs=argparse.REMAINDER, help="options of that benchmark (see sparrow bench NAME --help)"
+    )
     b.set_defaults(func=cmd_bench)
     return p
 

@@ -49,15 +49,11 @@ class ModelConfig:
 
     def is_sparse_layer(self, i: int) -> bool:
         """Whether layer i uses the MoE block (transformers' Qwen3-MoE rule)."""
-        return (
-            self.is_moe
-            and i not in self.mlp_only_layers
-            and (i + 1) % max(1, self.decoder_sparse_step) == 0
-        )
+        return self.is_moe and i not in self.mlp_only_layers and (i + 1) % max(1, self.decoder_sparse_step) == 0
 
     # ------------------------------------------------------------------ builders
     @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelConfig":
+    def from_hf(cls, cfg: dict) -> ModelConfig:
         arch = _hf_architecture(cfg)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -92,7 +88,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf(cls, meta: dict, tensor_names: set[str], vocab_size: int) -> "ModelConfig":
+    def from_gguf(cls, meta: dict, tensor_names: set[str], vocab_size: int) -> ModelConfig:
         """meta: GGUF key -> python value; tensor_names: GGUF tensor names present."""
         garch = meta.get("general.architecture")
         arch = _GGUF_ARCHS.get(garch)

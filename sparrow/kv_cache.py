@@ -1,23 +1,27 @@
-"""Per-sequence KV cache: f32, f16 or int8 storage, plus per-position prefill importance.
+"""Per-sequence KV cache: one storage class per kind behind one interface, and beside each
+layer's storage the state block-sparse attention keeps about its positions (SparseState).
 
 Layout per layer: k, v are [KVH, capacity, D] so one KV head's keys are contiguous rows (the
 decode kernel streams them; prefill slices [:S] and hands them to BLAS).
 
-Storage:
-- "f32": float32.
-- "f16": IEEE half stored as uint16 bit patterns (numba has no float16 type on the CPU; the
-  kernels widen the bits with an LLVM fpext). `LayerCache.k.view(np.float16)` gives the values.
-- "int8": symmetric per (head, position) quantisation: scale = absmax/127 over D,
+Storage kinds (LayerCache subclasses):
+- F32Layer: float32.
+- F16Layer: IEEE half stored as uint16 bit patterns (numba has no float16 type on the CPU; the
+  kernels widen the bits with an LLVM fpext). `layer.k.view(np.float16)` gives the values.
+- Int8Layer: symmetric per (head, position) quantisation: scale = absmax/127 over D,
   q = rint(x / scale) in [-127, 127]; an all-zero row gets scale 0 and codes 0.
+
+Every kind hands the attention kernels the same things: k, v, k_scale, v_scale, `scaled`
+(whether dots and values take the per-row scales) and `query()`, the query in the form its
+dots need. Float kinds have no scales; their k_scale / v_scale are one [KVH, 1] placeholder,
+made once, that the kernels never read.
 """
 
 import numpy as np
 
 from sparrow.errors import SparrowError
-from sparrow.params import KV_DTYPES
 from sparrow.kernels.elementwise import quantize_int8_rows
-
-_STORAGE = {"f32": np.float32, "f16": np.uint16, "int8": np.int8}
+from sparrow.params import KV_DTYPES
 
 
 def quantize_int8(x):
@@ -26,29 +30,25 @@ def quantize_int8(x):
 
 
 class LayerCache:
-    """One layer of one sequence."""
+    """K/V rows of one layer of one sequence; subclasses fix the storage kind."""
 
-    def __init__(self, n_kv_heads, head_dim, capacity, dtype="f32"):
-        if dtype not in _STORAGE:
-            raise SparrowError(f"unknown KV cache dtype {dtype!r} (choose from {', '.join(KV_DTYPES)})")
-        self.dtype = dtype
+    kind = ""  # "f32" | "f16" | "int8"
+    storage = np.float32  # element type of k, v
+    scaled = False  # rows carry per-(head, position) scales
+
+    def __init__(self, n_kv_heads, head_dim, capacity):
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
         self.capacity = capacity
         shape = (n_kv_heads, capacity, head_dim)
-        self.k = np.zeros(shape, dtype=_STORAGE[dtype])  # [KVH, C, D]
-        self.v = np.zeros(shape, dtype=_STORAGE[dtype])  # [KVH, C, D]
-        if dtype == "int8":
-            self.k_scale = np.zeros((n_kv_heads, capacity), dtype=np.float32)  # [KVH, C]
-            self.v_scale = np.zeros((n_kv_heads, capacity), dtype=np.float32)  # [KVH, C]
-        else:
-            self.k_scale = None
-            self.v_scale = None
-        self.importance = np.zeros(capacity, dtype=np.float32)  # [C]
-        self._probes = {}  # (block, n_probe) -> ProbeKeys
+        self.k = np.zeros(shape, dtype=self.storage)  # [KVH, C, D]
+        self.v = np.zeros(shape, dtype=self.storage)  # [KVH, C, D]
+        # placeholder for the kernels' scale arguments (Int8Layer replaces it)
+        self.k_scale = self.v_scale = np.zeros((n_kv_heads, 1), dtype=np.float32)  # [KVH, 1]
 
     def append(self, start, k, v):
-        """Write float32 k, v [T, KVH, D] at positions start..start+T-1."""
+        """Write float32 k, v [T, KVH, D] at positions start..start+T-1 (storage only:
+        KVCache.append also clears the sparse state of the rewritten positions)."""
         k = np.asarray(k, dtype=np.float32)
         v = np.asarray(v, dtype=np.float32)
         T = k.shape[0]
@@ -56,25 +56,120 @@ class LayerCache:
             raise ValueError(f"append expects [T, {self.n_kv_heads}, {self.head_dim}], got {k.shape} / {v.shape}")
         if start < 0 or start + T > self.capacity:
             raise SparrowError(f"KV cache overflow: positions {start}..{start + T - 1} exceed capacity {self.capacity}")
-        kt = k.transpose(1, 0, 2)  # [KVH, T, D]
-        vt = v.transpose(1, 0, 2)  # [KVH, T, D]
-        end = start + T
-        if self.dtype == "f32":
-            self.k[:, start:end] = kt
-            self.v[:, start:end] = vt
-        elif self.dtype == "f16":
-            self.k[:, start:end] = kt.astype(np.float16).view(np.uint16)
-            self.v[:, start:end] = vt.astype(np.float16).view(np.uint16)
-        else:
-            self.k[:, start:end], self.k_scale[:, start:end] = quantize_int8(kt)
-            self.v[:, start:end], self.v_scale[:, start:end] = quantize_int8(vt)
-        # a rewritten position (prompt-cache reuse) must not keep stale prefill mass
-        self.importance[start:end] = 0.0
-        for p in self._probes.values():  # nor stale probe copies
-            p.blocks = min(p.blocks, start // p.block)
+        self._store(self.k, self.k_scale, start, k.transpose(1, 0, 2))  # [KVH, T, D]
+        self._store(self.v, self.v_scale, start, v.transpose(1, 0, 2))  # [KVH, T, D]
 
-    def probe_keys(self, block, n_probe, seq_len):
-        """The probe keys of every full block below seq_len, copied contiguously (ProbeKeys).
+    def _store(self, dst, scale, start, x):
+        """Encode x float32 [KVH, T, D] into dst[:, start:start+T] (and its scales)."""
+        raise NotImplementedError
+
+    def _rows_f32(self, x, scale, kh, n):
+        """Rows 0..n-1 of KV head kh of x (k or v) as float32 [n, D]."""
+        raise NotImplementedError
+
+    def keys_f32(self, kh, n):
+        """Dequantised keys of KV head kh for positions 0..n-1 as float32 [n, D]."""
+        return self._rows_f32(self.k, self.k_scale, kh, n)
+
+    def values_f32(self, kh, n):
+        """Dequantised values of KV head kh for positions 0..n-1 as float32 [n, D]."""
+        return self._rows_f32(self.v, self.v_scale, kh, n)
+
+    def query(self, q, scale):
+        """q float32 [..., H, D] -> (probe queries, attention queries, per-head scales [..., H])
+        as the attention kernels take them. Float kinds: q for the probes (the spec's raw
+        q . K) and q * scale for the scores, which saves a multiply per key; no scales."""
+        return q, q * np.float32(scale), np.zeros(q.shape[:-1], np.float32)
+
+    @property
+    def nbytes(self):
+        n = self.k.nbytes + self.v.nbytes
+        if self.scaled:
+            n += self.k_scale.nbytes + self.v_scale.nbytes
+        return n
+
+
+class F32Layer(LayerCache):
+    kind, storage = "f32", np.float32
+
+    def _store(self, dst, scale, start, x):
+        dst[:, start : start + x.shape[1]] = x
+
+    def _rows_f32(self, x, scale, kh, n):
+        return x[kh, :n]  # a view, no copy
+
+
+class F16Layer(LayerCache):
+    kind, storage = "f16", np.uint16
+
+    def _store(self, dst, scale, start, x):
+        dst[:, start : start + x.shape[1]] = x.astype(np.float16).view(np.uint16)
+
+    def _rows_f32(self, x, scale, kh, n):
+        return x[kh, :n].view(np.float16).astype(np.float32)
+
+
+class Int8Layer(LayerCache):
+    kind, storage, scaled = "int8", np.int8, True
+
+    def __init__(self, n_kv_heads, head_dim, capacity):
+        super().__init__(n_kv_heads, head_dim, capacity)
+        self.k_scale = np.zeros((n_kv_heads, capacity), dtype=np.float32)  # [KVH, C]
+        self.v_scale = np.zeros((n_kv_heads, capacity), dtype=np.float32)  # [KVH, C]
+
+    def _store(self, dst, scale, start, x):
+        end = start + x.shape[1]
+        dst[:, start:end], scale[:, start:end] = quantize_int8(x)
+
+    def _rows_f32(self, x, scale, kh, n):
+        return x[kh, :n].astype(np.float32) * scale[kh, :n, None]
+
+    def query(self, q, scale):
+        """The int8 codes of q (same absmax/127 rule as the cache) as float32, exact small
+        integers, so every dot is the exact int8 x int8 dot, for both uses; the kernels apply
+        the query, key and softmax scales."""
+        codes, qscale = quantize_int8(q)  # [..., H, D], [..., H]
+        codes = codes.astype(np.float32)
+        return codes, codes, qscale
+
+
+LAYER_KINDS = {cls.kind: cls for cls in (F32Layer, F16Layer, Int8Layer)}
+
+
+def layer_cache(kind, n_kv_heads, head_dim, capacity):
+    """A LayerCache of the named storage kind ("f32", "f16", "int8")."""
+    if kind not in LAYER_KINDS:
+        raise SparrowError(f"unknown KV cache dtype {kind!r} (choose from {', '.join(KV_DTYPES)})")
+    return LAYER_KINDS[kind](n_kv_heads, head_dim, capacity)
+
+
+class SparseState:
+    """What block-sparse attention keeps about one layer's positions, beside its LayerCache:
+    the prefill importance of each position and the probe-key copies sparse decode reads.
+    Both describe cache contents, so rewriting or dropping positions clears them there."""
+
+    def __init__(self, capacity):
+        self.importance = np.zeros(capacity, dtype=np.float32)  # [C]
+        self._probes = {}  # (block, n_probe) -> ProbeKeys
+
+    def rewritten(self, start, end):
+        """Positions start..end-1 hold new K/V: their prefill mass and probe copies are stale."""
+        self.importance[start:end] = 0.0
+        self._forget_blocks_from(start)
+
+    def truncate(self, n):
+        """Positions >= n are dropped."""
+        self.importance[n:] = 0.0
+        self._forget_blocks_from(n)
+
+    def _forget_blocks_from(self, pos):
+        for p in self._probes.values():
+            p.blocks = min(p.blocks, pos // p.block)
+
+    def probe_keys(self, layer, block, n_probe, seq_len):
+        """(copy, n): the probe keys of layer's full blocks copied contiguously (ProbeKeys), and
+        how many of its blocks a decode over positions 0..seq_len-1 may read: only full blocks
+        below seq_len (the copy may hold more after a decode at a longer seq_len).
 
         Sparse decode reads n_probe of every block's keys each step; straight from K that is a
         strided walk (one row in four by default) that ran ~5x slower per byte than a
@@ -82,59 +177,43 @@ class LayerCache:
         per block, on first use."""
         p = self._probes.get((block, n_probe))
         if p is None:
-            p = self._probes[(block, n_probe)] = ProbeKeys(self, block, n_probe)
-        p.update(self, seq_len // block)
-        return p
-
-    def keys_f32(self, kh, n):
-        """Dequantised keys of KV head kh for positions 0..n-1 as float32 [n, D]."""
-        return self._f32(self.k, self.k_scale, kh, n)
-
-    def values_f32(self, kh, n):
-        """Dequantised values of KV head kh for positions 0..n-1 as float32 [n, D]."""
-        return self._f32(self.v, self.v_scale, kh, n)
-
-    def _f32(self, x, scale, kh, n):
-        if self.dtype == "f32":
-            return x[kh, :n]
-        if self.dtype == "f16":
-            return x[kh, :n].view(np.float16).astype(np.float32)
-        return x[kh, :n].astype(np.float32) * scale[kh, :n, None]
+            p = self._probes[(block, n_probe)] = ProbeKeys(layer, block, n_probe)
+        full = seq_len // block
+        p.extend(layer, full)
+        return p, min(p.blocks, full)
 
     @property
     def nbytes(self):
-        n = self.k.nbytes + self.v.nbytes + self.importance.nbytes
-        if self.k_scale is not None:
-            n += self.k_scale.nbytes + self.v_scale.nbytes
-        return n
+        return self.importance.nbytes
 
     @property
     def probe_nbytes(self):
-        """Bytes of the probe-key copies sparse decode made (not in nbytes)."""
+        """Bytes of the probe-key copies sparse decode made."""
         return sum(p.nbytes for p in self._probes.values())
 
 
 class ProbeKeys:
     """Probe rows of full blocks: rows[kh, b * per_block + j] = K[kh, b * block + j * step]
     (step = max(1, block // n_probe), the spec's probe positions of a full block), with their
-    int8 scales; `blocks` full blocks are valid."""
+    int8 scales; the first `blocks` full blocks are valid."""
 
     def __init__(self, layer, block, n_probe):
         self.block, self.step = block, max(1, block // n_probe)
         self.per_block = len(range(0, block, self.step))
         n = (layer.capacity // block) * self.per_block
         self.rows = np.zeros((layer.n_kv_heads, n, layer.head_dim), layer.k.dtype)  # [KVH, n, D]
-        self.scale = np.zeros((layer.n_kv_heads, n if layer.k_scale is not None else 1), np.float32)
+        self.scale = np.zeros((layer.n_kv_heads, n if layer.scaled else 1), np.float32)  # [KVH, n | 1]
         self.blocks = 0
 
-    def update(self, layer, full_blocks):
+    def extend(self, layer, full_blocks):
+        """Copy blocks blocks..full_blocks-1 from layer (nothing if already there)."""
         if full_blocks <= self.blocks:
             return
         b0, b1 = self.blocks, full_blocks
         pos = (np.arange(b0, b1)[:, None] * self.block + np.arange(0, self.block, self.step)).ravel()
         r0, r1 = b0 * self.per_block, b1 * self.per_block
         self.rows[:, r0:r1] = layer.k[:, pos]
-        if layer.k_scale is not None:
+        if layer.scaled:
             self.scale[:, r0:r1] = layer.k_scale[:, pos]
         self.blocks = full_blocks
 
@@ -144,27 +223,36 @@ class ProbeKeys:
 
 
 class KVCache:
-    """All layers of one sequence; `length` is advanced by the model after each forward."""
+    """All layers of one sequence: layers[i] (K/V storage) and sparse[i] (its SparseState).
+    `length` is advanced by the model after each forward."""
 
     def __init__(self, n_layers, n_kv_heads, head_dim, capacity, dtype="f32"):
         if capacity < 1:
             raise SparrowError(f"KV cache capacity must be >= 1 (got {capacity})")
         self.dtype = dtype
         self.capacity = capacity
-        self.layers = [LayerCache(n_kv_heads, head_dim, capacity, dtype) for _ in range(n_layers)]
+        self.layers = [layer_cache(dtype, n_kv_heads, head_dim, capacity) for _ in range(n_layers)]
+        self.sparse = [SparseState(capacity) for _ in range(n_layers)]
         self.length = 0
+
+    def append(self, i, start, k, v):
+        """Write float32 k, v [T, KVH, D] of layer i at positions start..start+T-1."""
+        self.layers[i].append(start, k, v)
+        self.sparse[i].rewritten(start, start + len(k))
 
     @property
     def nbytes(self):
-        return sum(layer.nbytes for layer in self.layers)
+        """K/V storage and importance (not the probe copies: probe_nbytes)."""
+        return sum(layer.nbytes + st.nbytes for layer, st in zip(self.layers, self.sparse))
 
     @property
     def probe_nbytes(self):
-        return sum(layer.probe_nbytes for layer in self.layers)
+        return sum(st.probe_nbytes for st in self.sparse)
 
     def truncate(self, n):
-        """Drop positions >= n (their K/V are simply overwritten later)."""
+        """Drop positions >= n (their K/V are simply overwritten later; the sparse state of
+        each layer forgets them now)."""
         n = max(0, min(int(n), self.length))
         self.length = n
-        for layer in self.layers:
-            layer.importance[n:] = 0.0
+        for st in self.sparse:
+            st.truncate(n)

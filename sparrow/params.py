@@ -6,11 +6,12 @@ passed down as objects; nothing below the edge re-validates or rebuilds them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from .errors import SparrowError
 
 KV_DTYPES = ("f32", "f16", "int8")
+QUANTIZE = (None, "q8_0")  # weight conversions at load: none, or f32/f16/bf16 -> q8_0
 
 
 def check_kv_dtype(name: str) -> str:
@@ -38,6 +39,24 @@ class SparseParams:
                     f"block={self.block!r}, probe={self.probe!r})"
                 )
 
+    @classmethod
+    def from_options(
+        cls,
+        sparse_attn: bool = False,
+        sparse_k: int = 32,
+        sparse_block: int = 32,
+        sparse_probe: int = 8,
+        sparse_prefill: bool = False,
+    ) -> SparseParams | None:
+        """The flat option names the CLI, the HTTP API and `LLM` keywords use -> settings or
+        None (exact attention)."""
+        if not sparse_attn:
+            return None
+        return cls(k=sparse_k, block=sparse_block, probe=sparse_probe, prefill=sparse_prefill)
+
+
+SPARSE_OPTIONS = ("sparse_attn", "sparse_k", "sparse_block", "sparse_probe", "sparse_prefill")
+
 
 @dataclass
 class SamplingParams:
@@ -55,7 +74,16 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to report (0 = only the chosen token)
 
-    def validate(self) -> "SamplingParams":
+    def __post_init__(self):
+        if isinstance(self.stop, str):  # one stop string, as OpenAI and the CLI allow
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, int) and not isinstance(v, bool):
+                setattr(self, name, float(v))
+
+    def validate(self) -> SamplingParams:
         def bad(msg):
             raise SparrowError(msg)
 
@@ -77,3 +105,17 @@ class SamplingParams:
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             bad(f"top_logprobs must be in [0, 20], got {self.logprobs}")
         return self
+
+
+SAMPLING_OPTIONS = tuple(f.name for f in fields(SamplingParams))
+
+
+def options_to_params(options: dict) -> tuple[SamplingParams, SparseParams | None]:
+    """Flat keyword options (SamplingParams fields and the sparse_* names) -> the two objects.
+    An unknown name is an error, not silently ignored."""
+    unknown = set(options) - set(SAMPLING_OPTIONS) - set(SPARSE_OPTIONS)
+    if unknown:
+        raise SparrowError(f"unknown option(s): {', '.join(sorted(unknown))}")
+    sampling = SamplingParams(**{k: v for k, v in options.items() if k in SAMPLING_OPTIONS})
+    sparse = SparseParams.from_options(**{k: v for k, v in options.items() if k in SPARSE_OPTIONS})
+    return sampling, sparse

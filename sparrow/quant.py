@@ -20,8 +20,7 @@ from sparrow.errors import SparrowError
 BLOCK = 32
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 QTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
-_NATIVE_GGUF = {"F32": "f32", "F16": "f16", "BF16": "bf16",
-                "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+_NATIVE_GGUF = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 _ROW_CHUNK = 4096  # rows per numpy (de)quantisation step, bounds temporary memory
 
 
@@ -96,8 +95,11 @@ def quantize_blocks(a, qtype):
             d = (x.max(axis=2, keepdims=True) - lo) / np.float32(15)
             inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
             q = np.trunc((x - lo) * inv + np.float32(0.5)).astype(np.uint8).clip(0, 15)
-            parts = [d.astype(np.float16).view(np.uint8), lo.astype(np.float16).view(np.uint8),
-                     q[..., :16] | (q[..., 16:] << 4)]
+            parts = [
+                d.astype(np.float16).view(np.uint8),
+                lo.astype(np.float16).view(np.uint8),
+                q[..., :16] | (q[..., 16:] << 4),
+            ]
         else:
             raise SparrowError(f"cannot quantise to {qtype!r}")
     return np.concatenate(parts, axis=2).reshape(n, -1)
@@ -120,8 +122,9 @@ class Weight:
             want, dtype = (out, k), {"f32": np.float32, "f16": np.uint16, "bf16": np.uint16}[qtype]
         data = np.asarray(data)
         if data.dtype != dtype or data.nbytes != want[0] * want[1] * data.itemsize:
-            raise SparrowError(f"{qtype} weight of shape {(out, k)} needs {want} "
-                               f"{np.dtype(dtype)}, got {data.shape} {data.dtype}")
+            raise SparrowError(
+                f"{qtype} weight of shape {(out, k)} needs {want} {np.dtype(dtype)}, got {data.shape} {data.dtype}"
+            )
         self.qtype = qtype
         self.shape = (out, k)
         self.data = _readonly(data.reshape(want))  # [out, in] or [out, nb * blockbytes]

@@ -107,8 +107,12 @@ def _gguf_array(field) -> np.ndarray:
 def _pre_tokenizer(pre: str | None):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in _PRE_SPLITS:
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     if pre in _PRE_DIGITS:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     return byte_level  # "gpt2", "default" and unknown names: the plain GPT-2 regex
@@ -151,8 +155,18 @@ _EOG_TEXTS = frozenset({"<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_t
 class Tokenizer:
     """A model's tokenizer: encode/decode, special ids, chat template."""
 
-    def __init__(self, hf: _HFTokenizer, *, bos_token_id=None, eos_token_ids=(), add_bos=False,
-                 chat_template=None, special_ids=(), decoder_kind="generic", strip_leading_space=False):
+    def __init__(
+        self,
+        hf: _HFTokenizer,
+        *,
+        bos_token_id=None,
+        eos_token_ids=(),
+        add_bos=False,
+        chat_template=None,
+        special_ids=(),
+        decoder_kind="generic",
+        strip_leading_space=False,
+    ):
         self._tk = hf
         self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
         self.bos_token_id: int | None = bos_token_id
@@ -167,7 +181,7 @@ class Tokenizer:
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, source) -> "Tokenizer":
+    def from_gguf(cls, source) -> Tokenizer:
         """From GGUF metadata: a sparrow GGUFFile (its `meta` dict) or a gguf.GGUFReader."""
         meta = source.meta if hasattr(source, "meta") else _reader_meta(source)
         model = meta.get("tokenizer.ggml.model")
@@ -210,10 +224,13 @@ class Tokenizer:
             unk = meta.get("tokenizer.ggml.unknown_token_id", 0)
             strip = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
             hf = _HFTokenizer(models.BPE(vocab, merges, unk_token=tokens[unk], fuse_unk=True, byte_fallback=True))
-            hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if strip
-                                                        else "never", split=False)
-            hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-                                           + ([decoders.Strip(" ", 1, 0)] if strip else []))
+            hf.pre_tokenizer = pre_tokenizers.Metaspace(
+                replacement="\u2581", prepend_scheme="first" if strip else "never", split=False
+            )
+            hf.decoder = decoders.Sequence(
+                [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+                + ([decoders.Strip(" ", 1, 0)] if strip else [])
+            )
             kind = "sentencepiece"
         # Control tokens become special added tokens and user-defined ones plain added tokens, so
         # both match whole inside text.
@@ -227,12 +244,19 @@ class Tokenizer:
                 special_ids.append(i)
         hf.add_special_tokens([t for t in added if t.special])
         hf.add_tokens([t for t in added if not t.special])
-        return cls(hf, bos_token_id=bos, eos_token_ids=eos_ids, add_bos=add_bos,
-                   chat_template=meta.get("tokenizer.chat_template"), special_ids=special_ids,
-                   decoder_kind=kind, strip_leading_space=strip)
+        return cls(
+            hf,
+            bos_token_id=bos,
+            eos_token_ids=eos_ids,
+            add_bos=add_bos,
+            chat_template=meta.get("tokenizer.chat_template"),
+            special_ids=special_ids,
+            decoder_kind=kind,
+            strip_leading_space=strip,
+        )
 
     @classmethod
-    def from_hf_dir(cls, path) -> "Tokenizer":
+    def from_hf_dir(cls, path) -> Tokenizer:
         path = os.fspath(path)
         tj = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tj):
@@ -267,8 +291,16 @@ class Tokenizer:
         template = _read_chat_template(path, config)
         special_ids = [t["id"] for t in spec.get("added_tokens", []) if t.get("special")]
         kind, strip = _decoder_kind(spec.get("decoder"))
-        return cls(hf, bos_token_id=bos, eos_token_ids=eos_ids, add_bos=bool(add_bos), chat_template=template,
-                   special_ids=special_ids, decoder_kind=kind, strip_leading_space=strip)
+        return cls(
+            hf,
+            bos_token_id=bos,
+            eos_token_ids=eos_ids,
+            add_bos=bool(add_bos),
+            chat_template=template,
+            special_ids=special_ids,
+            decoder_kind=kind,
+            strip_leading_space=strip,
+        )
 
     # ---- encode / decode ----------------------------------------------------------------------
 
@@ -313,8 +345,9 @@ class Tokenizer:
         return b
 
     def incremental_decoder(self, skip_special_tokens: bool = False) -> IncrementalDecoder:
-        return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens,
-                                  strip_leading_space=self._strip_leading_space)
+        return IncrementalDecoder(
+            self, skip_special_tokens=skip_special_tokens, strip_leading_space=self._strip_leading_space
+        )
 
     # ---- chat ---------------------------------------------------------------------------------
 
@@ -323,8 +356,9 @@ class Tokenizer:
         eos = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
         kwargs.setdefault("bos_token", bos)
         kwargs.setdefault("eos_token", eos)
-        return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                           **kwargs)
+        return render_chat(
+            self.chat_template, messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
+        )
 
 
 def _is_hex(s: str) -> bool:
@@ -347,8 +381,7 @@ def _read_chat_template(path, config) -> str | None:
     if os.path.isfile(jinja):
         with open(jinja, encoding="utf-8") as f:
             return f.read()
-    template = config.get("chat_template") or _read_json(os.path.join(path, "chat_template.json")).get(
-        "chat_template")
+    template = config.get("chat_template") or _read_json(os.path.join(path, "chat_template.json")).get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default") or next(iter(named.values()), None)
@@ -368,8 +401,10 @@ def _decoder_kind(decoder) -> tuple[str, bool]:
         parts = [d.get("type") for d in decoder.get("decoders", [])]
         if parts == ["ByteLevel"]:
             return "byte_level", False
-        replaces_space = any(d.get("type") == "Replace" and d.get("pattern", {}).get("String") == "\u2581"
-                             and d.get("content") == " " for d in decoder["decoders"])
+        replaces_space = any(
+            d.get("type") == "Replace" and d.get("pattern", {}).get("String") == "\u2581" and d.get("content") == " "
+            for d in decoder["decoders"]
+        )
         if replaces_space and set(parts) <= {"Replace", "ByteFallback", "Fuse", "Strip"}:
             strip = any(d.get("type") == "Strip" and d.get("start", 0) >= 1 for d in decoder["decoders"])
             return "sentencepiece", strip
@@ -408,7 +443,7 @@ class IncrementalDecoder:
         text = self._utf8.decode(b"", final=True)
         if self._ids:
             full = self._tok.decode(self._ids, skip_special_tokens=self._skip)
-            text += full[len(self._emitted):]
+            text += full[len(self._emitted) :]
             self._emitted = full
         return text
 
@@ -418,5 +453,5 @@ class IncrementalDecoder:
         full = self._tok.decode(self._ids, skip_special_tokens=self._skip)
         if full.endswith("\ufffd") or not full.startswith(self._emitted):
             return ""
-        new, self._emitted = full[len(self._emitted):], full
+        new, self._emitted = full[len(self._emitted) :], full
         return new

@@ -20,9 +20,17 @@ VOCAB = 49152  # the default model's tokenizer, shared by every tiny model
 # Small enough to build, save and run in well under a second each; initializer_range 0.2
 # (transformers' default is 0.02) gives logits with clear top-1 margins (see test_top1_margin).
 _COMMON = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 TINY_SPECS = {
     # Qwen3: explicit head_dim (32 != 64 / 4) and an untied lm_head.
@@ -57,8 +65,11 @@ def build_tiny(arch: str, out_dir: str, tokenizer_dir: str, dtype=None, max_shar
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    classes = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-               "llama": (LlamaConfig, LlamaForCausalLM)}
+    classes = {
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+    }
     cfg_cls, model_cls = classes[arch]
     torch.manual_seed(SEEDS[arch])
     model = model_cls(cfg_cls(**TINY_SPECS[arch])).float().eval()
@@ -146,9 +157,12 @@ def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 _BLOCK_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
@@ -159,8 +173,11 @@ _BLOCK_NAMES = {
 
 
 def gguf_tensor_name(hf: str) -> str:
-    glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-            "lm_head.weight": "output.weight"}
+    glob = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if hf in glob:
         return glob[hf]
     _, _, i, rest = hf.split(".", 3)  # model.layers.N.rest

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from sparrow.errors import SparrowError
-from sparrow.kernels.attention import decode_attention, prefill_attention
 from sparrow.kernels.sparse_select import block_sums, probe_block_maxima, select_blocks
 from sparrow.kv_cache import KVCache
+from sparrow.models.attention import decode_attention, prefill_attention
 from sparrow.params import SparseParams
 
 H, KVH, D, S = 4, 2, 32, 200  # S = 12 blocks of 16 plus a short block of 8
@@ -25,8 +25,18 @@ def make(dtype, seed=0, n=S, capacity=256):
     V = rng.standard_normal((n, KVH, D)).astype(np.float32)
     q = rng.standard_normal((n, H, D)).astype(np.float32)
     cache = KVCache(1, KVH, D, capacity, dtype)
-    cache.layers[0].append(0, K, V)
-    return cache.layers[0], q, K, V
+    cache.append(0, 0, K, V)
+    return cache, q, K, V
+
+
+def dec(cache, q, n, sparse=None, trace=None):
+    """Decode attention of q [H, D] over positions 0..n-1 of the cache's one layer."""
+    return decode_attention(q, cache.layers[0], cache.sparse[0], n, SCALE, sparse, trace)
+
+
+def pre(cache, q, start, sparse=None, record_importance=True):
+    """Prefill attention of q [T, H, D] at positions start.. of the cache's one layer."""
+    return prefill_attention(q, cache.layers[0], cache.sparse[0], start, SCALE, sparse, record_importance)
 
 
 def stored(layer, n):
@@ -38,7 +48,7 @@ def stored(layer, n):
 
 def raw_dots(qh, layer, kh, n):
     """Probe dots q . K[t] as the spec defines them for the cache's storage (float64)."""
-    if layer.dtype == "int8":
+    if layer.scaled:
         absmax = np.abs(qh).max()
         qs = np.float32(absmax / np.float32(127.0))
         qi = np.clip(np.rint(qh / qs), -127, 127).astype(np.int64)
@@ -75,40 +85,41 @@ def ref_causal(q, K, V, start):
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
 def test_exact_prefill_and_decode_match_reference(dtype):
-    layer, q, K, V = make(dtype)
-    out = prefill_attention(q, layer, 0, SCALE)
+    cache, q, K, V = make(dtype)
+    layer = cache.layers[0]
+    out = pre(cache, q, 0)
     Ks, Vs = stored(layer, S)
     ref, imp = ref_causal(q, Ks, Vs, 0)  # reference on exactly what is stored
     np.testing.assert_allclose(out, ref, atol=1e-5)
-    np.testing.assert_allclose(layer.importance[:S], imp, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cache.sparse[0].importance[:S], imp, rtol=1e-5, atol=1e-5)
     ref32, _ = ref_causal(q, K.astype(np.float64), V.astype(np.float64), 0)
     np.testing.assert_allclose(out, ref32, atol=TOL[dtype])
 
-    dec = decode_attention(q[-1], layer, S, SCALE)
+    got = dec(cache, q[-1], S)
     want = np.stack([attend(q[-1, h], layer, h // G, np.arange(S))[0] for h in range(H)])
-    np.testing.assert_allclose(dec, want, atol=1e-5)  # int8: quantised query, int dots
-    np.testing.assert_allclose(dec, ref32[-1], atol=TOL[dtype])
+    np.testing.assert_allclose(got, want, atol=1e-5)  # int8: quantised query, int dots
+    np.testing.assert_allclose(got, ref32[-1], atol=TOL[dtype])
 
 
 def test_gqa_head_mapping():
-    layer, q, K, V = make("f32")
+    cache, q, K, V = make("f32")
     V[:, 0], V[:, 1] = 3.0, -7.0
-    layer.append(0, K, V)
-    out = decode_attention(q[-1], layer, S, SCALE)
+    cache.append(0, 0, K, V)
+    out = dec(cache, q[-1], S)
     np.testing.assert_allclose(out[:G], 3.0, rtol=1e-6)  # heads 0, 1 -> KV head 0
     np.testing.assert_allclose(out[G:], -7.0, rtol=1e-6)  # heads 2, 3 -> KV head 1
-    out = prefill_attention(q[:5], layer, 0, SCALE)
+    out = pre(cache, q[:5], 0)
     np.testing.assert_allclose(out[:, G:], -7.0, rtol=1e-6)
 
 
 def test_causal_mask_ignores_future_positions():
-    layer, q, K, V = make("f32")
-    a = prefill_attention(q[:50], layer, 0, SCALE, record_importance=False)
+    cache, q, K, V = make("f32")
+    a = pre(cache, q[:50], 0, record_importance=False)
     K2, V2 = K.copy(), V.copy()
     K2[40:] *= 50.0
     V2[40:] = 1e6
-    layer.append(0, K2, V2)
-    b = prefill_attention(q[:50], layer, 0, SCALE, record_importance=False)
+    cache.append(0, 0, K2, V2)
+    b = pre(cache, q[:50], 0, record_importance=False)
     np.testing.assert_allclose(a[:40], b[:40], atol=1e-6)
     assert np.abs(a[40:] - b[40:]).max() > 1.0
 
@@ -116,47 +127,50 @@ def test_causal_mask_ignores_future_positions():
 def test_chunked_prefill_equals_one_chunk():
     one, q, _, _ = make("f32")
     two, _, _, _ = make("f32")
-    whole = prefill_attention(q, one, 0, SCALE)
-    first = prefill_attention(q[:77], two, 0, SCALE)
-    second = prefill_attention(q[77:], two, 77, SCALE)
+    whole = pre(one, q, 0)
+    first = pre(two, q[:77], 0)
+    second = pre(two, q[77:], 77)
     np.testing.assert_allclose(np.concatenate([first, second]), whole, atol=1e-6)
-    np.testing.assert_allclose(two.importance, one.importance, rtol=1e-6, atol=1e-6)
-    _, imp = ref_causal(q, *stored(one, S), 0)
-    np.testing.assert_allclose(two.importance[:S], imp, rtol=1e-5, atol=1e-5)
-    assert not two.importance[S:].any()
+    imp1, imp2 = one.sparse[0].importance, two.sparse[0].importance
+    np.testing.assert_allclose(imp2, imp1, rtol=1e-6, atol=1e-6)
+    _, imp = ref_causal(q, *stored(one.layers[0], S), 0)
+    np.testing.assert_allclose(imp2[:S], imp, rtol=1e-5, atol=1e-5)
+    assert not imp2[S:].any()
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
 def test_sparse_with_all_blocks_is_bit_identical_to_exact(dtype):
-    layer, q, _, _ = make(dtype)
-    prefill_attention(q, layer, 0, SCALE)  # real importance
+    cache, q, _, _ = make(dtype)
+    pre(cache, q, 0)  # real importance
     for n in (S, 37, 16, 1):
-        exact = decode_attention(q[n - 1], layer, n, SCALE)
+        exact = dec(cache, q[n - 1], n)
         for block in (16, 32):
             nb = -(-n // block)
-            sparse = decode_attention(q[n - 1], layer, n, SCALE, SparseParams(k=nb, block=block))
+            sparse = dec(cache, q[n - 1], n, SparseParams(k=nb, block=block))
             assert np.array_equal(sparse, exact)
             trace = []
-            sparse = decode_attention(q[n - 1], layer, n, SCALE, SparseParams(k=nb + 3, block=block),
-                                      trace)
+            sparse = dec(cache, q[n - 1], n, SparseParams(k=nb + 3, block=block), trace)
             assert np.array_equal(sparse, exact)
             # every block selected; stages as the rule gives them (probe values cannot matter)
-            want = select_blocks(np.zeros(nb), block_sums(layer.importance, n, block), nb + 3)
+            want = select_blocks(np.zeros(nb), block_sums(cache.sparse[0].importance, n, block), nb + 3)
             assert all((blocks, stages) == want for _, blocks, stages, _ in trace)
             assert all(abs(mass - 1.0) < 1e-6 for *_, mass in trace)  # everything selected
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
 def test_sparse_decode_matches_selected_token_reference(dtype):
-    layer, q, _, _ = make(dtype, seed=3)
-    prefill_attention(q[:150], layer, 0, SCALE)  # positions 150.. keep importance 0
+    # selection against sparrow's own Python rule; test_sparse_reference.py checks the same
+    # paths against a reference written from the spec alone
+    cache, q, _, _ = make(dtype, seed=3)
+    layer = cache.layers[0]
+    pre(cache, q[:150], 0)  # positions 150.. keep importance 0
     sp = SparseParams(k=4, block=16, probe=4)
     trace = []
-    out = decode_attention(q[-1], layer, S, SCALE, sp, trace)
+    out = dec(cache, q[-1], S, sp, trace)
     assert [rec[0] for rec in trace] == list(range(H))
     for h, blocks, stages, mass in trace:
         probe = probe_block_maxima(raw_dots(q[-1, h], layer, h // G, S).astype(np.float32), S, 16, 4)
-        imp = block_sums(layer.importance, S, 16)
+        imp = block_sums(cache.sparse[0].importance, S, 16)
         assert (blocks, stages) == select_blocks(probe, imp, 4)
         assert blocks[-1] == 12 and len(blocks) == 4 and stages.count("importance") == 2
         pos = np.concatenate([np.arange(b * 16, min(b * 16 + 16, S)) for b in blocks])
@@ -168,9 +182,10 @@ def test_sparse_decode_matches_selected_token_reference(dtype):
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
 def test_sparse_prefill_matches_per_query_reference(dtype):
-    layer, q, _, _ = make(dtype, seed=5, n=100)
+    cache, q, _, _ = make(dtype, seed=5, n=100)
+    layer = cache.layers[0]
     sp = SparseParams(k=2, block=16, probe=4, prefill=True)
-    out = prefill_attention(q[60:], layer, 60, SCALE, sp)  # second chunk only
+    out = pre(cache, q[60:], 60, sp)  # second chunk only
     imp = np.zeros(100)
     for t in range(40):
         n = 61 + t
@@ -181,26 +196,23 @@ def test_sparse_prefill_matches_per_query_reference(dtype):
             o, p = attend(q[60 + t, h], layer, h // G, pos)
             np.testing.assert_allclose(out[t, h], o, atol=1e-5)
             imp[pos] += p
-    np.testing.assert_allclose(layer.importance[:100], imp, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cache.sparse[0].importance[:100], imp, rtol=1e-5, atol=1e-5)
     # enough blocks for every prefix: same as exact up to rounding (exact prefill is BLAS on
     # dequantised f32, so for int8 it differs by the query quantisation)
-    full = prefill_attention(q[60:], layer, 60, SCALE, SparseParams(k=7, block=16, prefill=True),
-                             record_importance=False)
-    exact = prefill_attention(q[60:], layer, 60, SCALE, record_importance=False)
+    full = pre(cache, q[60:], 60, SparseParams(k=7, block=16, prefill=True), record_importance=False)
+    exact = pre(cache, q[60:], 60, record_importance=False)
     np.testing.assert_allclose(full, exact, atol=1e-5 if dtype == "f32" else TOL[dtype])
 
 
 def test_thread_count_and_repeat_invariance():
-    layer, q, _, _ = make("int8", seed=7)
-    prefill_attention(q, layer, 0, SCALE)
+    cache, q, _, _ = make("int8", seed=7)
+    pre(cache, q, 0)
     sp = SparseParams(k=3, block=16)
     spp = SparseParams(k=3, block=16, prefill=True)
     saved = numba.get_num_threads()
 
     def run():
-        return (decode_attention(q[-1], layer, S, SCALE),
-                decode_attention(q[-1], layer, S, SCALE, sp),
-                prefill_attention(q[150:], layer, 150, SCALE, spp, record_importance=False))
+        return (dec(cache, q[-1], S), dec(cache, q[-1], S, sp), pre(cache, q[150:], 150, spp, record_importance=False))
 
     try:
         numba.set_num_threads(1)
@@ -214,16 +226,16 @@ def test_thread_count_and_repeat_invariance():
     for a, b in zip(one, run()):
         assert np.array_equal(a, b)
     # a head's result does not depend on the other heads in the call
-    alone = decode_attention(np.tile(q[-1, :1], (H, 1)), layer, S, SCALE, sp)
+    alone = dec(cache, np.tile(q[-1, :1], (H, 1)), S, sp)
     assert np.array_equal(alone[0], one[1][0])
 
 
 def test_trace_records():
-    layer, q, _, _ = make("f32")
+    cache, q, _, _ = make("f32")
     trace = []
-    decode_attention(q[-1], layer, S, SCALE, trace=trace)
+    dec(cache, q[-1], S, trace=trace)
     assert trace == []  # exact attention records nothing
-    decode_attention(q[-1], layer, S, SCALE, SparseParams(k=5, block=16), trace)
+    dec(cache, q[-1], S, SparseParams(k=5, block=16), trace)
     assert len(trace) == H
     for h, (head, blocks, stages, mass) in enumerate(trace):
         assert head == h and blocks == sorted(blocks) and len(blocks) == 5 == len(stages)
@@ -234,22 +246,22 @@ def test_trace_records():
 def test_cache_bookkeeping():
     cache = KVCache(2, KVH, D, 64, "int8")
     assert cache.nbytes == 2 * (2 * KVH * 64 * D + 2 * KVH * 64 * 4 + 64 * 4)
-    layer = cache.layers[0]
+    layer, imp = cache.layers[0], cache.sparse[0].importance
     x = np.random.default_rng(0).standard_normal((10, KVH, D)).astype(np.float32)
-    layer.append(0, x, x)
+    cache.append(0, 0, x, x)
     back = np.stack([layer.keys_f32(kh, 10) for kh in range(KVH)], 1)
     assert np.all(np.abs(back - x) <= layer.k_scale[:, :10].T[:, :, None] / 2 + 1e-7)
-    layer.importance[:10] = 1.0
+    imp[:10] = 1.0
     cache.length = 10
     cache.truncate(6)
-    assert cache.length == 6 and layer.importance[:6].all() and not layer.importance[6:].any()
-    layer.importance[:6] = 1.0
-    layer.append(4, x[:2], x[:2])  # rewritten positions lose stale prefill mass
-    assert layer.importance[:4].all() and not layer.importance[4:].any()
+    assert cache.length == 6 and imp[:6].all() and not imp[6:].any()
+    imp[:6] = 1.0
+    cache.append(0, 4, x[:2], x[:2])  # rewritten positions lose stale prefill mass
+    assert imp[:4].all() and not imp[4:].any()
     with pytest.raises(SparrowError):
         KVCache(1, 1, 4, 8, "bf16")
     with pytest.raises(SparrowError):
-        layer.append(60, x, x)
+        cache.append(0, 60, x, x)
 
 
 def test_vectorised_exp_against_float64():
@@ -302,15 +314,17 @@ def test_row_kernels_against_documented_order(dim):
     rng = np.random.default_rng(dim)
     q = rng.standard_normal(dim).astype(np.float32)
     base = rng.standard_normal((70, dim)).astype(np.float32)
-    stores = {"f32": (base, base),
-              "f16": (base.astype(np.float16).view(np.uint16), base.astype(np.float16).astype(np.float32)),
-              "int8": (np.clip(np.rint(base * 30), -127, 127).astype(np.int8), None)}
+    stores = {
+        "f32": (base, base),
+        "f16": (base.astype(np.float16).view(np.uint16), base.astype(np.float16).astype(np.float32)),
+        "int8": (np.clip(np.rint(base * 30), -127, 127).astype(np.int8), None),
+    }
     for name, (K2, Kf) in stores.items():
         Kf = K2.astype(np.float32) if Kf is None else Kf
         s = np.full(80, np.nan, np.float32)
         n = run_dots(q, K2, 3, 69, 2, s, 5)  # rows 3, 5, ..., 67: strided, 33 rows (odd)
         want = [_fma_order_dot(q, Kf[t]) for t in range(3, 69, 2)]
-        assert n == 33 and np.array_equal(s[5:5 + n], np.array(want, np.float32)), name
+        assert n == 33 and np.array_equal(s[5 : 5 + n], np.array(want, np.float32)), name
         # weighted sum: row i of w to accumulator i % 4, any split into calls gives the same bits
         w = rng.standard_normal(100).astype(np.float32)
         one = np.zeros((4, dim), np.float32)
@@ -329,18 +343,18 @@ def test_row_kernels_against_documented_order(dim):
 def test_probe_key_copy_follows_rewrites(dtype):
     # sparse decode reads the probe keys of full blocks from a copy (kv_cache.ProbeKeys); a
     # rewritten position (cache rewound and refilled) must be seen exactly as a fresh cache sees it
-    layer, q, K, V = make(dtype, seed=11)
+    cache, q, K, V = make(dtype, seed=11)
     sp = SparseParams(k=7, block=16)  # no prefill: importance reserves blocks 0-3, probes pick 3
-    before = decode_attention(q[-1], layer, S, SCALE, sp)
-    copy = layer.probe_keys(16, sp.probe, S)
-    assert copy.blocks == S // 16 and copy.nbytes > 0
+    before = dec(cache, q[-1], S, sp)
+    copy, n = cache.sparse[0].probe_keys(cache.layers[0], 16, sp.probe, S)
+    assert copy.blocks == n == S // 16 and copy.nbytes > 0
     K2, V2 = K.copy(), V.copy()
     K2[40:120] = 2 * q[-1, ::G]  # new keys in blocks 2..7, aligned with the query: selected now
-    layer.append(40, K2[40:], V2[40:])
-    after = decode_attention(q[-1], layer, S, SCALE, sp)
-    fresh = KVCache(1, KVH, D, 256, dtype).layers[0]
-    fresh.append(0, K2, V2)
-    assert np.array_equal(after, decode_attention(q[-1], fresh, S, SCALE, sp))
+    cache.append(0, 40, K2[40:], V2[40:])
+    after = dec(cache, q[-1], S, sp)
+    fresh = KVCache(1, KVH, D, 256, dtype)
+    fresh.append(0, 0, K2, V2)
+    assert np.array_equal(after, dec(fresh, q[-1], S, sp))
     assert not np.array_equal(after, before)
 
 

@@ -15,9 +15,11 @@ import pytest
 import reference_models as rm
 from conftest import decode_logits
 
-TEXT = ("The history of the city of Paris goes back more than two thousand years. Long before it became "
-        "the capital of France, a Celtic people known as the Parisii settled on an island in the river "
-        "Seine, where they traded, fished and minted their own gold coins.")
+TEXT = (
+    "The history of the city of Paris goes back more than two thousand years. Long before it became "
+    "the capital of France, a Celtic people known as the Parisii settled on an island in the river "
+    "Seine, where they traded, fished and minted their own gold coins."
+)
 TOL = 5e-4
 
 # Greedy chat answers (max 32 tokens) from transformers 5.2x / torch 2.13 CPU f32 on the same
@@ -28,8 +30,40 @@ GOLDEN = {
         "The capital of France is Paris.",
     ),
     "Give me three tips for staying healthy.": (
-        [33, 30, 13138, 22892, 42, 26883, 7568, 282, 913, 28, 2117, 981, 260, 2817, 30, 216, 34, 30, 16478,
-         253, 8609, 2714, 42, 330, 8609, 2714, 416, 724, 469, 1248, 2951, 2458],
+        [
+            33,
+            30,
+            13138,
+            22892,
+            42,
+            26883,
+            7568,
+            282,
+            913,
+            28,
+            2117,
+            981,
+            260,
+            2817,
+            30,
+            216,
+            34,
+            30,
+            16478,
+            253,
+            8609,
+            2714,
+            42,
+            330,
+            8609,
+            2714,
+            416,
+            724,
+            469,
+            1248,
+            2951,
+            2458,
+        ],
         "1. Stay hydrated: Drink plenty of water, especially during the heat. 2. Eat a balanced diet: "
         "A balanced diet can help your body stay healthy",
     ),
@@ -41,8 +75,9 @@ def hf_default():
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(rm.default_gguf_dir(), gguf_file=rm.DEFAULT_GGUF_NAME,
-                                                dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        rm.default_gguf_dir(), gguf_file=rm.DEFAULT_GGUF_NAME, dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +96,13 @@ def _hf_logits(hf, ids):
 
 def test_default_model_config(default_llm):
     c = default_llm.config
-    assert (c.architecture, c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads) == ("llama", 30, 576, 9, 3)
+    assert (c.architecture, c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads) == (
+        "llama",
+        30,
+        576,
+        9,
+        3,
+    )
     assert (c.head_dim, c.vocab_size, c.tie_word_embeddings, c.rope_theta) == (64, 49152, True, 100000.0)
 
 
@@ -82,7 +123,7 @@ def test_golden_is_transformers_greedy(default_llm, hf_default):
     q = "What is the capital of France?"
     ids = default_llm.prompt_ids(q, chat=True)
     with torch.no_grad():
-        out = hf_default.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+        out = hf_default.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids) :].tolist()
     assert out == GOLDEN[q][0]
 
 

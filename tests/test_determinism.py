@@ -63,9 +63,14 @@ def test_load_threads_argument(tiny_models):
 
 
 def test_default_model_repeat_and_threads(default_llm):
-    ids = np.asarray(default_llm.tokenizer.encode("Once upon a time, in a small village by the sea, there lived an old "
-                                                  "fisherman who told stories to every child that passed by his boat.",
-                                                  add_special_tokens=False), np.int64)
+    ids = np.asarray(
+        default_llm.tokenizer.encode(
+            "Once upon a time, in a small village by the sea, there lived an old "
+            "fisherman who told stories to every child that passed by his boat.",
+            add_special_tokens=False,
+        ),
+        np.int64,
+    )
     assert len(ids) >= 24
     kw = dict(chat_prompt="Tell me a story.", n_decode=8)
     first = _run(default_llm, ids, **kw)

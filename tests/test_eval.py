@@ -12,7 +12,7 @@ import pytest
 from sparrow.errors import SparrowError
 from sparrow.eval import fidelity as fid
 from sparrow.eval import prompts, report, scoring
-from sparrow.kv_cache import LayerCache
+from sparrow.kv_cache import KVCache
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +56,8 @@ def test_needle_at_depth_on_sentence_boundary(tok, depth):
     user = p.messages[0]["content"]
     off = p.needle_offsets[0]
     fact = p.meta["facts"][0]
-    assert user[off:off + len(fact)] == fact
-    assert off == 0 or user[off - 2:off] == ". "  # follows a whole sentence
+    assert user[off : off + len(fact)] == fact
+    assert off == 0 or user[off - 2 : off] == ". "  # follows a whole sentence
     assert user[off + len(fact)] == " " and user[off + len(fact) + 1].isupper()  # a sentence follows
     assert abs(prompts.fact_token_depth(tok, p) - depth) < 0.02  # a filler sentence is ~12 of ~2000 tokens
 
@@ -141,9 +141,10 @@ def test_compare_counts_generated_tokens():
 
 
 def test_selected_mass_matches_hand_softmax():
-    lc = LayerCache(1, 2, 8, "f32")
+    cache = KVCache(1, 1, 2, 8, "f32")
     k = np.array([[1, 0], [0, 1], [2, 0], [0, 0], [1, 1], [0, 2]], np.float32)[:, None, :]  # [6, 1, 2]
-    lc.append(0, k, np.zeros_like(k))
+    cache.append(0, 0, k, np.zeros_like(k))
+    lc = cache.layers[0]
     q = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)  # two query heads share the KV head
     m = fid.selected_mass(q, lc, 6, 1.0, 2, {0: [1], 1: [0, 2]})
     s0 = np.exp([1, 0, 2, 0, 1, 0])  # head 0 scores
@@ -153,27 +154,31 @@ def test_selected_mass_matches_hand_softmax():
 
 
 def test_kernel_trace_mass_matches_helper():
-    from sparrow.kernels.attention import decode_attention
+    from sparrow.models.attention import decode_attention
     from sparrow.params import SparseParams
 
     rng = np.random.default_rng(0)
-    lc = LayerCache(2, 16, 200, "f32")
+    cache = KVCache(1, 2, 16, 200, "f32")
     kv = rng.standard_normal((200, 2, 16), dtype=np.float32)  # [S, KVH, D]
-    lc.append(0, kv * 2, kv)
-    lc.importance[:200] = rng.random(200, dtype=np.float32)
+    cache.append(0, 0, kv * 2, kv)
+    cache.sparse[0].importance[:200] = rng.random(200, dtype=np.float32)
+    lc = cache.layers[0]
     q = rng.standard_normal((4, 16), dtype=np.float32) * 2  # [H, D]
     tr = []
-    decode_attention(q, lc, 200, 0.25, SparseParams(k=2, block=16), tr)
+    decode_attention(q, lc, cache.sparse[0], 200, 0.25, SparseParams(k=2, block=16), tr)
     want = fid.selected_mass(q, lc, 200, 0.25, 16, {r[0]: r[1] for r in tr})
-    for r in tr:
-        if len(r) >= 4:  # the kernel reports the covered mass itself
-            assert r[3] == pytest.approx(want[r[0]], rel=1e-4, abs=1e-6)
-        assert 0.0 < want[r[0]] < 1.0
+    assert [r[0] for r in tr] == [0, 1, 2, 3]  # one record per query head
+    for head, blocks, stages, mass in tr:  # the kernel reports the covered mass itself
+        assert len(blocks) == len(stages) == 2
+        assert mass == pytest.approx(want[head], rel=1e-4, abs=1e-6)
+        assert 0.0 < want[head] < 1.0
 
 
 def test_mass_summary():
-    traces = [[(0, [(0, [0], [], 0.5), (1, [0], [], 1.0)]), (1, [(0, [0], [], 0.2)])],
-              [(0, [(0, [0], [], 0.7), (1, [0], [], 0.9)]), (1, [(0, [0], [], 0.4)])]]
+    traces = [
+        [(0, [(0, [0], [], 0.5), (1, [0], [], 1.0)]), (1, [(0, [0], [], 0.2)])],
+        [(0, [(0, [0], [], 0.7), (1, [0], [], 0.9)]), (1, [(0, [0], [], 0.4)])],
+    ]
     s = fid.mass_summary(traces)
     assert s["per_layer"][0]["median"] == pytest.approx(0.8)
     assert s["per_layer"][1]["median"] == pytest.approx(0.3)
@@ -185,12 +190,39 @@ def test_mass_summary():
 def _rows():
     rows = []
     for L in (1024, 2048):
-        rows.append({"config": "exact", "k": None, "n_prompt": L, "task": "needle", "depth": 0.5, "score": 1.0,
-                     "text": " ramen.", "attn_ms": 10.0 * L / 1024, "total_ms": 40.0, "kl_mean": 0.0, "top1": 1.0})
+        rows.append(
+            {
+                "config": "exact",
+                "k": None,
+                "n_prompt": L,
+                "task": "needle",
+                "depth": 0.5,
+                "score": 1.0,
+                "text": " ramen.",
+                "attn_ms": 10.0 * L / 1024,
+                "total_ms": 40.0,
+                "kl_mean": 0.0,
+                "top1": 1.0,
+            }
+        )
         for k, sc in ((8, 1.0), (1, 0.0)):
-            rows.append({"config": f"sparse k={k}", "k": k, "n_prompt": L, "task": "needle", "depth": 0.5,
-                         "score": sc, "text": "ramen | ramen", "attn_ms": 3.0, "total_ms": 30.0, "kl_mean": 1.0 / k,
-                         "top1": 0.9, "first_diff": 3, "mass": {"median": 0.9, "p5": 0.5, "per_layer": {0: {"median": 0.9, "p5": 0.5}}}})
+            rows.append(
+                {
+                    "config": f"sparse k={k}",
+                    "k": k,
+                    "n_prompt": L,
+                    "task": "needle",
+                    "depth": 0.5,
+                    "score": sc,
+                    "text": "ramen | ramen",
+                    "attn_ms": 3.0,
+                    "total_ms": 30.0,
+                    "kl_mean": 1.0 / k,
+                    "top1": 0.9,
+                    "first_diff": 3,
+                    "mass": {"median": 0.9, "p5": 0.5, "per_layer": {0: {"median": 0.9, "p5": 0.5}}},
+                }
+            )
     return rows
 
 
@@ -205,7 +237,12 @@ def test_markdown_table_and_plots(tmp_path):
     timing = report.timing_table(_rows())
     assert "| exact | 10.0 / 40.0 | 20.0 / 40.0 |" in timing and "| sparse k=1 | 3.0 / 30.0 | 3.0 / 30.0 |" in timing
     pngs = report.plot(str(tmp_path) + "/", _rows())
-    assert sorted(os.path.basename(p) for p in pngs) == ["attn_ms_vs_context.png", "kl_vs_k.png", "mass_vs_k.png", "recall_vs_k.png"]
+    assert sorted(os.path.basename(p) for p in pngs) == [
+        "attn_ms_vs_context.png",
+        "kl_vs_k.png",
+        "mass_vs_k.png",
+        "recall_vs_k.png",
+    ]
     for p in pngs:
         assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
@@ -225,8 +262,9 @@ def test_needle_sweep_end_to_end(tmp_path):
     must equal exact attention bit for bit; outputs are written."""
     from sparrow.bench import needle
 
-    rec = needle.main(["--lengths", "1K", "--depths", "50", "--ks", "64,1", "--max-tokens", "8",
-                       "--out", str(tmp_path), "--no-plots"])
+    rec = needle.main(
+        ["--lengths", "1K", "--depths", "50", "--ks", "64,1", "--max-tokens", "8", "--out", str(tmp_path), "--no-plots"]
+    )
     rows = {r["config"]: r for r in rec["rows"]}
     assert set(rows) == {"exact", "sparse k=64", "sparse k=1"}
     ex, full = rows["exact"], rows["sparse k=64"]
@@ -253,6 +291,13 @@ def test_shared_prefill_decoding_matches_llm_stream():
     configs = [None, SparseParams(k=2, block=16, probe=4)]
     rows = fid.run_prompt(llm, p.ids, configs, n_tokens=6, fidelity=False)
     for sp, row in zip(configs, rows):
-        kw = {} if sp is None else {"sparse_attn": True, "sparse_k": sp.k, "sparse_block": sp.block, "sparse_probe": sp.probe}
-        ids = [o.token_id for o in llm.stream(p.messages, max_tokens=6, chat=True, assistant_prefix=p.assistant_prefix, **kw)]
+        kw = (
+            {}
+            if sp is None
+            else {"sparse_attn": True, "sparse_k": sp.k, "sparse_block": sp.block, "sparse_probe": sp.probe}
+        )
+        ids = [
+            o.token_id
+            for o in llm.stream(p.messages, max_tokens=6, chat=True, assistant_prefix=p.assistant_prefix, **kw)
+        ]
         assert row["tokens"] == ids, row["config"]

@@ -96,12 +96,12 @@ def test_reference_rounds_ties_by_the_error():
     # acc = 1 + 2^-23, then + 2^-24 (1 + 2^-18)(1 - 2^-18) = 2^-24 - 2^-60: f64 rounds the sum
     # to the f32 midpoint 1 + 2^-23 + 2^-24; the exact value lies below it, so one fma gives
     # 1 + 2^-23 where rounding the f64 sum again (ties to even) would give 1 + 2^-22.
-    x = np.tile(np.array([[1 + 2.0 ** -23, 2.0 ** -24 * (1 + 2.0 ** -18)]], np.float32), (SMALL_T + 1, 1))
-    w = np.array([[1.0, 1 - 2.0 ** -18]], np.float32)
-    want = np.float32(1 + 2.0 ** -23)
+    x = np.tile(np.array([[1 + 2.0**-23, 2.0**-24 * (1 + 2.0**-18)]], np.float32), (SMALL_T + 1, 1))
+    w = np.array([[1.0, 1 - 2.0**-18]], np.float32)
+    want = np.float32(1 + 2.0**-23)
     assert np.all(fma_order_reference(x, w) == want)
     assert np.all(linear(x, Weight.from_array(w)) == want)
-    x = np.tile(np.array([[1.0, 2.0 ** -24]], np.float32), (SMALL_T + 1, 1))  # exact tie: to even
+    x = np.tile(np.array([[1.0, 2.0**-24]], np.float32), (SMALL_T + 1, 1))  # exact tie: to even
     assert np.all(fma_order_reference(x, np.ones((1, 2), np.float32)) == 1)
     assert np.all(linear(x, Weight.from_array(np.ones((1, 2), np.float32))) == 1)
 
@@ -123,8 +123,8 @@ def test_thread_and_batch_invariance(qtype):
     assert np.array_equal(bits(linear(x, w)), bits(y1))
     # rows at the start, straddling x blocks and in the tail, computed in a T = 9 batch
     for r0 in (0, 3, 506):
-        xs = np.ascontiguousarray(x[r0:r0 + SMALL_T + 1])
-        assert np.array_equal(bits(linear(xs, w)), bits(y1[r0:r0 + SMALL_T + 1]))
+        xs = np.ascontiguousarray(x[r0 : r0 + SMALL_T + 1])
+        assert np.array_equal(bits(linear(xs, w)), bits(y1[r0 : r0 + SMALL_T + 1]))
     xr = x.copy()
     xr.flags.writeable = False  # read-only activations compile to another type, same bits
     assert np.array_equal(bits(linear(xr, w)), bits(y1))

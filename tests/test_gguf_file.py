@@ -1,9 +1,9 @@
 """sparrow's lean GGUF reader against the gguf package's GGUFReader, and its failure modes."""
 
+import gguf
 import numpy as np
 import pytest
 
-import gguf
 import reference_models as rm
 import sparrow
 from sparrow.errors import SparrowError

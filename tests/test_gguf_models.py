@@ -102,4 +102,6 @@ def test_gguf_tokenizer_metadata(gguf_llms):
     tok = gguf_llms["qwen3", "F16"][0].tokenizer
     assert 2 in tok.eos_token_ids
     assert tok.decode(tok.encode("Hello world", add_special_tokens=False)) == "Hello world"
-    assert "<|im_start|>assistant" in tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert "<|im_start|>assistant" in tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True
+    )

@@ -75,9 +75,10 @@ def test_greedy_stream_matches_transformers_generate(arch, tiny_models, loaded):
 
     ids = prompt(8, seed=2)
     with torch.no_grad():
-        out = tiny_models[arch].hf.generate(torch.tensor(ids)[None], max_new_tokens=16, min_new_tokens=16,
-                                            do_sample=False, pad_token_id=0)
-    want = out[0, len(ids):].tolist()
+        out = tiny_models[arch].hf.generate(
+            torch.tensor(ids)[None], max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0
+        )
+    want = out[0, len(ids) :].tolist()
     got = [o.token_id for o in loaded[arch].stream(ids.tolist(), max_tokens=16, temperature=0.0)]
     assert not set(want) & {0, 1, 2}, "reference hit a special token; pick another seed"
     assert got == want
@@ -118,7 +119,9 @@ def test_bf16_checkpoint(arch, tiny_models, tokenizer_dir, tmp_path):
 def _quantized_by_sparrow(tiny):
     # --quantize q8_0 converts the projections and an untied lm_head; the embedding is only
     # looked up (and, when tied, reused as the head) so it stays as stored.
-    return lambda name, p: name.endswith("_proj.weight") or (name == "lm_head.weight" and not tiny.hf.config.tie_word_embeddings)
+    return lambda name, p: (
+        name.endswith("_proj.weight") or (name == "lm_head.weight" and not tiny.hf.config.tie_word_embeddings)
+    )
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -7,6 +7,7 @@ import pytest
 
 from sparrow.errors import SparrowError
 from sparrow.kernels import linear as L
+from sparrow.kernels._widen import F16_LUT, KIND, call_slp, widen_row
 from sparrow.quant import Weight, f32_to_bf16_bits, quantize_blocks
 from weights import acts, make
 
@@ -54,8 +55,8 @@ def test_batch_and_thread_invariance(qtype):
     x = acts(L.SMALL_T, 96, seed=4)
     y = L.linear(x, w)
     for i in range(x.shape[0]):
-        assert np.array_equal(L.linear(x[i:i + 1].copy(), w)[0], y[i])
-        assert np.array_equal(L.linear(x[i:i + 3].copy(), w)[0], y[i])
+        assert np.array_equal(L.linear(x[i : i + 1].copy(), w)[0], y[i])
+        assert np.array_equal(L.linear(x[i : i + 3].copy(), w)[0], y[i])
     threads = numba.get_num_threads()
     try:
         for n in (1, 2):
@@ -91,11 +92,22 @@ def test_concat_rows():
 
 
 @pytest.mark.parametrize("qtype", FORMATS)
-def test_dequantize_rows_and_embedding_rows(qtype):
+def test_widened_rows_and_embedding_rows(qtype):
+    # The kernels widen stored rows to exactly Weight.dequantize()'s values. x = identity rows:
+    # y[t, o] = 0 + ... + 1 * w[o, t] + ... is w[o, t] exactly (a -0 weight comes out +0, hence
+    # value equality), on the decode path (T <= SMALL_T) and on the prefill path.
     w = make(qtype, (37, 96), seed=5)
     full = w.dequantize()
-    tile = np.empty((20, 96), np.float32)
-    assert np.array_equal(L.dequantize_rows(w, 17, tile), full[17:37])
+    eye = np.eye(96, dtype=np.float32)
+    for r0 in range(0, 96, L.SMALL_T):
+        assert np.array_equal(L.linear(eye[r0 : r0 + L.SMALL_T], w).T, full[:, r0 : r0 + L.SMALL_T])
+    assert np.array_equal(L.linear(eye, w).T, full)
+    # widen_row itself (the MoE expert kernels and the f16 / bf16 / f32 panels use it), bit for bit
+    out = np.empty_like(full)
+    data = w.data.view(np.uint32) if qtype == "f32" else w.data  # f32 rows as their bits
+    for o in range(len(out)):
+        call_slp(widen_row, data[o], KIND[qtype], F16_LUT, out[o], out[o].view(np.uint32))
+    assert np.array_equal(out.view(np.uint32), full.view(np.uint32))
     ids = np.array([36, 0, 5, 5])
     assert np.array_equal(w.rows(ids), full[ids])
     with pytest.raises(SparrowError):
@@ -148,8 +160,7 @@ def test_gguf_q4_k_requantised_to_q8_0():
 
 def test_quantize_q8_0_error_bound():
     a = np.random.default_rng(9).standard_normal((37, 576)).astype(np.float32)
-    for w in (Weight.from_array(a), Weight.from_bf16(f32_to_bf16_bits(a)),
-              Weight.from_array(a.astype(np.float16))):
+    for w in (Weight.from_array(a), Weight.from_bf16(f32_to_bf16_bits(a)), Weight.from_array(a.astype(np.float16))):
         src = w.dequantize()
         q = w.quantize("q8_0")
         assert q.qtype == "q8_0" and q.nbytes == 37 * 18 * 34
@@ -185,11 +196,11 @@ def test_fused_small_ops_against_numpy():
     x = rng.standard_normal((5, 7, 64)).astype(np.float32)
     w = rng.standard_normal(64).astype(np.float32)
     x64 = x.astype(np.float64)
-    ref = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5) * w
+    ref = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-5) * w
     assert np.abs(Ly.rms_norm(x, w, 1e-5) - ref).max() <= 2e-6 * np.abs(ref).max()
     view = rng.standard_normal((3, 50)).astype(np.float32)[:, 5:38]  # non-contiguous rows, odd width
     v64 = view.astype(np.float64)
-    ref = v64 / np.sqrt((v64 ** 2).mean(-1, keepdims=True) + 1e-6) * w[:33]
+    ref = v64 / np.sqrt((v64**2).mean(-1, keepdims=True) + 1e-6) * w[:33]
     assert np.abs(Ly.rms_norm(view, w[:33], 1e-6) - ref).max() <= 2e-6 * np.abs(ref).max()
     rope = Ly.Rope(64, 10000.0, None)
     pos = np.array([0, 3, 100, 7, 2000])
@@ -197,12 +208,13 @@ def test_fused_small_ops_against_numpy():
     c, s = rope.cos[pos][:, None, :], rope.sin[pos][:, None, :]  # [T, 1, 32]
     want = np.concatenate([x[..., :32] * c - x[..., 32:] * s, x[..., 32:] * c + x[..., :32] * s], -1)
     assert np.array_equal(got, want)  # same f32 operations, same order
-    g = np.concatenate([rng.standard_normal((3, 61)).astype(np.float32) * 30,
-                        np.float32([[100, -100, 0, 88.5, -88.5]] * 3)], 1)  # [3, 66]
+    g = np.concatenate(
+        [rng.standard_normal((3, 61)).astype(np.float32) * 30, np.float32([[100, -100, 0, 88.5, -88.5]] * 3)], 1
+    )  # [3, 66]
     gu = np.concatenate([g, rng.standard_normal(g.shape).astype(np.float32)], 1)  # [3, 132]
     h = El.silu_mul(gu, g.shape[1])
     g64 = g.astype(np.float64)
-    ref = g64 / (1 + np.exp(-g64)) * gu[:, g.shape[1]:]
+    ref = g64 / (1 + np.exp(-g64)) * gu[:, g.shape[1] :]
     assert np.all(np.abs(h - ref) <= 1e-6 * np.abs(ref) + 1e-30)
     one = El.silu_mul(gu[1:2].copy(), g.shape[1])
     assert np.array_equal(one[0], h[1])  # a row alone == that row in a batch

@@ -39,13 +39,24 @@ def _save_tiny(folder, norm_topk_prob, key, tok_dir):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(
-        vocab_size=49152, hidden_size=HIDDEN, intermediate_size=128, moe_intermediate_size=MOE_FFN,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_experts=N_EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=norm_topk_prob,
-        decoder_sparse_step=1, mlp_only_layers=[1], max_position_embeddings=256,
+        vocab_size=49152,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        moe_intermediate_size=MOE_FFN,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=N_EXPERTS,
+        num_experts_per_tok=TOP_K,
+        norm_topk_prob=norm_topk_prob,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        max_position_embeddings=256,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         initializer_range=0.15,  # larger than 0.02 so logits and router choices have clear margins
-        tie_word_embeddings=False)
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(cfg).eval()
     model.save_pretrained(folder)
@@ -108,8 +119,9 @@ def test_decode_matches_forward_and_batch(tiny):
     caches = [model.new_cache(32), model.new_cache(32)]
     for c, ids in zip(caches, (a, b)):
         model.forward([Segment(ids[:-1], c, 0)])
-    both = model.forward([Segment(a[-1:], caches[0], len(a) - 1, decode=True),
-                          Segment(b[-1:], caches[1], len(b) - 1, decode=True)])
+    both = model.forward(
+        [Segment(a[-1:], caches[0], len(a) - 1, decode=True), Segment(b[-1:], caches[1], len(b) - 1, decode=True)]
+    )
     alone = []
     for ids in (a, b):
         c = model.new_cache(32)
@@ -119,6 +131,7 @@ def test_decode_matches_forward_and_batch(tiny):
 
 
 # ---------------------------------------------------------------- GGUF twins
+
 
 def _write_gguf(folder, path, qtype):
     from safetensors.numpy import load_file
@@ -172,11 +185,20 @@ def _write_gguf(folder, path, qtype):
         vec("token_embd.weight", st["model.embed_tokens.weight"])
     mat("output.weight", st["lm_head.weight"])
     vec("output_norm.weight", st["model.norm.weight"])
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp"}
+    names = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "mlp.gate": "ffn_gate_inp",
+    }
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         for hf, gg in names.items():
@@ -237,6 +259,7 @@ def test_gguf_matches_safetensors(tiny, tmp_path, qtype):
 
 # ---------------------------------------------------------------- block-level checks
 
+
 def _random_block(rng, qtype, n=N_EXPERTS, k=TOP_K, hidden=HIDDEN, ffn=MOE_FFN, norm=True):
     def wt(shape, scale):
         a = rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)
@@ -296,10 +319,42 @@ def test_decode_batch_invariance(qtype):
     assert np.abs(block(big) - rowwise).max() < 1e-5 * np.abs(rowwise).max()
 
 
+def test_busy_threshold_follows_linear_small_t(monkeypatch):
+    # An expert with more than kernels.linear.SMALL_T rows takes grouped linear calls, the rest
+    # the fused pair kernel. The threshold is read from the kernels module at call time, so
+    # patching it (as the server tests do) moves experts between the paths.
+    import sparrow.kernels.linear as linear_module
+    import sparrow.models.qwen3_moe as moe_module
+
+    rng = np.random.default_rng(5)
+    block = _random_block(rng, "f32")
+    x = rng.standard_normal((3 * SMALL_T, HIDDEN), dtype=np.float32)
+    ref = _reference(block, x)
+    counts = np.bincount(block.route(x)[0].ravel(), minlength=N_EXPERTS)  # rows per expert
+    rows = {"pairs": 0, "grouped": 0}
+    pairs, grouped = moe_module.expert_pairs, Expert.__call__
+
+    def spy_pairs(x, tok, *rest):
+        rows["pairs"] += len(tok)
+        return pairs(x, tok, *rest)
+
+    def spy_grouped(self, x):
+        rows["grouped"] += len(x)
+        return grouped(self, x)
+
+    monkeypatch.setattr(moe_module, "expert_pairs", spy_pairs)
+    monkeypatch.setattr(Expert, "__call__", spy_grouped)
+    for small_t in (0, int(counts.max()) - 1, int(counts.max())):
+        monkeypatch.setattr(linear_module, "SMALL_T", small_t)
+        rows.update(pairs=0, grouped=0)
+        y = block(x)
+        want = {"pairs": int(counts[counts <= small_t].sum()), "grouped": int(counts[counts > small_t].sum())}
+        assert rows == want, f"SMALL_T = {small_t}"
+        assert np.abs(y - ref).max() < 1e-4 * np.abs(ref).max()
+
+
 def test_routing_ties_go_to_lower_index():
-    logits = np.array([[0, 0, 0, 0, 0, 0],
-                       [1, 3, 3, 0, 3, 2],
-                       [5, 1, 5, 5, 1, 0]], np.float32)
+    logits = np.array([[0, 0, 0, 0, 0, 0], [1, 3, 3, 0, 3, 2], [5, 1, 5, 5, 1, 0]], np.float32)
     for _ in range(3):
         idx, w = route(logits, 2, True)
         np.testing.assert_array_equal(idx, [[0, 1], [1, 2], [0, 2]])

@@ -12,12 +12,29 @@ import sparrow
 def test_tiny_qwen3_vl_text_logits_match_transformers(tmp_path, tokenizer_dir):
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    text = dict(vocab_size=rm.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=5e6,
-                max_position_embeddings=512,
-                rope_scaling={"rope_type": "default", "mrope_section": [8, 4, 4], "mrope_interleaved": True})
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0])
+    text = dict(
+        vocab_size=rm.VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rope_theta=5e6,
+        max_position_embeddings=512,
+        rope_scaling={"rope_type": "default", "mrope_section": [8, 4, 4], "mrope_interleaved": True},
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        deepstack_visual_indexes=[0],
+    )
     torch.manual_seed(0)
     model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=text, vision_config=vision)).eval()
     with torch.no_grad():

@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from sparrow.engine.scheduler import decode_groups
+from sparrow.engine.runner import decode_groups
 from sparrow.server.metrics import parse_prometheus
 from sparrow.server.protocol import APIError, ReasoningSplitter, parse_chat, parse_completion, starts_in_reasoning
 
@@ -63,12 +63,30 @@ def test_reasoning_splitter_plain_and_unterminated():
 
 
 def test_parse_validation():
-    r = parse_chat({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                                             {"type": "text", "text": "b"}]}],
-                    "max_completion_tokens": 7, "stop": "x", "seed": -1, "top_k": -1, "whatever": {"x": 1},
-                    "logprobs": True, "top_logprobs": 2, "sparse_attn": True, "sparse_k": 4, "stop_token_ids": [5]})
+    r = parse_chat(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+            "max_completion_tokens": 7,
+            "stop": "x",
+            "seed": -1,
+            "top_k": -1,
+            "whatever": {"x": 1},
+            "logprobs": True,
+            "top_logprobs": 2,
+            "sparse_attn": True,
+            "sparse_k": 4,
+            "stop_token_ids": [5],
+        }
+    )
     assert r.messages == [{"role": "user", "content": "a\nb"}]
-    assert (r.max_tokens, r.params.stop, r.params.seed, r.params.top_k, r.params.logprobs) == (7, ["x"], 2**64 - 1, 0, 2)
+    assert (r.max_tokens, r.params.stop, r.params.seed, r.params.top_k, r.params.logprobs) == (
+        7,
+        ["x"],
+        2**64 - 1,
+        0,
+        2,
+    )
     assert (r.sparse.k, r.sparse.block, r.params.stop_token_ids) == (4, 32, [5])
     assert parse_completion({"prompt": [[1, 2, 3]]}).prompt == [1, 2, 3]
     bad = [
@@ -78,6 +96,7 @@ def test_parse_validation():
         ({"messages": CHAT, "max_tokens": -1}, "max_tokens"),
         ({"messages": CHAT, "max_tokens": 2.5}, "max_tokens"),
         ({"messages": CHAT, "temperature": "hot"}, "temperature"),
+        ({"messages": CHAT, "kv_dtype": "q4"}, "kv_dtype"),
         ({"messages": CHAT, "temperature": True}, "temperature"),
         ({"messages": CHAT, "temperature": float("nan")}, "temperature"),
         ({"messages": CHAT, "top_p": float("inf")}, "top_p"),
@@ -107,8 +126,12 @@ def _free_port() -> int:
 def server():
     port = _free_port()
     log = tempfile.TemporaryFile("w+")  # not a pipe: a full pipe would block the server
-    proc = subprocess.Popen([sys.executable, "-m", "sparrow.cli", "serve", "--port", str(port), "--api-key", KEY],
-                            stdout=subprocess.DEVNULL, stderr=log, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sparrow.cli", "serve", "--port", str(port), "--api-key", KEY],
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+        text=True,
+    )
     base = f"http://127.0.0.1:{port}"
     saw_503 = False
     try:
@@ -126,7 +149,12 @@ def server():
                 pass
             assert time.time() < deadline, "server did not become ready"
             time.sleep(0.25)
-        yield {"base": base, "saw_503": saw_503, "log": log}
+        state = {"base": base, "saw_503": saw_503, "log": log, "log_seen": 0}
+        yield state
+        # What tests after test_server_log_has_no_tracebacks (in any order) made the server log.
+        problem = _log_problem(state)
+        if problem:
+            pytest.fail(problem)
     finally:
         proc.terminate()
         try:
@@ -135,6 +163,17 @@ def server():
             proc.kill()
             proc.wait()
         log.close()
+
+
+def _log_problem(server) -> str | None:
+    """The server log since the last look, when it shows a traceback or an internal error."""
+    log = server["log"]
+    log.seek(server["log_seen"])
+    text = log.read()
+    server["log_seen"] = log.tell()
+    if "Traceback" in text or "internal error" in text:
+        return "the server logged an internal error:\n" + text[-3000:]
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -184,10 +223,22 @@ def test_chat_matches_reference_and_stream(client, ref, model_id):
     assert r.choices[0].message.content == text
     assert r.choices[0].finish_reason == outs[-1].finish_reason
     n_prompt = len(ref.prompt_ids(CHAT, chat=True))
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n_prompt, len(outs), n_prompt + len(outs))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        n_prompt,
+        len(outs),
+        n_prompt + len(outs),
+    )
 
-    chunks = list(client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=5, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=model_id,
+            messages=CHAT,
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
@@ -204,29 +255,53 @@ def test_completion_stop_strings(client, ref, model_id):
     want = text[: text.index(stop)]
     r = client.completions.create(model=model_id, prompt=prompt, max_tokens=6, temperature=0, stop=[stop, "zzz"])
     assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
-    chunks = list(client.completions.create(model=model_id, prompt=prompt, max_tokens=6, temperature=0, stop=stop, stream=True))
+    chunks = list(
+        client.completions.create(model=model_id, prompt=prompt, max_tokens=6, temperature=0, stop=stop, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks) == want and chunks[-1].choices[0].finish_reason == "stop"
 
 
 @pytest.fixture(scope="module")
 def seeded(client, model_id):
-    kw = dict(model=model_id, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=6, temperature=0.8,
-              seed=1234, top_p=0.95, presence_penalty=0.5, frequency_penalty=0.3,
-              extra_body={"top_k": 50, "min_p": 0.02, "repetition_penalty": 1.1})
+    kw = dict(
+        model=model_id,
+        messages=[{"role": "user", "content": "Tell me a story."}],
+        max_tokens=6,
+        temperature=0.8,
+        seed=1234,
+        top_p=0.95,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        extra_body={"top_k": 50, "min_p": 0.02, "repetition_penalty": 1.1},
+    )
     return kw, client.chat.completions.create(**kw).choices[0].message.content
 
 
 def test_seed_reproducible(client, ref, seeded):
     kw, first = seeded
     assert client.chat.completions.create(**kw).choices[0].message.content == first
-    text, _ = _ref_text(ref, kw["messages"], chat=True, max_tokens=6, temperature=0.8, seed=1234, top_p=0.95,
-                        presence_penalty=0.5, frequency_penalty=0.3, top_k=50, min_p=0.02, repetition_penalty=1.1)
+    text, _ = _ref_text(
+        ref,
+        kw["messages"],
+        chat=True,
+        max_tokens=6,
+        temperature=0.8,
+        seed=1234,
+        top_p=0.95,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        top_k=50,
+        min_p=0.02,
+        repetition_penalty=1.1,
+    )
     assert first == text
 
 
 def test_logprobs(client, ref, model_id):
     _, outs = _ref_text(ref, CHAT, chat=True, max_tokens=4, temperature=0, logprobs=3)
-    r = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(
+        model=model_id, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content
     shown = [o for o in outs if o.token_id not in ref.tokenizer.eos_token_ids]
     assert len(content) == len(shown)
@@ -236,14 +311,31 @@ def test_logprobs(client, ref, model_id):
         assert [t.logprob for t in c.top_logprobs] == pytest.approx([lp for _, lp in o.top_logprobs], abs=1e-5)
         assert c.top_logprobs[0].token == c.token  # greedy picks the best
         assert bytes(c.bytes).decode() == c.token
-    chunks = list(client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
-                                                 top_logprobs=3, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=model_id, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3, stream=True
+        )
+    )
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
     r = client.completions.create(model=model_id, prompt="Hello", max_tokens=2, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 2
     assert lp.text_offset == [0, len(lp.tokens[0])] and "".join(lp.tokens) == r.choices[0].text
+
+
+def test_per_request_kv_dtype_is_applied(client, ref, model_id):
+    """A request's kv_dtype reaches the engine: its logprobs are those of that cache, not the server's f32."""
+    for kv in ("int8", "f16"):
+        _, outs = _ref_text(ref, CHAT, chat=True, max_tokens=3, temperature=0, logprobs=0, kv_dtype=kv)
+        _, f32 = _ref_text(ref, CHAT, chat=True, max_tokens=3, temperature=0, logprobs=0)
+        assert [o.logprob for o in outs] != [o.logprob for o in f32]  # the check below can tell them apart
+        r = client.chat.completions.create(
+            model=model_id, messages=CHAT, max_tokens=3, temperature=0, logprobs=True, extra_body={"kv_dtype": kv}
+        )
+        got = [c.logprob for c in r.choices[0].logprobs.content]
+        want = [o.logprob for o in outs if o.token_id not in ref.tokenizer.eos_token_ids]
+        assert got == pytest.approx(want, abs=1e-6)
 
 
 def test_concurrent_streams_and_batch_invariance(server, client, seeded):
@@ -253,10 +345,20 @@ def test_concurrent_streams_and_batch_invariance(server, client, seeded):
 
     def stream(i):
         try:
-            chunks = list(client.chat.completions.create(
-                model=kw["model"], messages=[{"role": "user", "content": f"Count to {i + 3}."}], max_tokens=12,
-                temperature=0, stream=True, extra_body={"ignore_eos": True}))
-            results[i] = ("".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason)
+            chunks = list(
+                client.chat.completions.create(
+                    model=kw["model"],
+                    messages=[{"role": "user", "content": f"Count to {i + 3}."}],
+                    max_tokens=12,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+            )
+            results[i] = (
+                "".join(c.choices[0].delta.content or "" for c in chunks),
+                chunks[-1].choices[0].finish_reason,
+            )
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
@@ -278,10 +380,17 @@ def test_concurrent_streams_and_batch_invariance(server, client, seeded):
 
 def test_cancelled_stream_stops(server, model_id):
     before = _metrics(server)
-    body = {"model": model_id, "prompt": "Once upon a time", "max_tokens": 500, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    with httpx.stream("POST", server["base"] + "/v1/completions", json=body, timeout=600,
-                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+    body = {
+        "model": model_id,
+        "prompt": "Once upon a time",
+        "max_tokens": 500,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream(
+        "POST", server["base"] + "/v1/completions", json=body, timeout=600, headers={"Authorization": f"Bearer {KEY}"}
+    ) as r:
         assert r.status_code == 200
         seen = 0
         for line in r.iter_lines():
@@ -292,21 +401,26 @@ def test_cancelled_stream_stops(server, model_id):
     deadline = time.time() + 120
     while True:
         m = _metrics(server)
-        if m["sparrow_requests_cancelled_total"] > before["sparrow_requests_cancelled_total"] and m["sparrow_num_requests_running"] == 0:
+        if (
+            m["sparrow_requests_cancelled_total"] > before["sparrow_requests_cancelled_total"]
+            and m["sparrow_num_requests_running"] == 0
+        ):
             break
         assert time.time() < deadline, m
         time.sleep(0.2)
     assert m["sparrow_generation_tokens_total"] - before["sparrow_generation_tokens_total"] < 100
-    assert m.get('sparrow_request_finished_total{finish_reason="length"}') == before.get('sparrow_request_finished_total{finish_reason="length"}')
+    assert m.get('sparrow_request_finished_total{finish_reason="length"}') == before.get(
+        'sparrow_request_finished_total{finish_reason="length"}'
+    )
 
 
 def test_engine_batches_match_solo(ref, monkeypatch):
     """Decode rows are split into forwards of at most SMALL_T and each sequence's tokens equal its solo run.
 
     SMALL_T is lowered to 2 so that four concurrent sequences need split forwards."""
-    from sparrow.params import SamplingParams
-    from sparrow.engine.scheduler import Engine
+    from sparrow.engine.engine import Engine
     from sparrow.kernels import linear
+    from sparrow.params import SamplingParams
 
     monkeypatch.setattr(linear, "SMALL_T", 2)
     prompts = [ref.tokenizer.encode(t) for t in ("Hi there", "The sky is", "One, two,", "Paris is the")]
@@ -328,6 +442,7 @@ def test_engine_batches_match_solo(ref, monkeypatch):
             got[i].append(out.token_id)
             if out.finish_reason:
                 done.release()
+
         return emit
 
     engine = Engine(ref, max_batch=16)
@@ -353,7 +468,14 @@ def _err(r, status):
 
 def test_errors(server, client, model_id, ref):
     ok = {"model": model_id, "messages": CHAT, "max_tokens": 1}
-    _err(_post(server, "/v1/chat/completions", content=b'{"model": "x", "messages": [', ), 400)
+    _err(
+        _post(
+            server,
+            "/v1/chat/completions",
+            content=b'{"model": "x", "messages": [',
+        ),
+        400,
+    )
     _err(_post(server, "/v1/chat/completions", content=b"\xff\xfe"), 400)
     _err(_post(server, "/v1/chat/completions", body=[1, 2]), 400)
     assert _err(_post(server, "/v1/chat/completions", {**ok, "max_tokens": -5}), 400)["param"] == "max_tokens"
@@ -399,8 +521,42 @@ def test_tokenize_detokenize(server, ref, model_id):
     _err(_post(server, "/detokenize", {"tokens": [10**9]}), 400)
 
 
-def test_server_log_has_no_tracebacks(server):
-    """Runs last: nothing above made the server log an internal error."""
-    server["log"].seek(0)
-    text = server["log"].read()
-    assert "Traceback" not in text and "internal error" not in text, text[-3000:]
+def test_server_log_has_no_tracebacks(server, model_id):
+    """Bad, cut-off and good requests leave no traceback or internal error in the server log (nor
+    did any test before this one; the server fixture checks once more after the last test)."""
+    body = {
+        "model": model_id,
+        "prompt": "Once upon a time",
+        "max_tokens": 200,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream(
+        "POST", server["base"] + "/v1/completions", json=body, timeout=600, headers={"Authorization": f"Bearer {KEY}"}
+    ) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: {"))  # then hang up mid-stream
+    ok = {"model": model_id, "messages": CHAT, "max_tokens": 1}
+    bad = [
+        ("/v1/chat/completions", {"content": b'{"model": "x", "messages": ['}),
+        ("/v1/chat/completions", {"content": b"\xff\xfe"}),
+        ("/v1/chat/completions", {"body": [1, 2]}),
+        ("/v1/chat/completions", {"body": {**ok, "messages": [{"role": "wizard", "content": "hi"}]}}),
+        ("/v1/chat/completions", {"body": {**ok, "max_tokens": 10**6}}),
+        ("/v1/chat/completions", {"body": {**ok, "sparse_attn": True, "sparse_k": 0}}),
+        ("/v1/chat/completions", {"body": {**ok, "model": "gpt-17"}}),
+        ("/v1/chat/completions", {"body": ok, "key": "wrong"}),
+        ("/v1/completions", {"body": {"model": model_id, "prompt": [[1, 2], "a"]}}),
+        ("/v1/completions", {"body": {"model": model_id, "prompt": [10**9]}}),
+        ("/tokenize", {"body": {"prompt": 5}}),
+        ("/detokenize", {"body": {"tokens": [-1]}}),
+        ("/v1/no-such-route", {"body": {}}),
+    ]
+    for path, kw in bad:
+        r = _post(server, path, **kw)
+        assert 400 <= r.status_code < 500, (path, kw, r.status_code, r.text)
+    r = _post(server, "/v1/chat/completions", {**ok, "temperature": 0})  # and the server still serves
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    problem = _log_problem(server)
+    assert problem is None, problem

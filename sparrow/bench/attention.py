@@ -8,32 +8,41 @@ ratio is the median over repeats of exact_ms / sparse_ms from the same round.
 import argparse
 import math
 import statistics
+import sys
 import time
 
 import numba
 import numpy as np
 
-from sparrow.kernels.attention import decode_attention
-from sparrow.kv_cache import LayerCache
-from sparrow.params import SparseParams
+from sparrow.kv_cache import KVCache
+from sparrow.models.attention import decode_attention
+from sparrow.params import KV_DTYPES, SparseParams
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
 _FILL_CHUNK = 2048
 
 
 def _filled_layer(kv_dtype, capacity, rng):
-    layer = LayerCache(N_KV_HEADS, HEAD_DIM, capacity, kv_dtype)
+    """(layer cache, its sparse state) of a one-layer cache full of random K/V and importance."""
+    cache = KVCache(1, N_KV_HEADS, HEAD_DIM, capacity, kv_dtype)
     for s0 in range(0, capacity, _FILL_CHUNK):
         n = min(_FILL_CHUNK, capacity - s0)
         k = rng.standard_normal((n, N_KV_HEADS, HEAD_DIM), dtype=np.float32)  # [n, KVH, D]
         v = rng.standard_normal((n, N_KV_HEADS, HEAD_DIM), dtype=np.float32)  # [n, KVH, D]
-        layer.append(s0, k, v)
-    layer.importance[:] = rng.random(capacity, dtype=np.float32)
-    return layer
+        cache.append(0, s0, k, v)
+    cache.sparse[0].importance[:] = rng.random(capacity, dtype=np.float32)
+    return cache.layers[0], cache.sparse[0]
 
 
-def run(contexts=(2048, 4096, 8192, 16384, 32768), ks=(32, 16, 8), kv_dtypes=("f32", "int8"),
-        repeats=7, seed=0, threads=None, clock="wall"):
+def run(
+    contexts=(2048, 4096, 8192, 16384, 32768),
+    ks=(32, 16, 8),
+    kv_dtypes=("f32", "int8"),
+    repeats=7,
+    seed=0,
+    threads=None,
+    clock="wall",
+):
     """Returns one dict per (kv_dtype, context, mode): mode "exact" or "k=<k>", median ms per
     decoded token for this one layer, and for sparse modes the paired exact/sparse ratio.
 
@@ -48,27 +57,32 @@ def run(contexts=(2048, 4096, 8192, 16384, 32768), ks=(32, 16, 8), kv_dtypes=("f
     try:
         for kv_dtype in kv_dtypes:
             rng = np.random.default_rng(seed)
-            layer = _filled_layer(kv_dtype, max(contexts), rng)
+            layer, state = _filled_layer(kv_dtype, max(contexts), rng)
             for ctx in contexts:
                 q = rng.standard_normal((N_HEADS, HEAD_DIM), dtype=np.float32)  # [H, D]
                 modes = [("exact", None)] + [(f"k={k}", SparseParams(k=k)) for k in ks]
                 times = {name: [] for name, _ in modes}
-                for name, sp in modes:  # warm-up: JIT compile and page in the cache
-                    decode_attention(q, layer, ctx, scale, sp)
+                for _, sp in modes:  # warm-up: JIT compile and page in the cache
+                    decode_attention(q, layer, state, ctx, scale, sp)
                 for _ in range(repeats):
                     for name, sp in modes:
                         t0 = timer()
-                        decode_attention(q, layer, ctx, scale, sp)
+                        decode_attention(q, layer, state, ctx, scale, sp)
                         times[name].append(1e3 * (timer() - t0))
                 for name, sp in modes:
-                    row = {"kv_dtype": kv_dtype, "context": ctx, "mode": name,
-                           "k": sp.k if sp else None, "ms": statistics.median(times[name]),
-                           "threads": numba.get_num_threads(), "clock": clock}
+                    row = {
+                        "kv_dtype": kv_dtype,
+                        "context": ctx,
+                        "mode": name,
+                        "k": sp.k if sp else None,
+                        "ms": statistics.median(times[name]),
+                        "threads": numba.get_num_threads(),
+                        "clock": clock,
+                    }
                     if sp is not None:
                         nb = -(-ctx // sp.block)
                         row["blocks"] = nb
-                        row["ratio"] = statistics.median(
-                            e / s for e, s in zip(times["exact"], times[name]))
+                        row["ratio"] = statistics.median(e / s for e, s in zip(times["exact"], times[name]))
                     rows.append(row)
             del layer
     finally:
@@ -79,7 +93,8 @@ def run(contexts=(2048, 4096, 8192, 16384, 32768), ks=(32, 16, 8), kv_dtypes=("f
 def format_table(rows):
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     head = f"{'kv':>5} {'context':>8} " + " ".join(
-        f"{m + ' ms':>10}" if m == "exact" else f"{m + ' ms (x)':>18}" for m in modes)
+        f"{m + ' ms':>10}" if m == "exact" else f"{m + ' ms (x)':>18}" for m in modes
+    )
     lines = [head, "-" * len(head)]
     keys = list(dict.fromkeys((r["kv_dtype"], r["context"]) for r in rows))
     for kv, ctx in keys:
@@ -98,22 +113,51 @@ def main(argv=None):
     p = argparse.ArgumentParser(
         prog="sparrow bench attention",
         description="Decode attention ms/token for one Qwen3-0.6B-shaped layer "
-                    f"({N_HEADS} q heads, {N_KV_HEADS} KV heads, head_dim {HEAD_DIM}): "
-                    "exact vs block-sparse top-k, random tensors.")
+        f"({N_HEADS} q heads, {N_KV_HEADS} KV heads, head_dim {HEAD_DIM}): "
+        "exact vs block-sparse top-k, random tensors.",
+    )
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     p.add_argument("--ks", type=int, nargs="+", default=[32, 16, 8])
-    p.add_argument("--kv-dtypes", nargs="+", default=["f32", "int8"], choices=["f32", "f16", "int8"])
+    p.add_argument("--kv-dtypes", nargs="+", default=["f32", "int8"], choices=KV_DTYPES)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="numba threads (default: numba's)")
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="wall time, or process CPU time (steadier on a busy machine; use with --threads 1)")
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall time, or process CPU time (steadier on a busy machine; use with --threads 1)",
+    )
+    p.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="write the JSON record here (default runs/attention-<timestamp>/attention.json)",
+    )
     a = p.parse_args(argv)
-    rows = run(tuple(a.contexts), tuple(a.ks), tuple(a.kv_dtypes), a.repeats, a.seed, a.threads,
-               a.clock)
-    print(f"decode attention, one layer, {a.clock}-clock ms/token (median of {a.repeats}); "
-          f"(x) = exact/sparse, paired per round; numba threads {rows[0]['threads']}")
+    from sparrow.eval import report
+
+    out = report.record_path("attention", a.json)
+    rows = run(tuple(a.contexts), tuple(a.ks), tuple(a.kv_dtypes), a.repeats, a.seed, a.threads, a.clock)
+    report.write_json(
+        out,
+        {
+            "bench": "attention",
+            "argv": list(sys.argv[1:] if argv is None else argv),
+            "shape": {"heads": N_HEADS, "kv_heads": N_KV_HEADS, "head_dim": HEAD_DIM},
+            "repeats": a.repeats,
+            "seed": a.seed,
+            "clock": a.clock,
+            "environment": report.environment(),
+            "rows": rows,
+        },
+    )
+    print(
+        f"decode attention, one layer, {a.clock}-clock ms/token (median of {a.repeats}); "
+        f"(x) = exact/sparse, paired per round; numba threads {rows[0]['threads']}"
+    )
     print(format_table(rows))
+    print(f"wrote {out}", file=sys.stderr)
     return 0
 
 

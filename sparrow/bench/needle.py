@@ -17,14 +17,18 @@ import sys
 import time
 
 from ..errors import SparrowError
+from ..params import KV_DTYPES
 
 DEFAULT_MODEL_TAG = "SmolLM2-135M"
 
 
 def add_common_args(p: argparse.ArgumentParser, lengths: str, depths: str, ks: str, tokens: int) -> None:
     p.add_argument("--model", default=None, help="model folder or .gguf (default: SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--tasks", default="needle",
-                   help="comma list of needle, passkey, niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt")
+    p.add_argument(
+        "--tasks",
+        default="needle",
+        help="comma list of needle, passkey, niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt",
+    )
     p.add_argument("--lengths", default=lengths, help="prompt lengths in tokens, e.g. 1K,2K,4K,7K (K = 1024)")
     p.add_argument("--depths", default=depths, help="needle depths in percent (multi-fact tasks: one seed each)")
     p.add_argument("--ks", default=ks, help="sparse k values (blocks per head); exact always runs")
@@ -32,9 +36,13 @@ def add_common_args(p: argparse.ArgumentParser, lengths: str, depths: str, ks: s
     p.add_argument("--probe", type=int, default=8, help="probe keys per block")
     p.add_argument("--seed", type=int, default=0, help="prompt seed (0 = Zara/ramen)")
     p.add_argument("--max-tokens", type=int, default=tokens, help="greedy tokens generated per configuration")
-    p.add_argument("--answer-prefix", choices=["auto", "on", "off"], default="auto",
-                   help="pre-fill the assistant turn with the answer's opening (auto: on for SmolLM2-135M)")
-    p.add_argument("--kv-dtype", choices=["f32", "f16", "int8"], default="f32")
+    p.add_argument(
+        "--answer-prefix",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="pre-fill the assistant turn with the answer's opening (auto: on for SmolLM2-135M)",
+    )
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="f32")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=None, help="output directory (default runs/<bench>-<timestamp>/)")
     p.add_argument("--no-plots", action="store_true")
@@ -66,8 +74,12 @@ def parse_grid(a) -> dict:
     if a.max_tokens < 2:
         raise SparrowError("--max-tokens must be at least 2")
     configs = [None] + [SparseParams(k=k, block=a.block, probe=a.probe) for k in ks]
-    return {"tasks": tasks, "lengths": [parse_length(x) for x in a.lengths.split(",") if x.strip()],
-            "depths": [d / 100 for d in depths], "configs": configs}
+    return {
+        "tasks": tasks,
+        "lengths": [parse_length(x) for x in a.lengths.split(",") if x.strip()],
+        "depths": [d / 100 for d in depths],
+        "configs": configs,
+    }
 
 
 def use_prefix(a, llm) -> bool:
@@ -84,7 +96,9 @@ def warm_up(llm, configs) -> None:
     run_prompt(llm, ids, configs, n_tokens=3, fidelity=True)
 
 
-def sweep(llm, grid: dict, seed: int, max_tokens: int, prefix: bool, fidelity: bool = True, desc: str = "") -> list[dict]:
+def sweep(
+    llm, grid: dict, seed: int, max_tokens: int, prefix: bool, fidelity: bool = True, desc: str = ""
+) -> list[dict]:
     """Every task x length x depth prompt, every configuration; one row per (prompt, config)."""
     from tqdm import tqdm
 
@@ -106,16 +120,26 @@ def sweep(llm, grid: dict, seed: int, max_tokens: int, prefix: bool, fidelity: b
         bar.set_postfix_str(f"{task} {p.n_tokens} tok depth {d:.0%}")
         pre = prefill(llm, p.ids, max_tokens)
         for r in run_prompt(llm, p.ids, grid["configs"], max_tokens, fidelity, pre=pre):
-            r.update({"task": task, "target_tokens": L, "depth": d if single else None, "seed": p.meta["seed"],
-                      "answers": p.answers, "assistant_prefix": p.assistant_prefix,
-                      "score": score(task, r["text"], p.answers), "repetition": repetition_ratio(r["text"])})
+            r.update(
+                {
+                    "task": task,
+                    "target_tokens": L,
+                    "depth": d if single else None,
+                    "seed": p.meta["seed"],
+                    "answers": p.answers,
+                    "assistant_prefix": p.assistant_prefix,
+                    "score": score(task, r["text"], p.answers),
+                    "repetition": repetition_ratio(r["text"]),
+                }
+            )
             r.pop("tokens", None)
             rows.append(r)
     return rows
 
 
 def run(a, bench: str, fidelity: bool, title: str, argv=None) -> dict:
-    """Loads the model, sweeps, writes <bench>.json, <bench>.md and the plots; returns the record.
+    """Loads the model, sweeps, writes <bench>.json, <bench>.md and the plots (optional: without
+    matplotlib they are skipped with a notice); returns the record.
     With --from-json, only re-renders the table and plots of a finished run."""
     from .. import api
     from ..eval import report
@@ -133,12 +157,26 @@ def run(a, bench: str, fidelity: bool, title: str, argv=None) -> dict:
     prefix = use_prefix(a, llm)
     warm_up(llm, grid["configs"])
     rows = sweep(llm, grid, a.seed, a.max_tokens, prefix, fidelity, desc=bench)
-    record = {"bench": bench, "argv": list(sys.argv[1:] if argv is None else argv), "model": llm.name,
-              "kv_dtype": llm.kv_dtype, "threads": llm.threads, "answer_prefix": prefix, "seed": a.seed,
-              "max_tokens": a.max_tokens, "block": a.block, "probe": a.probe, "tasks": grid["tasks"],
-              "lengths": grid["lengths"], "depths": grid["depths"],
-              "ks": [c.k for c in grid["configs"] if c is not None], "environment": report.environment(),
-              "wall_s": round(time.time() - t0, 1), "summary": report.summary_rows(rows), "rows": rows}
+    record = {
+        "bench": bench,
+        "argv": list(sys.argv[1:] if argv is None else argv),
+        "model": llm.name,
+        "kv_dtype": llm.kv_dtype,
+        "threads": llm.threads,
+        "answer_prefix": prefix,
+        "seed": a.seed,
+        "max_tokens": a.max_tokens,
+        "block": a.block,
+        "probe": a.probe,
+        "tasks": grid["tasks"],
+        "lengths": grid["lengths"],
+        "depths": grid["depths"],
+        "ks": [c.k for c in grid["configs"] if c is not None],
+        "environment": report.environment(),
+        "wall_s": round(time.time() - t0, 1),
+        "summary": report.summary_rows(rows),
+        "rows": rows,
+    }
     return write_outputs(record, out, title, not a.no_plots)
 
 
@@ -147,19 +185,24 @@ def write_outputs(record: dict, out: str, title: str, plots: bool = True) -> dic
 
     bench, rows = record["bench"], record["rows"]
     os.makedirs(out, exist_ok=True)
-    header = (f"{title}: model {record['model']}, kv {record['kv_dtype']}, {record['threads']} threads, answer prefix "
-              f"{'on' if record['answer_prefix'] else 'off'}, {record['max_tokens']} greedy tokens, block "
-              f"{record['block']}, probe {record['probe']}; ms/token = median decode step; load average at the end "
-              f"{[round(x, 1) for x in record['environment']['loadavg'] or []]}; wall {record['wall_s']} s")
+    header = (
+        f"{title}: model {record['model']}, kv {record['kv_dtype']}, {record['threads']} threads, answer prefix "
+        f"{'on' if record['answer_prefix'] else 'off'}, {record['max_tokens']} greedy tokens, block "
+        f"{record['block']}, probe {record['probe']}; ms/token = median decode step; load average at the end "
+        f"{[round(x, 1) for x in record['environment']['loadavg'] or []]}; wall {record['wall_s']} s"
+    )
+    # the record first, so that nothing in the reporting below can lose it
+    record["outputs"] = {"dir": out, "json": f"{bench}.json", "markdown": f"{bench}.md", "plots": []}
+    report.write_json(os.path.join(out, f"{bench}.json"), record)
     md = report.write_markdown(os.path.join(out, f"{bench}.md"), rows, title, header)
     if bench == "fidelity":
         with open(md, "a") as f:
             f.write("\n" + report.mass_table(rows))
-    pngs = report.plot(os.path.join(out, ""), rows) if plots else []
-    record["outputs"] = {"dir": out, "json": f"{bench}.json", "markdown": f"{bench}.md",
-                         "plots": [os.path.basename(p) for p in pngs]}
-    report.write_json(os.path.join(out, f"{bench}.json"), record)
     print(open(md).read())
+    pngs = report.plots_or_notice(os.path.join(out, ""), rows) if plots else []
+    if pngs:
+        record["outputs"]["plots"] = [os.path.basename(p) for p in pngs]
+        report.write_json(os.path.join(out, f"{bench}.json"), record)
     print(f"wrote {out}/")
     return record
 

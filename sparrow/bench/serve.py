@@ -8,6 +8,8 @@ stream decodes exactly --max-tokens tokens) and reports:
   e2e tok/s      client side: all completion tokens / wall time of the level (prefill included)
   TTFT           mean time to the first streamed token
 Ratios are against the 1-stream row of the same run, so they hold under the same machine load.
+The JSON record (--json, default runs/serve-<timestamp>/serve.json) is written before the table.
+Only the standard library talks HTTP here, so the base install runs it.
 """
 
 from __future__ import annotations
@@ -20,10 +22,21 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
-import httpx
-
+from ..eval import report
 from ..server.metrics import parse_prometheus
+
+
+def _get(url: str, timeout: float = 60) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def _post(url: str, body: dict, timeout: float = 3600):
+    """An open response (a context manager; iterating it yields lines as bytes)."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=timeout)
 
 
 def _free_port() -> int:
@@ -45,9 +58,9 @@ def _start(a) -> tuple[subprocess.Popen, str]:
         if proc.poll() is not None:
             raise SystemExit(f"server exited with status {proc.returncode}")
         try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
+            _get(url + "/health", timeout=5)  # 503 (an HTTPError) while the model loads
+            return proc, url
+        except OSError:
             pass
         time.sleep(0.25)
     proc.kill()
@@ -57,9 +70,9 @@ def _start(a) -> tuple[subprocess.Popen, str]:
 def _stream(url: str, body: dict, out: dict) -> None:
     t0 = time.perf_counter()
     first, tokens = None, 0
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=3600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
+    with _post(url + "/v1/completions", body) as r:
+        for raw in r:
+            line = raw.decode().strip()
             if not line.startswith("data: {"):
                 continue
             msg = json.loads(line[6:])
@@ -71,7 +84,7 @@ def _stream(url: str, body: dict, out: dict) -> None:
 
 
 def _level(url: str, body: dict, n: int) -> dict:
-    before = parse_prometheus(httpx.get(url + "/metrics").text)
+    before = parse_prometheus(_get(url + "/metrics"))
     results = [dict() for _ in range(n)]
     threads = [threading.Thread(target=_stream, args=(url, body, results[i])) for i in range(n)]
     t0 = time.perf_counter()
@@ -80,12 +93,16 @@ def _level(url: str, body: dict, n: int) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    after = parse_prometheus(httpx.get(url + "/metrics").text)
-    d = {k: after[k] - before[k] for k in ("sparrow_decode_tokens_total", "sparrow_decode_seconds_total",
-                                           "sparrow_decode_forwards_total")}
+    after = parse_prometheus(_get(url + "/metrics"))
+    d = {
+        k: after[k] - before[k]
+        for k in ("sparrow_decode_tokens_total", "sparrow_decode_seconds_total", "sparrow_decode_forwards_total")
+    }
     tokens = sum(r["tokens"] for r in results)
     return {
-        "streams": n, "tokens": tokens, "wall_s": wall,
+        "streams": n,
+        "tokens": tokens,
+        "wall_s": wall,
         "decode_tok_s": d["sparrow_decode_tokens_total"] / max(d["sparrow_decode_seconds_total"], 1e-9),
         "rows_per_forward": d["sparrow_decode_tokens_total"] / max(d["sparrow_decode_forwards_total"], 1),
         "e2e_tok_s": tokens / wall,
@@ -103,35 +120,71 @@ def main(argv=None) -> None:
     p.add_argument("--streams", default="1,4,8", help="concurrency levels, comma separated")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--json", default=None, help="also write the rows to this file")
+    p.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="write the JSON record here (default runs/serve-<timestamp>/serve.json)",
+    )
     a = p.parse_args(argv)
+    out = report.record_path("serve", a.json)
 
     proc = None
     url = a.url
     if url is None:
         proc, url = _start(a)
     try:
-        words = ("The quick brown fox jumps over the lazy dog while the sun sets behind the hills. " * 64)
-        ids = httpx.post(url + "/tokenize", json={"prompt": words}).json()["tokens"][: a.prompt_tokens]
-        body = {"prompt": ids, "max_tokens": a.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
+        words = "The quick brown fox jumps over the lazy dog while the sun sets behind the hills. " * 64
+        with _post(url + "/tokenize", {"prompt": words}, timeout=60) as r:
+            ids = json.loads(r.read())["tokens"][: a.prompt_tokens]
+        body = {
+            "prompt": ids,
+            "max_tokens": a.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         _level(url, {**body, "max_tokens": 2}, 1)  # warm-up
         rows = [_level(url, body, int(n)) for n in a.streams.split(",")]
     finally:
         if proc is not None:
             proc.terminate()
-            proc.wait(10)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
     load = os.getloadavg()
-    print(f"sparrow bench serve: prompt {len(ids)} tokens, {a.max_tokens} new tokens per stream, greedy; "
-          f"load average {load[0]:.1f} on {os.cpu_count()} cores")
+    report.write_json(
+        out,
+        {
+            "bench": "serve",
+            "argv": list(sys.argv[1:] if argv is None else argv),
+            "url": a.url,
+            "model": a.model,
+            "threads": a.threads,
+            "kv_dtype": a.kv_dtype,
+            "max_batch": a.max_batch,
+            "prompt_tokens": len(ids),
+            "max_tokens": a.max_tokens,
+            "environment": report.environment(),
+            "rows": rows,
+        },
+    )
+    print(
+        f"sparrow bench serve: prompt {len(ids)} tokens, {a.max_tokens} new tokens per stream, greedy; "
+        f"load average {load[0]:.1f} on {os.cpu_count()} cores"
+    )
     base = rows[0]
     print("| streams | decode tok/s | vs 1 | rows/forward | e2e tok/s | vs 1 | mean TTFT s | wall s |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    vs = lambda x, b: f"{x / b:.2f}x" if b else "-"  # noqa: E731 - no decode steps: no ratio
     for r in rows:
-        print(f"| {r['streams']} | {r['decode_tok_s']:.1f} | {r['decode_tok_s'] / base['decode_tok_s']:.2f}x "
-              f"| {r['rows_per_forward']:.2f} | {r['e2e_tok_s']:.1f} | {r['e2e_tok_s'] / base['e2e_tok_s']:.2f}x "
-              f"| {r['ttft_s']:.2f} | {r['wall_s']:.1f} |")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        print(
+            f"| {r['streams']} | {r['decode_tok_s']:.1f} | {vs(r['decode_tok_s'], base['decode_tok_s'])} "
+            f"| {r['rows_per_forward']:.2f} | {r['e2e_tok_s']:.1f} | {vs(r['e2e_tok_s'], base['e2e_tok_s'])} "
+            f"| {r['ttft_s']:.2f} | {r['wall_s']:.1f} |"
+        )
+    print(f"wrote {out}", file=sys.stderr)

@@ -1,16 +1,24 @@
 """Speed benchmark: sparrow beside llama.cpp (llama-cpp-python) on the same GGUF and threads.
 
-`sparrow bench speed [--model PATH] [--contexts 512,2048,7000] [--compare llama-cpp]`
+`sparrow bench speed [--model PATH | --shape qwen3-1.7b --type q8_0] [--contexts 512,2048,7000]
+[--compare llama-cpp] [--contention]`
 
 One random prompt of max(contexts) token ids is prefilled in chunks of 512 (llama.cpp:
 n_batch 512); at each context C the prefill time so far is the prefill of a C-token prompt,
 then --decode tokens are decoded one at a time (fixed token feed, no sampling; both engines
 compute the last row's logits) and the cache is rewound to C. sparrow decodes exact, sparse
 top-k (k=--sparse-k), each with the f32 KV cache and with f16 and int8 copies of it (re-encoded
-as appending would; llama.cpp's default KV is f16). Engines alternate within each round (order flipped every round) so load drift hits
+as appending would). llama.cpp runs with its bindings' defaults (f16 KV, flash attention off,
+OpenMP's default spin-wait: no OMP_WAIT_POLICY is set); only the thread count is set, equal for
+both engines. Engines alternate within each round (order flipped every round) so load drift hits
 both; per-token times are medians within a round, results medians over rounds, ratios the
 median of per-round sparrow/llama ratios. Start-up (cold: empty numba cache; warm) and peak
-RSS are measured in fresh subprocesses. Load average is recorded with every measurement.
+RSS are measured in fresh subprocesses. The header names the CPU and its vector extensions and
+the load average at start and end (a warning when the machine is busy at the start).
+
+--shape NAME --type q8_0|q4_0 benches a random-weight GGUF with a real model's exact tensor shapes
+(sparrow.bench.shapes; written once into the cache directory). --contention adds a separately
+labelled row: decode after the first context while one busy-looping process competes for the CPUs.
 """
 
 import argparse
@@ -25,7 +33,8 @@ import time
 
 import numpy as np
 
-CHUNK = 512
+from sparrow.engine.runner import PREFILL_CHUNK as CHUNK  # llama.cpp's n_batch matches sparrow's chunk
+
 MB = 1 << 20
 # decode modes: (KV cache dtype, sparse top-k?)
 MODES = {"exact": ("f32", False), "sparse": ("f32", True), "f16": ("f16", False),
@@ -51,6 +60,66 @@ def _rss_now_mb():
         return None
 
 
+# vector extensions worth naming (x86 /proc/cpuinfo "flags", ARM "Features"; asimddp = dotprod)
+_EXTENSIONS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+               "avx512_bf16", "avx512_fp16", "avx512vbmi", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16",
+               "asimd", "asimddp", "asimdhp", "i8mm", "bf16", "sve", "sve2")
+
+
+def cpu_info() -> dict:
+    """CPU model, vector extensions, CPU count and L2 size per core, from /proc/cpuinfo and sysfs."""
+    import platform
+
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                fields.setdefault(k.strip(), v.strip())
+    except OSError:
+        pass
+    model = (fields.get("model name") or fields.get("Model") or fields.get("Hardware")
+             or platform.processor() or platform.machine())
+    if "model name" not in fields and "CPU part" in fields:  # ARM: implementer/part ids
+        model = f"{model} (implementer {fields.get('CPU implementer')}, part {fields['CPU part']})"
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    l2 = None
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index2/size") as f:
+            l2 = f.read().strip()
+    except OSError:
+        pass
+    return {"model": model, "extensions": [e for e in _EXTENSIONS if e in flags], "cpus": os.cpu_count(),
+            "l2_per_core": l2, "machine": platform.machine()}
+
+
+def busy_threshold(cpus=None) -> float:
+    """1-minute load above which the machine counts as busy: a quarter of a CPU each, at least 0.5."""
+    return max(0.5, 0.25 * (cpus or os.cpu_count() or 1))
+
+
+def _versions(compare) -> dict:
+    from sparrow import __version__
+
+    out = {"sparrow": __version__, "numpy": np.__version__}
+    try:
+        import numba
+
+        out["numba"] = numba.__version__
+    except ImportError:
+        pass
+    if compare:
+        import llama_cpp
+
+        out["llama_cpp_python"] = llama_cpp.__version__
+        try:
+            info = llama_cpp.llama_print_system_info()
+            out["llama_cpp_system_info"] = (info.decode() if isinstance(info, bytes) else str(info)).strip()
+        except Exception:  # noqa: BLE001 - informational only
+            pass
+    return out
+
+
 class SparrowRunner:
     name = "sparrow"
 
@@ -63,38 +132,41 @@ class SparrowRunner:
         self.capacity = capacity
 
     def prefill(self, tokens, start):
-        from sparrow.models.decoder import Segment
+        """Prefills tokens at positions start.. (the cache is rewound to start first)."""
+        from sparrow.engine.runner import Slot
 
+        self.cache.truncate(start)
+        # positions below start are in the cache already; the slot only needs their count
+        prompt = np.concatenate([np.zeros(start, np.int64), np.asarray(tokens, np.int64)])  # [start + T]
         t0 = time.perf_counter()
-        for a in range(0, len(tokens), CHUNK):
-            self.model.forward([Segment(np.asarray(tokens[a:a + CHUNK]), self.cache, start + a)])
+        self.llm.runner.prefill(Slot(prompt, self.cache))
         return time.perf_counter() - t0
 
     def _copy(self, n, kv_dtype):
         if kv_dtype == "f32":
             return self.cache
         c = self.model.new_cache(self.capacity, kv_dtype)
-        for src, dst in zip(self.cache.layers, c.layers):
-            dst.append(0, src.k[:, :n].transpose(1, 0, 2), src.v[:, :n].transpose(1, 0, 2))
-            dst.importance[:n] = src.importance[:n]
+        for i, src in enumerate(self.cache.layers):
+            c.append(i, 0, src.k[:, :n].transpose(1, 0, 2), src.v[:, :n].transpose(1, 0, 2))  # [n, KVH, D]
+            c.sparse[i].importance[:n] = self.cache.sparse[i].importance[:n]
         c.length = n
         return c
 
     def decode(self, feed, start, mode="exact", sparse_k=32):
         """Per-token seconds and the mean time split (ms) for len(feed) steps after start."""
+        from sparrow.engine.runner import Slot
+        from sparrow.models.timing import timed
         from sparrow.params import SparseParams
-        from sparrow.models.decoder import Segment, Timer
 
         kv_dtype, sparse = MODES[mode]
         cache = self._copy(start, kv_dtype)
-        sp = SparseParams(k=sparse_k) if sparse else None
+        slot = Slot(np.zeros(start, np.int64), cache, SparseParams(k=sparse_k) if sparse else None)
         times, parts = [], []
-        for i, tok in enumerate(feed):
-            timer = Timer()
-            t0 = time.perf_counter()
-            self.model.forward([Segment(np.array([tok]), cache, start + i, sparse=sp, decode=True)],
-                               timer=timer)
-            times.append(time.perf_counter() - t0)
+        for tok in feed:
+            with timed(self.model) as timer:
+                t0 = time.perf_counter()
+                self.llm.runner.decode([slot], [tok])
+                times.append(time.perf_counter() - t0)
             parts.append((timer.matmul, timer.attn, timer.total - timer.matmul - timer.attn))
         self.cache.truncate(start)
         # medians per component, like the per-token time (a one-off stall does not count)
@@ -108,12 +180,38 @@ class SparrowRunner:
 class LlamaRunner:
     name = "llama.cpp"
 
-    def __init__(self, path, threads, capacity, flash_attn):
+    def __init__(self, path, threads, capacity, flash_attn=False):
         from llama_cpp import Llama
 
+        # the bindings' defaults except the thread count (their default is cpu_count // 2 for
+        # decode); n_batch 512 is their default too. flash attention only when asked for.
+        kw = {"flash_attn": True} if flash_attn else {}
         self.llm = Llama(model_path=path, n_ctx=capacity, n_threads=threads,
-                         n_threads_batch=threads, n_batch=CHUNK, logits_all=False,
-                         flash_attn=flash_attn, verbose=False)
+                         n_threads_batch=threads, n_batch=CHUNK, logits_all=False, verbose=False, **kw)
+        self.settings = self.describe(self.llm)
+
+    @staticmethod
+    def describe(llm) -> dict:
+        """The context settings llama.cpp actually runs with (flash attention, KV types, batch)."""
+        import gguf
+
+        cp = llm.context_params
+
+        def ggml(t):
+            try:
+                return gguf.GGMLQuantizationType(int(t)).name.lower()
+            except ValueError:
+                return str(int(t))
+
+        fa = getattr(cp, "flash_attn_type", None)
+        if fa is None:
+            fa = str(getattr(cp, "flash_attn", "?"))
+        else:
+            fa = {-1: "auto", 0: "off", 1: "on"}.get(int(fa), str(fa))
+        return {"flash_attn": fa, "type_k": ggml(cp.type_k), "type_v": ggml(cp.type_v),
+                "n_batch": int(cp.n_batch), "n_ubatch": int(cp.n_ubatch), "n_threads": int(cp.n_threads),
+                "n_threads_batch": int(cp.n_threads_batch),
+                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "unset (OpenMP default)"}
 
     def prefill(self, tokens, start):
         self.llm.n_tokens = start  # eval drops cache entries from n_tokens on
@@ -168,15 +266,14 @@ def _startup(path, threads):
     rss0 = _rss_mb()
     t0 = time.perf_counter()
     from sparrow.api import load
-    from sparrow.models.decoder import Segment
 
     llm = load(path, threads=threads)
     t_load = time.perf_counter() - t0
     rss_load, rss_now = _rss_mb(), _rss_now_mb()
-    cache = llm.model.new_cache(64, "f32")
-    llm.model.forward([Segment(np.arange(100, 116), cache, 0)])
+    slot = llm.runner.new_slot(np.arange(100, 116), 64)
+    llm.runner.prefill(slot)
     t_prefill = time.perf_counter() - t0
-    llm.model.forward([Segment(np.array([5]), cache, 16, decode=True)])
+    llm.runner.decode([slot], [5])
     t_first = time.perf_counter() - t0
     # where the resident set goes: the model file's mapped pages, LLVM's code (numba links
     # the cached kernels with it) and everything else
@@ -247,23 +344,81 @@ def summarise(rounds, contexts, modes, compare):
     return table
 
 
+_BUSY_LOOP = "while True: pass"
+
+
+def contention(runners, context, feed, rounds, sparse_k):
+    """Decode after `context` tokens (exact, f32 KV for sparrow) while one busy-looping process runs.
+
+    The caches hold at least `context` prefilled tokens (after the main rounds); engines alternate
+    as in the main rounds. Returns per-round medians (ms/token) and the paired ratio.
+    """
+    busy = subprocess.Popen([sys.executable, "-c", _BUSY_LOOP])
+    out = {"context": context, "busy_processes": 1, "load_start": _load_avg(), "rounds": []}
+    try:
+        time.sleep(1.0)  # let the busy process get going
+        for i in range(rounds):
+            res = {}
+            for r in (runners if i % 2 == 0 else runners[::-1]):
+                if r.name == "sparrow":
+                    r.cache.truncate(context)
+                times, _, _ = r.decode(feed, context, "exact", sparse_k)
+                res["sparrow" if r.name == "sparrow" else "llama"] = statistics.median(times) * 1e3
+            out["rounds"].append(res)
+    finally:
+        busy.kill()
+        busy.wait()
+    out["load_end"] = _load_avg()
+    out["sparrow_tok_s"] = _median([1e3 / r["sparrow"] for r in out["rounds"]])
+    if all("llama" in r for r in out["rounds"]):
+        out["llama_tok_s"] = _median([1e3 / r["llama"] for r in out["rounds"]])
+        out["ratio"] = _median([r["llama"] / r["sparrow"] for r in out["rounds"]])
+    return out
+
+
+def header(rec) -> list[str]:
+    """Markdown lines above the table: model, CPU, versions, settings, load averages, warning."""
+    cfg, cpu, ver = rec["config"], rec.get("cpu") or {}, rec.get("versions") or {}
+    model = os.path.basename(cfg["model"])
+    if cfg.get("shape"):
+        model += f" (random weights, {cfg['shape']} shapes, {cfg['type']})"
+    ext = ", ".join(cpu.get("extensions") or []) or "none detected"
+    l2 = f", L2 {cpu['l2_per_core']} per core" if cpu.get("l2_per_core") else ""
+    lines = [f"Model `{model}`, {cfg['threads']} threads each, {cfg['rounds']} rounds, "
+             f"{cfg['decode']} decode tokens per point.",
+             "",
+             f"CPU: {cpu.get('model', '?')} ({cpu.get('cpus', os.cpu_count())} CPUs{l2}); "
+             f"vector extensions: {ext}.",
+             "",
+             f"Load average (1 min): {rec['load_start']} at start, {rec.get('load_end', '-')} at end."]
+    if rec.get("busy_warning"):
+        lines += ["", f"**Warning: {rec['busy_warning']}**"]
+    engines = f"sparrow {ver.get('sparrow', '?')} (numba {ver.get('numba', '?')})"
+    ls = rec.get("llama_settings")
+    if cfg["compare"] and ls:
+        engines += (f"; llama.cpp via llama-cpp-python {ver.get('llama_cpp_python', '?')} at its defaults: "
+                    f"flash attention {ls['flash_attn']}, {ls['type_k']}/{ls['type_v']} KV, n_batch "
+                    f"{ls['n_batch']}, OMP_WAIT_POLICY {ls['omp_wait_policy']}")
+        if ver.get("llama_cpp_system_info"):
+            engines += f" (build: `{ver['llama_cpp_system_info']}`)"
+    lines += ["", f"Engines: {engines}.", ""]
+    return lines
+
+
 def markdown(rec):
     t, cmp = rec["table"], rec["config"]["compare"]
     f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
-    lines = [f"Model `{os.path.basename(rec['config']['model'])}`, {rec['config']['threads']} threads, "
-             f"{rec['config']['rounds']} rounds, {rec['config']['decode']} decode tokens per point; "
-             f"load average {rec['load_start']} at start, {rec['load_end']} at end "
-             f"({os.cpu_count()} CPUs). llama.cpp: flash_attn={rec['config']['flash_attn']}, f16 KV, "
-             f"OMP_WAIT_POLICY={rec['config']['omp_wait_policy']}.", "",
-             "| context | metric | sparrow | llama.cpp | sparrow / llama.cpp |", "|---|---|---|---|---|"]
+    lines = header(rec) + ["| context | metric | sparrow | llama.cpp (exact) | sparrow / llama.cpp |",
+                           "|---|---|---|---|---|"]
     for c, row in t.items():
         lines.append(f"| {c} | prefill tok/s | {f(row['prefill_tok_s'])} | {f(row.get('llama_prefill_tok_s'))} "
                      f"| {f(row.get('ratio_prefill'), 2)} |")
         for m in MODES:
             label = "decode tok/s, " + LABELS[m].format(k=rec["config"]["sparse_k"])
             if f"decode_{m}_tok_s" in row:
+                llama = f(row.get("llama_decode_tok_s")) if cmp else "-"
                 lines.append(f"| {c} | {label} | {f(row[f'decode_{m}_tok_s'])} | "
-                             f"{f(row.get('llama_decode_tok_s')) if cmp else '-'} | {f(row.get(f'ratio_decode_{m}'), 2)} |")
+                             f"{llama} | {f(row.get(f'ratio_decode_{m}'), 2)} |")
         sp = row["split_exact"]
         lines.append(f"| {c} | exact decode ms/token: matmul / attention / other | {f(sp['matmul_ms'])} / "
                      f"{f(sp['attention_ms'])} / {f(sp['other_ms'])} | | |")
@@ -291,6 +446,11 @@ def markdown(rec):
             lines.append(f"| memory | RSS MiB after the first forward: total / model file pages / LLVM code | "
                          f"{w['rss_after_forward_mb']:.0f} / {f(w.get('rss_model_file_mb'), 0)} / "
                          f"{f(w.get('rss_llvm_mb'), 0)} | | |")
+    ct = rec.get("contention")
+    if ct:
+        lines.append(f"| {ct['context']} | CONTENTION (one busy-looping process running; load "
+                     f"{ct['load_start']} -> {ct['load_end']}): decode tok/s, exact, f32 KV | "
+                     f"{f(ct.get('sparrow_tok_s'))} | {f(ct.get('llama_tok_s'))} | {f(ct.get('ratio'), 2)} |")
     return "\n".join(lines)
 
 
@@ -303,18 +463,27 @@ def _moe_rows(threads):
 
 
 def main(argv=None):
+    from sparrow.bench import shapes
+
     ap = argparse.ArgumentParser(prog="sparrow bench speed", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="GGUF or HF folder (default: SmolLM2-135M-Instruct Q4_1)")
+    ap.add_argument("--shape", choices=list(shapes.SHAPES),
+                    help="bench a random-weight GGUF with this model's exact tensor shapes (written once "
+                    "into the cache directory, sparrow.bench.shapes)")
+    ap.add_argument("--type", default="q8_0", choices=shapes.TYPES, help="weight type of the --shape file")
     ap.add_argument("--contexts", default="512,2048,7000")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compare", choices=["llama-cpp"], help="also measure llama.cpp (llama-cpp-python)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--decode", type=int, default=16, help="decoded tokens per context and mode")
     ap.add_argument("--sparse-k", type=int, default=32)
-    ap.add_argument("--flash-attn", action="store_true", help="llama.cpp flash attention")
+    ap.add_argument("--flash-attn", action="store_true",
+                    help="turn llama.cpp's flash attention on (the bindings' default is off)")
+    ap.add_argument("--contention", action="store_true",
+                    help="add a labelled row: decode after the first context with one busy-looping process running")
     ap.add_argument("--no-startup", action="store_true", help="skip cold/warm start and RSS")
     ap.add_argument("--moe", action="store_true", help="add the MoE layer row (sparrow.bench.speed_moe)")
-    ap.add_argument("--json", help="write the JSON record here")
+    ap.add_argument("--json", help="write the JSON record here (default runs/speed-<timestamp>/speed.json)")
     ap.add_argument("--md", help="write the markdown table here")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -323,34 +492,53 @@ def main(argv=None):
     if a._child == "llama_rss":
         return _llama_rss(a.model, a.threads)
 
+    from sparrow.errors import SparrowError
+    from sparrow.eval import report
     from sparrow.loaders import default_model_path
 
-    path = a.model or default_model_path()
+    load_start = _load_avg()  # before anything of ours runs
+    cpu = cpu_info()
+    limit = busy_threshold(cpu["cpus"])
+    busy_warning = None
+    if load_start > limit:
+        busy_warning = (f"the machine was busy at the start (1-minute load {load_start} > {limit} for "
+                        f"{cpu['cpus']} CPUs): figures are unreliable, compare only within this run")
+        print(f"warning: {busy_warning}", file=sys.stderr)
+    if a.shape and a.model:
+        raise SparrowError("give --model or --shape, not both")
     contexts = sorted(int(c) for c in a.contexts.split(","))
+    if a.shape:
+        path = shapes.ensure(a.shape, a.type)
+    else:
+        path = a.model or default_model_path()
+    out = report.record_path("speed", a.json)
     compare = a.compare == "llama-cpp"
     if compare:
-        # libgomp reads this when llama.cpp loads: spinning OpenMP threads collapse on a
-        # shared machine (0.3 tok/s measured), so passive unless the caller chose otherwise
-        os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+        # llama.cpp as its users run it: OpenMP's default (spin-)wait, no OMP_WAIT_POLICY set here
         try:
             import llama_cpp  # noqa: F401
         except ImportError:
             print("llama-cpp-python is not importable: measuring sparrow only", file=sys.stderr)
             compare = False
-    rec = {"load_start": _load_avg(), "gguf_mb": os.path.getsize(path) / MB if os.path.isfile(path) else None,
-           "config": {"model": path, "threads": a.threads, "contexts": contexts, "rounds": a.rounds,
+    rec = {"load_start": load_start, "busy_warning": busy_warning, "busy_threshold": limit, "cpu": cpu,
+           "versions": _versions(compare),
+           "gguf_mb": os.path.getsize(path) / MB if os.path.isfile(path) else None,
+           "config": {"model": path, "shape": a.shape, "type": a.type if a.shape else None,
+                      "threads": a.threads, "contexts": contexts, "rounds": a.rounds,
                       "decode": a.decode, "sparse_k": a.sparse_k, "compare": compare,
-                      "flash_attn": a.flash_attn, "chunk": CHUNK,
+                      "flash_attn": a.flash_attn, "chunk": CHUNK, "contention": a.contention,
                       "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}}
     rec["startup"] = None if a.no_startup else _startup_runs(path, a.threads, compare)
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(100, 40000, contexts[-1]).tolist()
-    feed = rng.integers(100, 40000, a.decode).tolist()
     capacity = contexts[-1] + a.decode + 16
     modes = tuple(MODES)
     runners = [SparrowRunner(path, a.threads, capacity)]
+    rng = np.random.default_rng(0)
+    top = min(40000, runners[0].model.config.vocab_size)  # token ids valid in small test vocabularies too
+    prompt = rng.integers(min(100, top // 2), top, contexts[-1]).tolist()
+    feed = rng.integers(min(100, top // 2), top, a.decode).tolist()
     if compare:
         runners.append(LlamaRunner(path, a.threads, capacity, a.flash_attn))
+        rec["llama_settings"] = runners[-1].settings
     for r in runners:  # warm-up: JIT load / compile, page in the weights
         r.prefill(prompt[:64], 0)
         for m in (modes if r.name == "sparrow" else ("exact",)):
@@ -365,18 +553,31 @@ def main(argv=None):
         rounds.append(res)
     rec["rounds"] = rounds
     rec["table"] = summarise(rounds, contexts, modes, compare)
-    if a.moe:
-        rec["moe"] = _moe_rows(a.threads)
     rec["load_end"] = _load_avg()
+    report.write_json(out, rec)  # the record first: nothing optional below can lose it
+    if a.moe:
+        try:
+            rec["moe"] = _moe_rows(a.threads)
+        except Exception as e:  # noqa: BLE001 - the optional row costs only itself
+            print(f"MoE row skipped ({type(e).__name__}: {e})", file=sys.stderr)
+            rec["moe"] = None
+        rec["load_end"] = _load_avg()
+        report.write_json(out, rec)
+    if a.contention:
+        try:
+            rec["contention"] = contention(runners, contexts[0], feed, a.rounds, a.sparse_k)
+            print(f"contention row done (load {_load_avg()})", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - the optional row costs only itself
+            print(f"contention row skipped ({type(e).__name__}: {e})", file=sys.stderr)
+            rec["contention"] = None
+        report.write_json(out, rec)  # load_end stays that of the main rounds; the row has its own
     md = markdown(rec)
     print(md)
     if rec.get("moe"):
         print("\nMoE layer (sparrow.bench.speed_moe):")
         for row in rec["moe"]:
             print("  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(rec, fh, indent=1, default=str)
+    print(f"wrote {out}", file=sys.stderr)
     if a.md:
         with open(a.md, "w") as fh:
             fh.write(md + "\n")

@@ -50,16 +50,20 @@ def build_layers(qtype="q4_0", n_experts=N_EXPERTS, seed=0):
 
     def expert(e):
         f, h = slice(e * MOE_FFN, (e + 1) * MOE_FFN), slice(e * HIDDEN, (e + 1) * HIDDEN)
-        return Expert(Weight(qtype, stacked["gate"][f], (MOE_FFN, HIDDEN)),
-                      Weight(qtype, stacked["up"][f], (MOE_FFN, HIDDEN)),
-                      Weight(qtype, stacked["down"][h], (HIDDEN, MOE_FFN)))
+        return Expert(
+            Weight(qtype, stacked["gate"][f], (MOE_FFN, HIDDEN)),
+            Weight(qtype, stacked["up"][f], (MOE_FFN, HIDDEN)),
+            Weight(qtype, stacked["down"][h], (HIDDEN, MOE_FFN)),
+        )
 
     router = Weight.from_array(rng.standard_normal((n_experts, HIDDEN), dtype=np.float32) * np.float32(0.05))
     moe = MoEBlock(router, [expert(e) for e in range(n_experts)], TOP_K, True)
     ffn = TOP_K * MOE_FFN
-    dense = MLP(Weight(qtype, random_blocks(rng, ffn, HIDDEN, qtype, s_in), (ffn, HIDDEN)),
-                Weight(qtype, random_blocks(rng, ffn, HIDDEN, qtype, s_in), (ffn, HIDDEN)),
-                Weight(qtype, random_blocks(rng, HIDDEN, ffn, qtype, s_out), (HIDDEN, ffn)))
+    dense = MLP(
+        Weight(qtype, random_blocks(rng, ffn, HIDDEN, qtype, s_in), (ffn, HIDDEN)),
+        Weight(qtype, random_blocks(rng, ffn, HIDDEN, qtype, s_in), (ffn, HIDDEN)),
+        Weight(qtype, random_blocks(rng, HIDDEN, ffn, qtype, s_out), (HIDDEN, ffn)),
+    )
     return moe, dense
 
 
@@ -90,9 +94,19 @@ def run(threads=None, qtype="q4_0", batches=(1, 4), prefill=128, repeats=9, n_ex
                 td.append(1e3 * (t2 - t1))
                 ratio.append((t1 - t0) / (t2 - t1))
             m, d = statistics.median(tm), statistics.median(td)
-            rows.append({"mode": mode, "tokens": t_n, "qtype": qtype, "threads": numba.get_num_threads(),
-                         "moe_ms": m, "dense_ms": d, "moe_ms_per_token": m / t_n,
-                         "dense_ms_per_token": d / t_n, "ratio": statistics.median(ratio)})
+            rows.append(
+                {
+                    "mode": mode,
+                    "tokens": t_n,
+                    "qtype": qtype,
+                    "threads": numba.get_num_threads(),
+                    "moe_ms": m,
+                    "dense_ms": d,
+                    "moe_ms_per_token": m / t_n,
+                    "dense_ms_per_token": d / t_n,
+                    "ratio": statistics.median(ratio),
+                }
+            )
         return rows
     finally:
         numba.set_num_threads(saved)
@@ -106,14 +120,25 @@ def main(argv=None):
     ap.add_argument("--prefill", type=int, default=128, help="prefill chunk length (0: skip)")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--experts", type=int, default=N_EXPERTS, help="fewer experts: less memory")
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows to this file")
     a = ap.parse_args(argv)
     rows = run(a.threads, a.qtype, tuple(a.batches), a.prefill, a.repeats, a.experts)
-    print(f"one MoE layer (hidden {HIDDEN}, {a.experts} experts, top-{TOP_K}, FFN {MOE_FFN}) vs dense "
-          f"SwiGLU (FFN {TOP_K * MOE_FFN}), {a.qtype}, {rows[0]['threads']} threads")
-    print(f"{'mode':<8} {'tokens':>6} {'moe ms':>9} {'dense ms':>9} {'moe ms/tok':>11} {'dense ms/tok':>12} {'ratio':>6}")
+    if a.json:  # before the table
+        from sparrow.eval import report
+
+        report.write_json(report.record_path("speed_moe", a.json), {"bench": "speed_moe", "rows": rows})
+    print(
+        f"one MoE layer (hidden {HIDDEN}, {a.experts} experts, top-{TOP_K}, FFN {MOE_FFN}) vs dense "
+        f"SwiGLU (FFN {TOP_K * MOE_FFN}), {a.qtype}, {rows[0]['threads']} threads"
+    )
+    print(
+        f"{'mode':<8} {'tokens':>6} {'moe ms':>9} {'dense ms':>9} {'moe ms/tok':>11} {'dense ms/tok':>12} {'ratio':>6}"
+    )
     for r in rows:
-        print(f"{r['mode']:<8} {r['tokens']:>6} {r['moe_ms']:>9.3f} {r['dense_ms']:>9.3f} "
-              f"{r['moe_ms_per_token']:>11.3f} {r['dense_ms_per_token']:>12.3f} {r['ratio']:>6.2f}")
+        print(
+            f"{r['mode']:<8} {r['tokens']:>6} {r['moe_ms']:>9.3f} {r['dense_ms']:>9.3f} "
+            f"{r['moe_ms_per_token']:>11.3f} {r['dense_ms_per_token']:>12.3f} {r['ratio']:>6.2f}"
+        )
     return rows
 
 

@@ -7,6 +7,7 @@ requests or on thread timing. Greedy (temperature 0) never touches the RNG.
 from __future__ import annotations
 
 import math
+
 import numpy as np
 
 from ..params import SamplingParams

@@ -11,10 +11,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import ContextLengthError
-from ..kv_cache import KVCache
-from ..params import SparseParams
-from ..models.decoder import Segment
-from .sampling import Sampler, SamplingParams, log_softmax
+from ..params import SamplingParams, SparseParams
+from .runner import Runner, Slot
+from .sampling import Sampler, log_softmax
 
 
 @dataclass
@@ -31,18 +30,46 @@ class StepOutput:
 
 @dataclass
 class Sequence:
-    prompt: list[int]
+    """A generation request: a model-facing `Slot` plus sampling, detokenisation and stops."""
+
+    slot: Slot
     params: SamplingParams
-    cache: KVCache
     sampler: Sampler
     detok: object  # tokenizer.IncrementalDecoder
     eos_ids: set[int]
-    sparse: SparseParams | None = None
-    trace: list | None = None  # sparse selection records, when tracing
     output: list[int] = field(default_factory=list)
-    prefilled: int = 0
     finish_reason: str | None = None
     _pending: str = ""  # decoded text held back because it may start a stop string
+
+    @classmethod
+    def create(
+        cls,
+        runner: Runner,
+        tokenizer,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        ctx: int,
+        kv_dtype: str = "f32",
+        sparse: SparseParams | None = None,
+        trace: bool = False,
+    ) -> Sequence:
+        """Checks the request against the context and allocates exactly the KV it can use.
+        `params` were validated where they were built (CLI, HTTP request, API keywords)."""
+        check_context(len(prompt_ids), params.max_tokens, ctx)
+        slot = runner.new_slot(prompt_ids, len(prompt_ids) + params.max_tokens, kv_dtype, sparse, trace)
+        sampler = Sampler(params, runner.model.config.vocab_size)
+        sampler.observe_prompt(prompt_ids)
+        return cls(
+            slot, params, sampler, tokenizer.incremental_decoder(skip_special_tokens=True), set(tokenizer.eos_token_ids)
+        )
+
+    @property
+    def prompt(self) -> np.ndarray:
+        return self.slot.prompt  # [P] int64
+
+    @property
+    def trace(self) -> list | None:
+        return self.slot.trace
 
     @property
     def done(self) -> bool:
@@ -50,18 +77,12 @@ class Sequence:
 
     @property
     def prefill_done(self) -> bool:
-        return self.prefilled >= len(self.prompt)
+        return self.slot.prefill_done
 
-    def prefill_segment(self, chunk: int) -> Segment:
-        ids = self.prompt[self.prefilled : self.prefilled + chunk]
-        seg = Segment(np.asarray(ids, np.int64), self.cache, self.prefilled, self.sparse)
-        self.prefilled += len(ids)
-        return seg
-
-    def decode_segment(self) -> Segment:
-        pos = len(self.prompt) + len(self.output) - 1  # the last sampled token is not cached yet
-        tok = np.asarray([self.output[-1]], np.int64)
-        return Segment(tok, self.cache, pos, self.sparse, decode=True, trace=self.trace)
+    @property
+    def last_token(self) -> int:
+        """The token the next decode step feeds: the last one sampled."""
+        return self.output[-1]
 
     def accept(self, logits: np.ndarray) -> StepOutput:
         """Samples from the logits of the last position [V] and updates the stop state."""
@@ -115,5 +136,6 @@ def check_context(n_prompt: int, max_tokens: int, ctx: int) -> None:
         raise ContextLengthError("the prompt is empty")
     if n_prompt + max_tokens > ctx:
         raise ContextLengthError(
-            f"prompt has {n_prompt} tokens and max_tokens is {max_tokens}: {n_prompt + max_tokens} exceeds the context length {ctx}"
+            f"prompt has {n_prompt} tokens and max_tokens is {max_tokens}: {n_prompt + max_tokens} exceeds "
+            f"the context length {ctx}"
         )

@@ -15,15 +15,15 @@ from __future__ import annotations
 import copy
 import math
 import statistics
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..engine.runner import Slot
 from ..kernels import set_threads
+from ..models.timing import timed
 from ..params import SparseParams
-from ..models.decoder import Segment, Timer
-
-PREFILL_CHUNK = 512
 
 
 # ---------------------------------------------------------------- metrics on logits
@@ -56,24 +56,31 @@ def first_divergence(a_tokens, b_tokens) -> int | None:
 # ---------------------------------------------------------------- running the model
 @dataclass
 class Prefilled:
-    cache: object  # KVCache holding the prompt, exact prefill (importance recorded)
-    n_prompt: int
+    slot: Slot  # the prompt in its KV cache, exact prefill (importance recorded)
     logits: np.ndarray  # [V] last prompt position
     prefill_ms: float
 
+    @property
+    def n_prompt(self) -> int:
+        return len(self.slot.prompt)
 
-def prefill(llm, ids, extra: int, chunk: int = PREFILL_CHUNK) -> Prefilled:
-    """Exact chunked prefill into a cache with room for `extra` generated tokens."""
-    import time
+    @property
+    def cache(self):
+        return self.slot.cache
 
+    def fork(self, sparse: SparseParams | None, trace: bool = False) -> Slot:
+        """A slot on a copy of the prompt's cache, so every configuration starts from one state."""
+        return Slot(self.slot.prompt, copy.deepcopy(self.slot.cache), sparse, [] if trace else None)
+
+
+def prefill(llm, ids, extra: int) -> Prefilled:
+    """Exact prefill (the runner's chunking) into a cache with room for `extra` generated tokens."""
     set_threads(llm.threads)
     ids = np.asarray(ids, np.int64)
-    cache = llm.model.new_cache(len(ids) + extra + 1, llm.kv_dtype)
+    slot = llm.runner.new_slot(ids, len(ids) + extra + 1, llm.kv_dtype)
     t0 = time.perf_counter()
-    logits = None
-    for s in range(0, len(ids), chunk):
-        logits = llm.model.forward([Segment(ids[s:s + chunk], cache, s, None)])
-    return Prefilled(cache, len(ids), logits[0], 1e3 * (time.perf_counter() - t0))
+    logits = llm.runner.prefill(slot)  # [V]
+    return Prefilled(slot, logits, 1e3 * (time.perf_counter() - t0))
 
 
 @dataclass
@@ -84,25 +91,28 @@ class Decoded:
     total_ms: list[float] = field(default_factory=list)
     traces: list[list] = field(default_factory=list)  # step i: [(layer, [(head, ids, stages, mass)])]
 
-
-def _eos(llm) -> set[int]:
-    return set(llm.tokenizer.eos_token_ids)
+    def step(self, llm, slot: Slot, tok: int) -> np.ndarray:
+        """Feeds tok to slot, timing it; returns the logits [V]."""
+        with timed(llm.model) as timer:
+            row = llm.runner.decode([slot], [tok])[0]  # [V]
+        self.attn_ms.append(1e3 * timer.attn)
+        self.total_ms.append(1e3 * timer.total)
+        if slot.trace is not None:
+            self.traces.append(list(slot.trace))  # [(layer, [(head, blocks, stages, mass)])]
+            slot.trace.clear()
+        return row
 
 
 def greedy(llm, pre: Prefilled, n_tokens: int, sparse: SparseParams | None, keep_logits: bool = False) -> Decoded:
     """Free-running greedy decoding from a copy of the prefilled cache, stopping at EOS."""
-    cache = copy.deepcopy(pre.cache)
+    slot = pre.fork(sparse)
     tok = int(np.argmax(pre.logits))
     out = Decoded([tok])
-    eos = _eos(llm)
-    for i in range(n_tokens - 1):
+    eos = set(llm.tokenizer.eos_token_ids)
+    for _ in range(n_tokens - 1):
         if tok in eos:
             break
-        timer = Timer()
-        seg = Segment(np.asarray([tok], np.int64), cache, pre.n_prompt + i, sparse, decode=True)
-        row = llm.model.forward([seg], timer=timer)[0]  # [V]
-        out.attn_ms.append(1e3 * timer.attn)
-        out.total_ms.append(1e3 * timer.total)
+        row = out.step(llm, slot, tok)
         if keep_logits:
             out.logits.append(row)
         tok = int(np.argmax(row))
@@ -112,18 +122,10 @@ def greedy(llm, pre: Prefilled, n_tokens: int, sparse: SparseParams | None, keep
 
 def teacher_forced(llm, pre: Prefilled, tokens: list[int], sparse: SparseParams | None, trace: bool = True) -> Decoded:
     """Feeds tokens[0..n-2] after the prompt; step i's logits predict tokens[i+1]."""
-    cache = copy.deepcopy(pre.cache)
+    slot = pre.fork(sparse, trace=trace and sparse is not None)
     out = Decoded(list(tokens))
-    for i, tok in enumerate(tokens[:-1]):
-        tr = [] if trace and sparse is not None else None
-        timer = Timer()
-        seg = Segment(np.asarray([tok], np.int64), cache, pre.n_prompt + i, sparse, decode=True, trace=tr)
-        row = llm.model.forward([seg], timer=timer)[0]  # [V]
-        out.logits.append(row)
-        out.attn_ms.append(1e3 * timer.attn)
-        out.total_ms.append(1e3 * timer.total)
-        if tr is not None:
-            out.traces.append(tr)  # [(layer, [(head, blocks, stages, mass)])]
+    for tok in tokens[:-1]:
+        out.logits.append(out.step(llm, slot, tok))
     return out
 
 
@@ -159,8 +161,12 @@ def mass_summary(traces) -> dict:
     if not allm:
         return {}
     q = lambda v, p: float(np.percentile(np.asarray(v), p))  # noqa: E731
-    return {"per_layer": {int(li): {"median": q(v, 50), "p5": q(v, 5)} for li, v in sorted(per.items())},
-            "median": q(allm, 50), "p5": q(allm, 5), "min_layer_median": min(q(v, 50) for v in per.values())}
+    return {
+        "per_layer": {int(li): {"median": q(v, 50), "p5": q(v, 5)} for li, v in sorted(per.items())},
+        "median": q(allm, 50),
+        "p5": q(allm, 5),
+        "min_layer_median": min(q(v, 50) for v in per.values()),
+    }
 
 
 def compare(exact: Decoded, forced: Decoded) -> dict:
@@ -172,8 +178,13 @@ def compare(exact: Decoded, forced: Decoded) -> dict:
     kl = kl_per_token(E, S)
     # Step i predicts generated token i+1; token 0 always matches (shared exact prefill).
     d = first_divergence(np.argmax(E, axis=-1), np.argmax(S, axis=-1))
-    return {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "top1": top1_agreement(E, S),
-            "first_diff": None if d is None else d + 1, "steps": n}
+    return {
+        "kl_mean": float(kl.mean()),
+        "kl_max": float(kl.max()),
+        "top1": top1_agreement(E, S),
+        "first_diff": None if d is None else d + 1,
+        "steps": n,
+    }
 
 
 def ms_summary(values) -> float:
@@ -187,11 +198,18 @@ def nan_to_none(x):
 
 # ---------------------------------------------------------------- one prompt, many configurations
 def config_label(sp: SparseParams | None) -> str:
-    return "exact" if sp is None else f"sparse k={sp.k}" + (f" b={sp.block}" if sp.block != 32 else "") + (
-        f" p={sp.probe}" if sp.probe != 8 else "")
+    return (
+        "exact"
+        if sp is None
+        else f"sparse k={sp.k}"
+        + (f" b={sp.block}" if sp.block != 32 else "")
+        + (f" p={sp.probe}" if sp.probe != 8 else "")
+    )
 
 
-def run_prompt(llm, ids, configs, n_tokens: int = 16, fidelity: bool = True, pre: Prefilled | None = None) -> list[dict]:
+def run_prompt(
+    llm, ids, configs, n_tokens: int = 16, fidelity: bool = True, pre: Prefilled | None = None
+) -> list[dict]:
     """One row per configuration (None = exact): greedy text and ms/token, and with fidelity the
     teacher-forced KL/top-1/first divergence/mass against the exact greedy continuation."""
     pre = pre or prefill(llm, ids, n_tokens)
@@ -199,12 +217,20 @@ def run_prompt(llm, ids, configs, n_tokens: int = 16, fidelity: bool = True, pre
     rows = []
     for sp in configs:
         run = exact if sp is None else greedy(llm, pre, n_tokens, sp)
-        row = {"config": config_label(sp), "sparse": sp is not None,
-               "k": sp.k if sp else None, "block": sp.block if sp else None, "probe": sp.probe if sp else None,
-               "tokens": run.tokens, "text": llm.tokenizer.decode(run.tokens, skip_special_tokens=True),
-               "attn_ms": nan_to_none(ms_summary(run.attn_ms)), "total_ms": nan_to_none(ms_summary(run.total_ms)),
-               "prefill_ms": pre.prefill_ms, "n_prompt": pre.n_prompt,
-               "first_diff_free": first_divergence(exact.tokens, run.tokens) if sp else None}
+        row = {
+            "config": config_label(sp),
+            "sparse": sp is not None,
+            "k": sp.k if sp else None,
+            "block": sp.block if sp else None,
+            "probe": sp.probe if sp else None,
+            "tokens": run.tokens,
+            "text": llm.tokenizer.decode(run.tokens, skip_special_tokens=True),
+            "attn_ms": nan_to_none(ms_summary(run.attn_ms)),
+            "total_ms": nan_to_none(ms_summary(run.total_ms)),
+            "prefill_ms": pre.prefill_ms,
+            "n_prompt": pre.n_prompt,
+            "first_diff_free": first_divergence(exact.tokens, run.tokens) if sp else None,
+        }
         if sp is None:
             row.update({"kl_mean": 0.0, "kl_max": 0.0, "top1": 1.0, "first_diff": None, "steps": len(exact.logits)})
         elif fidelity:

@@ -17,16 +17,51 @@ from dataclasses import dataclass, field
 
 from ..errors import SparrowError
 
-TOWNS = ["Oakton", "Millbrook", "Ashford", "Riverton", "Cedar Falls", "Lakeview", "Brookside",
-         "Pinecrest", "Stonebridge", "Fairhaven", "Maplewood", "Elmhurst", "Westfield", "Greenvale",
-         "Harborview", "Kingsport", "Redwood", "Silverton", "Willowdale", "Northgate", "Sunnyvale",
-         "Clearwater", "Hillcrest", "Foxborough", "Bayside", "Glenwood", "Ironwood", "Larkspur"]
+TOWNS = [
+    "Oakton",
+    "Millbrook",
+    "Ashford",
+    "Riverton",
+    "Cedar Falls",
+    "Lakeview",
+    "Brookside",
+    "Pinecrest",
+    "Stonebridge",
+    "Fairhaven",
+    "Maplewood",
+    "Elmhurst",
+    "Westfield",
+    "Greenvale",
+    "Harborview",
+    "Kingsport",
+    "Redwood",
+    "Silverton",
+    "Willowdale",
+    "Northgate",
+    "Sunnyvale",
+    "Clearwater",
+    "Hillcrest",
+    "Foxborough",
+    "Bayside",
+    "Glenwood",
+    "Ironwood",
+    "Larkspur",
+]
 STREETS = ["Main", "Elm", "Oak", "Maple", "Pine", "Cedar", "Birch", "Walnut", "Chestnut", "Spruce", "Hazel", "Mill"]
 COLORS = ["red", "blue", "green", "yellow", "white", "gray", "orange", "purple", "brown", "black"]
 WEEKDAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 MONTHS = ["January", "March", "April", "June", "July", "September", "October", "November"]
 WEATHER = ["rainy", "sunny", "windy", "foggy", "cold", "warm", "humid", "snowy"]
-GOODS = ["flowers", "pottery", "wool", "candles", "books", "lamps", "rugs", "old maps"]  # no foods: they distract the answer
+GOODS = [
+    "flowers",
+    "pottery",
+    "wool",
+    "candles",
+    "books",
+    "lamps",
+    "rugs",
+    "old maps",
+]  # no foods: they distract the answer
 RIVERS = ["Silver", "Blue", "Stone", "Willow", "Clear", "Swift", "Quiet", "Long"]
 
 FILLER_TEMPLATES = [
@@ -47,15 +82,65 @@ FILLER_TEMPLATES = [
 ]
 
 # Index 0 of each list is the article's needle: seed 0 reproduces "Zara's favorite food is ramen."
-NAMES = ["Zara", "Milo", "Priya", "Tomas", "Leila", "Oskar", "Nadia", "Hugo", "Ines", "Felix",
-         "Amara", "Jonas", "Keiko", "Rafael", "Sofia", "Viktor"]
-FOODS = ["ramen", "lasagna", "paella", "dumplings", "tacos", "risotto", "falafel", "pancakes",
-         "curry", "sushi", "goulash", "burritos", "pierogi", "gnocchi", "moussaka", "kimchi"]
-KEY_WORDS = ["amber", "falcon", "harbor", "lantern", "meadow", "quartz", "ripple", "saffron",
-             "thistle", "velvet", "walrus", "zephyr", "cobalt", "juniper", "marble", "nectar"]
+NAMES = [
+    "Zara",
+    "Milo",
+    "Priya",
+    "Tomas",
+    "Leila",
+    "Oskar",
+    "Nadia",
+    "Hugo",
+    "Ines",
+    "Felix",
+    "Amara",
+    "Jonas",
+    "Keiko",
+    "Rafael",
+    "Sofia",
+    "Viktor",
+]
+FOODS = [
+    "ramen",
+    "lasagna",
+    "paella",
+    "dumplings",
+    "tacos",
+    "risotto",
+    "falafel",
+    "pancakes",
+    "curry",
+    "sushi",
+    "goulash",
+    "burritos",
+    "pierogi",
+    "gnocchi",
+    "moussaka",
+    "kimchi",
+]
+KEY_WORDS = [
+    "amber",
+    "falcon",
+    "harbor",
+    "lantern",
+    "meadow",
+    "quartz",
+    "ripple",
+    "saffron",
+    "thistle",
+    "velvet",
+    "walrus",
+    "zephyr",
+    "cobalt",
+    "juniper",
+    "marble",
+    "nectar",
+]
 
-PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. "
-                 "Find it and memorize it. I will quiz you about the important information there.")
+PASSKEY_INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about the important information there."
+)
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
 TASKS = ("needle", "passkey", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt")
@@ -103,12 +188,25 @@ def filler_sentences(rng: random.Random, n: int) -> list[str]:
     for _ in range(n):
         t = rng.choice(FILLER_TEMPLATES)
         town, town2 = rng.sample(TOWNS, 2)
-        out.append(t.format(
-            town=town, town2=town2, street=rng.choice(STREETS), color=rng.choice(COLORS),
-            weekday=rng.choice(WEEKDAYS), month=rng.choice(MONTHS), weather=rng.choice(WEATHER),
-            goods=rng.choice(GOODS), river=rng.choice(RIVERS), hour=rng.randint(6, 11),
-            pm=rng.randint(4, 10), n=rng.randint(2, 60), mins=rng.choice([5, 10, 15, 20, 30, 45]),
-            year=rng.randint(1850, 1990), small=rng.randint(2, 9)))
+        out.append(
+            t.format(
+                town=town,
+                town2=town2,
+                street=rng.choice(STREETS),
+                color=rng.choice(COLORS),
+                weekday=rng.choice(WEEKDAYS),
+                month=rng.choice(MONTHS),
+                weather=rng.choice(WEATHER),
+                goods=rng.choice(GOODS),
+                river=rng.choice(RIVERS),
+                hour=rng.randint(6, 11),
+                pm=rng.randint(4, 10),
+                n=rng.randint(2, 60),
+                mins=rng.choice([5, 10, 15, 20, 30, 45]),
+                year=rng.randint(1850, 1990),
+                small=rng.randint(2, 9),
+            )
+        )
     return out
 
 
@@ -184,8 +282,9 @@ def _keys(rng, n):
     return [f"{a}-{b}" for a, b in (rng.sample(KEY_WORDS, 2) for _ in range(n))]
 
 
-def make_prompt(tokenizer, task: str, length: int, depth: float | None = 0.5, seed: int = 0,
-                answer_prefix: bool = True) -> Prompt:
+def make_prompt(
+    tokenizer, task: str, length: int, depth: float | None = 0.5, seed: int = 0, answer_prefix: bool = True
+) -> Prompt:
     """One test case of `task` with a chat prompt of ~`length` tokens (within 1%).
 
     depth places the single fact of needle/passkey/niah_single; multi-fact tasks draw depths
@@ -224,24 +323,42 @@ def make_prompt(tokenizer, task: str, length: int, depth: float | None = 0.5, se
         keys = _keys(rng, 4)
         answers = [_magic_number(rng) for _ in keys]
         facts = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, answers)]
-        question = ("What are the special magic numbers for " + ", ".join(keys[:-1]) + f" and {keys[-1]}"
-                    " mentioned in the provided text?")
-        prefix = "The special magic numbers for " + ", ".join(keys[:-1]) + f" and {keys[-1]} mentioned in the provided text are"
+        question = (
+            "What are the special magic numbers for " + ", ".join(keys[:-1]) + f" and {keys[-1]}"
+            " mentioned in the provided text?"
+        )
+        prefix = (
+            "The special magic numbers for "
+            + ", ".join(keys[:-1])
+            + f" and {keys[-1]} mentioned in the provided text are"
+        )
     else:  # vt: a chain of variable assignments; the answer is every name in the chain
         value = str(rng.randint(10000, 99999))
         names = ["".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5)) for _ in range(5)]
         facts = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, 5)]
         answers = names
         question = f"Find all variables that are assigned the value {value} in the text above."
-        prefix = f"According to the chain of variables assigned in the text above, 5 variables are assigned the value {value}, they are:"
+        prefix = (
+            "According to the chain of variables assigned in the text above, 5 variables are assigned the value "
+            f"{value}, they are:"
+        )
         meta = {"value": value}
     depths = _depths_for(len(facts), depth, rng)
     if task == "vt":
         depths = sorted(depths)  # the chain must read in order
     hay = _Haystack(tokenizer, rng, filler, intro, question, prefix if answer_prefix else "", facts, depths, length)
     msgs, ids, offsets = hay.build()
-    return Prompt(task, msgs, prefix if answer_prefix else "", answers, ids, length, depths, offsets,
-                  dict(meta, facts=facts, question=question, seed=seed))
+    return Prompt(
+        task,
+        msgs,
+        prefix if answer_prefix else "",
+        answers,
+        ids,
+        length,
+        depths,
+        offsets,
+        dict(meta, facts=facts, question=question, seed=seed),
+    )
 
 
 def fact_token_depth(tokenizer, prompt: Prompt, i: int = 0) -> float:
@@ -251,5 +368,5 @@ def fact_token_depth(tokenizer, prompt: Prompt, i: int = 0) -> float:
     fact = prompt.meta["facts"][i]
     off = prompt.needle_offsets[i]
     before = len(tokenizer.encode(body[:off].rstrip()))
-    after = len(tokenizer.encode(body[off + len(fact):].lstrip()))
+    after = len(tokenizer.encode(body[off + len(fact) :].lstrip()))
     return before / max(1, before + after)

@@ -1,4 +1,8 @@
-"""Run outputs: one JSON record, a markdown table like the article's, PNG plots (matplotlib Agg)."""
+"""Run outputs: one JSON record, a markdown table like the article's, PNG plots (matplotlib Agg).
+
+The record and the table are written first; plots are optional (matplotlib is not in the base
+install): `plots_or_notice` turns a missing matplotlib or any plotting error into one line.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections import defaultdict
 
@@ -22,15 +27,32 @@ def run_dir(bench: str, out: str | None) -> str:
     return path
 
 
+def record_path(bench: str, path: str | None) -> str:
+    """Where a bench writes its JSON record: `path`, or runs/<bench>-<UTC timestamp>/<bench>.json;
+    creates the folder."""
+    if not path:
+        return os.path.join(run_dir(bench, None), f"{bench}.json")
+    if os.path.dirname(path):
+        run_dir(bench, os.path.dirname(path))
+    return path
+
+
 def environment() -> dict:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    return {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "python": platform.python_version(),
-            "cpus": os.cpu_count(), "loadavg": load}
+    return {
+        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "loadavg": load,
+    }
 
 
-def write_json(path: str, record: dict) -> str:
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1, default=_jsonable)
+def write_json(path: str, record) -> str:
+    try:
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1, default=_jsonable)
+    except OSError as e:
+        raise SparrowError(f"cannot write {path}: {e.strerror}") from None
     return path
 
 
@@ -87,14 +109,21 @@ def summary_rows(rows: list[dict]) -> list[dict]:
     for name, rs in group_rows(rows).items():
         mass = [r["mass"]["median"] for r in rs if r.get("mass")]
         p5 = [r["mass"]["p5"] for r in rs if r.get("mass")]
-        out.append({
-            "config": name, "k": rs[0].get("k"), "n": len(rs),
-            "recall": _mean([r.get("score") for r in rs]),
-            "attn_ms": _median([r.get("attn_ms") for r in rs]), "total_ms": _median([r.get("total_ms") for r in rs]),
-            "kl": _mean([r.get("kl_mean") for r in rs]), "top1": _mean([r.get("top1") for r in rs]),
-            "mass_median": _median(mass), "mass_p5": _median(p5),
-            "example": rs[len(rs) // 2].get("text", ""),
-        })
+        out.append(
+            {
+                "config": name,
+                "k": rs[0].get("k"),
+                "n": len(rs),
+                "recall": _mean([r.get("score") for r in rs]),
+                "attn_ms": _median([r.get("attn_ms") for r in rs]),
+                "total_ms": _median([r.get("total_ms") for r in rs]),
+                "kl": _mean([r.get("kl_mean") for r in rs]),
+                "top1": _mean([r.get("top1") for r in rs]),
+                "mass_median": _median(mass),
+                "mass_p5": _median(p5),
+                "example": rs[len(rs) // 2].get("text", ""),
+            }
+        )
     return out
 
 
@@ -102,18 +131,29 @@ def markdown_table(rows: list[dict], title: str = "") -> str:
     """The article's table: configuration, recall, generated text, attention and total ms/token,
     KL(exact || sparse), top-1 agreement; summary first, then every prompt."""
     lines = [f"### {title}", ""] if title else []
-    lines += ["| configuration | recall | generated text (middle prompt) | attn ms/tok | total ms/tok | KL | top-1 | mass median / p5 |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "| configuration | recall | generated text (middle prompt) | attn ms/tok | total ms/tok | KL | top-1 "
+        "| mass median / p5 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for s in summary_rows(rows):
         rec = "-" if s["recall"] is None else f"{s['recall']:.0%} ({s['n']})"
         mass = "-" if s["mass_median"] is None else f"{s['mass_median']:.3f} / {s['mass_p5']:.3f}"
-        lines.append(f"| {s['config']} | {rec} | {_cell(s['example'])} | {_fmt(s['attn_ms'])} | {_fmt(s['total_ms'])} "
-                     f"| {_fmt(s['kl'], 3)} | {_fmt(s['top1'], 2)} | {mass} |")
-    lines += ["", "| task | length | depth | configuration | score | first diff | generated text |", "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {s['config']} | {rec} | {_cell(s['example'])} | {_fmt(s['attn_ms'])} | {_fmt(s['total_ms'])} "
+            f"| {_fmt(s['kl'], 3)} | {_fmt(s['top1'], 2)} | {mass} |"
+        )
+    lines += [
+        "",
+        "| task | length | depth | configuration | score | first diff | generated text |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         depth = "-" if r.get("depth") is None else f"{r['depth']:.0%}"
-        lines.append(f"| {r.get('task', '-')} | {r.get('n_prompt', '-')} | {depth} | {r['config']} | {_fmt(r.get('score'), 2)} "
-                     f"| {_fmt(r.get('first_diff'))} | {_cell(r.get('text', ''))} |")
+        lines.append(
+            f"| {r.get('task', '-')} | {r.get('n_prompt', '-')} | {depth} | {r['config']} | {_fmt(r.get('score'), 2)} "
+            f"| {_fmt(r.get('first_diff'))} | {_cell(r.get('text', ''))} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -127,8 +167,12 @@ def timing_table(rows: list[dict]) -> str:
     lengths = sorted({_length(r) for r in rows if r.get("attn_ms") is not None})
     if not lengths:
         return ""
-    lines = ["### Decode ms/token by context (attention / total)", "",
-             "| configuration | " + " | ".join(f"{L} tok" for L in lengths) + " |", "|---|" + "---|" * len(lengths)]
+    lines = [
+        "### Decode ms/token by context (attention / total)",
+        "",
+        "| configuration | " + " | ".join(f"{L} tok" for L in lengths) + " |",
+        "|---|" + "---|" * len(lengths),
+    ]
     for name, rs in group_rows(rows).items():
         cells = []
         for L in lengths:
@@ -145,13 +189,32 @@ def write_markdown(path: str, rows: list[dict], title: str = "", header: str = "
     return path
 
 
+PLOT_INSTALL = "pip install matplotlib, or pip install -e '.[eval]'"
+
+
+def plots_or_notice(path_prefix: str, rows: list[dict]) -> list[str]:
+    """plot(), but a missing matplotlib or any error while plotting costs only the plots: it
+    prints one line on stderr and returns the PNGs written so far (none)."""
+    try:
+        return plot(path_prefix, rows)
+    except ImportError as e:
+        if (getattr(e, "name", None) or "").split(".")[0] != "matplotlib":
+            why = f"{type(e).__name__}: {e}"
+        else:
+            why = "matplotlib is not installed"
+        print(f"plots skipped ({why}; to get them: {PLOT_INSTALL})", file=sys.stderr, flush=True)
+    except Exception as e:  # noqa: BLE001 - a plot is never worth the run
+        print(f"plots skipped (plotting failed: {type(e).__name__}: {e})", file=sys.stderr, flush=True)
+    return []
+
+
 def plot(path_prefix: str, rows: list[dict]) -> list[str]:
     """recall vs k, KL vs k, mass coverage vs k, attention ms vs context; returns the PNG paths."""
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.ticker
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     sparse = [r for r in rows if r.get("k") is not None]
     exact = [r for r in rows if r.get("k") is None]
@@ -197,8 +260,13 @@ def plot(path_prefix: str, rows: list[dict]) -> list[str]:
         p5 = [_median([r["mass"]["p5"] for r in sparse if r["k"] == k and r.get("mass")]) for k in ks]
         ax.plot(ks, med, "o-", label="median")
         ax.plot(ks, p5, "s--", label="5th percentile")
-        ax.set(xscale="log", xlabel="k (blocks)", ylabel="softmax mass in selected blocks", ylim=(-0.05, 1.05),
-               title="Mass coverage vs k")
+        ax.set(
+            xscale="log",
+            xlabel="k (blocks)",
+            ylabel="softmax mass in selected blocks",
+            ylim=(-0.05, 1.05),
+            title="Mass coverage vs k",
+        )
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.legend(fontsize=7)
@@ -209,7 +277,11 @@ def plot(path_prefix: str, rows: list[dict]) -> list[str]:
         for name, rs in group_rows(rows).items():
             xs = [L for L in lengths if any(_length(r) == L for r in rs)]
             ax.plot(xs, [_median([r.get("attn_ms") for r in rs if _length(r) == L]) for L in xs], "o-", label=name)
-        ax.set(xlabel="context (tokens)", ylabel="decode attention ms/token (all layers)", title="Attention time vs context")
+        ax.set(
+            xlabel="context (tokens)",
+            ylabel="decode attention ms/token (all layers)",
+            title="Attention time vs context",
+        )
         ax.legend(fontsize=7)
         save(fig, "attn_ms_vs_context")
     return written
@@ -223,13 +295,19 @@ def mass_table(rows: list[dict]) -> str:
         return ""
     ks = sorted({r["k"] for r in sparse}, reverse=True)
     layers = sorted({int(li) for r in sparse for li in r["mass"]["per_layer"]})
-    lines = ["### Softmax mass covered by the selected blocks (median / p5 per layer)", "",
-             "| layer | " + " | ".join(f"k={k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]
+    lines = [
+        "### Softmax mass covered by the selected blocks (median / p5 per layer)",
+        "",
+        "| layer | " + " | ".join(f"k={k}" for k in ks) + " |",
+        "|---|" + "---|" * len(ks),
+    ]
     for li in layers:
         cells = []
         for k in ks:
             st = [r["mass"]["per_layer"].get(li) or r["mass"]["per_layer"].get(str(li)) for r in sparse if r["k"] == k]
             st = [s for s in st if s]
-            cells.append(f"{_median([s['median'] for s in st]):.3f} / {_median([s['p5'] for s in st]):.3f}" if st else "-")
+            cells.append(
+                f"{_median([s['median'] for s in st]):.3f} / {_median([s['p5'] for s in st]):.3f}" if st else "-"
+            )
         lines.append(f"| {li} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

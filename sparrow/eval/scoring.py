@@ -37,5 +37,5 @@ def score(task: str, output: str, answers: list[str]) -> float:
 def repetition_ratio(output: str, n: int = 3) -> float:
     """Share of repeated word n-grams: a collapsed output ("ramen ramen ramen ...") scores near 1."""
     words = output.split()
-    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
     return 1.0 - len(set(grams)) / len(grams) if grams else 0.0

@@ -6,7 +6,8 @@ against 6 tok/s with `workqueue` under load 9). `workqueue` never spins. Its one
 parallel kernels from two Python threads at once, matches sparrow's design: one thread owns
 the model. Set NUMBA_THREADING_LAYER to choose another layer.
 
-Compiled kernels are cached on disk in a directory keyed by these sources (see _cache_dir).
+Compiled kernels are cached on disk in a directory keyed by these sources and this CPU (see
+_cache_dir); cache_is_cold() says whether it still holds nothing, i.e. the next run compiles.
 """
 
 import hashlib
@@ -18,15 +19,29 @@ if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER = "workqueue"
 
 
+def _host_cpu() -> str:
+    """The CPU numba compiles for: name and features (NUMBA_CPU_NAME/NUMBA_CPU_FEATURES win)."""
+    import llvmlite.binding as ll
+
+    try:
+        features = numba.config.CPU_FEATURES or ll.get_host_cpu_features().flatten()
+    except RuntimeError:
+        features = ""
+    return (numba.config.CPU_NAME or ll.get_host_cpu_name()) + ";" + features
+
+
 def _cache_dir(here=None, base=None):
-    """A numba cache directory named after a hash of every kernel source file here.
+    """A numba cache directory named after a hash of every kernel source file here and of
+    the host CPU.
 
     numba keys a cached function on its own file only, so an edit to a jitted helper or
     intrinsic in another file (the row kernels, widen_row, sparse_select) would leave stale
     machine code behind. Keying the whole directory on all sources makes any kernel edit
-    (or upgrade) start from a clean cache. NUMBA_CACHE_DIR, when set, wins."""
+    (or upgrade) start from a clean cache; keying it on the CPU makes a cache copied to
+    another machine count as empty (numba would recompile everything there anyway).
+    NUMBA_CACHE_DIR, when set, wins."""
     here = here or os.path.dirname(os.path.abspath(__file__))
-    h = hashlib.sha256(numba.__version__.encode())
+    h = hashlib.sha256(numba.__version__.encode() + b"\0" + _host_cpu().encode())
     for name in sorted(os.listdir(here)):
         if name.endswith(".py"):
             with open(os.path.join(here, name), "rb") as f:
@@ -48,6 +63,18 @@ if not os.environ.get("NUMBA_CACHE_DIR"):
     if _dir:
         numba.config.CACHE_DIR = _dir
 
+COMPILE_NOTICE = "sparrow: compiling kernels for this CPU (first run only, ~30 s)..."
+
+
+def cache_is_cold(path=None) -> bool:
+    """Whether the kernel cache (path, default numba's CACHE_DIR, else the in-tree
+    __pycache__ folders numba falls back to) holds no compiled index files (*.nbi)."""
+    path = path or numba.config.CACHE_DIR or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for _, _, files in os.walk(path):
+        if any(f.endswith(".nbi") for f in files):
+            return False
+    return True
+
 
 _pinned = None
 
@@ -66,8 +93,12 @@ def pin_worker_threads() -> bool:
     _pinned = False
     from numba.np.ufunc import parallel
 
-    if (os.environ.get("SPARROW_PIN_THREADS", "1") == "0" or not hasattr(os, "sched_setaffinity")
-            or not os.path.isdir("/proc/self/task") or parallel._is_initialized):
+    if (
+        os.environ.get("SPARROW_PIN_THREADS", "1") == "0"
+        or not hasattr(os, "sched_setaffinity")
+        or not os.path.isdir("/proc/self/task")
+        or parallel._is_initialized
+    ):
         return False
     before = set(os.listdir("/proc/self/task"))
     parallel._launch_threads()

@@ -1,5 +1,5 @@
-"""Attention kernels (wrapped by sparrow.kernels.attention): decode, sparse prefill, and the
-softmax of exact prefill.
+"""Attention kernels (wrapped by sparrow.models.attention, which hands them a cache's arrays):
+decode, sparse prefill, and the softmax of exact prefill.
 
 Per KV head, the query heads of its group select blocks (all of them for exact attention)
 and attend over them; a block's K/V rows are read from memory once for the whole group.
@@ -13,7 +13,6 @@ from numba import njit, prange
 
 from sparrow.kernels._attn_rows import accum, dots, exp_shifted, max_at, prefetch, sum_f32
 from sparrow.kernels.sparse_select import fill_probe_nb, reserve_importance_nb
-
 
 # ---------------------------------------------------------------- one KV head's group
 
@@ -34,8 +33,7 @@ def _prefetch_jump(X2, b, nxt, nb, bs, seq_len):
 
 
 @njit(cache=True, nogil=True)
-def _attend_group(qa, qs, K2, V2, ks, vs, int8, h0, G, seq_len, scale, bs, mark, ntok, out,
-                  want_p, pacc):
+def _attend_group(qa, qs, K2, V2, ks, vs, int8, h0, G, seq_len, scale, bs, mark, ntok, out, want_p, pacc):
     """Softmax attention of query heads h0..h0+G-1 over their marked blocks (mark [G, nb]).
 
     qa: queries pre-multiplied by `scale` (float caches), or int8 codes as float32 whose
@@ -124,13 +122,41 @@ def _probe(q, qs, K2, ks, int8, seq_len, bs, n_probe, P2, ps, per_block, n_copie
 
 
 @njit(cache=True, nogil=True)
-def _group(q, qa, qs, K2, V2, ks, vs, int8, h0, G, seq_len, scale, sparse, reserved, k_blocks,
-           bs, n_probe, P2, ps, per_block, n_copied, out, sel, stages, nsel, want_p, pacc):
+def _group(
+    q,
+    qa,
+    qs,
+    K2,
+    V2,
+    ks,
+    vs,
+    int8,
+    h0,
+    G,
+    seq_len,
+    scale,
+    sparse,
+    reserved,
+    k_blocks,
+    bs,
+    n_probe,
+    P2,
+    ps,
+    per_block,
+    n_copied,
+    out,
+    sel,
+    stages,
+    nsel,
+    want_p,
+    pacc,
+):
     """Select blocks for query heads h0..h0+G-1 (all of them unless sparse) and attend.
     q: probe queries (raw q, or int8 codes); qa: attention queries (see _attend_group).
     reserved: stage codes after the importance reservation (all -1 without importance).
     P2 / ps: contiguous copies of the probe keys (and int8 scales) of the first n_copied
-    blocks, per_block rows each (kv_cache.ProbeKeys); later blocks are probed in K itself."""
+    blocks, per_block rows each (the cache's probe-key copy; n_copied <= seq_len // bs, so
+    only full blocks below seq_len); later blocks are probed in K itself."""
     nb = (seq_len + bs - 1) // bs
     mark = np.zeros((G, nb), dtype=np.bool_)
     ntok = np.zeros(G, dtype=np.int64)
@@ -139,8 +165,7 @@ def _group(q, qa, qs, K2, V2, ks, vs, int8, h0, G, seq_len, scale, sparse, reser
         tmp = np.empty(max(bs, n_copied * per_block), dtype=np.float32)
         for g in range(G):
             h = h0 + g
-            _probe(q[h], qs[h], K2, ks, int8, seq_len, bs, n_probe, P2, ps, per_block, n_copied,
-                   tmp, probe)
+            _probe(q[h], qs[h], K2, ks, int8, seq_len, bs, n_probe, P2, ps, per_block, n_copied, tmp, probe)
             n = fill_probe_nb(probe, reserved, k_blocks, sel[h], stages[h])
             nsel[h] = n
             for j in range(n):
@@ -155,8 +180,7 @@ def _group(q, qa, qs, K2, V2, ks, vs, int8, h0, G, seq_len, scale, sparse, reser
                 mark[g, b] = True
             nsel[h0 + g] = nb
             ntok[g] = seq_len
-    _attend_group(qa, qs, K2, V2, ks, vs, int8, h0, G, seq_len, scale, bs, mark, ntok, out,
-                  want_p, pacc)
+    _attend_group(qa, qs, K2, V2, ks, vs, int8, h0, G, seq_len, scale, bs, mark, ntok, out, want_p, pacc)
 
 
 @njit(cache=True, nogil=True)
@@ -173,26 +197,78 @@ def _block_sums(imp, seq_len, bs):
 
 
 @njit(cache=True, nogil=True)
-def decode_kernel(q, qa, qs, K, V, ks, vs, int8, imp, seq_len, scale, G, sparse, k_blocks, bs,
-                  n_probe, P, ps, per_block, n_copied, out, sel, stages, nsel):
+def decode_kernel(
+    q,
+    qa,
+    qs,
+    K,
+    V,
+    ks,
+    vs,
+    int8,
+    imp,
+    seq_len,
+    scale,
+    G,
+    sparse,
+    k_blocks,
+    bs,
+    n_probe,
+    P,
+    ps,
+    per_block,
+    n_copied,
+    out,
+    sel,
+    stages,
+    nsel,
+):
     # Serial over KV heads: with 3 KV heads on 2 cores a prange over them measured slower at
     # every context up to 7K and every KV type (sparse f32 at 7K: 16.5 vs 12.6 ms a token,
     # workers pinned), the launch and the 2:1 split costing more than the second core gives.
     nb = (seq_len + bs - 1) // bs
+    # a copy made for a longer seq_len holds blocks at or past seq_len: never read them
+    # (unchecked indexing would write past `probe`); the caller passes a clamped count too
+    n_copied = min(n_copied, seq_len // bs)
     if sparse:
         reserved = reserve_importance_nb(_block_sums(imp, seq_len, bs), k_blocks, nb)
     else:
         reserved = np.full(nb, -1, dtype=np.int8)
     pdummy = np.zeros((1, 1), dtype=np.float32)
     for kh in range(K.shape[0]):
-        _group(q, qa, qs, K[kh], V[kh], ks[kh], vs[kh], int8, kh * G, G, seq_len, scale, sparse,
-               reserved, k_blocks, bs, n_probe, P[kh], ps[kh], per_block, n_copied, out, sel,
-               stages, nsel, False, pdummy)
+        _group(
+            q,
+            qa,
+            qs,
+            K[kh],
+            V[kh],
+            ks[kh],
+            vs[kh],
+            int8,
+            kh * G,
+            G,
+            seq_len,
+            scale,
+            sparse,
+            reserved,
+            k_blocks,
+            bs,
+            n_probe,
+            P[kh],
+            ps[kh],
+            per_block,
+            n_copied,
+            out,
+            sel,
+            stages,
+            nsel,
+            False,
+            pdummy,
+        )
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def sparse_prefill_kernel(q, qa, qs, K, V, ks, vs, int8, start, scale, G, k_blocks, bs, n_probe,
-                          out, pacc, want_p):
+def sparse_prefill_kernel(q, qa, qs, K, V, ks, vs, int8, start, scale, G, k_blocks, bs, n_probe, out, pacc, want_p):
     T, H = q.shape[0], q.shape[1]
     nbmax = (start + T + bs - 1) // bs
     nocopy = np.zeros((1, K.shape[2]), dtype=K.dtype)
@@ -203,9 +279,35 @@ def sparse_prefill_kernel(q, qa, qs, K, V, ks, vs, int8, start, scale, G, k_bloc
         for t in range(T):
             n = start + t + 1
             none = np.full((n + bs - 1) // bs, -1, dtype=np.int8)  # prefill: no importance
-            _group(q[t], qa[t], qs[t], K[kh], V[kh], ks[kh], vs[kh], int8, kh * G, G, n, scale, True,
-                   none, k_blocks, bs, n_probe, nocopy, ks[kh], 1, 0, out[t], sel, stages, nsel,
-                   want_p, pacc)
+            _group(
+                q[t],
+                qa[t],
+                qs[t],
+                K[kh],
+                V[kh],
+                ks[kh],
+                vs[kh],
+                int8,
+                kh * G,
+                G,
+                n,
+                scale,
+                True,
+                none,
+                k_blocks,
+                bs,
+                n_probe,
+                nocopy,
+                ks[kh],
+                1,
+                0,
+                out[t],
+                sel,
+                stages,
+                nsel,
+                want_p,
+                pacc,
+            )
 
 
 # ---------------------------------------------------------------- exact prefill softmax

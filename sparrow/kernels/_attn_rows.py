@@ -27,7 +27,6 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from sparrow.kernels._ir import F32 as _F32
-from sparrow.kernels.elementwise import exp_parts
 from sparrow.kernels._ir import I8 as _I8
 from sparrow.kernels._ir import I16 as _I16
 from sparrow.kernels._ir import I32 as _I32
@@ -36,6 +35,7 @@ from sparrow.kernels._ir import V16F as _V16F
 from sparrow.kernels._ir import fma as _fma
 from sparrow.kernels._ir import hsum16 as _hsum
 from sparrow.kernels._ir import splat16 as _splat
+from sparrow.kernels.elementwise import exp_parts
 
 _ZERO = ir.Constant(_V16F, [0.0] * 16)
 
@@ -80,6 +80,7 @@ def _ptr(context, builder, ty, val, elem):
 def _hsum4(builder, a):
     """The four _hsum results of vectors a[0..3] as <4 x float>, with the same additions
     (lane i + lane i+8, then i+4, i+2, i+1) but shuffled so four rows share each add."""
+
     def sh(x, y, idx):
         return builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(_I32, len(idx)), idx))
 
@@ -106,7 +107,10 @@ def _dots_generic(builder, kind, qp, kp, sp, d, t0v, stepv, offv, j0, n):
             kv = _load16(builder, kind, kp, builder.add(base, c))
             builder.store(_fma(builder, qv, kv, builder.load(acc)), acc)
         builder.store(_hsum(builder, builder.load(acc)), tot)
-        with cgutils.for_range_slice(builder, builder.shl(nch, ir.Constant(_I64, 4)), d, ir.Constant(_I64, 1)) as (e, _):
+        with cgutils.for_range_slice(builder, builder.shl(nch, ir.Constant(_I64, 4)), d, ir.Constant(_I64, 1)) as (
+            e,
+            _,
+        ):
             qe = _load1(builder, "f32", qp, e)
             ke = _load1(builder, kind, kp, builder.add(base, e))
             builder.store(_fma(builder, qe, ke, builder.load(tot)), tot)
@@ -183,7 +187,8 @@ def prefetch(typingctx, X2, t0, t1):
         nbytes = builder.sub(builder.mul(args[2], row_bytes), b0)
         nlines = builder.sdiv(builder.add(nbytes, i64(63)), i64(64))
         fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
+            builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8"
+        )
         with cgutils.for_range(builder, nlines) as ln:
             ptr = builder.gep(xp, [builder.add(b0, builder.shl(ln.index, i64(6)))])
             builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
@@ -253,12 +258,12 @@ def accum(typingctx, w, off, V2, t0, t1, acc):
                 with builder.if_else(builder.icmp_signed("==", d, i64(128))) as (d128, rest):
                     with d128:
                         for half in (0, 4):
-                            _accum_chunks(builder, kind, wp, vp, ap, d, offv, t0v, n,
-                                          [i64((half + c) * 16) for c in range(4)])
+                            _accum_chunks(
+                                builder, kind, wp, vp, ap, d, offv, t0v, n, [i64((half + c) * 16) for c in range(4)]
+                            )
                     with rest:
                         with cgutils.for_range(builder, nch) as ch:
-                            _accum_chunks(builder, kind, wp, vp, ap, d, offv, t0v, n,
-                                          [builder.shl(ch.index, i64(4))])
+                            _accum_chunks(builder, kind, wp, vp, ap, d, offv, t0v, n, [builder.shl(ch.index, i64(4))])
         with cgutils.for_range(builder, n) as r:  # head_dim tail (not a multiple of 16)
             wr = builder.load(builder.gep(wp, [builder.add(offv, r.index)]))
             slot = builder.mul(builder.and_(builder.add(offv, r.index), i64(3)), d)

@@ -1,21 +1,17 @@
-"""Kernels that widen stored weight rows to f32 and work in f32 (used by kernels.linear).
+"""Kernels that widen stored weight rows to f32 and work in f32 (used by kernels.linear,
+kernels.gemm and kernels.moe; this module imports none of them).
 
-- widen_row / dequantize_rows: stored rows -> f32, bit-identical to Weight.dequantize()
-  (same f32 operations: d * q, then + m).
+- widen_row: one stored row -> f32, bit-identical to Weight.dequantize() (same f32
+  operations: d * q, then + m).
 - matvec_widened: small T. q8_0 / q4_0 / q4_1 rows are dotted with f32 x straight from
   their blocks (rowdot_*: LLVM vector IR, see below); f16 / bf16 rows are widened once and
   dotted by one compiled loop. Either way each row's summation order depends only on its
   length (batch and thread invariant). Small matvecs skip the thread pool.
-- matmul_widened: large T (prefill) for every format, via sparrow.kernels.gemm: panels of
-  weight rows widened to packed f32, outer-product micro-kernel in vector registers,
-  parallel over panels, so each y[t, o] has one summation order (sequential fma over k)
-  whatever T and the thread count. No BLAS: OpenBLAS's own threads spin after each call and
-  starve numba's threads when both pools share the cores.
-The jitted helpers live here, not in linear.py, because numba's cache only notices edits
-to the file that holds the cached function, not to jitted functions it inlines from others.
+Large T (prefill) is sparrow.kernels.gemm.matmul_widened, which packs rows with widen_row.
+Edits here reach every cached kernel that inlines these helpers: the numba cache directory
+is keyed on a hash of all kernel sources (kernels/__init__.py, _cache_dir).
 """
 
-import numba
 import numba.core.config as _nbconfig
 import numpy as np
 from llvmlite import ir
@@ -104,22 +100,6 @@ def widen_row(row, kind, lut, out, out_bits):
 
 
 @njit(parallel=True, **KW)
-def _widen_rows(data, r0, kind, lut, out):
-    bits = out.view(np.uint32)
-    for i in prange(out.shape[0]):
-        widen_row(data[r0 + i], kind, lut, out[i], bits[i])
-
-
-def dequantize_rows(w, r0, out):
-    """Rows r0 .. r0 + len(out) of Weight w as f32 into out [n, in] (== w.dequantize())."""
-    if w.qtype == "f32":
-        out[...] = w.data[r0:r0 + out.shape[0]]
-    else:
-        call_slp(_widen_rows, w.data, r0, KIND[w.qtype], F16_LUT, out)
-    return out
-
-
-@njit(parallel=True, **KW)
 def _mv_f32(w, x, y):
     for o in prange(w.shape[0]):
         for t in range(x.shape[0]):
@@ -185,6 +165,7 @@ def _make_rowdot(qtype):
             zero = ir.Constant(_V16F, [0.0] * 16)
             accs = [cgutils.alloca_once_value(builder, zero) for _ in range(2)]
             accm = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+
             def block(b, acc):
                 t, d, const = _block_terms(builder, qtype, rp, xp, sp, b)
                 dv = splat16(builder, d)
@@ -284,14 +265,3 @@ def matvec_widened(x, w, out):
     else:
         call_slp(_mv_stored, w.data, KIND[w.qtype], F16_LUT, x, out)
     return out
-
-
-def matmul_widened(x, w, out):
-    """out [T, out] = x @ W.T for large T (prefill): packed f32 panels, outer-product GEMM."""
-    data = w.data.view(np.uint32) if w.qtype == "f32" else w.data  # f32 rows as their bits
-    call_slp(gemm_stored, data, KIND[w.qtype], F16_LUT, x, out, numba.get_num_threads())
-    return out
-
-
-# At the end: gemm imports widen_row from this module.
-from sparrow.kernels.gemm import gemm_stored  # noqa: E402

@@ -18,10 +18,12 @@ row alone or in a batch and for any number of threads.
 One parallel region per call (a launch costs 50-180 us here); threads claim weight panels
 from a shared counter; each packs its panel (K x NR f32 <= 288 KiB, stays in L2) and
 sweeps all of x with it.
-numba's cache only tracks the file that holds a cached function: after editing widen_row
-in _widen.py, delete this file's __pycache__ entries (or touch this file).
+f16 / bf16 / f32 rows are packed by _widen.widen_row (this module imports _widen, never the
+other way round). The numba cache directory is keyed on a hash of all kernel sources
+(kernels/__init__.py, _cache_dir), so an edit to widen_row recompiles the kernels here too.
 """
 
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange
@@ -30,7 +32,7 @@ from numba.extending import intrinsic
 
 from sparrow.kernels._ir import F32, I8, I32, V16F
 from sparrow.kernels._ir import fma as _fma
-from sparrow.kernels._widen import widen_row
+from sparrow.kernels._widen import F16_LUT, KIND, call_slp, widen_row
 
 KW = dict(cache=True, nogil=True)
 MR = 8  # x rows per micro-kernel call
@@ -72,8 +74,10 @@ def _kernel(typingctx, x, xr, bp, c, cr, cc):
         with cgutils.for_range(builder, k_n) as loop:
             k = loop.index
             brow = builder.gep(ba.data, [builder.mul(k, c64(NR))])
-            bv = [builder.load(builder.bitcast(builder.gep(brow, [c64(16 * j)]), _V16F.as_pointer()), align=4)
-                  for j in range(NV)]
+            bv = [
+                builder.load(builder.bitcast(builder.gep(brow, [c64(16 * j)]), _V16F.as_pointer()), align=4)
+                for j in range(NV)
+            ]
             for i in range(MR):
                 xs = builder.load(builder.gep(xrows[i], [k]))
                 xv = builder.shuffle_vector(builder.insert_element(undef, xs, ir.Constant(_I32, 0)), undef, splat)
@@ -101,12 +105,12 @@ def _sweep(bp, x, y, o0, n):
             _kernel(x, t, bp, y, t, o0)
         else:
             _kernel(x, t, bp, c, 0, 0)
-            y[t:t + MR, o0:o0 + n] = c[:, :n]
+            y[t : t + MR, o0 : o0 + n] = c[:, :n]
     if full < t_n:
         xpad = np.zeros((MR, k), np.float32)  # [MR, K]
-        xpad[:t_n - full] = x[full:]
+        xpad[: t_n - full] = x[full:]
         _kernel(xpad, 0, bp, c, 0, 0)
-        y[full:, o0:o0 + n] = c[:t_n - full, :n]
+        y[full:, o0 : o0 + n] = c[: t_n - full, :n]
 
 
 @intrinsic
@@ -183,6 +187,7 @@ def _make_widen(bb, off):
 
     The same f32 operations as widen_row (d * q, then + m; no fma), so the same bits.
     """
+
     @intrinsic
     def widen(typingctx, row, out):
         sig = types.void(row, out)
@@ -281,3 +286,10 @@ def gemm_stored(data, kind, lut, x, y, threads):
             _pack_stored(data, kind, lut, o0, n, tmp, bp)
             _sweep(bp, x, y, o0, n)
             p = _claim(nxt)
+
+
+def matmul_widened(x, w, out):
+    """out [T, out] = x @ W.T for large T (prefill): packed f32 panels, outer-product GEMM."""
+    data = w.data.view(np.uint32) if w.qtype == "f32" else w.data  # f32 rows as their bits
+    call_slp(gemm_stored, data, KIND[w.qtype], F16_LUT, x, out, numba.get_num_threads())
+    return out

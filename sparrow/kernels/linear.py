@@ -16,9 +16,10 @@ after each call and starve numba's threads on a shared machine.
 
 import numpy as np
 
-from sparrow.kernels._widen import dequantize_rows, matmul_widened, matvec_widened
+from sparrow.kernels._widen import matvec_widened
+from sparrow.kernels.gemm import matmul_widened
 
-__all__ = ["linear", "dequantize_rows", "SMALL_T"]
+__all__ = ["linear", "SMALL_T"]
 
 SMALL_T = 8  # T above this takes the prefill path (different summation order)
 
@@ -31,8 +32,7 @@ def linear(x, w, out=None):
     t_n, k = x.shape
     o_n = w.shape[0]
     if x.dtype != np.float32 or not x.flags.c_contiguous or k != w.shape[1]:
-        raise ValueError(f"linear: x must be C-contiguous float32 [T, {w.shape[1]}], "
-                         f"got {x.dtype} {x.shape}")
+        raise ValueError(f"linear: x must be C-contiguous float32 [T, {w.shape[1]}], got {x.dtype} {x.shape}")
     if out is None:
         out = np.empty((t_n, o_n), np.float32)
     elif out.dtype != np.float32 or out.shape != (t_n, o_n) or not out.flags.c_contiguous:

@@ -131,8 +131,7 @@ class StackedExperts:
             if len(qtypes) != 1 or len({w.shape for w in ws}) != 1:
                 raise ValueError(f"experts' {proj} weights differ in type or shape")
             # f32 rows travel as their bit patterns so that every list holds unsigned ints.
-            self.lists.append(numba.typed.List([w.data.view(np.uint32) if w.qtype == "f32" else w.data
-                                                for w in ws]))
+            self.lists.append(numba.typed.List([w.data.view(np.uint32) if w.qtype == "f32" else w.data for w in ws]))
             self.kinds.append(KIND[ws[0].qtype])
 
 

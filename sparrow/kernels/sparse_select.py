@@ -1,10 +1,12 @@
 """Block selection for block-sparse top-k attention (spec: shared/SPARSE_ATTENTION.md).
 
-Two implementations of the same four-stage rule:
-- `select_blocks`: plain Python over numpy arrays, for tests and tooling.
-- `select_blocks_nb`: the numba version the attention kernels call per query head.
-Both take the per-block probe maxima (and optionally the per-block importance sums) and
-return the selected block ids in ascending order with the stage that chose each block.
+The four-stage rule twice over:
+- `select_blocks` (with `probe_block_maxima` and `block_sums` for its inputs): plain Python
+  over numpy arrays, one call per query head, for tests and tooling.
+- `reserve_importance_nb` (stage 2) and `fill_probe_nb` (stages 3 and 4): the numba halves
+  the attention kernels call, the reservation once per layer and decode step (importance is
+  per layer), the fill once per query head.
+Selections are block ids in ascending order with the stage that chose each block.
 """
 
 import numpy as np
@@ -131,12 +133,3 @@ def fill_probe_nb(probe, reserved, k, sel, stages):
             stages[m] = mark[b]
             m += 1
     return m
-
-
-@njit(cache=True, nogil=True)
-def select_blocks_nb(probe, imp, use_imp, k, sel, stages):
-    """numba twin of `select_blocks`; writes ascending ids to sel[:n] and stage codes to
-    stages[:n] (STAGE_* constants) and returns n. imp is ignored unless use_imp."""
-    n = probe.shape[0]
-    reserved = reserve_importance_nb(imp, k, n) if use_imp else np.full(n, -1, dtype=np.int8)
-    return fill_probe_nb(probe, reserved, k, sel, stages)

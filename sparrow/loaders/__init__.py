@@ -78,8 +78,15 @@ def _open_hf_dir(path: str) -> Checkpoint:
     raw = _read_json(cfg_path)
     if "text_config" in raw and "num_hidden_layers" not in raw:
         # Multimodal wrappers (Qwen3-VL): the text decoder is what sparrow runs.
-        raw = dict(raw["text_config"], architectures=raw.get("architectures"), tie_word_embeddings=raw.get("tie_word_embeddings", raw["text_config"].get("tie_word_embeddings", False)))
-        raw["architectures"] = [a.replace("VLForConditionalGeneration", "ForCausalLM").replace("VLMoe", "Moe") for a in raw["architectures"] or []]
+        raw = dict(
+            raw["text_config"],
+            architectures=raw.get("architectures"),
+            tie_word_embeddings=raw.get("tie_word_embeddings", raw["text_config"].get("tie_word_embeddings", False)),
+        )
+        raw["architectures"] = [
+            a.replace("VLForConditionalGeneration", "ForCausalLM").replace("VLMoe", "Moe")
+            for a in raw["architectures"] or []
+        ]
     try:
         cfg = ModelConfig.from_hf(raw)
     except KeyError as e:

@@ -11,6 +11,7 @@ from .gguf_file import GGUFFile
 from .names import gguf_to_hf, llama_unpermute_rows
 from .tensor import StoredTensor
 
+
 def open_gguf(path: str):
     """Returns (GGUFFile, metadata dict). A file that is not GGUF is a one-line SparrowError."""
     name = os.path.basename(path)

@@ -17,8 +17,19 @@ from ..errors import SparrowError
 
 # GGUF value types
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-       7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_NP = {
+    0: np.uint8,
+    1: np.int8,
+    2: np.uint16,
+    3: np.int16,
+    4: np.uint32,
+    5: np.int32,
+    6: np.float32,
+    7: np.bool_,
+    10: np.uint64,
+    11: np.int64,
+    12: np.float64,
+}
 _STRING, _ARRAY = 8, 9
 # ggml tensor types stored as plain numbers (others are blocks of bytes)
 _PLAIN = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64, 28: np.float64}

@@ -44,7 +44,8 @@ def read_safetensors(path: str) -> dict[str, StoredTensor]:
         n = int(np.prod(shape)) if shape else 1
         if base + end > size or end - start != n * np.dtype(npdt).itemsize:
             raise SparrowError(
-                f"{name}: truncated or corrupt file: tensor {tname} needs bytes {base + start}..{base + end}, file has {size}"
+                f"{name}: truncated or corrupt file: tensor {tname} needs bytes {base + start}..{base + end}, "
+                f"file has {size}"
             )
         data = mm[base + start : base + end].view(npdt).reshape(shape)
         out[tname] = StoredTensor(tname, data, kind, shape)

@@ -34,12 +34,12 @@ class StoredTensor:
             return self.to_weight().dequantize().reshape(self.shape)
         return np.asarray(self.data, dtype=np.float32).reshape(self.shape)
 
-    def rows(self, idx: np.ndarray) -> "StoredTensor":
+    def rows(self, idx: np.ndarray) -> StoredTensor:
         """A row-permuted copy (GGUF llama q/k un-permutation); rows are independent blocks."""
         data = self.data.reshape(self.shape[0], -1)[idx]
         return StoredTensor(self.name, np.ascontiguousarray(data), self.dtype, self.shape, self.ggml_type)
 
-    def expert(self, e: int) -> "StoredTensor":
+    def expert(self, e: int) -> StoredTensor:
         """Expert e of a stacked [E, out, in] tensor as a 2-D view (no copy: stays memory-mapped)."""
         if len(self.shape) != 3 or not 0 <= e < self.shape[0]:
             raise SparrowError(f"{self.name}: no expert {e} in a tensor of shape {self.shape}")

@@ -8,19 +8,18 @@ at once; attention runs per segment against that sequence's KV cache.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..config import ModelConfig
 from ..errors import SparrowError
-from ..kernels.attention import decode_attention, prefill_attention
 from ..kernels.linear import linear
 from ..kv_cache import KVCache
-from ..params import SparseParams
 from ..loaders.tensor import StoredTensor
+from ..params import SparseParams
 from ..quant import Weight
+from .attention import decode_attention, prefill_attention
 from .layers import MLP, FusedLinear, Rope, rms_norm
 
 
@@ -34,16 +33,6 @@ class Segment:
     sparse: SparseParams | None = None
     decode: bool = False  # a single new token attending over its cache (decode kernel)
     trace: list | None = None  # (layer, per-head selection records) appended here (decode only)
-
-
-class Timer:
-    """Per-forward time split, filled only when requested (--timings)."""
-
-    def __init__(self):
-        self.attn = 0.0  # attention kernels only (scores, softmax, selection, weighted sum)
-        self.mlp = 0.0  # post-attention norm + MLP (or MoE) block
-        self.matmul = 0.0  # projections: qkv (+ bias, RoPE), o, MLP block, lm_head
-        self.total = 0.0
 
 
 class Attention:
@@ -89,7 +78,11 @@ class DecoderLayer:
 
 
 def dense_mlp(cfg: ModelConfig, get, i: int, prefix: str) -> MLP:
-    return MLP(get.weight(prefix + "gate_proj.weight"), get.weight(prefix + "up_proj.weight"), get.weight(prefix + "down_proj.weight"))
+    return MLP(
+        get.weight(prefix + "gate_proj.weight"),
+        get.weight(prefix + "up_proj.weight"),
+        get.weight(prefix + "down_proj.weight"),
+    )
 
 
 def _release_file_pages(tensors: dict[str, StoredTensor]) -> None:
@@ -144,7 +137,14 @@ class WeightSource:
 
 
 class Decoder:
-    def __init__(self, cfg: ModelConfig, tensors: dict[str, StoredTensor], quantize: str | None = None, mlp_factory=dense_mlp, progress=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tensors: dict[str, StoredTensor],
+        quantize: str | None = None,
+        mlp_factory=dense_mlp,
+        progress=None,
+    ):
         get = WeightSource(tensors, quantize)
         self.config = cfg
         self.embed = get.stored("model.embed_tokens.weight").to_weight()  # rows looked up, never multiplied
@@ -166,13 +166,14 @@ class Decoder:
         c = self.config
         return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, capacity, kv_dtype)
 
-    def forward(self, segments: list[Segment], all_logits: bool = False, timer: Timer | None = None) -> np.ndarray:
+    def forward(self, segments: list[Segment], all_logits: bool = False) -> np.ndarray:
         """Runs the segments; returns logits [sum(T), V] if all_logits else [len(segments), V]
-        for each segment's last token. Advances each cache's length."""
-        t_start = time.perf_counter()
+        for each segment's last token. Advances each cache's length.
+
+        The stages are methods so that models.timing can time them from outside."""
         tokens = np.concatenate([s.tokens for s in segments]).astype(np.int64)  # [N]
         positions = np.concatenate([np.arange(s.start, s.start + len(s.tokens)) for s in segments])  # [N]
-        bounds = np.cumsum([0] + [len(s.tokens) for s in segments])
+        bounds = np.cumsum([0] + [len(s.tokens) for s in segments])  # [B + 1]
         for s in segments:
             end = s.start + len(s.tokens)
             if end > s.cache.capacity:
@@ -180,46 +181,43 @@ class Decoder:
         x = self.embed.rows(tokens)  # [N, E]
         for layer in self.layers:
             h = rms_norm(x, layer.input_norm, layer.eps)  # [N, E]
-            tq = time.perf_counter() if timer else 0.0
-            q, k, v = layer.attn.qkv(h, self.rope, positions)  # [N,H,D] [N,KV,D] [N,KV,D]
-            out = np.empty_like(q)  # [N, H, D]
-            t0 = time.perf_counter() if timer else 0.0
-            if timer:
-                timer.matmul += t0 - tq
-            for j, s in enumerate(segments):
-                a, b = bounds[j], bounds[j + 1]
-                lc = s.cache.layers[layer.index]
-                lc.append(s.start, k[a:b], v[a:b])
-                if s.decode:
-                    tr = [] if s.trace is not None else None
-                    out[a] = decode_attention(q[a], lc, s.start + 1, layer.attn.scale, s.sparse, tr)
-                    if tr is not None:
-                        s.trace.append((layer.index, tr))
-                else:
-                    out[a:b] = prefill_attention(q[a:b], lc, s.start, layer.attn.scale, s.sparse)
-            if timer:
-                t1 = time.perf_counter()
-                timer.attn += t1 - t0
-            x = x + linear(out.reshape(len(x), -1), layer.attn.o)  # [N, E]
-            if timer:
-                t2 = time.perf_counter()
-                timer.matmul += t2 - t1
-            h = rms_norm(x, layer.post_norm, layer.eps)
-            t3 = time.perf_counter() if timer else 0.0
-            x = x + layer.mlp(h)  # [N, E]
-            if timer:
-                t4 = time.perf_counter()
-                timer.mlp += t4 - t2
-                timer.matmul += t4 - t3
+            q, k, v = self.project_qkv(layer, h, positions)  # [N, H, D] [N, KV, D] [N, KV, D]
+            out = self.attend(layer, segments, bounds, q, k, v)  # [N, H, D]
+            x = x + self.project_out(layer, out)  # [N, E]
+            x = x + self.mlp_block(layer, x)  # [N, E]
         for s in segments:
             s.cache.length = s.start + len(s.tokens)
         if not all_logits:
             x = x[bounds[1:] - 1]  # [B, E] last token of each segment
-        x = rms_norm(x, self.norm, self.config.rms_norm_eps)
-        t5 = time.perf_counter() if timer else 0.0
-        logits = linear(np.ascontiguousarray(x), self.lm_head)  # [*, V]
-        if timer:
-            t6 = time.perf_counter()
-            timer.matmul += t6 - t5
-            timer.total += t6 - t_start
-        return logits
+        return self.head(x)  # [*, V]
+
+    # ------------------------------------------------------------------ stages
+    def project_qkv(self, layer: DecoderLayer, h: np.ndarray, positions: np.ndarray):
+        """q, k, v with bias, q/k norm and RoPE applied: [N, H, D] [N, KV, D] [N, KV, D]."""
+        return layer.attn.qkv(h, self.rope, positions)
+
+    def attend(self, layer: DecoderLayer, segments: list[Segment], bounds: np.ndarray, q, k, v) -> np.ndarray:
+        """Appends each segment's k, v to its cache and attends its queries over it -> [N, H, D]."""
+        out = np.empty_like(q)  # [N, H, D]
+        for j, s in enumerate(segments):
+            a, b = bounds[j], bounds[j + 1]
+            s.cache.append(layer.index, s.start, k[a:b], v[a:b])
+            kv, st = s.cache.layers[layer.index], s.cache.sparse[layer.index]
+            if s.decode:
+                tr = [] if s.trace is not None else None
+                out[a] = decode_attention(q[a], kv, st, s.start + 1, layer.attn.scale, s.sparse, tr)
+                if tr is not None:
+                    s.trace.append((layer.index, tr))
+            else:
+                out[a:b] = prefill_attention(q[a:b], kv, st, s.start, layer.attn.scale, s.sparse)
+        return out
+
+    def project_out(self, layer: DecoderLayer, out: np.ndarray) -> np.ndarray:
+        return linear(out.reshape(len(out), -1), layer.attn.o)  # [N, H*D] -> [N, E]
+
+    def mlp_block(self, layer: DecoderLayer, x: np.ndarray) -> np.ndarray:
+        return layer.mlp(rms_norm(x, layer.post_norm, layer.eps))  # [N, E]
+
+    def head(self, x: np.ndarray) -> np.ndarray:
+        x = rms_norm(x, self.norm, self.config.rms_norm_eps)  # [*, E]
+        return linear(np.ascontiguousarray(x), self.lm_head)  # [*, V]

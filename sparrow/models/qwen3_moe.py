@@ -23,7 +23,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import SparrowError
-from ..kernels.linear import SMALL_T, linear
+from ..kernels import linear as _linear
+from ..kernels.linear import linear
 from ..kernels.moe import StackedExperts, expert_pairs, route
 from ..quant import Weight
 from .layers import MLP, silu
@@ -72,7 +73,8 @@ class MoEBlock:
         order = np.argsort(flat, kind="stable")  # (token, rank) pairs grouped by expert, tokens ascending
         bounds = np.searchsorted(flat[order], np.arange(len(self.experts) + 1))
         counts = np.diff(bounds)  # [E] rows routed to each expert
-        few = counts <= SMALL_T if self.stacked is not None else np.zeros(len(counts), bool)
+        # SMALL_T is read at call time, through the module: it is the linear kernels' own threshold
+        few = counts <= _linear.SMALL_T if self.stacked is not None else np.zeros(len(counts), bool)
         # Experts with few rows: every pair in one fused call (row-wise kernels, two launches).
         pairs = order[few[flat[order]]]  # grouped by expert, like order
         y_few = expert_pairs(x, pairs // k, flat[pairs], self.stacked) if len(pairs) else None  # [P, hidden]
@@ -96,8 +98,11 @@ def moe_mlp_factory(cfg, get, i: int, prefix: str):
     if sparse and not get.has(prefix + "gate.weight") and get.has(prefix + "gate_proj.weight"):
         sparse = False  # GGUF metadata has no mlp_only_layers: trust the tensors present
     if not sparse:
-        return MLP(get.weight(prefix + "gate_proj.weight"), get.weight(prefix + "up_proj.weight"),
-                   get.weight(prefix + "down_proj.weight"))
+        return MLP(
+            get.weight(prefix + "gate_proj.weight"),
+            get.weight(prefix + "up_proj.weight"),
+            get.weight(prefix + "down_proj.weight"),
+        )
     n, hidden = cfg.num_experts, cfg.hidden_size
     router = Weight.from_array(get.array(prefix + "gate.weight"))
     if router.shape != (n, hidden):

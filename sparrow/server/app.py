@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over the engine thread.
 
-JSON, chat templating and tokenization live here; the engine (sparrow.engine.scheduler) sees
+JSON, chat templating and tokenization live here; the engine (sparrow.engine.engine) sees
 token ids and typed settings. uvicorn starts serving at once (/health answers 503) while the
 model loads and warms up in a background thread.
 """
@@ -20,13 +20,25 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.scheduler import Engine
+from ..engine.engine import Engine
 from ..engine.sequence import check_context
 from ..errors import ContextLengthError, SparrowError
 from .metrics import Metrics
+from .protocol import (
+    DEFAULT_MAX_TOKENS,
+    APIError,
+    ReasoningSplitter,
+    chat_logprobs,
+    completion_logprobs,
+    error_body,
+    new_id,
+    now,
+    parse_chat,
+    parse_completion,
+    starts_in_reasoning,
+    usage,
+)
 from .streaming import Accumulator, SSEResponse, collect, stream
-from .protocol import (DEFAULT_MAX_TOKENS, APIError, ReasoningSplitter, chat_logprobs, completion_logprobs,
-                       error_body, new_id, now, parse_chat, parse_completion, starts_in_reasoning, usage)
 
 MAX_BODY = 8 * 1024 * 1024  # bytes; larger bodies get 413
 _DRAIN = 64 * 1024 * 1024  # read and drop up to this much of an oversized body so the client sees the 413
@@ -56,8 +68,9 @@ class ServerState:
 
     def require_ready(self) -> None:
         if not self.ready:
-            raise APIError(503, self.load_error or "the model is still loading", type="server_error",
-                           code="model_not_ready")
+            raise APIError(
+                503, self.load_error or "the model is still loading", type="server_error", code="model_not_ready"
+            )
 
 
 async def read_json(request: Request):
@@ -106,8 +119,16 @@ class _Guard:
             traceback.print_exc(file=sys.stderr)
             if not status[0]:
                 body = json.dumps(error_body("internal server error", "server_error")).encode()
-                await send_status({"type": "http.response.start", "status": 500, "headers": [
-                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                await send_status(
+                    {
+                        "type": "http.response.start",
+                        "status": 500,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                        ],
+                    }
+                )
                 await send({"type": "http.response.body", "body": body})
         finally:
             path = scope.get("path", "")
@@ -136,21 +157,25 @@ def create_app(state: ServerState) -> FastAPI:
         header = request.headers.get("authorization", "")
         token = header[7:] if header[:7].lower() == "bearer " else ""
         if not hmac.compare_digest(token.encode(), state.api_key.encode()):
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
-                           code="invalid_api_key")
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
 
     def check_model(name) -> None:
         if name is not None and not isinstance(name, str):
             raise APIError(400, "'model' must be a string", param="model")
         if name is not None and name not in state.aliases:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{state.llm.name}'",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model '{name}' does not exist; this server serves '{state.llm.name}'",
+                param="model",
+                code="model_not_found",
+            )
 
     @app.get("/health")
     async def health():
         if not state.ready:
-            return JSONResponse({"status": "error" if state.load_error else "loading", "error": state.load_error},
-                                status_code=503)
+            return JSONResponse(
+                {"status": "error" if state.load_error else "loading", "error": state.load_error}, status_code=503
+            )
         return {"status": "ok", "model": state.llm.name}
 
     @app.get("/metrics")
@@ -169,8 +194,18 @@ def create_app(state: ServerState) -> FastAPI:
         auth(request)
         state.require_ready()
         llm = state.llm
-        return {"object": "list", "data": [{"id": llm.name, "object": "model", "created": state.created,
-                                            "owned_by": "sparrow", "max_model_len": llm.ctx}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": llm.name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "sparrow",
+                    "max_model_len": llm.ctx,
+                }
+            ],
+        }
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -181,7 +216,9 @@ def create_app(state: ServerState) -> FastAPI:
         check_model(body.get("model"))
         try:
             if body.get("messages") is not None:
-                req = parse_chat({"messages": body["messages"], "chat_template_kwargs": body.get("chat_template_kwargs")})
+                req = parse_chat(
+                    {"messages": body["messages"], "chat_template_kwargs": body.get("chat_template_kwargs")}
+                )
                 ids = await run_in_threadpool(llm.prompt_ids, req.messages, True, None, req.chat_template_kwargs)
             elif isinstance(body.get("prompt"), str):
                 add = body.get("add_special_tokens", True)
@@ -254,15 +291,20 @@ def create_app(state: ServerState) -> FastAPI:
         def emit(kind, payload):  # engine thread
             loop.call_soon_threadsafe(queue.put_nowait, (kind, payload))
 
-        handle = engine.submit(ids, req.params, req.sparse, emit)
+        handle = engine.submit(ids, req.params, req.sparse, emit, req.kv_dtype)
         acc = Accumulator(llm, splitter, req.logprobs, req.params.stop_token_ids)
         rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
-        obj = ("chat.completion" if chat else "text_completion")
-        lp_fmt = (lambda outs, offset=0: chat_logprobs(llm.tokenizer, outs)) if chat else (
-            lambda outs, offset=0: completion_logprobs(llm.tokenizer, outs, offset))
+        obj = "chat.completion" if chat else "text_completion"
+        lp_fmt = (
+            (lambda outs, offset=0: chat_logprobs(llm.tokenizer, outs))
+            if chat
+            else (lambda outs, offset=0: completion_logprobs(llm.tokenizer, outs, offset))
+        )
 
         if req.stream:
-            return SSEResponse(stream(req, ids, queue, acc, rid, created, chat, lp_fmt, llm.name), lambda: engine.cancel(handle))
+            return SSEResponse(
+                stream(req, ids, queue, acc, rid, created, chat, lp_fmt, llm.name), lambda: engine.cancel(handle)
+            )
         try:
             result = await collect(request, queue, acc)
         finally:
@@ -278,8 +320,14 @@ def create_app(state: ServerState) -> FastAPI:
             choice = {"index": 0, "message": msg, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": content, "logprobs": lp, "finish_reason": finish}
-        return {"id": rid, "object": obj, "created": created, "model": llm.name, "choices": [choice],
-                "usage": usage(len(ids), acc.tokens)}
+        return {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": llm.name,
+            "choices": [choice],
+            "usage": usage(len(ids), acc.tokens),
+        }
 
     return app
 
@@ -300,20 +348,32 @@ def serve(args) -> None:
                 state.engine.stop(timeout=0)
             super().handle_exit(sig, frame)
 
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                   access_log=False, timeout_graceful_shutdown=3))
+    server = Server(
+        uvicorn.Config(
+            app, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_graceful_shutdown=3
+        )
+    )
 
     def load():
         try:
-            llm = api.load(args.model, kv_dtype=args.kv_dtype, threads=args.threads, quantize=args.quantize, ctx=args.ctx)
+            llm = api.load(
+                args.model, kv_dtype=args.kv_dtype, threads=args.threads, quantize=args.quantize, ctx=args.ctx
+            )
             state.attach(llm)
-            print(f"sparrow: {llm.name} loaded in {llm.load_seconds:.1f} s ({llm.threads} threads, ctx {llm.ctx})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"sparrow: {llm.name} loaded in {llm.load_seconds:.1f} s ({llm.threads} threads, ctx {llm.ctx})",
+                file=sys.stderr,
+                flush=True,
+            )
         except Exception as e:  # noqa: BLE001 - any load failure ends the server with one line
             state.load_error = f"model failed to load: {e}"
             server.should_exit = True
 
     print(f"sparrow: serving on http://{args.host}:{args.port} (model loading)", file=sys.stderr, flush=True)
+    from ..kernels import COMPILE_NOTICE, cache_is_cold
+
+    if cache_is_cold():
+        print(COMPILE_NOTICE, file=sys.stderr, flush=True)
     threading.Thread(target=load, name="sparrow-load", daemon=True).start()
     try:
         server.run()

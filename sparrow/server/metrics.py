@@ -65,10 +65,15 @@ class Metrics:
     def snapshot(self) -> dict:
         with self._lock:
             return {
-                "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
-                "prefill_tokens": self.prefill_tokens, "prefill_seconds": self.prefill_seconds,
-                "decode_tokens": self.decode_tokens, "decode_seconds": self.decode_seconds,
-                "cancelled": self.cancelled, "running": self.running, "waiting": self.waiting,
+                "prompt_tokens": self.prompt_tokens,
+                "generation_tokens": self.generation_tokens,
+                "prefill_tokens": self.prefill_tokens,
+                "prefill_seconds": self.prefill_seconds,
+                "decode_tokens": self.decode_tokens,
+                "decode_seconds": self.decode_seconds,
+                "cancelled": self.cancelled,
+                "running": self.running,
+                "waiting": self.waiting,
             }
 
     def render(self) -> str:
@@ -83,27 +88,58 @@ class Metrics:
                     lines.append(f"sparrow_{name}{'{' + lab + '}' if lab else ''} {value}")
 
             metric("model_ready", "gauge", "1 once the model is loaded and warmed up", [({}, int(self.ready))])
-            metric("requests_total", "counter", "HTTP requests by endpoint and status code",
-                   [({"endpoint": e, "status": s}, n) for (e, s), n in sorted(self.requests.items())])
+            metric(
+                "requests_total",
+                "counter",
+                "HTTP requests by endpoint and status code",
+                [({"endpoint": e, "status": s}, n) for (e, s), n in sorted(self.requests.items())],
+            )
             metric("prompt_tokens_total", "counter", "prompt tokens of admitted requests", [({}, self.prompt_tokens)])
             metric("generation_tokens_total", "counter", "generated tokens", [({}, self.generation_tokens)])
-            metric("request_finished_total", "counter", "finished generations by finish reason",
-                   [({"finish_reason": r}, n) for r, n in sorted(self.finished.items())])
-            metric("requests_cancelled_total", "counter", "generations dropped because the client disconnected",
-                   [({}, self.cancelled)])
+            metric(
+                "request_finished_total",
+                "counter",
+                "finished generations by finish reason",
+                [({"finish_reason": r}, n) for r, n in sorted(self.finished.items())],
+            )
+            metric(
+                "requests_cancelled_total",
+                "counter",
+                "generations dropped because the client disconnected",
+                [({}, self.cancelled)],
+            )
             metric("num_requests_running", "gauge", "sequences in the decode batch", [({}, self.running)])
             metric("num_requests_waiting", "gauge", "sequences queued or in prefill", [({}, self.waiting)])
-            metric("prefill_tokens_total", "counter", "tokens run through prefill forwards", [({}, self.prefill_tokens)])
-            metric("prefill_seconds_total", "counter", "time spent in prefill forwards", [({}, f"{self.prefill_seconds:.6f}")])
+            metric(
+                "prefill_tokens_total", "counter", "tokens run through prefill forwards", [({}, self.prefill_tokens)]
+            )
+            metric(
+                "prefill_seconds_total",
+                "counter",
+                "time spent in prefill forwards",
+                [({}, f"{self.prefill_seconds:.6f}")],
+            )
             metric("decode_tokens_total", "counter", "tokens produced by decode forwards", [({}, self.decode_tokens)])
-            metric("decode_seconds_total", "counter", "time spent in decode steps", [({}, f"{self.decode_seconds:.6f}")])
-            metric("decode_forwards_total", "counter", "decode forwards (a step runs one per SMALL_T rows)",
-                   [({}, self.decode_forwards)])
+            metric(
+                "decode_seconds_total", "counter", "time spent in decode steps", [({}, f"{self.decode_seconds:.6f}")]
+            )
+            metric(
+                "decode_forwards_total",
+                "counter",
+                "decode forwards (a step runs one per SMALL_T rows)",
+                [({}, self.decode_forwards)],
+            )
             pf = self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
             dc = self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
-            metric("prefill_tokens_per_second", "gauge", "prefill throughput over all prefill time", [({}, f"{pf:.3f}")])
-            metric("decode_tokens_per_second", "gauge", "aggregate decode throughput over all decode time",
-                   [({}, f"{dc:.3f}")])
+            metric(
+                "prefill_tokens_per_second", "gauge", "prefill throughput over all prefill time", [({}, f"{pf:.3f}")]
+            )
+            metric(
+                "decode_tokens_per_second",
+                "gauge",
+                "aggregate decode throughput over all decode time",
+                [({}, f"{dc:.3f}")],
+            )
             return "\n".join(lines) + "\n"
 
 

@@ -12,9 +12,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..params import SamplingParams
 from ..errors import SparrowError
-from ..params import SparseParams
+from ..params import KV_DTYPES, SamplingParams, SparseParams
 
 ROLES = {"system", "user", "assistant", "developer"}  # developer is OpenAI's newer name for system
 _TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "tools", "template", "self"}  # set by the server
@@ -22,8 +21,14 @@ DEFAULT_MAX_TOKENS = 2048  # when the request names none: the KV cache is sized 
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -31,7 +36,9 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -44,8 +51,12 @@ def _num(body: dict, name: str, default, lo=None, hi=None, integer=False):
     v = body.get(name)
     if v is None:
         return default
-    if (isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int))
-            or (isinstance(v, float) and not math.isfinite(v))):  # json.loads accepts NaN and Infinity
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, (int, float))
+        or (integer and not isinstance(v, int))
+        or (isinstance(v, float) and not math.isfinite(v))
+    ):  # json.loads accepts NaN and Infinity
         raise _bad(name, f"'{name}' must be {'an integer' if integer else 'a finite number'}, got {v!r}"[:300])
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
@@ -106,6 +117,7 @@ class GenRequest:
     include_usage: bool = False
     logprobs: bool = False
     chat_template_kwargs: dict = field(default_factory=dict)
+    kv_dtype: str | None = None  # None: the server's --kv-dtype
 
 
 def _common(body: dict, chat: bool, defaults: dict | None) -> GenRequest:
@@ -156,17 +168,31 @@ def _common(body: dict, chat: bool, defaults: dict | None) -> GenRequest:
     sparse = None
     if _bool(body, "sparse_attn", False):
         try:
-            sparse = SparseParams(k=_num(body, "sparse_k", 32, lo=1, integer=True),
-                                  block=_num(body, "sparse_block", 32, lo=1, integer=True),
-                                  probe=_num(body, "sparse_probe", 8, lo=1, integer=True),
-                                  prefill=_bool(body, "sparse_prefill", False))
+            sparse = SparseParams(
+                k=_num(body, "sparse_k", 32, lo=1, integer=True),
+                block=_num(body, "sparse_block", 32, lo=1, integer=True),
+                probe=_num(body, "sparse_probe", 8, lo=1, integer=True),
+                prefill=_bool(body, "sparse_prefill", False),
+            )
         except SparrowError as e:
             raise _bad("sparse_attn", str(e)) from None
+    kv_dtype = body.get("kv_dtype")
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise _bad("kv_dtype", f"'kv_dtype' must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}"[:300])
     stream = _bool(body, "stream", False)
     opts = _dict(body, "stream_options")
     include_usage = _bool(opts, "include_usage", False)
-    return GenRequest(chat, model, params, sparse, max_tokens, stream=stream, include_usage=include_usage,
-                      logprobs=want_lp)
+    return GenRequest(
+        chat,
+        model,
+        params,
+        sparse,
+        max_tokens,
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=want_lp,
+        kv_dtype=kv_dtype,
+    )
 
 
 def _messages(body: dict) -> list[dict]:
@@ -185,8 +211,12 @@ def _messages(body: dict) -> list[dict]:
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str)):
-                    raise _bad(f"{p}.content[{j}]", f"{p}.content[{j}] must be a text part {{'type': 'text', 'text': ...}}")
+                if not (
+                    isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str)
+                ):
+                    raise _bad(
+                        f"{p}.content[{j}]", f"{p}.content[{j}] must be a text part {{'type': 'text', 'text': ...}}"
+                    )
                 texts.append(part["text"])
             content = "\n".join(texts)
         elif content is None:
@@ -303,7 +333,7 @@ class ReasoningSplitter:
         if self.mode == "start":
             s = buf.lstrip()
             if s.startswith(self.OPEN):
-                self.mode, self._strip, buf = "reasoning", True, s[len(self.OPEN):]
+                self.mode, self._strip, buf = "reasoning", True, s[len(self.OPEN) :]
             elif self.OPEN.startswith(s) and not final:
                 self.buf = buf  # whitespace or part of "<think>": undecided
                 return "", ""
@@ -313,9 +343,9 @@ class ReasoningSplitter:
             i = buf.find(self.CLOSE)
             if i < 0:
                 hold = 0 if final else _partial_suffix(buf, self.CLOSE)
-                self.buf, reasoning = buf[len(buf) - hold:], buf[: len(buf) - hold]
+                self.buf, reasoning = buf[len(buf) - hold :], buf[: len(buf) - hold]
                 return self._lead(reasoning), ""
-            reasoning, buf = self._lead(buf[:i]), buf[i + len(self.CLOSE):]
+            reasoning, buf = self._lead(buf[:i]), buf[i + len(self.CLOSE) :]
             self.mode, self._strip = "content", True
             return reasoning, self._lead(buf)
         return "", self._lead(buf)

@@ -76,16 +76,25 @@ async def collect(request, queue, acc):
     finally:
         watch.cancel()
 
+
 async def stream(req, ids, queue, acc, rid, created, chat, lp_fmt, model_name):
     """SSE chunks in OpenAI's shape: role first, deltas, finish, optional usage, [DONE]."""
-    base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": model_name}
+    base = {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": model_name,
+    }
     extra = {"usage": None} if req.include_usage else {}
     offset = 0  # characters streamed so far: completions' logprobs.text_offset
 
     def chunk(delta_or_text, lps=None, finish=None):
-        choice = {"index": 0, ("delta" if chat else "text"): delta_or_text,
-                  "logprobs": lp_fmt(lps, offset) if lps else None, "finish_reason": finish}
+        choice = {
+            "index": 0,
+            ("delta" if chat else "text"): delta_or_text,
+            "logprobs": lp_fmt(lps, offset) if lps else None,
+            "finish_reason": finish,
+        }
         return sse({**base, "choices": [choice], **extra})
 
     if chat:
@@ -109,4 +118,3 @@ async def stream(req, ids, queue, acc, rid, created, chat, lp_fmt, model_name):
                 yield sse({**base, "choices": [], "usage": usage(len(ids), acc.tokens)})
             break
     yield "data: [DONE]\n\n"
-

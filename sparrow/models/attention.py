@@ -1,9 +1,13 @@
-"""Attention over a LayerCache: exact and block-sparse top-k (spec: shared/SPARSE_ATTENTION.md).
+"""Attention over one layer's KV cache: exact and block-sparse top-k (spec: shared/SPARSE_ATTENTION.md).
+
+The cache-aware side of attention: it takes a LayerCache (K/V storage of one kind) and its
+SparseState (importance, probe-key copies) and hands their arrays to the kernels in
+sparrow.kernels._attn_kernels, which know nothing of caches.
 
 Decode runs one serial numba kernel, sparse prefill one parallel kernel (prange over KV heads
-only); both live in sparrow.kernels._attn_kernels and attend each query head over its list of
-selected blocks, the query heads of a GQA group sharing the K/V reads. Exact attention is the
-same kernel with every block selected, so sparse with k >= n_blocks is bit-identical to exact.
+only); both attend each query head over its list of selected blocks, the query heads of a GQA
+group sharing the K/V reads. Exact attention is the same kernel with every block selected, so
+sparse with k >= n_blocks is bit-identical to exact.
 
 Accumulation order, per query head:
 1. each score is q' . K[t] (q' = q * scale for f32/f16 caches; int8: the int8 x int8 dot,
@@ -15,7 +19,7 @@ Accumulation order, per query head:
    out = ((acc0 + acc1) + (acc2 + acc3)) * (1 / den).
 Nothing is split across threads, so results do not depend on the thread count. Probes are the
 spec's raw q . K[p] (int8: with the scales); sparse decode reads the probe keys of full blocks
-from a contiguous copy kept by the cache (kv_cache.ProbeKeys).
+below seq_len from a contiguous copy kept in the SparseState (kv_cache.ProbeKeys).
 
 Exact prefill uses numpy/BLAS per KV-head group, tiled over queries so the score tile stays
 small (about _TILE_ELEMS floats); f16/int8 keys and values are dequantised to f32 for it.
@@ -23,34 +27,12 @@ small (about _TILE_ELEMS floats); f16/int8 keys and values are dequantised to f3
 
 import numpy as np
 
-from sparrow.kernels._attn_kernels import decode_kernel, softmax_causal_rows, sparse_prefill_kernel
-from sparrow.kernels.sparse_select import STAGE_NAMES
-from sparrow.kv_cache import quantize_int8
-from sparrow.params import SparseParams  # noqa: F401  (type of the sparse argument)
+from ..kernels._attn_kernels import decode_kernel, softmax_causal_rows, sparse_prefill_kernel
+from ..kernels.sparse_select import STAGE_NAMES
+from ..params import SparseParams  # noqa: F401  (type of the sparse argument)
 
 _TILE_ELEMS = 1 << 19  # floats per prefill score tile (2 MiB: its passes stay in L2)
 _DEFAULT_BLOCK = 32
-
-
-def _query(q, layer, scale):
-    """(probe queries, attention queries, per-head scales) as the kernels take them.
-
-    int8 cache: the int8 codes of q (same absmax/127 rule as the cache) as float32, exact
-    small integers, so every dot is the exact int8 x int8 dot, for both uses; the kernel
-    applies the scales. Float caches: q for the probes (the spec's raw q . K) and q * scale
-    for the scores, which saves a multiply per key."""
-    if layer.dtype == "int8":
-        codes, qscale = quantize_int8(q)  # [..., H, D], [..., H]
-        codes = codes.astype(np.float32)
-        return codes, codes, qscale
-    return q, q * np.float32(scale), np.zeros(q.shape[:-1], np.float32)
-
-
-def _scales(layer):
-    if layer.k_scale is not None:
-        return layer.k_scale, layer.v_scale  # [KVH, C]
-    dummy = np.zeros((layer.n_kv_heads, 1), np.float32)
-    return dummy, dummy
 
 
 def _check_heads(H, layer):
@@ -59,10 +41,12 @@ def _check_heads(H, layer):
     return H // layer.n_kv_heads
 
 
-def decode_attention(q, layer, seq_len, scale, sparse=None, trace=None):
-    """Attention of q [H, D] (position seq_len-1, already appended) over the cache -> [H, D].
+def decode_attention(q, layer, state, seq_len, scale, sparse=None, trace=None):
+    """Attention of q [H, D] (position seq_len-1, already appended) over positions
+    0..seq_len-1 of the layer cache -> [H, D].
 
-    sparse: SparseParams for block-sparse top-k (importance from layer.importance[:seq_len]).
+    state: the layer's SparseState (importance state.importance[:seq_len], probe copies).
+    sparse: SparseParams for block-sparse top-k, None for exact attention.
     trace: with sparse, appends (head, block ids ascending, stage names, mass) per query head,
     mass being the share of the exact softmax mass inside the selected blocks; exact
     attention records nothing.
@@ -72,8 +56,7 @@ def decode_attention(q, layer, seq_len, scale, sparse=None, trace=None):
     group = _check_heads(H, layer)
     if not 1 <= seq_len <= layer.capacity:
         raise ValueError(f"seq_len {seq_len} outside 1..{layer.capacity}")
-    qd, qa, qs = _query(q, layer, scale)
-    ks, vs = _scales(layer)
+    qd, qa, qs = layer.query(q, scale)  # [H, D], [H, D], [H]
     bs = sparse.block if sparse is not None else _DEFAULT_BLOCK
     nb = (seq_len + bs - 1) // bs
     sel = np.empty((H, nb), np.int64)
@@ -81,16 +64,36 @@ def decode_attention(q, layer, seq_len, scale, sparse=None, trace=None):
     nsel = np.empty(H, np.int64)
     out = np.empty((H, D), np.float32)
     if sparse is not None and sparse.k < nb:
-        pk = layer.probe_keys(bs, sparse.probe, seq_len)
-        probe_rows, probe_scale, per_block, n_copied = pk.rows, pk.scale, pk.per_block, pk.blocks
-    else:
-        probe_rows = np.zeros((layer.n_kv_heads, 1, D), layer.k.dtype)  # unused
-        probe_scale, per_block, n_copied = ks, 1, 0
-    decode_kernel(qd, qa, qs, layer.k, layer.v, ks, vs, layer.dtype == "int8", layer.importance,
-                  seq_len, np.float32(scale), group, sparse is not None,
-                  sparse.k if sparse is not None else nb, bs,
-                  sparse.probe if sparse is not None else 1, probe_rows, probe_scale, per_block,
-                  n_copied, out, sel, stages, nsel)
+        pk, n_copied = state.probe_keys(layer, bs, sparse.probe, seq_len)
+        probe_rows, probe_scale, per_block = pk.rows, pk.scale, pk.per_block  # [KVH, n, D], [KVH, n | 1]
+    else:  # nothing is probed: K stands in for the copy (n_copied 0, never read)
+        probe_rows, probe_scale, per_block, n_copied = layer.k, layer.k_scale, 1, 0
+    decode_kernel(
+        qd,
+        qa,
+        qs,
+        layer.k,
+        layer.v,
+        layer.k_scale,
+        layer.v_scale,
+        layer.scaled,
+        state.importance,
+        seq_len,
+        np.float32(scale),
+        group,
+        sparse is not None,
+        sparse.k if sparse is not None else nb,
+        bs,
+        sparse.probe if sparse is not None else 1,
+        probe_rows,
+        probe_scale,
+        per_block,
+        n_copied,
+        out,
+        sel,
+        stages,
+        nsel,
+    )
     if trace is not None and sparse is not None:
         for h in range(H):
             n = nsel[h]
@@ -107,16 +110,16 @@ def _selected_mass(qh, layer, kh, seq_len, scale, bs, blocks):
     p = np.exp(s - s.max())
     inside = np.zeros(seq_len, bool)
     for b in blocks:
-        inside[b * bs:(b + 1) * bs] = True
+        inside[b * bs : (b + 1) * bs] = True
     return float(p[inside].sum() / p.sum())
 
 
-def prefill_attention(q, layer, start, scale, sparse=None, record_importance=True):
+def prefill_attention(q, layer, state, start, scale, sparse=None, record_importance=True):
     """Causal attention of q [T, H, D] (positions start..start+T-1, already appended) -> [T, H, D].
 
     Query t sees cache positions 0..start+t. With sparse.prefill each query selects blocks over
     its own causal prefix (no importance). record_importance adds the probabilities each
-    position received (summed over heads and queries) to layer.importance[:start+T].
+    position received (summed over heads and queries) to state.importance[:start+T].
     """
     q = np.ascontiguousarray(q, dtype=np.float32)  # [T, H, D]
     T, H, D = q.shape
@@ -126,20 +129,35 @@ def prefill_attention(q, layer, start, scale, sparse=None, record_importance=Tru
         raise ValueError(f"prefill positions {start}..{S - 1} outside capacity {layer.capacity}")
     scale = np.float32(scale)
     if sparse is not None and sparse.prefill:
-        qd, qa, qs = _query(q, layer, scale)
-        ks, vs = _scales(layer)
+        qd, qa, qs = layer.query(q, scale)  # [T, H, D], [T, H, D], [T, H]
         out = np.empty((T, H, D), np.float32)
         pacc = np.zeros((H, S) if record_importance else (H, 1), np.float32)
-        sparse_prefill_kernel(qd, qa, qs, layer.k, layer.v, ks, vs, layer.dtype == "int8", start, scale,
-                              group, sparse.k, sparse.block, sparse.probe, out, pacc,
-                              record_importance)
+        sparse_prefill_kernel(
+            qd,
+            qa,
+            qs,
+            layer.k,
+            layer.v,
+            layer.k_scale,
+            layer.v_scale,
+            layer.scaled,
+            start,
+            scale,
+            group,
+            sparse.k,
+            sparse.block,
+            sparse.probe,
+            out,
+            pacc,
+            record_importance,
+        )
         if record_importance:
-            layer.importance[:S] += pacc.sum(axis=0)
+            state.importance[:S] += pacc.sum(axis=0)
         return out
-    return _exact_prefill(q, layer, start, scale, group, record_importance)
+    return _exact_prefill(q, layer, state, start, scale, group, record_importance)
 
 
-def _exact_prefill(q, layer, start, scale, group, record_importance):
+def _exact_prefill(q, layer, state, start, scale, group, record_importance):
     T, H, D = q.shape
     S = start + T
     out = np.empty((T, H, D), np.float32)
@@ -161,5 +179,5 @@ def _exact_prefill(q, layer, start, scale, group, record_importance):
             if imp is not None:
                 imp[:sk] += rinv @ sc
     if imp is not None:
-        layer.importance[:S] += imp
+        state.importance[:S] += imp
     return out

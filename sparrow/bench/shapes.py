@@ -1,0 +1,323 @@
+"""Random-weight GGUF files with the exact tensor shapes of real Qwen3 models, for speed benchmarks.
+
+`sparrow bench speed --shape qwen3-1.7b --type q8_0` benches both engines on such a file. It is
+written once into `$XDG_CACHE_HOME/sparrow/shapes/<shape>-<type>.gguf` (default `~/.cache/...`),
+atomically (temporary file + rename), and reused. Nothing is read from outside the package: the
+weights are random and the vocabulary is synthesised (prompts are token ids anyway).
+
+Shapes (Hugging Face `Qwen/Qwen3-*` config.json; all: head_dim 128, vocab 151936, rope theta 1e6,
+rms eps 1e-6, context 40960, no biases, q/k RMSNorm over head_dim):
+
+| shape      | hidden | layers | heads | kv heads | FFN   | tied | params (unique) | non-embedding |
+|------------|--------|--------|-------|----------|-------|------|-----------------|---------------|
+| qwen3-0.6b | 1024   | 28     | 16    | 8        | 3072  | yes  | 0.596 B         | 0.440 B       |
+| qwen3-1.7b | 2048   | 28     | 16    | 8        | 6144  | yes  | 1.721 B         | 1.409 B       |
+| qwen3-4b   | 2560   | 36     | 32    | 8        | 9728  | yes  | 4.022 B         | 3.633 B       |
+| qwen3-8b   | 4096   | 36     | 32    | 8        | 12288 | no   | 8.191 B         | 6.946 B       |
+
+Tensors use llama.cpp's qwen3 names (`token_embd`, `blk.N.attn_q` ... `ffn_down`, `output_norm`,
+`output` when untied) and ggml order (ne0 = input width). Every matrix, the token embedding
+included, is stored in the requested type (like `llama-quantize --pure`); norms are f32 ones.
+Weights are random block bytes: each 32-value block gets an f16 scale and uniform quants
+(q8_0: -127..127, q4_0: 1..15, i.e. -7..7 around the zero point), scaled so the values have a
+standard deviation of about 0.02 (random scale x 0.75..1.25 per block). That is what quantising a
+random matrix whose values lie on the quant grid would give; activations stay finite and logits
+sane (standard deviation ~1).
+
+Vocabulary (`tokenizer.ggml.model` gpt2, pre qwen2): Qwen3's layout with synthesised BPE tokens:
+ids 0..255 the 256 byte-alphabet characters, then every 2-character then 3-character combination
+(each with its merge) up to id 151642, the 26 real Qwen3 added tokens at 151643..151668
+(`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, ... `</think>`; `<|...|>` ones are control tokens,
+the rest user-defined, as llama.cpp's converter types them) and `[PAD151669]`.. unused slots up
+to 151935. bos = padding = 151643, eos = 151645 `<|im_end|>`, no BOS added; a ChatML template.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+
+from sparrow.errors import SparrowError
+
+_QWEN3 = dict(head_dim=128, vocab=151936, bpe_tokens=151643, rope_theta=1e6, rms_eps=1e-6, context=40960)
+SHAPES: dict[str, dict] = {
+    "qwen3-0.6b": dict(_QWEN3, hidden=1024, layers=28, heads=16, kv_heads=8, ffn=3072, tied=True),
+    "qwen3-1.7b": dict(_QWEN3, hidden=2048, layers=28, heads=16, kv_heads=8, ffn=6144, tied=True),
+    "qwen3-4b": dict(_QWEN3, hidden=2560, layers=36, heads=32, kv_heads=8, ffn=9728, tied=True),
+    "qwen3-8b": dict(_QWEN3, hidden=4096, layers=36, heads=32, kv_heads=8, ffn=12288, tied=False),
+}
+TYPES = ("q8_0", "q4_0")  # K-quants join once sparrow supports them
+_BLOCK = 32
+_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
+_FILE_TYPE = {"q8_0": 7, "q4_0": 2}  # gguf.LlamaFileType.MOSTLY_Q8_0 / MOSTLY_Q4_0
+_STD = 0.02
+# uniform quants: q8_0 in -127..127, q4_0 nibbles 1..15 (value q - 8 in -7..7)
+_Q_STD = {"q8_0": np.sqrt((255**2 - 1) / 12), "q4_0": np.sqrt((15**2 - 1) / 12)}
+
+# Qwen3's added tokens (tokenizer.json added_tokens), from id bpe_tokens on.
+QWEN3_ADDED = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+)
+_NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5
+_CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _shape(shape) -> dict:
+    if isinstance(shape, dict):
+        return shape
+    if shape not in SHAPES:
+        raise SparrowError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
+    return SHAPES[shape]
+
+
+def _check_type(qtype):
+    if qtype not in TYPES:
+        raise SparrowError(f"unsupported --type {qtype!r} for a shape benchmark; choose from {', '.join(TYPES)}")
+
+
+def plan(shape, qtype: str = "q8_0") -> list[tuple[str, tuple[int, ...], str]]:
+    """The file's tensors in order: (GGUF name, ggml shape (ne0 = input width, ...), type)."""
+    _check_type(qtype)
+    s = _shape(shape)
+    h, hd, f, v = s["hidden"], s["head_dim"], s["ffn"], s["vocab"]
+    q, kv = s["heads"] * hd, s["kv_heads"] * hd
+    out = [("token_embd.weight", (h, v), qtype)]
+    if not s["tied"]:
+        out.append(("output.weight", (h, v), qtype))
+    out.append(("output_norm.weight", (h,), "f32"))
+    for i in range(s["layers"]):
+        b = f"blk.{i}."
+        out += [
+            (b + "attn_norm.weight", (h,), "f32"),
+            (b + "attn_q.weight", (h, q), qtype),
+            (b + "attn_k.weight", (h, kv), qtype),
+            (b + "attn_v.weight", (h, kv), qtype),
+            (b + "attn_q_norm.weight", (hd,), "f32"),
+            (b + "attn_k_norm.weight", (hd,), "f32"),
+            (b + "attn_output.weight", (q, h), qtype),
+            (b + "ffn_norm.weight", (h,), "f32"),
+            (b + "ffn_gate.weight", (h, f), qtype),
+            (b + "ffn_up.weight", (h, f), qtype),
+            (b + "ffn_down.weight", (f, h), qtype),
+        ]
+    return out
+
+
+def _nbytes(ne, ttype) -> int:
+    n = int(np.prod(ne))
+    return n * 4 if ttype == "f32" else n // _BLOCK * _BLOCK_BYTES[ttype]
+
+
+def param_count(shape) -> int:
+    """Unique parameters (a tied embedding counted once)."""
+    return sum(int(np.prod(ne)) for _, ne, _ in plan(shape))
+
+
+def file_bytes(shape, qtype: str) -> int:
+    """Approximate file size: tensor data (metadata adds a few MB)."""
+    return sum(_nbytes(ne, t) for _, ne, t in plan(shape, qtype))
+
+
+def metadata(shape) -> dict:
+    """The `qwen3.*` model keys the file carries (llama.cpp's names)."""
+    s = _shape(shape)
+    return {
+        "qwen3.context_length": s["context"],
+        "qwen3.embedding_length": s["hidden"],
+        "qwen3.block_count": s["layers"],
+        "qwen3.feed_forward_length": s["ffn"],
+        "qwen3.attention.head_count": s["heads"],
+        "qwen3.attention.head_count_kv": s["kv_heads"],
+        "qwen3.attention.key_length": s["head_dim"],
+        "qwen3.attention.value_length": s["head_dim"],
+        "qwen3.rope.freq_base": s["rope_theta"],
+        "qwen3.attention.layer_norm_rms_epsilon": s["rms_eps"],
+    }
+
+
+def vocabulary(shape) -> dict:
+    """Synthesised Qwen3-layout vocabulary: tokens, token types, merges, special ids (see module doc)."""
+    from sparrow.tokenizer import BYTE_DECODER
+
+    s = _shape(shape)
+    vocab, n_bpe = s["vocab"], s.get("bpe_tokens", s["vocab"] - len(QWEN3_ADDED))
+    if n_bpe < 256 or n_bpe + len(QWEN3_ADDED) > vocab:
+        raise SparrowError(f"vocabulary of {vocab} cannot hold 256 bytes + {len(QWEN3_ADDED)} added tokens")
+    alphabet = sorted(BYTE_DECODER, key=BYTE_DECODER.get)  # the 256 byte-level characters
+    tokens, merges = list(alphabet), []
+    level, prev = 1, alphabet
+    while len(tokens) < n_bpe:
+        new = []
+        for a in prev:
+            for b in alphabet:
+                if len(tokens) == n_bpe:
+                    break
+                tokens.append(a + b)
+                merges.append(f"{a} {b}")
+                new.append(a + b)
+        prev, level = new, level + 1
+    types = [_NORMAL] * n_bpe
+    for t in QWEN3_ADDED:
+        tokens.append(t)
+        types.append(_CONTROL if t.startswith("<|") and t.endswith("|>") else _USER_DEFINED)
+    for i in range(len(tokens), vocab):
+        tokens.append(f"[PAD{i}]")
+        types.append(_UNUSED)
+    return {"tokens": tokens, "types": types, "merges": merges, "bos": n_bpe, "eos": n_bpe + 2, "pad": n_bpe}
+
+
+def cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "sparrow", "shapes")
+
+
+def shape_path(name: str, qtype: str) -> str:
+    return os.path.join(cache_dir(), f"{name}-{qtype}.gguf")
+
+
+def _random_blocks(rng, rows: int, k: int, qtype: str) -> np.ndarray:
+    """[rows, k/32 * blockbytes] uint8 of random blocks with value std ~0.02."""
+    nb = k // _BLOCK
+    blk = np.empty((rows, nb, _BLOCK_BYTES[qtype]), np.uint8)
+    d = (_STD / _Q_STD[qtype]) * rng.uniform(0.75, 1.25, (rows, nb, 1)).astype(np.float32)
+    blk[:, :, 0:2] = d.astype(np.float16).view(np.uint8)
+    if qtype == "q8_0":
+        blk[:, :, 2:] = rng.integers(-127, 128, (rows, nb, 32), dtype=np.int8).view(np.uint8)
+    else:
+        lo = rng.integers(1, 16, (rows, nb, 16), dtype=np.uint8)
+        hi = rng.integers(1, 16, (rows, nb, 16), dtype=np.uint8)
+        blk[:, :, 2:] = lo | (hi << 4)
+    return blk.reshape(rows, -1)
+
+
+def write_gguf(path: str, shape, qtype: str, *, seed: int = 0, name: str | None = None, log=None) -> str:
+    """Writes the random-weight GGUF for shape (a name or a shape dict) to path, atomically."""
+    import gguf
+
+    s = _shape(shape)
+    tensors = plan(s, qtype)
+    name = name or (shape if isinstance(shape, str) else "custom")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    qtypes = {
+        "f32": gguf.GGMLQuantizationType.F32,
+        "q8_0": gguf.GGMLQuantizationType.Q8_0,
+        "q4_0": gguf.GGMLQuantizationType.Q4_0,
+    }
+    w = gguf.GGUFWriter(tmp, "qwen3")
+    try:
+        w.add_name(f"{name} shape, random weights ({qtype})")
+        w.add_description("sparrow bench shapes: random weights with a real model's tensor shapes")
+        w.add_file_type(_FILE_TYPE[qtype])
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        for key, val in metadata(s).items():
+            (w.add_float32 if isinstance(val, float) else w.add_uint32)(key, val)
+        voc = vocabulary(s)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2")
+        w.add_token_list(voc["tokens"])
+        w.add_token_types(voc["types"])
+        w.add_token_merges(voc["merges"])
+        w.add_bos_token_id(voc["bos"])
+        w.add_eos_token_id(voc["eos"])
+        w.add_pad_token_id(voc["pad"])
+        w.add_add_bos_token(False)
+        w.add_chat_template(_CHATML)
+        for tname, ne, t in tensors:
+            # the writer takes numpy order (out, in); quantised tensors by their byte shape
+            if t == "f32":
+                w.add_tensor_info(tname, ne[::-1], np.dtype(np.float32), _nbytes(ne, t))
+            else:
+                byte_shape = ne[:0:-1] + (ne[0] // _BLOCK * _BLOCK_BYTES[t],)
+                w.add_tensor_info(tname, byte_shape, np.dtype(np.uint8), _nbytes(ne, t), raw_dtype=qtypes[t])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        fout = w.fout[0]
+        rng = np.random.default_rng(seed)
+        t0, last, done, total = time.perf_counter(), 0.0, 0, sum(_nbytes(ne, t) for _, ne, t in tensors)
+        for _name, ne, t in tensors:
+            # stream each tensor in row chunks (~16 MB), with GGUFWriter's alignment padding
+            w.write_padding(fout, fout.tell())
+            if t == "f32":
+                np.ones(ne[::-1], np.float32).tofile(fout)
+            else:
+                k, rows = ne[0], int(np.prod(ne[1:]))
+                step = max(1, (16 << 20) // (k // _BLOCK * _BLOCK_BYTES[t]))
+                for r in range(0, rows, step):
+                    _random_blocks(rng, min(step, rows - r), k, t).tofile(fout)
+            nb = _nbytes(ne, t)
+            w.write_padding(fout, nb)
+            done += nb
+            if log and t != "f32" and (time.perf_counter() - last > 1 or done == total):
+                last = time.perf_counter()
+                log(
+                    f"\rwriting {os.path.basename(path)}: {done / total:4.0%} "
+                    f"({done >> 20} / {total >> 20} MiB, {time.perf_counter() - t0:.0f} s)"
+                )
+        w.close()
+        os.replace(tmp, path)
+        if log:
+            log("\n")
+    except BaseException:
+        w.close()
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path
+
+
+def ensure(name: str, qtype: str, *, log=None) -> str:
+    """The cached file for (shape, type), written first if missing (after a free-space check)."""
+    _check_type(qtype)
+    s = _shape(name)
+    path = shape_path(name, qtype)
+    if os.path.exists(path):
+        return path
+    os.makedirs(cache_dir(), exist_ok=True)
+    need = file_bytes(s, qtype) + (64 << 20)
+    free = shutil.disk_usage(cache_dir()).free
+    if free < need + (1 << 30):  # keep 1 GiB spare
+        raise SparrowError(
+            f"{name} {qtype} needs {need / 2**30:.1f} GiB in {cache_dir()}, only {free / 2**30:.1f} GiB free"
+        )
+    if log is None:
+
+        def log(msg):
+            sys.stderr.write(msg)
+            sys.stderr.flush()
+
+    log(f"writing {path} ({need / 2**30:.1f} GiB, once; reused afterwards)\n")
+    return write_gguf(path, s, qtype, name=name, log=log)

@@ -1,0 +1,117 @@
+"""The one driver of the model: every forward that generation, serving, benchmarks and the
+evaluation run goes through `Runner`.
+
+It is the only place that cuts a prompt into prefill chunks and a decode step into forwards,
+so all callers share the rules that keep results reproducible:
+- prefill chunks start at multiples of `prefill_chunk` from where the cache stands, so a
+  prompt's logits depend only on the prompt (and the chunk size), never on the caller;
+- a decode forward holds at most `kernels.linear.SMALL_T` rows: up to that many rows the
+  linear kernels compute each row exactly as they would alone (above it they switch to the
+  prefill GEMM), so a token is bit-identical alone or beside other sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..kernels import linear as _linear
+from ..kv_cache import KVCache
+from ..models.decoder import Segment
+from ..params import SparseParams
+
+PREFILL_CHUNK = 512  # tokens per prefill forward: keeps the activations of a long prompt small
+
+
+@dataclass
+class Slot:
+    """The model-facing state of one sequence: its prompt, KV cache and attention settings.
+
+    The cache's `length` is where the next token goes; prefill runs until it covers the prompt.
+    """
+
+    prompt: np.ndarray  # [P] int64
+    cache: KVCache
+    sparse: SparseParams | None = None
+    trace: list | None = None  # sparse decode appends (layer, per-head selection records) here
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.cache.length >= len(self.prompt)
+
+
+def decode_groups(n: int, rows: int) -> list[range]:
+    """Splits n sequences into the fewest forwards of at most `rows`, sizes as even as possible."""
+    if n == 0:
+        return []
+    k = -(-n // max(1, rows))
+    base, extra = divmod(n, k)
+    out, start = [], 0
+    for i in range(k):
+        size = base + (i < extra)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+class Runner:
+    def __init__(self, model, prefill_chunk: int = PREFILL_CHUNK):
+        if prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be >= 1")
+        self.model = model
+        self.prefill_chunk = prefill_chunk
+
+    def new_slot(
+        self, prompt, capacity: int, kv_dtype: str = "f32", sparse: SparseParams | None = None, trace: bool = False
+    ) -> Slot:
+        """A slot with a fresh cache of `capacity` positions (prompt plus what it may generate)."""
+        cache = self.model.new_cache(capacity, kv_dtype)
+        return Slot(np.asarray(prompt, np.int64), cache, sparse, [] if trace else None)
+
+    def prefill_step(self, slot: Slot, end: int | None = None) -> np.ndarray | None:
+        """Runs the next chunk of the prompt (up to position `end`, default the whole prompt).
+
+        Returns the logits [V] of the chunk's last position, or None when there was nothing to
+        run."""
+        end = len(slot.prompt) if end is None else min(end, len(slot.prompt))
+        start = slot.cache.length
+        if start >= end:
+            return None
+        stop = min(end, start + self.prefill_chunk)
+        seg = Segment(slot.prompt[start:stop], slot.cache, start, slot.sparse)
+        return self.model.forward([seg])[0]  # [V]
+
+    def prefill(self, slot: Slot, end: int | None = None) -> np.ndarray | None:
+        """Runs the prompt (up to `end`) in chunks; the logits [V] of the last position run."""
+        logits = None
+        while (step := self.prefill_step(slot, end)) is not None:
+            logits = step
+        return logits
+
+    @staticmethod
+    def decode_groups(n: int) -> list[range]:
+        """How `decode` splits n sequences into forwards (callers that handle each forward's
+        failure on its own iterate these and pass one group at a time)."""
+        return decode_groups(n, _linear.SMALL_T)  # read each step: the kernels' threshold may change
+
+    def decode(self, slots: list[Slot], tokens) -> np.ndarray:
+        """Feeds tokens[i] to slots[i] at its cache's end, one position each -> logits [B, V]."""
+        tokens = np.asarray(tokens, np.int64)  # [B]
+        if len(tokens) != len(slots):
+            raise ValueError(f"{len(slots)} slots but {len(tokens)} tokens")
+        out = []
+        for g in self.decode_groups(len(slots)):
+            segs = [
+                Segment(
+                    tokens[i : i + 1],
+                    slots[i].cache,
+                    slots[i].cache.length,
+                    slots[i].sparse,
+                    decode=True,
+                    trace=slots[i].trace,
+                )
+                for i in g
+            ]
+            out.append(self.model.forward(segs))  # [len(g), V]
+        return out[0] if len(out) == 1 else np.concatenate(out)

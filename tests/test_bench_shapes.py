@@ -1,0 +1,250 @@
+"""Shape benchmarks: random-weight GGUFs with real Qwen3 tensor shapes (sparrow.bench.shapes) and
+the bench speed header. Real shapes are checked from their planned tensor tables (nothing big is
+written); a tiny shape is written, loaded and run. llama.cpp is not needed (CI has none)."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from sparrow.bench import shapes, speed
+from sparrow.errors import SparrowError
+from sparrow.loaders.gguf_file import GGUFFile
+
+TINY = dict(
+    hidden=64,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    ffn=128,
+    vocab=512,
+    tied=True,
+    rope_theta=1e6,
+    rms_eps=1e-6,
+    context=256,
+)
+
+# Qwen/Qwen3-*/config.json: hidden, layers, heads, kv heads, intermediate, tied; unique parameters
+# (tied embedding once) and the model cards' "non-embedding" counts.
+REAL = {
+    "qwen3-0.6b": (1024, 28, 16, 8, 3072, True, 596_049_920, 0.44e9),
+    "qwen3-1.7b": (2048, 28, 16, 8, 6144, True, 1_720_574_976, 1.4e9),
+    "qwen3-4b": (2560, 36, 32, 8, 9728, True, 4_022_468_096, 3.6e9),
+    "qwen3-8b": (4096, 36, 32, 8, 12288, False, 8_190_735_360, 6.95e9),
+}
+BLOCK_NAMES = {
+    "attn_norm",
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_q_norm",
+    "attn_k_norm",
+    "attn_output",
+    "ffn_norm",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_real_shape_tables(name):
+    h, layers, heads, kv, ffn, tied, params, non_emb = REAL[name]
+    s = shapes.SHAPES[name]
+    assert (s["hidden"], s["layers"], s["heads"], s["kv_heads"], s["ffn"], s["tied"]) == (
+        h,
+        layers,
+        heads,
+        kv,
+        ffn,
+        tied,
+    )
+    assert (s["head_dim"], s["vocab"], s["rope_theta"], s["rms_eps"], s["context"]) == (128, 151936, 1e6, 1e-6, 40960)
+    for qtype in shapes.TYPES:
+        tensors = shapes.plan(name, qtype)
+        by_name = {n: (ne, t) for n, ne, t in tensors}
+        assert len(by_name) == len(tensors) == 2 + (not tied) + 11 * layers
+        assert by_name["token_embd.weight"] == ((h, 151936), qtype)
+        assert ("output.weight" in by_name) == (not tied)
+        assert by_name["output_norm.weight"] == ((h,), "f32")
+        for i in (0, layers - 1):
+            b = f"blk.{i}."
+            assert {n[len(b) : -len(".weight")] for n in by_name if n.startswith(b)} == BLOCK_NAMES
+            assert by_name[b + "attn_q.weight"] == ((h, heads * 128), qtype)
+            assert by_name[b + "attn_k.weight"] == ((h, kv * 128), qtype)
+            assert by_name[b + "attn_v.weight"] == ((h, kv * 128), qtype)
+            assert by_name[b + "attn_output.weight"] == ((heads * 128, h), qtype)
+            assert by_name[b + "attn_q_norm.weight"] == ((128,), "f32")
+            assert by_name[b + "ffn_gate.weight"] == ((h, ffn), qtype)
+            assert by_name[b + "ffn_down.weight"] == ((ffn, h), qtype)
+    assert shapes.param_count(name) == params
+    emb = h * 151936 * (1 if tied else 2)
+    assert abs((params - emb) - non_emb) / non_emb < 0.02
+    # q8_0: 34 bytes per 32 weights; q4_0: 18 (norms are f32)
+    assert abs(shapes.file_bytes(name, "q8_0") / (params * 34 / 32) - 1) < 0.001
+    assert abs(shapes.file_bytes(name, "q4_0") / (params * 18 / 32) - 1) < 0.001
+
+
+def test_metadata_keys():
+    m = shapes.metadata("qwen3-1.7b")
+    assert m == {
+        "qwen3.context_length": 40960,
+        "qwen3.embedding_length": 2048,
+        "qwen3.block_count": 28,
+        "qwen3.feed_forward_length": 6144,
+        "qwen3.attention.head_count": 16,
+        "qwen3.attention.head_count_kv": 8,
+        "qwen3.attention.key_length": 128,
+        "qwen3.attention.value_length": 128,
+        "qwen3.rope.freq_base": 1e6,
+        "qwen3.attention.layer_norm_rms_epsilon": 1e-6,
+    }
+
+
+def test_qwen3_vocabulary_layout():
+    from sparrow.tokenizer import Tokenizer
+
+    v = shapes.vocabulary("qwen3-1.7b")
+    toks, types = v["tokens"], v["types"]
+    assert len(toks) == len(set(toks)) == len(types) == 151936
+    assert len(v["merges"]) == 151643 - 256
+    present = set(toks[:151643])
+    assert all(a + b in present for a, b in (m.split(" ") for m in v["merges"][::997]))
+    assert toks[151643] == "<|endoftext|>" and toks[151645] == "<|im_end|>" and toks[151668] == "</think>"
+    assert (v["bos"], v["eos"], v["pad"]) == (151643, 151645, 151643)
+    assert types[151643] == 3 and types[151657] == 4 and types[151667] == 4  # <tool_call>, <think>: user-defined
+    assert set(types[:151643]) == {1} and set(types[151669:]) == {5} and toks[151669] == "[PAD151669]"
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": toks,
+        "tokenizer.ggml.token_type": np.array(types, np.int32),
+        "tokenizer.ggml.merges": v["merges"],
+        "tokenizer.ggml.bos_token_id": v["bos"],
+        "tokenizer.ggml.eos_token_id": v["eos"],
+    }
+    tok = Tokenizer.from_gguf(SimpleNamespace(meta=meta))
+    ids = tok.encode("Hello, world!\n<|im_end|>")
+    assert ids[-1] == 151645 and max(ids[:-1]) < 151643
+    assert tok.decode(ids) == "Hello, world!\n<|im_end|>"
+    assert set(tok.eos_token_ids) == {151645, 151643}
+
+
+@pytest.mark.parametrize("qtype", shapes.TYPES)
+def test_tiny_shape_writes_loads_and_runs(tmp_path, qtype):
+    import sparrow
+
+    path = str(tmp_path / f"tiny-{qtype}.gguf")
+    assert shapes.write_gguf(path, TINY, qtype, name="tiny") == path
+    assert os.listdir(tmp_path) == [os.path.basename(path)]  # no temporary file left
+    f = GGUFFile(path)
+    assert [(t.name, tuple(t.shape), t.tensor_type.name.lower()) for t in f.tensors] == shapes.plan(TINY, qtype)
+    for key, val in shapes.metadata(TINY).items():
+        assert f.meta[key] == pytest.approx(val)
+    assert f.meta["general.architecture"] == "qwen3"
+    assert f.meta["tokenizer.ggml.model"] == "gpt2" and f.meta["tokenizer.ggml.pre"] == "qwen2"
+    assert len(f.meta["tokenizer.ggml.tokens"]) == 512
+    assert f.meta["general.file_type"] == {"q8_0": 7, "q4_0": 2}[qtype]
+    w = next(t for t in f.tensors if t.name == "blk.0.ffn_up.weight")
+    from sparrow.quant import dequantize_blocks
+
+    vals = dequantize_blocks(np.asarray(w.data), qtype)
+    assert 0.015 < vals.std() < 0.025 and abs(vals.mean()) < 0.002
+
+    llm = sparrow.load(path, threads=1)
+    cfg = llm.model.config
+    assert (cfg.architecture, cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim, cfg.tie_word_embeddings) == (
+        "qwen3",
+        64,
+        2,
+        16,
+        True,
+    )
+    logits = llm.logits([5, 17, 300, 42, 7, 99])
+    assert logits.shape == (6, 512) and np.isfinite(logits).all()
+    assert 0.05 < logits.std() < 1.0
+    assert llm.tokenizer.eos_token_ids[0] == 512 - 26 + 2  # <|im_end|>
+
+
+def test_ensure_writes_once_into_xdg_cache(tmp_path, monkeypatch):
+    monkeypatch.setitem(shapes.SHAPES, "tiny", TINY)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = shapes.ensure("tiny", "q4_0", log=lambda msg: None)
+    assert path == str(tmp_path / "sparrow" / "shapes" / "tiny-q4_0.gguf") and os.path.exists(path)
+
+    def fail(*a, **k):
+        raise AssertionError("rewritten")
+
+    monkeypatch.setattr(shapes, "write_gguf", fail)
+    assert shapes.ensure("tiny", "q4_0") == path  # reused
+    with pytest.raises(SparrowError, match="unknown shape"):
+        shapes.ensure("qwen3-99b", "q8_0")
+    with pytest.raises(SparrowError, match="q8_0, q4_0"):
+        shapes.ensure("tiny", "q4_k")
+
+
+def test_ensure_checks_free_space_and_cleans_up(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(shapes.shutil, "disk_usage", lambda p: SimpleNamespace(free=2 << 30))
+    with pytest.raises(SparrowError, match="GiB free"):
+        shapes.ensure("qwen3-8b", "q8_0")
+    # a write that fails part-way leaves neither the file nor its temporary
+    monkeypatch.setitem(shapes.SHAPES, "tiny", TINY)
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(shapes, "_random_blocks", boom)
+    with pytest.raises(OSError, match="disk full"):
+        shapes.ensure("tiny", "q8_0", log=lambda msg: None)
+    assert os.listdir(tmp_path / "sparrow" / "shapes") == []
+
+
+def test_cpu_info_and_busy_threshold():
+    info = speed.cpu_info()
+    assert info["model"] and info["cpus"] == os.cpu_count()
+    assert set(info["extensions"]) <= set(speed._EXTENSIONS)
+    assert speed.busy_threshold(1) == 0.5 and speed.busy_threshold(2) == 0.5 and speed.busy_threshold(16) == 4.0
+
+
+def test_bench_speed_on_tiny_shape(tmp_path, monkeypatch, capsys):
+    """sparrow-only run (no --compare) through --shape, with the contention row and the header."""
+    monkeypatch.setitem(shapes.SHAPES, "tiny", TINY)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(speed, "_load_avg", lambda: 99.0)  # a busy machine at the start
+    out = tmp_path / "speed.json"
+    rec = speed.main(
+        [
+            "--shape",
+            "tiny",
+            "--type",
+            "q8_0",
+            "--contexts",
+            "40,80",
+            "--rounds",
+            "1",
+            "--decode",
+            "2",
+            "--threads",
+            "1",
+            "--no-startup",
+            "--contention",
+            "--json",
+            str(out),
+        ]
+    )
+    assert rec["config"]["shape"] == "tiny" and rec["config"]["model"].endswith("tiny-q8_0.gguf")
+    assert rec["busy_warning"] and "busy" in rec["busy_warning"]
+    assert rec["contention"]["context"] == 40 and rec["contention"]["sparrow_tok_s"] > 0
+    saved = json.loads(out.read_text())
+    assert saved["contention"]["context"] == 40 and saved["cpu"]["model"] == rec["cpu"]["model"]
+    md = capsys.readouterr().out
+    assert "random weights, tiny shapes, q8_0" in md and "CPU: " in md and "vector extensions" in md
+    assert "Load average (1 min): 99.0 at start" in md and "**Warning: the machine was busy" in md
+    assert "CONTENTION (one busy-looping process running" in md
+    assert "| 80 | decode tok/s, sparse k=32, int8 KV |" in md

@@ -1,0 +1,157 @@
+"""The KV cache: one storage class per kind behind one interface, and the sparse state beside
+it (importance, probe-key copies) following the cache's writes and truncation."""
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from sparrow.errors import SparrowError
+from sparrow.kv_cache import F16Layer, F32Layer, Int8Layer, KVCache, LayerCache, layer_cache, quantize_int8
+from sparrow.models.attention import decode_attention
+from sparrow.params import KV_DTYPES, SparseParams
+
+KVH, D = 2, 32
+
+
+def rows(n, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, KVH, D)).astype(np.float32)  # [n, KVH, D]
+
+
+@pytest.mark.parametrize("kind,cls", [("f32", F32Layer), ("f16", F16Layer), ("int8", Int8Layer)])
+def test_one_class_per_storage_kind(kind, cls):
+    cache = KVCache(2, KVH, D, 64, kind)
+    assert set(KV_DTYPES) == {"f32", "f16", "int8"}
+    assert all(type(layer) is cls and isinstance(layer, LayerCache) for layer in cache.layers)
+    assert type(layer_cache(kind, KVH, D, 8)) is cls
+    layer = cache.layers[0]
+    k, v = rows(10), rows(10, 1)
+    cache.append(0, 3, k, v)
+    assert layer.k.shape == layer.v.shape == (KVH, 64, D)
+    for kh in range(KVH):
+        got_k, got_v = layer.keys_f32(kh, 13)[3:], layer.values_f32(kh, 13)[3:]  # [10, D]
+        assert got_k.dtype == got_v.dtype == np.float32
+        if kind == "f32":
+            assert np.array_equal(got_k, k[:, kh]) and np.array_equal(got_v, v[:, kh])
+        elif kind == "f16":
+            assert np.array_equal(got_k, k[:, kh].astype(np.float16).astype(np.float32))
+            assert np.array_equal(layer.k[kh, 3:13].view(np.float16), k[:, kh].astype(np.float16))
+        else:
+            codes, scale = quantize_int8(k[:, kh])
+            assert np.array_equal(layer.k[kh, 3:13], codes) and np.array_equal(layer.k_scale[kh, 3:13], scale)
+            assert np.array_equal(got_k, codes.astype(np.float32) * scale[:, None])
+    assert not layer.k[:, :3].any() and not layer.k[:, 13:].any()  # nothing else written
+
+
+def test_kernel_arguments_per_kind():
+    q = rows(1)[0].repeat(2, 0)  # [H=4, D]
+    for kind in KV_DTYPES:
+        layer = layer_cache(kind, KVH, D, 16)
+        qd, qa, qs = layer.query(q, 0.25)
+        assert qs.shape == (4,) and qd.dtype == qa.dtype == np.float32
+        if layer.scaled:  # int8: codes for both uses, the per-head scales separately
+            codes, scale = quantize_int8(q)
+            assert np.array_equal(qd, codes.astype(np.float32)) and qa is qd and np.array_equal(qs, scale)
+            assert layer.k_scale.shape == layer.v_scale.shape == (KVH, 16)
+        else:  # float kinds: q for probes, q * scale for scores, and one unread scale placeholder
+            assert qd is q and np.array_equal(qa, q * np.float32(0.25)) and not qs.any()
+            assert layer.k_scale.shape == (KVH, 1) and layer.k_scale is layer.v_scale
+            assert layer.nbytes == layer.k.nbytes + layer.v.nbytes
+
+
+def test_bad_kind_and_overflow():
+    with pytest.raises(SparrowError, match="unknown KV cache dtype"):
+        KVCache(1, 1, 4, 8, "bf16")
+    with pytest.raises(SparrowError, match="capacity"):
+        KVCache(1, 1, 4, 0)
+    cache = KVCache(1, KVH, D, 8)
+    cache.sparse[0].importance[:] = 1.0
+    with pytest.raises(SparrowError, match="overflow"):
+        cache.append(0, 4, rows(5), rows(5))
+    assert cache.sparse[0].importance.all()  # a refused write changes nothing
+    with pytest.raises(ValueError):
+        cache.append(0, 0, rows(2)[:, :1], rows(2)[:, :1])
+
+
+def _sparse_cache(kind="f32"):
+    cache = KVCache(2, KVH, D, 256, kind)
+    k, v = rows(200), rows(200, 1)
+    for i in range(2):
+        cache.append(i, 0, k, v)
+    cache.length = 200
+    return cache, k, v
+
+
+def test_sparse_state_truncates_with_the_cache():
+    cache, k, v = _sparse_cache()
+    q = rows(2, 5).reshape(4, D)  # [H, D]
+    sp = SparseParams(k=2, block=16, probe=4)
+    for i in range(2):
+        cache.sparse[i].importance[:200] = 1.0
+        decode_attention(q, cache.layers[i], cache.sparse[i], 200, 0.25, sp)
+    assert cache.probe_nbytes > 0
+    copy, n = cache.sparse[0].probe_keys(cache.layers[0], 16, 4, 200)
+    assert copy.blocks == n == 12
+    cache.truncate(100)
+    for st in cache.sparse:
+        assert st.importance[:100].all() and not st.importance[100:].any()
+        assert all(p.blocks == 100 // 16 for p in st._probes.values())  # blocks past 100 forgotten
+    # rewriting a position forgets the blocks from its block on, and its importance
+    cache.append(0, 40, k[40:41], v[40:41])
+    assert copy.blocks == 2 and cache.sparse[0].importance[39] == 1 and cache.sparse[0].importance[40] == 0
+    assert cache.sparse[1].importance[40] == 1  # other layers untouched
+
+
+def test_nbytes_counts_storage_and_importance():
+    for kind, per in (("f32", 2 * 4 * D), ("f16", 2 * 2 * D), ("int8", 2 * (D + 4))):
+        cache = KVCache(3, KVH, D, 64, kind)
+        assert cache.nbytes == 3 * (KVH * 64 * per + 64 * 4)
+        assert cache.probe_nbytes == 0
+
+
+def test_decode_at_a_shorter_seq_len_stays_in_bounds(tmp_path):
+    # The reproducer: append 200 positions, sparse decode at 200 (block 16, k=2) copies the
+    # probe keys of 12 blocks; a decode at 100 must read only the 6 full blocks below 100.
+    # NUMBA_BOUNDSCHECK must be set before numba compiles, and a fresh cache directory makes
+    # it compile the kernels again with the checks in.
+    script = """
+import numpy as np
+from sparrow.kv_cache import KVCache
+from sparrow.models.attention import decode_attention
+from sparrow.params import SparseParams
+
+rng = np.random.default_rng(0)
+k = rng.standard_normal((200, 2, 32)).astype(np.float32)
+v = rng.standard_normal((200, 2, 32)).astype(np.float32)
+q = rng.standard_normal((4, 32)).astype(np.float32)
+sp = SparseParams(k=2, block=16, probe=4)
+cache = KVCache(1, 2, 32, 256)
+cache.append(0, 0, k, v)
+decode_attention(q, cache.layers[0], cache.sparse[0], 200, 0.25, sp)
+got = decode_attention(q, cache.layers[0], cache.sparse[0], 100, 0.25, sp)
+fresh = KVCache(1, 2, 32, 256)
+fresh.append(0, 0, k[:100], v[:100])
+want = decode_attention(q, fresh.layers[0], fresh.sparse[0], 100, 0.25, sp)
+assert np.array_equal(got, want), "differs from a fresh cache"
+print("in bounds")
+"""
+    env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0 and "in bounds" in r.stdout, r.stderr[-3000:]
+
+
+def test_cache_copies_independently():
+    # the fidelity evaluation decodes from deep copies of one prefilled cache
+    import copy
+
+    cache, _, _ = _sparse_cache("int8")
+    q = rows(2, 5).reshape(4, D)
+    sp = SparseParams(k=2, block=16, probe=4)
+    a = decode_attention(q, cache.layers[0], cache.sparse[0], 200, 1 / math.sqrt(D), sp)
+    twin = copy.deepcopy(cache)
+    twin.truncate(50)
+    assert cache.length == 200 and twin.length == 50
+    assert np.array_equal(a, decode_attention(q, cache.layers[0], cache.sparse[0], 200, 1 / math.sqrt(D), sp))
