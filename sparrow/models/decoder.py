@@ -8,6 +8,7 @@ at once; attention runs per segment against that sequence's KV cache.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,7 @@ from ..loaders.tensor import StoredTensor
 from ..params import SparseParams
 from ..quant import Weight
 from .attention import decode_attention, prefill_attention
+from .fused import FusedDecode
 from .layers import MLP, FusedLinear, Rope, rms_norm
 
 
@@ -161,6 +163,15 @@ class Decoder:
         else:
             self.lm_head = get.weight("lm_head.weight")
         self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        # The fused decode step (models/fused.py), planned at the first decode; use_fused=False
+        # (or SPARROW_FUSED=0) keeps every forward on the staged path, e.g. to time its stages.
+        self.use_fused = os.environ.get("SPARROW_FUSED", "1") != "0"
+        self._fused: FusedDecode | None | bool = False  # False: not planned yet
+
+    def fused_step(self) -> FusedDecode | None:
+        if self._fused is False:
+            self._fused = FusedDecode.plan(self)
+        return self._fused
 
     def new_cache(self, capacity: int, kv_dtype: str = "f32") -> KVCache:
         c = self.config
@@ -170,7 +181,17 @@ class Decoder:
         """Runs the segments; returns logits [sum(T), V] if all_logits else [len(segments), V]
         for each segment's last token. Advances each cache's length.
 
-        The stages are methods so that models.timing can time them from outside."""
+        The stages are methods so that models.timing can time them from outside. A single
+        sequence's decode step runs fused instead when the model allows it (same bits)."""
+        if (
+            len(segments) == 1
+            and segments[0].decode
+            and segments[0].trace is None
+            and self.use_fused
+            and not all_logits
+            and self.fused_step() is not None
+        ):
+            return self._fused(segments[0])  # [1, V]
         tokens = np.concatenate([s.tokens for s in segments]).astype(np.int64)  # [N]
         positions = np.concatenate([np.arange(s.start, s.start + len(s.tokens)) for s in segments])  # [N]
         bounds = np.cumsum([0] + [len(s.tokens) for s in segments])  # [B + 1]

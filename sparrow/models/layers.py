@@ -30,10 +30,14 @@ class Rope:
         self.cos = np.cos(freqs).astype(np.float32)
         self.sin = np.sin(freqs).astype(np.float32)
 
+    def ensure(self, n: int) -> None:
+        """cos/sin rows exist for positions 0..n-1."""
+        if n > len(self.cos):
+            self._grow(n)
+
     def apply(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """x: [T, H, D] at the given absolute positions [T]; returns a new array."""
-        if positions.max() >= len(self.cos):
-            self._grow(int(positions.max()) + 1)
+        self.ensure(int(positions.max()) + 1)
         return rope(x, self.cos, self.sin, positions)
 
 

@@ -49,14 +49,20 @@ def _wrap(fn, timer: Timer, fields: tuple[str, ...]):
 
 @contextmanager
 def timed(model):
-    """Times the stages of `model` (a Decoder) while the block runs; yields the Timer."""
+    """Times the stages of `model` (a Decoder) while the block runs; yields the Timer.
+
+    The forwards run on the staged path meanwhile: the fused decode step (models/fused.py) is
+    one compiled call with no stages to time. Its tokens are the same bits, not the same speed."""
     timer = Timer()
     saved = {name: model.__dict__.get(name) for name in STAGES}  # an outer timed() block's wrappers
+    fused = model.use_fused
+    model.use_fused = False
     for name, fields in STAGES.items():
         setattr(model, name, _wrap(getattr(model, name), timer, fields))
     try:
         yield timer
     finally:
+        model.use_fused = fused
         for name, prev in saved.items():
             if prev is None:
                 del model.__dict__[name]

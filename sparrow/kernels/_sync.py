@@ -1,0 +1,122 @@
+"""Thread synchronisation inside one parallel kernel call, and the f32 -> f16 store.
+
+The fused decode step (decode_step.py) runs a whole token as one parallel region: each
+worker takes its share of every matvec and attention head, and the workers meet at a spin
+barrier between dependent phases. A barrier costs well under a microsecond while both
+workers run; a numba parallel launch costs ~100 us (workqueue), which is why the per-matvec
+launches of the staged path stay serial at decode sizes.
+
+A waiting worker spins with `pause`, and after SPIN_YIELD rounds also yields its CPU
+(sched_yield), so a worker whose partner was descheduled by another process does not burn
+the core the partner needs.
+"""
+
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+SPIN_YIELD = 2000  # pause rounds (~0.1 ms) before a waiting worker starts yielding its CPU
+
+
+def _i64_slot(context, builder, sig_arg, arr_val, idx):
+    arr = context.make_array(sig_arg)(context, builder, arr_val)
+    return builder.gep(arr.data, [idx])
+
+
+@intrinsic
+def atomic_add(typingctx, arr, idx, val):
+    """arr[idx] += val atomically (sequentially consistent); returns the old value. arr: int64 C."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ptr = _i64_slot(context, builder, signature.args[0], args[0], args[1])
+        return builder.atomic_rmw("add", ptr, args[2], "seq_cst")
+
+    return types.int64(arr, types.intp, types.int64), codegen
+
+
+@intrinsic
+def atomic_load(typingctx, arr, idx):
+    """arr[idx] read atomically (sequentially consistent): never hoisted out of a spin loop."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ptr = _i64_slot(context, builder, signature.args[0], args[0], args[1])
+        return builder.load_atomic(ptr, "seq_cst", 8)
+
+    return types.int64(arr, types.intp), codegen
+
+
+@intrinsic
+def atomic_store(typingctx, arr, idx, val):
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ptr = _i64_slot(context, builder, signature.args[0], args[0], args[1])
+        builder.store_atomic(args[2], ptr, "seq_cst", 8)
+        return context.get_dummy_value()
+
+    return types.void(arr, types.intp, types.int64), codegen
+
+
+@intrinsic
+def cpu_pause(typingctx):
+    """The spin-wait hint (x86 `pause`); a no-op elsewhere."""
+
+    def codegen(context, builder, signature, args):
+        triple = builder.module.triple or ""
+        if "x86" in triple or "i686" in triple or triple == "":
+            fnty = ir.FunctionType(ir.VoidType(), [])
+            builder.call(builder.module.declare_intrinsic("llvm.x86.sse2.pause", fnty=fnty), [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@intrinsic
+def sched_yield(typingctx):
+    """libc's sched_yield(), called by symbol name (a ctypes pointer would keep numba from
+    caching every kernel that waits at a barrier)."""
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []), "sched_yield")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@njit(cache=True, nogil=True)
+def barrier(sync, n):
+    """All n workers wait here until every one has arrived. sync: int64 [2] (arrivals,
+    generation), zero before the parallel region; n == 1 returns at once."""
+    if n <= 1:
+        return
+    gen = atomic_load(sync, 1)
+    if atomic_add(sync, 0, 1) == n - 1:
+        atomic_store(sync, 0, 0)  # reset before release: the next barrier counts afresh
+        atomic_add(sync, 1, 1)
+        return
+    spins = 0
+    while atomic_load(sync, 1) == gen:
+        cpu_pause()
+        spins += 1
+        if spins > SPIN_YIELD:
+            sched_yield()
+
+
+@intrinsic
+def f16_bits(typingctx, x):
+    """float32 -> IEEE half (round to nearest even, like numpy's astype(float16)) as uint16 bits."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        h = builder.fptrunc(args[0], ir.HalfType())
+        return builder.bitcast(h, ir.IntType(16))
+
+    return types.uint16(types.float32), codegen

@@ -1,0 +1,341 @@
+"""One decode token of a dense decoder as a single compiled call, on every thread.
+
+The staged path (models/decoder.py) makes ~20 Python-level calls per layer, and its decode
+matvecs run on one core because a numba parallel launch (~100 us here) costs more than a
+0.5M multiply-add matvec takes. Here the whole token is one parallel region: each worker
+takes its share of every matvec's rows, of the query heads and of the KV heads, and the
+workers meet at a spin barrier (_sync.barrier, ~0.2 us) between dependent phases:
+
+    per layer: rmsnorm (each worker, redundantly) -> qkv rows | -> bias, q/k norm, RoPE, query
+    form, K/V append | -> attention per query head | -> o rows, residual | -> rmsnorm
+    (redundantly) -> gate/up rows | -> silu*up (redundantly) -> down rows, residual |
+    then: final rmsnorm -> lm_head rows.
+
+Bit-identical to the staged path: every value is computed by the same compiled helpers on
+arrays of the same types (rows by rowdot_*, norms by _rms_rows, RoPE by _rope, silu by
+_silu_mul, attention by _group), and splitting rows or heads between workers never changes
+what one row or head computes. Only the block formats (q8_0, q4_0, q4_1) run here.
+"""
+
+import numpy as np
+from numba import njit, prange
+
+from sparrow.kernels._attn_kernels import _block_sums as _imp_block_sums
+from sparrow.kernels._attn_kernels import _group
+from sparrow.kernels._sync import barrier, f16_bits
+from sparrow.kernels._widen import _rows_blocks, _x_block_sums
+from sparrow.kernels.elementwise import _quant_rows, _rms_rows, _rope, _silu_mul
+from sparrow.kernels.sparse_select import reserve_importance_nb
+
+KW = dict(cache=True, nogil=True)
+KV_F32, KV_F16, KV_INT8 = 0, 1, 2  # storage kinds of the KV cache arrays
+
+
+@njit(**KW)
+def _share(n, tid, nt):
+    """Rows [a, b) of n that worker tid takes: contiguous, sizes differing by at most one."""
+    return n * tid // nt, n * (tid + 1) // nt
+
+
+@njit(**KW)
+def _matvec(w, kind, x, y, tid, nt):
+    """y[0, o] = row o of w . x[0] for this worker's rows (same rowdot as the staged path)."""
+    a, b = _share(w.shape[0], tid, nt)
+    if b > a:
+        _rows_blocks(w, kind, x, _x_block_sums(x), y, a, b)
+
+
+@njit(**KW)
+def _store_kv(X, XS, kv_kind, kh, pos, row, one, codes, sc):
+    """Writes the f32 row [D] (one: its [1, D] buffer) as KV head kh's entry at pos."""
+    if kv_kind == KV_F32:
+        X[kh, pos, :] = row
+    elif kv_kind == KV_F16:
+        for d in range(row.shape[0]):
+            X[kh, pos, d] = f16_bits(row[d])
+    else:
+        one[0, :] = row
+        _quant_rows(one, codes, sc)
+        X[kh, pos, :] = codes[0]
+        XS[kh, pos] = sc[0]
+
+
+@njit(**KW)
+def worker(
+    tid,
+    nt,
+    sync,
+    x,
+    pos,  # worker id and count, barrier state, residual stream [1, E], position
+    wqkv,
+    wo,
+    wgu,
+    wdown,
+    kinds,  # per-layer stored weight rows (typed lists), kinds [L, 4]
+    in_norm,
+    post_norm,
+    eps,
+    bias,
+    q_norm,
+    k_norm,
+    cos,
+    sin,  # [L, E] [L, E] f32 [L, QKV|0] [L, D|0] ...
+    H,
+    KV,
+    D,
+    F,
+    scale,
+    K,
+    V,
+    KS,
+    VS,
+    IMP,
+    P,
+    PS,
+    n_copied,
+    per_block,
+    kv_kind,  # per-layer cache arrays (typed lists)
+    sparse,
+    k_blocks,
+    bs,
+    n_probe,
+    head_norm,
+    head_w,
+    head_kind,
+    logits,  # final norm [E], lm_head rows, logits [1, Vocab]
+    qkv,
+    att,
+    att_flat,
+    qd,
+    qa,
+    qs,
+    gu,
+    y,  # shared scratch: [1, QKV] [H, D] [1, H*D] [H, D] [H, D] [H] [1, 2F] [1, E]
+):
+    E = x.shape[1]
+    G = H // KV
+    QO, KO = H * D, H * D + KV * D
+    h = np.empty((1, E), np.float32)  # this worker's normed copy of x
+    act = np.empty((1, F), np.float32)  # silu(gate) * up, each worker its own full copy
+    one = np.empty((1, D), np.float32)  # one head's row, for the row-wise helpers
+    normed = np.empty((1, D), np.float32)
+    rot = np.empty((1, 1, D), np.float32)
+    src = np.empty((1, 1, D), np.float32)
+    codes = np.empty((1, D), np.int8)
+    sc = np.empty(1, np.float32)
+    positions = np.full(1, pos, np.int64)
+    seq_len = pos + 1
+    nb = (seq_len + bs - 1) // bs
+    sel = np.empty((H, nb), np.int64)
+    stages = np.empty((H, nb), np.int8)
+    nsel = np.empty(H, np.int64)
+    pdummy = np.zeros((1, 1), np.float32)
+    h0, h1 = _share(H, tid, nt)  # this worker's query heads
+    k0, k1 = _share(KV, tid, nt)  # and KV heads
+    has_bias = bias.shape[1] > 0
+    has_norm = q_norm.shape[1] > 0
+    for layer in range(len(wqkv)):
+        _rms_rows(x, in_norm[layer], eps, h)
+        _matvec(wqkv[layer], kinds[layer, 0], h, qkv, tid, nt)
+        barrier(sync, nt)
+        # q heads: bias, q norm, RoPE, then the form the attention kernel takes
+        for hh in range(h0, h1):
+            for d in range(D):
+                v = qkv[0, hh * D + d]
+                src[0, 0, d] = v + bias[layer, hh * D + d] if has_bias else v
+            if has_norm:
+                _rms_rows(src[0], q_norm[layer], eps, normed)
+                src[0, 0, :] = normed[0]
+            _rope(src, cos, sin, positions, rot)
+            if kv_kind == KV_INT8:
+                _quant_rows(rot[0], codes, sc)
+                for d in range(D):
+                    qd[hh, d] = np.float32(codes[0, d])
+                    qa[hh, d] = qd[hh, d]
+                qs[hh] = sc[0]
+            else:
+                for d in range(D):
+                    qd[hh, d] = rot[0, 0, d]
+                    qa[hh, d] = rot[0, 0, d] * scale
+                qs[hh] = np.float32(0)
+        # KV heads: bias, k norm, RoPE for k; bias for v; append at pos
+        for kh in range(k0, k1):
+            for d in range(D):
+                v = qkv[0, QO + kh * D + d]
+                src[0, 0, d] = v + bias[layer, QO + kh * D + d] if has_bias else v
+            if has_norm:
+                _rms_rows(src[0], k_norm[layer], eps, normed)
+                src[0, 0, :] = normed[0]
+            _rope(src, cos, sin, positions, rot)
+            _store_kv(K[layer], KS[layer], kv_kind, kh, pos, rot[0, 0], one, codes, sc)
+            for d in range(D):
+                v = qkv[0, KO + kh * D + d]
+                one[0, d] = v + bias[layer, KO + kh * D + d] if has_bias else v
+            _store_kv(V[layer], VS[layer], kv_kind, kh, pos, one[0].copy(), one, codes, sc)
+        barrier(sync, nt)
+        # attention of this worker's query heads, in runs that share a KV head
+        if sparse:
+            reserved = reserve_importance_nb(_imp_block_sums(IMP[layer], seq_len, bs), k_blocks, nb)
+        else:
+            reserved = np.full(nb, -1, dtype=np.int8)
+        nc = min(n_copied[layer], seq_len // bs)
+        hh = h0
+        while hh < h1:
+            kh = hh // G
+            n = min(h1, (kh + 1) * G) - hh
+            Kl, Vl, KSl, VSl, Pl, PSl = K[layer], V[layer], KS[layer], VS[layer], P[layer], PS[layer]
+            _group(
+                qd,
+                qa,
+                qs,
+                Kl[kh],
+                Vl[kh],
+                KSl[kh],
+                VSl[kh],
+                kv_kind == KV_INT8,
+                hh,
+                n,
+                seq_len,
+                scale,
+                sparse,
+                reserved,
+                k_blocks,
+                bs,
+                n_probe,
+                Pl[kh],
+                PSl[kh],
+                per_block,
+                nc,
+                att,
+                sel,
+                stages,
+                nsel,
+                False,
+                pdummy,
+            )
+            hh += n
+        barrier(sync, nt)
+        _matvec(wo[layer], kinds[layer, 1], att_flat, y, tid, nt)
+        a, b = _share(wo[layer].shape[0], tid, nt)
+        for o in range(a, b):
+            x[0, o] = x[0, o] + y[0, o]
+        barrier(sync, nt)
+        _rms_rows(x, post_norm[layer], eps, h)
+        _matvec(wgu[layer], kinds[layer, 2], h, gu, tid, nt)
+        barrier(sync, nt)
+        _silu_mul(gu, F, act)
+        _matvec(wdown[layer], kinds[layer, 3], act, y, tid, nt)
+        a, b = _share(wdown[layer].shape[0], tid, nt)
+        for o in range(a, b):
+            x[0, o] = x[0, o] + y[0, o]
+        barrier(sync, nt)
+    if head_kind >= 0:
+        _rms_rows(x, head_norm, eps, h)
+        _matvec(head_w, head_kind, h, logits, tid, nt)
+
+
+@njit(parallel=True, **KW)
+def decode_token(
+    nt,
+    sync,
+    x,
+    pos,
+    wqkv,
+    wo,
+    wgu,
+    wdown,
+    kinds,
+    in_norm,
+    post_norm,
+    eps,
+    bias,
+    q_norm,
+    k_norm,
+    cos,
+    sin,
+    H,
+    KV,
+    D,
+    F,
+    scale,
+    K,
+    V,
+    KS,
+    VS,
+    IMP,
+    P,
+    PS,
+    n_copied,
+    per_block,
+    kv_kind,
+    sparse,
+    k_blocks,
+    bs,
+    n_probe,
+    head_norm,
+    head_w,
+    head_kind,
+    logits,
+    qkv,
+    att,
+    att_flat,
+    qd,
+    qa,
+    qs,
+    gu,
+    y,
+):
+    """`worker` on nt threads at once (numba's workqueue hands each prange index to its own
+    thread, so all nt workers run together and can wait for each other)."""
+    for tid in prange(nt):
+        worker(
+            tid,
+            nt,
+            sync,
+            x,
+            pos,
+            wqkv,
+            wo,
+            wgu,
+            wdown,
+            kinds,
+            in_norm,
+            post_norm,
+            eps,
+            bias,
+            q_norm,
+            k_norm,
+            cos,
+            sin,
+            H,
+            KV,
+            D,
+            F,
+            scale,
+            K,
+            V,
+            KS,
+            VS,
+            IMP,
+            P,
+            PS,
+            n_copied,
+            per_block,
+            kv_kind,
+            sparse,
+            k_blocks,
+            bs,
+            n_probe,
+            head_norm,
+            head_w,
+            head_kind,
+            logits,
+            qkv,
+            att,
+            att_flat,
+            qd,
+            qa,
+            qs,
+            gu,
+            y,
+        )

@@ -1,0 +1,200 @@
+"""The fused decode step: one compiled call per token on every thread (kernels/decode_step.py),
+for a single sequence's decode when the model allows it; everything else takes the staged
+path (Decoder.forward's stage methods), which gives the same bits.
+
+It applies to dense decoders (Llama, Qwen2, Qwen3) whose projections are stored in a block
+format (q8_0, q4_0, q4_1) with matching formats inside each fused group (q/k/v, gate/up).
+Not here: MoE layers, f16/bf16/f32 projections, batched decode (the server's steps of
+several sequences), sparse traces, and timing (models/timing.py times the staged path's
+stages, which this path does not have).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba.typed import List
+
+from ..errors import SparrowError
+from ..kernels import decode_step as _ds
+from ..kernels._widen import KIND
+from .layers import MLP
+
+BLOCK_KINDS = ("q8_0", "q4_0", "q4_1")
+_KV_KIND = {"f32": _ds.KV_F32, "f16": _ds.KV_F16, "int8": _ds.KV_INT8}
+_DEFAULT_BLOCK = 32  # the block the exact-attention kernel walks (models.attention)
+
+
+def _typed(arrays) -> List:
+    out = List()
+    for a in arrays:
+        out.append(a)
+    return out
+
+
+def _block_weight(w) -> bool:
+    return w is not None and w.qtype in BLOCK_KINDS
+
+
+class FusedDecode:
+    """Built once per Decoder (None when its weights do not allow the fused step)."""
+
+    @classmethod
+    def plan(cls, model) -> FusedDecode | None:
+        for layer in model.layers:
+            a, m = layer.attn, layer.mlp
+            if not (
+                isinstance(m, MLP)
+                and _block_weight(a.qkv_proj.fused)
+                and _block_weight(a.o)
+                and _block_weight(m.gate_up.fused)
+                and _block_weight(m.down)
+            ):
+                return None
+        return cls(model)
+
+    def __init__(self, model):
+        cfg, layers = model.config, model.layers
+        a0 = layers[0].attn
+        self.model = model
+        self.H, self.KV, self.D = a0.n_heads, a0.n_kv, a0.head_dim
+        self.F = layers[0].mlp.gate_up.sizes[0]
+        self.E = cfg.hidden_size
+        self.eps = np.float32(cfg.rms_norm_eps)
+        self.scale = np.float32(a0.scale)
+        self.wqkv = _typed(lay.attn.qkv_proj.fused.data for lay in layers)  # [QKV, bytes] each
+        self.wo = _typed(lay.attn.o.data for lay in layers)
+        self.wgu = _typed(lay.mlp.gate_up.fused.data for lay in layers)
+        self.wdown = _typed(lay.mlp.down.data for lay in layers)
+        self.kinds = np.array(
+            [
+                [KIND[w.qtype] for w in (lay.attn.qkv_proj.fused, lay.attn.o, lay.mlp.gate_up.fused, lay.mlp.down)]
+                for lay in layers
+            ],
+            np.int64,
+        )  # [L, 4]
+        self.in_norm = np.stack([lay.input_norm for lay in layers]).astype(np.float32)  # [L, E]
+        self.post_norm = np.stack([lay.post_norm for lay in layers]).astype(np.float32)  # [L, E]
+        L, QKV = len(layers), (self.H + 2 * self.KV) * self.D
+        if a0.q_b is not None:
+            self.bias = np.stack([np.concatenate([lay.attn.q_b, lay.attn.k_b, lay.attn.v_b]) for lay in layers])
+        else:
+            self.bias = np.zeros((L, 0), np.float32)
+        self.bias = self.bias.astype(np.float32)  # [L, QKV | 0]
+        if a0.q_norm is not None:
+            self.q_norm = np.stack([lay.attn.q_norm for lay in layers]).astype(np.float32)  # [L, D]
+            self.k_norm = np.stack([lay.attn.k_norm for lay in layers]).astype(np.float32)  # [L, D]
+        else:
+            self.q_norm = self.k_norm = np.zeros((L, 0), np.float32)
+        head = model.lm_head
+        self.head_kind = KIND[head.qtype] if head.qtype in BLOCK_KINDS else -1
+        self.head_w = head.data if self.head_kind >= 0 else np.zeros((1, 1), np.uint8)
+        self.head_norm = model.norm
+        V = head.shape[0]
+        # scratch shared by the workers; one thread owns the model, so one set serves all calls
+        self.qkv = np.empty((1, QKV), np.float32)
+        self.att3 = np.empty((1, self.H, self.D), np.float32)  # attention out; [H, D] and [1, H*D] views
+        self.qd = np.empty((self.H, self.D), np.float32)
+        self.qa = np.empty((self.H, self.D), np.float32)
+        self.qs = np.empty(self.H, np.float32)
+        self.gu = np.empty((1, 2 * self.F), np.float32)
+        self.y = np.empty((1, self.E), np.float32)
+        self.logits_shape = (1, V)
+        self.sync = np.zeros(2, np.int64)
+
+    # ------------------------------------------------------------------ per cache
+    def _arrays(self, cache, probe_key):
+        """The cache's per-layer arrays as typed lists (built once per cache and probe setting)."""
+        memo = cache.__dict__.setdefault("_fused_lists", {})
+        got = memo.get(probe_key)
+        if got is None:
+            layers, states = cache.layers, cache.sparse
+            K, V = _typed(lc.k for lc in layers), _typed(lc.v for lc in layers)
+            KS, VS = _typed(lc.k_scale for lc in layers), _typed(lc.v_scale for lc in layers)
+            IMP = _typed(st.importance for st in states)
+            if probe_key is None:  # nothing is probed: K stands in for the copy, never read
+                P, PS, per_block = K, KS, 1
+            else:
+                copies = [st._probes[probe_key] for st in states]
+                P, PS, per_block = _typed(p.rows for p in copies), _typed(p.scale for p in copies), copies[0].per_block
+            got = memo[probe_key] = (K, V, KS, VS, IMP, P, PS, per_block)
+        return got
+
+    def __call__(self, seg) -> np.ndarray:
+        """Decodes seg (one token at seg.start over its cache) -> logits [1, V]."""
+        model, cache, pos, sp = self.model, seg.cache, int(seg.start), seg.sparse
+        if pos + 1 > cache.capacity:
+            raise SparrowError(f"sequence of {pos + 1} tokens exceeds the KV cache capacity {cache.capacity}")
+        L = len(model.layers)
+        seq_len = pos + 1
+        bs = sp.block if sp is not None else _DEFAULT_BLOCK
+        nb = (seq_len + bs - 1) // bs
+        probed = sp is not None and sp.k < nb
+        n_copied = np.zeros(L, np.int64)
+        for i, st in enumerate(cache.sparse):
+            st.rewritten(pos, seq_len)  # what KVCache.append does for the staged path
+            if probed:  # copy the full blocks already in the cache; a block this token completes is read in K
+                _, n_copied[i] = st.probe_keys(cache.layers[i], bs, sp.probe, pos)
+        K, V, KS, VS, IMP, P, PS, per_block = self._arrays(cache, (bs, sp.probe) if probed else None)
+        rope = model.rope
+        rope.ensure(seq_len)
+        x = np.array(model.embed.rows(seg.tokens), dtype=np.float32)  # [1, E], a private copy
+        logits = np.empty(self.logits_shape, np.float32)  # [1, V]
+        args = (
+            x,
+            pos,
+            self.wqkv,
+            self.wo,
+            self.wgu,
+            self.wdown,
+            self.kinds,
+            self.in_norm,
+            self.post_norm,
+            self.eps,
+            self.bias,
+            self.q_norm,
+            self.k_norm,
+            rope.cos,
+            rope.sin,
+            self.H,
+            self.KV,
+            self.D,
+            self.F,
+            self.scale,
+            K,
+            V,
+            KS,
+            VS,
+            IMP,
+            P,
+            PS,
+            n_copied,
+            per_block,
+            _KV_KIND[cache.dtype],
+            sp is not None,
+            sp.k if sp is not None else nb,
+            bs,
+            sp.probe if sp is not None else 1,
+            self.head_norm,
+            self.head_w,
+            self.head_kind,
+            logits,
+            self.qkv,
+            self.att3[0],
+            self.att3.reshape(1, -1),
+            self.qd,
+            self.qa,
+            self.qs,
+            self.gu,
+            self.y,
+        )
+        nt = numba.get_num_threads()
+        self.sync[:] = 0
+        if nt > 1:
+            _ds.decode_token(nt, self.sync, *args)
+        else:
+            _ds.worker(0, 1, self.sync, *args)
+        cache.length = seq_len
+        if self.head_kind < 0:
+            return model.head(x)
+        return logits

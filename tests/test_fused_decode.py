@@ -1,0 +1,92 @@
+"""The fused decode step (models/fused.py, kernels/decode_step.py) gives the staged path's bits:
+every architecture, KV storage kind and attention mode, on 1 and 2 threads, and a sequence
+decoded alone (fused) equals the same sequence decoded in a batch (staged)."""
+
+import numba
+import numpy as np
+import pytest
+
+import sparrow
+from conftest import prompt
+from sparrow.kernels import set_threads
+from sparrow.models.decoder import Segment
+from sparrow.params import SparseParams
+
+SPARSE = {
+    "exact": None,
+    "k1": SparseParams(k=1, block=8, probe=4),
+    "k2": SparseParams(k=2, block=8, probe=2),
+    "k3b16": SparseParams(k=3, block=16, probe=8),
+}
+
+
+def _decode(llm, ids, n_prefill, sparse, fused, kv="f32"):
+    """Logits [len(ids) - n_prefill, V] of single-token decode steps after a prefill."""
+    llm.model.use_fused = fused
+    try:
+        cache = llm.model.new_cache(len(ids), kv)
+        llm.model.forward([Segment(ids[:n_prefill], cache, 0)])
+        rows = [
+            llm.model.forward([Segment(ids[i : i + 1], cache, i, sparse, decode=True)])[0]
+            for i in range(n_prefill, len(ids))
+        ]
+        return np.stack(rows)
+    finally:
+        llm.model.use_fused = True
+
+
+@pytest.fixture(scope="module")
+def q8_models(tiny_models):
+    return {arch: sparrow.load(t.folder, quantize="q8_0", threads=2) for arch, t in tiny_models.items()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kv", ["f32", "f16", "int8"])
+def test_fused_equals_staged_on_tiny_models(q8_models, arch, kv):
+    llm = q8_models[arch]
+    assert llm.model.fused_step() is not None  # q8_0 projections: the fused step applies
+    ids = prompt(60, seed=3)
+    for name, sp in SPARSE.items():
+        staged = _decode(llm, ids, 20, sp, fused=False, kv=kv)
+        fused = _decode(llm, ids, 20, sp, fused=True, kv=kv)
+        assert fused.tobytes() == staged.tobytes(), f"{arch} {kv} {name}"
+
+
+def test_fused_equals_staged_on_the_default_model_both_thread_counts(default_llm):
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.fail("this machine gives numba one thread; the 2-thread fused step is not exercised")
+    ids = np.asarray(default_llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 30)[:300])
+    try:
+        for sp in (None, SparseParams(k=2), SparseParams(k=4, block=16, probe=4)):
+            staged = _decode(default_llm, ids, 260, sp, fused=False, kv="f16")
+            for threads in (1, 2):
+                set_threads(threads)
+                assert numba.get_num_threads() == threads
+                fused = _decode(default_llm, ids, 260, sp, fused=True, kv="f16")
+                assert fused.tobytes() == staged.tobytes(), (sp, threads)
+    finally:
+        set_threads(default_llm.threads)
+
+
+def test_alone_fused_equals_in_a_batch_staged(default_llm):
+    """The server decodes a request alone (fused) or beside others (staged): same bits."""
+    a = np.asarray(default_llm.tokenizer.encode("Alpha beta gamma delta epsilon zeta eta theta"))
+    b = np.asarray(default_llm.tokenizer.encode("One two three four five six seven eight nine ten"))
+    caches = [default_llm.model.new_cache(40, "int8") for _ in range(2)]
+    for ids, c in zip((a, b), caches):
+        default_llm.model.forward([Segment(ids[:-1], c, 0)])
+    both = default_llm.model.forward(
+        [Segment(a[-1:], caches[0], len(a) - 1, decode=True), Segment(b[-1:], caches[1], len(b) - 1, decode=True)]
+    )  # staged
+    c = default_llm.model.new_cache(40, "int8")
+    default_llm.model.forward([Segment(a[:-1], c, 0)])
+    alone = default_llm.model.forward([Segment(a[-1:], c, len(a) - 1, decode=True)])  # fused
+    assert default_llm.model.fused_step() is not None
+    assert alone[0].tobytes() == both[0].tobytes()
+
+
+def test_unsupported_models_take_the_staged_path(tiny_models):
+    llm = sparrow.load(tiny_models["qwen3"].folder)  # f32 projections: no fused step
+    assert llm.model.fused_step() is None
+    ids = prompt(12)
+    assert _decode(llm, ids, 8, None, fused=True).tobytes() == _decode(llm, ids, 8, None, fused=False).tobytes()
