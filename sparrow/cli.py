@@ -116,10 +116,8 @@ def _run(llm, prompt, a, **extra) -> str:
                     n_dec += 1
                     dec_s += out.timing["total"] / 1e3
                     tm = out.timing
-                    dec_lines.append(
-                        f"[DEC-SINGLE] tok={i} total={tm['total']:.2f} ms attn={tm['attn']:.2f} ms "
-                        f"mlp={tm['mlp']:.2f} ms"
-                    )
+                    split = "" if tm["attn"] is None else f" attn={tm['attn']:.2f} ms mlp={tm['mlp']:.2f} ms"
+                    dec_lines.append(f"[DEC-SINGLE] tok={i} total={tm['total']:.2f} ms{split}")
             if trace_file is not None and trace:
                 for layer, heads in trace.pop():
                     for head, blocks, stages, mass in heads:

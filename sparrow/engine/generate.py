@@ -18,7 +18,9 @@ def generate_step(runner: Runner, seq: Sequence, timings: bool = False) -> Itera
     """Yields one StepOutput per generated token until the sequence finishes.
 
     With timings, the first output's `timing` holds prefill stats and every later output its
-    own decode step split: {"total", "attn", "mlp"} in ms.
+    own decode step in ms: {"total", "attn", "mlp"}. A fused decode step (models/fused.py) is
+    one compiled call, so it reports its total only (attn and mlp None); with the fused step
+    off (model.use_fused = False, SPARROW_FUSED=0) every step is split by stage.
     """
     t0 = time.perf_counter()
     logits = runner.prefill(seq.slot)  # [V]
@@ -28,7 +30,12 @@ def generate_step(runner: Runner, seq: Sequence, timings: bool = False) -> Itera
         out.timing = {"prefill_ms": prefill_s * 1e3, "prefill_tokens": len(seq.prompt)}
     yield out
     while not seq.done:
-        if timings:
+        if timings and _runs_fused(runner.model, seq.slot):
+            t0 = time.perf_counter()
+            logits = runner.decode([seq.slot], [seq.last_token])  # [1, V]
+            out = seq.accept(logits[0])
+            out.timing = {"total": (time.perf_counter() - t0) * 1e3, "attn": None, "mlp": None}
+        elif timings:
             with timed(runner.model) as timer:
                 logits = runner.decode([seq.slot], [seq.last_token])  # [1, V]
             out = seq.accept(logits[0])
@@ -36,6 +43,11 @@ def generate_step(runner: Runner, seq: Sequence, timings: bool = False) -> Itera
         else:
             out = seq.accept(runner.decode([seq.slot], [seq.last_token])[0])
         yield out
+
+
+def _runs_fused(model, slot) -> bool:
+    """Whether a decode step of slot alone takes the fused path (Decoder.forward's rule)."""
+    return hasattr(model, "fuses") and model.fuses(slot.trace is not None)
 
 
 def _split(timer: Timer) -> dict:

@@ -61,57 +61,18 @@ def _store_kv(X, XS, kv_kind, kh, pos, row, one, codes, sc):
 
 
 @njit(**KW)
-def worker(
-    tid,
-    nt,
-    sync,
-    x,
-    pos,  # worker id and count, barrier state, residual stream [1, E], position
-    wqkv,
-    wo,
-    wgu,
-    wdown,
-    kinds,  # per-layer stored weight rows (typed lists), kinds [L, 4]
-    in_norm,
-    post_norm,
-    eps,
-    bias,
-    q_norm,
-    k_norm,
-    cos,
-    sin,  # [L, E] [L, E] f32 [L, QKV|0] [L, D|0] ...
-    H,
-    KV,
-    D,
-    F,
-    scale,
-    K,
-    V,
-    KS,
-    VS,
-    IMP,
-    P,
-    PS,
-    n_copied,
-    per_block,
-    kv_kind,  # per-layer cache arrays (typed lists)
-    sparse,
-    k_blocks,
-    bs,
-    n_probe,
-    head_norm,
-    head_w,
-    head_kind,
-    logits,  # final norm [E], lm_head rows, logits [1, Vocab]
-    qkv,
-    att,
-    att_flat,
-    qd,
-    qa,
-    qs,
-    gu,
-    y,  # shared scratch: [1, QKV] [H, D] [1, H*D] [H, D] [H, D] [H] [1, 2F] [1, E]
-):
+def worker(tid, nt, sync, x, pos, model, cache, attn, scratch):
+    """Worker tid of nt: decodes the token at position pos, x [1, E] being its embedding (the
+    residual stream, updated in place). The tuples are built by models/fused.py:
+    model: per-layer weight rows (typed lists) and their kinds [L, 4], norms, biases, RoPE
+    tables, sizes, the final norm and lm_head; cache: per-layer K/V arrays (typed lists), their
+    scales, prefill importance, probe copies; attn: the sparse settings; scratch: buffers the
+    workers share, and the logits [1, Vocab]."""
+    (wqkv, wo, wgu, wdown, kinds, in_norm, post_norm, eps, bias, q_norm, k_norm, cos, sin, H, KV, D, F, scale,
+     head_norm, head_w, head_kind) = model  # fmt: skip
+    K, V, KS, VS, IMP, P, PS, n_copied, per_block, kv_kind = cache
+    sparse, k_blocks, bs, n_probe = attn
+    qkv, att, att_flat, qd, qa, qs, gu, y, logits = scratch  # [1, QKV] [H, D] [1, H*D] [H, D] [H, D] [H] [1, 2F] [1, E]
     E = x.shape[1]
     G = H // KV
     QO, KO = H * D, H * D + KV * D
@@ -184,35 +145,9 @@ def worker(
             kh = hh // G
             n = min(h1, (kh + 1) * G) - hh
             Kl, Vl, KSl, VSl, Pl, PSl = K[layer], V[layer], KS[layer], VS[layer], P[layer], PS[layer]
-            _group(
-                qd,
-                qa,
-                qs,
-                Kl[kh],
-                Vl[kh],
-                KSl[kh],
-                VSl[kh],
-                kv_kind == KV_INT8,
-                hh,
-                n,
-                seq_len,
-                scale,
-                sparse,
-                reserved,
-                k_blocks,
-                bs,
-                n_probe,
-                Pl[kh],
-                PSl[kh],
-                per_block,
-                nc,
-                att,
-                sel,
-                stages,
-                nsel,
-                False,
-                pdummy,
-            )
+            _group(qd, qa, qs, Kl[kh], Vl[kh], KSl[kh], VSl[kh], kv_kind == KV_INT8, hh, n, seq_len, scale, sparse,
+                   reserved, k_blocks, bs, n_probe, Pl[kh], PSl[kh], per_block, nc, att, sel, stages, nsel, False,
+                   pdummy)  # fmt: skip
             hh += n
         barrier(sync, nt)
         _matvec(wo[layer], kinds[layer, 1], att_flat, y, tid, nt)
@@ -235,107 +170,8 @@ def worker(
 
 
 @njit(parallel=True, **KW)
-def decode_token(
-    nt,
-    sync,
-    x,
-    pos,
-    wqkv,
-    wo,
-    wgu,
-    wdown,
-    kinds,
-    in_norm,
-    post_norm,
-    eps,
-    bias,
-    q_norm,
-    k_norm,
-    cos,
-    sin,
-    H,
-    KV,
-    D,
-    F,
-    scale,
-    K,
-    V,
-    KS,
-    VS,
-    IMP,
-    P,
-    PS,
-    n_copied,
-    per_block,
-    kv_kind,
-    sparse,
-    k_blocks,
-    bs,
-    n_probe,
-    head_norm,
-    head_w,
-    head_kind,
-    logits,
-    qkv,
-    att,
-    att_flat,
-    qd,
-    qa,
-    qs,
-    gu,
-    y,
-):
+def decode_token(nt, sync, x, pos, model, cache, attn, scratch):
     """`worker` on nt threads at once (numba's workqueue hands each prange index to its own
     thread, so all nt workers run together and can wait for each other)."""
     for tid in prange(nt):
-        worker(
-            tid,
-            nt,
-            sync,
-            x,
-            pos,
-            wqkv,
-            wo,
-            wgu,
-            wdown,
-            kinds,
-            in_norm,
-            post_norm,
-            eps,
-            bias,
-            q_norm,
-            k_norm,
-            cos,
-            sin,
-            H,
-            KV,
-            D,
-            F,
-            scale,
-            K,
-            V,
-            KS,
-            VS,
-            IMP,
-            P,
-            PS,
-            n_copied,
-            per_block,
-            kv_kind,
-            sparse,
-            k_blocks,
-            bs,
-            n_probe,
-            head_norm,
-            head_w,
-            head_kind,
-            logits,
-            qkv,
-            att,
-            att_flat,
-            qd,
-            qa,
-            qs,
-            gu,
-            y,
-        )
+        worker(tid, nt, sync, x, pos, model, cache, attn, scratch)

@@ -168,6 +168,10 @@ class Decoder:
         self.use_fused = os.environ.get("SPARROW_FUSED", "1") != "0"
         self._fused: FusedDecode | None | bool = False  # False: not planned yet
 
+    def fuses(self, traced: bool) -> bool:
+        """Whether a single sequence's decode step takes the fused path (never when traced)."""
+        return not traced and self.use_fused and self.fused_step() is not None
+
     def fused_step(self) -> FusedDecode | None:
         if self._fused is False:
             self._fused = FusedDecode.plan(self)
@@ -183,14 +187,7 @@ class Decoder:
 
         The stages are methods so that models.timing can time them from outside. A single
         sequence's decode step runs fused instead when the model allows it (same bits)."""
-        if (
-            len(segments) == 1
-            and segments[0].decode
-            and segments[0].trace is None
-            and self.use_fused
-            and not all_logits
-            and self.fused_step() is not None
-        ):
+        if len(segments) == 1 and segments[0].decode and not all_logits and self.fuses(segments[0].trace is not None):
             return self._fused(segments[0])  # [1, V]
         tokens = np.concatenate([s.tokens for s in segments]).astype(np.int64)  # [N]
         positions = np.concatenate([np.arange(s.start, s.start + len(s.tokens)) for s in segments])  # [N]

@@ -140,60 +140,18 @@ class FusedDecode:
         rope.ensure(seq_len)
         x = np.array(model.embed.rows(seg.tokens), dtype=np.float32)  # [1, E], a private copy
         logits = np.empty(self.logits_shape, np.float32)  # [1, V]
-        args = (
-            x,
-            pos,
-            self.wqkv,
-            self.wo,
-            self.wgu,
-            self.wdown,
-            self.kinds,
-            self.in_norm,
-            self.post_norm,
-            self.eps,
-            self.bias,
-            self.q_norm,
-            self.k_norm,
-            rope.cos,
-            rope.sin,
-            self.H,
-            self.KV,
-            self.D,
-            self.F,
-            self.scale,
-            K,
-            V,
-            KS,
-            VS,
-            IMP,
-            P,
-            PS,
-            n_copied,
-            per_block,
-            _KV_KIND[cache.dtype],
-            sp is not None,
-            sp.k if sp is not None else nb,
-            bs,
-            sp.probe if sp is not None else 1,
-            self.head_norm,
-            self.head_w,
-            self.head_kind,
-            logits,
-            self.qkv,
-            self.att3[0],
-            self.att3.reshape(1, -1),
-            self.qd,
-            self.qa,
-            self.qs,
-            self.gu,
-            self.y,
-        )
+        model_t = (self.wqkv, self.wo, self.wgu, self.wdown, self.kinds, self.in_norm, self.post_norm, self.eps,
+                   self.bias, self.q_norm, self.k_norm, rope.cos, rope.sin, self.H, self.KV, self.D, self.F,
+                   self.scale, self.head_norm, self.head_w, self.head_kind)  # fmt: skip
+        cache_t = (K, V, KS, VS, IMP, P, PS, n_copied, per_block, _KV_KIND[cache.dtype])
+        attn_t = (sp is not None, sp.k if sp is not None else nb, bs, sp.probe if sp is not None else 1)
+        scratch = (self.qkv, self.att3[0], self.att3.reshape(1, -1), self.qd, self.qa, self.qs, self.gu, self.y, logits)
         nt = numba.get_num_threads()
         self.sync[:] = 0
         if nt > 1:
-            _ds.decode_token(nt, self.sync, *args)
+            _ds.decode_token(nt, self.sync, x, pos, model_t, cache_t, attn_t, scratch)
         else:
-            _ds.worker(0, 1, self.sync, *args)
+            _ds.worker(0, 1, self.sync, x, pos, model_t, cache_t, attn_t, scratch)
         cache.length = seq_len
         if self.head_kind < 0:
             return model.head(x)
