@@ -9,6 +9,7 @@ import pytest
 import sparrow
 from conftest import prompt
 from sparrow.kernels import set_threads
+from sparrow.models import fused as fused_mod
 from sparrow.models.decoder import Segment
 from sparrow.params import SparseParams
 
@@ -20,9 +21,17 @@ SPARSE = {
 }
 
 
+@pytest.fixture(autouse=True)
+def no_backoff(monkeypatch):
+    """A busy test machine must not send the fused steps these tests compare to the staged path."""
+    monkeypatch.setattr(fused_mod, "BACKOFF_STEPS", 0)
+
+
 def _decode(llm, ids, n_prefill, sparse, fused, kv="f32"):
     """Logits [len(ids) - n_prefill, V] of single-token decode steps after a prefill."""
     llm.model.use_fused = fused
+    plan = llm.model.fused_step()
+    before = plan.steps if plan else 0
     try:
         cache = llm.model.new_cache(len(ids), kv)
         llm.model.forward([Segment(ids[:n_prefill], cache, 0)])
@@ -30,6 +39,8 @@ def _decode(llm, ids, n_prefill, sparse, fused, kv="f32"):
             llm.model.forward([Segment(ids[i : i + 1], cache, i, sparse, decode=True)])[0]
             for i in range(n_prefill, len(ids))
         ]
+        ran = (plan.steps if plan else 0) - before
+        assert ran == (len(ids) - n_prefill if fused and plan else 0)  # every step took the path meant
         return np.stack(rows)
     finally:
         llm.model.use_fused = True
@@ -90,3 +101,33 @@ def test_unsupported_models_take_the_staged_path(tiny_models):
     assert llm.model.fused_step() is None
     ids = prompt(12)
     assert _decode(llm, ids, 8, None, fused=True).tobytes() == _decode(llm, ids, 8, None, fused=False).tobytes()
+
+
+def test_contention_backs_off_to_the_staged_path(default_llm, monkeypatch):
+    """After a step whose barriers waited long (another process took a core), the next
+    BACKOFF_STEPS single steps run staged, then the fused step is tried again."""
+    monkeypatch.setattr(fused_mod, "BACKOFF_STEPS", 3)
+    plan = default_llm.model.fused_step()
+    ids = np.asarray(default_llm.tokenizer.encode("one two three four five six seven eight nine"))
+    cache = default_llm.model.new_cache(len(ids) + 8, "f32")
+    default_llm.model.forward([Segment(ids, cache, 0)])
+    pos = len(ids)
+    plan.backoff = 0
+    orig_token, orig_worker = fused_mod._ds.decode_token, fused_mod._ds.worker
+
+    def token(nt, sync, *args):  # as if every barrier had had to yield
+        orig_token(nt, sync, *args)
+        sync[2] = 10**6
+
+    def worker(tid, nt, sync, *args):
+        orig_worker(tid, nt, sync, *args)
+        sync[2] = 10**6
+
+    monkeypatch.setattr(fused_mod._ds, "decode_token", token)
+    monkeypatch.setattr(fused_mod._ds, "worker", worker)
+    ran = []
+    for i in range(6):
+        before = plan.steps
+        default_llm.model.forward([Segment(ids[i : i + 1], cache, pos + i, decode=True)])
+        ran.append(plan.steps - before)
+    assert ran == [1, 0, 0, 0, 1, 0]

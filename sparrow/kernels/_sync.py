@@ -92,8 +92,9 @@ def sched_yield(typingctx):
 
 @njit(cache=True, nogil=True)
 def barrier(sync, n):
-    """All n workers wait here until every one has arrived. sync: int64 [2] (arrivals,
-    generation), zero before the parallel region; n == 1 returns at once."""
+    """All n workers wait here until every one has arrived. sync: int64 [3] (arrivals,
+    generation, waits that had to yield the CPU), zero before the parallel region; n == 1
+    returns at once."""
     if n <= 1:
         return
     gen = atomic_load(sync, 1)
@@ -106,6 +107,8 @@ def barrier(sync, n):
         cpu_pause()
         spins += 1
         if spins > SPIN_YIELD:
+            if spins == SPIN_YIELD + 1:
+                atomic_add(sync, 2, 1)  # a long wait: the caller reads this as contention
             sched_yield()
 
 

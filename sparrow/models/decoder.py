@@ -169,8 +169,9 @@ class Decoder:
         self._fused: FusedDecode | None | bool = False  # False: not planned yet
 
     def fuses(self, traced: bool) -> bool:
-        """Whether a single sequence's decode step takes the fused path (never when traced)."""
-        return not traced and self.use_fused and self.fused_step() is not None
+        """Whether a single sequence's decode step takes the fused path: not when traced, and
+        not while it backs off after contention (models/fused.py)."""
+        return not traced and self.use_fused and self.fused_step() is not None and self._fused.backoff == 0
 
     def fused_step(self) -> FusedDecode | None:
         if self._fused is False:
@@ -187,8 +188,11 @@ class Decoder:
 
         The stages are methods so that models.timing can time them from outside. A single
         sequence's decode step runs fused instead when the model allows it (same bits)."""
-        if len(segments) == 1 and segments[0].decode and not all_logits and self.fuses(segments[0].trace is not None):
-            return self._fused(segments[0])  # [1, V]
+        if len(segments) == 1 and segments[0].decode and not all_logits:
+            if self.fuses(segments[0].trace is not None):
+                return self._fused(segments[0])  # [1, V]
+            if self._fused and self._fused.backoff > 0:
+                self._fused.backoff -= 1  # a staged step while the fused one backs off
         tokens = np.concatenate([s.tokens for s in segments]).astype(np.int64)  # [N]
         positions = np.concatenate([np.arange(s.start, s.start + len(s.tokens)) for s in segments])  # [N]
         bounds = np.cumsum([0] + [len(s.tokens) for s in segments])  # [B + 1]

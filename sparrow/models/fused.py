@@ -23,6 +23,13 @@ from .layers import MLP
 BLOCK_KINDS = ("q8_0", "q4_0", "q4_1")
 _KV_KIND = {"f32": _ds.KV_F32, "f16": _ds.KV_F16, "int8": _ds.KV_INT8}
 _DEFAULT_BLOCK = 32  # the block the exact-attention kernel walks (models.attention)
+# Contention: the workers meet at 6 barriers a layer and spin there. When another process
+# takes a core, a worker waits for a descheduled partner (the barrier then yields the CPU
+# and counts the wait); past 1 in CONTENDED such waits in a step, the next BACKOFF_STEPS
+# single-sequence steps take the staged path, whose parallel launches sleep instead of spin.
+# Both paths give the same bits, so this changes speed only.
+CONTENDED = 8
+BACKOFF_STEPS = 64
 
 
 def _typed(arrays) -> List:
@@ -100,7 +107,9 @@ class FusedDecode:
         self.gu = np.empty((1, 2 * self.F), np.float32)
         self.y = np.empty((1, self.E), np.float32)
         self.logits_shape = (1, V)
-        self.sync = np.zeros(2, np.int64)
+        self.sync = np.zeros(3, np.int64)  # barrier: arrivals, generation, long waits
+        self.backoff = 0  # staged steps left before the fused step is tried again
+        self.steps = 0  # fused steps run (tests check the path they meant to test ran)
 
     # ------------------------------------------------------------------ per cache
     def _arrays(self, cache, probe_key):
@@ -153,6 +162,9 @@ class FusedDecode:
         else:
             _ds.worker(0, 1, self.sync, x, pos, model_t, cache_t, attn_t, scratch)
         cache.length = seq_len
+        self.steps += 1
+        if self.sync[2] * CONTENDED > 6 * L:  # more than 1/CONTENDED of the barriers waited long
+            self.backoff = BACKOFF_STEPS
         if self.head_kind < 0:
             return model.head(x)
         return logits
