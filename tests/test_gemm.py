@@ -17,27 +17,30 @@ SHAPES = ((37, 32), (21, 96), (5, 576), (gemm.NR * 2 + 7, 608))
 TS = (9, 13, 37, 515)  # T: one x block and tails, several blocks, 515 = 64 blocks + 3
 
 
-def fma_order_reference(x, wf):
-    """y[t, o] = fl(...fl(fl(x[t,0] w[o,0]) + x[t,1] w[o,1]) ...): one f32 fma per k, in order.
+def fma32(p, c):
+    """f32 fma(a, b, c) = fl32(a b + c) from p = a b in float64 (exact for f32 a, b) and f32 c.
 
-    The f64 product of two f32 is exact; s = p + acc in f64 and its TwoSum error e give
-    the exact p + acc = s + e. Rounding s to f32 is the correct rounding of s + e except
-    when s is exactly halfway between two f32 (|e| is below half an f64 ulp of s, and
-    every f32 midpoint is an f64), where the sign of e decides.
+    s = p + c in f64 and its TwoSum error e give the exact p + c = s + e. Rounding s to f32
+    is the correct rounding of s + e except when s is exactly halfway between two f32 (|e| is
+    below half an f64 ulp of s, and every f32 midpoint is an f64), where the sign of e decides.
     """
+    a = np.asarray(c, np.float32).astype(np.float64)
+    s = p + a
+    bb = s - p
+    e = (p - (s - bb)) + (a - bb)
+    r = s.astype(np.float32)
+    r64 = r.astype(np.float64)
+    other = np.nextafter(r, np.where(s > r64, np.float32(np.inf), np.float32(-np.inf)))
+    tie = (r64 != s) & ((r64 + other.astype(np.float64)) * 0.5 == s) & (e != 0)
+    up = np.where(e > 0, np.maximum(r, other), np.minimum(r, other))
+    return np.where(tie, up, r)
+
+
+def fma_order_reference(x, wf):
+    """y[t, o] = fl(...fl(fl(x[t,0] w[o,0]) + x[t,1] w[o,1]) ...): one f32 fma per k, in order."""
     acc = np.zeros((x.shape[0], wf.shape[0]), np.float32)  # [T, O]
     for k in range(x.shape[1]):
-        p = x[:, k, None].astype(np.float64) * wf[None, :, k].astype(np.float64)
-        a = acc.astype(np.float64)
-        s = p + a
-        bb = s - p
-        e = (p - (s - bb)) + (a - bb)
-        r = s.astype(np.float32)
-        r64 = r.astype(np.float64)
-        other = np.nextafter(r, np.where(s > r64, np.float32(np.inf), np.float32(-np.inf)))
-        tie = (r64 != s) & ((r64 + other.astype(np.float64)) * 0.5 == s) & (e != 0)
-        up = np.where(e > 0, np.maximum(r, other), np.minimum(r, other))
-        acc = np.where(tie, up, r)
+        acc = fma32(x[:, k, None].astype(np.float64) * wf[None, :, k].astype(np.float64), acc)
     return acc
 
 
@@ -128,3 +131,23 @@ def test_thread_and_batch_invariance(qtype):
     xr = x.copy()
     xr.flags.writeable = False  # read-only activations compile to another type, same bits
     assert np.array_equal(bits(linear(xr, w)), bits(y1))
+
+
+def test_reused_scratch_and_other_threads():
+    # The packing buffers are kept per calling thread and reused: results must not depend on
+    # what an earlier call (a larger T or K, another format) left in them, nor on the thread.
+    import threading
+
+    cases = [("q4_1", (gemm.NR * 2 + 7, 608), 515), ("f16", (37, 50), 9), ("q8_0", (gemm.NR + 7, 96), 13)]
+    first = [linear(acts(t, s[1], seed=8), make(q, s, seed=9)) for q, s, t in cases]
+    for (q, s, t), y in zip(reversed(cases), reversed(first)):
+        assert np.array_equal(bits(linear(acts(t, s[1], seed=8), make(q, s, seed=9))), bits(y))
+    got = []
+
+    def run():
+        got.extend(linear(acts(t, s[1], seed=8), make(q, s, seed=9)) for q, s, t in cases)
+
+    th = threading.Thread(target=run)
+    th.start()
+    th.join()
+    assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(got, first)) and len(got) == len(cases)

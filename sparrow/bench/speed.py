@@ -37,11 +37,22 @@ from sparrow.engine.runner import PREFILL_CHUNK as CHUNK  # llama.cpp's n_batch 
 
 MB = 1 << 20
 # decode modes: (KV cache dtype, sparse top-k?)
-MODES = {"exact": ("f32", False), "sparse": ("f32", True), "f16": ("f16", False),
-         "sparse_f16": ("f16", True), "int8": ("int8", False), "sparse_int8": ("int8", True)}
-LABELS = {"exact": "exact, f32 KV", "sparse": "sparse k={k}, f32 KV", "f16": "exact, f16 KV",
-          "sparse_f16": "sparse k={k}, f16 KV", "int8": "exact, int8 KV",
-          "sparse_int8": "sparse k={k}, int8 KV"}
+MODES = {
+    "exact": ("f32", False),
+    "sparse": ("f32", True),
+    "f16": ("f16", False),
+    "sparse_f16": ("f16", True),
+    "int8": ("int8", False),
+    "sparse_int8": ("int8", True),
+}
+LABELS = {
+    "exact": "exact, f32 KV",
+    "sparse": "sparse k={k}, f32 KV",
+    "f16": "exact, f16 KV",
+    "sparse_f16": "sparse k={k}, f16 KV",
+    "int8": "exact, int8 KV",
+    "sparse_int8": "sparse k={k}, int8 KV",
+}
 
 
 def _load_avg():
@@ -61,9 +72,31 @@ def _rss_now_mb():
 
 
 # vector extensions worth naming (x86 /proc/cpuinfo "flags", ARM "Features"; asimddp = dotprod)
-_EXTENSIONS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
-               "avx512_bf16", "avx512_fp16", "avx512vbmi", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16",
-               "asimd", "asimddp", "asimdhp", "i8mm", "bf16", "sve", "sve2")
+_EXTENSIONS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx512vbmi",
+    "avx_vnni",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+    "asimd",
+    "asimddp",
+    "asimdhp",
+    "i8mm",
+    "bf16",
+    "sve",
+    "sve2",
+)
 
 
 def cpu_info() -> dict:
@@ -78,8 +111,13 @@ def cpu_info() -> dict:
                 fields.setdefault(k.strip(), v.strip())
     except OSError:
         pass
-    model = (fields.get("model name") or fields.get("Model") or fields.get("Hardware")
-             or platform.processor() or platform.machine())
+    model = (
+        fields.get("model name")
+        or fields.get("Model")
+        or fields.get("Hardware")
+        or platform.processor()
+        or platform.machine()
+    )
     if "model name" not in fields and "CPU part" in fields:  # ARM: implementer/part ids
         model = f"{model} (implementer {fields.get('CPU implementer')}, part {fields['CPU part']})"
     flags = set((fields.get("flags") or fields.get("Features") or "").split())
@@ -89,8 +127,30 @@ def cpu_info() -> dict:
             l2 = f.read().strip()
     except OSError:
         pass
-    return {"model": model, "extensions": [e for e in _EXTENSIONS if e in flags], "cpus": os.cpu_count(),
-            "l2_per_core": l2, "machine": platform.machine()}
+    return {
+        "model": model,
+        "extensions": [e for e in _EXTENSIONS if e in flags],
+        "cpus": os.cpu_count(),
+        "l2_per_core": l2,
+        "machine": platform.machine(),
+    }
+
+
+def cpu_busy(interval=1.0) -> float | None:
+    """Fraction of all CPUs' time spent busy (not idle/iowait) over `interval` s, from /proc/stat."""
+
+    def sample():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + (v[4] if len(v) > 4 else 0)
+
+    try:
+        t0, i0 = sample()
+        time.sleep(interval)
+        t1, i1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return round(1 - (i1 - i0) / max(1, t1 - t0), 3)
 
 
 def busy_threshold(cpus=None) -> float:
@@ -118,6 +178,9 @@ def _versions(compare) -> dict:
         except Exception:  # noqa: BLE001 - informational only
             pass
     return out
+
+
+SPLIT_STEPS = 4  # staged steps timed stage by stage after each fused measurement
 
 
 class SparrowRunner:
@@ -153,7 +216,9 @@ class SparrowRunner:
         return c
 
     def decode(self, feed, start, mode="exact", sparse_k=32):
-        """Per-token seconds and the mean time split (ms) for len(feed) steps after start."""
+        """Per-token seconds of len(feed) decode steps after start (the path users get: the
+        fused step where the model allows it), then the time split (ms) of SPLIT_STEPS more
+        steps on the staged path, whose stages can be timed (the fused step is one call)."""
         from sparrow.engine.runner import Slot
         from sparrow.models.timing import timed
         from sparrow.params import SparseParams
@@ -163,17 +228,25 @@ class SparrowRunner:
         slot = Slot(np.zeros(start, np.int64), cache, SparseParams(k=sparse_k) if sparse else None)
         times, parts = [], []
         for tok in feed:
+            t0 = time.perf_counter()
+            self.llm.runner.decode([slot], [tok])
+            times.append(time.perf_counter() - t0)
+        cache.truncate(start)
+        for tok in feed[:SPLIT_STEPS]:
             with timed(self.model) as timer:
-                t0 = time.perf_counter()
                 self.llm.runner.decode([slot], [tok])
-                times.append(time.perf_counter() - t0)
-            parts.append((timer.matmul, timer.attn, timer.total - timer.matmul - timer.attn))
+            parts.append((timer.total, timer.matmul, timer.attn, timer.total - timer.matmul - timer.attn))
         self.cache.truncate(start)
         # medians per component, like the per-token time (a one-off stall does not count)
-        split = {k: statistics.median(p[j] for p in parts) * 1e3
-                 for j, k in enumerate(("matmul_ms", "attention_ms", "other_ms"))}
-        kv = {"kv_bytes_per_token": cache.nbytes / cache.capacity,
-              "probe_copy_bytes_per_token": cache.probe_nbytes / cache.capacity}
+        split = {
+            k: statistics.median(p[j] for p in parts) * 1e3
+            for j, k in enumerate(("staged_ms", "matmul_ms", "attention_ms", "other_ms"))
+        }
+        split["fused"] = self.model.fused_step() is not None
+        kv = {
+            "kv_bytes_per_token": cache.nbytes / cache.capacity,
+            "probe_copy_bytes_per_token": cache.probe_nbytes / cache.capacity,
+        }
         return times, split, kv
 
 
@@ -186,8 +259,16 @@ class LlamaRunner:
         # the bindings' defaults except the thread count (their default is cpu_count // 2 for
         # decode); n_batch 512 is their default too. flash attention only when asked for.
         kw = {"flash_attn": True} if flash_attn else {}
-        self.llm = Llama(model_path=path, n_ctx=capacity, n_threads=threads,
-                         n_threads_batch=threads, n_batch=CHUNK, logits_all=False, verbose=False, **kw)
+        self.llm = Llama(
+            model_path=path,
+            n_ctx=capacity,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_batch=CHUNK,
+            logits_all=False,
+            verbose=False,
+            **kw,
+        )
         self.settings = self.describe(self.llm)
 
     @staticmethod
@@ -208,10 +289,16 @@ class LlamaRunner:
             fa = str(getattr(cp, "flash_attn", "?"))
         else:
             fa = {-1: "auto", 0: "off", 1: "on"}.get(int(fa), str(fa))
-        return {"flash_attn": fa, "type_k": ggml(cp.type_k), "type_v": ggml(cp.type_v),
-                "n_batch": int(cp.n_batch), "n_ubatch": int(cp.n_ubatch), "n_threads": int(cp.n_threads),
-                "n_threads_batch": int(cp.n_threads_batch),
-                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "unset (OpenMP default)"}
+        return {
+            "flash_attn": fa,
+            "type_k": ggml(cp.type_k),
+            "type_v": ggml(cp.type_v),
+            "n_batch": int(cp.n_batch),
+            "n_ubatch": int(cp.n_ubatch),
+            "n_threads": int(cp.n_threads),
+            "n_threads_batch": int(cp.n_threads_batch),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "unset (OpenMP default)",
+        }
 
     def prefill(self, tokens, start):
         self.llm.n_tokens = start  # eval drops cache entries from n_tokens on
@@ -239,8 +326,7 @@ def _pass(runner, prompt, contexts, feed, modes, sparse_k):
         rec = {"prefill_s": pre, "load_prefill": _load_avg()}
         for mode in modes:
             times, split, kv = runner.decode(feed, c, mode, sparse_k)
-            rec[mode] = {"ms": statistics.median(times) * 1e3, "split": split, "kv": kv,
-                         "load": _load_avg()}
+            rec[mode] = {"ms": statistics.median(times) * 1e3, "split": split, "kv": kv, "load": _load_avg()}
         out[c] = rec
     return out
 
@@ -277,11 +363,22 @@ def _startup(path, threads):
     t_first = time.perf_counter() - t0
     # where the resident set goes: the model file's mapped pages, LLVM's code (numba links
     # the cached kernels with it) and everything else
-    print(json.dumps({"load_s": t_load, "first_prefill_s": t_prefill, "first_decode_s": t_first,
-                      "rss_python_mb": rss0, "rss_loaded_mb": rss_load, "rss_now_mb": rss_now,
-                      "rss_peak_mb": _rss_mb(), "rss_after_forward_mb": _rss_now_mb(),
-                      "rss_model_file_mb": _mapped_mb(os.path.basename(path)),
-                      "rss_llvm_mb": _mapped_mb("libllvmlite.so")}))
+    print(
+        json.dumps(
+            {
+                "load_s": t_load,
+                "first_prefill_s": t_prefill,
+                "first_decode_s": t_first,
+                "rss_python_mb": rss0,
+                "rss_loaded_mb": rss_load,
+                "rss_now_mb": rss_now,
+                "rss_peak_mb": _rss_mb(),
+                "rss_after_forward_mb": _rss_now_mb(),
+                "rss_model_file_mb": _mapped_mb(os.path.basename(path)),
+                "rss_llvm_mb": _mapped_mb("libllvmlite.so"),
+            }
+        )
+    )
 
 
 def _llama_rss(path, threads):
@@ -293,8 +390,9 @@ def _llama_rss(path, threads):
 
 
 def _child(args, env=None):
-    r = subprocess.run([sys.executable, "-m", "sparrow.bench.speed"] + args, capture_output=True,
-                       text=True, env=env, timeout=1200)
+    r = subprocess.run(
+        [sys.executable, "-m", "sparrow.bench.speed"] + args, capture_output=True, text=True, env=env, timeout=1200
+    )
     if r.returncode != 0:
         return {"error": r.stderr.strip().splitlines()[-1:] or ["failed"]}
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -325,8 +423,7 @@ def summarise(rounds, contexts, modes, compare):
         row = {"prefill_tok_s": _median([c / r["prefill_s"] for r in s_runs])}
         for m in modes:
             row[f"decode_{m}_tok_s"] = _median([1e3 / r[m]["ms"] for r in s_runs])
-            row[f"split_{m}"] = {k: _median([r[m]["split"][k] for r in s_runs])
-                                 for k in s_runs[0][m]["split"]}
+            row[f"split_{m}"] = {k: _median([r[m]["split"][k] for r in s_runs]) for k in s_runs[0][m]["split"]}
             row[f"kv_bytes_per_token_{m}"] = s_runs[0][m]["kv"]["kv_bytes_per_token"]
         if "sparse" in modes:
             row["probe_copy_bytes_per_token"] = s_runs[0]["sparse"]["kv"]["probe_copy_bytes_per_token"]
@@ -338,8 +435,7 @@ def summarise(rounds, contexts, modes, compare):
             row["llama_decode_tok_s"] = _median([1e3 / r["exact"]["ms"] for r in l_runs])
             row["ratio_prefill"] = _median([lr["prefill_s"] / sr["prefill_s"] for sr, lr in zip(s_runs, l_runs)])
             for m in modes:
-                row[f"ratio_decode_{m}"] = _median([lr["exact"]["ms"] / sr[m]["ms"]
-                                                    for sr, lr in zip(s_runs, l_runs)])
+                row[f"ratio_decode_{m}"] = _median([lr["exact"]["ms"] / sr[m]["ms"] for sr, lr in zip(s_runs, l_runs)])
         table[c] = row
     return table
 
@@ -359,7 +455,7 @@ def contention(runners, context, feed, rounds, sparse_k):
         time.sleep(1.0)  # let the busy process get going
         for i in range(rounds):
             res = {}
-            for r in (runners if i % 2 == 0 else runners[::-1]):
+            for r in runners if i % 2 == 0 else runners[::-1]:
                 if r.name == "sparrow":
                     r.cache.truncate(context)
                 times, _, _ = r.decode(feed, context, "exact", sparse_k)
@@ -384,21 +480,30 @@ def header(rec) -> list[str]:
         model += f" (random weights, {cfg['shape']} shapes, {cfg['type']})"
     ext = ", ".join(cpu.get("extensions") or []) or "none detected"
     l2 = f", L2 {cpu['l2_per_core']} per core" if cpu.get("l2_per_core") else ""
-    lines = [f"Model `{model}`, {cfg['threads']} threads each, {cfg['rounds']} rounds, "
-             f"{cfg['decode']} decode tokens per point.",
-             "",
-             f"CPU: {cpu.get('model', '?')} ({cpu.get('cpus', os.cpu_count())} CPUs{l2}); "
-             f"vector extensions: {ext}.",
-             "",
-             f"Load average (1 min): {rec['load_start']} at start, {rec.get('load_end', '-')} at end."]
+    lines = [
+        f"Model `{model}`, {cfg['threads']} threads each, {cfg['rounds']} rounds, "
+        f"{cfg['decode']} decode tokens per point.",
+        "",
+        f"CPU: {cpu.get('model', '?')} ({cpu.get('cpus', os.cpu_count())} CPUs{l2}); vector extensions: {ext}.",
+        "",
+        f"Load average (1 min): {rec['load_start']} at start, {rec.get('load_end', '-')} at end"
+        + (" (1/5/15 min at start: {}/{}/{})".format(*rec["loadavg_start"]) if rec.get("loadavg_start") else "")
+        + (
+            f"; CPUs {rec['cpu_busy_start']:.0%} busy in the second before the start."
+            if rec.get("cpu_busy_start") is not None
+            else "."
+        ),
+    ]
     if rec.get("busy_warning"):
         lines += ["", f"**Warning: {rec['busy_warning']}**"]
     engines = f"sparrow {ver.get('sparrow', '?')} (numba {ver.get('numba', '?')})"
     ls = rec.get("llama_settings")
     if cfg["compare"] and ls:
-        engines += (f"; llama.cpp via llama-cpp-python {ver.get('llama_cpp_python', '?')} at its defaults: "
-                    f"flash attention {ls['flash_attn']}, {ls['type_k']}/{ls['type_v']} KV, n_batch "
-                    f"{ls['n_batch']}, OMP_WAIT_POLICY {ls['omp_wait_policy']}")
+        engines += (
+            f"; llama.cpp via llama-cpp-python {ver.get('llama_cpp_python', '?')} at its defaults: "
+            f"flash attention {ls['flash_attn']}, {ls['type_k']}/{ls['type_v']} KV, n_batch "
+            f"{ls['n_batch']}, OMP_WAIT_POLICY {ls['omp_wait_policy']}"
+        )
         if ver.get("llama_cpp_system_info"):
             engines += f" (build: `{ver['llama_cpp_system_info']}`)"
     lines += ["", f"Engines: {engines}.", ""]
@@ -408,49 +513,68 @@ def header(rec) -> list[str]:
 def markdown(rec):
     t, cmp = rec["table"], rec["config"]["compare"]
     f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
-    lines = header(rec) + ["| context | metric | sparrow | llama.cpp (exact) | sparrow / llama.cpp |",
-                           "|---|---|---|---|---|"]
+    lines = header(rec) + [
+        "| context | metric | sparrow | llama.cpp (exact) | sparrow / llama.cpp |",
+        "|---|---|---|---|---|",
+    ]
     for c, row in t.items():
-        lines.append(f"| {c} | prefill tok/s | {f(row['prefill_tok_s'])} | {f(row.get('llama_prefill_tok_s'))} "
-                     f"| {f(row.get('ratio_prefill'), 2)} |")
+        lines.append(
+            f"| {c} | prefill tok/s | {f(row['prefill_tok_s'])} | {f(row.get('llama_prefill_tok_s'))} "
+            f"| {f(row.get('ratio_prefill'), 2)} |"
+        )
         for m in MODES:
             label = "decode tok/s, " + LABELS[m].format(k=rec["config"]["sparse_k"])
             if f"decode_{m}_tok_s" in row:
                 llama = f(row.get("llama_decode_tok_s")) if cmp else "-"
-                lines.append(f"| {c} | {label} | {f(row[f'decode_{m}_tok_s'])} | "
-                             f"{llama} | {f(row.get(f'ratio_decode_{m}'), 2)} |")
+                lines.append(
+                    f"| {c} | {label} | {f(row[f'decode_{m}_tok_s'])} | "
+                    f"{llama} | {f(row.get(f'ratio_decode_{m}'), 2)} |"
+                )
         sp = row["split_exact"]
-        lines.append(f"| {c} | exact decode ms/token: matmul / attention / other | {f(sp['matmul_ms'])} / "
-                     f"{f(sp['attention_ms'])} / {f(sp['other_ms'])} | | |")
+        lines.append(
+            f"| {c} | exact decode ms/token: matmul / attention / other | {f(sp['matmul_ms'])} / "
+            f"{f(sp['attention_ms'])} / {f(sp['other_ms'])} | | |"
+        )
         if "int8_vs_f32" in row:
-            lines.append(f"| {c} | int8 KV speed vs f32 KV; KV bytes/token int8 / f32 | "
-                         f"{f(row['int8_vs_f32'], 2)}x; {row['kv_bytes_per_token_int8']:.0f} / "
-                         f"{row['kv_bytes_per_token_exact']:.0f} | | |")
+            lines.append(
+                f"| {c} | int8 KV speed vs f32 KV; KV bytes/token int8 / f32 | "
+                f"{f(row['int8_vs_f32'], 2)}x; {row['kv_bytes_per_token_int8']:.0f} / "
+                f"{row['kv_bytes_per_token_exact']:.0f} | | |"
+            )
         if row.get("probe_copy_bytes_per_token"):
-            lines.append(f"| {c} | sparse probe-key copy, bytes/token (f32 KV) | "
-                         f"{row['probe_copy_bytes_per_token']:.0f} | | |")
+            lines.append(
+                f"| {c} | sparse probe-key copy, bytes/token (f32 KV) | {row['probe_copy_bytes_per_token']:.0f} | | |"
+            )
     st = rec.get("startup") or {}
     for k in ("cold", "warm"):
         s = st.get(k, {})
         if "load_s" in s:
-            lines.append(f"| start | {k} numba cache: load / first prefill / first token (s) | "
-                         f"{s['load_s']:.1f} / {s['first_prefill_s']:.1f} / {s['first_decode_s']:.1f} | | |")
+            lines.append(
+                f"| start | {k} numba cache: load / first prefill / first token (s) | "
+                f"{s['load_s']:.1f} / {s['first_prefill_s']:.1f} / {s['first_decode_s']:.1f} | | |"
+            )
     w, lw = st.get("warm", {}), st.get("llama", {})
     if "rss_loaded_mb" in w:
-        lines.append(f"| memory | peak RSS MiB: python+imports -> loaded (GGUF {rec['gguf_mb']:.0f} MiB) | "
-                     f"{w['rss_python_mb']:.0f} -> {w['rss_loaded_mb']:.0f} | "
-                     f"{f(lw.get('rss_python_mb'), 0)} -> {f(lw.get('rss_loaded_mb'), 0)} | |")
+        lines.append(
+            f"| memory | peak RSS MiB: python+imports -> loaded (GGUF {rec['gguf_mb']:.0f} MiB) | "
+            f"{w['rss_python_mb']:.0f} -> {w['rss_loaded_mb']:.0f} | "
+            f"{f(lw.get('rss_python_mb'), 0)} -> {f(lw.get('rss_loaded_mb'), 0)} | |"
+        )
         if w.get("rss_now_mb"):
             lines.append(f"| memory | RSS MiB after load (not peak) | {w['rss_now_mb']:.0f} | | |")
         if w.get("rss_after_forward_mb"):
-            lines.append(f"| memory | RSS MiB after the first forward: total / model file pages / LLVM code | "
-                         f"{w['rss_after_forward_mb']:.0f} / {f(w.get('rss_model_file_mb'), 0)} / "
-                         f"{f(w.get('rss_llvm_mb'), 0)} | | |")
+            lines.append(
+                f"| memory | RSS MiB after the first forward: total / model file pages / LLVM code | "
+                f"{w['rss_after_forward_mb']:.0f} / {f(w.get('rss_model_file_mb'), 0)} / "
+                f"{f(w.get('rss_llvm_mb'), 0)} | | |"
+            )
     ct = rec.get("contention")
     if ct:
-        lines.append(f"| {ct['context']} | CONTENTION (one busy-looping process running; load "
-                     f"{ct['load_start']} -> {ct['load_end']}): decode tok/s, exact, f32 KV | "
-                     f"{f(ct.get('sparrow_tok_s'))} | {f(ct.get('llama_tok_s'))} | {f(ct.get('ratio'), 2)} |")
+        lines.append(
+            f"| {ct['context']} | CONTENTION (one busy-looping process running; load "
+            f"{ct['load_start']} -> {ct['load_end']}): decode tok/s, exact, f32 KV | "
+            f"{f(ct.get('sparrow_tok_s'))} | {f(ct.get('llama_tok_s'))} | {f(ct.get('ratio'), 2)} |"
+        )
     return "\n".join(lines)
 
 
@@ -467,9 +591,12 @@ def main(argv=None):
 
     ap = argparse.ArgumentParser(prog="sparrow bench speed", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="GGUF or HF folder (default: SmolLM2-135M-Instruct Q4_1)")
-    ap.add_argument("--shape", choices=list(shapes.SHAPES),
-                    help="bench a random-weight GGUF with this model's exact tensor shapes (written once "
-                    "into the cache directory, sparrow.bench.shapes)")
+    ap.add_argument(
+        "--shape",
+        choices=list(shapes.SHAPES),
+        help="bench a random-weight GGUF with this model's exact tensor shapes (written once "
+        "into the cache directory, sparrow.bench.shapes)",
+    )
     ap.add_argument("--type", default="q8_0", choices=shapes.TYPES, help="weight type of the --shape file")
     ap.add_argument("--contexts", default="512,2048,7000")
     ap.add_argument("--threads", type=int, default=2)
@@ -477,10 +604,14 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--decode", type=int, default=16, help="decoded tokens per context and mode")
     ap.add_argument("--sparse-k", type=int, default=32)
-    ap.add_argument("--flash-attn", action="store_true",
-                    help="turn llama.cpp's flash attention on (the bindings' default is off)")
-    ap.add_argument("--contention", action="store_true",
-                    help="add a labelled row: decode after the first context with one busy-looping process running")
+    ap.add_argument(
+        "--flash-attn", action="store_true", help="turn llama.cpp's flash attention on (the bindings' default is off)"
+    )
+    ap.add_argument(
+        "--contention",
+        action="store_true",
+        help="add a labelled row: decode after the first context with one busy-looping process running",
+    )
     ap.add_argument("--no-startup", action="store_true", help="skip cold/warm start and RSS")
     ap.add_argument("--moe", action="store_true", help="add the MoE layer row (sparrow.bench.speed_moe)")
     ap.add_argument("--json", help="write the JSON record here (default runs/speed-<timestamp>/speed.json)")
@@ -499,10 +630,20 @@ def main(argv=None):
     load_start = _load_avg()  # before anything of ours runs
     cpu = cpu_info()
     limit = busy_threshold(cpu["cpus"])
+    busy_now = cpu_busy()  # the load average lags by a minute or more; this is the last second
     busy_warning = None
-    if load_start > limit:
-        busy_warning = (f"the machine was busy at the start (1-minute load {load_start} > {limit} for "
-                        f"{cpu['cpus']} CPUs): figures are unreliable, compare only within this run")
+    now = f", CPUs {busy_now:.0%} busy in the last second" if busy_now is not None else ""
+    if (busy_now or 0) > 0.25 or (load_start > limit and busy_now is None):
+        busy_warning = (
+            f"the machine was busy at the start (1-minute load {load_start}, warning above {limit} "
+            f"for {cpu['cpus']} CPUs{now}): figures are unreliable, compare only within this run"
+        )
+    elif load_start > limit:
+        busy_warning = (
+            f"1-minute load {load_start} at the start is above {limit} for {cpu['cpus']} CPUs{now}: "
+            "the average may still be decaying from earlier work; check the per-round loads"
+        )
+    if busy_warning:
         print(f"warning: {busy_warning}", file=sys.stderr)
     if a.shape and a.model:
         raise SparrowError("give --model or --shape, not both")
@@ -520,14 +661,31 @@ def main(argv=None):
         except ImportError:
             print("llama-cpp-python is not importable: measuring sparrow only", file=sys.stderr)
             compare = False
-    rec = {"load_start": load_start, "busy_warning": busy_warning, "busy_threshold": limit, "cpu": cpu,
-           "versions": _versions(compare),
-           "gguf_mb": os.path.getsize(path) / MB if os.path.isfile(path) else None,
-           "config": {"model": path, "shape": a.shape, "type": a.type if a.shape else None,
-                      "threads": a.threads, "contexts": contexts, "rounds": a.rounds,
-                      "decode": a.decode, "sparse_k": a.sparse_k, "compare": compare,
-                      "flash_attn": a.flash_attn, "chunk": CHUNK, "contention": a.contention,
-                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}}
+    rec = {
+        "load_start": load_start,
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+        "cpu_busy_start": busy_now,
+        "busy_warning": busy_warning,
+        "busy_threshold": limit,
+        "cpu": cpu,
+        "versions": _versions(compare),
+        "gguf_mb": os.path.getsize(path) / MB if os.path.isfile(path) else None,
+        "config": {
+            "model": path,
+            "shape": a.shape,
+            "type": a.type if a.shape else None,
+            "threads": a.threads,
+            "contexts": contexts,
+            "rounds": a.rounds,
+            "decode": a.decode,
+            "sparse_k": a.sparse_k,
+            "compare": compare,
+            "flash_attn": a.flash_attn,
+            "chunk": CHUNK,
+            "contention": a.contention,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        },
+    }
     rec["startup"] = None if a.no_startup else _startup_runs(path, a.threads, compare)
     capacity = contexts[-1] + a.decode + 16
     modes = tuple(MODES)
@@ -541,12 +699,12 @@ def main(argv=None):
         rec["llama_settings"] = runners[-1].settings
     for r in runners:  # warm-up: JIT load / compile, page in the weights
         r.prefill(prompt[:64], 0)
-        for m in (modes if r.name == "sparrow" else ("exact",)):
+        for m in modes if r.name == "sparrow" else ("exact",):
             r.decode(feed[:2], 64, m, a.sparse_k)
     rounds = []
     for i in range(a.rounds):
         res = {}
-        for r in (runners if i % 2 == 0 else runners[::-1]):
+        for r in runners if i % 2 == 0 else runners[::-1]:
             ms = modes if r.name == "sparrow" else ("exact",)
             res["sparrow" if r.name == "sparrow" else "llama"] = _pass(r, prompt, contexts, feed, ms, a.sparse_k)
             print(f"round {i + 1}: {r.name} done (load {_load_avg()})", file=sys.stderr)

@@ -2,12 +2,17 @@
 
 Each panel of NR weight rows is widened once to f32 (q8_0 / q4_0 / q4_1 by vector IR,
 f16 / bf16 by widen_row; values bit-identical to Weight.dequantize(), the same f32
-operations) and transposed, 16 x 16 in registers, into packed form bp [K, NR]. Every
-MR-row block of x is then multiplied with it by an outer-product micro-kernel written as
-LLVM vector IR: MR x NR accumulators live in vector registers, and for each k the NR
-weights are loaded as NR / 16 vectors and x[t, k] is broadcast for each of the MR rows.
-Numba alone will not keep such a register tile, hence the IR (~100 GFLOP/s a Zen 4 core,
-near its one 512-bit FMA a cycle).
+operations) and transposed, LANES x LANES in registers, into NS = NR / NK packed sub-panels
+[K, NK]. x is packed once per call into MR-row blocks [K, MR]. Every block is multiplied
+with each sub-panel by an outer-product micro-kernel written as LLVM vector IR: MR x NK
+accumulators live in vector registers, and for each k the NK weights are loaded as NW
+vectors of LANES f32 and x[t, k] is broadcast for each of the MR rows. Numba alone will not
+keep such a register tile, hence the IR.
+
+The tile follows the CPU numba compiles for (micro_tile): with AVX-512, 8 x 48 in 24 zmm
+(~100 GFLOP/s a Zen 4 core, near its one 512-bit FMA a cycle); without (AVX2's 16 ymm,
+ARM64), 4 x 24 in 12 ymm, ~90 GFLOP/s a Zen 3 core (two 256-bit FMAs a cycle); the 8 x 48
+tile spilled there (48 ymm) and ran at ~20.
 
 Summation order: every y[t, o] is one lane of one accumulator, acc = fma(x[t, k], w[o, k],
 acc) for k = 0 .. K - 1 in sequence, starting from 0. That depends only on K: not on T,
@@ -16,12 +21,15 @@ on the thread count (threads split the panels, never k). Results are bit-identic
 row alone or in a batch and for any number of threads.
 
 One parallel region per call (a launch costs 50-180 us here); threads claim weight panels
-from a shared counter; each packs its panel (K x NR f32 <= 288 KiB, stays in L2) and
-sweeps all of x with it.
+from a shared counter; each packs its panel (K x NR f32, 110 KiB at K = 576) and sweeps
+all of x with it, one x block (L1) against the NS sub-panels (L2 or streamed) at a time.
+The packing buffers are reused from call to call (_scratch_arrays).
 f16 / bf16 / f32 rows are packed by _widen.widen_row (this module imports _widen, never the
 other way round). The numba cache directory is keyed on a hash of all kernel sources
 (kernels/__init__.py, _cache_dir), so an edit to widen_row recompiles the kernels here too.
 """
+
+import threading
 
 import numba
 import numpy as np
@@ -31,62 +39,105 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from sparrow.kernels._ir import F32, I8, I32, V16F
-from sparrow.kernels._ir import fma as _fma
 from sparrow.kernels._widen import F16_LUT, KIND, call_slp, widen_row
 
 KW = dict(cache=True, nogil=True)
-MR = 8  # x rows per micro-kernel call
-NV = 3  # 16-lane vectors per panel row
-NR = 16 * NV  # weight rows per panel
+NR = 48  # weight rows per panel (a multiple of NK, the columns of one micro-kernel call)
+
+
+def _target_cpu():
+    """(name, features) numba compiles for: its JIT codegen's own, else what NUMBA_CPU_NAME /
+    NUMBA_CPU_FEATURES or the host say (numba's rule: the features string overrides the name)."""
+    try:
+        from numba.core.registry import cpu_target
+
+        cg = cpu_target.target_context.codegen()
+        return cg._get_host_cpu_name(), cg._tm_features
+    except Exception:  # pragma: no cover - numba internals moved
+        import llvmlite.binding as ll
+
+        name = numba.config.CPU_NAME or ll.get_host_cpu_name()
+        feats = numba.config.CPU_FEATURES
+        return name, (ll.get_host_cpu_features().flatten() if feats is None else feats)
+
+
+def micro_tile(features):
+    """(MR, NW, LANES): x rows, vectors a row and f32 lanes a vector of the micro-kernel.
+
+    With avx512f (32 zmm): 8 x 3 <16 x float> accumulators (8 x 48). Otherwise (AVX2's 16
+    ymm, or anything else): 4 x 3 <8 x float> (4 x 24), so 12 accumulators + 3 weight
+    vectors + 1 broadcast fill the 16 registers without spilling, and 12 independent fma
+    chains cover the fma latency. The tile never changes the bits, only the speed."""
+    if "+avx512f" in features.split(","):
+        return 8, 3, 16
+    return 4, 3, 8
+
+
+CPU_NAME, CPU_FEATURES = _target_cpu()
+MR, NW, LANES = micro_tile(CPU_FEATURES)  # x rows, vectors a row, lanes a vector
+NK = NW * LANES  # panel columns per micro-kernel call: a panel is NS sub-panels [K, NK]
+NS = NR // NK
+assert NR % NK == 0 and NK % LANES == 0
 
 _F32, _I8, _I32, _V16F = F32, I8, I32, V16F
+_VK = ir.VectorType(F32, LANES)
 
 
 def _f32_c2d(t):
     return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype == types.float32
 
 
-@intrinsic
-def _kernel(typingctx, x, xr, bp, c, cr, cc):
-    """c[cr + i, cc + j] = sum_k x[xr + i, k] * bp[k, j] for i < MR, j < NR.
+def _vfma(builder, a, b, c):
+    ty = a.type
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty] * 3), f"llvm.fma.v{ty.count}f32")
+    return builder.call(fn, [a, b, c])
 
-    x: f32 C [*, K], bp: f32 C [K, NR] (NR columns exactly), c: f32 C [*, ldc];
-    the caller keeps every index in bounds.
+
+@intrinsic
+def _kernel(typingctx, xp, xb, bp, br, c, cr, cc):
+    """c[cr + i, cc + j] = sum_k xp[xb, k MR + i] * bp[br + k, j] for i < MR, j < NK, each
+    element one fma chain over k = 0 .. K - 1 in order, starting from 0.
+
+    xp: f32 C [*, K MR] (x packed by _pack_x), bp: f32 C [*, NK] (sub-panel rows br ..
+    br + K - 1), c: f32 C [*, ldc]; the caller keeps every index in bounds.
     """
-    if not (_f32_c2d(x) and _f32_c2d(bp) and _f32_c2d(c)):
+    if not (_f32_c2d(xp) and _f32_c2d(bp) and _f32_c2d(c)):
         return None
-    sig = types.void(x, types.intp, bp, c, types.intp, types.intp)
+    sig = types.void(xp, types.intp, bp, types.intp, c, types.intp, types.intp)
 
     def codegen(context, builder, signature, args):
         xa = context.make_array(signature.args[0])(context, builder, args[0])
         ba = context.make_array(signature.args[2])(context, builder, args[2])
-        ca = context.make_array(signature.args[3])(context, builder, args[3])
-        xr_, cr_, cc_ = args[1], args[4], args[5]
-        i64 = xr_.type
-        k_n = builder.extract_value(xa.shape, 1)
-        ldc = builder.extract_value(ca.shape, 1)
+        ca = context.make_array(signature.args[4])(context, builder, args[4])
+        xb_, br_, cr_, cc_ = args[1], args[3], args[5], args[6]
+        i64 = xb_.type
         c64 = lambda v: ir.Constant(i64, v)  # noqa: E731
-        xrows = [builder.gep(xa.data, [builder.mul(builder.add(xr_, c64(i)), k_n)]) for i in range(MR)]
-        zero = ir.Constant(_V16F, [0.0] * 16)
-        accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(NV)] for _ in range(MR)]
-        splat = ir.Constant(ir.VectorType(_I32, 16), [0] * 16)
-        undef = ir.Constant(_V16F, ir.Undefined)
+        ldx = builder.extract_value(xa.shape, 1)
+        ldc = builder.extract_value(ca.shape, 1)
+        k_n = builder.udiv(ldx, c64(MR))
+        x0 = builder.gep(xa.data, [builder.mul(xb_, ldx)])
+        b0 = builder.gep(ba.data, [builder.mul(br_, c64(NK))])
+        zero = ir.Constant(_VK, [0.0] * LANES)
+        accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(NW)] for _ in range(MR)]
+        splat = ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES)
+        undef = ir.Constant(_VK, ir.Undefined)
         with cgutils.for_range(builder, k_n) as loop:
             k = loop.index
-            brow = builder.gep(ba.data, [builder.mul(k, c64(NR))])
+            brow = builder.gep(b0, [builder.mul(k, c64(NK))])
+            xrow = builder.gep(x0, [builder.mul(k, c64(MR))])
             bv = [
-                builder.load(builder.bitcast(builder.gep(brow, [c64(16 * j)]), _V16F.as_pointer()), align=4)
-                for j in range(NV)
+                builder.load(builder.bitcast(builder.gep(brow, [c64(LANES * j)]), _VK.as_pointer()), align=4)
+                for j in range(NW)
             ]
             for i in range(MR):
-                xs = builder.load(builder.gep(xrows[i], [k]))
+                xs = builder.load(builder.gep(xrow, [c64(i)]))
                 xv = builder.shuffle_vector(builder.insert_element(undef, xs, ir.Constant(_I32, 0)), undef, splat)
-                for j in range(NV):
-                    builder.store(_fma(builder, xv, bv[j], builder.load(accs[i][j])), accs[i][j])
+                for j in range(NW):
+                    builder.store(_vfma(builder, xv, bv[j], builder.load(accs[i][j])), accs[i][j])
         for i in range(MR):
             crow = builder.gep(ca.data, [builder.add(builder.mul(builder.add(cr_, c64(i)), ldc), cc_)])
-            for j in range(NV):
-                ptr = builder.bitcast(builder.gep(crow, [c64(16 * j)]), _V16F.as_pointer())
+            for j in range(NW):
+                ptr = builder.bitcast(builder.gep(crow, [c64(LANES * j)]), _VK.as_pointer())
                 builder.store(builder.load(accs[i][j]), ptr, align=4)
         return context.get_dummy_value()
 
@@ -94,23 +145,43 @@ def _kernel(typingctx, x, xr, bp, c, cr, cc):
 
 
 @njit(**KW)
-def _sweep(bp, x, y, o0, n):
-    # y[:, o0 : o0 + n] = x @ bp[:, :n]; partial tiles go through zero-padded copies so
-    # every element still takes the one kernel (and the one summation order).
-    t_n, k = x.shape
-    full = t_n - t_n % MR
+def _pack_x(x, xp):
+    # xp[t // MR, k MR + t % MR] = x[t, k]: each MR-row block of x as [K, MR], so the
+    # kernel broadcasts its MR values for one k from one place; rows past T are 0
+    t_n, k_n = x.shape
+    for tb in range(t_n // MR):
+        for k in range(k_n):
+            for i in range(MR):
+                xp[tb, k * MR + i] = x[tb * MR + i, k]
+    tb = t_n // MR
+    if tb < xp.shape[0]:
+        for k in range(k_n):
+            for i in range(MR):
+                xp[tb, k * MR + i] = x[tb * MR + i, k] if tb * MR + i < t_n else np.float32(0)
+
+
+@njit(**KW)
+def _sweep(bp, xp, y, o0, n):
+    # y[:, o0 : o0 + n] = x @ W[o0 : o0 + n].T from the packed panel bp, one x block at a
+    # time (it stays in L1 across the NS sub-panels). Partial tiles (the last x block, a
+    # panel of fewer than NR rows) go through c, computed from zero-padded copies, so every
+    # element still takes the one kernel (and the one summation order).
+    t_n = y.shape[0]
+    k = bp.shape[0] // NS
+    full = t_n // MR
     c = np.empty((MR, NR), np.float32)  # [MR, NR]
-    for t in range(0, full, MR):
+    for tb in range(full):
         if n == NR:
-            _kernel(x, t, bp, y, t, o0)
+            for s in range(NS):
+                _kernel(xp, tb, bp, s * k, y, tb * MR, o0 + s * NK)
         else:
-            _kernel(x, t, bp, c, 0, 0)
-            y[t : t + MR, o0 : o0 + n] = c[:, :n]
-    if full < t_n:
-        xpad = np.zeros((MR, k), np.float32)  # [MR, K]
-        xpad[: t_n - full] = x[full:]
-        _kernel(xpad, 0, bp, c, 0, 0)
-        y[full:, o0 : o0 + n] = c[: t_n - full, :n]
+            for s in range((n + NK - 1) // NK):
+                _kernel(xp, tb, bp, s * k, c, 0, s * NK)
+            y[tb * MR : tb * MR + MR, o0 : o0 + n] = c[:, :n]
+    if full * MR < t_n:
+        for s in range((n + NK - 1) // NK):
+            _kernel(xp, full, bp, s * k, c, 0, s * NK)
+        y[full * MR :, o0 : o0 + n] = c[: t_n - full * MR, :n]
 
 
 @intrinsic
@@ -127,15 +198,16 @@ def _claim(typingctx, counter):
 
 
 @intrinsic
-def _t16(typingctx, src, sr, sc, dst, dr, dc):
-    """dst[dr + i, dc + j] = src[sr + j, sc + i] for i, j < 16 (f32 C arrays, in bounds).
+def _tl(typingctx, src, sr, sc, dst, dr, dc):
+    """dst[dr + i, dc + j] = src[sr + j, sc + i] for i, j < LANES (f32 C arrays, in bounds).
 
-    Sixteen row loads, then an in-register transpose in 4 rounds of two-source shuffles
-    (round s swaps bit s of the row and column index), then sixteen row stores.
+    LANES row loads, then an in-register transpose in log2(LANES) rounds of two-source
+    shuffles (round s swaps bit s of the row and column index), then LANES row stores.
     """
     if not (_f32_c2d(src) and _f32_c2d(dst)):
         return None
     sig = types.void(src, types.intp, types.intp, dst, types.intp, types.intp)
+    n = LANES
 
     def codegen(context, builder, signature, args):
         sa = context.make_array(signature.args[0])(context, builder, args[0])
@@ -144,21 +216,21 @@ def _t16(typingctx, src, sr, sc, dst, dr, dc):
 
         def row(arr, ld, r0, c0, i):
             off = builder.add(builder.mul(builder.add(r0, ir.Constant(r0.type, i)), ld), c0)
-            return builder.bitcast(builder.gep(arr.data, [off]), _V16F.as_pointer())
+            return builder.bitcast(builder.gep(arr.data, [off]), _VK.as_pointer())
 
-        v = [builder.load(row(sa, lds, args[1], args[2], i), align=4) for i in range(16)]
-        for bit in range(4):
+        v = [builder.load(row(sa, lds, args[1], args[2], i), align=4) for i in range(n)]
+        for bit in range(n.bit_length() - 1):
             h = 1 << bit
-            lo = [c if not c & h else 16 + c - h for c in range(16)]
-            hi = [c + h if not c & h else 16 + c for c in range(16)]
+            lo = [c if not c & h else n + c - h for c in range(n)]
+            hi = [c + h if not c & h else n + c for c in range(n)]
             nv = list(v)
-            for r in range(16):
+            for r in range(n):
                 if not r & h:
                     a_, b_ = v[r], v[r | h]
-                    nv[r] = builder.shuffle_vector(a_, b_, ir.Constant(ir.VectorType(_I32, 16), lo))
-                    nv[r | h] = builder.shuffle_vector(a_, b_, ir.Constant(ir.VectorType(_I32, 16), hi))
+                    nv[r] = builder.shuffle_vector(a_, b_, ir.Constant(ir.VectorType(_I32, n), lo))
+                    nv[r | h] = builder.shuffle_vector(a_, b_, ir.Constant(ir.VectorType(_I32, n), hi))
             v = nv
-        for i in range(16):
+        for i in range(n):
             builder.store(v[i], row(da, ldd, args[4], args[5], i), align=4)
         return context.get_dummy_value()
 
@@ -166,20 +238,21 @@ def _t16(typingctx, src, sr, sc, dst, dr, dc):
 
 
 @njit(**KW)
-def _transpose_into(rows, r0, n, bp):
-    # bp[k, j] = rows[r0 + j, k] for j < n: 16 x 16 blocks in registers, scalar edges
-    k_n = bp.shape[0]
-    kf = k_n - k_n % 16
-    nf = n - n % 16
-    for j in range(0, nf, 16):
-        for kk in range(0, kf, 16):
-            _t16(rows, r0 + j, kk, bp, kk, j)
+def _transpose_into(rows, n, bp):
+    # bp[(j // NK) K + k, j % NK] = rows[j, k] for j < n (sub-panel j // NK is W rows
+    # [j // NK * NK, +NK) as [K, NK]): LANES x LANES blocks in registers, scalar edges
+    k_n = bp.shape[0] // NS
+    kf = k_n - k_n % LANES
+    nf = n - n % LANES
+    for j in range(0, nf, LANES):
+        for kk in range(0, kf, LANES):
+            _tl(rows, j, kk, bp, j // NK * k_n + kk, j % NK)
     for kk in range(kf, k_n):
         for j in range(nf):
-            bp[kk, j] = rows[r0 + j, kk]
+            bp[j // NK * k_n + kk, j % NK] = rows[j, kk]
     for kk in range(k_n):
         for j in range(nf, n):
-            bp[kk, j] = rows[r0 + j, kk]
+            bp[j // NK * k_n + kk, j % NK] = rows[j, kk]
 
 
 def _make_widen(bb, off):
@@ -258,7 +331,7 @@ def _pack_stored(data, kind, lut, o0, n, tmp, bp):
             _widen_q8_0(data[o0 + j], tmp[j])
         else:
             widen_row(data[o0 + j], kind, lut, tmp[j], bits[j])
-    _transpose_into(tmp, 0, n, bp)
+    _transpose_into(tmp, n, bp)
 
 
 # One prange iteration per thread, each claiming panels from a shared counter until none
@@ -268,15 +341,17 @@ def _pack_stored(data, kind, lut, o0, n, tmp, bp):
 
 
 @njit(parallel=True, **KW)
-def gemm_stored(data, kind, lut, x, y, threads):
+def gemm_stored(data, kind, lut, x, y, xp, bps, tmps):
     """y [T, O] = x [T, K] @ W.T for stored rows data [O, *] of format kind (_widen.KIND;
-    f32 rows come as their uint32 bits, widened by a copy)."""
-    o_n, k = data.shape[0], x.shape[1]
+    f32 rows come as their uint32 bits, widened by a copy). Scratch (contents ignored):
+    xp [ceil(T / MR), K MR] for packed x; per thread bps [P, NS K, NK] for a packed panel,
+    tmps [P, NR, K] for its rows widened; P threads at most."""
+    o_n = data.shape[0]
     n_p = (o_n + NR - 1) // NR
     nxt = np.zeros(1, np.int64)
-    for _ in prange(min(n_p, threads)):
-        bp = np.zeros((k, NR), np.float32)  # [K, NR]
-        tmp = np.empty((NR, k), np.float32)  # [NR, K] rows widened in place, then transposed
+    _pack_x(x, xp)
+    for i in prange(min(n_p, bps.shape[0])):
+        bp, tmp = bps[i], tmps[i]
         p = _claim(nxt)
         while p < n_p:
             o0 = p * NR
@@ -284,12 +359,35 @@ def gemm_stored(data, kind, lut, x, y, threads):
             if n < NR:
                 bp[:] = 0
             _pack_stored(data, kind, lut, o0, n, tmp, bp)
-            _sweep(bp, x, y, o0, n)
+            _sweep(bp, xp, y, o0, n)
             p = _claim(nxt)
+
+
+# Scratch for gemm_stored, kept per calling thread and grown as needed: fresh arrays on
+# every call cost page faults (~60k of them in one 512-token SmolLM2 prefill, ~15% of its
+# GEMM time).
+_scratch = threading.local()
+
+
+def _scratch_arrays(*shapes):
+    """C-contiguous f32 arrays of these shapes, each 64-byte aligned, in one reused buffer."""
+    sizes = [-(-int(np.prod(s)) // 16) * 16 for s in shapes]
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < sum(sizes) + 16:
+        buf = _scratch.buf = np.empty(sum(sizes) + 16, np.float32)
+    at = (-buf.ctypes.data % 64) // 4
+    out = []
+    for shape, size in zip(shapes, sizes):
+        out.append(buf[at : at + int(np.prod(shape))].reshape(shape))
+        at += size
+    return out
 
 
 def matmul_widened(x, w, out):
     """out [T, out] = x @ W.T for large T (prefill): packed f32 panels, outer-product GEMM."""
     data = w.data.view(np.uint32) if w.qtype == "f32" else w.data  # f32 rows as their bits
-    call_slp(gemm_stored, data, KIND[w.qtype], F16_LUT, x, out, numba.get_num_threads())
+    t_n, k = x.shape
+    p_n = max(1, min((w.shape[0] + NR - 1) // NR, numba.get_num_threads()))
+    xp, bps, tmps = _scratch_arrays(((t_n + MR - 1) // MR, k * MR), (p_n, NS * k, NK), (p_n, NR, k))
+    call_slp(gemm_stored, data, KIND[w.qtype], F16_LUT, x, out, xp, bps, tmps)
     return out

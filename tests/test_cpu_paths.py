@@ -1,0 +1,221 @@
+"""The kernels compiled for an AVX2-only x86 CPU (issue 11): a subprocess with
+NUMBA_CPU_NAME=haswell, its features without AVX-512 and a fresh numba cache runs the
+prefill GEMM (every storage format) and the decode matvec (q8_0 / q4_0 / q4_1), and its
+results must equal, bit for bit, a float64 emulation of the documented summation order and
+the same calls in this process (whatever this CPU is).
+
+numba compiles for the host unless NUMBA_CPU_NAME / NUMBA_CPU_FEATURES say otherwise, and
+gemm picks its micro-kernel tile from the features numba compiles for, so the child takes the
+AVX2 tile (and AVX2 code: its assembly is checked for ymm and no zmm registers).
+"""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import numba
+import numpy as np
+import pytest
+from test_gemm import bits, fma32, fma_order_reference
+
+from sparrow.kernels import _widen, gemm
+from sparrow.kernels.linear import SMALL_T, linear
+from weights import acts, make
+
+HASWELL = (  # an AVX2-only x86 CPU (and no AVX-512, whatever the host has)
+    "+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+cx8,+f16c,+fma,+fxsr,+lzcnt,+mmx,+movbe,+popcnt,"
+    "+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,-avx512f"
+)
+FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
+BLOCKS = ("q8_0", "q4_0", "q4_1")
+# GEMM: a full panel and a partial one, T = 13 (x-block tails for MR 4 and 8), K from 1 block
+# to more than one k-block (608); K = 50 (not a multiple of the vector width) for float rows
+GEMM_CASES = [(q, (gemm.NR + 7, k), 13) for q in FORMATS for k in (96, 608)] + [
+    (q, (gemm.NR + 7, 50), 13) for q in ("f32", "f16", "bf16")
+]
+DECODE_CASES = [(q, shape, t) for q in BLOCKS for shape in ((37, 96), (21, 608)) for t in (1, 3)]
+
+CHILD = r"""
+import json, sys
+import numba, numpy as np
+sys.path.insert(0, sys.argv[1])
+from sparrow.kernels import _widen, gemm
+from sparrow.kernels.linear import linear
+from test_cpu_paths import DECODE_CASES, GEMM_CASES, compute
+
+info = dict(cpu=gemm.CPU_NAME, avx512f="+avx512f" in gemm.CPU_FEATURES.split(","), tile=[gemm.MR, gemm.NW, gemm.LANES])
+out = compute()
+asm = "".join(gemm._sweep.inspect_asm().values()) + "".join(_widen._rows_blocks.inspect_asm().values())
+info.update(ymm="ymm" in asm, zmm="zmm" in asm)
+np.savez(sys.argv[2], **out)
+print("INFO " + json.dumps(info))
+"""
+
+
+def compute():
+    """The GEMM and decode results of the cases ({name: array}), on 1 and on 2 threads."""
+    out = {}
+    old = numba.get_num_threads()
+    try:
+        for n in (1, 2)[: numba.config.NUMBA_NUM_THREADS]:
+            numba.set_num_threads(n)
+            for i, (q, shape, t) in enumerate(GEMM_CASES):
+                out[f"gemm{i}_{n}"] = linear(acts(t, shape[1], seed=4), make(q, shape, seed=3))
+            for i, (q, shape, t) in enumerate(DECODE_CASES):
+                x = acts(t, shape[1], seed=5)
+                out[f"decode{i}_{n}"] = linear(x, make(q, shape, seed=6))
+                out[f"sx{i}"] = _widen._x_block_sums(x)
+    finally:
+        numba.set_num_threads(old)
+    return out
+
+
+BB = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+
+
+def _f32(v):
+    return np.asarray(v, np.float64).astype(np.float32)
+
+
+def block_sums_reference(x):
+    """sx[t, b] = x[t, 32 b] + x[t, 32 b + 1] + ... in order, one f32 add each."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    s = np.zeros(blocks.shape[:2], np.float32)
+    for j in range(32):
+        s = _f32(s.astype(np.float64) + blocks[:, :, j])
+    return s
+
+
+def rowdot_reference(x, w, sx):
+    """The decode order of _widen.rowdot_* (q8_0 / q4_0 / q4_1) in float64-emulated f32.
+
+    Per block b, in 16 lanes: t = fma(hi, x_hi, lo * x_lo) (codes as f32, q4 nibbles without
+    the -8), acc[b % 2] = fma(t, d, acc[b % 2]); scalar accm = fma(c, sx[b], accm) with
+    c = m (q4_1) or -8 d (q4_0). Result: pairwise tree (lane i + i + n/2) of acc[0] + acc[1],
+    plus accm."""
+    t_n, k = x.shape
+    nb = k // 32
+    blk = w.data.reshape(w.shape[0], nb, BB[w.qtype])  # [O, nb, bb]
+
+    def half(at):
+        return blk[:, :, at : at + 2].copy().view(np.float16)[:, :, 0].astype(np.float32)  # [O, nb]
+
+    d = half(0)
+    if w.qtype == "q8_0":
+        q = blk[:, :, 2:].view(np.int8).astype(np.float32)  # [O, nb, 32]
+        lo, hi = q[:, :, :16], q[:, :, 16:]
+    else:
+        q = blk[:, :, 2 if w.qtype == "q4_0" else 4 :].astype(np.int32)  # [O, nb, 16]
+        lo, hi = (q & 15).astype(np.float32), (q >> 4).astype(np.float32)
+    acc = [np.zeros((t_n, w.shape[0], 16), np.float32) for _ in range(2)]  # [T, O, 16]
+    accm = np.zeros((t_n, w.shape[0]), np.float32)  # [T, O]
+    x64 = x.astype(np.float64)
+    for b in range(nb):
+        xl, xh = x64[:, None, b * 32 : b * 32 + 16], x64[:, None, b * 32 + 16 : b * 32 + 32]  # [T, 1, 16]
+        t = fma32(hi[None, :, b].astype(np.float64) * xh, _f32(lo[None, :, b].astype(np.float64) * xl))
+        acc[b % 2] = fma32(t.astype(np.float64) * d[None, :, b, None], acc[b % 2])
+        if w.qtype != "q8_0":
+            c = half(2)[:, b] if w.qtype == "q4_1" else _f32(d[:, b].astype(np.float64) * -8.0)
+            accm = fma32(c[None, :].astype(np.float64) * sx[:, None, b], accm)
+    v = _f32(acc[0].astype(np.float64) + acc[1])
+    n = 16
+    while n > 1:
+        v = _f32(v[..., : n // 2].astype(np.float64) + v[..., n // 2 : n])
+        n //= 2
+    return _f32(v[..., 0].astype(np.float64) + accm)
+
+
+def test_rowdot_reference_matches_this_process():
+    # the emulated decode order holds here too (so a mismatch below points at the CPU path)
+    for q, shape, t in DECODE_CASES:
+        x, w = acts(t, shape[1], seed=5), make(q, shape, seed=6)
+        assert t <= SMALL_T
+        sx = block_sums_reference(x)
+        assert np.array_equal(bits(_widen._x_block_sums(x)), bits(sx))
+        assert np.array_equal(bits(linear(x, w)), bits(rowdot_reference(x, w, sx))), (q, shape, t)
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 CPU names")
+def test_avx2_code_path_bit_for_bit(tmp_path):
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=HASWELL)
+    env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")  # fresh: compiled for haswell, inspectable
+    env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in [env.get("PYTHONPATH")] if p])
+    res = subprocess.run(
+        [sys.executable, "-c", CHILD, here, str(tmp_path / "out.npz")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    info = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("INFO "))[5:])
+    # the child compiled for AVX2: the narrow tile, ymm registers, no zmm
+    assert info["cpu"] == "haswell" and not info["avx512f"], info
+    assert info["tile"] == list(gemm.micro_tile(HASWELL)) and info["tile"][2] == 8, info
+    assert info["ymm"] and not info["zmm"], info
+    child = dict(np.load(tmp_path / "out.npz"))
+    here_out = compute()
+    assert set(child) == set(here_out)
+    for name in child:  # the AVX2 path equals this process's path, bit for bit
+        assert np.array_equal(bits(child[name]), bits(here_out[name])), name
+    for i, (q, shape, t) in enumerate(GEMM_CASES):
+        ref = fma_order_reference(acts(t, shape[1], seed=4), make(q, shape, seed=3).dequantize())
+        for n in (1, 2)[: numba.config.NUMBA_NUM_THREADS]:
+            assert np.array_equal(bits(child[f"gemm{i}_{n}"]), bits(ref)), (q, shape, t, n)
+    for i, (q, shape, t) in enumerate(DECODE_CASES):
+        x, w = acts(t, shape[1], seed=5), make(q, shape, seed=6)
+        assert np.array_equal(bits(child[f"sx{i}"]), bits(block_sums_reference(x))), (q, shape, t)
+        ref = rowdot_reference(x, w, block_sums_reference(x))
+        for n in (1, 2)[: numba.config.NUMBA_NUM_THREADS]:
+            assert np.array_equal(bits(child[f"decode{i}_{n}"]), bits(ref)), (q, shape, t, n)
+
+
+WIDE = r"""
+import importlib.util, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+spec = importlib.util.spec_from_file_location("gemm_tile", sys.argv[2])
+g = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(g)
+from test_cpu_paths import GEMM_CASES
+from weights import acts, make
+
+assert (g.MR, g.NW, g.LANES) == tuple(int(v) for v in sys.argv[4].split(","))
+out = {}
+for i, (q, shape, t) in enumerate(GEMM_CASES):
+    y = np.empty((t, shape[0]), np.float32)
+    out[f"gemm{i}"] = g.matmul_widened(acts(t, shape[1], seed=4), make(q, shape, seed=3), y)
+np.savez(sys.argv[3], **out)
+"""
+
+
+TILES = [(8, 3, 16), (4, 3, 8)]  # the AVX-512 and the AVX2 micro-kernel tiles
+
+
+def test_other_tile_bit_for_bit(tmp_path):
+    # The tile this CPU does not take (the tests above cover its own), on this CPU all the
+    # same (a 16-lane vector is two ymm registers on AVX2, slow but exact): a copy of gemm.py
+    # with the tile fixed, in a fresh numba cache.
+    tile = next(t for t in TILES if t != (gemm.MR, gemm.NW, gemm.LANES))
+    src = open(gemm.__file__).read()
+    line = "MR, NW, LANES = micro_tile(CPU_FEATURES)"
+    assert line in src
+    path = tmp_path / "gemm_tile.py"
+    path.write_text(src.replace(line, "MR, NW, LANES = " + ", ".join(map(str, tile))))
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    res = subprocess.run(
+        [sys.executable, "-c", WIDE, here, str(path), str(tmp_path / "out.npz"), ",".join(map(str, tile))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    child = np.load(tmp_path / "out.npz")
+    for i, (q, shape, t) in enumerate(GEMM_CASES):
+        ref = fma_order_reference(acts(t, shape[1], seed=4), make(q, shape, seed=3).dequantize())
+        assert np.array_equal(bits(child[f"gemm{i}"]), bits(ref)), (tile, q, shape, t)
