@@ -63,7 +63,7 @@ if not os.environ.get("NUMBA_CACHE_DIR"):
     if _dir:
         numba.config.CACHE_DIR = _dir
 
-COMPILE_NOTICE = "sparrow: compiling kernels for this CPU (first run only, ~30 s)..."
+COMPILE_NOTICE = "sparrow: compiling kernels for this CPU (first run only, 1-2 min)."
 
 
 def cache_is_cold(path=None) -> bool:
