@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from test_gemm import bits, fma32, fma_order_reference
 
+import sparrow
 from sparrow.kernels import _widen, gemm
 from sparrow.kernels.linear import SMALL_T, linear
 from weights import acts, make
@@ -29,6 +30,7 @@ HASWELL = (  # an AVX2-only x86 CPU (and no AVX-512, whatever the host has)
     "+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,-avx512f"
 )
 FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(sparrow.__file__)))  # the children import this sparrow
 BLOCKS = ("q8_0", "q4_0", "q4_1")
 # GEMM: a full panel and a partial one, T = 13 (x-block tails for MR 4 and 8), K from 1 block
 # to more than one k-block (608); K = 50 (not a multiple of the vector width) for float rows
@@ -41,6 +43,7 @@ CHILD = r"""
 import json, sys
 import numba, numpy as np
 sys.path.insert(0, sys.argv[1])
+import sparrow
 from sparrow.kernels import _widen, gemm
 from sparrow.kernels.linear import linear
 from test_cpu_paths import DECODE_CASES, GEMM_CASES, compute
@@ -48,7 +51,7 @@ from test_cpu_paths import DECODE_CASES, GEMM_CASES, compute
 info = dict(cpu=gemm.CPU_NAME, avx512f="+avx512f" in gemm.CPU_FEATURES.split(","), tile=[gemm.MR, gemm.NW, gemm.LANES])
 out = compute()
 asm = "".join(gemm._sweep.inspect_asm().values()) + "".join(_widen._rows_blocks.inspect_asm().values())
-info.update(ymm="ymm" in asm, zmm="zmm" in asm)
+info.update(ymm="ymm" in asm, zmm="zmm" in asm, sparrow=sparrow.__file__)
 np.savez(sys.argv[2], **out)
 print("INFO " + json.dumps(info))
 """
@@ -142,7 +145,7 @@ def test_avx2_code_path_bit_for_bit(tmp_path):
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=HASWELL)
     env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")  # fresh: compiled for haswell, inspectable
-    env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, here] + [p for p in [env.get("PYTHONPATH")] if p])
     res = subprocess.run(
         [sys.executable, "-c", CHILD, here, str(tmp_path / "out.npz")],
         env=env,
@@ -156,6 +159,7 @@ def test_avx2_code_path_bit_for_bit(tmp_path):
     assert info["cpu"] == "haswell" and not info["avx512f"], info
     assert info["tile"] == list(gemm.micro_tile(HASWELL)) and info["tile"][2] == 8, info
     assert info["ymm"] and not info["zmm"], info
+    assert os.path.samefile(info["sparrow"], sparrow.__file__), info  # this checkout, not another install
     child = dict(np.load(tmp_path / "out.npz"))
     here_out = compute()
     assert set(child) == set(here_out)
@@ -207,6 +211,7 @@ def test_other_tile_bit_for_bit(tmp_path):
     path.write_text(src.replace(line, "MR, NW, LANES = " + ", ".join(map(str, tile))))
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, here] + [p for p in [env.get("PYTHONPATH")] if p])
     res = subprocess.run(
         [sys.executable, "-c", WIDE, here, str(path), str(tmp_path / "out.npz"), ",".join(map(str, tile))],
         env=env,
