@@ -1,12 +1,23 @@
 """Weight matrices kept in their stored (possibly quantised) form.
 
 A Weight is a 2-D matrix [out, in] used as y = x @ W.T. Quantised formats keep the raw
-GGUF/ggml block bytes (block size 32) as a read-only uint8 array [out, nblocks * blockbytes],
-usually a view of the model file's mmap, so resident memory stays close to the file size:
+GGUF/ggml block bytes as a read-only uint8 array [out, nblocks * blockbytes], usually a view
+of the model file's mmap, so resident memory stays close to the file size. Blocks of 32:
   q8_0: f16 d, 32 x int8 q                 (34 B)  value = q * d
   q4_0: f16 d, 16 B nibbles                (18 B)  value = (q - 8) * d
   q4_1: f16 d, f16 m, 16 B nibbles         (20 B)  value = q * d + m
-Nibble byte j holds element j (low 4 bits) and element 16 + j (high 4 bits).
+  q5_0: f16 d, u32 qh, 16 B nibbles        (22 B)  value = (q - 16) * d
+  q5_1: f16 d, f16 m, u32 qh, 16 B nibbles (24 B)  value = q * d + m
+Nibble byte j holds element j (low 4 bits) and element 16 + j (high 4 bits); q5's fifth
+bit of element i is bit i of qh (little-endian). Super-blocks of 256 (ggml's K-quants), each
+eight sub-blocks of 32 (q6_k: sixteen of 16) with their own scales:
+  q4_k: f16 d, f16 dmin, 12 B scales, 128 B nibbles         (144 B)
+  q5_k: f16 d, f16 dmin, 12 B scales, 32 B qh, 128 B nibbles (176 B)
+        value = (d * sc[s]) * q - dmin * m[s], sc / m 6-bit (ggml's get_scale_min_k4);
+        nibble byte 32 c + l holds elements 64 c + l (low) and 64 c + 32 + l (high);
+        q5_k's fifth bit of sub-block s, element l is bit s of qh[l]
+  q6_k: 128 B ql, 64 B qh, 16 x int8 sc, f16 d               (210 B)
+        value = (d * sc[e // 16]) * (q - 32), q = 4 bits of ql | 2 bits of qh << 4
 f16 / bf16 are kept as uint16 [out, in], f32 as float32 [out, in].
 
 The numpy dequantisation here is the reference (bit-identical to gguf.quants.dequantize);
@@ -17,10 +28,13 @@ import numpy as np
 
 from sparrow.errors import SparrowError
 
-BLOCK = 32
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
-QTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
-_NATIVE_GGUF = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+BLOCK = 32  # values a block of q8_0 / q4_0 / q4_1 / q5_0 / q5_1
+QK_K = 256  # values a K-quant super-block
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+BLOCK_SIZE = {q: (QK_K if q.endswith("_k") else BLOCK) for q in BLOCK_BYTES}
+QUANTIZE_TO = ("q8_0", "q4_0", "q4_1")  # what Weight.quantize writes
+QTYPES = ("f32", "f16", "bf16") + tuple(BLOCK_BYTES)
+_NATIVE_GGUF = {"F32": "f32", "F16": "f16", "BF16": "bf16"} | {q.upper(): q for q in BLOCK_BYTES}
 _ROW_CHUNK = 4096  # rows per numpy (de)quantisation step, bounds temporary memory
 
 
@@ -57,20 +71,64 @@ def _roundf(v):
     return np.sign(v) * (f + np.floor(2 * (a - f)))
 
 
+def _kq_scale_min(sc):
+    """12 scale bytes [..., 12] of q4_k / q5_k -> (sc, m) uint8 [..., 8], 6 bits each."""
+    a, b, c = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
+    scl = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=-1)
+    mn = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return scl, mn
+
+
+def _nibbles(qs, half):
+    # [..., 2 * half * j ...]: byte half * j + l -> elements (2j) half + l (low), (2j + 1) half + l (high)
+    q = qs.reshape(qs.shape[:-1] + (-1, 1, half)) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    return (q & np.uint8(15)).reshape(qs.shape[:-1] + (-1,))
+
+
+def _q5_high(qh):
+    # 4 qh bytes [..., 4] -> the fifth bit of each of the 32 values [..., 32]
+    return np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")
+
+
 def dequantize_blocks(raw, qtype):
-    """Raw block bytes [n, nb * blockbytes] -> f32 [n, nb * 32] (numpy reference)."""
+    """Raw block bytes [n, nb * blockbytes] -> f32 [n, nb * blocksize] (numpy reference,
+    the same f32 operations in the same order as gguf.quants, hence the same bits)."""
     n = raw.shape[0]
     blk = np.asarray(raw).reshape(n, -1, BLOCK_BYTES[qtype])  # [n, nb, bb]
-    d = _f16_bits_to_f32(blk[:, :, 0:2]).reshape(n, -1, 1)  # [n, nb, 1]
+    f16 = lambda a, b: _f16_bits_to_f32(blk[:, :, a:b])  # noqa: E731  [n, nb, 1]
+    if qtype == "q6_k":
+        ql, qh, sc = blk[:, :, 0:128], blk[:, :, 128:192], blk[:, :, 192:208]
+        d = f16(208, 210)  # [n, nb, 1]
+        dl = (d * np.ascontiguousarray(sc).view(np.int8).astype(np.float32))[..., None]  # [n, nb, 16, 1]
+        lo = _nibbles(ql, 64)  # [n, nb, 256]: halves of 128, each two 64s of low / high nibbles
+        hi = (qh.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & np.uint8(3)
+        q = (lo | (hi.reshape(n, -1, 256) << np.uint8(4))).astype(np.int8) - np.int8(32)
+        return (dl * q.reshape(n, -1, 16, 16).astype(np.float32)).reshape(n, -1)
+    if qtype in ("q4_k", "q5_k"):
+        d, dmin = f16(0, 2), f16(2, 4)
+        scl, mn = _kq_scale_min(blk[:, :, 4:16])
+        dl = (d * scl.astype(np.float32))[..., None]  # [n, nb, 8, 1]
+        ml = (dmin * mn.astype(np.float32))[..., None]
+        if qtype == "q4_k":
+            q = _nibbles(blk[:, :, 16:144], 32)
+        else:
+            qh = blk[:, :, 16:48].reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
+            q = _nibbles(blk[:, :, 48:176], 32) | ((qh & np.uint8(1)) << np.uint8(4)).reshape(n, -1, 256)
+        return (dl * q.reshape(n, -1, 8, 32).astype(np.float32) - ml).reshape(n, -1)
+    d = f16(0, 2)
     if qtype == "q8_0":
         q = np.ascontiguousarray(blk[:, :, 2:]).view(np.int8).astype(np.float32)
         return (q * d).reshape(n, -1)
-    qs = blk[:, :, 2:18] if qtype == "q4_0" else blk[:, :, 4:20]  # [n, nb, 16]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2)  # [n, nb, 32]
+    if qtype in ("q5_0", "q5_1"):
+        o = 2 if qtype == "q5_0" else 4
+        q = _nibbles(blk[:, :, o + 4 : o + 20], 16) | (_q5_high(blk[:, :, o : o + 4]) << np.uint8(4))
+        if qtype == "q5_0":
+            return (d * (q.astype(np.int8) - np.int8(16)).astype(np.float32)).reshape(n, -1)
+        return (d * q.astype(np.float32) + f16(2, 4)).reshape(n, -1)
+    q = _nibbles(blk[:, :, 2:18] if qtype == "q4_0" else blk[:, :, 4:20], 16)  # [n, nb, 32]
     if qtype == "q4_0":
         return (d * (q.astype(np.int8) - np.int8(8)).astype(np.float32)).reshape(n, -1)
-    m = _f16_bits_to_f32(blk[:, :, 2:4]).reshape(n, -1, 1)
-    return (d * q.astype(np.float32) + m).reshape(n, -1)
+    return (d * q.astype(np.float32) + f16(2, 4)).reshape(n, -1)
 
 
 def quantize_blocks(a, qtype):
@@ -115,9 +173,10 @@ class Weight:
             raise SparrowError(f"unknown weight type {qtype!r}")
         out, k = int(shape[0]), int(shape[1])
         if qtype in BLOCK_BYTES:
-            if k % BLOCK:
-                raise SparrowError(f"{qtype} weight needs in % 32 == 0, got shape {(out, k)}")
-            want, dtype = (out, k // BLOCK * BLOCK_BYTES[qtype]), np.uint8
+            bs = BLOCK_SIZE[qtype]
+            if k % bs:
+                raise SparrowError(f"{qtype} weight needs in % {bs} == 0, got shape {(out, k)}")
+            want, dtype = (out, k // bs * BLOCK_BYTES[qtype]), np.uint8
         else:
             want, dtype = (out, k), {"f32": np.float32, "f16": np.uint16, "bf16": np.uint16}[qtype]
         data = np.asarray(data)
@@ -162,18 +221,20 @@ class Weight:
         return cls("bf16", u16, u16.shape)
 
     @classmethod
-    def from_gguf(cls, data, ggml_type, shape_out_in):
+    def from_gguf(cls, data, ggml_type, shape_out_in, name=None):
         """A GGUFReader tensor's .data with its ggml type, as a Weight of shape (out, in).
 
-        F32/F16/BF16/Q8_0/Q4_0/Q4_1 keep the file's bytes (no copy); other types that
-        gguf.quants can dequantise (Q4_K, Q5_K, Q6_K, ...) are re-quantised to q8_0.
+        F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K keep the file's bytes (no
+        copy); other types that gguf.quants can dequantise (Q2_K, Q3_K, IQ4_NL, ...) are
+        re-quantised to q8_0 at load. name (the tensor's) goes into error messages.
         """
         import gguf
 
+        what = f"tensor {name!r}: " if name else ""
         try:
             gt = gguf.GGMLQuantizationType(ggml_type)
         except ValueError:
-            raise SparrowError(f"unknown GGML tensor type {ggml_type!r}") from None
+            raise SparrowError(f"{what}unknown GGML tensor type {ggml_type!r}") from None
         out, k = int(shape_out_in[0]), int(shape_out_in[1])
         data = np.asarray(data)
         qtype = _NATIVE_GGUF.get(gt.name)
@@ -183,13 +244,16 @@ class Weight:
                 raw = raw.view(np.float32)
             elif qtype in ("f16", "bf16"):
                 raw = raw.view(np.uint16)
-            return cls(qtype, raw, (out, k))
+            try:
+                return cls(qtype, raw, (out, k))
+            except SparrowError as e:
+                raise SparrowError(f"{what}{e}") from None
         try:
             f = gguf.quants.dequantize(data, gt)
         except (NotImplementedError, gguf.quants.QuantError, KeyError, ValueError) as e:
-            raise SparrowError(f"unsupported GGML tensor type {gt.name} ({e})") from None
+            raise SparrowError(f"{what}unsupported GGML tensor type {gt.name} ({e})") from None
         if f.size != out * k:
-            raise SparrowError(f"{gt.name} tensor has {f.size} values, expected {out}x{k}")
+            raise SparrowError(f"{what}{gt.name} tensor has {f.size} values, expected {out}x{k}")
         return cls.from_array(f.reshape(out, k).astype(np.float32)).quantize("q8_0")
 
     @classmethod
@@ -208,7 +272,7 @@ class Weight:
         """A new Weight in qtype ("q8_0", "q4_0", "q4_1"); a no-op if already that type."""
         if qtype == self.qtype:
             return self
-        if qtype not in BLOCK_BYTES:
+        if qtype not in QUANTIZE_TO:
             raise SparrowError(f"cannot quantise weights to {qtype!r} (use q8_0, q4_0 or q4_1)")
         out, k = self.shape
         if k % BLOCK:

@@ -140,18 +140,19 @@ def test_gguf_float_formats():
     assert np.all(np.abs(bf - a) <= np.abs(a) * 2.0**-8)
 
 
-def _q4_k_blocks(n_blocks, seed):
-    # Random Q4_K super-blocks (144 B per 256 values) with sane f16 d / dmin.
+def _q3_k_blocks(n_blocks, seed):
+    # Random Q3_K super-blocks (110 B per 256 values, f16 d last) with a sane d.
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (n_blocks, 144), dtype=np.uint8)
-    raw[:, 0:4] = rng.uniform(1e-3, 1e-2, (n_blocks, 2)).astype(np.float16).view(np.uint8)
+    raw = rng.integers(0, 256, (n_blocks, 110), dtype=np.uint8)
+    raw[:, 108:110] = rng.uniform(1e-3, 1e-2, (n_blocks, 1)).astype(np.float16).view(np.uint8)
     return raw
 
 
-def test_gguf_q4_k_requantised_to_q8_0():
-    raw = _q4_k_blocks(6, seed=8).reshape(3, 2 * 144)  # [3, 512] weight
-    ref = gguf.quants.dequantize(raw, GT.Q4_K).reshape(3, 512)
-    w = Weight.from_gguf(raw, GT.Q4_K, (3, 512))
+def test_gguf_q3_k_requantised_to_q8_0():
+    # Q3_K has no kernel (Q4_K / Q5_K / Q6_K / Q5_0 / Q5_1 do: tests/test_kquants.py)
+    raw = _q3_k_blocks(6, seed=8).reshape(3, 2 * 110)  # [3, 512] weight
+    ref = gguf.quants.dequantize(raw, GT.Q3_K).reshape(3, 512)
+    w = Weight.from_gguf(raw, GT.Q3_K, (3, 512))
     assert w.qtype == "q8_0" and w.shape == (3, 512)
     assert np.array_equal(w.data, quantize_blocks(ref, "q8_0"))
     step = np.abs(ref).reshape(3, -1, 32).max(axis=2, keepdims=True) / 127

@@ -21,6 +21,7 @@ from numba.extending import intrinsic
 
 from sparrow.kernels._ir import F32, I8, I32, I64, V16F, V16I32, hsum16, splat16
 from sparrow.kernels._ir import fma as _fma
+from sparrow.kernels._kquants import KQ_KIND, matvec_kq, widen_kq
 
 KW = dict(cache=True, nogil=True)
 FM = {"reassoc", "contract"}  # lets LLVM use vector lanes + FMA in the dot products
@@ -30,6 +31,7 @@ F16_LUT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).a
 F16_LUT.flags.writeable = False
 
 KIND = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "f16": 3, "bf16": 4, "f32": 5}  # f32: rows as uint32 bits
+KIND.update(KQ_KIND)  # q5_0, q5_1, q4_k, q5_k, q6_k: 6 and up, kernels in _kquants
 _ROWS = 16  # weight rows widened per parallel work item
 # Block matvecs below this many multiply-adds skip the thread pool: a parallel launch costs
 # 50-180 us of wall time here, as much as a 2M-MAC matvec on one core (measured with the
@@ -67,6 +69,9 @@ def dot(w, x):
 def widen_row(row, kind, lut, out, out_bits):
     """One stored row -> f32 out [K] (out_bits: out viewed as uint32, for bf16 and f32 bits)."""
     k = out.shape[0]
+    if kind >= 6:
+        widen_kq(row, kind, lut, out)
+        return
     if kind == 5:
         for i in range(k):
             out_bits[i] = np.uint32(row[i])
@@ -259,6 +264,8 @@ def matvec_widened(x, w, out):
     """out [T, out] = x @ W.T for small T and every format (batch and thread invariant)."""
     if w.qtype == "f32":
         _mv_f32(w.data, x, out)
+    elif w.qtype in KQ_KIND:
+        matvec_kq(x, w, out)
     elif KIND[w.qtype] <= 2:
         small = x.shape[0] * w.data.shape[0] * x.shape[1] < PARALLEL_MIN_MACS
         (_mv_blocks_serial if small else _mv_blocks)(w.data, KIND[w.qtype], x, out)

@@ -21,7 +21,7 @@ class StoredTensor:
     def to_weight(self) -> Weight:
         """Keep a 2-D matrix in its stored form (no f32 expansion)."""
         if self.dtype == "gguf":
-            return Weight.from_gguf(self.data, self.ggml_type, self.shape)
+            return Weight.from_gguf(self.data, self.ggml_type, self.shape, self.name)
         if self.dtype == "bf16":
             return Weight.from_bf16(self.data.reshape(self.shape))
         return Weight.from_array(self.data.reshape(self.shape))

@@ -1,0 +1,337 @@
+"""Kernels for ggml's 5-bit and K-quant blocks: q5_0, q5_1 (blocks of 32) and q4_k, q5_k,
+q6_k (super-blocks of 256); layouts in sparrow.quant's docstring.
+
+- widen_kq: one stored row -> f32, bit-identical to Weight.dequantize() (the same f32
+  operations in the same order: (d * sc) * q - dmin * m, no fma). _widen.widen_row hands
+  these kinds here, so the prefill GEMM (gemm.py packs panels with widen_row) and the MoE
+  expert kernels run them unchanged.
+- matvec_kq: small T (decode). Each row is dotted with f32 x straight from its blocks by a
+  rowdot written as LLVM vector IR (numba promotes small integers to int64, halving the SIMD
+  width of the unpacking; see _widen's block row dots). Per sub-block of 32 values
+  (q6_k: per 16), t = q . x in 16 lanes, then acc = fma(t, d * sc, acc), two vector
+  accumulators (even / odd sub-blocks); the offset part (q4_k / q5_k: -dmin * m * sum(x),
+  q5_1: m * sum(x), q5_0: -16 d * sum(x)) goes to a scalar accumulator in sub-block order,
+  with sum(x) over each 32 values taken sequentially. At the end the two accumulators are
+  added and summed by a fixed pairwise tree, then the scalar one is added. Every row's order
+  depends only on its length: bit-identical whatever T, the row's batch or the thread count.
+This module imports nothing from the other kernel modules (_widen imports it); the numba
+cache directory is keyed on every kernel source, so an edit here recompiles their kernels.
+"""
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+from sparrow.kernels._ir import F32, I8, I32, I64, V16F, V16I32, hsum16, splat16
+from sparrow.kernels._ir import fma as _fma
+
+KW = dict(cache=True, nogil=True)
+KQ_KIND = {"q5_0": 6, "q5_1": 7, "q4_k": 8, "q5_k": 9, "q6_k": 10}  # continues _widen.KIND
+_ROWS = 16  # weight rows per parallel work item
+PARALLEL_MIN_MACS = 4_000_000  # as _widen's: below this a thread-pool launch costs more than it saves
+
+
+# ---------------------------------------------------------------- widen (prefill panels, MoE)
+
+
+@njit(**KW)
+def _f16(row, lut, p):
+    return lut[np.int64(row[p]) | (np.int64(row[p + 1]) << 8)]
+
+
+@njit(**KW)
+def widen_kq(row, kind, lut, out):
+    """One stored row of a KQ_KIND kind -> f32 out [K]; no fastmath, so no fma contraction."""
+    k = out.shape[0]
+    if kind == 6 or kind == 7:  # q5_0 / q5_1
+        bb = 22 if kind == 6 else 24
+        o = 2 if kind == 6 else 4  # where qh starts
+        for b in range(k // 32):
+            p = b * bb
+            d = _f16(row, lut, p)
+            m = _f16(row, lut, p + 2)
+            qh = (
+                np.int64(row[p + o])
+                | (np.int64(row[p + o + 1]) << 8)
+                | (np.int64(row[p + o + 2]) << 16)
+                | (np.int64(row[p + o + 3]) << 24)
+            )
+            for j in range(16):
+                q = np.int64(row[p + o + 4 + j])
+                lo = (q & 15) | (((qh >> j) & 1) << 4)
+                hi = (q >> 4) | (((qh >> (j + 16)) & 1) << 4)
+                if kind == 6:
+                    out[b * 32 + j] = d * np.float32(lo - 16)
+                    out[b * 32 + 16 + j] = d * np.float32(hi - 16)
+                else:
+                    out[b * 32 + j] = d * np.float32(lo) + m
+                    out[b * 32 + 16 + j] = d * np.float32(hi) + m
+    elif kind == 8 or kind == 9:  # q4_k / q5_k
+        bb = 144 if kind == 8 else 176
+        qo = 16 if kind == 8 else 48  # where the nibbles start
+        for b in range(k // 256):
+            p = b * bb
+            d = _f16(row, lut, p)
+            dmin = _f16(row, lut, p + 2)
+            for s in range(8):
+                if s < 4:
+                    sc = np.int64(row[p + 4 + s]) & 63
+                    m = np.int64(row[p + 8 + s]) & 63
+                else:
+                    sc = (np.int64(row[p + 8 + s]) & 15) | ((np.int64(row[p + s]) >> 6) << 4)
+                    m = (np.int64(row[p + 8 + s]) >> 4) | ((np.int64(row[p + 4 + s]) >> 6) << 4)
+                dl = d * np.float32(sc)
+                ml = dmin * np.float32(m)
+                q0 = p + qo + 32 * (s // 2)
+                sh = 4 * (s % 2)
+                for j in range(32):
+                    q = (np.int64(row[q0 + j]) >> sh) & 15
+                    if kind == 9:
+                        q |= ((np.int64(row[p + 16 + j]) >> s) & 1) << 4
+                    out[b * 256 + 32 * s + j] = dl * np.float32(q) - ml
+    else:  # q6_k
+        for b in range(k // 256):
+            p = b * 210
+            d = _f16(row, lut, p + 208)
+            for h in range(2):
+                for s in range(4):
+                    q0 = p + 64 * h + 32 * (s & 1)
+                    for g in range(2):
+                        dl = d * np.float32(np.int8(row[p + 192 + 8 * h + 2 * s + g]))
+                        for j in range(16 * g, 16 * g + 16):
+                            ql = (np.int64(row[q0 + j]) >> (4 * (s >> 1))) & 15
+                            qh = (np.int64(row[p + 128 + 32 * h + j]) >> (2 * s)) & 3
+                            out[b * 256 + 128 * h + 32 * s + j] = dl * np.float32((ql | (qh << 4)) - 32)
+
+
+# ---------------------------------------------------------------- row dots (decode)
+
+_BB = {"q5_0": 22, "q5_1": 24, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+_V16I8 = ir.VectorType(I8, 16)
+
+
+def _c64(v):
+    return ir.Constant(I64, v)
+
+
+def _vi32(vals):
+    return ir.Constant(V16I32, list(vals))
+
+
+class _Row:
+    """IR helpers over one stored row (rp: i8*), x (xp: f32*) and the block sums (sp: f32*)."""
+
+    def __init__(self, builder, rp, xp, sp):
+        self.b, self.rp, self.xp, self.sp = builder, rp, xp, sp
+
+    def byte(self, at):  # zero-extended to i32
+        return self.b.zext(self.b.load(self.b.gep(self.rp, [at])), I32)
+
+    def half(self, at):
+        ptr = self.b.bitcast(self.b.gep(self.rp, [at]), ir.HalfType().as_pointer())
+        return self.b.fpext(self.b.load(ptr, align=1), F32)
+
+    def bytes16(self, at):  # 16 bytes zero-extended to <16 x i32>
+        ptr = self.b.bitcast(self.b.gep(self.rp, [at]), _V16I8.as_pointer())
+        return self.b.zext(self.b.load(ptr, align=1), V16I32)
+
+    def x16(self, at):
+        return self.b.load(self.b.bitcast(self.b.gep(self.xp, [at]), V16F.as_pointer()), align=4)
+
+    def sx(self, at):
+        return self.b.load(self.b.gep(self.sp, [at]))
+
+    def dot32(self, lo, hi, xo):
+        """q . x over 32 values in 16 lanes: fma(hi, x[xo + 16:], lo * x[xo:])."""
+        b = self.b
+        return _fma(b, hi, self.x16(b.add(xo, _c64(16))), b.fmul(lo, self.x16(xo)))
+
+
+def _kq_scale_min(r, p, s):
+    """(sc, m) of sub-block s (a Python int) of the q4_k / q5_k super-block at p, as f32."""
+    b = r.b
+    c = lambda v: ir.Constant(I32, v)  # noqa: E731
+    at = lambda i: r.byte(b.add(p, _c64(4 + i)))  # noqa: E731  scale byte i
+    if s < 4:
+        sc, m = b.and_(at(s), c(63)), b.and_(at(s + 4), c(63))
+    else:
+        sc = b.or_(b.and_(at(s + 4), c(15)), b.shl(b.lshr(at(s - 4), c(6)), c(4)))
+        m = b.or_(b.lshr(at(s + 4), c(4)), b.shl(b.lshr(at(s), c(6)), c(4)))
+    return b.uitofp(sc, F32), b.uitofp(m, F32)
+
+
+def _emit_block(qtype, r, blk, step):
+    """Emit one block (q5_*: 32 values) or super-block (K types: 256) at index blk; step(t,
+    scale, const) takes each sub-block's 16-lane q . x, its f32 scale and its offset term
+    (f32 coefficient, f32 block sum) or None, in sub-block order."""
+    b = r.b
+    p = b.mul(blk, _c64(_BB[qtype]))
+    if qtype in ("q5_0", "q5_1"):
+        d = r.half(p)
+        o = 2 if qtype == "q5_0" else 4
+        qhp = b.bitcast(b.gep(r.rp, [b.add(p, _c64(o))]), I32.as_pointer())
+        qh = b.load(qhp, align=1)
+        qhv = b.shuffle_vector(
+            b.insert_element(ir.Constant(V16I32, ir.Undefined), qh, ir.Constant(I32, 0)),
+            ir.Constant(V16I32, ir.Undefined),
+            _vi32([0] * 16),
+        )
+        q = r.bytes16(b.add(p, _c64(o + 4)))
+        one = _vi32([1] * 16)
+        hlo = b.shl(b.and_(b.lshr(qhv, _vi32(range(16))), one), _vi32([4] * 16))
+        hhi = b.shl(b.and_(b.lshr(qhv, _vi32(range(16, 32))), one), _vi32([4] * 16))
+        lo = b.or_(b.and_(q, _vi32([15] * 16)), hlo)
+        hi = b.or_(b.lshr(q, _vi32([4] * 16)), hhi)
+        t = r.dot32(b.uitofp(lo, V16F), b.uitofp(hi, V16F), b.mul(blk, _c64(32)))
+        if qtype == "q5_0":
+            step(t, d, (b.fmul(d, ir.Constant(F32, -16.0)), r.sx(blk)))
+        else:
+            step(t, d, (r.half(b.add(p, _c64(2))), r.sx(blk)))
+        return
+    x0 = b.mul(blk, _c64(256))
+    s0 = b.mul(blk, _c64(8))  # first 32-value block sum of this super-block
+    if qtype in ("q4_k", "q5_k"):
+        d, dmin = r.half(p), r.half(b.add(p, _c64(2)))
+        qo = 16 if qtype == "q4_k" else 48
+        if qtype == "q5_k":
+            qh = (r.bytes16(b.add(p, _c64(16))), r.bytes16(b.add(p, _c64(32))))
+        for s in range(8):
+            sc, m = _kq_scale_min(r, p, s)
+            q0 = b.add(p, _c64(qo + 32 * (s // 2)))
+            halves = []
+            for i, q in enumerate((r.bytes16(q0), r.bytes16(b.add(q0, _c64(16))))):
+                v = b.and_(b.lshr(q, _vi32([4 * (s % 2)] * 16)), _vi32([15] * 16))
+                if qtype == "q5_k":
+                    hb = b.and_(b.lshr(qh[i], _vi32([s] * 16)), _vi32([1] * 16))
+                    v = b.or_(v, b.shl(hb, _vi32([4] * 16)))
+                halves.append(b.uitofp(v, V16F))
+            t = r.dot32(halves[0], halves[1], b.add(x0, _c64(32 * s)))
+            ml = b.fmul(dmin, m)
+            step(t, b.fmul(d, sc), (b.fsub(ir.Constant(F32, -0.0), ml), r.sx(b.add(s0, _c64(s)))))
+        return
+    # q6_k: sub-blocks of 16 values, each its own int8 scale; no offset term
+    d = r.half(b.add(p, _c64(208)))
+    for h in range(2):
+        for s in range(4):
+            for g in range(2):
+                j = 16 * g
+                ql = r.bytes16(b.add(p, _c64(64 * h + 32 * (s & 1) + j)))
+                qh = r.bytes16(b.add(p, _c64(128 + 32 * h + j)))
+                lo = b.and_(b.lshr(ql, _vi32([4 * (s >> 1)] * 16)), _vi32([15] * 16))
+                hi = b.shl(b.and_(b.lshr(qh, _vi32([2 * s] * 16)), _vi32([3] * 16)), _vi32([4] * 16))
+                q = b.sitofp(b.sub(b.or_(lo, hi), _vi32([32] * 16)), V16F)
+                t = b.fmul(q, r.x16(b.add(x0, _c64(128 * h + 32 * s + j))))
+                scp = b.gep(r.rp, [b.add(p, _c64(192 + 8 * h + 2 * s + g))])
+                sc = b.sitofp(b.load(scp), F32)
+                step(t, b.fmul(d, sc), None)
+
+
+def _make_rowdot(qtype):
+    per = 1 if qtype in ("q5_0", "q5_1") else 8  # 32-value block sums per (super-)block
+
+    @intrinsic
+    def rowdot(typingctx, row, x, sx):
+        """row: stored bytes uint8 [nb * bb], x: f32 [nb * size], sx: f32 [nb * size / 32]
+        (sums of x over each 32 values) -> f32."""
+        sig = types.float32(row, x, sx)
+
+        def codegen(context, builder, signature, args):
+            arrs = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args)]
+            r = _Row(
+                builder,
+                builder.bitcast(arrs[0].data, I8.as_pointer()),
+                builder.bitcast(arrs[1].data, F32.as_pointer()),
+                builder.bitcast(arrs[2].data, F32.as_pointer()),
+            )
+            nb = builder.udiv(builder.extract_value(arrs[2].shape, 0), _c64(per))
+            zero = ir.Constant(V16F, [0.0] * 16)
+            accs = [cgutils.alloca_once_value(builder, zero) for _ in range(2)]
+            accm = cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
+            turn = [0]  # sub-blocks alternate between the two vector accumulators
+
+            def step(t, scale, const):
+                acc = accs[turn[0] % 2]
+                turn[0] += 1
+                builder.store(_fma(builder, t, splat16(builder, scale), builder.load(acc)), acc)
+                if const is not None:
+                    builder.store(_fma(builder, const[0], const[1], builder.load(accm)), accm)
+
+            if per == 1:  # two blocks an iteration, an odd last one into accs[0]
+                one = _c64(1)
+                with cgutils.for_range(builder, builder.lshr(nb, one)) as loop:
+                    b0 = builder.shl(loop.index, one)
+                    turn[0] = 0
+                    _emit_block(qtype, r, b0, step)
+                    _emit_block(qtype, r, builder.add(b0, one), step)
+                with builder.if_then(builder.trunc(nb, ir.IntType(1))):
+                    turn[0] = 0
+                    _emit_block(qtype, r, builder.sub(nb, one), step)
+            else:  # an even number of sub-blocks a super-block
+                with cgutils.for_range(builder, nb) as loop:
+                    turn[0] = 0
+                    _emit_block(qtype, r, loop.index, step)
+            v = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
+            return builder.fadd(hsum16(builder, v), builder.load(accm))
+
+        return sig, codegen
+
+    return rowdot
+
+
+rowdot_q5_0 = _make_rowdot("q5_0")
+rowdot_q5_1 = _make_rowdot("q5_1")
+rowdot_q4_k = _make_rowdot("q4_k")
+rowdot_q5_k = _make_rowdot("q5_k")
+rowdot_q6_k = _make_rowdot("q6_k")
+
+
+@njit(**KW)
+def _x_block_sums(x):
+    # sums of x over each 32 values, one sequential loop (no fastmath: a fixed order)
+    sx = np.empty((x.shape[0], x.shape[1] // 32), np.float32)  # [T, K / 32]
+    for t in range(x.shape[0]):
+        for b in range(sx.shape[1]):
+            a = np.float32(0)
+            for j in range(32):
+                a += x[t, b * 32 + j]
+            sx[t, b] = a
+    return sx
+
+
+@njit(**KW)
+def _rows(data, kind, x, sx, y, o0, o1):
+    for o in range(o0, o1):
+        for t in range(x.shape[0]):
+            if kind == 8:
+                y[t, o] = rowdot_q4_k(data[o], x[t], sx[t])
+            elif kind == 10:
+                y[t, o] = rowdot_q6_k(data[o], x[t], sx[t])
+            elif kind == 9:
+                y[t, o] = rowdot_q5_k(data[o], x[t], sx[t])
+            elif kind == 6:
+                y[t, o] = rowdot_q5_0(data[o], x[t], sx[t])
+            else:
+                y[t, o] = rowdot_q5_1(data[o], x[t], sx[t])
+
+
+@njit(parallel=True, **KW)
+def _mv(data, kind, x, y):
+    # parallel over output rows only, so each y[t, o] has one summation order
+    o_n = data.shape[0]
+    sx = _x_block_sums(x)
+    for c in prange((o_n + _ROWS - 1) // _ROWS):
+        _rows(data, kind, x, sx, y, c * _ROWS, min(o_n, (c + 1) * _ROWS))
+
+
+@njit(**KW)
+def _mv_serial(data, kind, x, y):
+    _rows(data, kind, x, _x_block_sums(x), y, 0, data.shape[0])
+
+
+def matvec_kq(x, w, out):
+    """out [T, out] = x @ W.T for small T, W of a KQ_KIND type (batch and thread invariant)."""
+    small = x.shape[0] * w.data.shape[0] * x.shape[1] < PARALLEL_MIN_MACS
+    (_mv_serial if small else _mv)(w.data, KQ_KIND[w.qtype], x, out)
+    return out
