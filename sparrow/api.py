@@ -30,6 +30,7 @@ from .params import (
     check_kv_dtype,
     options_to_params,
 )
+from .structured import Structured, ToolFormat, tool_format
 
 
 class LLM:
@@ -53,15 +54,19 @@ class LLM:
         system: str | None = None,
         chat_template_kwargs: dict | None = None,
         assistant_prefix: str = "",
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        """A string is a raw completion prompt unless chat=True; a list is chat messages."""
+        """A string is a raw completion prompt unless chat=True; a list is chat messages.
+        tools: OpenAI tool objects for the chat template to render."""
         tok = self.tokenizer
         if isinstance(prompt, str) and not chat:
             return tok.encode(prompt, add_special_tokens=True)
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         if system is not None:
             messages = [{"role": "system", "content": system}] + [m for m in messages if m.get("role") != "system"]
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, **(chat_template_kwargs or {}))
+        text = tok.apply_chat_template(
+            messages, add_generation_prompt=True, tools=tools, **(chat_template_kwargs or {})
+        )
         # The template already holds any bos it needs; encode special tokens as written.
         return tok.encode(text + assistant_prefix, add_special_tokens=False)
 
@@ -103,6 +108,9 @@ class LLM:
         assistant_prefix: str = "",
         timings: bool = False,
         trace: list | None = None,
+        tools: list[dict] | None = None,
+        tool_choice=None,
+        response_format: dict | None = None,
         **options,
     ) -> Iterator[StepOutput]:
         """Like generate() but yields StepOutput (token id, text delta, logprobs, finish reason).
@@ -111,21 +119,56 @@ class LLM:
         SamplingParams field (max_tokens=256, temperature=0.0, top_p, top_k, min_p, the
         penalties, seed, stop, logprobs) and sparse_attn, sparse_k, sparse_block,
         sparse_probe, sparse_prefill. trace: a list that receives, per decoded token, the
-        sparse selections [(layer, [(head, blocks, stages, mass)])]."""
+        sparse selections [(layer, [(head, blocks, stages, mass)])].
+
+        tools, tool_choice, response_format: as in OpenAI's chat API (see chat() for the parsed
+        answer); a forced tool call or a JSON response_format constrains the tokens to the grammar."""
         set_threads(self.threads)
         sampling, sparse = _params(sampling, sparse, options)
         kv = check_kv_dtype(kv_dtype or self.kv_dtype)
+        structured = Structured.parse(tools, tool_choice, response_format)
         ids = (
             prompt
             if _is_token_ids(prompt)
-            else self.prompt_ids(prompt, chat, system, chat_template_kwargs, assistant_prefix)
+            else self.prompt_ids(
+                prompt, chat, system, chat_template_kwargs, assistant_prefix, tools=structured.template_tools
+            )
         )
-        seq = Sequence.create(self.runner, self.tokenizer, list(ids), sampling, self.ctx, kv, sparse, trace is not None)
+        constraint = structured.constraint(self.tokenizer, self.config.vocab_size, self.tool_format)
+        seq = Sequence.create(
+            self.runner, self.tokenizer, list(ids), sampling, self.ctx, kv, sparse, trace is not None, constraint
+        )
         for out in generate_step(self.runner, seq, timings=timings):
             if trace is not None and seq.trace:
                 trace.append(list(seq.trace))
                 seq.trace.clear()
             yield out
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How this model writes tool calls (hermes or llama3_json), read from its chat template."""
+        return tool_format(self.tokenizer.chat_template)
+
+    def chat(self, messages, *, tools=None, tool_choice=None, response_format=None, **kwargs) -> dict:
+        """One whole chat answer, parsed: {"content", "tool_calls" (OpenAI shape, or None),
+        "finish_reason"} ("tool_calls" when calls were made). Accepts the options of stream()."""
+        structured = Structured.parse(tools, tool_choice, response_format)
+        parser = structured.parser(self.tool_format)
+        text, finish = [], None
+        for out in self.stream(
+            messages, chat=True, tools=tools, tool_choice=tool_choice, response_format=response_format, **kwargs
+        ):
+            text.append(parser.push(out.text, out.finish_reason is not None)[0] if parser else out.text)
+            finish = out.finish_reason
+        calls = parser.calls if parser else []
+        if calls and finish == "stop":
+            finish = "tool_calls"
+        content = "".join(text)
+        return {
+            "content": (content or None) if calls else content,
+            "tool_calls": calls or None,
+            "finish_reason": finish,
+        }
 
     def generate(self, prompt, **kwargs) -> Iterator[str]:
         """Yields text pieces as they become final. Accepts the options of stream()."""

@@ -123,6 +123,56 @@ def normalize_messages(messages) -> list[dict]:
     return out
 
 
+# The tools prompt of Qwen's templates (hermes format), word for word: added as a system message for
+# templates with no tools section of their own, so a model that has no tool format learns this one.
+_TOOLS_HEAD = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+_TOOLS_TAIL = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+    "</tool_call>"
+)
+
+
+def _knows(template: str | None, name: str) -> bool:
+    return template is not None and name in template
+
+
+def _call_text(call: dict) -> str:
+    fn = call.get("function", call) if isinstance(call, dict) else {}
+    args = fn.get("arguments", {})
+    args = args if isinstance(args, str) else _tojson(args)
+    return f'<tool_call>\n{{"name": "{fn.get("name", "")}", "arguments": {args}}}\n</tool_call>'
+
+
+def hermes_fallback(messages: list[dict], tools) -> list[dict]:
+    """Tools, assistant tool calls and tool results written into plain messages the way Qwen's
+    template writes them, for a template that handles none of them (ChatML, SmolLM2)."""
+    out = []
+    if tools:
+        system = bool(messages) and messages[0].get("role") == "system"
+        head = (messages[0].get("content") or "") + "\n\n" if system else ""
+        listing = "".join("\n" + _tojson(t) for t in tools)
+        out.append({"role": "system", "content": head + _TOOLS_HEAD + listing + _TOOLS_TAIL})
+        messages = messages[1:] if system else messages
+    for m in messages:
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            text = m.get("content") or ""
+            calls = "\n".join(_call_text(c) for c in m["tool_calls"])
+            out.append({**m, "content": (text + "\n" if text else "") + calls})
+        elif m.get("role") == "tool":
+            text = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            if out and out[-1].get("role") == "user" and out[-1].get("_tool_results"):
+                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + text}
+            else:
+                out.append({"role": "user", "content": text, "_tool_results": True})
+        else:
+            out.append(m)
+    return [{k: v for k, v in m.items() if k != "_tool_results"} for m in out]
+
+
 def render_chat(
     template: str | None,
     messages,
@@ -134,11 +184,18 @@ def render_chat(
     **kwargs,
 ) -> str:
     """Render `messages` with `template` (ChatML when None); extra kwargs reach the template."""
+    messages, tools = normalize_messages(messages), _plain(tools) if tools is not None else None
+    own_tools = _knows(template, "tools")
+    if not _knows(template, "tool_calls") and (
+        (tools and not own_tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+    ):
+        messages = hermes_fallback(messages, None if own_tools else tools)
+        tools = tools if own_tools else None
     try:
         compiled = _compile(template if template is not None else CHATML_TEMPLATE)
         return compiled.render(
-            messages=normalize_messages(messages),
-            tools=_plain(tools) if tools is not None else None,
+            messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token or "",
             eos_token=eos_token or "",

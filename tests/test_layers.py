@@ -18,8 +18,9 @@ TIERS = [
     # 0: definitions everything shares: errors, model config, weight storage, option objects
     ("sparrow.errors", "sparrow.config", "sparrow.quant", "sparrow.params"),
     # 1: leaf machinery on plain arrays and files: numba kernels, checkpoint readers (which
-    #    build the tokenizer), tokenizer and chat template
-    ("sparrow.kernels.*", "sparrow.loaders.*", "sparrow.tokenizer", "sparrow.chat_template"),
+    #    build the tokenizer), tokenizer and chat template, structured output (tool specs,
+    #    llguidance grammars and masks, tool-call parsers)
+    ("sparrow.kernels.*", "sparrow.loaders.*", "sparrow.tokenizer", "sparrow.chat_template", "sparrow.structured.*"),
     # 2: the KV cache: per-sequence state the models write and the attention kernels read
     ("sparrow.kv_cache",),
     # 3: the models: layers and decoders built from kernels, weights and caches

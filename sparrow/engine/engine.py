@@ -40,6 +40,7 @@ class Request:
     sparse: SparseParams | None
     emit: Callable[[str, object], None]  # ("token", StepOutput) | ("error", message)
     kv_dtype: str | None = None  # None: the model's default
+    constraint: object | None = None  # structured output: the grammar state Sequence applies (see sequence.py)
     id: int = field(default_factory=lambda: next(_ids))
     seq: Sequence | None = None
     cancelled: bool = False  # set by the client side; the engine drops it before its next step
@@ -69,8 +70,9 @@ class Engine:
         sparse: SparseParams | None,
         emit: Callable[[str, object], None],
         kv_dtype: str | None = None,
+        constraint=None,
     ) -> Request:
-        req = Request(list(prompt_ids), params, sparse, emit, kv_dtype)
+        req = Request(list(prompt_ids), params, sparse, emit, kv_dtype, constraint)
         with self._cv:
             self._incoming.append(req)
             self._cv.notify()
@@ -179,6 +181,7 @@ class Engine:
                     self.llm.ctx,
                     req.kv_dtype or self.llm.kv_dtype,
                     req.sparse,
+                    constraint=req.constraint,
                 )
             slot = req.seq.slot
             t0, n0 = time.perf_counter(), slot.cache.length

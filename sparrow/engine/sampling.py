@@ -35,8 +35,9 @@ class Sampler:
         self.counts[token_id] += 1
         self.seen[token_id] = True
 
-    def __call__(self, logits: np.ndarray) -> int:
-        """logits: [V] float32 for one position; returns the chosen token id."""
+    def __call__(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> int:
+        """logits: [V] float32 for one position; allowed: [V] bool mask of a grammar (None: all
+        tokens). Returns the chosen token id, always an allowed one."""
         p = self.p
         x = logits[: self.vocab_size].astype(np.float32, copy=True)  # [V]
         if p.repetition_penalty != 1.0:
@@ -44,6 +45,11 @@ class Sampler:
             x[self.seen] = np.where(xs > 0, xs / p.repetition_penalty, xs * p.repetition_penalty)
         if p.presence_penalty or p.frequency_penalty:
             x -= p.presence_penalty * (self.counts > 0) + p.frequency_penalty * self.counts
+        n_allowed = len(x)
+        if allowed is not None:
+            allowed = allowed[: len(x)]
+            n_allowed = int(np.count_nonzero(allowed))
+            x[~allowed] = -np.inf  # after the penalties, before every filter: they only see allowed tokens
         if p.temperature == 0.0:
             return int(np.argmax(x))  # ties -> lowest id, deterministic
         x = x.astype(np.float64) / p.temperature
@@ -53,7 +59,7 @@ class Sampler:
         xs = x[order]
         probs = np.exp(xs - xs[0])
         probs /= probs.sum()
-        keep = len(probs)
+        keep = min(len(probs), n_allowed)  # masked tokens sort last with probability 0
         if p.top_p < 1.0:
             # Smallest prefix whose mass reaches top_p (always at least one token).
             keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)

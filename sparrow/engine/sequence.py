@@ -39,6 +39,7 @@ class Sequence:
     eos_ids: set[int]
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    constraint: object | None = None  # a grammar's state: allowed() -> [V] bool before a sample, advance(token) after
     _pending: str = ""  # decoded text held back because it may start a stop string
 
     @classmethod
@@ -52,6 +53,7 @@ class Sequence:
         kv_dtype: str = "f32",
         sparse: SparseParams | None = None,
         trace: bool = False,
+        constraint=None,
     ) -> Sequence:
         """Checks the request against the context and allocates exactly the KV it can use.
         `params` were validated where they were built (CLI, HTTP request, API keywords)."""
@@ -60,7 +62,12 @@ class Sequence:
         sampler = Sampler(params, runner.model.config.vocab_size)
         sampler.observe_prompt(prompt_ids)
         return cls(
-            slot, params, sampler, tokenizer.incremental_decoder(skip_special_tokens=True), set(tokenizer.eos_token_ids)
+            slot,
+            params,
+            sampler,
+            tokenizer.incremental_decoder(skip_special_tokens=True),
+            set(tokenizer.eos_token_ids),
+            constraint=constraint,
         )
 
     @property
@@ -87,7 +94,10 @@ class Sequence:
     def accept(self, logits: np.ndarray) -> StepOutput:
         """Samples from the logits of the last position [V] and updates the stop state."""
         p = self.params
-        tok = self.sampler(logits)
+        c = self.constraint
+        tok = self.sampler(logits, c.allowed() if c is not None else None)
+        if c is not None:
+            c.advance(tok)
         self.output.append(tok)
         self.sampler.observe(tok)
         lp = top = None

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 from ..errors import SparrowError
 from ..params import KV_DTYPES, SamplingParams, SparseParams
+from ..structured import Structured, StructuredError
 
-ROLES = {"system", "user", "assistant", "developer"}  # developer is OpenAI's newer name for system
+ROLES = {"system", "user", "assistant", "developer", "tool"}  # developer is OpenAI's newer name for system
 _TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "tools", "template", "self"}  # set by the server
 DEFAULT_MAX_TOKENS = 2048  # when the request names none: the KV cache is sized to prompt + this
 
@@ -118,6 +119,7 @@ class GenRequest:
     logprobs: bool = False
     chat_template_kwargs: dict = field(default_factory=dict)
     kv_dtype: str | None = None  # None: the server's --kv-dtype
+    structured: Structured = field(default_factory=Structured)  # tools, tool_choice, response_format
 
 
 def _common(body: dict, chat: bool, defaults: dict | None) -> GenRequest:
@@ -206,7 +208,7 @@ def _messages(body: dict) -> list[dict]:
             raise _bad(p, f"{p} must be an object")
         role = m.get("role")
         if role not in ROLES:
-            raise _bad(f"{p}.role", f"{p}.role must be one of system, user, assistant; got {role!r}"[:300])
+            raise _bad(f"{p}.role", f"{p}.role must be one of system, user, assistant, tool; got {role!r}"[:300])
         content = m.get("content")
         if isinstance(content, list):
             texts = []
@@ -229,13 +231,48 @@ def _messages(body: dict) -> list[dict]:
         reasoning = m.get("reasoning_content")
         if role == "assistant" and isinstance(reasoning, str):
             msg["reasoning_content"] = reasoning
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{p}.tool_calls")
+        if role == "tool":
+            if m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
+                raise _bad(f"{p}.tool_call_id", f"{p}.tool_call_id must be a string")
+            msg["tool_call_id"] = m.get("tool_call_id")
         out.append(msg)
     return out
+
+
+def _tool_calls(calls, p: str) -> list[dict]:
+    """An assistant message's earlier calls, as the chat template reads them (arguments: JSON text)."""
+    if not isinstance(calls, list):
+        raise _bad(p, f"{p} must be a list")
+    out = []
+    for i, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad(
+                f"{p}[{i}]", f"{p}[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}"
+            )
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, (str, dict)):
+            raise _bad(f"{p}[{i}].function.arguments", f"{p}[{i}].function.arguments must be a JSON string")
+        call = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(c.get("id"), str):
+            call["id"] = c["id"]
+        out.append(call)
+    return out
+
+
+def _structured(body: dict, parallel: bool) -> Structured:
+    try:
+        return Structured.parse(body.get("tools"), body.get("tool_choice"), body.get("response_format"), parallel)
+    except StructuredError as e:
+        raise _bad(e.param, str(e)) from None
 
 
 def parse_chat(body, defaults: dict | None = None) -> GenRequest:
     req = _common(body, chat=True, defaults=defaults)
     req.messages = _messages(body)
+    req.structured = _structured(body, _bool(body, "parallel_tool_calls", True))
     kwargs = _dict(body, "chat_template_kwargs")
     clash = sorted(set(kwargs) & _TEMPLATE_RESERVED)
     if clash:

@@ -29,12 +29,24 @@ class SSEResponse(StreamingResponse):
 
 
 class Accumulator:
-    """Turns StepOutputs into content/reasoning deltas and logprob entries."""
+    """Turns StepOutputs into content/reasoning deltas, tool-call deltas and logprob entries.
 
-    def __init__(self, llm, splitter: ReasoningSplitter | None, want_lp: bool, stop_ids=()):
+    The whole answer and the stream feed the same pieces to the same tool parser, so a streamed
+    call reassembles to the call the whole answer returns."""
+
+    def __init__(self, llm, splitter: ReasoningSplitter | None, want_lp: bool, stop_ids=(), tool_parser=None):
         self.tok, self.splitter, self.want_lp = llm.tokenizer, splitter, want_lp
         self.eos = set(llm.tokenizer.eos_token_ids) | set(stop_ids)
         self.tokens = 0
+        self.parser = tool_parser
+        self.tool_deltas: list[dict] = []  # of the latest add()
+
+    @property
+    def tool_calls(self) -> list[dict]:
+        return self.parser.calls if self.parser is not None else []
+
+    def finish_reason(self, finish: str) -> str:
+        return "tool_calls" if finish == "stop" and self.tool_calls else finish
 
     def add(self, out):
         self.tokens += 1
@@ -43,6 +55,9 @@ class Accumulator:
             reasoning, content = self.splitter.push(out.text, final)
         else:
             reasoning, content = "", out.text
+        self.tool_deltas = []
+        if self.parser is not None:
+            content, self.tool_deltas = self.parser.push(content, final)
         hidden = out.finish_reason == "stop" and out.token_id in self.eos  # end-of-turn / stop token: no text
         lps = [out] if self.want_lp and out.logprob is not None and not hidden else []
         return reasoning, content, lps
@@ -72,7 +87,7 @@ async def collect(request, queue, acc):
             content.append(c)
             lps += lp
             if out.finish_reason:
-                return "".join(reasoning), "".join(content), lps, out.finish_reason
+                return "".join(reasoning), "".join(content), lps, acc.finish_reason(out.finish_reason)
     finally:
         watch.cancel()
 
@@ -109,11 +124,13 @@ async def stream(req, ids, queue, acc, rid, created, chat, lp_fmt, model_name):
             delta = {k: v for k, v in (("reasoning_content", r), ("content", c)) if v}
             if delta or lps:
                 yield chunk(delta, lps)
+            for d in acc.tool_deltas:  # OpenAI's shape: one call's id and name first, then its arguments
+                yield chunk({"tool_calls": [d]})
         elif c or lps:
             yield chunk(c, lps)
             offset += len(c)
         if out.finish_reason:
-            yield chunk({} if chat else "", finish=out.finish_reason)
+            yield chunk({} if chat else "", finish=acc.finish_reason(out.finish_reason))
             if req.include_usage:
                 yield sse({**base, "choices": [], "usage": usage(len(ids), acc.tokens)})
             break
