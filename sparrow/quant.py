@@ -24,6 +24,8 @@ The numpy dequantisation here is the reference (bit-identical to gguf.quants.deq
 the fast kernels live in sparrow.kernels.linear.
 """
 
+import functools
+
 import numpy as np
 
 from sparrow.errors import SparrowError
@@ -161,6 +163,27 @@ def quantize_blocks(a, qtype):
         else:
             raise SparrowError(f"cannot quantise to {qtype!r}")
     return np.concatenate(parts, axis=2).reshape(n, -1)
+
+
+@functools.cache
+def gguf_support(ggml_type):
+    """How sparrow runs a GGML tensor type (a gguf.GGMLQuantizationType or its number):
+    "native" (kept as stored), "converted" (dequantised by gguf.quants at load, re-quantised
+    to q8_0) or None (it cannot run it)."""
+    import gguf
+
+    try:
+        gt = gguf.GGMLQuantizationType(ggml_type)
+        block, size = gguf.GGML_QUANT_SIZES[gt]
+    except (ValueError, KeyError):
+        return None
+    if gt.name in _NATIVE_GGUF:
+        return "native"
+    try:  # one block of zeros: gguf.quants says whether it can dequantise the type
+        gguf.quants.dequantize(np.zeros(size, np.uint8), gt)
+    except Exception:
+        return None
+    return "converted"
 
 
 class Weight:

@@ -65,7 +65,7 @@ def test_real_shape_tables(name):
         tied,
     )
     assert (s["head_dim"], s["vocab"], s["rope_theta"], s["rms_eps"], s["context"]) == (128, 151936, 1e6, 1e-6, 40960)
-    for qtype in shapes.TYPES:
+    for qtype in ("q8_0", "q4_0"):  # every matrix in that type (q4_k_m: test_q4_k_m_mix)
         tensors = shapes.plan(name, qtype)
         by_name = {n: (ne, t) for n, ne, t in tensors}
         assert len(by_name) == len(tensors) == 2 + (not tied) + 11 * layers
@@ -88,6 +88,25 @@ def test_real_shape_tables(name):
     # q8_0: 34 bytes per 32 weights; q4_0: 18 (norms are f32)
     assert abs(shapes.file_bytes(name, "q8_0") / (params * 34 / 32) - 1) < 0.001
     assert abs(shapes.file_bytes(name, "q4_0") / (params * 18 / 32) - 1) < 0.001
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_q4_k_m_mix(name):
+    # llama.cpp's Q4_K_M choices: q6_k for the output matrix (the tied embedding) and for attn_v
+    # and ffn_down in use_more_bits layers (first and last eighth, every third in between)
+    h, layers, heads, kv, ffn, tied, params, _ = REAL[name]
+    by_name = {n: (ne, t) for n, ne, t in shapes.plan(name, "q4_k_m")}
+    pure = {n: ne for n, ne, _ in shapes.plan(name, "q8_0")}
+    assert {n: ne for n, (ne, _) in by_name.items()} == pure
+    assert by_name["token_embd.weight"][1] == ("q6_k" if tied else "q4_k")
+    assert tied or by_name["output.weight"][1] == "q6_k"
+    more = [i for i in range(layers) if by_name[f"blk.{i}.ffn_down.weight"][1] == "q6_k"]
+    assert more == [i for i in range(layers) if by_name[f"blk.{i}.attn_v.weight"][1] == "q6_k"]
+    e = layers // 8
+    assert more == sorted(set(range(e)) | set(range(7 * layers // 8, layers)) | set(range(e + 2, layers, 3)))
+    assert {t for n, (ne, t) in by_name.items() if "attn_q." in n or "ffn_up" in n} == {"q4_k"}
+    # 144 B per 256 (4.5 bits a weight) with some 6.5625-bit matrices: between the two
+    assert params * 4.5 / 8 < shapes.file_bytes(name, "q4_k_m") < params * 6.5625 / 8
 
 
 def test_metadata_keys():
@@ -149,12 +168,13 @@ def test_tiny_shape_writes_loads_and_runs(tmp_path, qtype):
     assert f.meta["general.architecture"] == "qwen3"
     assert f.meta["tokenizer.ggml.model"] == "gpt2" and f.meta["tokenizer.ggml.pre"] == "qwen2"
     assert len(f.meta["tokenizer.ggml.tokens"]) == 512
-    assert f.meta["general.file_type"] == {"q8_0": 7, "q4_0": 2}[qtype]
-    w = next(t for t in f.tensors if t.name == "blk.0.ffn_up.weight")
+    assert f.meta["general.file_type"] == {"q8_0": 7, "q4_0": 2, "q4_k_m": 15}[qtype]
     from sparrow.quant import dequantize_blocks
 
-    vals = dequantize_blocks(np.asarray(w.data), qtype)
-    assert 0.015 < vals.std() < 0.025 and abs(vals.mean()) < 0.002
+    for t in f.tensors:
+        if t.tensor_type.name != "F32":  # every matrix type the file holds (q4_k_m: q5_0, q8_0)
+            vals = dequantize_blocks(np.asarray(t.data), t.tensor_type.name.lower())
+            assert 0.015 < vals.std() < 0.025 and abs(vals.mean()) < 0.002, t.name
 
     llm = sparrow.load(path, threads=1)
     cfg = llm.model.config
@@ -169,6 +189,27 @@ def test_tiny_shape_writes_loads_and_runs(tmp_path, qtype):
     assert logits.shape == (6, 512) and np.isfinite(logits).all()
     assert 0.05 < logits.std() < 1.0
     assert llm.tokenizer.eos_token_ids[0] == 512 - 26 + 2  # <|im_end|>
+
+
+def test_tiny_q4_k_m_runs_k_quants(tmp_path):
+    # widths that are multiples of 256, so the file holds q4_k and q6_k (TINY's fall back)
+    import sparrow
+
+    tiny_k = dict(TINY, hidden=256, head_dim=64, ffn=512, layers=8)
+    path = shapes.write_gguf(str(tmp_path / "tiny-k.gguf"), tiny_k, "q4_k_m", name="tiny")
+    f = GGUFFile(path)
+    assert {t.tensor_type.name for t in f.tensors} == {"F32", "Q4_K", "Q6_K"}
+    from sparrow.quant import dequantize_blocks
+
+    for t in f.tensors:
+        if t.tensor_type.name != "F32":
+            vals = dequantize_blocks(np.asarray(t.data), t.tensor_type.name.lower())
+            assert 0.015 < vals.std() < 0.025 and abs(vals.mean()) < 0.002, t.name
+    llm = sparrow.load(path, threads=1)
+    assert llm.model.layers[0].mlp.down.qtype == "q6_k" and llm.model.layers[1].mlp.down.qtype == "q4_k"
+    logits = llm.logits([5, 17, 300, 42, 7, 99])
+    assert logits.shape == (6, 512) and np.isfinite(logits).all()
+    assert 0.05 < logits.std() < 1.0
 
 
 def test_ensure_writes_once_into_xdg_cache(tmp_path, monkeypatch):

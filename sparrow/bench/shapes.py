@@ -16,13 +16,18 @@ rms eps 1e-6, context 40960, no biases, q/k RMSNorm over head_dim):
 | qwen3-8b   | 4096   | 36     | 32    | 8        | 12288 | no   | 8.191 B         | 6.946 B       |
 
 Tensors use llama.cpp's qwen3 names (`token_embd`, `blk.N.attn_q` ... `ffn_down`, `output_norm`,
-`output` when untied) and ggml order (ne0 = input width). Every matrix, the token embedding
-included, is stored in the requested type (like `llama-quantize --pure`); norms are f32 ones.
-Weights are random block bytes: each 32-value block gets an f16 scale and uniform quants
-(q8_0: -127..127, q4_0: 1..15, i.e. -7..7 around the zero point), scaled so the values have a
-standard deviation of about 0.02 (random scale x 0.75..1.25 per block). That is what quantising a
-random matrix whose values lie on the quant grid would give; activations stay finite and logits
-sane (standard deviation ~1).
+`output` when untied) and ggml order (ne0 = input width). With q8_0 / q4_0 every matrix, the token
+embedding included, is stored in that type (like `llama-quantize --pure`). q4_k_m mixes types as
+llama.cpp's Q4_K_M does: q6_k for the output matrix (the token embedding when tied) and for attn_v
+and ffn_down in the layers llama.cpp gives more bits (the first and last eighth, and every third
+in between), q4_k for the rest; a matrix whose input width is not a multiple of 256 falls back
+as llama.cpp's does (q4_k -> q5_0, q6_k -> q8_0). Norms are f32 ones.
+Weights are random block bytes, scaled so the values have a standard deviation of about 0.02
+(random scale x 0.75..1.25 per block) around 0: uniform quants (q8_0: -127..127, q4_0: 1..15,
+i.e. -7..7 around the zero point; q5_0: 0..31 around 16, q6_k: 0..63 around 32, each block's
+scale of random sign; q4_k: 0..15 with each sub-block's min at -7.5 steps). That is what
+quantising a random matrix whose values lie on the quant grid would give; activations stay
+finite and logits sane (standard deviation ~1).
 
 Vocabulary (`tokenizer.ggml.model` gpt2, pre qwen2): Qwen3's layout with synthesised BPE tokens:
 ids 0..255 the 256 byte-alphabet characters, then every 2-character then 3-character combination
@@ -50,13 +55,20 @@ SHAPES: dict[str, dict] = {
     "qwen3-4b": dict(_QWEN3, hidden=2560, layers=36, heads=32, kv_heads=8, ffn=9728, tied=True),
     "qwen3-8b": dict(_QWEN3, hidden=4096, layers=36, heads=32, kv_heads=8, ffn=12288, tied=False),
 }
-TYPES = ("q8_0", "q4_0")  # K-quants join once sparrow supports them
-_BLOCK = 32
-_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
-_FILE_TYPE = {"q8_0": 7, "q4_0": 2}  # gguf.LlamaFileType.MOSTLY_Q8_0 / MOSTLY_Q4_0
+TYPES = ("q8_0", "q4_0", "q4_k_m")
+_BLOCK = {"q8_0": 32, "q4_0": 32, "q5_0": 32, "q4_k": 256, "q6_k": 256}  # values a block
+_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q5_0": 22, "q4_k": 144, "q6_k": 210}
+_FILE_TYPE = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15}  # gguf.LlamaFileType.MOSTLY_Q8_0 / _Q4_0 / _Q4_K_M
+_FALLBACK = {"q4_k": "q5_0", "q6_k": "q8_0"}  # llama.cpp's, for rows not a multiple of 256
 _STD = 0.02
 # uniform quants: q8_0 in -127..127, q4_0 nibbles 1..15 (value q - 8 in -7..7)
-_Q_STD = {"q8_0": np.sqrt((255**2 - 1) / 12), "q4_0": np.sqrt((15**2 - 1) / 12)}
+_Q_STD = {
+    "q8_0": np.sqrt((255**2 - 1) / 12),
+    "q4_0": np.sqrt((15**2 - 1) / 12),
+    "q5_0": np.sqrt((32**2 - 1) / 12),
+    "q4_k": np.sqrt((16**2 - 1) / 12),
+    "q6_k": np.sqrt((64**2 - 1) / 12),
+}
 
 # Qwen3's added tokens (tokenizer.json added_tokens), from id bpe_tokens on.
 QWEN3_ADDED = (
@@ -111,33 +123,43 @@ def plan(shape, qtype: str = "q8_0") -> list[tuple[str, tuple[int, ...], str]]:
     """The file's tensors in order: (GGUF name, ggml shape (ne0 = input width, ...), type)."""
     _check_type(qtype)
     s = _shape(shape)
-    h, hd, f, v = s["hidden"], s["head_dim"], s["ffn"], s["vocab"]
+    h, hd, f, v, n = s["hidden"], s["head_dim"], s["ffn"], s["vocab"], s["layers"]
     q, kv = s["heads"] * hd, s["kv_heads"] * hd
-    out = [("token_embd.weight", (h, v), qtype)]
+    mixed = qtype == "q4_k_m"
+
+    def mat(ne, more_bits=False):
+        if not mixed:
+            return qtype
+        t = "q6_k" if more_bits else "q4_k"
+        return _FALLBACK[t] if ne[0] % _BLOCK[t] else t
+
+    out = [("token_embd.weight", (h, v), mat((h, v), s["tied"]))]
     if not s["tied"]:
-        out.append(("output.weight", (h, v), qtype))
+        out.append(("output.weight", (h, v), mat((h, v), True)))
     out.append(("output_norm.weight", (h,), "f32"))
-    for i in range(s["layers"]):
+    for i in range(n):
         b = f"blk.{i}."
+        # llama.cpp's use_more_bits(i, n): attn_v and ffn_down of these layers get q6_k
+        more = i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
         out += [
             (b + "attn_norm.weight", (h,), "f32"),
-            (b + "attn_q.weight", (h, q), qtype),
-            (b + "attn_k.weight", (h, kv), qtype),
-            (b + "attn_v.weight", (h, kv), qtype),
+            (b + "attn_q.weight", (h, q), mat((h, q))),
+            (b + "attn_k.weight", (h, kv), mat((h, kv))),
+            (b + "attn_v.weight", (h, kv), mat((h, kv), more)),
             (b + "attn_q_norm.weight", (hd,), "f32"),
             (b + "attn_k_norm.weight", (hd,), "f32"),
-            (b + "attn_output.weight", (q, h), qtype),
+            (b + "attn_output.weight", (q, h), mat((q, h))),
             (b + "ffn_norm.weight", (h,), "f32"),
-            (b + "ffn_gate.weight", (h, f), qtype),
-            (b + "ffn_up.weight", (h, f), qtype),
-            (b + "ffn_down.weight", (f, h), qtype),
+            (b + "ffn_gate.weight", (h, f), mat((h, f))),
+            (b + "ffn_up.weight", (h, f), mat((h, f))),
+            (b + "ffn_down.weight", (f, h), mat((f, h), more)),
         ]
     return out
 
 
 def _nbytes(ne, ttype) -> int:
     n = int(np.prod(ne))
-    return n * 4 if ttype == "f32" else n // _BLOCK * _BLOCK_BYTES[ttype]
+    return n * 4 if ttype == "f32" else n // _BLOCK[ttype] * _BLOCK_BYTES[ttype]
 
 
 def param_count(shape) -> int:
@@ -208,11 +230,36 @@ def shape_path(name: str, qtype: str) -> str:
 
 
 def _random_blocks(rng, rows: int, k: int, qtype: str) -> np.ndarray:
-    """[rows, k/32 * blockbytes] uint8 of random blocks with value std ~0.02."""
-    nb = k // _BLOCK
-    blk = np.empty((rows, nb, _BLOCK_BYTES[qtype]), np.uint8)
+    """[rows, k / block * blockbytes] uint8 of random blocks with value std ~0.02."""
+    nb = k // _BLOCK[qtype]
+    bb = _BLOCK_BYTES[qtype]
+    blk = np.empty((rows, nb, bb), np.uint8)
     d = (_STD / _Q_STD[qtype]) * rng.uniform(0.75, 1.25, (rows, nb, 1)).astype(np.float32)
+    if qtype in ("q5_0", "q6_k"):  # codes not symmetric about the zero point: a random sign instead
+        d *= rng.choice(np.float32([-1, 1]), (rows, nb, 1))
+    if qtype in ("q5_0", "q4_k", "q6_k"):
+        blk[:] = rng.integers(0, 256, blk.shape, dtype=np.uint8)  # codes (all values equally likely)
+    if qtype == "q4_k":
+        # 6-bit sub-block scales sc in 40..63 and mins m = sc, dmin = 7.5 d: (d sc) q - (7.5 d) sc
+        # = d sc (q - 7.5), symmetric about 0; d is scaled by the mean sc
+        sc = rng.integers(40, 64, (rows, nb, 8), dtype=np.uint8)
+        d /= np.float32(51.5)
+        blk[:, :, 0:2] = d.astype(np.float16).view(np.uint8)
+        blk[:, :, 2:4] = (d * np.float32(7.5)).astype(np.float16).view(np.uint8)
+        lo, hi = sc[..., :4], sc[..., 4:]  # ggml's get_scale_min_k4 packing, with m = sc
+        blk[:, :, 4:8] = lo | ((hi >> 4) << 6)
+        blk[:, :, 8:12] = blk[:, :, 4:8]
+        blk[:, :, 12:16] = (hi & 15) | ((hi & 15) << 4)
+        return blk.reshape(rows, -1)
+    if qtype == "q6_k":
+        sc = rng.integers(64, 128, (rows, nb, 16), dtype=np.uint8)  # int8 scales, mean ~95.5
+        d /= np.float32(95.5)
+        blk[:, :, 192:208] = sc
+        blk[:, :, 208:210] = d.astype(np.float16).view(np.uint8)
+        return blk.reshape(rows, -1)
     blk[:, :, 0:2] = d.astype(np.float16).view(np.uint8)
+    if qtype == "q5_0":
+        return blk.reshape(rows, -1)
     if qtype == "q8_0":
         blk[:, :, 2:] = rng.integers(-127, 128, (rows, nb, 32), dtype=np.int8).view(np.uint8)
     else:
@@ -231,11 +278,7 @@ def write_gguf(path: str, shape, qtype: str, *, seed: int = 0, name: str | None 
     name = name or (shape if isinstance(shape, str) else "custom")
     tmp = f"{path}.tmp-{os.getpid()}"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    qtypes = {
-        "f32": gguf.GGMLQuantizationType.F32,
-        "q8_0": gguf.GGMLQuantizationType.Q8_0,
-        "q4_0": gguf.GGMLQuantizationType.Q4_0,
-    }
+    qtypes = {t: gguf.GGMLQuantizationType[t.upper()] for t in ("f32",) + tuple(_BLOCK)}
     w = gguf.GGUFWriter(tmp, "qwen3")
     try:
         w.add_name(f"{name} shape, random weights ({qtype})")
@@ -260,7 +303,7 @@ def write_gguf(path: str, shape, qtype: str, *, seed: int = 0, name: str | None 
             if t == "f32":
                 w.add_tensor_info(tname, ne[::-1], np.dtype(np.float32), _nbytes(ne, t))
             else:
-                byte_shape = ne[:0:-1] + (ne[0] // _BLOCK * _BLOCK_BYTES[t],)
+                byte_shape = ne[:0:-1] + (ne[0] // _BLOCK[t] * _BLOCK_BYTES[t],)
                 w.add_tensor_info(tname, byte_shape, np.dtype(np.uint8), _nbytes(ne, t), raw_dtype=qtypes[t])
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -275,7 +318,7 @@ def write_gguf(path: str, shape, qtype: str, *, seed: int = 0, name: str | None 
                 np.ones(ne[::-1], np.float32).tofile(fout)
             else:
                 k, rows = ne[0], int(np.prod(ne[1:]))
-                step = max(1, (16 << 20) // (k // _BLOCK * _BLOCK_BYTES[t]))
+                step = max(1, (16 << 20) // (k // _BLOCK[t] * _BLOCK_BYTES[t]))
                 for r in range(0, rows, step):
                     _random_blocks(rng, min(step, rows - r), k, t).tofile(fout)
             nb = _nbytes(ne, t)

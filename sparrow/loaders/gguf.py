@@ -7,6 +7,7 @@ import struct
 
 from ..config import ModelConfig
 from ..errors import SparrowError
+from ..quant import gguf_support
 from .gguf_file import GGUFFile
 from .names import gguf_to_hf, llama_unpermute_rows
 from .tensor import StoredTensor
@@ -37,6 +38,12 @@ def gguf_tensors(reader, cfg: ModelConfig) -> dict[str, StoredTensor]:
         hf = gguf_to_hf(t.name)
         if hf is None:
             continue
+        if t.tensor_type not in native and gguf_support(t.tensor_type) is None:
+            # before any weight is built: the one line names the file's tensor, not its HF name
+            raise SparrowError(
+                f"{os.path.basename(reader.path)}: tensor {t.name!r} has GGML type {t.tensor_type.name}, "
+                "which sparrow cannot run (README: GGUF tensor types)"
+            )
         shape = tuple(int(s) for s in reversed(t.shape))  # ggml order is (in, out, ...)
         kind = native.get(t.tensor_type, "gguf")
         st = StoredTensor(hf, t.data, kind, shape, t.tensor_type)
