@@ -17,7 +17,7 @@ from sparrow.engine.sampling import Sampler
 from sparrow.loaders import open_checkpoint
 from sparrow.params import SamplingParams
 from sparrow.server.protocol import APIError, parse_chat
-from sparrow.structured import HERMES, Structured
+from sparrow.structured import HERMES, LLAMA3_JSON, Structured
 from sparrow.tokenizer import Tokenizer
 
 QWEN3_TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "qwen3-tokenizer")
@@ -246,3 +246,36 @@ def test_fallback_tools_prompt_is_qwens(qwen3_folder, tok):
         )
     smol = tok.apply_chat_template(MESSAGES, tools=[WEATHER])
     assert "<tools>\n" + json.dumps(WEATHER) + "\n</tools>" in smol and smol.count("<|im_start|>system") == 1
+
+
+def test_qwen3_forced_call_uses_its_tool_call_token(qwen3_folder):
+    """Qwen3 has `<tool_call>` as one token: the grammar asks for that token, not for the text
+    spelled out of `<`, `tool`, ..., and accepts a call as Qwen3's tokenizer encodes it."""
+    qwen = Tokenizer.from_hf_dir(qwen3_folder)
+    open_id = qwen.token_to_id("<tool_call>")
+    c = Structured.parse([WEATHER], "required").constraint(qwen, 151936, HERMES)
+    assert np.flatnonzero(c.allowed()).tolist() == [open_id]
+    ids = qwen.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>')
+    assert ids[0] == open_id
+    for t in ids:
+        assert c.allowed()[t], qwen.decode([t])
+        c.advance(t)
+    assert c.allowed()[qwen.eos_token_ids].all()
+
+
+def test_llama3_json_forced_call(tok):
+    s = Structured.parse([WEATHER, SEARCH], "required")
+    for seed in range(3):
+        constraint = s.constraint(tok, 49152, LLAMA3_JSON)
+        sampler = Sampler(SamplingParams(temperature=1.0, seed=seed), 49152)
+        rng, out = np.random.default_rng(seed), []
+        while (t := sampler(rng.standard_normal(49152).astype(np.float32) * 4, constraint.allowed())) not in (2, 0):
+            constraint.advance(t)
+            out.append(t)
+        parser = s.parser(LLAMA3_JSON)
+        assert parser.push(tok.decode(out), final=True)[0] == ""
+        (call,) = parser.calls
+        jsonschema.validate(
+            json.loads(call["function"]["arguments"]),
+            {"get_weather": WEATHER, "search": SEARCH}[call["function"]["name"]]["function"]["parameters"],
+        )
