@@ -6,17 +6,23 @@ barrier between dependent phases. A barrier costs well under a microsecond while
 workers run; a numba parallel launch costs ~100 us (workqueue), which is why the per-matvec
 launches of the staged path stay serial at decode sizes.
 
-A waiting worker spins with `pause`, and after SPIN_YIELD rounds also yields its CPU
-(sched_yield), so a worker whose partner was descheduled by another process does not burn
-the core the partner needs.
+A waiting worker spins with `pause` for about SPIN_SECONDS (sync[3] pause rounds, from
+spin_rounds), then also yields its CPU (sched_yield), so a worker whose partner was
+descheduled by another process does not burn the core the partner needs. The spin covers
+the workers' own imbalance: halves of one matvec differ by up to ~10% (~1 ms for the
+12-ms halves of Qwen3-1.7B's lm_head here); a 0.1-ms spin counted that imbalance as
+contention at 38 of 168 barriers a token and sent every step to the slower staged path.
 """
+
+import time
 
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-SPIN_YIELD = 2000  # pause rounds (~0.1 ms) before a waiting worker starts yielding its CPU
+SPIN_SECONDS = 2e-3  # spin this long before a waiting worker starts yielding its CPU
+_ROUNDS_PER_SECOND = []  # pause rounds a second on this CPU, measured once
 
 
 def _i64_slot(context, builder, sig_arg, arr_val, idx):
@@ -91,10 +97,30 @@ def sched_yield(typingctx):
 
 
 @njit(cache=True, nogil=True)
+def _pause_rounds(n):
+    for _ in range(n):
+        cpu_pause()
+
+
+def spin_rounds(seconds: float = SPIN_SECONDS) -> int:
+    """How many `pause` rounds take about `seconds` on this CPU (a pause is ~10 cycles on
+    some CPUs, ~140 on others), measured once per process."""
+    if not _ROUNDS_PER_SECOND:
+        _pause_rounds(1)  # compile
+        n, best = 100_000, float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            _pause_rounds(n)
+            best = min(best, time.perf_counter() - t0)
+        _ROUNDS_PER_SECOND.append(n / max(best, 1e-9))
+    return max(1, int(_ROUNDS_PER_SECOND[0] * seconds))
+
+
+@njit(cache=True, nogil=True)
 def barrier(sync, n):
-    """All n workers wait here until every one has arrived. sync: int64 [3] (arrivals,
-    generation, waits that had to yield the CPU), zero before the parallel region; n == 1
-    returns at once."""
+    """All n workers wait here until every one has arrived. sync: int64 [4] (arrivals,
+    generation, waits that had to yield the CPU, pause rounds before yielding), the first
+    three zero before the parallel region; n == 1 returns at once."""
     if n <= 1:
         return
     gen = atomic_load(sync, 1)
@@ -102,12 +128,13 @@ def barrier(sync, n):
         atomic_store(sync, 0, 0)  # reset before release: the next barrier counts afresh
         atomic_add(sync, 1, 1)
         return
+    limit = sync[3]
     spins = 0
     while atomic_load(sync, 1) == gen:
         cpu_pause()
         spins += 1
-        if spins > SPIN_YIELD:
-            if spins == SPIN_YIELD + 1:
+        if spins > limit:
+            if spins == limit + 1:
                 atomic_add(sync, 2, 1)  # a long wait: the caller reads this as contention
             sched_yield()
 

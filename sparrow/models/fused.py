@@ -16,6 +16,7 @@ import numpy as np
 from numba.typed import List
 
 from ..errors import SparrowError
+from ..kernels import _sync
 from ..kernels import decode_step as _ds
 from ..kernels._widen import KIND
 from .layers import MLP
@@ -24,8 +25,8 @@ BLOCK_KINDS = ("q8_0", "q4_0", "q4_1")
 _KV_KIND = {"f32": _ds.KV_F32, "f16": _ds.KV_F16, "int8": _ds.KV_INT8}
 _DEFAULT_BLOCK = 32  # the block the exact-attention kernel walks (models.attention)
 # Contention: the workers meet at 6 barriers a layer and spin there. When another process
-# takes a core, a worker waits for a descheduled partner (the barrier then yields the CPU
-# and counts the wait); past 1 in CONTENDED such waits in a step, the next BACKOFF_STEPS
+# takes a core, a worker waits for a descheduled partner (past _sync.SPIN_SECONDS the
+# barrier yields the CPU and counts the wait); past 1 in CONTENDED such waits in a step, the next BACKOFF_STEPS
 # single-sequence steps take the staged path, whose parallel launches sleep instead of spin.
 # Both paths give the same bits, so this changes speed only.
 CONTENDED = 8
@@ -107,7 +108,8 @@ class FusedDecode:
         self.gu = np.empty((1, 2 * self.F), np.float32)
         self.y = np.empty((1, self.E), np.float32)
         self.logits_shape = (1, V)
-        self.sync = np.zeros(3, np.int64)  # barrier: arrivals, generation, long waits
+        self.sync = np.zeros(4, np.int64)  # barrier: arrivals, generation, long waits, spin rounds
+        self.sync[3] = _sync.spin_rounds()
         self.backoff = 0  # staged steps left before the fused step is tried again
         self.steps = 0  # fused steps run (tests check the path they meant to test ran)
 
@@ -156,7 +158,7 @@ class FusedDecode:
         attn_t = (sp is not None, sp.k if sp is not None else nb, bs, sp.probe if sp is not None else 1)
         scratch = (self.qkv, self.att3[0], self.att3.reshape(1, -1), self.qd, self.qa, self.qs, self.gu, self.y, logits)
         nt = numba.get_num_threads()
-        self.sync[:] = 0
+        self.sync[:3] = 0
         if nt > 1:
             _ds.decode_token(nt, self.sync, x, pos, model_t, cache_t, attn_t, scratch)
         else:
