@@ -17,7 +17,7 @@ from sparrow.engine.sampling import Sampler
 from sparrow.loaders import open_checkpoint
 from sparrow.params import SamplingParams
 from sparrow.server.protocol import APIError, parse_chat
-from sparrow.structured import HERMES, LLAMA3_JSON, Structured
+from sparrow.structured import HERMES, LLAMA3_JSON, Structured, StructuredError
 from sparrow.tokenizer import Tokenizer
 
 QWEN3_TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "qwen3-tokenizer")
@@ -69,6 +69,7 @@ SEARCH = {
 }
 MESSAGES = [{"role": "user", "content": "hi"}]
 UNIQUE = {"type": "array", "uniqueItems": True}
+LENIENT = {**UNIQUE, "x-guidance": {"lenient": True}}
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +146,8 @@ def test_masked_sampling_is_seeded_and_keeps_to_the_mask():
          "response_format.json_schema.schema"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": UNIQUE}}},
          "response_format.json_schema.schema"),  # a schema feature llguidance lacks
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": LENIENT}}},
+         "response_format.json_schema.schema"),  # llguidance's own options cannot switch the checks off
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": []}}},
          "response_format.json_schema.schema"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
@@ -207,15 +210,20 @@ def qwen3_folder(tmp_path_factory):
     return str(d)
 
 
-@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
-@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}])
-def test_tool_prompts_match_transformers(qwen3_folder, conversation, kwargs):
-    """The server's path (parse_chat, then LLM.prompt_ids) renders Qwen3's real template exactly as
-    transformers does, tools section, assistant tool calls and tool results included."""
+@pytest.fixture(scope="module")
+def qwen3(qwen3_folder):
+    """(sparrow's tokenizer, transformers' tokenizer) from the same Qwen3 folder."""
     from transformers import AutoTokenizer
 
-    ref = AutoTokenizer.from_pretrained(qwen3_folder)
-    tok = Tokenizer.from_hf_dir(qwen3_folder)
+    return Tokenizer.from_hf_dir(qwen3_folder), AutoTokenizer.from_pretrained(qwen3_folder)
+
+
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}])
+def test_tool_prompts_match_transformers(qwen3, conversation, kwargs):
+    """The server's path (parse_chat, then LLM.prompt_ids) renders Qwen3's real template exactly as
+    transformers does, tools section, assistant tool calls and tool results included."""
+    tok, ref = qwen3
     messages = CONVERSATIONS[conversation]
     req = parse_chat({"messages": messages, "tools": [WEATHER, SEARCH], "chat_template_kwargs": kwargs})
     llm = types.SimpleNamespace(tokenizer=tok)
@@ -233,10 +241,10 @@ def test_tool_prompts_match_transformers(qwen3_folder, conversation, kwargs):
     )
 
 
-def test_fallback_tools_prompt_is_qwens(qwen3_folder, tok):
+def test_fallback_tools_prompt_is_qwens(qwen3, tok):
     """A template without tools (SmolLM2's ChatML) gets Qwen's tools prompt and its tool-call and
     tool-result spelling: rendered through plain ChatML it equals Qwen3's own rendering."""
-    qwen = Tokenizer.from_hf_dir(qwen3_folder)
+    qwen = qwen3[0]
     chatml = Tokenizer(tok._tk, chat_template=None)
     for messages in CONVERSATIONS[1:2]:
         req = parse_chat({"messages": messages, "tools": [WEATHER]})
@@ -248,10 +256,10 @@ def test_fallback_tools_prompt_is_qwens(qwen3_folder, tok):
     assert "<tools>\n" + json.dumps(WEATHER) + "\n</tools>" in smol and smol.count("<|im_start|>system") == 1
 
 
-def test_qwen3_forced_call_uses_its_tool_call_token(qwen3_folder):
+def test_qwen3_forced_call_uses_its_tool_call_token(qwen3):
     """Qwen3 has `<tool_call>` as one token: the grammar asks for that token, not for the text
     spelled out of `<`, `tool`, ..., and accepts a call as Qwen3's tokenizer encodes it."""
-    qwen = Tokenizer.from_hf_dir(qwen3_folder)
+    qwen = qwen3[0]
     open_id = qwen.token_to_id("<tool_call>")
     c = Structured.parse([WEATHER], "required").constraint(qwen, 151936, HERMES)
     assert np.flatnonzero(c.allowed()).tolist() == [open_id]
@@ -279,3 +287,42 @@ def test_llama3_json_forced_call(tok):
             json.loads(call["function"]["arguments"]),
             {"get_weather": WEATHER, "search": SEARCH}[call["function"]["name"]]["function"]["parameters"],
         )
+
+
+WEIRD_SCHEMAS = [
+    {"type": "object", "properties": 5},
+    {"x-guidance": [1]},
+    {"type": ["string", 5]},
+    {"$ref": 5},
+    {"$ref": "#/nowhere"},
+    {"enum": 5},
+    {"properties": {"a": None}},
+    {"type": "object", "required": "a"},
+    {"type": "string", "pattern": "[a-"},
+    {"anyOf": []},
+    {"allOf": [{"type": "string"}, {"type": "integer"}]},
+    {"type": "string", "minLength": -1},
+    {"type": "integer", "minimum": "x"},
+    {"type": "string", "format": 5},
+    {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+    {"type": "object", "additionalProperties": 5},
+    {"not": {"type": "string"}},
+    {"if": {"type": "string"}, "then": {"maxLength": 3}},
+]
+
+
+@pytest.mark.parametrize("schema", WEIRD_SCHEMAS)
+def test_odd_schemas_are_accepted_or_a_structured_error(tok, schema):
+    """Whatever the schema, validation ends in a grammar or a StructuredError naming the field; never
+    another exception (the server would answer 500)."""
+    params = {"type": "object", "properties": {"a": schema}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    for kw, param in [
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}, "response_format"),
+        ({"tools": [tool], "tool_choice": "required"}, "tools"),
+    ]:
+        try:
+            s = Structured.parse(**kw)
+            s.constraint(tok, 49152, HERMES).allowed()
+        except StructuredError as e:
+            assert e.param.startswith(param)

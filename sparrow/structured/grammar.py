@@ -64,7 +64,9 @@ class TokenIndex:
 
 
 def _styled(schema: dict) -> dict:
-    return {**schema, "x-guidance": {**(schema.get("x-guidance") or {}), **JSON_STYLE}}
+    # A request's own llguidance options are replaced, not merged: "lenient" would let unsupported
+    # keywords through silently, and the output would no longer be sure to validate.
+    return {**schema, "x-guidance": JSON_STYLE}
 
 
 def _check(grammar: str, param: str, what: str) -> str:
