@@ -110,6 +110,17 @@ def test_widen_row_bit_exact(qtype):
         for o in range(len(out)):
             call_slp(widen_row, w.data[o], KIND[qtype], F16_LUT, out[o], out[o].view(np.uint32))
         assert np.array_equal(bits(out), bits(full))
+    # every byte random: extreme f16 scales (subnormal, 65504, inf, NaN), all 6-bit scales
+    bb, bs = BLOCK_BYTES[qtype], BLOCK_SIZE[qtype]
+    raw = np.random.default_rng(15).integers(0, 256, (64, 2 * bb), dtype=np.uint8)
+    w = Weight(qtype, raw, (64, 2 * bs))
+    with np.errstate(all="ignore"):
+        full = w.dequantize()
+    out = np.full_like(full, np.nan)
+    for o in range(len(out)):
+        call_slp(widen_row, w.data[o], KIND[qtype], F16_LUT, out[o], out[o].view(np.uint32))
+    nan = np.isnan(full)
+    assert np.array_equal(np.isnan(out), nan) and np.array_equal(bits(out)[~nan], bits(full)[~nan])
 
 
 @pytest.mark.parametrize("qtype", KQ_TYPES)

@@ -1,10 +1,10 @@
 """Kernels for ggml's 5-bit and K-quant blocks: q5_0, q5_1 (blocks of 32) and q4_k, q5_k,
 q6_k (super-blocks of 256); layouts in sparrow.quant's docstring.
 
-- widen_kq: one stored row -> f32, bit-identical to Weight.dequantize() (the same f32
-  operations in the same order: (d * sc) * q - dmin * m, no fma). _widen.widen_row hands
-  these kinds here, so the prefill GEMM (gemm.py packs panels with widen_row) and the MoE
-  expert kernels run them unchanged.
+- widen_kq: one stored row -> f32 in vector IR, bit-identical to Weight.dequantize() (the
+  same f32 operations in the same order: (d * sc) * q - dmin * m, no fma). _widen.widen_row
+  hands these kinds here, so the prefill GEMM (gemm.py packs panels with widen_row) and the
+  MoE expert kernels run them unchanged.
 - matvec_kq: small T (decode). Each row is dotted with f32 x straight from its blocks by a
   rowdot written as LLVM vector IR (numba promotes small integers to int64, halving the SIMD
   width of the unpacking; see _widen's block row dots). Per sub-block of 32 values
@@ -14,6 +14,9 @@ q6_k (super-blocks of 256); layouts in sparrow.quant's docstring.
   with sum(x) over each 32 values taken sequentially. At the end the two accumulators are
   added and summed by a fixed pairwise tree, then the scalar one is added. Every row's order
   depends only on its length: bit-identical whatever T, the row's batch or the thread count.
+  rowdot_kq(row, kind, x, sx) is the entry point for other kernels (e.g. a fused decode step).
+Both are generated from one description of each layout (_emit_block), so the row dots and
+the widening decode the same codes and scales.
 This module imports nothing from the other kernel modules (_widen imports it); the numba
 cache directory is keyed on every kernel source, so an edit here recompiles their kernels.
 """
@@ -33,80 +36,7 @@ _ROWS = 16  # weight rows per parallel work item
 PARALLEL_MIN_MACS = 4_000_000  # as _widen's: below this a thread-pool launch costs more than it saves
 
 
-# ---------------------------------------------------------------- widen (prefill panels, MoE)
-
-
-@njit(**KW)
-def _f16(row, lut, p):
-    return lut[np.int64(row[p]) | (np.int64(row[p + 1]) << 8)]
-
-
-@njit(**KW)
-def widen_kq(row, kind, lut, out):
-    """One stored row of a KQ_KIND kind -> f32 out [K]; no fastmath, so no fma contraction."""
-    k = out.shape[0]
-    if kind == 6 or kind == 7:  # q5_0 / q5_1
-        bb = 22 if kind == 6 else 24
-        o = 2 if kind == 6 else 4  # where qh starts
-        for b in range(k // 32):
-            p = b * bb
-            d = _f16(row, lut, p)
-            m = _f16(row, lut, p + 2)
-            qh = (
-                np.int64(row[p + o])
-                | (np.int64(row[p + o + 1]) << 8)
-                | (np.int64(row[p + o + 2]) << 16)
-                | (np.int64(row[p + o + 3]) << 24)
-            )
-            for j in range(16):
-                q = np.int64(row[p + o + 4 + j])
-                lo = (q & 15) | (((qh >> j) & 1) << 4)
-                hi = (q >> 4) | (((qh >> (j + 16)) & 1) << 4)
-                if kind == 6:
-                    out[b * 32 + j] = d * np.float32(lo - 16)
-                    out[b * 32 + 16 + j] = d * np.float32(hi - 16)
-                else:
-                    out[b * 32 + j] = d * np.float32(lo) + m
-                    out[b * 32 + 16 + j] = d * np.float32(hi) + m
-    elif kind == 8 or kind == 9:  # q4_k / q5_k
-        bb = 144 if kind == 8 else 176
-        qo = 16 if kind == 8 else 48  # where the nibbles start
-        for b in range(k // 256):
-            p = b * bb
-            d = _f16(row, lut, p)
-            dmin = _f16(row, lut, p + 2)
-            for s in range(8):
-                if s < 4:
-                    sc = np.int64(row[p + 4 + s]) & 63
-                    m = np.int64(row[p + 8 + s]) & 63
-                else:
-                    sc = (np.int64(row[p + 8 + s]) & 15) | ((np.int64(row[p + s]) >> 6) << 4)
-                    m = (np.int64(row[p + 8 + s]) >> 4) | ((np.int64(row[p + 4 + s]) >> 6) << 4)
-                dl = d * np.float32(sc)
-                ml = dmin * np.float32(m)
-                q0 = p + qo + 32 * (s // 2)
-                sh = 4 * (s % 2)
-                for j in range(32):
-                    q = (np.int64(row[q0 + j]) >> sh) & 15
-                    if kind == 9:
-                        q |= ((np.int64(row[p + 16 + j]) >> s) & 1) << 4
-                    out[b * 256 + 32 * s + j] = dl * np.float32(q) - ml
-    else:  # q6_k
-        for b in range(k // 256):
-            p = b * 210
-            d = _f16(row, lut, p + 208)
-            for h in range(2):
-                for s in range(4):
-                    q0 = p + 64 * h + 32 * (s & 1)
-                    for g in range(2):
-                        dl = d * np.float32(np.int8(row[p + 192 + 8 * h + 2 * s + g]))
-                        for j in range(16 * g, 16 * g + 16):
-                            ql = (np.int64(row[q0 + j]) >> (4 * (s >> 1))) & 15
-                            qh = (np.int64(row[p + 128 + 32 * h + j]) >> (2 * s)) & 3
-                            out[b * 256 + 128 * h + 32 * s + j] = dl * np.float32((ql | (qh << 4)) - 32)
-
-
-# ---------------------------------------------------------------- row dots (decode)
+# ---------------------------------------------------------------- vector IR: block decoding, row dots, widening
 
 _BB = {"q5_0": 22, "q5_1": 24, "q4_k": 144, "q5_k": 176, "q6_k": 210}
 _V16I8 = ir.VectorType(I8, 16)
@@ -163,9 +93,13 @@ def _kq_scale_min(r, p, s):
 
 
 def _emit_block(qtype, r, blk, step):
-    """Emit one block (q5_*: 32 values) or super-block (K types: 256) at index blk; step(t,
-    scale, const) takes each sub-block's 16-lane q . x, its f32 scale and its offset term
-    (f32 coefficient, f32 block sum) or None, in sub-block order."""
+    """Emit the decoding of one block (q5_*: 32 values) or super-block (K types: 256) at index
+    blk. For each unit of values with one scale, in order, step(codes, at, scale, offset) gets
+    the integer codes as one or two <16 x i32> (values at .. at + 15, at + 16 .. at + 31),
+    at (i64, the first value's index in the row), the f32 scale and the offset term (f32
+    coefficient, i64 index of its 32-value block) or None. value = scale * code + coefficient
+    for q5_1 and the K types (coefficient m, or -dmin m), scale * (code - 16) for q5_0 (its
+    coefficient: -16 d), scale * code for q6_k (codes already signed)."""
     b = r.b
     p = b.mul(blk, _c64(_BB[qtype]))
     if qtype in ("q5_0", "q5_1"):
@@ -173,25 +107,17 @@ def _emit_block(qtype, r, blk, step):
         o = 2 if qtype == "q5_0" else 4
         qhp = b.bitcast(b.gep(r.rp, [b.add(p, _c64(o))]), I32.as_pointer())
         qh = b.load(qhp, align=1)
-        qhv = b.shuffle_vector(
-            b.insert_element(ir.Constant(V16I32, ir.Undefined), qh, ir.Constant(I32, 0)),
-            ir.Constant(V16I32, ir.Undefined),
-            _vi32([0] * 16),
-        )
+        undef = ir.Constant(V16I32, ir.Undefined)
+        qhv = b.shuffle_vector(b.insert_element(undef, qh, ir.Constant(I32, 0)), undef, _vi32([0] * 16))
         q = r.bytes16(b.add(p, _c64(o + 4)))
-        one = _vi32([1] * 16)
-        hlo = b.shl(b.and_(b.lshr(qhv, _vi32(range(16))), one), _vi32([4] * 16))
-        hhi = b.shl(b.and_(b.lshr(qhv, _vi32(range(16, 32))), one), _vi32([4] * 16))
-        lo = b.or_(b.and_(q, _vi32([15] * 16)), hlo)
-        hi = b.or_(b.lshr(q, _vi32([4] * 16)), hhi)
-        t = r.dot32(b.uitofp(lo, V16F), b.uitofp(hi, V16F), b.mul(blk, _c64(32)))
-        if qtype == "q5_0":
-            step(t, d, (b.fmul(d, ir.Constant(F32, -16.0)), r.sx(blk)))
-        else:
-            step(t, d, (r.half(b.add(p, _c64(2))), r.sx(blk)))
+        one, four = _vi32([1] * 16), _vi32([4] * 16)
+        lo = b.or_(b.and_(q, _vi32([15] * 16)), b.shl(b.and_(b.lshr(qhv, _vi32(range(16))), one), four))
+        hi = b.or_(b.lshr(q, four), b.shl(b.and_(b.lshr(qhv, _vi32(range(16, 32))), one), four))
+        coef = b.fmul(d, ir.Constant(F32, -16.0)) if qtype == "q5_0" else r.half(b.add(p, _c64(2)))
+        step((lo, hi), b.mul(blk, _c64(32)), d, (coef, blk))
         return
     x0 = b.mul(blk, _c64(256))
-    s0 = b.mul(blk, _c64(8))  # first 32-value block sum of this super-block
+    s0 = b.mul(blk, _c64(8))  # first 32-value block of this super-block
     if qtype in ("q4_k", "q5_k"):
         d, dmin = r.half(p), r.half(b.add(p, _c64(2)))
         qo = 16 if qtype == "q4_k" else 48
@@ -200,18 +126,17 @@ def _emit_block(qtype, r, blk, step):
         for s in range(8):
             sc, m = _kq_scale_min(r, p, s)
             q0 = b.add(p, _c64(qo + 32 * (s // 2)))
-            halves = []
+            codes = []
             for i, q in enumerate((r.bytes16(q0), r.bytes16(b.add(q0, _c64(16))))):
                 v = b.and_(b.lshr(q, _vi32([4 * (s % 2)] * 16)), _vi32([15] * 16))
                 if qtype == "q5_k":
                     hb = b.and_(b.lshr(qh[i], _vi32([s] * 16)), _vi32([1] * 16))
                     v = b.or_(v, b.shl(hb, _vi32([4] * 16)))
-                halves.append(b.uitofp(v, V16F))
-            t = r.dot32(halves[0], halves[1], b.add(x0, _c64(32 * s)))
-            ml = b.fmul(dmin, m)
-            step(t, b.fmul(d, sc), (b.fsub(ir.Constant(F32, -0.0), ml), r.sx(b.add(s0, _c64(s)))))
+                codes.append(v)
+            neg_ml = b.fsub(ir.Constant(F32, -0.0), b.fmul(dmin, m))
+            step(codes, b.add(x0, _c64(32 * s)), b.fmul(d, sc), (neg_ml, b.add(s0, _c64(s))))
         return
-    # q6_k: sub-blocks of 16 values, each its own int8 scale; no offset term
+    # q6_k: units of 16 values, each its own int8 scale; no offset term
     d = r.half(b.add(p, _c64(208)))
     for h in range(2):
         for s in range(4):
@@ -221,11 +146,25 @@ def _emit_block(qtype, r, blk, step):
                 qh = r.bytes16(b.add(p, _c64(128 + 32 * h + j)))
                 lo = b.and_(b.lshr(ql, _vi32([4 * (s >> 1)] * 16)), _vi32([15] * 16))
                 hi = b.shl(b.and_(b.lshr(qh, _vi32([2 * s] * 16)), _vi32([3] * 16)), _vi32([4] * 16))
-                q = b.sitofp(b.sub(b.or_(lo, hi), _vi32([32] * 16)), V16F)
-                t = b.fmul(q, r.x16(b.add(x0, _c64(128 * h + 32 * s + j))))
-                scp = b.gep(r.rp, [b.add(p, _c64(192 + 8 * h + 2 * s + g))])
-                sc = b.sitofp(b.load(scp), F32)
-                step(t, b.fmul(d, sc), None)
+                q = b.sub(b.or_(lo, hi), _vi32([32] * 16))
+                sc = b.sitofp(b.load(b.gep(r.rp, [b.add(p, _c64(192 + 8 * h + 2 * s + g))])), F32)
+                step((q,), b.add(x0, _c64(128 * h + 32 * s + j)), b.fmul(d, sc), None)
+
+
+def _blocks_loop(builder, qtype, r, nb, emit):
+    """emit(block index) for every (super-)block; q5_* two a time, then an odd last one.
+    emit is called at the start of each group, so a caller can reset per-group state."""
+    if qtype in ("q5_0", "q5_1"):
+        one = _c64(1)
+        with cgutils.for_range(builder, builder.lshr(nb, one)) as loop:
+            b0 = builder.shl(loop.index, one)
+            emit(b0, True)
+            emit(builder.add(b0, one), False)
+        with builder.if_then(builder.trunc(nb, ir.IntType(1))):
+            emit(builder.sub(nb, one), True)
+    else:
+        with cgutils.for_range(builder, nb) as loop:
+            emit(loop.index, True)
 
 
 def _make_rowdot(qtype):
@@ -249,29 +188,25 @@ def _make_rowdot(qtype):
             zero = ir.Constant(V16F, [0.0] * 16)
             accs = [cgutils.alloca_once_value(builder, zero) for _ in range(2)]
             accm = cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
-            turn = [0]  # sub-blocks alternate between the two vector accumulators
+            turn = [0]  # units alternate between the two vector accumulators
 
-            def step(t, scale, const):
+            def step(codes, at, scale, offset):
+                q = [builder.sitofp(c, V16F) for c in codes]
+                t = builder.fmul(q[0], r.x16(at))
+                if len(q) == 2:
+                    t = _fma(builder, q[1], r.x16(builder.add(at, _c64(16))), t)
                 acc = accs[turn[0] % 2]
                 turn[0] += 1
                 builder.store(_fma(builder, t, splat16(builder, scale), builder.load(acc)), acc)
-                if const is not None:
-                    builder.store(_fma(builder, const[0], const[1], builder.load(accm)), accm)
+                if offset is not None:
+                    builder.store(_fma(builder, offset[0], r.sx(offset[1]), builder.load(accm)), accm)
 
-            if per == 1:  # two blocks an iteration, an odd last one into accs[0]
-                one = _c64(1)
-                with cgutils.for_range(builder, builder.lshr(nb, one)) as loop:
-                    b0 = builder.shl(loop.index, one)
+            def emit(blk, first):
+                if first:
                     turn[0] = 0
-                    _emit_block(qtype, r, b0, step)
-                    _emit_block(qtype, r, builder.add(b0, one), step)
-                with builder.if_then(builder.trunc(nb, ir.IntType(1))):
-                    turn[0] = 0
-                    _emit_block(qtype, r, builder.sub(nb, one), step)
-            else:  # an even number of sub-blocks a super-block
-                with cgutils.for_range(builder, nb) as loop:
-                    turn[0] = 0
-                    _emit_block(qtype, r, loop.index, step)
+                _emit_block(qtype, r, blk, step)
+
+            _blocks_loop(builder, qtype, r, nb, emit)
             v = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
             return builder.fadd(hsum16(builder, v), builder.load(accm))
 
@@ -280,11 +215,81 @@ def _make_rowdot(qtype):
     return rowdot
 
 
+def _make_widen(qtype):
+    size = 32 if qtype in ("q5_0", "q5_1") else 256
+
+    @intrinsic
+    def widen(typingctx, row, out):
+        """row: stored bytes uint8 [nb * bb] -> out f32 [nb * size]: value = scale * code, then
+        + coefficient (q5_0: scale * (code - 16)), separate roundings as the reference's."""
+        sig = types.void(row, out)
+
+        def codegen(context, builder, signature, args):
+            ra = context.make_array(signature.args[0])(context, builder, args[0])
+            oa = context.make_array(signature.args[1])(context, builder, args[1])
+            r = _Row(builder, builder.bitcast(ra.data, I8.as_pointer()), None, None)
+            op = builder.bitcast(oa.data, F32.as_pointer())
+            nb = builder.udiv(builder.extract_value(oa.shape, 0), _c64(size))
+
+            def step(codes, at, scale, offset):
+                sv = splat16(builder, scale)
+                for i, c in enumerate(codes):
+                    if qtype == "q5_0":
+                        c = builder.sub(c, _vi32([16] * 16))
+                    v = builder.fmul(sv, builder.sitofp(c, V16F))
+                    if offset is not None and qtype != "q5_0":
+                        v = builder.fadd(v, splat16(builder, offset[0]))
+                    dst = builder.gep(op, [builder.add(at, _c64(16 * i))])
+                    builder.store(v, builder.bitcast(dst, V16F.as_pointer()), align=4)
+
+            _blocks_loop(builder, qtype, r, nb, lambda blk, first: _emit_block(qtype, r, blk, step))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return widen
+
+
 rowdot_q5_0 = _make_rowdot("q5_0")
 rowdot_q5_1 = _make_rowdot("q5_1")
 rowdot_q4_k = _make_rowdot("q4_k")
 rowdot_q5_k = _make_rowdot("q5_k")
 rowdot_q6_k = _make_rowdot("q6_k")
+_widen_q5_0 = _make_widen("q5_0")
+_widen_q5_1 = _make_widen("q5_1")
+_widen_q4_k = _make_widen("q4_k")
+_widen_q5_k = _make_widen("q5_k")
+_widen_q6_k = _make_widen("q6_k")
+
+
+@njit(**KW)
+def widen_kq(row, kind, lut, out):
+    """One stored row of a KQ_KIND kind -> f32 out [K] (lut unused: widen_row's signature)."""
+    if kind == 8:
+        _widen_q4_k(row, out)
+    elif kind == 10:
+        _widen_q6_k(row, out)
+    elif kind == 9:
+        _widen_q5_k(row, out)
+    elif kind == 6:
+        _widen_q5_0(row, out)
+    else:
+        _widen_q5_1(row, out)
+
+
+@njit(**KW)
+def rowdot_kq(row, kind, x, sx):
+    """One stored row of a KQ_KIND kind dotted with f32 x; sx: x's 32-value sums
+    (_x_block_sums). The one entry point for callers outside this module."""
+    if kind == 8:
+        return rowdot_q4_k(row, x, sx)
+    if kind == 10:
+        return rowdot_q6_k(row, x, sx)
+    if kind == 9:
+        return rowdot_q5_k(row, x, sx)
+    if kind == 6:
+        return rowdot_q5_0(row, x, sx)
+    return rowdot_q5_1(row, x, sx)
 
 
 @njit(**KW)
@@ -304,16 +309,7 @@ def _x_block_sums(x):
 def _rows(data, kind, x, sx, y, o0, o1):
     for o in range(o0, o1):
         for t in range(x.shape[0]):
-            if kind == 8:
-                y[t, o] = rowdot_q4_k(data[o], x[t], sx[t])
-            elif kind == 10:
-                y[t, o] = rowdot_q6_k(data[o], x[t], sx[t])
-            elif kind == 9:
-                y[t, o] = rowdot_q5_k(data[o], x[t], sx[t])
-            elif kind == 6:
-                y[t, o] = rowdot_q5_0(data[o], x[t], sx[t])
-            else:
-                y[t, o] = rowdot_q5_1(data[o], x[t], sx[t])
+            y[t, o] = rowdot_kq(data[o], kind, x[t], sx[t])
 
 
 @njit(parallel=True, **KW)
