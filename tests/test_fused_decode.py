@@ -105,11 +105,12 @@ def test_unsupported_models_take_the_staged_path(tiny_models):
 
 def test_contention_backs_off_to_the_staged_path(default_llm, monkeypatch):
     """After a step whose barriers waited long (another process took a core), the next
-    BACKOFF_STEPS single steps run staged, then the fused step is tried again."""
+    BACKOFF_STEPS single steps run staged, then the fused step is tried again; a contended
+    fused step backs off again only while the staged steps measured faster."""
     monkeypatch.setattr(fused_mod, "BACKOFF_STEPS", 3)
     plan = default_llm.model.fused_step()
     ids = np.asarray(default_llm.tokenizer.encode("one two three four five six seven eight nine"))
-    cache = default_llm.model.new_cache(len(ids) + 8, "f32")
+    cache = default_llm.model.new_cache(len(ids) + 16, "f32")
     default_llm.model.forward([Segment(ids, cache, 0)])
     pos = len(ids)
     plan.backoff = 0
@@ -125,12 +126,29 @@ def test_contention_backs_off_to_the_staged_path(default_llm, monkeypatch):
 
     monkeypatch.setattr(fused_mod._ds, "decode_token", token)
     monkeypatch.setattr(fused_mod._ds, "worker", worker)
-    ran = []
-    for i in range(6):
-        before = plan.steps
-        default_llm.model.forward([Segment(ids[i : i + 1], cache, pos + i, decode=True)])
-        ran.append(plan.steps - before)
-    assert ran == [1, 0, 0, 0, 1, 0]
+    orig_staged = plan.staged_step
+    staged_took = {"s": 0.0}
+
+    def staged_step(*args):  # the staged steps' measured time, as the test needs it
+        out = orig_staged(*args)
+        plan.staged_s = staged_took["s"]
+        return out
+
+    monkeypatch.setattr(plan, "staged_step", staged_step)
+
+    def run(n, first):
+        ran = []
+        for i in range(first, first + n):
+            before = plan.steps
+            tok = ids[i % len(ids) : i % len(ids) + 1]
+            default_llm.model.forward([Segment(tok, cache, pos + i, decode=True)])
+            ran.append(plan.steps - before)
+        return ran
+
+    plan.staged_s = None
+    assert run(6, 0) == [1, 0, 0, 0, 1, 0]  # staged steps measured faster: back off again
+    staged_took["s"] = 1e9
+    assert run(4, 6) == [0, 0, 1, 1]  # the rest of that back-off, then slower staged steps: stay fused
 
 
 def test_barrier_counts_only_waits_past_the_spin():

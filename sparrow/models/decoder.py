@@ -191,8 +191,11 @@ class Decoder:
         if len(segments) == 1 and segments[0].decode and not all_logits:
             if self.fuses(segments[0].trace is not None):
                 return self._fused(segments[0])  # [1, V]
-            if self._fused and self._fused.backoff > 0:
-                self._fused.backoff -= 1  # a staged step while the fused one backs off
+            if self._fused and self._fused.backoff > 0 and self.use_fused:
+                return self._fused.staged_step(self._staged, segments)  # [1, V], timed
+        return self._staged(segments, all_logits)
+
+    def _staged(self, segments: list[Segment], all_logits: bool = False) -> np.ndarray:
         tokens = np.concatenate([s.tokens for s in segments]).astype(np.int64)  # [N]
         positions = np.concatenate([np.arange(s.start, s.start + len(s.tokens)) for s in segments])  # [N]
         bounds = np.cumsum([0] + [len(s.tokens) for s in segments])  # [B + 1]

@@ -11,6 +11,8 @@ stages, which this path does not have).
 
 from __future__ import annotations
 
+import time
+
 import numba
 import numpy as np
 from numba.typed import List
@@ -28,7 +30,9 @@ _DEFAULT_BLOCK = 32  # the block the exact-attention kernel walks (models.attent
 # takes a core, a worker waits for a descheduled partner (past _sync.SPIN_SECONDS the
 # barrier yields the CPU and counts the wait); past 1 in CONTENDED such waits in a step, the next BACKOFF_STEPS
 # single-sequence steps take the staged path, whose parallel launches sleep instead of spin.
-# Both paths give the same bits, so this changes speed only.
+# Both paths give the same bits, so this changes speed only. A contended fused step backs
+# off only while the staged steps measured last time were faster: on Qwen3-1.7B a contended
+# fused step (~95 ms here) still beat a staged one (~180 ms), on the 135M model it did not.
 CONTENDED = 8
 BACKOFF_STEPS = 64
 
@@ -111,7 +115,16 @@ class FusedDecode:
         self.sync = np.zeros(4, np.int64)  # barrier: arrivals, generation, long waits, spin rounds
         self.sync[3] = _sync.spin_rounds()
         self.backoff = 0  # staged steps left before the fused step is tried again
+        self.staged_s = None  # seconds of the latest staged step taken while backing off
         self.steps = 0  # fused steps run (tests check the path they meant to test ran)
+
+    def staged_step(self, staged, segments) -> np.ndarray:
+        """One single-sequence step on the staged path while backing off, timed."""
+        self.backoff -= 1
+        t0 = time.perf_counter()
+        logits = staged(segments)
+        self.staged_s = time.perf_counter() - t0
+        return logits
 
     # ------------------------------------------------------------------ per cache
     def _arrays(self, cache, probe_key):
@@ -159,6 +172,7 @@ class FusedDecode:
         scratch = (self.qkv, self.att3[0], self.att3.reshape(1, -1), self.qd, self.qa, self.qs, self.gu, self.y, logits)
         nt = numba.get_num_threads()
         self.sync[:3] = 0
+        t0 = time.perf_counter()
         if nt > 1:
             _ds.decode_token(nt, self.sync, x, pos, model_t, cache_t, attn_t, scratch)
         else:
@@ -166,7 +180,8 @@ class FusedDecode:
         cache.length = seq_len
         self.steps += 1
         if self.sync[2] * CONTENDED > 6 * L:  # more than 1/CONTENDED of the barriers waited long
-            self.backoff = BACKOFF_STEPS
+            if self.staged_s is None or self.staged_s < time.perf_counter() - t0:
+                self.backoff = BACKOFF_STEPS
         if self.head_kind < 0:
             return model.head(x)
         return logits
