@@ -110,9 +110,15 @@ def _emit_block(qtype, r, blk, step):
         undef = ir.Constant(V16I32, ir.Undefined)
         qhv = b.shuffle_vector(b.insert_element(undef, qh, ir.Constant(I32, 0)), undef, _vi32([0] * 16))
         q = r.bytes16(b.add(p, _c64(o + 4)))
-        one, four = _vi32([1] * 16), _vi32([4] * 16)
-        lo = b.or_(b.and_(q, _vi32([15] * 16)), b.shl(b.and_(b.lshr(qhv, _vi32(range(16))), one), four))
-        hi = b.or_(b.lshr(q, four), b.shl(b.and_(b.lshr(qhv, _vi32(range(16, 32))), one), four))
+        # bit i of qh -> 16 in lane i: a mask test and a select (per-lane variable shifts are
+        # slower on AVX2)
+        zero, sixteen = _vi32([0] * 16), _vi32([16] * 16)
+
+        def fifth(bits):
+            return b.select(b.icmp_unsigned("!=", b.and_(qhv, _vi32([1 << i for i in bits])), zero), sixteen, zero)
+
+        lo = b.or_(b.and_(q, _vi32([15] * 16)), fifth(range(16)))
+        hi = b.or_(b.lshr(q, _vi32([4] * 16)), fifth(range(16, 32)))
         coef = b.fmul(d, ir.Constant(F32, -16.0)) if qtype == "q5_0" else r.half(b.add(p, _c64(2)))
         step((lo, hi), b.mul(blk, _c64(32)), d, (coef, blk))
         return
