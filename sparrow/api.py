@@ -111,6 +111,7 @@ class LLM:
         tools: list[dict] | None = None,
         tool_choice=None,
         response_format: dict | None = None,
+        parallel_tool_calls: bool = True,
         **options,
     ) -> Iterator[StepOutput]:
         """Like generate() but yields StepOutput (token id, text delta, logprobs, finish reason).
@@ -121,12 +122,13 @@ class LLM:
         sparse_probe, sparse_prefill. trace: a list that receives, per decoded token, the
         sparse selections [(layer, [(head, blocks, stages, mass)])].
 
-        tools, tool_choice, response_format: as in OpenAI's chat API (see chat() for the parsed
-        answer); a forced tool call or a JSON response_format constrains the tokens to the grammar."""
+        tools, tool_choice, response_format, parallel_tool_calls: as in OpenAI's chat API (see
+        chat() for the parsed answer); a forced tool call or a JSON response_format constrains the
+        tokens to the grammar."""
         set_threads(self.threads)
         sampling, sparse = _params(sampling, sparse, options)
         kv = check_kv_dtype(kv_dtype or self.kv_dtype)
-        structured = Structured.parse(tools, tool_choice, response_format)
+        structured = Structured.parse(tools, tool_choice, response_format, parallel_tool_calls)
         ids = (
             prompt
             if _is_token_ids(prompt)
@@ -149,15 +151,16 @@ class LLM:
         """How this model writes tool calls (hermes or llama3_json), read from its chat template."""
         return tool_format(self.tokenizer.chat_template)
 
-    def chat(self, messages, *, tools=None, tool_choice=None, response_format=None, **kwargs) -> dict:
+    def chat(
+        self, messages, *, tools=None, tool_choice=None, response_format=None, parallel_tool_calls=True, **kwargs
+    ) -> dict:
         """One whole chat answer, parsed: {"content", "tool_calls" (OpenAI shape, or None),
         "finish_reason"} ("tool_calls" when calls were made). Accepts the options of stream()."""
-        structured = Structured.parse(tools, tool_choice, response_format)
+        structured = Structured.parse(tools, tool_choice, response_format, parallel_tool_calls)
         parser = structured.parser(self.tool_format)
         text, finish = [], None
-        for out in self.stream(
-            messages, chat=True, tools=tools, tool_choice=tool_choice, response_format=response_format, **kwargs
-        ):
+        options = dict(tools=tools, tool_choice=tool_choice, response_format=response_format)
+        for out in self.stream(messages, chat=True, parallel_tool_calls=parallel_tool_calls, **options, **kwargs):
             text.append(parser.push(out.text, out.finish_reason is not None)[0] if parser else out.text)
             finish = out.finish_reason
         calls = parser.calls if parser else []
@@ -200,12 +203,19 @@ def load(
     quantize: str | None = None,
     ctx: int | None = None,
     progress: bool = False,
+    activations: str = "f32",
 ) -> LLM:
-    """Loads a HF folder, a .gguf file, or (path None) the default SmolLM2-135M-Instruct GGUF."""
+    """Loads a HF folder, a .gguf file, or (path None) the default SmolLM2-135M-Instruct GGUF.
+
+    activations="q8" is the named faster mode: decode matvecs over q8_0 / q4_0 / q4_1 weights
+    quantise activations to 8 bits as llama.cpp does (not exact; README, "Activations")."""
+    from .kernels.linear import ACTIVATIONS
     from .models import build_model
 
     # Settings are checked before the (slow) load, so a typo costs nothing.
     check_kv_dtype(kv_dtype)
+    if activations not in ACTIVATIONS:
+        raise SparrowError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     if quantize not in QUANTIZE:
         raise SparrowError(f"quantize must be 'q8_0' or None, got {quantize!r}")
     if ctx is not None and (isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 1):
@@ -220,4 +230,5 @@ def load(
     t0 = time.perf_counter()
     ckpt = open_checkpoint(os.path.expanduser(path) if path else None)
     model = build_model(ckpt, quantize=quantize, progress=progress)
+    model.activations = activations
     return LLM(ckpt, model, kv_dtype, threads, ctx or ckpt.config.max_position_embeddings, time.perf_counter() - t0)

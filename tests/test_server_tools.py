@@ -16,7 +16,7 @@ import test_server as ts
 from test_structured import PERSON, SEARCH, WEATHER
 from test_tool_parser import reassemble
 
-server, client, model_id = ts.server, ts.client, ts.model_id  # this module's own server process
+server, client, model_id, ref = ts.server, ts.client, ts.model_id, ts.ref  # this module's own server process
 
 ASK_PERSON = [{"role": "user", "content": "Invent a person: name, address, favourite colour and a few tags, as JSON."}]
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris right now?"}]
@@ -139,3 +139,21 @@ def test_bad_structured_input_is_a_400_with_param(server, extra, param):
     err = r.json()["error"]
     assert (err["param"], err["type"]) == (param, "invalid_request_error")
     assert ts._log_problem(server) is None
+
+
+def test_server_answers_equal_the_python_api(server, client, model_id, ref):
+    """The HTTP layer changes nothing: the same seed gives the same JSON and the same call as
+    `LLM.chat` in this process, and /tokenize counts the prompt with its tools."""
+    kw = dict(max_tokens=100, temperature=0.8, top_p=1.0, seed=3)
+    r = client.chat.completions.create(model=model_id, messages=ASK_PERSON, response_format=PERSON_FORMAT, **kw)
+    want = ref.chat(ASK_PERSON, response_format=PERSON_FORMAT, **kw)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (want["content"], want["finish_reason"])
+
+    kw.update(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    r = client.chat.completions.create(model=model_id, messages=ASK_WEATHER, **kw)
+    want = ref.chat(ASK_WEATHER, **kw)
+    got = [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls]
+    assert got == [(t["function"]["name"], t["function"]["arguments"]) for t in want["tool_calls"]]
+    assert r.choices[0].finish_reason == want["finish_reason"] == "tool_calls"
+    n = ts._post(server, "/tokenize", {"messages": ASK_WEATHER, "tools": [WEATHER]}).json()["count"]
+    assert n == r.usage.prompt_tokens == len(ref.prompt_ids(ASK_WEATHER, chat=True, tools=[WEATHER]))

@@ -217,10 +217,12 @@ def create_app(state: ServerState) -> FastAPI:
         check_model(body.get("model"))
         try:
             if body.get("messages") is not None:
-                req = parse_chat(
-                    {"messages": body["messages"], "chat_template_kwargs": body.get("chat_template_kwargs")}
+                keys = ("messages", "chat_template_kwargs", "tools", "tool_choice")
+                req = parse_chat({k: body.get(k) for k in keys})
+                tools = req.structured.template_tools
+                ids = await run_in_threadpool(
+                    llm.prompt_ids, req.messages, True, None, req.chat_template_kwargs, "", tools
                 )
-                ids = await run_in_threadpool(llm.prompt_ids, req.messages, True, None, req.chat_template_kwargs)
             elif isinstance(body.get("prompt"), str):
                 add = body.get("add_special_tokens", True)
                 ids = await run_in_threadpool(llm.tokenizer.encode, body["prompt"], bool(add))
@@ -372,7 +374,12 @@ def serve(args) -> None:
     def load():
         try:
             llm = api.load(
-                args.model, kv_dtype=args.kv_dtype, threads=args.threads, quantize=args.quantize, ctx=args.ctx
+                args.model,
+                kv_dtype=args.kv_dtype,
+                threads=args.threads,
+                quantize=args.quantize,
+                ctx=args.ctx,
+                activations=getattr(args, "activations", "f32"),
             )
             state.attach(llm)
             print(
