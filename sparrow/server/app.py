@@ -284,7 +284,8 @@ def create_app(state: ServerState) -> FastAPI:
         except SparrowError as e:
             raise APIError(400, str(e), param=param) from None
         splitter = None
-        if chat and llm.tokenizer.token_to_id(ReasoningSplitter.CLOSE) is not None:
+        # Constrained output is the answer from its first token: nothing of it is reasoning.
+        if chat and llm.tokenizer.token_to_id(ReasoningSplitter.CLOSE) is not None and not req.structured.constrained:
             splitter = ReasoningSplitter(starts_in_reasoning(llm.tokenizer.decode(ids[-16:])))
         try:  # compiling a grammar takes ~1.4 ms; the first for a tokenizer also indexes it (0.35-1.3 s)
             constraint = await run_in_threadpool(
