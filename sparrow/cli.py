@@ -27,6 +27,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--quantize", default=None, choices=[q for q in QUANTIZE if q], help="quantise f16/bf16/f32 weights at load"
     )
+    g.add_argument(
+        "--activations",
+        default="f32",
+        choices=["f32", "q8"],
+        help="f32: exact (default). q8: decode with 8-bit activations over q8_0/q4_0/q4_1 weights, "
+        "as llama.cpp does: faster, not exact (README, Activations)",
+    )
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -84,7 +91,13 @@ def _load(a):
     from .api import load
 
     llm = load(
-        a.model, kv_dtype=a.kv_dtype, threads=a.threads, quantize=a.quantize, ctx=a.ctx, progress=sys.stderr.isatty()
+        a.model,
+        kv_dtype=a.kv_dtype,
+        threads=a.threads,
+        quantize=a.quantize,
+        ctx=a.ctx,
+        progress=sys.stderr.isatty(),
+        activations=a.activations,
     )
     _compile_notice()  # after the load: a model that fails to load compiles nothing
     if getattr(a, "timings", False):
@@ -252,8 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(s)
     s.set_defaults(func=cmd_serve)
 
-    b = sub.add_parser("bench", help="benchmarks: attention, speed, needle, fidelity")
-    b.add_argument("bench", choices=["attention", "speed", "needle", "fidelity", "serve"])
+    b = sub.add_parser("bench", help="benchmarks: attention, speed, needle, fidelity, serve, activations")
+    b.add_argument("bench", choices=["attention", "speed", "needle", "fidelity", "serve", "activations"])
     b.add_argument(
         "bench_args", nargs=argparse.REMAINDER, help="options of that benchmark (see sparrow bench NAME --help)"
     )

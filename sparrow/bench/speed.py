@@ -36,14 +36,16 @@ import numpy as np
 from sparrow.engine.runner import PREFILL_CHUNK as CHUNK  # llama.cpp's n_batch matches sparrow's chunk
 
 MB = 1 << 20
-# decode modes: (KV cache dtype, sparse top-k?)
+# decode modes: (KV cache dtype, sparse top-k?, activations); the q8 ones with --activations q8
 MODES = {
-    "exact": ("f32", False),
-    "sparse": ("f32", True),
-    "f16": ("f16", False),
-    "sparse_f16": ("f16", True),
-    "int8": ("int8", False),
-    "sparse_int8": ("int8", True),
+    "exact": ("f32", False, "f32"),
+    "sparse": ("f32", True, "f32"),
+    "f16": ("f16", False, "f32"),
+    "sparse_f16": ("f16", True, "f32"),
+    "int8": ("int8", False, "f32"),
+    "sparse_int8": ("int8", True, "f32"),
+    "q8_f16": ("f16", False, "q8"),
+    "sparse_q8_f16": ("f16", True, "q8"),
 }
 LABELS = {
     "exact": "exact, f32 KV",
@@ -52,6 +54,8 @@ LABELS = {
     "sparse_f16": "sparse k={k}, f16 KV",
     "int8": "exact, int8 KV",
     "sparse_int8": "sparse k={k}, int8 KV",
+    "q8_f16": "exact, f16 KV, q8 activations",
+    "sparse_q8_f16": "sparse k={k}, f16 KV, q8 activations",
 }
 
 
@@ -223,14 +227,18 @@ class SparrowRunner:
         from sparrow.models.timing import timed
         from sparrow.params import SparseParams
 
-        kv_dtype, sparse = MODES[mode]
+        kv_dtype, sparse, act = MODES[mode]
         cache = self._copy(start, kv_dtype)
         slot = Slot(np.zeros(start, np.int64), cache, SparseParams(k=sparse_k) if sparse else None)
         times, parts = [], []
-        for tok in feed:
-            t0 = time.perf_counter()
-            self.llm.runner.decode([slot], [tok])
-            times.append(time.perf_counter() - t0)
+        self.model.activations = act
+        try:
+            for tok in feed:
+                t0 = time.perf_counter()
+                self.llm.runner.decode([slot], [tok])
+                times.append(time.perf_counter() - t0)
+        finally:
+            self.model.activations = "f32"
         cache.truncate(start)
         for tok in feed[:SPLIT_STEPS]:
             with timed(self.model) as timer:
@@ -613,6 +621,12 @@ def main(argv=None):
         help="add a labelled row: decode after the first context with one busy-looping process running",
     )
     ap.add_argument("--no-startup", action="store_true", help="skip cold/warm start and RSS")
+    ap.add_argument(
+        "--activations",
+        default="f32",
+        choices=["f32", "q8"],
+        help="q8: add decode rows with 8-bit activations (the named non-exact mode)",
+    )
     ap.add_argument("--moe", action="store_true", help="add the MoE layer row (sparrow.bench.speed_moe)")
     ap.add_argument("--json", help="write the JSON record here (default runs/speed-<timestamp>/speed.json)")
     ap.add_argument("--md", help="write the markdown table here")
@@ -683,12 +697,13 @@ def main(argv=None):
             "flash_attn": a.flash_attn,
             "chunk": CHUNK,
             "contention": a.contention,
+            "activations": a.activations,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         },
     }
     rec["startup"] = None if a.no_startup else _startup_runs(path, a.threads, compare)
     capacity = contexts[-1] + a.decode + 16
-    modes = tuple(MODES)
+    modes = tuple(m for m in MODES if a.activations == "q8" or MODES[m][2] == "f32")
     runners = [SparrowRunner(path, a.threads, capacity)]
     rng = np.random.default_rng(0)
     top = min(40000, runners[0].model.config.vocab_size)  # token ids valid in small test vocabularies too

@@ -22,6 +22,8 @@ from numba import njit, prange
 
 from sparrow.kernels._attn_kernels import _block_sums as _imp_block_sums
 from sparrow.kernels._attn_kernels import _group
+from sparrow.kernels._q8act import quantize as _q8_quantize
+from sparrow.kernels._q8act import rows_q8 as _rows_q8
 from sparrow.kernels._sync import barrier, f16_bits
 from sparrow.kernels._widen import _rows_blocks, _x_block_sums
 from sparrow.kernels.elementwise import _quant_rows, _rms_rows, _rope, _silu_mul
@@ -38,11 +40,16 @@ def _share(n, tid, nt):
 
 
 @njit(**KW)
-def _matvec(w, kind, x, y, tid, nt):
-    """y[0, o] = row o of w . x[0] for this worker's rows (same rowdot as the staged path)."""
+def _matvec(w, kind, x, y, tid, nt, q8):
+    """y[0, o] = row o of w . x[0] for this worker's rows (the staged path's row dots: exact,
+    or with x quantised to 8 bits when q8, the activations="q8" mode)."""
     a, b = _share(w.shape[0], tid, nt)
     if b > a:
-        _rows_blocks(w, kind, x, _x_block_sums(x), y, a, b)
+        if q8:
+            xq, dx, sx = _q8_quantize(x)
+            _rows_q8(w, kind, xq, dx, sx, y, a, b)
+        else:
+            _rows_blocks(w, kind, x, _x_block_sums(x), y, a, b)
 
 
 @njit(**KW)
@@ -65,11 +72,11 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch):
     """Worker tid of nt: decodes the token at position pos, x [1, E] being its embedding (the
     residual stream, updated in place). The tuples are built by models/fused.py:
     model: per-layer weight rows (typed lists) and their kinds [L, 4], norms, biases, RoPE
-    tables, sizes, the final norm and lm_head; cache: per-layer K/V arrays (typed lists), their
-    scales, prefill importance, probe copies; attn: the sparse settings; scratch: buffers the
-    workers share, and the logits [1, Vocab]."""
+    tables, sizes, the final norm and lm_head, whether activations are q8; cache: per-layer
+    K/V arrays (typed lists), their scales, prefill importance, probe copies; attn: the sparse
+    settings; scratch: buffers the workers share, and the logits [1, Vocab]."""
     (wqkv, wo, wgu, wdown, kinds, in_norm, post_norm, eps, bias, q_norm, k_norm, cos, sin, H, KV, D, F, scale,
-     head_norm, head_w, head_kind) = model  # fmt: skip
+     head_norm, head_w, head_kind, q8) = model  # fmt: skip
     K, V, KS, VS, IMP, P, PS, n_copied, per_block, kv_kind = cache
     sparse, k_blocks, bs, n_probe = attn
     qkv, att, att_flat, qd, qa, qs, gu, y, logits = scratch  # [1, QKV] [H, D] [1, H*D] [H, D] [H, D] [H] [1, 2F] [1, E]
@@ -97,7 +104,7 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch):
     has_norm = q_norm.shape[1] > 0
     for layer in range(len(wqkv)):
         _rms_rows(x, in_norm[layer], eps, h)
-        _matvec(wqkv[layer], kinds[layer, 0], h, qkv, tid, nt)
+        _matvec(wqkv[layer], kinds[layer, 0], h, qkv, tid, nt, q8)
         barrier(sync, nt)
         # q heads: bias, q norm, RoPE, then the form the attention kernel takes
         for hh in range(h0, h1):
@@ -150,23 +157,23 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch):
                    pdummy)  # fmt: skip
             hh += n
         barrier(sync, nt)
-        _matvec(wo[layer], kinds[layer, 1], att_flat, y, tid, nt)
+        _matvec(wo[layer], kinds[layer, 1], att_flat, y, tid, nt, q8)
         a, b = _share(wo[layer].shape[0], tid, nt)
         for o in range(a, b):
             x[0, o] = x[0, o] + y[0, o]
         barrier(sync, nt)
         _rms_rows(x, post_norm[layer], eps, h)
-        _matvec(wgu[layer], kinds[layer, 2], h, gu, tid, nt)
+        _matvec(wgu[layer], kinds[layer, 2], h, gu, tid, nt, q8)
         barrier(sync, nt)
         _silu_mul(gu, F, act)
-        _matvec(wdown[layer], kinds[layer, 3], act, y, tid, nt)
+        _matvec(wdown[layer], kinds[layer, 3], act, y, tid, nt, q8)
         a, b = _share(wdown[layer].shape[0], tid, nt)
         for o in range(a, b):
             x[0, o] = x[0, o] + y[0, o]
         barrier(sync, nt)
     if head_kind >= 0:
         _rms_rows(x, head_norm, eps, h)
-        _matvec(head_w, head_kind, h, logits, tid, nt)
+        _matvec(head_w, head_kind, h, logits, tid, nt, q8)
 
 
 @njit(parallel=True, **KW)

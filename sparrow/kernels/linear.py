@@ -14,14 +14,36 @@ sequential fma over k whatever T and the thread count. No BLAS: OpenBLAS's own t
 after each call and starve numba's threads on a shared machine.
 """
 
+import threading
+from contextlib import contextmanager
+
 import numpy as np
 
+from sparrow.kernels import _q8act
 from sparrow.kernels._widen import matvec_widened
 from sparrow.kernels.gemm import matmul_widened
 
-__all__ = ["linear", "SMALL_T"]
+__all__ = ["linear", "SMALL_T", "ACTIVATIONS", "activations"]
 
 SMALL_T = 8  # T above this takes the prefill path (different summation order)
+# "f32": exact (the default). "q8": decode matvecs over q8_0 / q4_0 / q4_1 weights quantise
+# x to 8 bits per 32-block as llama.cpp does (kernels/_q8act.py: faster, measured not exact);
+# the prefill GEMM and other weight formats stay f32 either way.
+ACTIVATIONS = ("f32", "q8")
+_mode = threading.local()  # the mode of the forward this thread runs (models set it per forward)
+
+
+@contextmanager
+def activations(mode: str):
+    """Runs the block's linear() calls on this thread with activations `mode`."""
+    if mode not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {mode!r}")
+    prev = getattr(_mode, "act", "f32")
+    _mode.act = mode
+    try:
+        yield
+    finally:
+        _mode.act = prev
 
 
 # ---------------------------------------------------------------- entry point
@@ -41,4 +63,6 @@ def linear(x, w, out=None):
         return out
     if t_n > SMALL_T:
         return matmul_widened(x, w, out)
+    if getattr(_mode, "act", "f32") == "q8" and _q8act.supports(w):
+        return _q8act.matvec_q8(x, w, out)
     return matvec_widened(x, w, out)

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import SparrowError
-from ..kernels.linear import linear
+from ..kernels.linear import activations, linear
 from ..kv_cache import KVCache
 from ..loaders.tensor import StoredTensor
 from ..params import SparseParams
@@ -166,6 +166,9 @@ class Decoder:
         # The fused decode step (models/fused.py), planned at the first decode; use_fused=False
         # (or SPARROW_FUSED=0) keeps every forward on the staged path, e.g. to time its stages.
         self.use_fused = os.environ.get("SPARROW_FUSED", "1") != "0"
+        # kernels.linear.ACTIVATIONS: "f32" (exact) or the named faster mode "q8" (decode
+        # matvecs over block-quantised weights with 8-bit activations, as llama.cpp's)
+        self.activations = "f32"
         self._fused: FusedDecode | None | bool = False  # False: not planned yet
 
     def fuses(self, traced: bool) -> bool:
@@ -192,8 +195,10 @@ class Decoder:
             if self.fuses(segments[0].trace is not None):
                 return self._fused(segments[0])  # [1, V]
             if self._fused and self._fused.backoff > 0 and self.use_fused:
-                return self._fused.staged_step(self._staged, segments)  # [1, V], timed
-        return self._staged(segments, all_logits)
+                with activations(self.activations):
+                    return self._fused.staged_step(self._staged, segments)  # [1, V], timed
+        with activations(self.activations):
+            return self._staged(segments, all_logits)
 
     def _staged(self, segments: list[Segment], all_logits: bool = False) -> np.ndarray:
         tokens = np.concatenate([s.tokens for s in segments]).astype(np.int64)  # [N]

@@ -166,7 +166,8 @@ class FusedDecode:
         logits = np.empty(self.logits_shape, np.float32)  # [1, V]
         model_t = (self.wqkv, self.wo, self.wgu, self.wdown, self.kinds, self.in_norm, self.post_norm, self.eps,
                    self.bias, self.q_norm, self.k_norm, rope.cos, rope.sin, self.H, self.KV, self.D, self.F,
-                   self.scale, self.head_norm, self.head_w, self.head_kind)  # fmt: skip
+                   self.scale, self.head_norm, self.head_w, self.head_kind,
+                   model.activations == "q8")  # fmt: skip
         cache_t = (K, V, KS, VS, IMP, P, PS, n_copied, per_block, _KV_KIND[cache.dtype])
         attn_t = (sp is not None, sp.k if sp is not None else nb, bs, sp.probe if sp is not None else 1)
         scratch = (self.qkv, self.att3[0], self.att3.reshape(1, -1), self.qd, self.qa, self.qs, self.gu, self.y, logits)

@@ -1,0 +1,218 @@
+"""The activations="q8" mode (kernels/_q8act.py): its documented order bit for bit, on this
+CPU's path and on the generic one, batch and thread invariant, the same bits fused and
+staged, and never on unless asked for."""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import numba
+import numpy as np
+import pytest
+from test_gemm import bits, fma32
+
+import sparrow
+from sparrow.errors import SparrowError
+from sparrow.kernels import _q8act
+from sparrow.kernels.linear import SMALL_T, activations, linear
+from sparrow.models.decoder import Segment
+from weights import acts, make
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(sparrow.__file__)))
+BB = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+# (format, [out, in], T): odd and even block counts (the even/odd accumulators), one block,
+# T up to SMALL_T, rows past the serial threshold (the parallel matvec)
+CASES = [
+    ("q8_0", (40, 96), 1),
+    ("q4_0", (40, 96), 3),
+    ("q4_1", (40, 96), 8),
+    ("q8_0", (24, 32), 2),
+    ("q4_0", (33, 256), 1),
+    ("q4_1", (17, 224), 5),
+    ("q4_0", (2048, 2048), 1),
+    ("q4_1", (1536, 2048), 2),
+]
+
+
+def _f32(v):
+    return np.asarray(v, np.float64).astype(np.float32)
+
+
+def quantize_reference(x):
+    """Per 32-block: a = max |x|, codes rint(x * (127 / a)) (0 when a == 0), dx = a / 127,
+    sx = dx * sum(codes); every product and quotient one f32 rounding."""
+    t_n, k = x.shape
+    blk = x.reshape(t_n, k // 32, 32)
+    a = np.abs(blk).max(axis=2)  # [T, nb]
+    with np.errstate(divide="ignore"):
+        inv = np.where(a == 0, np.float32(0), np.float32(127) / a).astype(np.float32)
+    xq = np.rint(blk * inv[..., None]).astype(np.int8)  # [T, nb, 32]
+    dx = (a / np.float32(127)).astype(np.float32)
+    sx = (dx * xq.astype(np.int32).sum(axis=2).astype(np.float32)).astype(np.float32)
+    return xq.reshape(t_n, k), dx, sx
+
+
+def rowdot_reference(x, w):
+    """The module docstring's order in float64-emulated f32: integer block sums in 8 lanes
+    (lane j: elements 4j..4j+3), acc[b % 2] = fma(s, d * dx, acc[b % 2]) per lane, q4_1's
+    accm[b % 2] = fma(m, sx, accm[b % 2]); pairwise tree of acc[0] + acc[1], plus accm."""
+    t_n, k = x.shape
+    nb = k // 32
+    xq, dx, sx = quantize_reference(x)
+    blk = w.data.reshape(w.shape[0], nb, BB[w.qtype])  # [O, nb, bb]
+
+    def half(at):
+        return blk[:, :, at : at + 2].copy().view(np.float16)[:, :, 0].astype(np.float32)  # [O, nb]
+
+    d = half(0)
+    if w.qtype == "q8_0":
+        codes = blk[:, :, 2:].view(np.int8).astype(np.int64)  # [O, nb, 32]
+    else:
+        q = blk[:, :, 2 if w.qtype == "q4_0" else 4 :].astype(np.int64)  # [O, nb, 16]
+        codes = np.concatenate([q & 15, q >> 4], axis=2) - (8 if w.qtype == "q4_0" else 0)
+    prod = codes[None] * xq.reshape(t_n, 1, nb, 32).astype(np.int64)  # [T, O, nb, 32]
+    lanes = prod.reshape(t_n, w.shape[0], nb, 8, 4).sum(axis=4).astype(np.float64)  # [T, O, nb, 8] exact
+    acc = [np.zeros((t_n, w.shape[0], 8), np.float32) for _ in range(2)]
+    accm = [np.zeros((t_n, w.shape[0]), np.float32) for _ in range(2)]
+    m = half(2) if w.qtype == "q4_1" else None
+    for b in range(nb):
+        dd = _f32(d[None, :, b].astype(np.float64) * dx[:, None, b])  # [T, O]
+        acc[b % 2] = fma32(lanes[:, :, b] * dd[..., None], acc[b % 2])
+        if m is not None:
+            accm[b % 2] = fma32(m[None, :, b].astype(np.float64) * sx[:, None, b], accm[b % 2])
+    v = _f32(acc[0].astype(np.float64) + acc[1])
+    n = 8
+    while n > 1:
+        v = _f32(v[..., : n // 2].astype(np.float64) + v[..., n // 2 : n])
+        n //= 2
+    return _f32(v[..., 0].astype(np.float64) + _f32(accm[0].astype(np.float64) + accm[1]))
+
+
+def compute():
+    """{name: q8-mode linear() output} for CASES on 1 and 2 threads, plus one row alone."""
+    out = {}
+    old = numba.get_num_threads()
+    try:
+        for n in (1, 2)[: numba.config.NUMBA_NUM_THREADS]:
+            numba.set_num_threads(n)
+            for i, (q, shape, t) in enumerate(CASES):
+                with activations("q8"):
+                    out[f"c{i}_{n}"] = linear(acts(t, shape[1], seed=7), make(q, shape, seed=8))
+    finally:
+        numba.set_num_threads(old)
+    return out
+
+
+def test_quantize_matches_reference():
+    for t, k in ((1, 32), (3, 96), (8, 2048)):
+        x = acts(t, k, seed=t)
+        x[0, :32] *= 1e-30  # a tiny block
+        for got, want in zip(_q8act.quantize(x), quantize_reference(x)):
+            assert np.array_equal(got, want)
+
+
+def test_documented_order_bit_for_bit_any_threads_and_batch():
+    assert SMALL_T == 8 and all(t <= SMALL_T for _, _, t in CASES)
+    out = compute()
+    for i, (q, shape, t) in enumerate(CASES):
+        x, w = acts(t, shape[1], seed=7), make(q, shape, seed=8)
+        ref = rowdot_reference(x, w)
+        for n in (1, 2)[: numba.config.NUMBA_NUM_THREADS]:
+            assert np.array_equal(bits(out[f"c{i}_{n}"]), bits(ref)), (q, shape, t, n)
+        with activations("q8"):  # a row alone equals that row in the batch
+            assert np.array_equal(bits(linear(np.ascontiguousarray(x[-1:]), w)), bits(ref[-1:]))
+
+
+def test_q8_is_not_f32_and_is_scoped():
+    x, w = acts(2, 256, seed=1), make("q4_1", (64, 256), seed=2)
+    exact = linear(x, w)
+    with activations("q8"):
+        q8 = linear(x, w)
+    assert not np.array_equal(q8, exact)  # the mode really changes the arithmetic
+    assert np.array_equal(linear(x, w), exact)  # and ends with its block
+    np.testing.assert_allclose(q8, exact, rtol=0, atol=0.05 * np.abs(exact).max())
+    with activations("q8"):  # formats without a q8 kernel, and prefill, stay exact
+        f16 = make("f16", (64, 256), seed=2)
+        assert np.array_equal(linear(x, f16), linear(x, f16))
+        xp = acts(SMALL_T + 1, 256, seed=3)
+        with activations("f32"):
+            want = linear(xp, w)
+        assert np.array_equal(linear(xp, w), want)
+    with pytest.raises(ValueError):
+        with activations("int4"):
+            pass
+
+
+def test_load_option(tmp_path):
+    with pytest.raises(SparrowError, match="activations"):
+        sparrow.load(str(tmp_path / "missing.gguf"), activations="int8")
+
+
+def test_default_model_fused_equals_staged_and_default_is_exact(default_llm, monkeypatch):
+    from sparrow.models import fused as fused_mod
+
+    monkeypatch.setattr(fused_mod, "BACKOFF_STEPS", 0)  # a busy machine must not turn fused steps staged
+    model = default_llm.model
+    model.fused_step().backoff = 0
+    assert model.activations == "f32"
+    ids = np.asarray(default_llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)[:40])
+
+    def decode(fused, mode):
+        model.use_fused, model.activations = fused, mode
+        plan = model.fused_step()
+        before = plan.steps
+        try:
+            cache = model.new_cache(len(ids), "f32")
+            model.forward([Segment(ids[:24], cache, 0)])
+            rows = [model.forward([Segment(ids[i : i + 1], cache, i, decode=True)])[0] for i in range(24, len(ids))]
+            assert (plan.steps - before > 0) == fused  # the path meant to run did
+            return np.stack(rows)
+        finally:
+            model.use_fused, model.activations = True, "f32"
+
+    q8 = decode(True, "q8")
+    assert q8.tobytes() == decode(False, "q8").tobytes()
+    exact = decode(True, "f32")
+    assert exact.tobytes() == decode(False, "f32").tobytes()
+    assert not np.array_equal(q8, exact)
+
+
+GENERIC_CHILD = r"""
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from sparrow.kernels import _q8act
+from test_q8act import compute
+
+out = compute()
+np.savez(sys.argv[2], **out)
+print("INFO " + json.dumps(dict(avx2=_q8act.AVX2, features=_q8act.CPU_FEATURES)))
+"""
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 CPU names")
+def test_generic_code_path_gives_the_same_bits(tmp_path):
+    """Compiled for a CPU without AVX2 (generic vector IR instead of pmaddubsw), the same bits."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    # Ivy Bridge: AVX and F16C (the kernels widen f16 scales with it), no AVX2
+    feats = "+64bit,+avx,+cx16,+cx8,+f16c,+fxsr,+mmx,+popcnt,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,-avx2,-avx512f"
+    env = dict(os.environ, NUMBA_CPU_NAME="ivybridge", NUMBA_CPU_FEATURES=feats)
+    env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, here] + [p for p in [env.get("PYTHONPATH")] if p])
+    res = subprocess.run(
+        [sys.executable, "-c", GENERIC_CHILD, here, str(tmp_path / "out.npz")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    info = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("INFO "))[5:])
+    assert info["avx2"] is False, info
+    child = dict(np.load(tmp_path / "out.npz"))
+    here_out = compute()
+    assert set(child) == set(here_out)
+    for name in child:
+        assert np.array_equal(bits(child[name]), bits(here_out[name])), name
