@@ -181,3 +181,29 @@ def test_barrier_counts_only_waits_past_the_spin():
     # best of 3: on a busy machine a worker can also lose its core for a time slice
     assert min(waits(per_ms // 3) for _ in range(3)) == 0
     assert waits(per_ms * 20) == 1
+
+
+def test_fused_runs_k_quant_files_with_mixed_groups(tmp_path):
+    """A Q4_K_M-style file (q4_k with q6_k v/down in some layers, so q/k/v cannot be one
+    weight there): the fused step runs q/k/v as pieces and gives the staged path's bits,
+    on 1 and 2 threads, in both activation modes."""
+    from sparrow.bench import shapes
+
+    tiny_k = dict(
+        hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64, ffn=512, vocab=512, tied=True,
+        rope_theta=1e6, rms_eps=1e-6, context=256,
+    )  # fmt: skip
+    path = shapes.write_gguf(str(tmp_path / "tiny-k.gguf"), tiny_k, "q4_k_m", name="tiny")
+    llm = sparrow.load(path)
+    assert any(lay.attn.qkv_proj.fused is None for lay in llm.model.layers)  # mixed q/k/v somewhere
+    assert {lay.mlp.down.qtype for lay in llm.model.layers} == {"q4_k", "q6_k"}
+    assert llm.model.fused_step() is not None
+    ids = np.random.default_rng(3).integers(0, 486, 24)
+    for mode in ("f32", "q8"):
+        llm.model.activations = mode
+        for threads in (1, 2):
+            set_threads(threads)
+            assert numba.get_num_threads() == threads
+            fused = _decode(llm, ids, 16, None, fused=True)
+            assert fused.tobytes() == _decode(llm, ids, 16, None, fused=False).tobytes(), (mode, threads)
+    llm.model.activations = "f32"

@@ -14,7 +14,8 @@ workers meet at a spin barrier (_sync.barrier, ~0.2 us) between dependent phases
 Bit-identical to the staged path: every value is computed by the same compiled helpers on
 arrays of the same types (rows by rowdot_*, norms by _rms_rows, RoPE by _rope, silu by
 _silu_mul, attention by _group), and splitting rows or heads between workers never changes
-what one row or head computes. Only the block formats (q8_0, q4_0, q4_1) run here.
+what one row or head computes. Block formats run here: q8_0, q4_0, q4_1, and q5_0, q5_1 and
+the K-quants (q4_k, q5_k, q6_k) through kernels/_kquants.py's row dots.
 """
 
 import numpy as np
@@ -22,6 +23,9 @@ from numba import njit, prange
 
 from sparrow.kernels._attn_kernels import _block_sums as _imp_block_sums
 from sparrow.kernels._attn_kernels import _group
+from sparrow.kernels._kquants import KQ_KIND
+from sparrow.kernels._kquants import _rows as _kq_rows
+from sparrow.kernels._kquants import _x_block_sums as _kq_x_block_sums
 from sparrow.kernels._q8act import quantize as _q8_quantize
 from sparrow.kernels._q8act import rows_q8 as _rows_q8
 from sparrow.kernels._sync import barrier, f16_bits
@@ -31,6 +35,7 @@ from sparrow.kernels.sparse_select import reserve_importance_nb
 
 KW = dict(cache=True, nogil=True)
 KV_F32, KV_F16, KV_INT8 = 0, 1, 2  # storage kinds of the KV cache arrays
+_KQ_FIRST = min(KQ_KIND.values())  # weight kinds from here on have their row dots in _kquants
 
 
 @njit(**KW)
@@ -45,11 +50,21 @@ def _matvec(w, kind, x, y, tid, nt, q8):
     or with x quantised to 8 bits when q8, the activations="q8" mode)."""
     a, b = _share(w.shape[0], tid, nt)
     if b > a:
-        if q8:
+        if kind >= _KQ_FIRST:  # q5_0 / q5_1 / K-quants: f32 activations in either mode
+            _kq_rows(w, kind, x, _kq_x_block_sums(x), y, a, b)
+        elif q8:
             xq, dx, sx = _q8_quantize(x)
             _rows_q8(w, kind, xq, dx, sx, y, a, b)
         else:
             _rows_blocks(w, kind, x, _x_block_sums(x), y, a, b)
+
+
+@njit(**KW)
+def _matvec_at(w, kind, x, y, off, tid, nt, q8):
+    """_matvec into y[0, off : off + rows of w] (a piece of a group whose formats differ, as
+    q/k/v in Q4_K_M files); nothing for a piece with no rows."""
+    if w.shape[0] > 0:
+        _matvec(w, kind, x, y[:, off : off + w.shape[0]], tid, nt, q8)
 
 
 @njit(**KW)
@@ -71,12 +86,14 @@ def _store_kv(X, XS, kv_kind, kh, pos, row, one, codes, sc):
 def worker(tid, nt, sync, x, pos, model, cache, attn, scratch):
     """Worker tid of nt: decodes the token at position pos, x [1, E] being its embedding (the
     residual stream, updated in place). The tuples are built by models/fused.py:
-    model: per-layer weight rows (typed lists) and their kinds [L, 4], norms, biases, RoPE
+    model: per-layer weight rows (typed lists; q/k/v and gate/up in up to 3 and 2 pieces),
+    their kinds [L, 7] and the pieces' output offsets [L, 5], norms, biases, RoPE
     tables, sizes, the final norm and lm_head, whether activations are q8; cache: per-layer
     K/V arrays (typed lists), their scales, prefill importance, probe copies; attn: the sparse
     settings; scratch: buffers the workers share, and the logits [1, Vocab]."""
-    (wqkv, wo, wgu, wdown, kinds, in_norm, post_norm, eps, bias, q_norm, k_norm, cos, sin, H, KV, D, F, scale,
-     head_norm, head_w, head_kind, q8) = model  # fmt: skip
+    # q/k/v as one fused piece (then wq1, wq2 have no rows) or three; gate/up likewise
+    (wq0, wq1, wq2, wo, wg0, wg1, wdown, kinds, offs, in_norm, post_norm, eps, bias, q_norm, k_norm, cos, sin, H,
+     KV, D, F, scale, head_norm, head_w, head_kind, q8) = model  # fmt: skip
     K, V, KS, VS, IMP, P, PS, n_copied, per_block, kv_kind = cache
     sparse, k_blocks, bs, n_probe = attn
     qkv, att, att_flat, qd, qa, qs, gu, y, logits = scratch  # [1, QKV] [H, D] [1, H*D] [H, D] [H, D] [H] [1, 2F] [1, E]
@@ -102,9 +119,11 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch):
     k0, k1 = _share(KV, tid, nt)  # and KV heads
     has_bias = bias.shape[1] > 0
     has_norm = q_norm.shape[1] > 0
-    for layer in range(len(wqkv)):
+    for layer in range(len(wo)):
         _rms_rows(x, in_norm[layer], eps, h)
-        _matvec(wqkv[layer], kinds[layer, 0], h, qkv, tid, nt, q8)
+        _matvec_at(wq0[layer], kinds[layer, 0], h, qkv, offs[layer, 0], tid, nt, q8)
+        _matvec_at(wq1[layer], kinds[layer, 1], h, qkv, offs[layer, 1], tid, nt, q8)
+        _matvec_at(wq2[layer], kinds[layer, 2], h, qkv, offs[layer, 2], tid, nt, q8)
         barrier(sync, nt)
         # q heads: bias, q norm, RoPE, then the form the attention kernel takes
         for hh in range(h0, h1):
@@ -157,16 +176,17 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch):
                    pdummy)  # fmt: skip
             hh += n
         barrier(sync, nt)
-        _matvec(wo[layer], kinds[layer, 1], att_flat, y, tid, nt, q8)
+        _matvec(wo[layer], kinds[layer, 3], att_flat, y, tid, nt, q8)
         a, b = _share(wo[layer].shape[0], tid, nt)
         for o in range(a, b):
             x[0, o] = x[0, o] + y[0, o]
         barrier(sync, nt)
         _rms_rows(x, post_norm[layer], eps, h)
-        _matvec(wgu[layer], kinds[layer, 2], h, gu, tid, nt, q8)
+        _matvec_at(wg0[layer], kinds[layer, 4], h, gu, offs[layer, 3], tid, nt, q8)
+        _matvec_at(wg1[layer], kinds[layer, 5], h, gu, offs[layer, 4], tid, nt, q8)
         barrier(sync, nt)
         _silu_mul(gu, F, act)
-        _matvec(wdown[layer], kinds[layer, 3], act, y, tid, nt, q8)
+        _matvec(wdown[layer], kinds[layer, 6], act, y, tid, nt, q8)
         a, b = _share(wdown[layer].shape[0], tid, nt)
         for o in range(a, b):
             x[0, o] = x[0, o] + y[0, o]

@@ -3,7 +3,8 @@ for a single sequence's decode when the model allows it; everything else takes t
 path (Decoder.forward's stage methods), which gives the same bits.
 
 It applies to dense decoders (Llama, Qwen2, Qwen3) whose projections are stored in a block
-format (q8_0, q4_0, q4_1) with matching formats inside each fused group (q/k/v, gate/up).
+format (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k) with matching formats inside each
+fused group (q/k/v, gate/up).
 Not here: MoE layers, f16/bf16/f32 projections, batched decode (the server's steps of
 several sequences), sparse traces, and timing (models/timing.py times the staged path's
 stages, which this path does not have).
@@ -23,7 +24,7 @@ from ..kernels import decode_step as _ds
 from ..kernels._widen import KIND
 from .layers import MLP
 
-BLOCK_KINDS = ("q8_0", "q4_0", "q4_1")
+BLOCK_KINDS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 _KV_KIND = {"f32": _ds.KV_F32, "f16": _ds.KV_F16, "int8": _ds.KV_INT8}
 _DEFAULT_BLOCK = 32  # the block the exact-attention kernel walks (models.attention)
 # Contention: the workers meet at 6 barriers a layer and spin there. When another process
@@ -48,6 +49,32 @@ def _block_weight(w) -> bool:
     return w is not None and w.qtype in BLOCK_KINDS
 
 
+def _group_ok(fl) -> bool:
+    """A FusedLinear the fused step runs: one fused block weight, or block-format parts."""
+    return _block_weight(fl.fused) if fl.fused is not None else all(_block_weight(w) for w in fl.parts)
+
+
+def _pieces(fl, n):
+    """n (weight or None, output offset) of a FusedLinear: its fused weight and n - 1 empty
+    pieces, or its parts (formats differ, as q/k/v in Q4_K_M files)."""
+    if fl.fused is not None:
+        return [(fl.fused, 0)] + [(None, fl.fused.shape[0])] * (n - 1)
+    offs = np.concatenate([[0], np.cumsum(fl.sizes)[:-1]])
+    return [(w, int(o)) for w, o in zip(fl.parts, offs)]
+
+
+_EMPTY = np.zeros((0, 0), np.uint8)
+_EMPTY.flags.writeable = False  # the same array type as the weights' read-only rows
+
+
+def _rows(w):
+    return w.data if w is not None else _EMPTY
+
+
+def _kind(w):
+    return KIND[w.qtype] if w is not None else 0
+
+
 class FusedDecode:
     """Built once per Decoder (None when its weights do not allow the fused step)."""
 
@@ -57,9 +84,9 @@ class FusedDecode:
             a, m = layer.attn, layer.mlp
             if not (
                 isinstance(m, MLP)
-                and _block_weight(a.qkv_proj.fused)
+                and _group_ok(a.qkv_proj)
                 and _block_weight(a.o)
-                and _block_weight(m.gate_up.fused)
+                and _group_ok(m.gate_up)
                 and _block_weight(m.down)
             ):
                 return None
@@ -74,17 +101,25 @@ class FusedDecode:
         self.E = cfg.hidden_size
         self.eps = np.float32(cfg.rms_norm_eps)
         self.scale = np.float32(a0.scale)
-        self.wqkv = _typed(lay.attn.qkv_proj.fused.data for lay in layers)  # [QKV, bytes] each
+        qkv = [_pieces(lay.attn.qkv_proj, 3) for lay in layers]  # [(weight | None, offset)] x 3
+        gu = [_pieces(lay.mlp.gate_up, 2) for lay in layers]
+        self.wqkv = tuple(_typed(_rows(ps[i][0]) for ps in qkv) for i in range(3))  # [rows, bytes] each
         self.wo = _typed(lay.attn.o.data for lay in layers)
-        self.wgu = _typed(lay.mlp.gate_up.fused.data for lay in layers)
+        self.wgu = tuple(_typed(_rows(ps[i][0]) for ps in gu) for i in range(2))
         self.wdown = _typed(lay.mlp.down.data for lay in layers)
         self.kinds = np.array(
             [
-                [KIND[w.qtype] for w in (lay.attn.qkv_proj.fused, lay.attn.o, lay.mlp.gate_up.fused, lay.mlp.down)]
-                for lay in layers
+                [_kind(w) for w, _ in q]
+                + [KIND[lay.attn.o.qtype]]
+                + [_kind(w) for w, _ in g]
+                + [KIND[lay.mlp.down.qtype]]
+                for q, g, lay in zip(qkv, gu, layers)
             ],
             np.int64,
-        )  # [L, 4]
+        )  # [L, 7]: q/k/v pieces, o, gate/up pieces, down
+        self.offs = np.array(
+            [[off for _, off in q] + [off for _, off in g] for q, g in zip(qkv, gu)], np.int64
+        )  # [L, 5]
         self.in_norm = np.stack([lay.input_norm for lay in layers]).astype(np.float32)  # [L, E]
         self.post_norm = np.stack([lay.post_norm for lay in layers]).astype(np.float32)  # [L, E]
         L, QKV = len(layers), (self.H + 2 * self.KV) * self.D
@@ -164,10 +199,9 @@ class FusedDecode:
         rope.ensure(seq_len)
         x = np.array(model.embed.rows(seg.tokens), dtype=np.float32)  # [1, E], a private copy
         logits = np.empty(self.logits_shape, np.float32)  # [1, V]
-        model_t = (self.wqkv, self.wo, self.wgu, self.wdown, self.kinds, self.in_norm, self.post_norm, self.eps,
-                   self.bias, self.q_norm, self.k_norm, rope.cos, rope.sin, self.H, self.KV, self.D, self.F,
-                   self.scale, self.head_norm, self.head_w, self.head_kind,
-                   model.activations == "q8")  # fmt: skip
+        model_t = (*self.wqkv, self.wo, *self.wgu, self.wdown, self.kinds, self.offs, self.in_norm, self.post_norm,
+                   self.eps, self.bias, self.q_norm, self.k_norm, rope.cos, rope.sin, self.H, self.KV, self.D, self.F,
+                   self.scale, self.head_norm, self.head_w, self.head_kind, model.activations == "q8")  # fmt: skip
         cache_t = (K, V, KS, VS, IMP, P, PS, n_copied, per_block, _KV_KIND[cache.dtype])
         attn_t = (sp is not None, sp.k if sp is not None else nb, bs, sp.probe if sp is not None else 1)
         scratch = (self.qkv, self.att3[0], self.att3.reshape(1, -1), self.qd, self.qa, self.qs, self.gu, self.y, logits)
