@@ -1,7 +1,8 @@
 """Sampling: penalties, temperature, top-k, top-p, min-p, and a per-request RNG.
 
 Each request owns a `Sampler` seeded from its `seed`, so its tokens never depend on other
-requests or on thread timing. Greedy (temperature 0) never touches the RNG.
+requests or on thread timing. Greedy (temperature 0) never touches the RNG. A grammar's mask
+(structured output) comes with each call and depends only on the request's own tokens.
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ class Sampler:
         xs = x[order]
         probs = np.exp(xs - xs[0])
         probs /= probs.sum()
-        keep = min(len(probs), n_allowed)  # masked tokens sort last with probability 0
+        # Masked tokens sort last with probability 0; cutting them off means rounding in the cumulative
+        # sum below can never land the draw on one.
+        keep = min(len(probs), n_allowed)
         if p.top_p < 1.0:
             # Smallest prefix whose mass reaches top_p (always at least one token).
             keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
