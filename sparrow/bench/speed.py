@@ -16,7 +16,7 @@ median of per-round sparrow/llama ratios. Start-up (cold: empty numba cache; war
 RSS are measured in fresh subprocesses. The header names the CPU and its vector extensions and
 the load average at start and end (a warning when the machine is busy at the start).
 
---shape NAME --type q8_0|q4_0 benches a random-weight GGUF with a real model's exact tensor shapes
+--shape NAME --type q8_0|q4_0|q4_k_m benches a random-weight GGUF with a real model's exact tensor shapes
 (sparrow.bench.shapes; written once into the cache directory). --contention adds a separately
 labelled row: decode after the first context while one busy-looping process competes for the CPUs.
 """
