@@ -25,8 +25,9 @@ def shuffle(builder, x, y, idx):
 
 
 def hsum16(builder, v):
-    """Sum of a <16 x float> by the fixed pairwise tree 16 -> 8 -> 4 -> 2 -> 1 (lane i + i+n/2)."""
-    n = 16
+    """Sum of a <n x float> (16 or 8 lanes) by the fixed pairwise tree n -> n/2 -> ... -> 1
+    (lane i + i+n/2)."""
+    n = v.type.count
     while n > 1:
         h = n // 2
         v = builder.fadd(shuffle(builder, v, v, range(h)), shuffle(builder, v, v, range(h, n)))
@@ -34,8 +35,8 @@ def hsum16(builder, v):
     return builder.extract_element(v, ir.Constant(I32, 0))
 
 
-def splat16(builder, x):
-    """A scalar f32 broadcast to <16 x float>."""
-    undef = ir.Constant(V16F, ir.Undefined)
+def splat16(builder, x, n=16):
+    """A scalar f32 broadcast to <n x float> (16 lanes unless n says otherwise)."""
+    undef = ir.Constant(ir.VectorType(F32, n), ir.Undefined)
     v = builder.insert_element(undef, x, ir.Constant(I32, 0))
-    return shuffle(builder, v, undef, [0] * 16)
+    return shuffle(builder, v, undef, [0] * n)

@@ -26,7 +26,7 @@ from numba import njit, prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from sparrow.kernels._ir import F32, I8, I16, I32, I64, fma, shuffle
+from sparrow.kernels._ir import F32, I8, I16, I32, I64, fma, hsum16, shuffle, splat16
 from sparrow.kernels._widen import _ROWS, KIND, PARALLEL_MIN_MACS, call_slp
 from sparrow.kernels.gemm import CPU_FEATURES
 
@@ -66,20 +66,6 @@ def _half_at(builder, rp, off):
     return builder.fpext(builder.load(ptr, align=1), F32)
 
 
-def _splat8(builder, v):
-    undef = ir.Constant(V8F, ir.Undefined)
-    return shuffle(builder, builder.insert_element(undef, v, ir.Constant(I32, 0)), undef, [0] * 8)
-
-
-def _hsum8(builder, v):
-    n = 8
-    while n > 1:
-        h = n // 2
-        v = builder.fadd(shuffle(builder, v, v, range(h)), shuffle(builder, v, v, range(h, n)))
-        n = h
-    return builder.extract_element(v, ir.Constant(I32, 0))
-
-
 def _make_rowdot(qtype):
     @intrinsic
     def rowdot(typingctx, row, xq, dx, sx):
@@ -116,7 +102,7 @@ def _make_rowdot(qtype):
                     if qtype == "q4_0":
                         w = b.sub(w, ir.Constant(V32I8, [8] * 32))
                 s = b.sitofp(_dot4(b, w, x), V8F)
-                dd = _splat8(b, b.fmul(d, b.load(b.gep(dxp, [blk]))))
+                dd = splat16(b, b.fmul(d, b.load(b.gep(dxp, [blk]))), 8)
                 b.store(_call(b, "llvm.fma.v8f32", V8F, [s, dd, b.load(accs[i])]), accs[i])
                 if qtype == "q4_1":
                     m = _half_at(b, rp, b.add(p, c64(2)))
@@ -129,7 +115,7 @@ def _make_rowdot(qtype):
                 block(b.add(b0, one), 1)
             with b.if_then(b.trunc(nb, ir.IntType(1))):
                 block(b.sub(nb, one), 0)
-            v = _hsum8(b, b.fadd(b.load(accs[0]), b.load(accs[1])))
+            v = hsum16(b, b.fadd(b.load(accs[0]), b.load(accs[1])))  # 8 lanes
             return b.fadd(v, b.fadd(b.load(accm[0]), b.load(accm[1])))
 
         return sig, codegen
