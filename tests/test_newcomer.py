@@ -46,6 +46,12 @@ def _sparrow(args, env, cwd, timeout=900) -> subprocess.CompletedProcess:
 # (bench, its smallest options, where the record goes relative to the output dir, stderr it must say)
 BENCHES = [
     (
+        "activations",
+        ["--positions", "12", "--decode", "2", "--json", "{d}/activations.json"],
+        "activations.json",
+        None,
+    ),
+    (
         "needle",
         ["--lengths", "1K", "--depths", "50", "--ks", "8", "--max-tokens", "2", "--out", "{d}"],
         "needle.json",

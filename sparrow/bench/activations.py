@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from ..eval import report
 from ..eval.fidelity import kl_per_token
 from ..eval.prompts import filler_sentences
 
@@ -48,29 +49,36 @@ def main(argv=None) -> dict:
     p.add_argument("--positions", type=int, default=400, help="teacher-forced positions compared")
     p.add_argument("--decode", type=int, default=32, help="decode steps timed per mode")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--json", default=None, help="also write the record here")
+    p.add_argument("--json", default=None, help="write the JSON record here (default runs/activations-<timestamp>/)")
     a = p.parse_args(argv)
     llm = load(a.model, threads=a.threads)
     text = "Read this and summarise it in one line.\n" + " ".join(filler_sentences(random.Random(0), 80))
     ids = llm.prompt_ids([{"role": "user", "content": text}], chat=True)[: a.positions]
-    rec = {"model": llm.name, "positions": len(ids), "threads": llm.threads}
-    logits = {}
+    rec = {"bench": "activations", "model": llm.name, "positions": len(ids), "threads": llm.threads}
+    rec["environment"] = report.environment()
+    logits, ms = {}, {}
     for mode in ("f32", "q8"):
         llm.model.activations = mode
         logits[mode] = _teacher_forced(llm, ids).astype(np.float64)  # [N, V]
         _decode_ms(llm, ids, 2)  # warm-up (compiles the mode's kernels)
-        rec[f"decode_ms_{mode}"] = _decode_ms(llm, ids, a.decode)
+        ms[mode] = _decode_ms(llm, ids, a.decode)
     llm.model.activations = "f32"
     kl = kl_per_token(logits["f32"], logits["q8"])
     diff = np.abs(logits["f32"] - logits["q8"])
     rec.update(
+        decode_ms_f32=ms["f32"],
+        decode_ms_q8=ms["q8"],
         mean_kl=float(kl.mean()),
         max_kl=float(kl.max()),
         top1_agreement=float((logits["f32"].argmax(1) == logits["q8"].argmax(1)).mean()),
         max_abs_logit_diff=float(diff.max()),
         mean_abs_logit_diff=float(diff.mean()),
-        speedup=rec["decode_ms_f32"] / rec["decode_ms_q8"],
+        speedup=ms["f32"] / ms["q8"],
     )
+    rec["rows"] = [{"activations": m, "decode_ms": ms[m]} for m in ms]
+    path = report.record_path("activations", a.json)
+    with open(path, "w") as f:  # the record first, then the summary
+        json.dump(rec, f, indent=2)
     print(f"{llm.name}: {len(ids)} teacher-forced positions, activations q8 vs f32")
     print(f"  mean KL {rec['mean_kl']:.3g} nats (max {rec['max_kl']:.3g}), top-1 agreement {rec['top1_agreement']:.4f}")
     print(f"  |logit diff| max {rec['max_abs_logit_diff']:.3g}, mean {rec['mean_abs_logit_diff']:.3g}")
@@ -78,9 +86,7 @@ def main(argv=None) -> dict:
         f"  decode ms/token after {len(ids)} tokens: f32 {rec['decode_ms_f32']:.2f}, q8 {rec['decode_ms_q8']:.2f}"
         f" ({rec['speedup']:.2f}x)"
     )
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rec, f, indent=2)
+    print(f"wrote {path}")
     return rec
 
 
