@@ -140,14 +140,16 @@ def test_rowdot_reference_matches_this_process():
         assert np.array_equal(bits(linear(x, w)), bits(rowdot_reference(x, w, sx))), (q, shape, t)
 
 
-@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 CPU names")
-def test_avx2_code_path_bit_for_bit(tmp_path):
+def run_compiled_for(tmp_path, cpu, features, code):
+    """Runs `code` (argv: the tests folder, an .npz path it writes) in a child process whose
+    numba compiles for `cpu` / `features` into a fresh cache; returns (the INFO json the child
+    printed, its arrays)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=HASWELL)
-    env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")  # fresh: compiled for haswell, inspectable
+    env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES=features)
+    env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")  # fresh: compiled for that CPU, inspectable
     env["PYTHONPATH"] = os.pathsep.join([ROOT, here] + [p for p in [env.get("PYTHONPATH")] if p])
     res = subprocess.run(
-        [sys.executable, "-c", CHILD, here, str(tmp_path / "out.npz")],
+        [sys.executable, "-c", code, here, str(tmp_path / "out.npz")],
         env=env,
         capture_output=True,
         text=True,
@@ -155,12 +157,17 @@ def test_avx2_code_path_bit_for_bit(tmp_path):
     )
     assert res.returncode == 0, res.stderr[-4000:]
     info = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("INFO "))[5:])
+    return info, dict(np.load(tmp_path / "out.npz"))
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 CPU names")
+def test_avx2_code_path_bit_for_bit(tmp_path):
+    info, child = run_compiled_for(tmp_path, "haswell", HASWELL, CHILD)
     # the child compiled for AVX2: the narrow tile, ymm registers, no zmm
     assert info["cpu"] == "haswell" and not info["avx512f"], info
     assert info["tile"] == list(gemm.micro_tile(HASWELL)) and info["tile"][2] == 8, info
     assert info["ymm"] and not info["zmm"], info
     assert os.path.samefile(info["sparrow"], sparrow.__file__), info  # this checkout, not another install
-    child = dict(np.load(tmp_path / "out.npz"))
     here_out = compute()
     assert set(child) == set(here_out)
     for name in child:  # the AVX2 path equals this process's path, bit for bit

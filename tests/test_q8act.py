@@ -2,15 +2,12 @@
 CPU's path and on the generic one, batch and thread invariant, the same bits fused and
 staged, and never on unless asked for."""
 
-import json
-import os
 import platform
-import subprocess
-import sys
 
 import numba
 import numpy as np
 import pytest
+from test_cpu_paths import run_compiled_for
 from test_gemm import bits, fma32
 
 import sparrow
@@ -20,7 +17,6 @@ from sparrow.kernels.linear import SMALL_T, activations, linear
 from sparrow.models.decoder import Segment
 from weights import acts, make
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(sparrow.__file__)))
 BB = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 # (format, [out, in], T): odd and even block counts (the even/odd accumulators), one block,
 # T up to SMALL_T, rows past the serial threshold (the parallel matvec)
@@ -195,23 +191,10 @@ print("INFO " + json.dumps(dict(avx2=_q8act.AVX2, features=_q8act.CPU_FEATURES))
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 CPU names")
 def test_generic_code_path_gives_the_same_bits(tmp_path):
     """Compiled for a CPU without AVX2 (generic vector IR instead of pmaddubsw), the same bits."""
-    here = os.path.dirname(os.path.abspath(__file__))
     # Ivy Bridge: AVX and F16C (the kernels widen f16 scales with it), no AVX2
     feats = "+64bit,+avx,+cx16,+cx8,+f16c,+fxsr,+mmx,+popcnt,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,-avx2,-avx512f"
-    env = dict(os.environ, NUMBA_CPU_NAME="ivybridge", NUMBA_CPU_FEATURES=feats)
-    env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, here] + [p for p in [env.get("PYTHONPATH")] if p])
-    res = subprocess.run(
-        [sys.executable, "-c", GENERIC_CHILD, here, str(tmp_path / "out.npz")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
-    info = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("INFO "))[5:])
+    info, child = run_compiled_for(tmp_path, "ivybridge", feats, GENERIC_CHILD)
     assert info["avx2"] is False, info
-    child = dict(np.load(tmp_path / "out.npz"))
     here_out = compute()
     assert set(child) == set(here_out)
     for name in child:

@@ -27,7 +27,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from sparrow.kernels._ir import F32, I8, I16, I32, I64, fma, hsum16, shuffle, splat16
-from sparrow.kernels._widen import _ROWS, KIND, PARALLEL_MIN_MACS, call_slp
+from sparrow.kernels._widen import _ROWS, KIND, PARALLEL_MIN_MACS, _half_at, call_slp
 from sparrow.kernels.gemm import CPU_FEATURES
 
 KW = dict(cache=True, nogil=True)
@@ -59,11 +59,6 @@ def _dot4(builder, w, x):
     pr = builder.mul(builder.sext(w, V32I32), builder.sext(x, V32I32))
     parts = [shuffle(builder, pr, pr, range(i, 32, 4)) for i in range(4)]
     return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
-
-
-def _half_at(builder, rp, off):
-    ptr = builder.bitcast(builder.gep(rp, [off]), ir.HalfType().as_pointer())
-    return builder.fpext(builder.load(ptr, align=1), F32)
 
 
 def _make_rowdot(qtype):

@@ -29,8 +29,9 @@ _KV_KIND = {"f32": _ds.KV_F32, "f16": _ds.KV_F16, "int8": _ds.KV_INT8}
 _DEFAULT_BLOCK = 32  # the block the exact-attention kernel walks (models.attention)
 # Contention: the workers meet at 6 barriers a layer and spin there. When another process
 # takes a core, a worker waits for a descheduled partner (past _sync.SPIN_SECONDS the
-# barrier yields the CPU and counts the wait); past 1 in CONTENDED such waits in a step, the next BACKOFF_STEPS
-# single-sequence steps take the staged path, whose parallel launches sleep instead of spin.
+# barrier yields the CPU and counts the wait); past 1 in CONTENDED such waits in a step,
+# the next BACKOFF_STEPS single-sequence steps take the staged path, whose parallel
+# launches sleep instead of spin.
 # Both paths give the same bits, so this changes speed only. A contended fused step backs
 # off only while the staged steps measured last time were faster: on Qwen3-1.7B a contended
 # fused step (~95 ms here) still beat a staged one (~180 ms), on the 135M model it did not.
