@@ -220,6 +220,13 @@ def cmd_chat(a) -> None:
         messages.append({"role": "assistant", "content": answer})
 
 
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def cmd_serve(a) -> None:
     from .server.app import serve
 
@@ -262,6 +269,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None)
     s.add_argument("--max-batch", type=int, default=16, help="most sequences decoded together")
+    s.add_argument(
+        "--kv-budget",
+        default=None,
+        metavar="SIZE",
+        help="memory for KV caches, e.g. 512M or 4G (default: half the memory available at start)",
+    )
+    s.add_argument("--max-queue", type=_positive_int, default=None, help="queued requests past which new ones get 503")
+    s.add_argument("--request-timeout", type=float, default=None, metavar="S", help="fail requests running longer")
+    s.add_argument("--drain-timeout", type=float, default=30.0, metavar="S", help="SIGTERM: grace for in-flight work")
+    s.add_argument("--no-prefix-cache", action="store_true", help="never reuse KV between requests")
     _model_args(s)
     s.set_defaults(func=cmd_serve)
 

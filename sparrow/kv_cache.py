@@ -88,6 +88,20 @@ class LayerCache:
             n += self.k_scale.nbytes + self.v_scale.nbytes
         return n
 
+    def resized(self, capacity, n):
+        """A layer of the same kind with `capacity` positions holding this one's rows 0..n-1."""
+        out = type(self)(self.n_kv_heads, self.head_dim, capacity)
+        out.k[:, :n], out.v[:, :n] = self.k[:, :n], self.v[:, :n]
+        if self.scaled:
+            out.k_scale[:, :n], out.v_scale[:, :n] = self.k_scale[:, :n], self.v_scale[:, :n]
+        return out
+
+    @classmethod
+    def bytes_at(cls, n_kv_heads, head_dim, capacity):
+        """nbytes of a layer of this kind with `capacity` positions."""
+        per_row = 2 * head_dim * np.dtype(cls.storage).itemsize + (8 if cls.scaled else 0)
+        return n_kv_heads * capacity * per_row
+
 
 class F32Layer(LayerCache):
     kind, storage = "f32", np.float32
@@ -191,6 +205,14 @@ class SparseState:
         """Bytes of the probe-key copies sparse decode made."""
         return sum(p.nbytes for p in self._probes.values())
 
+    def resized(self, layer, n):
+        """The state for `layer` (this state's layer resized) keeping positions 0..n-1."""
+        out = SparseState(layer.capacity)
+        out.importance[:n] = self.importance[:n]
+        for key, p in self._probes.items():
+            out._probes[key] = p.resized(layer, min(p.blocks, n // p.block))
+        return out
+
 
 class ProbeKeys:
     """Probe rows of full blocks: rows[kh, b * per_block + j] = K[kh, b * block + j * step]
@@ -198,7 +220,7 @@ class ProbeKeys:
     int8 scales; the first `blocks` full blocks are valid."""
 
     def __init__(self, layer, block, n_probe):
-        self.block, self.step = block, max(1, block // n_probe)
+        self.block, self.n_probe, self.step = block, n_probe, max(1, block // n_probe)
         self.per_block = len(range(0, block, self.step))
         n = (layer.capacity // block) * self.per_block
         self.rows = np.zeros((layer.n_kv_heads, n, layer.head_dim), layer.k.dtype)  # [KVH, n, D]
@@ -220,6 +242,25 @@ class ProbeKeys:
     @property
     def nbytes(self):
         return self.rows.nbytes + self.scale.nbytes
+
+    def resized(self, layer, blocks):
+        """A copy for `layer` (resized) keeping the first `blocks` full blocks."""
+        out = ProbeKeys(layer, self.block, self.n_probe)
+        blocks = min(blocks, out.rows.shape[1] // self.per_block)
+        r = blocks * self.per_block
+        out.rows[:, :r] = self.rows[:, :r]
+        if layer.scaled:
+            out.scale[:, :r] = self.scale[:, :r]
+        out.blocks = blocks
+        return out
+
+    @staticmethod
+    def bytes_at(layer_kind, n_kv_heads, head_dim, capacity, block, n_probe):
+        """nbytes of the copy ProbeKeys(layer, block, n_probe) makes for a layer of `capacity`."""
+        step = max(1, block // n_probe)
+        n = (capacity // block) * len(range(0, block, step))
+        row = head_dim * np.dtype(layer_kind.storage).itemsize
+        return n_kv_heads * (n * row + 4 * (n if layer_kind.scaled else 1))
 
 
 class KVCache:
@@ -256,3 +297,44 @@ class KVCache:
         self.length = n
         for st in self.sparse:
             st.truncate(n)
+
+    def resize(self, capacity):
+        """Moves the cache into storage of `capacity` positions (at least 1), keeping positions
+        below min(length, capacity) and their sparse state.
+
+        The kernels take each layer's K/V as one contiguous [KVH, C, D] array, so growing means
+        a copy; the KV budget (engine/kv_budget.py) grows capacity geometrically in whole pages
+        so the copies stay a small share of decode time (measured there)."""
+        capacity = max(1, int(capacity))
+        n = min(self.length, capacity)
+        self.layers = [lc.resized(capacity, n) for lc in self.layers]
+        self.sparse = [st.resized(lc, n) for st, lc in zip(self.sparse, self.layers)]
+        self.capacity, self.length = capacity, n
+        self.__dict__.pop("_fused_lists", None)  # models/fused.py's typed lists name the old arrays
+
+    def bytes_at(self, capacity, probe=None):
+        """Bytes this cache takes at `capacity` positions: K/V storage and importance, plus the
+        probe copies sparse decode makes when probe = (block, n_probe)."""
+        kind = type(self.layers[0])
+        kvh, d = self.layers[0].n_kv_heads, self.layers[0].head_dim
+        per_layer = kind.bytes_at(kvh, d, capacity) + 4 * capacity
+        if probe is not None:
+            per_layer += ProbeKeys.bytes_at(kind, kvh, d, capacity, *probe)
+        return len(self.layers) * per_layer
+
+    def copy_prefix(self, src, n, importance):
+        """Positions 0..n-1 from cache `src` (same shape and kind), with the per-layer prefill
+        importance [L, n] they had when the prefill stood at n (later chunks add mass to them)."""
+        if n > self.capacity:
+            raise SparrowError(f"KV cache overflow: {n} positions exceed capacity {self.capacity}")
+        for dst, s, st, imp in zip(self.layers, src.layers, self.sparse, importance):
+            dst.k[:, :n], dst.v[:, :n] = s.k[:, :n], s.v[:, :n]
+            if dst.scaled:
+                dst.k_scale[:, :n], dst.v_scale[:, :n] = s.k_scale[:, :n], s.v_scale[:, :n]
+            st.truncate(0)
+            st.importance[:n] = imp[:n]
+        self.length = n
+
+    def importance_snapshot(self):
+        """The per-layer prefill importance of positions 0..length-1 as [L, length] float32."""
+        return np.stack([st.importance[: self.length] for st in self.sparse])  # [L, n]

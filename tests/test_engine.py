@@ -11,6 +11,7 @@ import pytest
 from sparrow.engine.engine import Engine
 from sparrow.engine.runner import Runner, Slot
 from sparrow.engine.scheduler import Scheduler
+from sparrow.kv_cache import KVCache
 from sparrow.params import SamplingParams
 
 V = 16
@@ -23,7 +24,9 @@ class StubModel:
         self.fail_at = fail_at
 
     def new_cache(self, capacity, kv_dtype="f32"):
-        return SimpleNamespace(length=0, capacity=capacity, kv_dtype=kv_dtype)
+        cache = KVCache(1, 1, 1, capacity, kv_dtype)  # a real one: the engine's KV budget resizes it
+        cache.kv_dtype = kv_dtype
+        return cache
 
     def forward(self, segments, all_logits=False):
         rows = []

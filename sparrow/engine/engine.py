@@ -8,6 +8,14 @@ thread (the server turns it into loop.call_soon_threadsafe(queue.put_nowait, ...
 Determinism under load: prefill chunks depend only on their own sequence, decode forwards are
 cut where the kernels stay row-independent (see runner.py), and each request samples with its
 own RNG, so a seeded request gives the same tokens alone or beside any other traffic.
+
+Memory: every cache is charged to one KV budget (kv_budget.py). A request is admitted (its
+prompt's KV allocated) only when it fits; a running sequence that cannot grow preempts the
+newest holder of KV (possibly itself): its KV is freed and, when it is admitted again, its
+prompt is prefilled in the same chunks and its sampled tokens are fed back one decode step each
+(`Sequence.next_input`), the same forwards that made them, so its K/V, logits and tokens are
+bit-identical to an uninterrupted run. Finished requests leave their prompt's KV to the prefix
+cache (prefix_cache.py), which the budget evicts first.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ from ..errors import SparrowError
 from ..kernels import linear as _linear
 from ..kernels import set_threads
 from ..params import SamplingParams, SparseParams
+from .kv_budget import KVPool, default_budget, format_size, pages, probe_of
+from .prefix_cache import Hit, PrefixCache
 from .runner import Runner
 from .scheduler import Scheduler
 from .sequence import Sequence, StepOutput
@@ -41,21 +51,55 @@ class Request:
     emit: Callable[[str, object], None]  # ("token", StepOutput) | ("error", message)
     kv_dtype: str | None = None  # None: the model's default
     constraint: object | None = None  # structured output: the grammar state Sequence applies (see sequence.py)
+    deadline: float | None = None  # time.monotonic() past which it fails with a timeout
+    # Prefix-cache hook for inputs that are not token ids (images): a salt naming them (e.g. a hash
+    # of their bytes) so only requests with the same inputs share KV; cacheable=False opts out.
+    cache_salt: str | None = None
+    cacheable: bool = True
     id: int = field(default_factory=lambda: next(_ids))
     seq: Sequence | None = None
     cancelled: bool = False  # set by the client side; the engine drops it before its next step
+    timed_out: bool = False
     finished: bool = False
+    cached_tokens: int = 0  # prompt positions whose KV came from the prefix cache
+
+
+class EngineBusy(SparrowError):
+    """Not taking work now (the queue is full, or the server is draining): retry later."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class Engine:
-    def __init__(self, llm, max_batch: int = 16, runner: Runner | None = None, metrics=None):
+    def __init__(
+        self,
+        llm,
+        max_batch: int = 16,
+        runner: Runner | None = None,
+        metrics=None,
+        kv_budget: int | None = None,
+        max_queue: int | None = None,
+        prefix_cache: bool = True,
+        timeout: float | None = None,
+    ):
         self.llm = llm
         self.runner = runner or llm.runner
         self.scheduler = Scheduler(max_batch)
         self.metrics = metrics
+        self.pool = KVPool(kv_budget or default_budget())
+        self.prefix = PrefixCache(self.pool, self.runner.prefill_chunk, prefix_cache)
+        self.pool.evictor = self.prefix.evict_one
+        self.max_queue = max_queue
+        self.timeout = timeout  # seconds per request unless it says otherwise
+        self.preemptions = 0
+        self._templates: dict = {}  # kv dtype -> a 1-position cache that prices capacities
         self._incoming: list[Request] = []
+        self._waiting = 0  # queue length as of the engine's last step (read by submit)
         self._cv = threading.Condition()
         self._stop = False
+        self._draining = False
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ client side (any thread)
@@ -71,12 +115,57 @@ class Engine:
         emit: Callable[[str, object], None],
         kv_dtype: str | None = None,
         constraint=None,
+        *,
+        timeout: float | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
-        req = Request(list(prompt_ids), params, sparse, emit, kv_dtype, constraint)
+        """Queues a request. Raises EngineBusy when the queue is full or the engine is draining,
+        SparrowError when prompt + max_tokens cannot fit in the whole KV budget."""
+        self.check_fits(len(prompt_ids), params.max_tokens, kv_dtype, sparse)
+        timeout = timeout if timeout is not None else self.timeout
+        deadline = time.monotonic() + timeout if timeout else None
+        req = Request(list(prompt_ids), params, sparse, emit, kv_dtype, constraint, deadline, cache_salt)
         with self._cv:
+            if self._draining or self._stop:
+                raise EngineBusy("the server is shutting down", retry_after=5)
+            if self.max_queue is not None and len(self._incoming) + self._waiting >= self.max_queue:
+                raise EngineBusy(f"the request queue is full ({self.max_queue} waiting); retry shortly")
             self._incoming.append(req)
             self._cv.notify()
         return req
+
+    def kv_bytes(self, positions: int, kv_dtype: str | None = None, sparse: SparseParams | None = None) -> int:
+        """What a cache of `positions` (rounded up to pages) is charged."""
+        dtype = kv_dtype or self.llm.kv_dtype
+        t = self._templates.get(dtype)
+        if t is None:
+            t = self._templates[dtype] = self.runner.model.new_cache(1, dtype)
+        return t.bytes_at(pages(positions), probe_of(sparse))
+
+    def check_fits(self, n_prompt: int, max_tokens: int, kv_dtype=None, sparse=None) -> None:
+        """A request must fit in the budget alone, so that preemption can always make room for it."""
+        need = self.kv_bytes(n_prompt + max_tokens, kv_dtype, sparse)
+        if need > self.pool.budget:
+            raise SparrowError(
+                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) need {format_size(need)} of KV cache, "
+                f"more than the server's whole KV budget of {format_size(self.pool.budget)}"
+            )
+
+    @property
+    def idle(self) -> bool:
+        return not (self._incoming or self.scheduler.has_work)
+
+    def drain(self, grace: float) -> bool:
+        """Stops admitting requests and waits up to `grace` seconds for the ones in flight to
+        finish; True if they all did. stop() then fails whatever is left."""
+        with self._cv:
+            self._draining = True
+        end = time.monotonic() + grace
+        while time.monotonic() < end:
+            if self.idle:
+                return True
+            time.sleep(0.02)
+        return self.idle
 
     def cancel(self, req: Request) -> None:
         if not req.finished:
@@ -107,11 +196,13 @@ class Engine:
                     break
                 sched.add(self._incoming)
                 self._incoming.clear()
+            self._expire()
             self._drop_cancelled()
             self._publish()
             step = sched.next_step()
             if step is not None and step.kind == "prefill":
-                self._prefill(step.reqs[0])
+                if not self._prefill(step.reqs[0]) and sched.running:  # waits for KV: decode instead
+                    self._decode(list(sched.running))
             elif step is not None:
                 self._decode(step.reqs)
             self._publish()
@@ -120,6 +211,7 @@ class Engine:
             self._incoming = []
         for req in left:
             self._fail(req, "the server is shutting down")
+        self.prefix.clear()
 
     def _warmup(self) -> None:
         """A short generation so numba's compiled kernels are loaded before the first request;
@@ -135,17 +227,64 @@ class Engine:
             log.exception("warm-up failed")
 
     def _publish(self) -> None:
+        s = self.scheduler
+        self._waiting = len(s.waiting)
         if self.metrics is not None:
-            s = self.scheduler
             self.metrics.set_queue(len(s.running), len(s.waiting) + len(self._incoming))
+            st = self.prefix.stats
+            self.metrics.set_kv(
+                used=self.pool.used,
+                budget=self.pool.budget,
+                peak=self.pool.peak,
+                prefix_bytes=self.prefix.nbytes,
+                prefix_entries=len(self.prefix),
+                prefix_lookups=st.lookups,
+                prefix_hits=st.hits,
+                cached_tokens=st.cached_tokens,
+                prefix_evictions=st.evictions,
+                preemptions=self.preemptions,
+            )
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for r in list(self.scheduler.waiting) + self.scheduler.running:
+            if r.deadline is not None and now > r.deadline and not r.finished:
+                r.timed_out = r.cancelled = True
 
     def _drop_cancelled(self) -> None:
         gone = self.scheduler.drop_cancelled()
         for r in gone:
-            r.seq = None  # frees its KV cache now
+            self._free(r)  # frees its KV cache now (or hands it to the prefix cache)
             r.finished = True
+            if r.timed_out:
+                self._emit(r, "timeout", "the request timed out (the server's --request-timeout)")
         if gone and self.metrics is not None:
-            self.metrics.add(cancelled=len(gone))
+            n_timeout = sum(r.timed_out for r in gone)
+            self.metrics.add(cancelled=len(gone) - n_timeout, timeouts=n_timeout)
+
+    def _prefix_key(self, req: Request):
+        """What besides the tokens must match for KV to be shared (None: never share): the KV
+        dtype, the sparse prefill settings, and the salt of non-token inputs. A request with
+        images and no salt is never matched on its token ids alone."""
+        seq = req.seq
+        has_images = getattr(req, "images", None) or (seq is not None and getattr(seq.slot, "mm", None) is not None)
+        if not req.cacheable or (has_images and req.cache_salt is None):
+            return None
+        sp = req.sparse
+        return (req.kv_dtype or self.llm.kv_dtype, sp if sp is not None and sp.prefill else None, req.cache_salt)
+
+    def _free(self, req: Request) -> None:
+        """Drops req's sequence; its KV goes to the prefix cache (which keeps what it can reuse)."""
+        seq, req.seq = req.seq, None
+        cache = seq.slot.cache if seq is not None else None
+        if cache is None:
+            return
+        seq.slot.cache = None
+        key = self._prefix_key(req)
+        if key is None:
+            self.pool.release(cache)
+        else:
+            self.prefix.insert(key, seq.slot.prompt, cache, seq.slot.snapshots)
 
     def _emit(self, req: Request, kind: str, payload) -> None:
         try:
@@ -156,7 +295,7 @@ class Engine:
 
     def _fail(self, req: Request, message: str) -> None:
         req.finished = True
-        req.seq = None
+        self._free(req)
         self._emit(req, "error", message)
 
     def _deliver(self, req: Request, out: StepOutput) -> None:
@@ -168,54 +307,137 @@ class Engine:
             req.finished = True
         self._emit(req, "token", out)
         if req.finished:
-            req.seq = None
+            self._free(req)
 
-    def _prefill(self, req: Request) -> None:
+    def _admit(self, req: Request) -> bool:
+        """Gives req's sequence a KV cache for its prompt (and the tokens it already sampled, if
+        it was preempted), from the prefix cache where it can; False if the budget is full."""
+        if req.seq is None:
+            req.seq = Sequence.create(
+                self.runner,
+                self.llm.tokenizer,
+                req.prompt_ids,
+                req.params,
+                self.llm.ctx,
+                req.kv_dtype or self.llm.kv_dtype,
+                req.sparse,
+                constraint=req.constraint,
+                allocate=False,
+            )
+        seq, slot = req.seq, req.seq.slot
+        if slot.cache is not None:
+            return True
+        n_prompt, n_out = len(slot.prompt), len(seq.output)
+        capacity = min(n_prompt + req.params.max_tokens, pages(n_prompt + max(1, n_out)))
+        key = self._prefix_key(req)
+        for use_prefix in (True, False):  # a pinned entry may be what is in the way: retry without it
+            hit = self.prefix.lookup(key, slot.prompt) if use_prefix and key is not None else Hit()
+            cache = self.runner.model.new_cache(1, req.kv_dtype or self.llm.kv_dtype)
+            ok = self.pool.resize(cache, capacity, probe_of(req.sparse))
+            if ok and hit.entry is not None:
+                e, n = hit.entry, hit.tokens
+                cache.copy_prefix(e.cache, n, e.snapshots[n])
+                slot.snapshots = {b: v for b, v in e.snapshots.items() if b <= n}
+                if n_out == 0:
+                    req.cached_tokens = n
+            self.prefix.unpin(hit, ok)
+            if ok:
+                slot.cache = cache
+                return True
+            if hit.entry is None:
+                return False
+        return False
+
+    def _prefill(self, req: Request) -> bool:
+        """One prefill chunk of req; False when it waits for KV (nothing ran)."""
         try:
-            if req.seq is None:
-                req.seq = Sequence.create(
-                    self.runner,
-                    self.llm.tokenizer,
-                    req.prompt_ids,
-                    req.params,
-                    self.llm.ctx,
-                    req.kv_dtype or self.llm.kv_dtype,
-                    req.sparse,
-                    constraint=req.constraint,
-                )
-            slot = req.seq.slot
+            if not self._admit(req):
+                if self.scheduler.running or self._admitted_head() not in (None, req):
+                    return False
+                raise SparrowError("the KV budget cannot hold this request")  # check_fits makes this unreachable
+            seq = req.seq
+            slot = seq.slot
             t0, n0 = time.perf_counter(), slot.cache.length
             logits = self.runner.prefill_step(slot)  # [V]
             if self.metrics is not None:
                 self.metrics.prefill(slot.cache.length - n0, time.perf_counter() - t0)
             if not slot.prefill_done:
-                return
+                return True
+            if seq.output:  # resumed after a preemption: decode steps feed back what it sampled
+                self.scheduler.prefill_done(req)
+                return True
             if self.metrics is not None:
                 self.metrics.add(prompt_tokens=len(slot.prompt))
-            out = req.seq.accept(logits)
+            out = seq.accept(logits)
+            out.cached_tokens = req.cached_tokens
         except Exception as e:
             self.scheduler.prefill_failed(req)
             self._internal_error([req], e)
-            return
+            return True
         if out.finish_reason:
             req.finished = True
         self.scheduler.prefill_done(req)
         self._deliver(req, out)
+        return True
+
+    def _admitted_head(self) -> Request | None:
+        """The waiting head if it holds KV (part-way through its prefill)."""
+        w = self.scheduler.waiting
+        if w and w[0].seq is not None and w[0].seq.slot.cache is not None:
+            return w[0]
+        return None
+
+    def _preempt(self, req: Request) -> None:
+        """Frees req's KV; it goes back to the front of the queue and resumes exactly."""
+        slot = req.seq.slot
+        self.pool.release(slot.cache)
+        slot.cache, slot.snapshots = None, {}
+        head = self._admitted_head()
+        self.scheduler.preempt(req, behind_head=head is not None and head is not req)
+        self.preemptions += 1
+        log.info("request %d preempted (KV budget full); it resumes later", req.id)
+
+    def _make_room(self, reqs: list[Request]) -> list[Request]:
+        """Grows each cache (oldest request first) by the position its next step writes; a cache
+        that cannot grow preempts the newest holder of KV: a head in prefill, then the newest
+        running request, which may be itself. Returns the requests that still decode."""
+        for r in reqs:
+            slot = r.seq.slot if r.seq is not None else None
+            if slot is None or slot.cache is None:
+                continue
+            ceiling = len(slot.prompt) + r.params.max_tokens
+            while not self.pool.grow(slot.cache, slot.cache.length + 1, ceiling, probe_of(r.sparse)):
+                holders = [h for h in self.scheduler.running if h.seq.slot.cache is not None]
+                victim = self._admitted_head() or holders[-1]
+                if victim is r and len(holders) == 1:  # check_fits makes this unreachable
+                    raise SparrowError("the KV budget cannot hold this request")
+                self._preempt(victim)
+                if victim is r:
+                    break
+        return [r for r in reqs if r.seq is not None and r.seq.slot.cache is not None]
 
     def _decode(self, reqs: list[Request]) -> None:
         t0 = time.perf_counter()
+        try:
+            reqs = self._make_room(reqs)
+        except Exception as e:
+            self._internal_error(reqs, e)
+            self.scheduler.retire()
+            return
         groups = self.runner.decode_groups(len(reqs))
         produced = 0
         for g in groups:  # one forward each; a failure fails only its own forward's requests
             batch = [reqs[i] for i in g]
             try:
-                logits = self.runner.decode([r.seq.slot for r in batch], [r.seq.last_token for r in batch])  # [B, V]
-                outs = [r.seq.accept(logits[j]) for j, r in enumerate(batch)]
+                live = [r.seq.caught_up for r in batch]  # False: replaying a token it sampled before
+                tokens = [r.seq.next_input for r in batch]
+                logits = self.runner.decode([r.seq.slot for r in batch], tokens)  # [B, V]
+                outs = [(r, r.seq.accept(logits[j])) for j, r in enumerate(batch) if live[j]]
             except Exception as e:
                 self._internal_error(batch, e)
                 continue
-            produced += len(batch)
-            for r, out in zip(batch, outs):
+            produced += len(outs)
+            for r, out in outs:
                 self._deliver(r, out)
         if self.metrics is not None:
             self.metrics.decode(produced, time.perf_counter() - t0, len(groups))

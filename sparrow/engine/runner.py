@@ -12,7 +12,7 @@ so all callers share the rules that keep results reproducible:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -32,9 +32,10 @@ class Slot:
     """
 
     prompt: np.ndarray  # [P] int64
-    cache: KVCache
+    cache: KVCache | None  # None while the engine holds no KV for it (queued or preempted)
     sparse: SparseParams | None = None
     trace: list | None = None  # sparse decode appends (layer, per-head selection records) here
+    snapshots: dict = field(default_factory=dict)  # prefill boundary -> [L, b] importance (prefix cache)
 
     @property
     def prefill_done(self) -> bool:
@@ -63,10 +64,15 @@ class Runner:
         self.prefill_chunk = prefill_chunk
 
     def new_slot(
-        self, prompt, capacity: int, kv_dtype: str = "f32", sparse: SparseParams | None = None, trace: bool = False
+        self,
+        prompt,
+        capacity: int | None,
+        kv_dtype: str = "f32",
+        sparse: SparseParams | None = None,
+        trace: bool = False,
     ) -> Slot:
         """A slot with a fresh cache of `capacity` positions (prompt plus what it may generate)."""
-        cache = self.model.new_cache(capacity, kv_dtype)
+        cache = None if capacity is None else self.model.new_cache(capacity, kv_dtype)  # None: the engine's budget
         return Slot(np.asarray(prompt, np.int64), cache, sparse, [] if trace else None)
 
     def prefill_step(self, slot: Slot, end: int | None = None) -> np.ndarray | None:
@@ -80,7 +86,10 @@ class Runner:
             return None
         stop = min(end, start + self.prefill_chunk)
         seg = Segment(slot.prompt[start:stop], slot.cache, start, slot.sparse)
-        return self.model.forward([seg])[0]  # [V]
+        logits = self.model.forward([seg])[0]  # [V]
+        if stop % self.prefill_chunk == 0:  # a boundary the prefix cache may reuse from
+            slot.snapshots[stop] = slot.cache.importance_snapshot()  # [L, stop]
+        return logits
 
     def prefill(self, slot: Slot, end: int | None = None) -> np.ndarray | None:
         """Runs the prompt (up to `end`) in chunks; the logits [V] of the last position run."""

@@ -67,6 +67,15 @@ class Scheduler:
         if self.waiting and self.waiting[0] is req:
             self.waiting.popleft()
 
+    def preempt(self, req, behind_head: bool = False) -> None:
+        """Moves req (running, or the waiting head) to the front of the queue, behind the head
+        when that one is part-way through its prefill; it resumes before anything newer."""
+        if req in self.running:
+            self.running.remove(req)
+        elif self.waiting and self.waiting[0] is req:
+            self.waiting.popleft()
+        self.waiting.insert(1 if behind_head and self.waiting else 0, req)
+
     def retire(self) -> None:
         """Drops finished requests from the running batch (after a decode step)."""
         self.running = [r for r in self.running if not r.finished]

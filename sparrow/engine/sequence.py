@@ -26,6 +26,7 @@ class StepOutput:
     top_logprobs: list[tuple[int, float]] | None = None  # [(token_id, logprob)] best first
     finish_reason: str | None = None  # "stop" | "length" | None while running
     timing: dict | None = None  # per-step times in ms when requested
+    cached_tokens: int | None = None  # first output only: prompt tokens whose KV came from the prefix cache
 
 
 @dataclass
@@ -54,11 +55,13 @@ class Sequence:
         sparse: SparseParams | None = None,
         trace: bool = False,
         constraint=None,
+        allocate: bool = True,
     ) -> Sequence:
         """Checks the request against the context and allocates exactly the KV it can use.
         `params` were validated where they were built (CLI, HTTP request, API keywords)."""
         check_context(len(prompt_ids), params.max_tokens, ctx)
-        slot = runner.new_slot(prompt_ids, len(prompt_ids) + params.max_tokens, kv_dtype, sparse, trace)
+        capacity = len(prompt_ids) + params.max_tokens if allocate else None  # None: the engine's KV budget
+        slot = runner.new_slot(prompt_ids, capacity, kv_dtype, sparse, trace)
         sampler = Sampler(params, runner.model.config.vocab_size)
         sampler.observe_prompt(prompt_ids)
         return cls(
@@ -90,6 +93,18 @@ class Sequence:
     def last_token(self) -> int:
         """The token the next decode step feeds: the last one sampled."""
         return self.output[-1]
+
+    @property
+    def next_input(self) -> int:
+        """The token the next decode step feeds at the cache's end: the last one sampled, or,
+        while a preempted sequence rebuilds its KV, the output token at that position."""
+        return self.output[self.slot.cache.length - len(self.slot.prompt)]
+
+    @property
+    def caught_up(self) -> bool:
+        """Whether the cache holds every position before the next sample: the prompt and all
+        sampled tokens but the last (false while replaying after a preemption)."""
+        return self.slot.cache.length >= len(self.slot.prompt) + len(self.output) - 1
 
     def accept(self, logits: np.ndarray) -> StepOutput:
         """Samples from the logits of the last position [V] and updates the stop state."""

@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import json
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -20,7 +21,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.engine import Engine
+from ..engine.engine import Engine, EngineBusy
+from ..engine.kv_budget import format_size, parse_size
 from ..engine.sequence import check_context
 from ..errors import ContextLengthError, SparrowError
 from ..structured import StructuredError
@@ -37,7 +39,6 @@ from .protocol import (
     parse_chat,
     parse_completion,
     starts_in_reasoning,
-    usage,
 )
 from .streaming import Accumulator, SSEResponse, collect, stream
 
@@ -47,9 +48,11 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
 
 
 class ServerState:
-    def __init__(self, api_key: str | None = None, max_batch: int = 16):
+    def __init__(self, api_key: str | None = None, max_batch: int = 16, **engine_options):
+        """engine_options: Engine's kv_budget, max_queue, prefix_cache, timeout."""
         self.api_key = api_key
         self.max_batch = max_batch
+        self.engine_options = engine_options
         self.metrics = Metrics()
         self.llm = None
         self.engine: Engine | None = None
@@ -61,7 +64,7 @@ class ServerState:
         self.llm = llm
         self.aliases = {llm.name, os.path.splitext(llm.name)[0]}
         self.created = now()
-        self.engine = Engine(llm, max_batch=self.max_batch, metrics=self.metrics)
+        self.engine = Engine(llm, max_batch=self.max_batch, metrics=self.metrics, **self.engine_options)
         self.engine.start(warmup=warmup, on_ready=self._ready)
 
     def _ready(self) -> None:
@@ -304,7 +307,16 @@ def create_app(state: ServerState) -> FastAPI:
         def emit(kind, payload):  # engine thread
             loop.call_soon_threadsafe(queue.put_nowait, (kind, payload))
 
-        handle = engine.submit(ids, req.params, req.sparse, emit, req.kv_dtype, constraint)
+        try:
+            handle = engine.submit(ids, req.params, req.sparse, emit, req.kv_dtype, constraint)
+        except EngineBusy as e:  # OpenAI clients retry a 503 after Retry-After
+            return JSONResponse(
+                error_body(str(e), "server_error", code="server_busy"),
+                status_code=503,
+                headers={"Retry-After": str(e.retry_after)},
+            )
+        except SparrowError as e:  # prompt + max_tokens exceed the whole KV budget
+            raise APIError(400, str(e), param="max_tokens", code="kv_budget_exceeded") from None
         acc = Accumulator(
             llm, splitter, req.logprobs, req.params.stop_token_ids, req.structured.parser(llm.tool_format)
         )
@@ -344,7 +356,7 @@ def create_app(state: ServerState) -> FastAPI:
             "created": created,
             "model": llm.name,
             "choices": [choice],
-            "usage": usage(len(ids), acc.tokens),
+            "usage": acc.usage(len(ids)),
         }
 
     return app
@@ -356,15 +368,38 @@ def serve(args) -> None:
 
     from .. import api
 
-    state = ServerState(api_key=args.api_key, max_batch=args.max_batch)
+    budget = getattr(args, "kv_budget", None)
+    state = ServerState(
+        api_key=args.api_key,
+        max_batch=args.max_batch,
+        kv_budget=parse_size(budget) if budget else None,
+        max_queue=getattr(args, "max_queue", None),
+        prefix_cache=not getattr(args, "no_prefix_cache", False),
+        timeout=getattr(args, "request_timeout", None),
+    )
     app = create_app(state)
+    grace = getattr(args, "drain_timeout", 30.0)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            # Fail in-flight generations first so their streams end and shutdown is not held up.
+            if sig == signal.SIGTERM and not self.should_exit and not getattr(self, "draining", False):
+                # Drain: new requests get 503, those in flight get `grace` seconds to finish; then
+                # what is left fails, its streams end, and the process exits with status 0.
+                self.draining = True
+                threading.Thread(target=self._drain, name="sparrow-drain", daemon=True).start()
+                return
+            # Ctrl-C (or a second SIGTERM): fail in-flight generations so shutdown is not held up.
             if state.engine is not None:
                 state.engine.stop(timeout=0)
             super().handle_exit(sig, frame)
+
+        def _drain(self):
+            if state.engine is not None:
+                done = state.engine.drain(grace)
+                left = "all requests finished" if done else "grace period over; cancelling the rest"
+                print(f"sparrow: SIGTERM: {left}", file=sys.stderr, flush=True)
+                state.engine.stop(timeout=5)
+            self.should_exit = True
 
     server = Server(
         uvicorn.Config(
@@ -383,8 +418,10 @@ def serve(args) -> None:
                 activations=getattr(args, "activations", "f32"),
             )
             state.attach(llm)
+            kv = format_size(state.engine.pool.budget)
             print(
-                f"sparrow: {llm.name} loaded in {llm.load_seconds:.1f} s ({llm.threads} threads, ctx {llm.ctx})",
+                f"sparrow: {llm.name} loaded in {llm.load_seconds:.1f} s ({llm.threads} threads, ctx {llm.ctx}, "
+                f"KV budget {kv})",
                 file=sys.stderr,
                 flush=True,
             )

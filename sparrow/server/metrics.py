@@ -29,6 +29,8 @@ class Metrics:
         self.finished: Counter = Counter()  # finish_reason -> count
         self.running = 0
         self.waiting = 0
+        self.timeouts = 0  # requests failed by their deadline
+        self.kv: dict = {}  # the engine's KV budget and prefix-cache figures (set_kv)
         self.ready = False
 
     # ------------------------------------------------------------------ updates
@@ -61,6 +63,12 @@ class Metrics:
         with self._lock:
             self.running, self.waiting = running, waiting
 
+    def set_kv(self, **values) -> None:
+        """used, budget, peak, prefix_bytes, prefix_entries, prefix_lookups, prefix_hits,
+        cached_tokens, prefix_evictions, preemptions (the engine's running totals)."""
+        with self._lock:
+            self.kv = values
+
     # ------------------------------------------------------------------ reading
     def snapshot(self) -> dict:
         with self._lock:
@@ -74,6 +82,8 @@ class Metrics:
                 "cancelled": self.cancelled,
                 "running": self.running,
                 "waiting": self.waiting,
+                "timeouts": self.timeouts,
+                **{f"kv_{k}": v for k, v in self.kv.items()},
             }
 
     def render(self) -> str:
@@ -140,7 +150,26 @@ class Metrics:
                 "aggregate decode throughput over all decode time",
                 [({}, f"{dc:.3f}")],
             )
+            metric("requests_timed_out_total", "counter", "requests failed by their timeout", [({}, self.timeouts)])
+            kv = self.kv
+            for name, kind, key, help_ in _KV_METRICS:
+                if key in kv:
+                    metric(name, kind, help_, [({}, kv[key])])
             return "\n".join(lines) + "\n"
+
+
+_KV_METRICS = (  # (metric name, kind, set_kv key, help)
+    ("kv_cache_bytes_used", "gauge", "used", "KV cache bytes charged to the budget (running and prefix cache)"),
+    ("kv_cache_bytes_budget", "gauge", "budget", "the KV cache budget in bytes (--kv-budget)"),
+    ("kv_cache_bytes_peak", "gauge", "peak", "most KV cache bytes charged at once"),
+    ("prefix_cache_bytes", "gauge", "prefix_bytes", "KV bytes held by the prefix cache"),
+    ("prefix_cache_entries", "gauge", "prefix_entries", "prompts whose KV the prefix cache holds"),
+    ("prefix_cache_queries_total", "counter", "prefix_lookups", "prefix cache lookups"),
+    ("prefix_cache_hits_total", "counter", "prefix_hits", "requests that reused KV from the prefix cache"),
+    ("prefix_cache_hit_tokens_total", "counter", "cached_tokens", "prompt tokens whose KV came from the prefix cache"),
+    ("prefix_cache_evictions_total", "counter", "prefix_evictions", "prefix cache entries evicted for room"),
+    ("preemptions_total", "counter", "preemptions", "sequences preempted because the KV budget was full"),
+)
 
 
 def parse_prometheus(text: str) -> dict[str, float]:

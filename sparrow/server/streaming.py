@@ -38,6 +38,7 @@ class Accumulator:
         self.tok, self.splitter, self.want_lp = llm.tokenizer, splitter, want_lp
         self.eos = set(llm.tokenizer.eos_token_ids) | set(stop_ids)
         self.tokens = 0
+        self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.parser = tool_parser
         self.tool_deltas: list[dict] = []  # of the latest add()
 
@@ -48,8 +49,13 @@ class Accumulator:
     def finish_reason(self, finish: str) -> str:
         return "tool_calls" if finish == "stop" and self.tool_calls else finish
 
+    def usage(self, prompt_tokens: int) -> dict:
+        return {**usage(prompt_tokens, self.tokens), "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
     def add(self, out):
         self.tokens += 1
+        if out.cached_tokens is not None:
+            self.cached_tokens = out.cached_tokens
         final = out.finish_reason is not None
         if self.splitter is not None:
             reasoning, content = self.splitter.push(out.text, final)
@@ -80,6 +86,8 @@ async def collect(request, queue, acc):
                 get.cancel()
                 return None
             kind, out = get.result()
+            if kind == "timeout":
+                raise APIError(504, out, type="server_error", code="timeout")
             if kind == "error":
                 raise APIError(500, out, type="server_error")
             r, c, lp = acc.add(out)
@@ -116,8 +124,8 @@ async def stream(req, ids, queue, acc, rid, created, chat, lp_fmt, model_name):
         yield chunk({"role": "assistant", "content": ""})
     while True:
         kind, out = await queue.get()
-        if kind == "error":
-            yield sse(error_body(out, "server_error"))
+        if kind in ("error", "timeout"):
+            yield sse(error_body(out, "server_error", code="timeout" if kind == "timeout" else None))
             break
         r, c, lps = acc.add(out)
         if chat:
@@ -132,6 +140,6 @@ async def stream(req, ids, queue, acc, rid, created, chat, lp_fmt, model_name):
         if out.finish_reason:
             yield chunk({} if chat else "", finish=acc.finish_reason(out.finish_reason))
             if req.include_usage:
-                yield sse({**base, "choices": [], "usage": usage(len(ids), acc.tokens)})
+                yield sse({**base, "choices": [], "usage": acc.usage(len(ids))})
             break
     yield "data: [DONE]\n\n"

@@ -1,0 +1,148 @@
+"""The prefix cache: KV of finished requests, reused by later requests that start the same way
+(the next turn of a chat, a shared system prompt), so only the rest of a prompt is prefilled.
+
+Exactness: a reused prefix ends on a prefill-chunk boundary and was itself computed by whole
+chunks starting at multiples of the chunk size, so the chunks left to run are exactly those a
+fresh run would run, over bit-identical K/V. The sparse prefill importance of the reused
+positions is restored as it stood at that boundary (later chunks add mass to earlier
+positions), from the snapshots the engine takes after each aligned chunk. Positions written by
+decode steps are never reused: decode computes K/V through other kernels than prefill.
+
+Entries are keyed by what changes prefill's K/V besides the tokens: the KV dtype, the sparse
+prefill settings, and a salt for inputs that are not token ids. A request with images must pass
+a salt that names them (a hash of their bytes; Request.cache_salt), or opt out
+(Request.cacheable = False): token ids alone do not say which image a placeholder stands for.
+
+Entries are charged to the KV budget like running caches and evicted least recently used when
+a charge does not fit (KVPool's evictor).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(eq=False)
+class Entry:
+    key: tuple
+    tokens: np.ndarray  # [B] int64: the prefix whose K/V `cache` holds (B = its last boundary)
+    cache: object  # KVCache, length B
+    snapshots: dict  # boundary b -> [L, b] float32 prefill importance when the prefill stood at b
+    pins: int = 0  # lookups copying from it right now: not evictable
+
+
+@dataclass
+class Hit:
+    entry: Entry | None = None
+    tokens: int = 0  # positions to reuse (a multiple of the chunk size)
+
+
+@dataclass
+class PrefixStats:
+    lookups: int = 0
+    hits: int = 0
+    cached_tokens: int = 0
+    evictions: int = 0
+    entries: int = 0
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    eq = a[:n] == b[:n]  # [n]
+    return n if eq.all() else int(np.argmin(eq))
+
+
+class PrefixCache:
+    def __init__(self, pool, chunk: int, enabled: bool = True):
+        self.pool = pool
+        self.chunk = chunk
+        self.enabled = enabled
+        self.stats = PrefixStats()
+        self._entries: OrderedDict[int, Entry] = OrderedDict()  # id -> entry, least recently used first
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(e.cache, "charged", 0) for e in self._entries.values())
+
+    def lookup(self, key: tuple, prompt: np.ndarray) -> Hit:
+        """The entry sharing the longest reusable prefix with prompt, pinned (call unpin after
+        copying). At least one prompt token is always left to run: its logits start decoding."""
+        if not self.enabled:
+            return Hit()
+        with self._lock:
+            self.stats.lookups += 1
+            best = Hit()
+            for e in self._entries.values():
+                if e.key != key:
+                    continue
+                n = min(common_prefix(e.tokens, prompt), len(prompt) - 1)
+                n = max((b for b in e.snapshots if b <= n), default=0)
+                if n > best.tokens:
+                    best = Hit(e, n)
+            if best.entry is not None:
+                best.entry.pins += 1
+                self._entries.move_to_end(id(best.entry))
+            return best
+
+    def unpin(self, hit: Hit, used: bool) -> None:
+        if hit.entry is None:
+            return
+        with self._lock:
+            hit.entry.pins -= 1
+            if used:
+                self.stats.hits += 1
+                self.stats.cached_tokens += hit.tokens
+
+    def insert(self, key: tuple, prompt: np.ndarray, cache, snapshots: dict) -> None:
+        """Takes over a finished request's cache: keeps its longest snapshotted prefix (shrinking
+        the cache to it) unless another entry already covers it; otherwise refunds it."""
+        b = max((b for b in snapshots if b <= cache.length), default=0)
+        if not self.enabled or b == 0:
+            self.pool.release(cache)
+            return
+        tokens = np.asarray(prompt[:b], np.int64)
+        with self._lock:
+            for e in list(self._entries.values()):
+                if e.key != key:
+                    continue
+                n = common_prefix(e.tokens, tokens)
+                if n == b:  # already held (by an entry at least as long)
+                    self._entries.move_to_end(id(e))
+                    self.pool.release(cache)
+                    return
+                if n == len(e.tokens) and e.pins == 0:  # the new entry covers this one
+                    self._drop(e)
+        cache.truncate(b)
+        self.pool.resize(cache, b)  # a refund: never fails
+        entry = Entry(key, tokens, cache, {k: v for k, v in snapshots.items() if k <= b})
+        with self._lock:
+            self._entries[id(entry)] = entry
+            self.stats.entries = len(self._entries)
+
+    def evict_one(self) -> bool:
+        """Frees the least recently used unpinned entry; False if there is none."""
+        with self._lock:
+            for e in self._entries.values():
+                if e.pins == 0:
+                    self._drop(e)
+                    self.stats.evictions += 1
+                    return True
+        return False
+
+    def clear(self) -> None:
+        while self.evict_one():
+            pass
+
+    def _drop(self, e: Entry) -> None:
+        del self._entries[id(e)]
+        self.stats.entries = len(self._entries)
+        self.pool.release(e.cache)
+        e.cache = None
