@@ -184,6 +184,16 @@ class Tokenizer:
     def from_gguf(cls, source) -> Tokenizer:
         """From GGUF metadata: a sparrow GGUFFile (its `meta` dict) or a gguf.GGUFReader."""
         meta = source.meta if hasattr(source, "meta") else _reader_meta(source)
+        _check_gguf_vocab(meta)
+        try:
+            return cls._from_gguf(meta)
+        except SparrowError:
+            raise
+        except Exception as e:  # noqa: BLE001 - `tokenizers` raises a bare Exception on a bad vocabulary
+            raise SparrowError(f"corrupt GGUF tokenizer: {' '.join(str(e).split())[:200]}") from None
+
+    @classmethod
+    def _from_gguf(cls, meta: dict) -> Tokenizer:
         model = meta.get("tokenizer.ggml.model")
         if model not in ("gpt2", "llama"):
             raise SparrowError(f"unsupported GGUF tokenizer model {model!r} (supported: gpt2, llama)")
@@ -359,6 +369,33 @@ class Tokenizer:
         return render_chat(
             self.chat_template, messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
         )
+
+
+def _check_gguf_vocab(meta: dict) -> None:
+    """The tokenizer keys a GGUF must hold, with the types and lengths the builder relies on."""
+
+    def bad(key, why):
+        raise SparrowError(f"corrupt GGUF tokenizer: {key} {why}")
+
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        bad("tokenizer.ggml.tokens", "is missing or not a list of strings")
+    n = len(tokens)
+    for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+        v = meta.get(key)
+        if v is not None and (not isinstance(v, np.ndarray) or v.ndim != 1 or len(v) != n):
+            bad(key, f"must be an array of {n} numbers, one per token")
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges is not None and not (isinstance(merges, list) and all(isinstance(m, str) for m in merges)):
+        bad("tokenizer.ggml.merges", "must be a list of strings")
+    for key in ("model", "pre", "chat_template"):
+        v = meta.get(f"tokenizer.{'' if key == 'chat_template' else 'ggml.'}{key}")
+        if v is not None and not isinstance(v, str):
+            bad(f"tokenizer.ggml.{key}", "must be a string")
+    for key in ("bos", "eos", "eot", "eom", "unknown"):  # ids past the vocabulary are dropped, except unknown's
+        v = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or (key == "unknown" and not 0 <= v < n)):
+            bad(f"tokenizer.ggml.{key}_token_id", f"is {v!r:.40}, not a token id below {n}")
 
 
 def _is_hex(s: str) -> bool:

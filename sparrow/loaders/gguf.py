@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 
@@ -24,8 +25,9 @@ def open_gguf(path: str):
         reader = GGUFFile(path)
     except SparrowError as e:
         raise SparrowError(f"{name}: {e}") from None
-    except (ValueError, OverflowError, UnicodeDecodeError, struct.error) as e:  # garbage where numbers should be
-        raise SparrowError(f"{name}: corrupt GGUF file: {type(e).__name__}: {e}") from None
+    except (ValueError, OverflowError, UnicodeDecodeError, struct.error, TypeError, MemoryError) as e:
+        # garbage where numbers should be
+        raise SparrowError(f"{name}: corrupt GGUF file: {type(e).__name__}: {_line(e)}") from None
     return reader, reader.meta
 
 
@@ -62,4 +64,34 @@ def gguf_config(reader, meta: dict) -> ModelConfig:
     if emb is None:
         raise SparrowError("GGUF has no token_embd.weight tensor")
     vocab = int(emb.shape[-1])
-    return ModelConfig.from_gguf(meta, names, vocab)
+    name = os.path.basename(reader.path)
+    try:
+        cfg = ModelConfig.from_gguf(meta, names, vocab)
+    except (TypeError, ValueError, KeyError, IndexError, ZeroDivisionError, OverflowError, AttributeError) as e:
+        # a key missing or of the wrong type (a flipped type tag, a string where a count should be)
+        raise SparrowError(f"{name}: corrupt GGUF metadata: {type(e).__name__}: {_line(e)}") from None
+    _check_sizes(cfg, names, name)
+    return cfg
+
+
+def _check_sizes(cfg: ModelConfig, names: set[str], name: str) -> None:
+    """Sizes the model is built from, checked before anything is allocated for them: a float read
+    where an int was written rounds to 0, a flipped bit makes a layer count in the billions."""
+    sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
+    for key in (*sizes, "max_position_embeddings"):
+        if getattr(cfg, key) < 1:
+            raise SparrowError(f"{name}: corrupt GGUF metadata: {key} is {getattr(cfg, key)}")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise SparrowError(
+            f"{name}: corrupt GGUF metadata: {cfg.num_attention_heads} heads over {cfg.num_key_value_heads} KV heads"
+        )
+    if f"blk.{cfg.num_hidden_layers - 1}.attn_norm.weight" not in names:
+        raise SparrowError(f"{name}: corrupt GGUF metadata: {cfg.num_hidden_layers} layers, tensors for fewer")
+    if not (math.isfinite(cfg.rms_norm_eps) and math.isfinite(cfg.rope_theta) and cfg.rope_theta > 0):
+        raise SparrowError(
+            f"{name}: corrupt GGUF metadata: rms_norm_eps {cfg.rms_norm_eps}, rope_theta {cfg.rope_theta}"
+        )
+
+
+def _line(e: Exception) -> str:
+    return " ".join(str(e).split())[:200]

@@ -8,6 +8,7 @@ Tensor views have the shapes GGUFReader gives (Weight.from_gguf relies on them).
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 
@@ -31,6 +32,8 @@ _NP = {
     12: np.float64,
 }
 _STRING, _ARRAY = 8, 9
+_MAX_NESTING = 4  # arrays of arrays: llama.cpp writes none; a corrupt file could nest them without end
+_MAX_ALIGN = 1 << 16
 # ggml tensor types stored as plain numbers (others are blocks of bytes)
 _PLAIN = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64, 28: np.float64}
 
@@ -49,7 +52,8 @@ class _Cursor:
 
     def take(self, n: int) -> memoryview:
         if self.pos + n > len(self.buf):
-            raise SparrowError("GGUF file is truncated")
+            size = len(self.buf)
+            raise SparrowError(f"GGUF file is truncated: {n} bytes needed at offset {self.pos}, file has {size}")
         out = self.buf[self.pos : self.pos + n]
         self.pos += n
         return out
@@ -62,7 +66,15 @@ class _Cursor:
         n = self.scalar("<Q")
         return bytes(self.take(n)).decode("utf-8", errors="replace")
 
-    def value(self, vtype: int):
+    def count(self, n: int, least: int, what: str) -> int:
+        """A count read from the file, checked against the bytes left (each item takes `least` or
+        more) before anything is allocated or looped over for it."""
+        left = len(self.buf) - self.pos
+        if n * least > left:
+            raise SparrowError(f"GGUF file is truncated or corrupt: {what} claims {n} items, {left} bytes are left")
+        return n
+
+    def value(self, vtype: int, depth: int = 0):
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype])
         if vtype == _STRING:
@@ -70,11 +82,15 @@ class _Cursor:
         if vtype == _ARRAY:
             etype, n = self.scalar("<I"), self.scalar("<Q")
             if etype == _STRING:
-                return [self.string() for _ in range(n)]
+                return [self.string() for _ in range(self.count(n, 8, "a string array"))]
             if etype in _NP:
                 size = np.dtype(_NP[etype]).itemsize * n
                 return np.frombuffer(self.take(size), dtype=_NP[etype])
-            return [self.value(etype) for _ in range(n)]
+            if etype != _ARRAY:
+                raise SparrowError(f"GGUF metadata has an array of unknown value type {etype}")
+            if depth >= _MAX_NESTING:
+                raise SparrowError(f"GGUF metadata nests arrays more than {_MAX_NESTING} deep")
+            return [self.value(etype, depth + 1) for _ in range(self.count(n, 12, "an array of arrays"))]
         raise SparrowError(f"GGUF metadata has unknown value type {vtype}")
 
 
@@ -95,19 +111,23 @@ class GGUFFile:
         n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
         if n_tensors > 1_000_000 or n_kv > 1_000_000:
             raise SparrowError(f"corrupt GGUF header ({n_tensors} tensors, {n_kv} keys)")
+        cur.count(n_kv, 12, "the header's key count")  # key length + value type, at least
         self.meta: dict = {}
         for _ in range(n_kv):
             key = cur.string()
             self.meta[key] = cur.value(cur.scalar("<I"))
+        cur.count(n_tensors, 24, "the header's tensor count")  # name length, n_dims, type, offset
         infos = []
         for _ in range(n_tensors):
             name = cur.string()
             n_dims = cur.scalar("<I")
             if n_dims > 8:
-                raise SparrowError(f"corrupt GGUF tensor info for {name!r}")
+                raise SparrowError(f"corrupt GGUF tensor info for {name!r:.60}: {n_dims} dimensions")
             dims = tuple(cur.scalar("<Q") for _ in range(n_dims))
             infos.append((name, dims, cur.scalar("<I"), cur.scalar("<Q")))
-        align = int(self.meta.get("general.alignment", 32))
+        align = self.meta.get("general.alignment", 32)
+        if not isinstance(align, int) or isinstance(align, bool) or not 0 < align <= _MAX_ALIGN or align & (align - 1):
+            raise SparrowError(f"corrupt GGUF header: general.alignment is {align!r}, not a power of two"[:200])
         start = -(-cur.pos // align) * align
         self.tensors = []
         for name, dims, ttype, offset in infos:
@@ -115,12 +135,14 @@ class GGUFFile:
                 qtype = gguf.GGMLQuantizationType(ttype)
                 block, type_size = gguf.GGML_QUANT_SIZES[qtype]
             except (ValueError, KeyError):
-                raise SparrowError(f"tensor {name!r} has unknown ggml type {ttype}") from None
-            n = int(np.prod(dims)) if dims else 1
+                raise SparrowError(f"tensor {name!r:.60} has unknown ggml type {ttype}") from None
+            n = math.prod(dims)  # Python ints: np.prod would wrap around on corrupt sizes
+            if dims and dims[0] % block:
+                raise SparrowError(f"corrupt GGUF tensor info for {name!r:.60}: rows of {dims[0]} are not whole blocks")
             nbytes = n // block * type_size
             a = start + offset
             if a + nbytes > len(self._mm):
-                raise SparrowError(f"GGUF file is truncated: tensor {name!r} ends past the end of the file")
+                raise SparrowError(f"GGUF file is truncated: tensor {name!r:.60} ends past the end of the file")
             raw = self._mm[a : a + nbytes]
             rows = tuple(reversed(dims[1:]))
             if ttype in _PLAIN:

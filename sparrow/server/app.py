@@ -16,34 +16,50 @@ import sys
 import threading
 import traceback
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import __version__
 from ..engine.engine import Engine, EngineBusy
 from ..engine.kv_budget import format_size, parse_size
 from ..engine.sequence import check_context
 from ..errors import ContextLengthError, SparrowError
 from ..structured import StructuredError
+from .limits import BodyLimit
 from .metrics import Metrics
 from .protocol import (
     DEFAULT_MAX_TOKENS,
     APIError,
     ReasoningSplitter,
     chat_logprobs,
+    chat_request,
     completion_logprobs,
+    completion_request,
     error_body,
     new_id,
     now,
-    parse_chat,
-    parse_completion,
     starts_in_reasoning,
+    validate,
+    validation_error,
+)
+from .schema import (
+    ERRORS,
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    openapi,
 )
 from .streaming import Accumulator, SSEResponse, collect, stream
 
-MAX_BODY = 8 * 1024 * 1024  # bytes; larger bodies get 413
-_DRAIN = 64 * 1024 * 1024  # read and drop up to this much of an oversized body so the client sees the 413
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize")
 
 
@@ -75,28 +91,6 @@ class ServerState:
             raise APIError(
                 503, self.load_error or "the model is still loading", type="server_error", code="model_not_ready"
             )
-
-
-async def read_json(request: Request):
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > MAX_BODY:
-        if int(size) <= _DRAIN:
-            async for _ in request.stream():
-                pass
-        raise APIError(413, f"request body of {size} bytes exceeds the limit of {MAX_BODY}", code="request_too_large")
-    chunks, n = [], 0
-    async for chunk in request.stream():
-        n += len(chunk)
-        if n <= MAX_BODY:
-            chunks.append(chunk)
-        elif n > _DRAIN:
-            break
-    if n > MAX_BODY:
-        raise APIError(413, f"request body exceeds the limit of {MAX_BODY} bytes", code="request_too_large")
-    try:
-        return json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"malformed JSON body: {e}"[:300], code="invalid_json") from None
 
 
 class _Guard:
@@ -140,15 +134,22 @@ class _Guard:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="sparrow", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="sparrow", version=__version__, redoc_url=None)  # /openapi.json and /docs from schema.py
+    app.openapi = lambda: openapi(app)
     app.state.sparrow = state
     metrics = state.metrics
 
+    app.add_middleware(BodyLimit)  # inside _Guard, which counts its 413s
     app.add_middleware(_Guard, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        err = validation_error(list(e.errors()))
+        return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e):
@@ -186,14 +187,12 @@ def create_app(state: ServerState) -> FastAPI:
     async def get_metrics():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    async def read_body(request: Request):
-        """Key, then body, then readiness: the order every POST route checks them in."""
+    def ready(request: Request) -> None:
+        """Key, then readiness: run before FastAPI validates a body (a malformed JSON body comes first)."""
         auth(request)
-        body = await read_json(request)
         state.require_ready()
-        return body
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **ERRORS})
     async def models(request: Request):
         auth(request)
         state.require_ready()
@@ -211,57 +210,60 @@ def create_app(state: ServerState) -> FastAPI:
             ],
         }
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        body = await read_body(request)
+    @app.post("/tokenize", dependencies=[Depends(ready)], responses={200: {"model": TokenizeResponse}, **ERRORS})
+    async def tokenize(request: Request, body: TokenizeRequest):
         llm = state.llm
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        check_model(body.get("model"))
+        check_model(body.model)
         try:
-            if body.get("messages") is not None:
+            if body.messages is not None:
                 keys = ("messages", "chat_template_kwargs", "tools", "tool_choice")
-                req = parse_chat({k: body.get(k) for k in keys})
+                req = chat_request(validate(ChatCompletionRequest, body.model_dump(include=set(keys), by_alias=True)))
                 tools = req.structured.template_tools
                 ids = await run_in_threadpool(
                     llm.prompt_ids, req.messages, True, None, req.chat_template_kwargs, "", tools
                 )
-            elif isinstance(body.get("prompt"), str):
-                add = body.get("add_special_tokens", True)
-                ids = await run_in_threadpool(llm.tokenizer.encode, body["prompt"], bool(add))
+            elif body.prompt is not None:
+                ids = await run_in_threadpool(llm.tokenizer.encode, body.prompt, body.add_special_tokens)
             else:
                 raise APIError(400, "send 'prompt' (a string) or 'messages'", param="prompt")
         except SparrowError as e:
             raise APIError(400, str(e)) from None
         out = {"count": len(ids), "max_model_len": llm.ctx, "tokens": ids}
-        if body.get("return_token_strs"):
+        if body.return_token_strs:
             out["token_strs"] = [llm.tokenizer.id_to_token(i) for i in ids]
         return out
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        body = await read_body(request)
+    @app.post("/detokenize", dependencies=[Depends(ready)], responses={200: {"model": DetokenizeResponse}, **ERRORS})
+    async def detokenize(request: Request, body: DetokenizeRequest):
         llm = state.llm
-        ids = body.get("tokens") if isinstance(body, dict) else None
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise APIError(400, "'tokens' must be a list of token ids", param="tokens")
-        check_model(body.get("model"))
+        ids = body.tokens
+        check_model(body.model)
         if any(not 0 <= i < llm.tokenizer.vocab_size for i in ids):
             raise APIError(400, f"token ids must be in [0, {llm.tokenizer.vocab_size})", param="tokens")
         return {"prompt": llm.tokenizer.decode(ids)}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await _generate(request, chat=True)
+    @app.post(
+        "/v1/chat/completions",
+        dependencies=[Depends(ready)],
+        response_model=None,
+        responses={200: {"model": ChatCompletion}, **ERRORS},
+    )
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
+        return await _generate(request, body, chat=True)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await _generate(request, chat=False)
+    @app.post(
+        "/v1/completions",
+        dependencies=[Depends(ready)],
+        response_model=None,
+        responses={200: {"model": Completion}, **ERRORS},
+    )
+    async def completions(request: Request, body: CompletionRequest):
+        return await _generate(request, body, chat=False)
 
-    async def _prepare(request: Request, chat: bool):
-        body = await read_body(request)
+    async def _prepare(body, chat: bool):
         llm = state.llm
-        req = (parse_chat if chat else parse_completion)(body, llm.checkpoint.generation_defaults)
+        defaults = llm.checkpoint.generation_defaults
+        req = chat_request(body, defaults) if chat else completion_request(body, defaults)
         check_model(req.model)
         param = "messages" if chat else "prompt"
         try:
@@ -298,8 +300,8 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, str(e), param=e.param) from None
         return req, ids, splitter, constraint
 
-    async def _generate(request: Request, chat: bool):
-        req, ids, splitter, constraint = await _prepare(request, chat)
+    async def _generate(request: Request, body, chat: bool):
+        req, ids, splitter, constraint = await _prepare(body, chat)
         llm, engine = state.llm, state.engine
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()

@@ -1,22 +1,25 @@
-"""OpenAI request parsing/validation and response shapes; no model or HTTP code here.
+"""OpenAI requests -> typed GenRequests, errors in OpenAI's shape, and response helpers; no HTTP here.
 
-Requests are validated by hand rather than with pydantic models so that every problem becomes
-OpenAI's error shape with a 400 and the offending `param`, and unknown fields are ignored the
-way permissive OpenAI-compatible servers do.
+Bodies are validated against the pydantic models of schema.py (FastAPI does it for the routes,
+`parse_chat`/`parse_completion` for callers holding a dict); every validation error becomes
+OpenAI's 400 with `param` naming the field (`validation_error`).
 """
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..errors import SparrowError
-from ..params import KV_DTYPES, SamplingParams, SparseParams
-from ..structured import Structured, StructuredError
+from pydantic import BaseModel, ValidationError
 
-ROLES = {"system", "user", "assistant", "developer", "tool"}  # developer is OpenAI's newer name for system
+from ..errors import SparrowError
+from ..params import SamplingParams, SparseParams
+from ..structured import Structured, StructuredError
+from .schema import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TextPart, TokenizeRequest
+
+_OTHER = (TokenizeRequest, DetokenizeRequest)
+
 _TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "tools", "template", "self"}  # set by the server
 DEFAULT_MAX_TOKENS = 2048  # when the request names none: the KV cache is sized to prompt + this
 
@@ -47,64 +50,92 @@ def _bad(param: str, message: str) -> APIError:
     return APIError(400, message, param=param)
 
 
-# ---------------------------------------------------------------------- typed field readers
-def _num(body: dict, name: str, default, lo=None, hi=None, integer=False):
-    v = body.get(name)
-    if v is None:
-        return default
-    if (
-        isinstance(v, bool)
-        or not isinstance(v, (int, float))
-        or (integer and not isinstance(v, int))
-        or (isinstance(v, float) and not math.isfinite(v))
-    ):  # json.loads accepts NaN and Infinity
-        raise _bad(name, f"'{name}' must be {'an integer' if integer else 'a finite number'}, got {v!r}"[:300])
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-        raise _bad(name, f"'{name}' must be in {rng}, got {v!r}")
-    return v
+# ---------------------------------------------------------------------- validation errors
+def _path(loc) -> list:
+    """A pydantic error location as field names and list indices. Labels pydantic adds for the
+    members of a union ('str', 'list[int]', 'TextPart', ...) are no field of ours: dropped."""
+    return [p for p in loc if isinstance(p, int) or p in _FIELDS]
 
 
-def _bool(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise _bad(name, f"'{name}' must be a boolean, got {v!r}"[:300])
-    return v
+def _named(path: list, missing: bool) -> list:
+    """The part of the request an error is reported on: a bad item of a list names the list
+    (`stop_token_ids`); a missing field names the list item or top-level field holding it
+    (`messages[0]`, `messages[0].tool_calls[0]`, `response_format`)."""
+    if len(path) > 1 and isinstance(path[-1], int):
+        return path[:-1]
+    if missing and len(path) > 1:
+        path = path[:-1]
+        while len(path) > 1 and not isinstance(path[-1], int):
+            path = path[:-1]
+    return path
 
 
-def _dict(body: dict, name: str) -> dict:
-    v = body.get(name)
-    if v is None:
-        return {}
-    if not isinstance(v, dict):
-        raise _bad(name, f"'{name}' must be an object")
-    return v
+def _param(path: list) -> str | None:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
+    return out or None
 
 
-def _stop(body: dict) -> list[str]:
-    v = body.get("stop")
-    if v is None:
-        return []
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise _bad("stop", "'stop' must be a string or a list of strings")
-    if len(v) > 16:
-        raise _bad("stop", "at most 16 stop strings are supported")
-    return [s for s in v if s]
+def validation_error(errors: list[dict]) -> APIError:
+    """pydantic's (or FastAPI's) errors for one body -> one OpenAI 400. `param` is the deepest field
+    common to the errors of the first field named (a union reports one error per member)."""
+    if any(e.get("type") == "json_invalid" for e in errors):
+        why = next(e for e in errors if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
+        return APIError(400, f"malformed JSON body: {why}"[:300], code="invalid_json")
+    paths = [_path(e["loc"][1:] if e["loc"][:1] == ("body",) else e["loc"]) for e in errors]
+    paths = [_named(p, e["type"] == "missing") for p, e in zip(paths, errors)]
+    if not paths or not paths[0]:
+        return APIError(400, "the request body must be a JSON object")
+    group = [(p, e) for p, e in zip(paths, errors) if p[:1] == paths[0][:1]]
+    common = group[0][0]
+    for p, _ in group[1:]:
+        n = next((i for i, (a, b) in enumerate(zip(common, p)) if a != b), min(len(common), len(p)))
+        common = common[:n]
+    param = _param(common)
+    why = []
+    for p, e in group:
+        rest = _param(p[len(common) :])
+        text = f"{rest}: {e['msg']}" if rest else e["msg"]
+        if e["type"] == "missing":
+            text = f"{e['loc'][-1]!r} is required" + (f" in {rest}" if rest else "")
+        if "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], (dict, list)):
+            text += f" (got {e['input']!r:.40})"
+        if text not in why:
+            why.append(text)
+    return APIError(400, f"invalid '{param}': {'; or '.join(why)}"[:300], param=param)
 
 
-def _token_ids(body: dict, name: str) -> list[int]:
-    v = body.get(name)
-    if v is None:
-        return []
-    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
-        raise _bad(name, f"'{name}' must be a list of token ids")
-    return v
+def validate(model: type[BaseModel], body):
+    """A dict -> the model, or the 400 for what is wrong with it."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e.errors(include_url=False)) from None
 
 
+def _field_names(model, seen) -> set[str]:
+    names = set()
+    if model in seen or not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return names
+    seen.add(model)
+    for name, f in model.model_fields.items():
+        names.add(f.alias or name)
+        for sub in _models_in(f.annotation):
+            names |= _field_names(sub, seen)
+    return names
+
+
+def _models_in(tp):
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        yield tp
+    for arg in getattr(tp, "__args__", ()) or ():
+        yield from _models_in(arg)
+
+
+# ---------------------------------------------------------------------- requests -> GenRequest
 @dataclass
 class GenRequest:
     chat: bool
@@ -122,158 +153,117 @@ class GenRequest:
     structured: Structured = field(default_factory=Structured)  # tools, tool_choice, response_format
 
 
-def _common(body: dict, chat: bool, defaults: dict | None) -> GenRequest:
+def _common(r, chat: bool, defaults: dict | None) -> GenRequest:
     """defaults: the model's generation_config sampling values, used where the request says nothing."""
     d = {k: v for k, v in (defaults or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise _bad("model", "'model' must be a string")
-    n = _num(body, "n", 1, lo=1, integer=True)
-    if n != 1:
+
+    def pick(name, fallback):
+        v = getattr(r, name)
+        return d.get(name, fallback) if v is None else v
+
+    if r.n not in (None, 1):
         raise _bad("n", "n > 1 is not supported; send separate requests")
-    max_tokens = _num(body, "max_tokens", None, integer=True)
-    max_tokens = _num(body, "max_completion_tokens", max_tokens, integer=True)
-    if max_tokens is not None and max_tokens < 1:
-        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        raise _bad(name, f"'{name}' must be a positive integer, got {max_tokens}")
-    seed = _num(body, "seed", None, integer=True)
+    max_tokens = getattr(r, "max_completion_tokens", None) or r.max_tokens
     if chat:
-        want_lp = _bool(body, "logprobs", False)
-        top = _num(body, "top_logprobs", None, lo=0, hi=20, integer=True)
-        if top is not None and not want_lp:
+        want_lp = bool(r.logprobs)
+        if r.top_logprobs is not None and not want_lp:
             raise _bad("top_logprobs", "'top_logprobs' requires 'logprobs': true")
-        logprobs = (top or 0) if want_lp else None
+        logprobs = (r.top_logprobs or 0) if want_lp else None
     else:
-        logprobs = _num(body, "logprobs", None, lo=0, hi=20, integer=True)
+        logprobs = r.logprobs
         want_lp = logprobs is not None
+    stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
+    if len(stop) > 16:
+        raise _bad("stop", "at most 16 stop strings are supported")
     params = SamplingParams(
         max_tokens=max_tokens or 1,
-        temperature=float(_num(body, "temperature", d.get("temperature", 1.0), lo=0.0, hi=2.0)),
-        top_p=float(_num(body, "top_p", d.get("top_p", 1.0), lo=0.0, hi=1.0)),
-        top_k=max(0, _num(body, "top_k", int(d.get("top_k", 0)), lo=-1, integer=True)),  # -1 = off (vLLM)
-        min_p=float(_num(body, "min_p", d.get("min_p", 0.0), lo=0.0, hi=1.0)),
-        repetition_penalty=float(_num(body, "repetition_penalty", d.get("repetition_penalty", 1.0), lo=0.0)),
-        presence_penalty=float(_num(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0)),
-        frequency_penalty=float(_num(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0)),
-        seed=None if seed is None else seed % 2**64,
-        stop=_stop(body),
-        ignore_eos=_bool(body, "ignore_eos", False),
-        stop_token_ids=_token_ids(body, "stop_token_ids"),
+        temperature=float(pick("temperature", 1.0)),
+        top_p=float(pick("top_p", 1.0)),
+        top_k=max(0, int(pick("top_k", 0))),  # -1 = off (vLLM)
+        min_p=float(pick("min_p", 0.0)),
+        repetition_penalty=float(pick("repetition_penalty", 1.0)),
+        presence_penalty=float(r.presence_penalty or 0.0),
+        frequency_penalty=float(r.frequency_penalty or 0.0),
+        seed=None if r.seed is None else r.seed % 2**64,
+        stop=[s for s in stop if s],
+        ignore_eos=bool(r.ignore_eos),
+        stop_token_ids=list(r.stop_token_ids or []),
         logprobs=logprobs,
     )
-    if params.top_p == 0.0:
-        raise _bad("top_p", "'top_p' must be in (0, 1]")
-    if params.repetition_penalty == 0.0:
-        raise _bad("repetition_penalty", "'repetition_penalty' must be > 0")
     sparse = None
-    if _bool(body, "sparse_attn", False):
+    if r.sparse_attn:
         try:
             sparse = SparseParams(
-                k=_num(body, "sparse_k", 32, lo=1, integer=True),
-                block=_num(body, "sparse_block", 32, lo=1, integer=True),
-                probe=_num(body, "sparse_probe", 8, lo=1, integer=True),
-                prefill=_bool(body, "sparse_prefill", False),
+                k=32 if r.sparse_k is None else r.sparse_k,
+                block=32 if r.sparse_block is None else r.sparse_block,
+                probe=8 if r.sparse_probe is None else r.sparse_probe,
+                prefill=bool(r.sparse_prefill),
             )
         except SparrowError as e:
             raise _bad("sparse_attn", str(e)) from None
-    kv_dtype = body.get("kv_dtype")
-    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
-        raise _bad("kv_dtype", f"'kv_dtype' must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}"[:300])
-    stream = _bool(body, "stream", False)
-    opts = _dict(body, "stream_options")
-    include_usage = _bool(opts, "include_usage", False)
     return GenRequest(
         chat,
-        model,
+        r.model,
         params,
         sparse,
         max_tokens,
-        stream=stream,
-        include_usage=include_usage,
+        stream=bool(r.stream),
+        include_usage=bool(r.stream_options and r.stream_options.include_usage),
         logprobs=want_lp,
-        kv_dtype=kv_dtype,
+        kv_dtype=r.kv_dtype,
     )
 
 
-def _messages(body: dict) -> list[dict]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise _bad("messages", "'messages' must be a non-empty list")
+def _content(content, p: str, images: bool):
+    """Text parts are joined into one string; with `images`, a list holding image parts is passed
+    on as given (the parts' dicts) for the model's processor."""
+    if not isinstance(content, list):
+        return content
+    for j, part in enumerate(content):
+        if not isinstance(part, TextPart) and not images:
+            raise _bad(f"{p}.content[{j}]", f"{p}.content[{j}] must be a text part {{'type': 'text', 'text': ...}}")
+    if all(isinstance(part, TextPart) for part in content):
+        return "\n".join(part.text for part in content)
+    return [part.model_dump(exclude_none=True) for part in content]
+
+
+def _messages(msgs, images: bool) -> list[dict]:
     out = []
     for i, m in enumerate(msgs):
         p = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise _bad(p, f"{p} must be an object")
-        role = m.get("role")
-        if role not in ROLES:
-            raise _bad(f"{p}.role", f"{p}.role must be one of system, user, assistant, tool; got {role!r}"[:300])
-        content = m.get("content")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if not (
-                    isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str)
-                ):
-                    raise _bad(
-                        f"{p}.content[{j}]", f"{p}.content[{j}] must be a text part {{'type': 'text', 'text': ...}}"
-                    )
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        elif content is None:
-            if role != "assistant":
-                raise _bad(f"{p}.content", f"{p}.content is required")
-            content = ""
-        elif not isinstance(content, str):
-            raise _bad(f"{p}.content", f"{p}.content must be a string or a list of text parts")
-        msg = {"role": "system" if role == "developer" else role, "content": content}
-        reasoning = m.get("reasoning_content")
-        if role == "assistant" and isinstance(reasoning, str):
-            msg["reasoning_content"] = reasoning
-        if role == "assistant" and m.get("tool_calls") is not None:
-            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{p}.tool_calls")
-        if role == "tool":
-            if m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
-                raise _bad(f"{p}.tool_call_id", f"{p}.tool_call_id must be a string")
-            msg["tool_call_id"] = m.get("tool_call_id")
+        if m.content is None and m.role != "assistant":
+            raise _bad(f"{p}.content", f"{p}.content is required")
+        content = "" if m.content is None else _content(m.content, p, images)
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.role == "assistant" and m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
+        if m.role == "assistant" and m.tool_calls is not None:
+            # as the chat template reads them: arguments as given (JSON text, or an object)
+            msg["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
+        if m.role == "tool":
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
 
 
-def _tool_calls(calls, p: str) -> list[dict]:
-    """An assistant message's earlier calls, as the chat template reads them (arguments: JSON text)."""
-    if not isinstance(calls, list):
-        raise _bad(p, f"{p} must be a list")
-    out = []
-    for i, c in enumerate(calls):
-        fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise _bad(
-                f"{p}[{i}]", f"{p}[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}"
-            )
-        args = fn.get("arguments", "{}")
-        if not isinstance(args, (str, dict)):
-            raise _bad(f"{p}[{i}].function.arguments", f"{p}[{i}].function.arguments must be a JSON string")
-        call = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
-        if isinstance(c.get("id"), str):
-            call["id"] = c["id"]
-        out.append(call)
-    return out
+def _structured(r, parallel: bool) -> Structured:
+    def raw(v):
+        if isinstance(v, list):
+            return [raw(x) for x in v]
+        return v.model_dump(exclude_unset=True, by_alias=True) if isinstance(v, BaseModel) else v
 
-
-def _structured(body: dict, parallel: bool) -> Structured:
     try:
-        return Structured.parse(body.get("tools"), body.get("tool_choice"), body.get("response_format"), parallel)
+        return Structured.parse(raw(r.tools), raw(r.tool_choice), raw(getattr(r, "response_format", None)), parallel)
     except StructuredError as e:
         raise _bad(e.param, str(e)) from None
 
 
-def parse_chat(body, defaults: dict | None = None) -> GenRequest:
-    req = _common(body, chat=True, defaults=defaults)
-    req.messages = _messages(body)
-    req.structured = _structured(body, _bool(body, "parallel_tool_calls", True))
-    kwargs = _dict(body, "chat_template_kwargs")
+def chat_request(r: ChatCompletionRequest, defaults: dict | None = None, images: bool = False) -> GenRequest:
+    """images: the model takes image parts (else a non-text part is a 400, as for a text model)."""
+    req = _common(r, chat=True, defaults=defaults)
+    req.messages = _messages(r.messages, images)
+    req.structured = _structured(r, r.parallel_tool_calls is not False)
+    kwargs = r.chat_template_kwargs or {}
     clash = sorted(set(kwargs) & _TEMPLATE_RESERVED)
     if clash:
         raise _bad("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(clash)}")
@@ -281,22 +271,31 @@ def parse_chat(body, defaults: dict | None = None) -> GenRequest:
     return req
 
 
-def parse_completion(body, defaults: dict | None = None) -> GenRequest:
-    req = _common(body, chat=False, defaults=defaults)
-    p = body.get("prompt")
+def completion_request(r: CompletionRequest, defaults: dict | None = None) -> GenRequest:
+    req = _common(r, chat=False, defaults=defaults)
+    p = r.prompt
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # a batch of one
-    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+    if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
         req.prompt = p
-    elif isinstance(p, str):
-        req.prompt = p
-    elif isinstance(p, list) and len(p) > 1:
+    elif len(p) > 1:
         raise _bad("prompt", "batched prompts are not supported; send one prompt per request")
     else:
         raise _bad("prompt", "'prompt' must be a string or a list of token ids")
-    if _bool(body, "echo", False):
+    if r.echo:
         raise _bad("echo", "'echo' is not supported")
     return req
+
+
+def parse_chat(body, defaults: dict | None = None, images: bool = False) -> GenRequest:
+    return chat_request(validate(ChatCompletionRequest, body), defaults, images)
+
+
+def parse_completion(body, defaults: dict | None = None) -> GenRequest:
+    return completion_request(validate(CompletionRequest, body), defaults)
+
+
+_FIELDS = set().union(*(_field_names(m, set()) for m in (ChatCompletionRequest, CompletionRequest, *_OTHER)))
 
 
 # ---------------------------------------------------------------------- responses

@@ -1,0 +1,346 @@
+"""The HTTP API's published schema: pydantic models of every request and response body.
+
+FastAPI validates request bodies against these models and publishes them at /openapi.json and
+/docs. Types are strict (no "1" -> 1 or true -> 1 coercion, no NaN) so a wrong type is a 400
+naming the field; unknown fields are ignored, as permissive OpenAI-compatible servers do. Checks
+that need more than a type (n > 1, a tool name that matches no tool, a JSON schema sparrow cannot
+compile) are made where the request is turned into a GenRequest (protocol.py, sparrow.structured).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, NonNegativeInt, Tag
+
+from ..params import KV_DTYPES
+
+KVDType = Literal[KV_DTYPES]  # type: ignore[valid-type]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class _Open(_Model):
+    """Passed on as given (to the chat template or the grammar compiler): extra keys are kept."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+# ---------------------------------------------------------------------- chat messages
+class TextPart(_Model):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ImageURL(_Open):
+    url: str = Field(description="an http(s) URL or a data: URL (base64)")
+    detail: str | None = None
+
+
+class ImageURLPart(_Model):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class ImagePart(_Open):
+    """An image part in the shape some clients send ({"type": "image", "image": ...})."""
+
+    type: Literal["image"]
+
+
+_PART_TAGS = {"text": "TextPart", "image_url": "ImageURLPart", "image": "ImagePart"}
+
+
+def _part_kind(v) -> str | None:
+    # the part's "type" picks the one model to check it against, so an error names that model's field
+    kind = v.get("type", "text") if isinstance(v, dict) else getattr(v, "type", None)
+    return _PART_TAGS.get(kind) if isinstance(kind, str) else None
+
+
+def _content_kind(v) -> str | None:
+    return "string" if isinstance(v, str) else "parts" if isinstance(v, list) else None
+
+
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("TextPart")]
+    | Annotated[ImageURLPart, Tag("ImageURLPart")]
+    | Annotated[ImagePart, Tag("ImagePart")],
+    Discriminator(
+        _part_kind,
+        custom_error_type="content_part",
+        custom_error_message="a part must be {'type': 'text', 'text': ...} "
+        "or {'type': 'image_url', 'image_url': {'url': ...}}",
+    ),
+]
+Content = Annotated[
+    Annotated[str, Tag("string")] | Annotated[list[ContentPart], Tag("parts")],
+    Discriminator(
+        _content_kind, custom_error_type="content", custom_error_message="must be a string or a list of parts"
+    ),
+]
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: str | dict[str, Any] = Field("{}", description="JSON text (an object is accepted too)")
+
+
+class ToolCall(_Model):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Content | None = Field(None, description="text, or a list of parts; only an assistant message may omit it")
+    name: str | None = None
+    reasoning_content: str | None = Field(None, description="an assistant's earlier reasoning (Qwen3 templates)")
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+# ---------------------------------------------------------------------- tools and formats
+class FunctionDef(_Open):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments object")
+    strict: bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JSONSchemaFormat(_Open):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StreamOptions(_Model):
+    include_usage: bool | None = None
+
+
+# ---------------------------------------------------------------------- requests
+class _Sampling(_Model):
+    """Fields shared by chat and text completions. None means the model's generation_config value
+    (temperature, top_p, top_k, min_p, repetition_penalty), else OpenAI's default."""
+
+    model: str | None = None
+    n: int | None = Field(None, ge=1, description="only 1 is supported")
+    max_tokens: int | None = Field(None, ge=1)
+    seed: int | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    stop: str | list[str] | None = Field(None, description="at most 16 stop strings")
+    ignore_eos: bool | None = None
+    stop_token_ids: list[NonNegativeInt] | None = None
+    sparse_attn: bool | None = Field(None, description="sparse decode attention for this request")
+    sparse_k: int | None = Field(None, ge=1)
+    sparse_block: int | None = Field(None, ge=1)
+    sparse_probe: int | None = Field(None, ge=1)
+    sparse_prefill: bool | None = None
+    kv_dtype: KVDType | None = Field(None, description="KV cache type for this request (default: the server's)")
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="a string or token ids (a batch of one is accepted)"
+    )
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool | None = Field(None, description="not supported")
+
+
+class TokenizeRequest(_Model):
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    messages: list[Message] | None = Field(None, min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    return_token_strs: bool | None = None
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---------------------------------------------------------------------- responses (documentation)
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
+
+
+class ChatCompletion(BaseModel):
+    """The answer; with "stream": true, server-sent `chat.completion.chunk` events instead."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class Completion(BaseModel):
+    """The answer; with "stream": true, server-sent `text_completion` events instead."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape, for every 4xx and 5xx."""
+
+    error: ErrorDetail
+
+
+ERRORS = {
+    status: {"model": ErrorResponse, "description": text}
+    for status, text in (
+        (400, "invalid request: `param` names the field"),
+        (401, "missing or wrong API key"),
+        (404, "unknown model"),
+        (413, "request body too large"),
+        (503, "the model is still loading"),
+    )
+}
+
+
+def openapi(app) -> dict:
+    """FastAPI's schema, less the 422 responses it adds to every body: sparrow answers 400."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for path in spec.get("paths", {}).values():
+            for op in path.values():
+                op.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            spec.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = spec
+    return app.openapi_schema
