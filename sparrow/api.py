@@ -16,6 +16,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from .engine.generate import generate_step
+from .engine.kv_budget import KVPool, default_budget
+from .engine.prefix_cache import PrefixCache, prefix_key
 from .engine.runner import Runner
 from .engine.sequence import Sequence, StepOutput
 from .errors import SparrowError
@@ -45,6 +47,9 @@ class LLM:
         self.threads = threads
         self.ctx = ctx
         self.load_seconds = load_seconds
+        # stream() leaves each prompt's KV here for the next call that starts the same way (a chat's
+        # next turn); two entries: a conversation and one more, within the default KV budget.
+        self.prefix = PrefixCache(KVPool(default_budget()), self.runner.prefill_chunk, max_entries=2)
 
     # ------------------------------------------------------------------ prompts
     def prompt_ids(
@@ -140,11 +145,21 @@ class LLM:
         seq = Sequence.create(
             self.runner, self.tokenizer, list(ids), sampling, self.ctx, kv, sparse, trace is not None, constraint
         )
-        for out in generate_step(self.runner, seq, timings=timings):
-            if trace is not None and seq.trace:
-                trace.append(list(seq.trace))
-                seq.trace.clear()
-            yield out
+        key = prefix_key(kv, sparse, has_images=getattr(seq.slot, "mm", None) is not None)
+        cached = self.prefix.seed(key, seq.slot) if key is not None else 0
+        try:
+            for out in generate_step(self.runner, seq, timings=timings):
+                if cached is not None:
+                    out.cached_tokens, cached = cached, None
+                    if out.timing:
+                        out.timing["prefill_tokens"] -= out.cached_tokens
+                if trace is not None and seq.trace:
+                    trace.append(list(seq.trace))
+                    seq.trace.clear()
+                yield out
+        finally:  # also when the caller stops early
+            if key is not None:
+                self.prefix.insert(key, seq.slot.prompt, seq.slot.cache, seq.slot.snapshots)
 
     @property
     def tool_format(self) -> ToolFormat:

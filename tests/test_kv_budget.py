@@ -29,6 +29,7 @@ class Recording(Runner):
     def __init__(self, model, chunk):
         super().__init__(model, chunk)
         self.logits: dict = {}
+        self.importance: dict = {}  # prompt -> [L, P] prefill importance when its prefill ended
         self.repeats = 0
 
     def _keep(self, slot, row):
@@ -42,6 +43,7 @@ class Recording(Runner):
         out = super().prefill_step(slot, end)
         if out is not None and slot.prefill_done:
             self._keep(slot, out)
+            self.importance[tuple(slot.prompt.tolist())] = slot.cache.importance_snapshot()
         return out
 
     def decode(self, slots, tokens):

@@ -32,7 +32,7 @@ from ..kernels import linear as _linear
 from ..kernels import set_threads
 from ..params import SamplingParams, SparseParams
 from .kv_budget import KVPool, default_budget, format_size, pages, probe_of
-from .prefix_cache import Hit, PrefixCache
+from .prefix_cache import Hit, PrefixCache, prefix_key
 from .runner import Runner
 from .scheduler import Scheduler
 from .sequence import Sequence, StepOutput
@@ -118,13 +118,14 @@ class Engine:
         *,
         timeout: float | None = None,
         cache_salt: str | None = None,
+        cacheable: bool = True,
     ) -> Request:
         """Queues a request. Raises EngineBusy when the queue is full or the engine is draining,
         SparrowError when prompt + max_tokens cannot fit in the whole KV budget."""
         self.check_fits(len(prompt_ids), params.max_tokens, kv_dtype, sparse)
         timeout = timeout if timeout is not None else self.timeout
         deadline = time.monotonic() + timeout if timeout else None
-        req = Request(list(prompt_ids), params, sparse, emit, kv_dtype, constraint, deadline, cache_salt)
+        req = Request(list(prompt_ids), params, sparse, emit, kv_dtype, constraint, deadline, cache_salt, cacheable)
         with self._cv:
             if self._draining or self._stop:
                 raise EngineBusy("the server is shutting down", retry_after=5)
@@ -263,15 +264,12 @@ class Engine:
             self.metrics.add(cancelled=len(gone) - n_timeout, timeouts=n_timeout)
 
     def _prefix_key(self, req: Request):
-        """What besides the tokens must match for KV to be shared (None: never share): the KV
-        dtype, the sparse prefill settings, and the salt of non-token inputs. A request with
-        images and no salt is never matched on its token ids alone."""
+        """prefix_cache.prefix_key of req (None: never share its KV)."""
         seq = req.seq
         has_images = getattr(req, "images", None) or (seq is not None and getattr(seq.slot, "mm", None) is not None)
-        if not req.cacheable or (has_images and req.cache_salt is None):
+        if not req.cacheable:
             return None
-        sp = req.sparse
-        return (req.kv_dtype or self.llm.kv_dtype, sp if sp is not None and sp.prefill else None, req.cache_salt)
+        return prefix_key(req.kv_dtype or self.llm.kv_dtype, req.sparse, req.cache_salt, bool(has_images))
 
     def _free(self, req: Request) -> None:
         """Drops req's sequence; its KV goes to the prefix cache (which keeps what it can reuse)."""

@@ -56,11 +56,21 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return n if eq.all() else int(np.argmin(eq))
 
 
+def prefix_key(kv_dtype: str, sparse, salt=None, has_images: bool = False):
+    """What besides the tokens must match for KV to be shared, or None (never share): the KV
+    dtype, the sparse prefill settings (decode-only settings leave prefill's K/V alone), and the
+    salt naming non-token inputs. Images without a salt are never matched on token ids alone."""
+    if has_images and salt is None:
+        return None
+    return (kv_dtype, sparse if sparse is not None and sparse.prefill else None, salt)
+
+
 class PrefixCache:
-    def __init__(self, pool, chunk: int, enabled: bool = True):
+    def __init__(self, pool, chunk: int, enabled: bool = True, max_entries: int | None = None):
         self.pool = pool
         self.chunk = chunk
         self.enabled = enabled
+        self.max_entries = max_entries  # None: as many as the budget holds
         self.stats = PrefixStats()
         self._entries: OrderedDict[int, Entry] = OrderedDict()  # id -> entry, least recently used first
         self._lock = threading.Lock()
@@ -92,6 +102,17 @@ class PrefixCache:
                 self._entries.move_to_end(id(best.entry))
             return best
 
+    def seed(self, key, slot) -> int:
+        """Copies the longest reusable prefix of slot's prompt into its (empty, allocated) cache;
+        returns how many positions it holds now (0: no hit)."""
+        hit = self.lookup(key, slot.prompt) if key is not None else Hit()
+        if hit.entry is not None:
+            e, n = hit.entry, hit.tokens
+            slot.cache.copy_prefix(e.cache, n, e.snapshots[n])
+            slot.snapshots = {b: v for b, v in e.snapshots.items() if b <= n}
+        self.unpin(hit, hit.entry is not None)
+        return hit.tokens
+
     def unpin(self, hit: Hit, used: bool) -> None:
         if hit.entry is None:
             return
@@ -121,11 +142,15 @@ class PrefixCache:
                 if n == len(e.tokens) and e.pins == 0:  # the new entry covers this one
                     self._drop(e)
         cache.truncate(b)
-        self.pool.resize(cache, b)  # a refund: never fails
+        if not self.pool.resize(cache, b):  # a refund for the engine's caches; a charge for the API's
+            self.pool.release(cache)
+            return
         entry = Entry(key, tokens, cache, {k: v for k, v in snapshots.items() if k <= b})
         with self._lock:
             self._entries[id(entry)] = entry
             self.stats.entries = len(self._entries)
+        while self.max_entries is not None and len(self._entries) > self.max_entries and self.evict_one():
+            pass
 
     def evict_one(self) -> bool:
         """Frees the least recently used unpinned entry; False if there is none."""

@@ -1,0 +1,171 @@
+"""The prefix cache: a request that starts like an earlier one reuses its KV and prefills only the
+rest, with the same tokens and logits bits as with the cache off; LRU eviction under the budget;
+requests with non-token inputs are never matched on token ids alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_kv_budget import Recording, solo
+
+from sparrow.engine.engine import Engine
+from sparrow.engine.kv_budget import KVPool
+from sparrow.engine.prefix_cache import PrefixCache, prefix_key
+from sparrow.engine.runner import Runner
+from sparrow.kv_cache import KVCache
+from sparrow.params import SamplingParams, SparseParams
+from sparrow.server.metrics import Metrics
+
+CHUNK = 16
+
+
+# ---------------------------------------------------------------------- no model needed
+def _finished(n, chunk=CHUNK, tokens=None):
+    """A cache as a finished request leaves it: n positions, snapshots at each chunk boundary."""
+    cache = KVCache(1, 1, 4, n)
+    cache.length = n
+    snaps = {b: np.full((1, b), b, np.float32) for b in range(chunk, n + 1, chunk)}
+    return (np.arange(n) if tokens is None else np.asarray(tokens)), cache, snaps
+
+
+def test_lookup_reuses_whole_chunks_and_leaves_a_token_to_run():
+    pool = KVPool(1 << 20)
+    pc = PrefixCache(pool, CHUNK)
+    key = prefix_key("f32", None)
+    pc.insert(key, *_finished(40))  # boundaries 16, 32
+    assert len(pc) == 1 and pc.nbytes == pool.used > 0
+    for prompt, want in [(np.arange(60), 32), (np.arange(33), 32), (np.arange(32), 16), (np.arange(16), 0)]:
+        hit = pc.lookup(key, prompt)
+        pc.unpin(hit, hit.entry is not None)
+        assert hit.tokens == want, (len(prompt), hit.tokens)
+    other = np.r_[np.arange(20), [999] * 20]  # diverges at 20: only the first chunk is shared
+    hit = pc.lookup(key, other)
+    assert hit.tokens == 16
+    pc.unpin(hit, True)
+    assert pc.lookup(prefix_key("f16", None), np.arange(60)).entry is None  # another dtype never matches
+    assert (pc.stats.hits, pc.stats.cached_tokens) == (4, 32 + 32 + 16 + 16)
+
+
+def test_keys_keep_images_and_sparse_prefill_apart():
+    assert prefix_key("f32", None, has_images=True) is None  # images without a salt: never matched
+    assert prefix_key("f32", None, "img-a", True) != prefix_key("f32", None, "img-b", True)
+    assert prefix_key("f32", SparseParams(k=4)) == prefix_key("f32", None)  # decode-only settings
+    assert prefix_key("f32", SparseParams(k=4, prefill=True)) != prefix_key("f32", None)
+
+
+def test_lru_eviction_under_the_budget_and_covered_entries_are_dropped():
+    one = KVCache(1, 1, 4, 1).bytes_at(32)
+    pool = KVPool(2 * one)
+    pc = PrefixCache(pool, CHUNK)
+    pool.evictor = pc.evict_one
+    key = prefix_key("f32", None)
+    a, b = _finished(32, tokens=np.arange(32)), _finished(32, tokens=np.arange(32) + 100)
+    pc.insert(key, *a)
+    pc.insert(key, *b)
+    hit = pc.lookup(key, np.arange(40))  # touches a: b is now the least recently used
+    pc.unpin(hit, True)
+    assert pool.charge_new(KVCache(1, 1, 4, 32)) and len(pc) == 1  # room made by evicting b
+    assert pc.lookup(key, np.arange(40) + 100).entry is None and pc.stats.evictions == 1
+    longer = _finished(48, tokens=np.arange(48))
+    pool.budget *= 2
+    pc.insert(key, *longer)  # covers a's prefix: a is dropped, not kept twice
+    assert len(pc) == 1 and pc.lookup(key, np.arange(60)).tokens == 48
+
+
+# ---------------------------------------------------------------------- the default model
+@pytest.fixture(scope="module")
+def llm(default_llm):
+    return default_llm
+
+
+def _params(seed, n=6):
+    return SamplingParams(max_tokens=n, temperature=0.7, seed=seed, ignore_eos=True, logprobs=0)
+
+
+@pytest.mark.parametrize("sparse", [None, SparseParams(k=2, block=16)], ids=["exact", "sparse"])
+def test_second_turn_reuses_kv_and_matches_the_cache_off_bits(llm, sparse):
+    rng = np.random.default_rng(3)
+    first = rng.integers(100, 40000, 90).tolist()
+    runner, metrics = Recording(llm.model, CHUNK), Metrics()
+    engine = Engine(llm, runner=runner, metrics=metrics, kv_budget=1 << 28)
+    engine.start(warmup=False)
+    try:
+        (out1,), _ = _submit_one(engine, first, _params(1), sparse)
+        second = first + out1 + rng.integers(100, 40000, 23).tolist()  # the next turn: reply and a new message
+        before = metrics.snapshot()["prefill_tokens"]
+        (out2,), cached = _submit_one(engine, second, _params(2), sparse)
+        prefilled = metrics.snapshot()["prefill_tokens"] - before
+    finally:
+        engine.stop()
+    assert cached == 80 and prefilled == len(second) - 80  # 5 whole chunks of the first prompt reused
+    assert engine.prefix.stats.hits == 1
+    with_cache = {k: v for k, v in runner.logits.items() if k[0] == tuple(second)}
+    off = Recording(llm.model, CHUNK)
+    seq_tokens = solo_sparse(llm, off, second, _params(2), sparse)
+    assert seq_tokens == out2
+    assert set(with_cache) == set(off.logits)
+    assert all(with_cache[k].tobytes() == off.logits[k].tobytes() for k in with_cache)
+    assert runner.importance[tuple(second)].tobytes() == off.importance[tuple(second)].tobytes()
+
+
+def solo_sparse(llm, runner, ids, params, sparse):
+    if sparse is None:
+        return solo(llm, runner, ids, params)
+    from sparrow.engine.generate import generate_step
+    from sparrow.engine.sequence import Sequence
+
+    seq = Sequence.create(runner, llm.tokenizer, list(ids), params, llm.ctx, llm.kv_dtype, sparse)
+    return [o.token_id for o in generate_step(runner, seq)]
+
+
+def _submit_one(engine, ids, params, sparse):
+    import threading
+
+    got, cached, done = [], [], threading.Event()
+
+    def emit(kind, out):
+        assert kind == "token", out
+        got.append(out.token_id)
+        if out.cached_tokens is not None:
+            cached.append(out.cached_tokens)
+        if out.finish_reason:
+            done.set()
+
+    engine.submit(ids, params, sparse, emit)
+    assert done.wait(300)
+    return (got,), cached[0]
+
+
+def test_opted_out_requests_are_not_matched(llm):
+    ids = np.random.default_rng(5).integers(100, 40000, 40).tolist()
+    engine = Engine(llm, runner=Runner(llm.model, CHUNK), kv_budget=1 << 28)
+    submit = engine.submit
+    engine.submit = lambda *a, **kw: submit(*a, **kw, cacheable=False)  # as a request with unsalted images
+    engine.start(warmup=False)
+    try:
+        (out,), _ = _submit_one(engine, ids, _params(1, 2), None)
+        (_,), cached = _submit_one(engine, ids + out, _params(1, 2), None)
+    finally:
+        engine.stop()
+    assert cached == 0 and engine.prefix.stats.hits == 0 and len(engine.prefix) == 0
+
+
+def test_api_second_chat_turn_reuses_the_first(llm):
+    system = "You are a careful assistant. " * 90  # > 512 tokens: one whole default prefill chunk
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Name a fruit."}]
+    kw = dict(max_tokens=4, temperature=0.0, logprobs=3)
+    llm.prefix.clear()
+    first = llm.chat(msgs, **kw)["content"]
+    turn2 = msgs + [{"role": "assistant", "content": first}, {"role": "user", "content": "And a colour?"}]
+    n_prompt = len(llm.prompt_ids(turn2, chat=True))
+    cached = list(llm.stream(turn2, chat=True, timings=True, **kw))
+    llm.prefix.enabled = False
+    try:
+        fresh = list(llm.stream(turn2, chat=True, **kw))
+    finally:
+        llm.prefix.enabled = True
+    assert cached[0].cached_tokens == 512 and cached[0].timing["prefill_tokens"] == n_prompt - 512
+    assert fresh[0].cached_tokens == 0
+    assert [(o.token_id, o.logprob, o.top_logprobs) for o in cached] == [
+        (o.token_id, o.logprob, o.top_logprobs) for o in fresh
+    ]
