@@ -33,6 +33,9 @@ from .params import (
     options_to_params,
 )
 from .structured import Structured, ToolFormat, tool_format
+from .vision.media import DEFAULT_MAX_IMAGES
+from .vision.messages import expand_pads, has_images, split_images
+from .vision.preprocess import preprocess
 
 
 class LLM:
@@ -50,6 +53,8 @@ class LLM:
         # stream() leaves each prompt's KV here for the next call that starts the same way (a chat's
         # next turn); two entries: a conversation and one more, within the default KV budget.
         self.prefix = PrefixCache(KVPool(default_budget()), self.runner.prefill_chunk, max_entries=2)
+        self.vision = getattr(checkpoint, "vision", None)  # VisionConfig of an image model, else None
+        self.max_images = DEFAULT_MAX_IMAGES  # per prompt
 
     # ------------------------------------------------------------------ prompts
     def prompt_ids(
@@ -62,30 +67,80 @@ class LLM:
         tools: list[dict] | None = None,
     ) -> list[int]:
         """A string is a raw completion prompt unless chat=True; a list is chat messages.
-        tools: OpenAI tool objects for the chat template to render."""
+        tools: OpenAI tool objects for the chat template to render.
+
+        User content may be a list of parts: {"type": "text", "text": ...}, {"type":
+        "image_url", "image_url": {"url": "data:image/png;base64,..."}} and {"type": "image",
+        "image": path | bytes | PIL.Image}; each image's pad is expanded to its token count."""
+        return self.prompt_and_images(prompt, chat, system, chat_template_kwargs, assistant_prefix, tools)[0]
+
+    def prompt_and_images(
+        self,
+        prompt,
+        chat: bool | None = None,
+        system: str | None = None,
+        chat_template_kwargs: dict | None = None,
+        assistant_prefix: str = "",
+        tools: list[dict] | None = None,
+        allowed_local_path: str | None = None,
+        local_files: bool = True,
+        max_images: int | None = None,
+    ) -> tuple[list[int], list]:
+        """prompt_ids() plus the prompt's preprocessed images (vision.preprocess.PixelImage, in
+        order). The server passes local_files=False and its --allowed-local-media-path."""
         tok = self.tokenizer
         if isinstance(prompt, str) and not chat:
-            return tok.encode(prompt, add_special_tokens=True)
+            return tok.encode(prompt, add_special_tokens=True), []
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        images = []
+        if has_images(messages):
+            messages, images = split_images(
+                messages,
+                self._image_placeholder(),
+                max_images if max_images is not None else self.max_images,
+                allowed_local_path,
+                local_files,
+            )
         if system is not None:
             messages = [{"role": "system", "content": system}] + [m for m in messages if m.get("role") != "system"]
         text = tok.apply_chat_template(
             messages, add_generation_prompt=True, tools=tools, **(chat_template_kwargs or {})
         )
         # The template already holds any bos it needs; encode special tokens as written.
-        return tok.encode(text + assistant_prefix, add_special_tokens=False)
+        ids = tok.encode(text + assistant_prefix, add_special_tokens=False)
+        if self.vision is None:
+            return ids, []
+        pixels = [preprocess(im, self.vision) for im in images]
+        counts = [self.model.image_tokens(p.grid) for p in pixels]
+        return expand_pads(ids, self.vision.image_token_id, counts), pixels
+
+    def _image_placeholder(self) -> str | None:
+        """The text a template writes for one image, or None for a text-only model."""
+        vc = self.vision
+        if vc is None:
+            return None
+        ids = (vc.vision_start_token_id, vc.image_token_id, vc.vision_end_token_id)
+        toks = [self.tokenizer.id_to_token(i) for i in ids]
+        if None in toks:
+            raise SparrowError(f"the tokenizer lacks Qwen3-VL's vision tokens {ids}")
+        return "".join(toks)
 
     # ------------------------------------------------------------------ forward
     def logits(
         self, token_ids, sparse: SparseParams | None = None, kv_dtype: str | None = None, **sparse_options
     ) -> np.ndarray:
         """One full forward over token_ids (a single chunk); float32 logits [len(token_ids), vocab].
+        token_ids may also be chat messages (with image parts for an image model): the forward
+        then runs over prompt_ids(messages).
 
         Attention is exact unless `sparse` (or the sparse_attn=True, sparse_k=... keywords) says
         otherwise."""
         from .models.decoder import Segment
 
         set_threads(self.threads)
+        images = []
+        if isinstance(token_ids, list) and token_ids and isinstance(token_ids[0], dict):
+            token_ids, images = self.prompt_and_images(token_ids, chat=True)
         ids = np.asarray(token_ids, np.int64)
         if ids.ndim != 1 or len(ids) == 0:
             raise SparrowError("token_ids must be a non-empty 1-D sequence")
@@ -96,8 +151,9 @@ class LLM:
         if set(sparse_options) - set(SPARSE_OPTIONS):
             raise SparrowError(f"logits() takes only sparse_* options, got {sorted(sparse_options)}")
         _, sparse = _params(None, sparse, sparse_options)
-        cache = self.model.new_cache(len(ids), check_kv_dtype(kv_dtype or self.kv_dtype))
-        return self.model.forward([Segment(ids, cache, 0, sparse)], all_logits=True)
+        slot = self.runner.new_slot(ids, len(ids), check_kv_dtype(kv_dtype or self.kv_dtype), images=images)
+        vision = slot.mm.segment(0, len(ids)) if slot.mm is not None else None
+        return self.model.forward([Segment(ids, slot.cache, 0, sparse, vision=vision)], all_logits=True)
 
     # ------------------------------------------------------------------ generation
     def stream(
@@ -134,16 +190,25 @@ class LLM:
         sampling, sparse = _params(sampling, sparse, options)
         kv = check_kv_dtype(kv_dtype or self.kv_dtype)
         structured = Structured.parse(tools, tool_choice, response_format, parallel_tool_calls)
-        ids = (
-            prompt
+        ids, images = (
+            (prompt, [])
             if _is_token_ids(prompt)
-            else self.prompt_ids(
+            else self.prompt_and_images(
                 prompt, chat, system, chat_template_kwargs, assistant_prefix, tools=structured.template_tools
             )
         )
         constraint = structured.constraint(self.tokenizer, self.config.vocab_size, self.tool_format)
         seq = Sequence.create(
-            self.runner, self.tokenizer, list(ids), sampling, self.ctx, kv, sparse, trace is not None, constraint
+            self.runner,
+            self.tokenizer,
+            list(ids),
+            sampling,
+            self.ctx,
+            kv,
+            sparse,
+            trace is not None,
+            constraint,
+            images,
         )
         key = prefix_key(kv, sparse, has_images=getattr(seq.slot, "mm", None) is not None)
         cached = self.prefix.seed(key, seq.slot) if key is not None else 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -154,6 +155,13 @@ def _run(llm, prompt, a, **extra) -> str:
     if dec_lines:  # after the answer, so the streamed text stays readable
         print("\n".join(dec_lines), file=sys.stderr)
     if a.timings and t_first:
+        ps = llm.vision.patch_size if llm.vision is not None else 0
+        for j, v in enumerate(t_first.get("vision", ())):
+            _, h, w = v["grid"]
+            print(
+                f"[VISION] image {j + 1}: {w * ps}x{h * ps} px, {v['tokens']} tokens, {v['ms']:.1f} ms",
+                file=sys.stderr,
+            )
         n = t_first["prefill_tokens"]
         ms = t_first["prefill_ms"]
         print(
@@ -175,9 +183,16 @@ def cmd_generate(a) -> None:
         prompt, a.chat = DEMO_PROMPT, True
         print(f"> {prompt}", file=sys.stderr)
     extra = {}
+    if a.image:  # images go before the text, as Qwen3-VL's examples put them
+        prompt = [{"role": "user", "content": [{"type": "image", "image": p} for p in a.image] + [_text(prompt)]}]
+        a.chat = True
     if a.chat:
         extra = dict(chat=True, system=a.system, chat_template_kwargs=_think_kwargs(a))
     _run(llm, prompt, a, **extra)
+
+
+def _text(s: str) -> dict:
+    return {"type": "text", "text": s}
 
 
 def _think_kwargs(a) -> dict:
@@ -190,9 +205,10 @@ def cmd_chat(a) -> None:
     messages = [{"role": "system", "content": a.system}] if a.system else []
     print(
         f"sparrow chat with {llm.name} ({f'sparse k={a.sparse_k}' if a.sparse_attn else 'exact attention'}). "
-        "/reset clears the conversation, /exit or Ctrl-D quits.",
+        "/reset clears the conversation, /image PATH attaches an image to your next message, /exit or Ctrl-D quits.",
         file=sys.stderr,
     )
+    images = []  # /image paths waiting for the next user message
     while True:
         try:
             line = input("> ")
@@ -203,10 +219,25 @@ def cmd_chat(a) -> None:
             return
         if line.strip() == "/reset":
             messages = messages[:1] if a.system else []
+            images = []
+            continue
+        if line.strip().startswith("/image"):
+            path = line.strip()[len("/image") :].strip()
+            if not path:
+                print("usage: /image PATH", file=sys.stderr)
+            elif not os.path.isfile(os.path.expanduser(path)):
+                print(f"error: no such file: {path}", file=sys.stderr)
+            else:
+                images.append(os.path.expanduser(path))
+                print(f"[{len(images)} image(s) attached to your next message]", file=sys.stderr)
             continue
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line})
+        content = line
+        if images:
+            content = [{"type": "image", "image": p} for p in images] + [_text(line)]
+            images = []
+        messages.append({"role": "user", "content": content})
         try:
             answer = _run(llm, messages, a, chat=True, chat_template_kwargs=_think_kwargs(a))
         except SparrowError as e:
@@ -253,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     g.add_argument("--system", default=None, help="system message (with --chat)")
     g.add_argument("--no-think", action="store_true", help="Qwen3: enable_thinking=False in the chat template")
+    g.add_argument(
+        "--image", action="append", default=None, metavar="PATH", help="image file (repeatable; implies --chat)"
+    )
     _model_args(g)
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)

@@ -14,7 +14,7 @@ _HF_ARCHS = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
-_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen3vl": "qwen3"}
 SUPPORTED = "llama, qwen2, qwen3, qwen3_moe"
 
 
@@ -42,6 +42,9 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
+    # Qwen3-VL's interleaved M-RoPE: head_dim/2 frequencies split over the (t, h, w) position
+    # axes; empty for plain RoPE. Text tokens have t = h = w, where it equals plain RoPE.
+    mrope_section: tuple[int, ...] = field(default_factory=tuple)
 
     @property
     def is_moe(self) -> bool:
@@ -85,6 +88,7 @@ class ModelConfig:
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
             decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1) or 1),
             mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+            mrope_section=_mrope_section(scaling or rope),
         )
 
     @classmethod
@@ -93,7 +97,9 @@ class ModelConfig:
         garch = meta.get("general.architecture")
         arch = _GGUF_ARCHS.get(garch)
         if arch is None:
-            raise SparrowError(f"unsupported architecture {garch!r} in GGUF; supported: llama, qwen2, qwen3, qwen3moe")
+            raise SparrowError(
+                f"unsupported architecture {garch!r} in GGUF; supported: llama, qwen2, qwen3, qwen3moe, qwen3vl"
+            )
         p = garch + "."
 
         def get(key, default=None):
@@ -129,6 +135,9 @@ class ModelConfig:
             moe_intermediate_size=int(get("expert_feed_forward_length", 0) or 0),
             # llama.cpp's qwen3moe always renormalises the top-k weights.
             norm_topk_prob=arch == "qwen3_moe",
+            mrope_section=tuple(int(s) for s in get("rope.dimension_sections", ()) or ())[:3]
+            if garch == "qwen3vl"
+            else (),
         )
 
 
@@ -142,6 +151,14 @@ def _hf_architecture(cfg: dict) -> str:
         return _MODEL_TYPES[mt]
     what = names[0] if names else mt
     raise SparrowError(f"unsupported architecture {what!r}; supported: {SUPPORTED}")
+
+
+def _mrope_section(rope: dict | None) -> tuple[int, ...]:
+    """Qwen3-VL's `mrope_section` from rope_scaling (Hub spelling) or rope_parameters (transformers 5)."""
+    sec = (rope or {}).get("mrope_section") or ()
+    if sec and not (rope or {}).get("mrope_interleaved", True):
+        raise SparrowError("only interleaved M-RoPE (Qwen3-VL) is supported")
+    return tuple(int(s) for s in sec)
 
 
 def _check_rope_scaling(scaling: dict | None) -> dict | None:

@@ -28,6 +28,8 @@ def generate_step(runner: Runner, seq: Sequence, timings: bool = False) -> Itera
     out = seq.accept(logits)
     if timings:
         out.timing = {"prefill_ms": prefill_s * 1e3, "prefill_tokens": len(seq.prompt)}
+        if seq.slot.mm is not None:  # per image: {"ms", "tokens", "grid"} of its vision encoding
+            out.timing["vision"] = seq.slot.mm.timings
     yield out
     while not seq.done:
         if timings and _runs_fused(runner.model, seq.slot):

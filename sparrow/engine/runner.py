@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import SparrowError
 from ..kernels import linear as _linear
 from ..kv_cache import KVCache
 from ..models.decoder import Segment
@@ -35,6 +36,7 @@ class Slot:
     cache: KVCache | None  # None while the engine holds no KV for it (queued or preempted)
     sparse: SparseParams | None = None
     trace: list | None = None  # sparse decode appends (layer, per-head selection records) here
+    mm: object | None = None  # models.qwen3_vl.MultimodalPrompt when the prompt holds images
     snapshots: dict = field(default_factory=dict)  # prefill boundary -> [L, b] importance (prefix cache)
 
     @property
@@ -70,10 +72,18 @@ class Runner:
         kv_dtype: str = "f32",
         sparse: SparseParams | None = None,
         trace: bool = False,
+        images: list | None = None,
     ) -> Slot:
-        """A slot with a fresh cache of `capacity` positions (prompt plus what it may generate)."""
+        """A slot with a fresh cache of `capacity` positions (prompt plus what it may generate).
+        images: preprocessed images (vision.preprocess) for the prompt's image pads, encoded here."""
+        prompt = np.asarray(prompt, np.int64)
+        mm = None
+        if hasattr(self.model, "prepare"):  # an image model: pads and images must match
+            mm = self.model.prepare(prompt, images or [])
+        elif images:
+            raise SparrowError("this model is text-only: it does not take images")
         cache = None if capacity is None else self.model.new_cache(capacity, kv_dtype)  # None: the engine's budget
-        return Slot(np.asarray(prompt, np.int64), cache, sparse, [] if trace else None)
+        return Slot(prompt, cache, sparse, [] if trace else None, mm)
 
     def prefill_step(self, slot: Slot, end: int | None = None) -> np.ndarray | None:
         """Runs the next chunk of the prompt (up to position `end`, default the whole prompt).
@@ -85,7 +95,8 @@ class Runner:
         if start >= end:
             return None
         stop = min(end, start + self.prefill_chunk)
-        seg = Segment(slot.prompt[start:stop], slot.cache, start, slot.sparse)
+        vision = slot.mm.segment(start, stop) if slot.mm is not None else None
+        seg = Segment(slot.prompt[start:stop], slot.cache, start, slot.sparse, vision=vision)
         logits = self.model.forward([seg])[0]  # [V]
         if stop % self.prefill_chunk == 0:  # a boundary the prefix cache may reuse from
             slot.snapshots[stop] = slot.cache.importance_snapshot()  # [L, stop]
@@ -119,6 +130,7 @@ class Runner:
                     slots[i].sparse,
                     decode=True,
                     trace=slots[i].trace,
+                    rope_delta=slots[i].mm.rope_delta if slots[i].mm is not None else 0,
                 )
                 for i in g
             ]

@@ -23,6 +23,7 @@ class Checkpoint:
     tensors: dict[str, StoredTensor]
     tokenizer: object  # sparrow.tokenizer.Tokenizer
     generation_defaults: dict = field(default_factory=dict)  # from generation_config.json
+    vision: object | None = None  # vision.config.VisionConfig of a Qwen3-VL checkpoint, else None
 
 
 def default_model_path() -> str:
@@ -76,6 +77,16 @@ def _open_hf_dir(path: str) -> Checkpoint:
     if not os.path.exists(cfg_path):
         raise SparrowError(f"{path}: no config.json (expected a Hugging Face model folder)")
     raw = _read_json(cfg_path)
+    vision = None
+    if "vision_config" in raw and "text_config" in raw:
+        from ..vision.config import VisionConfig
+
+        pre_path = os.path.join(path, "preprocessor_config.json")
+        pre = _read_json(pre_path) if os.path.exists(pre_path) else None
+        try:
+            vision = VisionConfig.from_hf(raw, pre)
+        except (KeyError, TypeError, ValueError) as e:
+            raise SparrowError(f"{cfg_path}: bad vision_config: {e}") from None
     if "text_config" in raw and "num_hidden_layers" not in raw:
         # Multimodal wrappers (Qwen3-VL): the text decoder is what sparrow runs.
         raw = dict(
@@ -95,4 +106,4 @@ def _open_hf_dir(path: str) -> Checkpoint:
     gen_path = os.path.join(path, "generation_config.json")
     gen = _read_json(gen_path) if os.path.exists(gen_path) else {}
     tok = Tokenizer.from_hf_dir(path)
-    return Checkpoint(path, os.path.basename(os.path.normpath(path)), cfg, tensors, tok, gen)
+    return Checkpoint(path, os.path.basename(os.path.normpath(path)), cfg, tensors, tok, gen, vision)

@@ -22,7 +22,7 @@ from ..params import SparseParams
 from ..quant import Weight
 from .attention import decode_attention, prefill_attention
 from .fused import FusedDecode
-from .layers import MLP, FusedLinear, Rope, rms_norm
+from .layers import MLP, FusedLinear, Rope, RowRope, rms_norm
 
 
 @dataclass
@@ -35,6 +35,8 @@ class Segment:
     sparse: SparseParams | None = None
     decode: bool = False  # a single new token attending over its cache (decode kernel)
     trace: list | None = None  # (layer, per-head selection records) appended here (decode only)
+    vision: object | None = None  # models.qwen3_vl.SegmentVision: M-RoPE positions, image embeddings
+    rope_delta: int = 0  # rope position minus cache position (decode after an image prompt)
 
 
 class Attention:
@@ -162,7 +164,7 @@ class Decoder:
             self.lm_head = self.embed
         else:
             self.lm_head = get.weight("lm_head.weight")
-        self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.mrope_section)
         # The fused decode step (models/fused.py), planned at the first decode; use_fused=False
         # (or SPARROW_FUSED=0) keeps every forward on the staged path, e.g. to time its stages.
         self.use_fused = os.environ.get("SPARROW_FUSED", "1") != "0"
@@ -209,22 +211,51 @@ class Decoder:
             if end > s.cache.capacity:
                 raise SparrowError(f"sequence of {end} tokens exceeds the KV cache capacity {s.cache.capacity}")
         x = self.embed.rows(tokens)  # [N, E]
+        rope = None
+        vis = [(bounds[j], s.vision) for j, s in enumerate(segments) if s.vision is not None]
+        if vis or any(s.rope_delta for s in segments):  # Qwen3-VL after images only
+            x, rope, positions = self._multimodal_inputs(segments, bounds, x, vis)
         for layer in self.layers:
             h = rms_norm(x, layer.input_norm, layer.eps)  # [N, E]
-            q, k, v = self.project_qkv(layer, h, positions)  # [N, H, D] [N, KV, D] [N, KV, D]
+            q, k, v = self.project_qkv(layer, h, positions, rope)  # [N, H, D] [N, KV, D] [N, KV, D]
             out = self.attend(layer, segments, bounds, q, k, v)  # [N, H, D]
             x = x + self.project_out(layer, out)  # [N, E]
             x = x + self.mlp_block(layer, x)  # [N, E]
+            if vis:
+                self._deepstack(layer.index, x, vis)
         for s in segments:
             s.cache.length = s.start + len(s.tokens)
         if not all_logits:
             x = x[bounds[1:] - 1]  # [B, E] last token of each segment
         return self.head(x)  # [*, V]
 
+    def _multimodal_inputs(self, segments, bounds, x, vis):
+        """Image embeddings scattered over their pad tokens, and a per-token M-RoPE table:
+        (x [N, E], RowRope, row index [N])."""
+        pos3 = []
+        for s in segments:
+            if s.vision is not None:
+                pos3.append(s.vision.positions)  # [3, T]
+            else:
+                p = np.arange(s.start, s.start + len(s.tokens)) + s.rope_delta
+                pos3.append(np.broadcast_to(p, (3, len(p))))
+        cos, sin = self.rope.table(np.concatenate(pos3, axis=1))  # [N, D/2] each
+        x = np.array(x, np.float32)  # [N, E] a private copy
+        for a, v in vis:
+            x[a + v.rows] = v.embeds
+        return x, RowRope(cos, sin), np.arange(len(x))
+
+    @staticmethod
+    def _deepstack(i: int, x: np.ndarray, vis) -> None:
+        """Qwen3-VL DeepStack: after text layer i, image tokens add the i-th DeepStack features."""
+        for a, v in vis:
+            if i < len(v.deepstack):
+                x[a + v.rows] += v.deepstack[i]
+
     # ------------------------------------------------------------------ stages
-    def project_qkv(self, layer: DecoderLayer, h: np.ndarray, positions: np.ndarray):
+    def project_qkv(self, layer: DecoderLayer, h: np.ndarray, positions: np.ndarray, rope=None):
         """q, k, v with bias, q/k norm and RoPE applied: [N, H, D] [N, KV, D] [N, KV, D]."""
-        return layer.attn.qkv(h, self.rope, positions)
+        return layer.attn.qkv(h, rope or self.rope, positions)
 
     def attend(self, layer: DecoderLayer, segments: list[Segment], bounds: np.ndarray, q, k, v) -> np.ndarray:
         """Appends each segment's k, v to its cache and attends its queries over it -> [N, H, D]."""

@@ -196,12 +196,11 @@ class FusedDecode:
             if probed:  # copy the full blocks already in the cache; a block this token completes is read in K
                 _, n_copied[i] = st.probe_keys(cache.layers[i], bs, sp.probe, pos)
         K, V, KS, VS, IMP, P, PS, per_block = self._arrays(cache, (bs, sp.probe) if probed else None)
-        rope = model.rope
-        rope.ensure(seq_len)
+        cos, sin = model.rope.shifted(seg.rope_delta, seq_len)  # [>= seq_len, D/2]: row p = rope position p + delta
         x = np.array(model.embed.rows(seg.tokens), dtype=np.float32)  # [1, E], a private copy
         logits = np.empty(self.logits_shape, np.float32)  # [1, V]
         model_t = (*self.wqkv, self.wo, *self.wgu, self.wdown, self.kinds, self.offs, self.in_norm, self.post_norm,
-                   self.eps, self.bias, self.q_norm, self.k_norm, rope.cos, rope.sin, self.H, self.KV, self.D, self.F,
+                   self.eps, self.bias, self.q_norm, self.k_norm, cos, sin, self.H, self.KV, self.D, self.F,
                    self.scale, self.head_norm, self.head_w, self.head_kind, model.activations == "q8")  # fmt: skip
         cache_t = (K, V, KS, VS, IMP, P, PS, n_copied, per_block, _KV_KIND[cache.dtype])
         attn_t = (sp is not None, sp.k if sp is not None else nb, bs, sp.probe if sp is not None else 1)

@@ -9,13 +9,15 @@ from ..kernels.elementwise import rms_norm, rope, silu_mul
 from ..kernels.linear import linear
 from ..quant import Weight
 
-__all__ = ["rms_norm", "Rope", "FusedLinear", "MLP", "silu"]
+__all__ = ["rms_norm", "Rope", "RowRope", "FusedLinear", "MLP", "silu"]
 
 
 class Rope:
     """Rotate-half rotary embedding, cos/sin cached per position in f32 like transformers."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None):
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, mrope_section=()):
+        self.mrope_section = tuple(mrope_section)
+        self._shift = (None, None, None)  # (delta, table length, (cos, sin)) of the latest shifted()
         # transformers: inv_freq = 1 / theta ** (arange(0, d, 2) / d) computed in f32
         exps = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
         inv = (1.0 / (np.float32(theta) ** exps)).astype(np.float32)  # [D/2]
@@ -39,6 +41,44 @@ class Rope:
         """x: [T, H, D] at the given absolute positions [T]; returns a new array."""
         self.ensure(int(positions.max()) + 1)
         return rope(x, self.cos, self.sin, positions)
+
+    def table(self, pos3: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin rows [N, D/2] for per-token (t, h, w) positions pos3 [3, N] (Qwen3-VL's
+        interleaved M-RoPE: frequency i follows axis h if i % 3 == 1 and i < 3 * s_h, w if
+        i % 3 == 2 and i < 3 * s_w, else t; plain RoPE of pos3[0] without an mrope_section)."""
+        freqs = pos3[0].astype(np.float32)[:, None] * self.inv_freq[None, :]  # [N, D/2]
+        if self.mrope_section:
+            for axis in (1, 2):
+                idx = slice(axis, 3 * self.mrope_section[axis], 3)
+                freqs[:, idx] = pos3[axis].astype(np.float32)[:, None] * self.inv_freq[None, idx]
+        return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+
+    def shifted(self, delta: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin tables whose row p holds position p + delta, for p < n (a decode step after
+        images: its rope position is its cache position plus the prompt's rope delta)."""
+        self.ensure(n + max(delta, 0))
+        if delta == 0:
+            return self.cos, self.sin
+        d, length, tabs = self._shift
+        if d != delta or length != len(self.cos):
+            if delta > 0:
+                tabs = self.cos[delta:], self.sin[delta:]
+            else:  # rows p < -delta are never read: positions after a prompt are >= 0
+                pad = np.zeros((-delta, self.cos.shape[1]), np.float32)
+                tabs = np.concatenate([pad, self.cos]), np.concatenate([pad, self.sin])
+            self._shift = (delta, len(self.cos), tabs)
+        return tabs
+
+
+class RowRope:
+    """Rope with one cos/sin row per token of a forward (M-RoPE or shifted positions); apply()
+    takes the row index of each token."""
+
+    def __init__(self, cos: np.ndarray, sin: np.ndarray):
+        self.cos, self.sin = cos, sin  # [N, D/2]
+
+    def apply(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return rope(x, self.cos, self.sin, rows)
 
 
 def _scale_inv_freq(inv: np.ndarray, scaling: dict | None) -> np.ndarray:

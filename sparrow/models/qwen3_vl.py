@@ -1,0 +1,80 @@
+"""Qwen3-VL: the Qwen3 decoder with interleaved M-RoPE plus the vision tower.
+
+A prompt's images are encoded once, when its sequence is created (`prepare`); the result, a
+`MultimodalPrompt`, travels with the sequence's slot. Each prefill chunk takes its slice
+(`SegmentVision`): the M-RoPE positions of its tokens, and the image embeddings and DeepStack
+features of the image pads inside it. Decode steps only shift their rope position by the
+prompt's rope delta.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import SparrowError
+from ..vision.config import VisionConfig
+from ..vision.encoder import VisionTower
+from ..vision.positions import rope_positions
+from .decoder import Decoder, WeightSource
+
+
+@dataclass
+class SegmentVision:
+    """What one forward segment needs from its prompt's images."""
+
+    positions: np.ndarray  # [3, T] (t, h, w) rope positions
+    rows: np.ndarray  # [m] indices of image pads within the segment
+    embeds: np.ndarray  # [m, E] their image embeddings
+    deepstack: np.ndarray  # [K, m, E] added after text layers 0..K-1
+
+
+@dataclass
+class MultimodalPrompt:
+    positions: np.ndarray  # [3, P] rope positions of the whole prompt
+    rope_delta: int  # rope position - cache position of every generated token
+    pad_rows: np.ndarray  # [n] prompt indices of the image pads, ascending
+    embeds: np.ndarray  # [n, E]
+    deepstack: np.ndarray  # [K, n, E]
+    timings: list[dict] = field(default_factory=list)  # per image: {"ms", "tokens", "grid"}
+
+    def segment(self, start: int, stop: int) -> SegmentVision:
+        a, b = np.searchsorted(self.pad_rows, [start, stop])
+        return SegmentVision(
+            self.positions[:, start:stop], self.pad_rows[a:b] - start, self.embeds[a:b], self.deepstack[:, a:b]
+        )
+
+
+class Qwen3VL(Decoder):
+    def __init__(self, cfg, tensors, vision: VisionConfig, quantize=None, progress=None):
+        super().__init__(cfg, tensors, quantize=quantize, progress=progress)
+        if vision.out_hidden_size != cfg.hidden_size:
+            raise SparrowError(
+                f"the vision tower outputs {vision.out_hidden_size} features, the text model takes {cfg.hidden_size}"
+            )
+        if len(vision.deepstack_visual_indexes) > cfg.num_hidden_layers:
+            raise SparrowError("more DeepStack mergers than text layers")
+        self.vision_config = vision
+        self.vision = VisionTower(vision, WeightSource(tensors, quantize))
+
+    def image_tokens(self, grid: tuple[int, int, int]) -> int:
+        return self.vision.tokens(grid)
+
+    def prepare(self, prompt: np.ndarray, images: list) -> MultimodalPrompt | None:
+        """Encodes the images (each with .pixels [N, K] and .grid (t, h, w), in prompt order)
+        and lays them over the prompt's image pads; None for a prompt without either."""
+        vc = self.vision_config
+        pos, delta, runs = rope_positions(prompt, vc.image_token_id, [im.grid for im in images], vc.spatial_merge_size)
+        if not images:
+            return None
+        embeds, deep, timings = [], [], []
+        for im in images:
+            t0 = time.perf_counter()
+            e, d = self.vision(im.pixels, im.grid)  # [n, E] [K, n, E]
+            timings.append({"ms": (time.perf_counter() - t0) * 1e3, "tokens": len(e), "grid": tuple(im.grid)})
+            embeds.append(e)
+            deep.append(d)
+        rows = np.concatenate([np.arange(a, b) for a, b in runs]).astype(np.int64)
+        return MultimodalPrompt(pos, delta, rows, np.concatenate(embeds), np.concatenate(deep, axis=1), timings)

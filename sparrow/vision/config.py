@@ -1,0 +1,99 @@
+"""The vision tower's settings: from a Qwen3-VL config.json (+ preprocessor_config.json) or an
+mmproj GGUF's clip.* metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import SparrowError
+
+# Qwen3-VL's defaults (transformers Qwen3VLConfig / the Hub's preprocessor_config.json).
+IMAGE_TOKEN_ID = 151655
+VISION_START_TOKEN_ID = 151652
+VISION_END_TOKEN_ID = 151653
+MIN_PIXELS = 65536
+MAX_PIXELS = 16777216
+ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
+
+
+@dataclass
+class VisionConfig:
+    hidden_size: int
+    intermediate_size: int
+    depth: int
+    num_heads: int
+    out_hidden_size: int  # the text model's hidden size
+    deepstack_visual_indexes: tuple[int, ...]
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    num_position_embeddings: int = 2304
+    hidden_act: str = "gelu_pytorch_tanh"
+    rope_theta: float = 10000.0
+    layer_norm_eps: float = 1e-6
+    image_token_id: int = IMAGE_TOKEN_ID
+    vision_start_token_id: int = VISION_START_TOKEN_ID
+    vision_end_token_id: int = VISION_END_TOKEN_ID
+    # image processor (preprocessor_config.json)
+    min_pixels: int = MIN_PIXELS
+    max_pixels: int = MAX_PIXELS
+    image_mean: tuple[float, ...] = field(default=(0.5, 0.5, 0.5))
+    image_std: tuple[float, ...] = field(default=(0.5, 0.5, 0.5))
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def factor(self) -> int:
+        """Image sides are multiples of this: one merged token covers factor x factor pixels."""
+        return self.patch_size * self.spatial_merge_size
+
+    def check(self) -> VisionConfig:
+        if self.hidden_size % self.num_heads or self.head_dim % 4:
+            raise SparrowError(
+                f"vision hidden size {self.hidden_size} / {self.num_heads} heads: head dim must be a multiple of 4"
+            )
+        if self.hidden_act not in ACTIVATIONS:
+            raise SparrowError(
+                f"unsupported vision activation {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}"
+            )
+        side = int(round(self.num_position_embeddings**0.5))
+        if side * side != self.num_position_embeddings:
+            raise SparrowError(f"num_position_embeddings {self.num_position_embeddings} is not a square grid")
+        if any(not 0 <= i < self.depth for i in self.deepstack_visual_indexes):
+            raise SparrowError(f"deepstack_visual_indexes {self.deepstack_visual_indexes} outside 0..{self.depth - 1}")
+        if not 0 < self.min_pixels <= self.max_pixels:
+            raise SparrowError(f"bad image pixel limits: min_pixels {self.min_pixels}, max_pixels {self.max_pixels}")
+        return self
+
+    @classmethod
+    def from_hf(cls, cfg: dict, preprocessor: dict | None = None) -> VisionConfig:
+        """cfg: the whole Qwen3-VL config.json; preprocessor: preprocessor_config.json or None."""
+        v = cfg["vision_config"]
+        rope = v.get("rope_parameters") or {}
+        pre = preprocessor or {}
+        size = pre.get("size") or {}
+        return cls(
+            hidden_size=int(v["hidden_size"]),
+            intermediate_size=int(v["intermediate_size"]),
+            depth=int(v["depth"]),
+            num_heads=int(v["num_heads"]),
+            out_hidden_size=int(v["out_hidden_size"]),
+            deepstack_visual_indexes=tuple(int(i) for i in v.get("deepstack_visual_indexes") or ()),
+            patch_size=int(v.get("patch_size", 16)),
+            temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+            spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+            in_channels=int(v.get("in_channels", 3)),
+            num_position_embeddings=int(v.get("num_position_embeddings", 2304)),
+            hidden_act=str(v.get("hidden_act", "gelu_pytorch_tanh")),
+            rope_theta=float(rope.get("rope_theta", v.get("rope_theta", 10000.0))),
+            image_token_id=int(cfg.get("image_token_id", IMAGE_TOKEN_ID)),
+            vision_start_token_id=int(cfg.get("vision_start_token_id", VISION_START_TOKEN_ID)),
+            vision_end_token_id=int(cfg.get("vision_end_token_id", VISION_END_TOKEN_ID)),
+            min_pixels=int(pre.get("min_pixels") or size.get("shortest_edge") or MIN_PIXELS),
+            max_pixels=int(pre.get("max_pixels") or size.get("longest_edge") or MAX_PIXELS),
+            image_mean=tuple(float(x) for x in pre.get("image_mean", (0.5, 0.5, 0.5))),
+            image_std=tuple(float(x) for x in pre.get("image_std", (0.5, 0.5, 0.5))),
+        ).check()

@@ -1,0 +1,109 @@
+"""Qwen3-VL with images against transformers' Qwen3VLForConditionalGeneration (tiny random
+model with odd sizes, see vl_reference.py): the vision tower, DeepStack and M-RoPE in prefill
+(chunks that cut through an image) and decode (rope delta), two images with non-square
+grids, and sparse attention with k >= blocks giving exact's greedy tokens."""
+
+import numpy as np
+import pytest
+import torch
+import vl_reference as vr
+
+import sparrow
+from sparrow.engine.runner import Runner
+from sparrow.vision.positions import rope_positions
+from sparrow.vision.preprocess import PixelImage
+
+GRIDS = [(1, 4, 6), (1, 6, 2)]  # patch grids: 2x3 and 3x1 merged tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_vl(tmp_path_factory, tokenizer_dir):
+    d = str(tmp_path_factory.mktemp("tiny_qwen3_vl"))
+    return d, vr.build_tiny_vl(d, tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def vl_llm(tiny_vl):
+    return sparrow.load(tiny_vl[0])
+
+
+def _images(seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        PixelImage(rng.standard_normal((t * h * w, 3 * 2 * 16 * 16)).astype(np.float32), g)
+        for g in GRIDS
+        for t, h, w in [g]
+    ]
+
+
+def _prompt(seed=1):
+    """text, image 1 (6 pads), text, image 2 (3 pads), text."""
+    rng = np.random.default_rng(seed)
+    text = lambda n: list(rng.integers(17, 2000, n))  # noqa: E731
+    img = lambda n: [vr.START] + [vr.PAD] * n + [vr.END]  # noqa: E731
+    return text(5) + img(6) + text(4) + img(3) + text(6)
+
+
+def _ref(model, ids, images):
+    return vr.hf_logits(model, ids, np.concatenate([im.pixels for im in images]), [im.grid for im in images])
+
+
+def test_rope_positions_match_transformers(tiny_vl):
+    model = tiny_vl[1]
+    ids = np.array(_prompt())
+    ours, delta, _ = rope_positions(ids, vr.PAD, GRIDS, 2)
+    ids_t = torch.tensor(ids)[None]
+    ref, ref_delta = model.model.get_rope_index(ids_t, (ids_t == vr.PAD).int(), torch.tensor(GRIDS))
+    np.testing.assert_array_equal(ours, ref[:, 0].numpy())
+    assert delta == int(ref_delta) and delta < 0
+
+
+@pytest.mark.parametrize("chunk", [512, 7])  # 7: prefill chunks cut through both images
+def test_prefill_and_decode_logits_match_transformers(tiny_vl, vl_llm, chunk):
+    """Prompt logits from prefill (chunked), then each further token fed through decode steps
+    (rope delta): all rows within 1e-3 of transformers' one forward over the whole sequence."""
+    model = tiny_vl[1]
+    images = _images()
+    prompt = _prompt()
+    more = list(np.random.default_rng(5).integers(17, 2000, 6))
+    ref = _ref(model, prompt + more, images)  # [P + 6, V]
+    runner = Runner(vl_llm.model, prefill_chunk=chunk)
+    slot = runner.new_slot(prompt, len(prompt) + len(more), images=images)
+    rows = []
+    while not slot.prefill_done:
+        start = slot.cache.length
+        rows.append(runner.prefill_step(slot))
+        assert rows[-1] is not None and slot.cache.length > start
+    got = [runner.prefill_step(slot)] + [runner.decode([slot], [t])[0] for t in more]
+    assert got[0] is None
+    assert np.abs(rows[-1] - ref[len(prompt) - 1]).max() < 1e-3
+    dec = np.stack(got[1:])  # rows P .. P + 5 predict what follows each fed token
+    assert np.abs(dec - ref[len(prompt) :]).max() < 1e-3
+    assert (dec.argmax(-1) == ref[len(prompt) :].argmax(-1)).all()
+
+
+def test_all_prompt_logits_match_transformers(tiny_vl, vl_llm):
+    model = tiny_vl[1]
+    images, prompt = _images(3), _prompt(4)
+    ref = _ref(model, prompt, images)
+    from sparrow.models.decoder import Segment
+
+    mm = vl_llm.model.prepare(np.array(prompt), images)
+    cache = vl_llm.model.new_cache(len(prompt))
+    got = vl_llm.model.forward(
+        [Segment(np.array(prompt), cache, 0, vision=mm.segment(0, len(prompt)))], all_logits=True
+    )
+    assert np.abs(got - ref).max() < 1e-3
+
+
+def test_vision_tower_matches_transformers(tiny_vl, vl_llm):
+    """Embeddings and DeepStack features of one image, directly."""
+    model = tiny_vl[1]
+    im = _images(7)[0]
+    with torch.no_grad():
+        out = model.model.visual(torch.from_numpy(im.pixels), grid_thw=torch.tensor([im.grid]), return_dict=True)
+    emb, deep = vl_llm.model.vision(im.pixels, im.grid)
+    assert np.abs(emb - out.pooler_output.numpy()).max() < 1e-4
+    assert len(deep) == 2
+    for ours, ref in zip(deep, out.deepstack_features):
+        assert np.abs(ours - ref.numpy()).max() < 1e-4
