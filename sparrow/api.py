@@ -284,11 +284,13 @@ def load(
     ctx: int | None = None,
     progress: bool = False,
     activations: str = "f32",
+    mmproj: str | None = None,
 ) -> LLM:
     """Loads a HF folder, a .gguf file, or (path None) the default SmolLM2-135M-Instruct GGUF.
 
     activations="q8" is the named faster mode: decode matvecs over q8_0 / q4_0 / q4_1 weights
-    quantise activations to 8 bits as llama.cpp does (not exact; README, "Activations")."""
+    quantise activations to 8 bits as llama.cpp does (not exact; README, "Activations").
+    mmproj: llama.cpp's Qwen3-VL vision projector GGUF, with a qwen3vl text GGUF as path."""
     from .kernels.linear import ACTIVATIONS
     from .models import build_model
 
@@ -308,7 +310,7 @@ def load(
     except ImportError:
         pass
     t0 = time.perf_counter()
-    ckpt = open_checkpoint(os.path.expanduser(path) if path else None)
+    ckpt = open_checkpoint(os.path.expanduser(path) if path else None, os.path.expanduser(mmproj) if mmproj else None)
     model = build_model(ckpt, quantize=quantize, progress=progress)
     model.activations = activations
     return LLM(ckpt, model, kv_dtype, threads, ctx or ckpt.config.max_position_embeddings, time.perf_counter() - t0)

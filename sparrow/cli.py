@@ -22,6 +22,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model", "-m", default=None, help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)"
     )
+    g.add_argument("--mmproj", default=None, metavar="GGUF", help="Qwen3-VL mmproj (with a .gguf model)")
     g.add_argument("--ctx", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--kv-dtype", default="f32", choices=KV_DTYPES, help="KV cache storage")
     g.add_argument("--threads", "-t", type=int, default=None, help="compute threads (default: all cores)")
@@ -99,6 +100,7 @@ def _load(a):
         ctx=a.ctx,
         progress=sys.stderr.isatty(),
         activations=a.activations,
+        mmproj=getattr(a, "mmproj", None),
     )
     _compile_notice()  # after the load: a model that fails to load compiles nothing
     if getattr(a, "timings", False):

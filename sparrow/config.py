@@ -135,9 +135,7 @@ class ModelConfig:
             moe_intermediate_size=int(get("expert_feed_forward_length", 0) or 0),
             # llama.cpp's qwen3moe always renormalises the top-k weights.
             norm_topk_prob=arch == "qwen3_moe",
-            mrope_section=tuple(int(s) for s in get("rope.dimension_sections", ()) or ())[:3]
-            if garch == "qwen3vl"
-            else (),
+            mrope_section=tuple(int(s) for s in get("rope.dimension_sections", ()))[:3] if garch == "qwen3vl" else (),
         )
 
 

@@ -184,9 +184,9 @@ def gguf_tensor_name(hf: str) -> str:
     return f"blk.{i}.{_BLOCK_NAMES[rest]}"
 
 
-def write_gguf(model, arch: str, path: str, qtype: str, tok_meta: dict) -> None:
+def write_gguf(model, arch: str, path: str, qtype: str, tok_meta: dict, extra=None) -> None:
     """Writes the transformers model as llama.cpp's converter would: qtype "F16" or "Q8_0" for
-    2-D weights, norms and biases F32; llama q/k rows permuted."""
+    2-D weights, norms and biases F32; llama q/k rows permuted. extra(writer): more metadata."""
     import gguf
 
     c = model.config
@@ -214,6 +214,8 @@ def write_gguf(model, arch: str, path: str, qtype: str, tok_meta: dict) -> None:
     w.add_eos_token_id(tok_meta["eos"])
     w.add_add_bos_token(False)
     w.add_chat_template(tok_meta["chat_template"])
+    if extra is not None:
+        extra(w)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue

@@ -107,3 +107,33 @@ def test_vision_tower_matches_transformers(tiny_vl, vl_llm):
     assert len(deep) == 2
     for ours, ref in zip(deep, out.deepstack_features):
         assert np.abs(ours - ref.numpy()).max() < 1e-4
+
+
+def test_gguf_and_mmproj_twins_match(tiny_vl, tmp_path):
+    """llama.cpp's pair (qwen3vl text GGUF + mmproj GGUF, F16 matrices) written from the same
+    weights: logits within 1e-3 of transformers run on the same f16-rounded weights, over a
+    prompt with two images and decode steps after it."""
+    import reference_models as rm
+
+    model = tiny_vl[1]
+    text, mmproj = str(tmp_path / "tiny-vl.gguf"), str(tmp_path / "mmproj-tiny-vl.gguf")
+    vr.write_vl_gguf(model, text, mmproj)
+    ref_model = rm.rounded_copy(model, "f16", lambda name, p: p.ndim >= 2)
+    llm = sparrow.load(text, mmproj=mmproj)
+    assert llm.vision is not None and llm.vision.deepstack_visual_indexes == (0, 2)
+    assert llm.config.mrope_section == (4, 6, 6) and llm.vision.image_token_id == vr.PAD
+    images, prompt = _images(), _prompt()
+    more = list(np.random.default_rng(6).integers(17, 2000, 4))
+    ref = _ref(ref_model, prompt + more, images)
+    slot = llm.runner.new_slot(prompt, len(prompt) + len(more), images=images)
+    first = llm.runner.prefill(slot)
+    dec = np.stack([llm.runner.decode([slot], [t])[0] for t in more])
+    assert np.abs(first - ref[len(prompt) - 1]).max() < 1e-3
+    assert np.abs(dec - ref[len(prompt) :]).max() < 1e-3
+
+
+def test_mmproj_needs_a_text_gguf(tiny_vl):
+    from sparrow.errors import SparrowError
+
+    with pytest.raises(SparrowError, match="--mmproj goes with a text GGUF"):
+        sparrow.load(tiny_vl[0], mmproj="unused.gguf")

@@ -96,3 +96,98 @@ def hf_logits(model, ids, pixel_values=None, grids=None) -> np.ndarray:
         )
     with torch.no_grad():
         return model(input_ids=ids_t, **kw).logits[0].float().numpy()
+
+
+class _TextPart:
+    """The text model of a Qwen3VLForConditionalGeneration as reference_models.write_gguf reads
+    a causal LM: .config and .state_dict() under model.layers.* names."""
+
+    def __init__(self, model):
+        self.config = model.config.text_config
+        self.config.tie_word_embeddings = model.config.tie_word_embeddings
+        self._model = model
+
+    def state_dict(self):
+        out = {}
+        for k, v in self._model.state_dict().items():
+            if k.startswith("model.language_model."):
+                out["model." + k[len("model.language_model.") :]] = v
+            elif k == "lm_head.weight":
+                out[k] = v
+        return out
+
+
+def write_vl_gguf(model, text_path: str, mmproj_path: str) -> None:
+    """llama.cpp's pair for the model: a qwen3vl text GGUF (F16 matrices; the default model's
+    tokenizer plus the three vision tokens) and an mmproj GGUF (clip.* metadata, v.*/mm.*
+    tensors, F16 matrices, the Conv3d split into its two temporal slices), named and laid out
+    as convert_hf_to_gguf.py writes them."""
+    import gguf
+
+    tok = rm.default_tokenizer_metadata()
+    extra_tokens = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+    extra_tokens += [f"[PAD{i}]" for i in range(VOCAB - rm.VOCAB - 3)]
+    tok = dict(
+        tok,
+        tokens=list(tok["tokens"]) + extra_tokens,
+        token_type=list(tok["token_type"]) + [3, 3, 3] + [5] * (VOCAB - rm.VOCAB - 3),
+    )
+    sec = list(TEXT["rope_parameters"]["mrope_section"]) + [0]
+    n_ds = len(VISION["deepstack_visual_indexes"])
+
+    def text_meta(w):
+        w.add_rope_dimension_sections(sec)
+        w.add_num_deepstack_layers(n_ds)
+
+    rm.write_gguf(_TextPart(model), "qwen3vl", text_path, "F16", tok, extra=text_meta)
+
+    v = model.config.vision_config
+    w = gguf.GGUFWriter(mmproj_path, "clip")
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type("qwen3vl_merger")
+    w.add_vision_patch_size(v.patch_size)
+    w.add_vision_embedding_length(v.hidden_size)
+    w.add_vision_feed_forward_length(v.intermediate_size)
+    w.add_vision_projection_dim(v.out_hidden_size)
+    w.add_vision_block_count(v.depth)
+    w.add_vision_head_count(v.num_heads)
+    w.add_vision_attention_layernorm_eps(1e-6)
+    w.add_vision_image_mean(PREPROCESSOR["image_mean"])
+    w.add_vision_image_std(PREPROCESSOR["image_std"])
+    w.add_vision_spatial_merge_size(v.spatial_merge_size)
+    w.add_vision_use_gelu(True)
+    w.add_vision_is_deepstack_layers([i in v.deepstack_visual_indexes for i in range(v.depth)])
+    w.add_vision_min_pixels(PREPROCESSOR["size"]["shortest_edge"])
+    w.add_vision_max_pixels(PREPROCESSOR["size"]["longest_edge"])
+    block = {"attn.qkv": "attn_qkv", "attn.proj": "attn_out", "norm1": "ln1", "norm2": "ln2"}
+    block.update({"mlp.linear_fc1": "ffn_up", "mlp.linear_fc2": "ffn_down"})
+    for name, t in model.state_dict().items():
+        if not name.startswith("model.visual."):
+            continue
+        a = t.detach().float().numpy()
+        n = name[len("model.visual.") :]
+        if n == "patch_embed.proj.weight":
+            parts = [("v.patch_embd.weight", a[:, :, 0]), ("v.patch_embd.weight.1", a[:, :, 1])]
+        elif n == "patch_embed.proj.bias":
+            parts = [("v.patch_embd.bias", a)]
+        elif n == "pos_embed.weight":
+            parts = [("v.position_embd.weight", a)]
+        elif n.startswith("merger."):
+            sub, kind = n[len("merger.") :].rsplit(".", 1)
+            parts = [({"norm": "v.post_ln", "linear_fc1": "mm.0", "linear_fc2": "mm.2"}[sub] + "." + kind, a)]
+        elif n.startswith("deepstack_merger_list."):
+            _, j, sub, kind = n.split(".")
+            layer = v.deepstack_visual_indexes[int(j)]
+            short = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}[sub]
+            parts = [(f"v.deepstack.{layer}.{short}.{kind}", a)]
+        else:
+            _, i, rest = n.split(".", 2)
+            sub, kind = rest.rsplit(".", 1)
+            parts = [(f"v.blk.{i}.{block[sub]}.{kind}", a)]
+        for gname, arr in parts:
+            arr = np.ascontiguousarray(arr)
+            w.add_tensor(gname, arr.astype(np.float32) if arr.ndim == 1 else arr.astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

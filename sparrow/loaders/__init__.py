@@ -37,7 +37,20 @@ def default_model_path() -> str:
     return path
 
 
-def open_checkpoint(path: str | None) -> Checkpoint:
+def open_checkpoint(path: str | None, mmproj: str | None = None) -> Checkpoint:
+    """mmproj: llama.cpp's vision projector GGUF to go with a Qwen3-VL text GGUF."""
+    ckpt = _open_checkpoint(path)
+    if mmproj is not None:
+        from .mmproj import open_mmproj
+
+        if os.path.isdir(ckpt.path) or ckpt.vision is not None:
+            raise SparrowError("--mmproj goes with a text GGUF (a Hugging Face folder holds its own vision tower)")
+        ckpt.vision, vision_tensors = open_mmproj(mmproj, ckpt.tokenizer)
+        ckpt.tensors.update(vision_tensors)
+    return ckpt
+
+
+def _open_checkpoint(path: str | None) -> Checkpoint:
     from ..tokenizer import Tokenizer
 
     path = path or default_model_path()

@@ -55,3 +55,46 @@ def llama_unpermute_rows(n_heads: int, head_dim: int) -> np.ndarray:
     # The converter stored row (h, 2*i + j) from original row (h, j*hd/2 + i); gather it back.
     rows = np.arange(n_heads * head_dim).reshape(n_heads, head_dim // 2, 2)
     return rows.swapaxes(1, 2).reshape(-1)
+
+
+# llama.cpp mmproj (clip.projector_type qwen3vl_merger) -> Hugging Face names of Qwen3-VL's vision tower.
+_MMPROJ_GLOBAL = {
+    "v.position_embd.weight": "model.visual.pos_embed.weight",
+    "v.patch_embd.bias": "model.visual.patch_embed.proj.bias",
+    "v.post_ln.weight": "model.visual.merger.norm.weight",
+    "v.post_ln.bias": "model.visual.merger.norm.bias",
+    "mm.0.weight": "model.visual.merger.linear_fc1.weight",
+    "mm.0.bias": "model.visual.merger.linear_fc1.bias",
+    "mm.2.weight": "model.visual.merger.linear_fc2.weight",
+    "mm.2.bias": "model.visual.merger.linear_fc2.bias",
+}
+_MMPROJ_BLOCK = {
+    "attn_qkv": "attn.qkv",
+    "attn_out": "attn.proj",
+    "ln1": "norm1",
+    "ln2": "norm2",
+    "ffn_up": "mlp.linear_fc1",
+    "ffn_down": "mlp.linear_fc2",
+}
+_MMPROJ_DEEPSTACK = {"norm": "norm", "fc1": "linear_fc1", "fc2": "linear_fc2"}
+# The Conv3d patch embedding is stored as one Conv2d weight per temporal frame.
+MMPROJ_PATCH_FRAMES = ("v.patch_embd.weight", "v.patch_embd.weight.1")
+MMPROJ_PATCH_HF = "model.visual.patch_embed.proj.weight"
+_V_BLK = re.compile(r"^v\.blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+_V_DS = re.compile(r"^v\.deepstack\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+
+
+def mmproj_to_hf(name: str, deepstack_layers: list[int]) -> str | None:
+    """HF name for an mmproj tensor (None: not used, or a patch-embedding frame, see
+    MMPROJ_PATCH_FRAMES). v.deepstack.N is named by vision layer N; HF numbers the mergers
+    0.. in the order of deepstack_visual_indexes."""
+    if name in _MMPROJ_GLOBAL:
+        return _MMPROJ_GLOBAL[name]
+    m = _V_BLK.match(name)
+    if m and m.group(2) in _MMPROJ_BLOCK:
+        return f"model.visual.blocks.{m.group(1)}.{_MMPROJ_BLOCK[m.group(2)]}.{m.group(3)}"
+    m = _V_DS.match(name)
+    if m and m.group(2) in _MMPROJ_DEEPSTACK and int(m.group(1)) in deepstack_layers:
+        j = deepstack_layers.index(int(m.group(1)))
+        return f"model.visual.deepstack_merger_list.{j}.{_MMPROJ_DEEPSTACK[m.group(2)]}.{m.group(3)}"
+    return None

@@ -97,3 +97,41 @@ class VisionConfig:
             image_mean=tuple(float(x) for x in pre.get("image_mean", (0.5, 0.5, 0.5))),
             image_std=tuple(float(x) for x in pre.get("image_std", (0.5, 0.5, 0.5))),
         ).check()
+
+
+def vision_config_from_gguf(meta: dict, shapes: dict[str, tuple[int, ...]], token_ids: dict[str, int | None]):
+    """An mmproj GGUF's clip.* metadata (and its tensor shapes, HF names) -> VisionConfig.
+    token_ids: the text model tokenizer's ids of <|vision_start|>, <|image_pad|>, <|vision_end|>."""
+    kind = meta.get("clip.vision.projector_type", meta.get("clip.projector_type"))
+    if kind != "qwen3vl_merger":
+        raise SparrowError(f"unsupported mmproj projector {kind!r}: sparrow runs Qwen3-VL's (qwen3vl_merger)")
+    v = "clip.vision."
+    depth = int(meta[v + "block_count"])
+    flags = list(meta.get(v + "is_deepstack_layers", ()))
+    pos = shapes.get("model.visual.pos_embed.weight")
+    if pos is None:
+        raise SparrowError("mmproj has no v.position_embd.weight")
+    missing = [k for k, i in token_ids.items() if i is None]
+    if missing:
+        raise SparrowError(f"the text model's tokenizer lacks Qwen3-VL's vision tokens {missing}")
+    return VisionConfig(
+        hidden_size=int(meta[v + "embedding_length"]),
+        intermediate_size=int(meta[v + "feed_forward_length"]),
+        depth=depth,
+        num_heads=int(meta[v + "attention.head_count"]),
+        out_hidden_size=int(shapes["model.visual.merger.linear_fc2.weight"][0]),
+        deepstack_visual_indexes=tuple(i for i, f in enumerate(flags) if f),
+        patch_size=int(meta.get(v + "patch_size", 16)),
+        spatial_merge_size=int(meta.get(v + "spatial_merge_size", 2)),
+        num_position_embeddings=int(pos[0]),
+        # clip.use_gelu is ggml's gelu, the tanh form (HF: gelu_pytorch_tanh); the LayerNorm eps is
+        # 1e-6 in transformers whatever the converter copied into attention.layer_norm_epsilon.
+        hidden_act="gelu_pytorch_tanh",
+        image_token_id=int(token_ids["<|image_pad|>"]),
+        vision_start_token_id=int(token_ids["<|vision_start|>"]),
+        vision_end_token_id=int(token_ids["<|vision_end|>"]),
+        min_pixels=int(meta.get(v + "image_min_pixels") or MIN_PIXELS),
+        max_pixels=int(meta.get(v + "image_max_pixels") or MAX_PIXELS),
+        image_mean=tuple(float(x) for x in meta.get(v + "image_mean", (0.5, 0.5, 0.5))),
+        image_std=tuple(float(x) for x in meta.get(v + "image_std", (0.5, 0.5, 0.5))),
+    ).check()
