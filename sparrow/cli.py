@@ -315,6 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--request-timeout", type=float, default=None, metavar="S", help="fail requests running longer")
     s.add_argument("--drain-timeout", type=float, default=30.0, metavar="S", help="SIGTERM: grace for in-flight work")
     s.add_argument("--no-prefix-cache", action="store_true", help="never reuse KV between requests")
+    s.add_argument(
+        "--allowed-local-media-path", default=None, metavar="DIR", help="serve file:// image URLs from under DIR"
+    )
+    s.add_argument("--max-images-per-request", type=_positive_int, default=None, help="most images in one request")
     _model_args(s)
     s.set_defaults(func=cmd_serve)
 

@@ -56,6 +56,7 @@ class Request:
     # of their bytes) so only requests with the same inputs share KV; cacheable=False opts out.
     cache_salt: str | None = None
     cacheable: bool = True
+    images: list | None = None  # the prompt's preprocessed images (vision.preprocess.PixelImage)
     id: int = field(default_factory=lambda: next(_ids))
     seq: Sequence | None = None
     cancelled: bool = False  # set by the client side; the engine drops it before its next step
@@ -119,6 +120,7 @@ class Engine:
         timeout: float | None = None,
         cache_salt: str | None = None,
         cacheable: bool = True,
+        images: list | None = None,
     ) -> Request:
         """Queues a request. Raises EngineBusy when the queue is full or the engine is draining,
         SparrowError when prompt + max_tokens cannot fit in the whole KV budget."""
@@ -126,6 +128,7 @@ class Engine:
         timeout = timeout if timeout is not None else self.timeout
         deadline = time.monotonic() + timeout if timeout else None
         req = Request(list(prompt_ids), params, sparse, emit, kv_dtype, constraint, deadline, cache_salt, cacheable)
+        req.images = images or None
         with self._cv:
             if self._draining or self._stop:
                 raise EngineBusy("the server is shutting down", retry_after=5)
@@ -321,6 +324,7 @@ class Engine:
                 req.sparse,
                 constraint=req.constraint,
                 allocate=False,
+                images=req.images,
             )
         seq, slot = req.seq, req.seq.slot
         if slot.cache is not None:

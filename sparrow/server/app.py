@@ -28,6 +28,7 @@ from ..engine.kv_budget import format_size, parse_size
 from ..engine.sequence import check_context
 from ..errors import ContextLengthError, SparrowError
 from ..structured import StructuredError
+from ..vision.preprocess import image_salt
 from .limits import BodyLimit
 from .metrics import Metrics
 from .protocol import (
@@ -64,8 +65,19 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
 
 
 class ServerState:
-    def __init__(self, api_key: str | None = None, max_batch: int = 16, **engine_options):
-        """engine_options: Engine's kv_budget, max_queue, prefix_cache, timeout."""
+    def __init__(
+        self,
+        api_key: str | None = None,
+        max_batch: int = 16,
+        allowed_local_media_path: str | None = None,
+        max_images_per_request: int | None = None,
+        **engine_options,
+    ):
+        """engine_options: Engine's kv_budget, max_queue, prefix_cache, timeout. Images: file://
+        URLs only under allowed_local_media_path; at most max_images_per_request (None: the
+        API's default) per request."""
+        self.allowed_local_media_path = allowed_local_media_path
+        self.max_images_per_request = max_images_per_request
         self.api_key = api_key
         self.max_batch = max_batch
         self.engine_options = engine_options
@@ -217,11 +229,11 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             if body.messages is not None:
                 keys = ("messages", "chat_template_kwargs", "tools", "tool_choice")
-                req = chat_request(validate(ChatCompletionRequest, body.model_dump(include=set(keys), by_alias=True)))
-                tools = req.structured.template_tools
-                ids = await run_in_threadpool(
-                    llm.prompt_ids, req.messages, True, None, req.chat_template_kwargs, "", tools
+                req = chat_request(
+                    validate(ChatCompletionRequest, body.model_dump(include=set(keys), by_alias=True)),
+                    images=llm.vision is not None,
                 )
+                ids = (await run_in_threadpool(chat_prompt, llm, req))[0]  # image pads expanded
             elif body.prompt is not None:
                 ids = await run_in_threadpool(llm.tokenizer.encode, body.prompt, body.add_special_tokens)
             else:
@@ -263,15 +275,14 @@ def create_app(state: ServerState) -> FastAPI:
     async def _prepare(body, chat: bool):
         llm = state.llm
         defaults = llm.checkpoint.generation_defaults
-        req = chat_request(body, defaults) if chat else completion_request(body, defaults)
+        takes_images = llm.vision is not None
+        req = chat_request(body, defaults, takes_images) if chat else completion_request(body, defaults)
         check_model(req.model)
         param = "messages" if chat else "prompt"
+        images = []
         try:
             if chat:
-                tools = req.structured.template_tools
-                ids = await run_in_threadpool(
-                    llm.prompt_ids, req.messages, True, None, req.chat_template_kwargs, "", tools
-                )
+                ids, images = await run_in_threadpool(chat_prompt, llm, req)
             elif isinstance(req.prompt, str):
                 ids = await run_in_threadpool(llm.prompt_ids, req.prompt)
             else:
@@ -298,10 +309,25 @@ def create_app(state: ServerState) -> FastAPI:
             )
         except StructuredError as e:
             raise APIError(400, str(e), param=e.param) from None
-        return req, ids, splitter, constraint
+        return req, ids, splitter, constraint, images
+
+    def chat_prompt(llm, req):
+        """(ids with image pads expanded, preprocessed images) under the server's media rules."""
+        tools = req.structured.template_tools
+        return llm.prompt_and_images(
+            req.messages,
+            True,
+            None,
+            req.chat_template_kwargs,
+            "",
+            tools,
+            allowed_local_path=state.allowed_local_media_path,
+            local_files=False,
+            max_images=state.max_images_per_request,
+        )
 
     async def _generate(request: Request, body, chat: bool):
-        req, ids, splitter, constraint = await _prepare(body, chat)
+        req, ids, splitter, constraint, images = await _prepare(body, chat)
         llm, engine = state.llm, state.engine
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -310,7 +336,10 @@ def create_app(state: ServerState) -> FastAPI:
             loop.call_soon_threadsafe(queue.put_nowait, (kind, payload))
 
         try:
-            handle = engine.submit(ids, req.params, req.sparse, emit, req.kv_dtype, constraint)
+            salt = image_salt(images)  # the prefix cache shares KV only between prompts with the same images
+            handle = engine.submit(
+                ids, req.params, req.sparse, emit, req.kv_dtype, constraint, images=images, cache_salt=salt
+            )
         except EngineBusy as e:  # OpenAI clients retry a 503 after Retry-After
             return JSONResponse(
                 error_body(str(e), "server_error", code="server_busy"),
@@ -378,6 +407,8 @@ def serve(args) -> None:
         max_queue=getattr(args, "max_queue", None),
         prefix_cache=not getattr(args, "no_prefix_cache", False),
         timeout=getattr(args, "request_timeout", None),
+        allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
+        max_images_per_request=getattr(args, "max_images_per_request", None),
     )
     app = create_app(state)
     grace = getattr(args, "drain_timeout", 30.0)
@@ -418,6 +449,7 @@ def serve(args) -> None:
                 quantize=args.quantize,
                 ctx=args.ctx,
                 activations=getattr(args, "activations", "f32"),
+                mmproj=getattr(args, "mmproj", None),
             )
             state.attach(llm)
             kv = format_size(state.engine.pool.budget)

@@ -68,3 +68,17 @@ def _patchify(x: np.ndarray, cfg: VisionConfig) -> np.ndarray:
     patches = x.reshape(C, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)  # [bh, bw, m, m, C, p, p]
     patches = np.broadcast_to(patches[:, :, :, :, :, None], (*patches.shape[:5], tp, p, p))
     return np.ascontiguousarray(patches.reshape(gh * gw, C * tp * p * p), np.float32)
+
+
+def image_salt(images: list[PixelImage]) -> str | None:
+    """A digest naming the images' pixels, so that the prefix cache shares KV only between
+    prompts with the same images (their pad tokens are the same whatever the picture)."""
+    if not images:
+        return None
+    import hashlib
+
+    h = hashlib.sha256()
+    for im in images:
+        h.update(repr(im.grid).encode())
+        h.update(np.ascontiguousarray(im.pixels).tobytes())
+    return h.hexdigest()

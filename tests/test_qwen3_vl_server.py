@@ -1,0 +1,109 @@
+"""Images through the OpenAI-compatible server (tiny Qwen3-VL, in-process uvicorn): base64 data
+URLs answer as the Python API does, image tokens count in usage.prompt_tokens and /tokenize,
+and bad image input is a 400 naming `messages`: http(s) URLs, file:// outside
+--allowed-local-media-path, more than --max-images-per-request, bytes that are not an image."""
+
+from __future__ import annotations
+
+import base64
+import io
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import vl_reference as vr
+from PIL import Image
+
+import sparrow
+from sparrow.server.app import ServerState, create_app
+
+
+def _png(seed: int, w=100, h=70) -> bytes:
+    rng = np.random.default_rng(seed)
+    im = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    im.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def _msgs(*urls, text="What is this?"):
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tokenizer_dir):
+    import uvicorn
+
+    folder = str(tmp_path_factory.mktemp("tiny_vl_served"))
+    vr.build_tiny_vl(folder, tokenizer_dir)
+    media = tmp_path_factory.mktemp("media")
+    (media / "a.png").write_bytes(_png(1))
+    state = ServerState(allowed_local_media_path=str(media), max_images_per_request=2)
+    app = create_app(state)
+    llm = sparrow.load(folder)
+    state.attach(llm)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 300
+    while not (server.started and state.ready):
+        assert time.time() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", llm, media
+    server.should_exit = True
+    thread.join(30)
+    state.engine.stop()
+
+
+def _chat(base, messages, **kw):
+    body = {"messages": messages, "max_tokens": 6, "temperature": 0, **kw}
+    return httpx.post(base + "/v1/chat/completions", json=body, timeout=600)
+
+
+def test_data_url_answer_and_usage_match_the_api(served):
+    base, llm, _ = served
+    msgs = _msgs(_url(_png(2)), _url(_png(3, 40, 130)))
+    r = _chat(base, msgs)
+    assert r.status_code == 200, r.text
+    ids = llm.prompt_ids(msgs)
+    assert r.json()["usage"]["prompt_tokens"] == len(ids) and ids.count(vr.PAD) > 0
+    want = "".join(llm.generate(msgs, chat=True, max_tokens=6))
+    assert r.json()["choices"][0]["message"]["content"] == want
+    t = httpx.post(base + "/tokenize", json={"messages": msgs}, timeout=600).json()
+    assert t["count"] == len(ids) and t["tokens"] == ids
+
+
+def test_allowed_local_file_url(served):
+    base, llm, media = served
+    r = _chat(base, _msgs(f"file://{media}/a.png"))
+    assert r.status_code == 200, r.text
+    same = _chat(base, _msgs(_url(_png(1))))
+    assert r.json()["choices"][0]["message"]["content"] == same.json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize(
+    "urls, match",
+    [
+        (["https://example.com/cat.png"], "not fetched"),
+        (["file:///etc/passwd"], "outside the allowed media path"),
+        ([_url(_png(4))] * 3, "too many images: at most 2"),
+        (["data:image/png;base64," + base64.b64encode(b"not a png").decode()], "not an image"),
+        ([_url(_png(5)[:150])], "cannot decode image"),
+    ],
+)
+def test_bad_images_are_400(served, urls, match):
+    r = _chat(served[0], _msgs(*urls))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert match in err["message"] and err["param"] == "messages" and "\n" not in err["message"]
