@@ -23,15 +23,15 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 
 @pytest.fixture(scope="module")
-def served(tiny_gguf, tmp_path_factory):  # noqa: F811
-    """Base URL of a ready server on the tiny model."""
+def served(tiny_gguf, tmp_path_factory, request):  # noqa: F811
+    """Base URL of a ready server on the tiny model (context: the test module's CTX, else 256)."""
     import uvicorn
 
     path = tmp_path_factory.mktemp("served") / "tiny.gguf"
     path.write_bytes(tiny_gguf)
     state = ServerState()
     app = create_app(state)
-    state.attach(sparrow.load(str(path)), warmup=False)
+    state.attach(sparrow.load(str(path), ctx=getattr(request.module, "CTX", None)))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -43,6 +43,9 @@ def served(tiny_gguf, tmp_path_factory):  # noqa: F811
     while not (server.started and state.ready):
         assert time.time() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.05)
+    # the first answer compiles what warm-up did not (when numba's cache is cold): not a test's time
+    body = {"messages": CHAT, "max_tokens": 2, "temperature": 0.5, "logprobs": True, "stream": True}
+    assert httpx.post(base + "/v1/chat/completions", json=body, timeout=600).status_code == 200
     yield base
     server.should_exit = True
     thread.join(30)

@@ -161,8 +161,6 @@ def _common(r, chat: bool, defaults: dict | None) -> GenRequest:
         v = getattr(r, name)
         return d.get(name, fallback) if v is None else v
 
-    if r.n not in (None, 1):
-        raise _bad("n", "n > 1 is not supported; send separate requests")
     max_tokens = getattr(r, "max_completion_tokens", None) or r.max_tokens
     if chat:
         want_lp = bool(r.logprobs)

@@ -11,15 +11,28 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, NonNegativeInt, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, NonNegativeInt, Tag, field_validator
 
 from ..params import KV_DTYPES
 
 KVDType = Literal[KV_DTYPES]  # type: ignore[valid-type]
 
 
+def _integral(v):
+    # JSON Schema's "integer" includes 2.0, and so does this API (2.5, "2" and true stay errors);
+    # an int is also a valid number, so float fields are unaffected
+    if isinstance(v, float) and v.is_integer() and abs(v) < 2**63:
+        return int(v)
+    return [_integral(x) for x in v] if isinstance(v, list) else v
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _integral(cls, v):
+        return _integral(v)
 
 
 class _Open(_Model):
@@ -94,6 +107,16 @@ class ToolCall(_Model):
 
 
 class Message(_Model):
+    # documents what protocol.py checks: only an assistant message may leave out its content
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"properties": {"role": {"const": "assistant"}}},
+                {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+            ]
+        }
+    )
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content | None = Field(None, description="text, or a list of parts; only an assistant message may omit it")
     name: str | None = None
@@ -146,7 +169,7 @@ class _Sampling(_Model):
     (temperature, top_p, top_k, min_p, repetition_penalty), else OpenAI's default."""
 
     model: str | None = None
-    n: int | None = Field(None, ge=1, description="only 1 is supported")
+    n: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
     max_tokens: int | None = Field(None, ge=1)
     seed: int | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
