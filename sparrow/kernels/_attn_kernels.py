@@ -1,5 +1,5 @@
 """Attention kernels (wrapped by sparrow.models.attention, which hands them a cache's arrays):
-decode, sparse prefill, and the softmax of exact prefill.
+decode and sparse prefill (exact prefill: _prefill_attn).
 
 Per KV head, the query heads of its group select blocks (all of them for exact attention)
 and attend over them; a block's K/V rows are read from memory once for the whole group.
@@ -308,23 +308,3 @@ def sparse_prefill_kernel(q, qa, qs, K, V, ks, vs, int8, start, scale, G, k_bloc
                 want_p,
                 pacc,
             )
-
-
-# ---------------------------------------------------------------- exact prefill softmax
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def softmax_causal_rows(sc, n, first, rinv):
-    """In place over score rows sc [R, S] (row r: query r % n of a tile of n queries, which
-    sees keys 0 .. first + r % n): e = exp(s - max) over the visible keys, 0 beyond them;
-    rinv[r] = 1 / sum(e). One pass per row instead of numpy's separate mask, max, subtract,
-    exp and sum passes (single-threaded, ~half of exact prefill attention's time)."""
-    R, S = sc.shape
-    for r in prange(R):
-        L = min(S, first + r % n + 1)
-        row = sc[r]
-        ebits = np.empty(L, dtype=np.int32)
-        exp_shifted(row, max_at(row, 0, L), L, ebits)
-        rinv[r] = np.float32(1.0) / sum_f32(row, L)
-        for j in range(L, S):
-            row[j] = np.float32(0.0)

@@ -21,17 +21,17 @@ Nothing is split across threads, so results do not depend on the thread count. P
 spec's raw q . K[p] (int8: with the scales); sparse decode reads the probe keys of full blocks
 below seq_len from a contiguous copy kept in the SparseState (kv_cache.ProbeKeys).
 
-Exact prefill uses numpy/BLAS per KV-head group, tiled over queries so the score tile stays
-small (about _TILE_ELEMS floats); f16/int8 keys and values are dequantised to f32 for it.
+Exact prefill runs kernels._prefill_attn: online softmax over 64-key steps, a few queries of
+every head per work item, scores in L1; f16/int8 keys and values are dequantised to f32 for it.
 """
 
 import numpy as np
 
-from ..kernels._attn_kernels import decode_kernel, softmax_causal_rows, sparse_prefill_kernel
+from ..kernels._attn_kernels import decode_kernel, sparse_prefill_kernel
+from ..kernels._prefill_attn import prefill_attention as exact_prefill_kernel
 from ..kernels.sparse_select import STAGE_NAMES
 from ..params import SparseParams  # noqa: F401  (type of the sparse argument)
 
-_TILE_ELEMS = 1 << 19  # floats per prefill score tile (2 MiB: its passes stay in L2)
 _DEFAULT_BLOCK = 32
 
 
@@ -158,26 +158,13 @@ def prefill_attention(q, layer, state, start, scale, sparse=None, record_importa
 
 
 def _exact_prefill(q, layer, state, start, scale, group, record_importance):
-    T, H, D = q.shape
-    S = start + T
-    out = np.empty((T, H, D), np.float32)
-    imp = np.zeros(S, np.float32) if record_importance else None
-    tile = max(1, min(T, _TILE_ELEMS // (group * S)))
-    for kh in range(layer.n_kv_heads):
-        Kf = layer.keys_f32(kh, S)  # [S, D]
-        Vf = layer.values_f32(kh, S)  # [S, D]
-        hs = slice(kh * group, (kh + 1) * group)
-        for t0 in range(0, T, tile):
-            t1 = min(T, t0 + tile)
-            n, sk = t1 - t0, start + t1  # queries in tile, keys they can see
-            qt = q[t0:t1, hs].transpose(1, 0, 2).reshape(group * n, D) * scale  # [G*n, D]
-            sc = qt @ Kf[:sk].T  # [G*n, sk]
-            rinv = np.empty(group * n, np.float32)  # [G*n]; normalise the small outputs, not sc
-            softmax_causal_rows(sc, n, start + t0, rinv)  # causal mask, max, exp, sum
-            o = (sc @ Vf[:sk]) * rinv[:, None]  # [G*n, D]
-            out[t0:t1, hs] = o.reshape(group, n, D).transpose(1, 0, 2)
-            if imp is not None:
-                imp[:sk] += rinv @ sc
+    S = start + q.shape[0]
+    if layer.kind == "f32":
+        K, V = layer.k, layer.v  # [KVH, C, D]
+    else:  # f16 / int8 storage: the kernel takes float32 rows
+        K = np.stack([layer.keys_f32(kh, S) for kh in range(layer.n_kv_heads)])  # [KVH, S, D]
+        V = np.stack([layer.values_f32(kh, S) for kh in range(layer.n_kv_heads)])  # [KVH, S, D]
+    out, imp = exact_prefill_kernel(q * scale, K, V, start, group, record_importance)  # [T, H, D], [S]
     if imp is not None:
         state.importance[:S] += imp
     return out

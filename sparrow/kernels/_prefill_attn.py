@@ -1,0 +1,150 @@
+"""Exact causal prefill attention in one pass over K/V (online softmax), tile by tile.
+
+The numpy/BLAS path this replaced wrote each score tile to memory and read it back four times
+(mask/max/exp/sum, the value product, the importance); the 2 MiB tiles did not fit this CPU's
+512 KiB L2, and on SmolLM2-135M at 2K it spent ~110 ms a layer there (BLAS scoring with a
+64-long inner dimension ran at 24 GMAC/s, the softmax at 1.4-3.7 ns a score). Here a work
+item is QT consecutive queries of every head; for each KV head, its group's QT * group query
+rows take the keys BK at a time: scores by a register-tiled product (kernels._tile.mm_add)
+against the block's keys stored transposed, then the running max and sum, then the weighted
+values by the same product, so scores stay in L1.
+
+Per query row, blocks b = 0, 1, ... up to the row's position, in order:
+  s = q' K_b^T (q' = q * scale)           one fma chain per score, d ascending
+  mx = max(s); if mx > m: c = exp(m - mx), o *= c, l *= c, m = mx
+  e = exp_shifted(s - m) (0 past the query's position); l += sum(e); o += e V_b (keys ascending)
+  out = o * (1 / l)
+Importance (the spec's prefill probabilities, summed over heads and queries): each block's e
+is kept with the m it used, and position t of block b gets e * exp(m_b - m) / l, summed over
+the item's rows in order into the item's own row of `pacc`; the caller sums those rows in item
+order. Every row's arithmetic depends only on its own query and the keys it sees, so results
+are the same for any thread count, work split or prefill chunking.
+"""
+
+import numpy as np
+from numba import njit, prange
+
+from sparrow.kernels._attn_rows import exp_shifted, max_at, sum_f32
+from sparrow.kernels._tile import mm_add
+
+QT = 8  # queries per work item: a key block read from memory serves QT * group rows
+BK = 64  # keys per step (SmolLM2 at 2K: 64 ms a layer vs 72 with 32; 128 overflows L1)
+
+
+@njit(cache=True, nogil=True)
+def _item(qa, KT, V, start, group, t0, t1, out, prow, want_p):
+    """Queries t0..t1-1 (positions start + t) of every head; adds importance into prow [S]."""
+    D = qa.shape[2]
+    nq = t1 - t0
+    R = group * nq  # rows of one KV head: (head g of the group, query i) -> g * nq + i
+    last = start + t1  # keys 0..last-1 are visible to some query of the item
+    nblk = (last + BK - 1) // BK
+    Q = np.empty((R, D), np.float32)
+    S = np.empty((R, BK), np.float32)  # scores, then weights
+    O = np.empty((R, D), np.float32)
+    ebits = np.empty(BK, np.int32)
+    m = np.empty(R, np.float32)
+    den = np.empty(R, np.float32)
+    keep = np.empty((nblk, R, BK) if want_p else (1, 1, 1), np.float32)  # each block's weights
+    mb = np.empty((R, nblk) if want_p else (1, 1), np.float32)  # the max each block's weights used
+    fT = np.empty((nblk, R) if want_p else (1, 1), np.float32)  # exp(m_b - m) / den per block, row
+    fb = np.empty(nblk, np.float32)
+    fbits = np.empty(nblk, np.int32)
+    prow2 = prow[: nblk * BK].reshape((nblk, BK)) if want_p else np.empty((1, BK), np.float32)
+    for kh in range(KT.shape[0]):
+        KT2, V2 = KT[kh], V[kh]
+        for r in range(R):
+            Q[r] = qa[t0 + r % nq, kh * group + r // nq]
+        O[:] = 0
+        m[:] = -np.inf
+        den[:] = 0
+        for b in range(nblk):
+            k0 = b * BK
+            kn = min(BK, last - k0)
+            S[:] = 0
+            mm_add(Q, KT2[b], S, D)  # [R, BK]
+            for r in range(R):
+                row = S[r]
+                nv = min(kn, start + t0 + r % nq + 1 - k0)  # keys of the block this query sees
+                if nv <= 0:
+                    for j in range(BK):
+                        row[j] = 0
+                    if want_p:
+                        mb[r, b] = -np.inf  # weight 0 (exp_shifted's clamp)
+                        keep[b, r, :] = 0
+                    continue
+                mx = max_at(row, 0, nv)
+                if mx > m[r]:
+                    if m[r] > -np.inf:
+                        c = np.float32(np.exp(m[r] - mx))
+                        for d in range(D):
+                            O[r, d] *= c
+                        den[r] *= c
+                    m[r] = mx
+                exp_shifted(row, m[r], nv, ebits)
+                for j in range(nv, BK):
+                    row[j] = 0
+                den[r] += sum_f32(row, nv)
+                if want_p:
+                    keep[b, r, :] = row
+                    mb[r, b] = m[r]
+            mm_add(S, V2[k0 : k0 + kn], O, kn)  # [R, D]
+        for r in range(R):
+            i = r % nq
+            inv = np.float32(1.0) / den[r]
+            o = out[t0 + i, kh * group + r // nq]
+            for d in range(D):
+                o[d] = O[r, d] * inv
+            if want_p:
+                for b in range(nblk):
+                    fb[b] = max(mb[r, b] - m[r], np.float32(-87.0))
+                exp_shifted(fb, np.float32(0.0), nblk, fbits)  # [nblk] exp(m_b - m)
+                for b in range(nblk):
+                    fT[b, r] = fb[b] * inv
+        if want_p:  # importance: prow[block b] += fT[b] @ keep[b], rows in order
+            for b in range(nblk):
+                mm_add(fT[b : b + 1], keep[b], prow2[b : b + 1], R)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def prefill_kernel(qa, KT, V, start, group, out, pacc, want_p):
+    """Exact causal attention of qa [T, H, D] (q * scale, positions start..start+T-1) -> out
+    [T, H, D]. KT: keys [KVH, nblk, D, BK], block b transposed, zero past the last key
+    (key_blocks); V: values [KVH, >= start+T, D]; pacc: zeros [items, nblk * BK] (items =
+    ceil(T / QT)), or [1, 1] without importance. Item j and its mirror items-1-j run together:
+    their key counts add up to the same total, so any split of the pairs is balanced."""
+    T = qa.shape[0]
+    n = (T + QT - 1) // QT
+    for j in prange((n + 1) // 2):
+        _pair_item(qa, KT, V, start, group, out, pacc, want_p, j)
+        if n - 1 - j != j:  # the middle item of an odd count runs once
+            _pair_item(qa, KT, V, start, group, out, pacc, want_p, n - 1 - j)
+
+
+@njit(cache=True, nogil=True)
+def _pair_item(qa, KT, V, start, group, out, pacc, want_p, it):
+    T = qa.shape[0]
+    prow = pacc[it] if want_p else pacc[0]
+    _item(qa, KT, V, start, group, it * QT, min(T, it * QT + QT), out, prow, want_p)
+
+
+def key_blocks(K, S):
+    """Keys 0..S-1 of K [KVH, >= S, D] float32 as [KVH, nblk, D, BK]: block b transposed, so a
+    block's scores are a product with contiguous rows; zeros past S."""
+    KVH, _, D = K.shape
+    nblk = (S + BK - 1) // BK
+    Kp = np.zeros((KVH, nblk * BK, D), np.float32)  # [KVH, nblk * BK, D]
+    Kp[:, :S] = K[:, :S]
+    return np.ascontiguousarray(Kp.reshape(KVH, nblk, BK, D).transpose(0, 1, 3, 2))  # [KVH, nblk, D, BK]
+
+
+def prefill_attention(qa, K, V, start, group, want_p):
+    """(out [T, H, D], importance [start + T] or None): exact causal attention of qa (q *
+    scale) over float32 keys and values [KVH, >= start+T, D] already holding the chunk."""
+    T, H, D = qa.shape
+    S = start + T
+    KT = key_blocks(K, S)  # [KVH, nblk, D, BK]
+    out = np.empty((T, H, D), np.float32)
+    pacc = np.zeros(((T + QT - 1) // QT, KT.shape[1] * BK) if want_p else (1, 1), np.float32)
+    prefill_kernel(np.ascontiguousarray(qa, np.float32), KT, V, start, group, out, pacc, want_p)
+    return out, (pacc.sum(axis=0)[:S] if want_p else None)
