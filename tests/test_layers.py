@@ -19,8 +19,16 @@ TIERS = [
     ("sparrow.errors", "sparrow.config", "sparrow.quant", "sparrow.params"),
     # 1: leaf machinery on plain arrays and files: numba kernels, checkpoint readers (which
     #    build the tokenizer), tokenizer and chat template, structured output (tool specs,
-    #    llguidance grammars and masks, tool-call parsers)
-    ("sparrow.kernels.*", "sparrow.loaders.*", "sparrow.tokenizer", "sparrow.chat_template", "sparrow.structured.*"),
+    #    llguidance grammars and masks, tool-call parsers), images (decoding, preprocessing and
+    #    the Qwen3-VL vision tower on kernels and stored weights)
+    (
+        "sparrow.kernels.*",
+        "sparrow.loaders.*",
+        "sparrow.tokenizer",
+        "sparrow.chat_template",
+        "sparrow.structured.*",
+        "sparrow.vision.*",
+    ),
     # 2: the KV cache: per-sequence state the models write and the attention kernels read
     ("sparrow.kv_cache",),
     # 3: the models: layers and decoders built from kernels, weights and caches

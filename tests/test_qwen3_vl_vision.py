@@ -137,3 +137,28 @@ def test_mmproj_needs_a_text_gguf(tiny_vl):
 
     with pytest.raises(SparrowError, match="--mmproj goes with a text GGUF"):
         sparrow.load(tiny_vl[0], mmproj="unused.gguf")
+
+
+def test_hub_config_spelling_gives_the_same_logits(tiny_vl, vl_llm, tmp_path):
+    """The Hub's config.json spells rope as rope_scaling (with mrope_section) + rope_theta;
+    transformers 5 saves rope_parameters. Both load to the same model."""
+    import shutil
+
+    import reference_models as rm
+
+    hub = str(tmp_path / "hub")
+    shutil.copytree(tiny_vl[0], hub)
+
+    def respell(cfg):
+        text = cfg["text_config"]
+        rope = text.pop("rope_parameters")
+        text["rope_theta"] = rope.pop("rope_theta")
+        text["rope_scaling"] = rope
+
+    rm.rewrite_config(hub, respell)
+    llm = sparrow.load(hub)
+    assert llm.config.mrope_section == (4, 6, 6) and llm.config.rope_theta == 5e6
+    images, prompt = _images(), _prompt()
+    want = vl_llm.runner.prefill(vl_llm.runner.new_slot(prompt, len(prompt), images=images))
+    got = llm.runner.prefill(llm.runner.new_slot(prompt, len(prompt), images=images))
+    np.testing.assert_array_equal(got, want)

@@ -54,6 +54,24 @@ SHAPES: dict[str, dict] = {
     "qwen3-1.7b": dict(_QWEN3, hidden=2048, layers=28, heads=16, kv_heads=8, ffn=6144, tied=True),
     "qwen3-4b": dict(_QWEN3, hidden=2560, layers=36, heads=32, kv_heads=8, ffn=9728, tied=True),
     "qwen3-8b": dict(_QWEN3, hidden=4096, layers=36, heads=32, kv_heads=8, ffn=12288, tied=False),
+    # Qwen3-VL-2B-Instruct's text model (a qwen3vl GGUF: rope theta 5e6, M-RoPE sections); its
+    # vision tower goes in a separate random mmproj (bench/shapes_vl.py).
+    "qwen3-vl-2b": dict(
+        _QWEN3,
+        hidden=2048,
+        layers=28,
+        heads=16,
+        kv_heads=8,
+        ffn=6144,
+        tied=True,
+        rope_theta=5e6,
+        context=262144,
+        arch="qwen3vl",
+        mrope_section=(24, 20, 20),
+        vision=dict(
+            depth=24, hidden=1024, ffn=4096, heads=16, patch=16, merge=2, positions=2304, deepstack=(5, 11, 17)
+        ),
+    ),
 }
 TYPES = ("q8_0", "q4_0", "q4_k_m")
 _BLOCK = {"q8_0": 32, "q4_0": 32, "q5_0": 32, "q4_k": 256, "q6_k": 256}  # values a block
@@ -173,20 +191,25 @@ def file_bytes(shape, qtype: str) -> int:
 
 
 def metadata(shape) -> dict:
-    """The `qwen3.*` model keys the file carries (llama.cpp's names)."""
+    """The `qwen3.*` (or `qwen3vl.*`) model keys the file carries (llama.cpp's names)."""
     s = _shape(shape)
-    return {
-        "qwen3.context_length": s["context"],
-        "qwen3.embedding_length": s["hidden"],
-        "qwen3.block_count": s["layers"],
-        "qwen3.feed_forward_length": s["ffn"],
-        "qwen3.attention.head_count": s["heads"],
-        "qwen3.attention.head_count_kv": s["kv_heads"],
-        "qwen3.attention.key_length": s["head_dim"],
-        "qwen3.attention.value_length": s["head_dim"],
-        "qwen3.rope.freq_base": s["rope_theta"],
-        "qwen3.attention.layer_norm_rms_epsilon": s["rms_eps"],
+    a = s.get("arch", "qwen3")
+    keys = {
+        f"{a}.context_length": s["context"],
+        f"{a}.embedding_length": s["hidden"],
+        f"{a}.block_count": s["layers"],
+        f"{a}.feed_forward_length": s["ffn"],
+        f"{a}.attention.head_count": s["heads"],
+        f"{a}.attention.head_count_kv": s["kv_heads"],
+        f"{a}.attention.key_length": s["head_dim"],
+        f"{a}.attention.value_length": s["head_dim"],
+        f"{a}.rope.freq_base": s["rope_theta"],
+        f"{a}.attention.layer_norm_rms_epsilon": s["rms_eps"],
     }
+    if "mrope_section" in s:
+        keys[f"{a}.rope.dimension_sections"] = [*s["mrope_section"], 0]
+        keys[f"{a}.n_deepstack_layers"] = len(s["vision"]["deepstack"])
+    return keys
 
 
 def vocabulary(shape) -> dict:
@@ -279,14 +302,17 @@ def write_gguf(path: str, shape, qtype: str, *, seed: int = 0, name: str | None 
     tmp = f"{path}.tmp-{os.getpid()}"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     qtypes = {t: gguf.GGMLQuantizationType[t.upper()] for t in ("f32",) + tuple(_BLOCK)}
-    w = gguf.GGUFWriter(tmp, "qwen3")
+    w = gguf.GGUFWriter(tmp, s.get("arch", "qwen3"))
     try:
         w.add_name(f"{name} shape, random weights ({qtype})")
         w.add_description("sparrow bench shapes: random weights with a real model's tensor shapes")
         w.add_file_type(_FILE_TYPE[qtype])
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
         for key, val in metadata(s).items():
-            (w.add_float32 if isinstance(val, float) else w.add_uint32)(key, val)
+            if isinstance(val, list):
+                w.add_array(key, val)
+            else:
+                (w.add_float32 if isinstance(val, float) else w.add_uint32)(key, val)
         voc = vocabulary(s)
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("qwen2")

@@ -636,6 +636,10 @@ def main(argv=None):
         return _startup(a.model, a.threads)
     if a._child == "llama_rss":
         return _llama_rss(a.model, a.threads)
+    if a.shape and shapes.SHAPES[a.shape].get("vision"):  # an image model: its own rows (speed_vl.py)
+        from sparrow.bench import speed_vl
+
+        return speed_vl.main(a)
 
     from sparrow.errors import SparrowError
     from sparrow.eval import report

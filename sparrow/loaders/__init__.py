@@ -115,6 +115,8 @@ def _open_hf_dir(path: str) -> Checkpoint:
         cfg = ModelConfig.from_hf(raw)
     except KeyError as e:
         raise SparrowError(f"{cfg_path}: missing key {e}") from None
+    if vision is not None and cfg.architecture != "qwen3":
+        vision = None  # Qwen3-VL-MoE: sparrow runs its text decoder only
     tensors = {normalize_hf(k): v for k, v in read_safetensors_dir(path).items()}
     gen_path = os.path.join(path, "generation_config.json")
     gen = _read_json(gen_path) if os.path.exists(gen_path) else {}

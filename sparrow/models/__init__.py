@@ -15,8 +15,6 @@ def build_model(ckpt, quantize: str | None = None, progress: bool = False) -> De
         bar = lambda it: tqdm(it, desc="loading layers", unit="layer", leave=False)  # noqa: E731
 
     if getattr(ckpt, "vision", None) is not None:
-        if cfg.architecture != "qwen3":
-            raise SparrowError(f"images are supported for Qwen3-VL only, not {cfg.architecture!r}")
         from .qwen3_vl import Qwen3VL
 
         return Qwen3VL(cfg, ckpt.tensors, ckpt.vision, quantize=quantize, progress=bar)

@@ -1,0 +1,112 @@
+"""`sparrow bench speed --shape qwen3-vl-2b`: Qwen3-VL speed with random weights and the real
+shapes (text GGUF from bench/shapes.py, mmproj from bench/shapes_vl.py) on one 448x448 image.
+
+Per round: the vision encoder (ms, and the image's tokens), the prefill of the whole prompt
+(image pads included) and greedy decode after it; beside it, in the same run, decode after a
+text-only prompt of the same length, so the cost of images on decode (none is expected: only
+the rope position shifts) reads as a ratio. Medians over the rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+IMAGE_SIDE = 448
+
+
+def _image():
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    small = rng.integers(0, 256, (IMAGE_SIDE // 16, IMAGE_SIDE // 16, 3), dtype=np.uint8)
+    return Image.fromarray(small).resize((IMAGE_SIDE, IMAGE_SIDE), Image.Resampling.BICUBIC)
+
+
+def _decode(llm, slot, first: int, n: int) -> float:
+    """Seconds for n greedy decode steps after the prefill."""
+    tok = first
+    t0 = time.perf_counter()
+    for _ in range(n):
+        tok = int(np.argmax(llm.runner.decode([slot], [tok])[0]))
+    return time.perf_counter() - t0
+
+
+def run(a, log=sys.stderr.write) -> dict:
+    import sparrow
+
+    from . import shapes, shapes_vl
+
+    text = shapes.ensure(a.shape, a.type, log=log)
+    mmproj = shapes_vl.ensure_mmproj(a.shape, log=log)
+    llm = sparrow.load(text, mmproj=mmproj, threads=a.threads)
+    parts = [{"type": "image", "image": _image()}, {"type": "text", "text": "Describe it."}]
+    msgs = [{"role": "user", "content": parts}]
+    ids, images = llm.prompt_and_images(msgs, chat=True)
+    plain = [i for i in ids if i != llm.vision.image_token_id]
+    plain = (plain * (len(ids) // len(plain) + 1))[: len(ids)]  # a text-only prompt of the same length
+    rows = []
+    for r in range(a.rounds + 1):  # round 0 compiles and warms up; not reported
+        slot = llm.runner.new_slot(ids, len(ids) + a.decode, images=images)  # encodes the image
+        t0 = time.perf_counter()
+        logits = llm.runner.prefill(slot)
+        prefill_s = time.perf_counter() - t0
+        dec_s = _decode(llm, slot, int(np.argmax(logits)), a.decode)
+        tslot = llm.runner.new_slot(plain, len(plain) + a.decode)
+        text_logits = llm.runner.prefill(tslot)
+        text_dec_s = _decode(llm, tslot, int(np.argmax(text_logits)), a.decode)
+        vis = slot.mm.timings[0]
+        row = {
+            "vision_ms": vis["ms"],
+            "image_tokens": vis["tokens"],
+            "prompt_tokens": len(ids),
+            "prefill_tok_s": len(ids) / prefill_s,
+            "decode_tok_s": a.decode / dec_s,
+            "text_only_decode_tok_s": a.decode / text_dec_s,
+            "loadavg": os.getloadavg()[0],
+        }
+        if r:
+            rows.append(row)
+        log(f"round {r}{' (warm-up)' if not r else ''}: " + json.dumps({k: round(v, 2) for k, v in row.items()}) + "\n")
+    med = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
+    return {"shape": a.shape, "type": a.type, "threads": a.threads, "decode": a.decode, "rounds": rows, "median": med}
+
+
+def markdown(rec) -> str:
+    m = rec["median"]
+    return "\n".join(
+        [
+            f"Qwen3-VL speed, random weights with {rec['shape']} shapes (text {rec['type']}, vision f16), "
+            f"{rec['threads']} threads, one {IMAGE_SIDE}x{IMAGE_SIDE} image, medians of {len(rec['rounds'])} rounds",
+            "",
+            "| vision encoder | image tokens | prompt tokens | prefill | decode after the image | "
+            "decode after text only | ratio |",
+            "|---|---|---|---|---|---|---|",
+            f"| {m['vision_ms']:.0f} ms | {m['image_tokens']:.0f} | {m['prompt_tokens']:.0f} | "
+            f"{m['prefill_tok_s']:.1f} tok/s | {m['decode_tok_s']:.2f} tok/s | "
+            f"{m['text_only_decode_tok_s']:.2f} tok/s | "
+            f"{m['decode_tok_s'] / m['text_only_decode_tok_s']:.2f} |",
+        ]
+    )
+
+
+def main(a) -> int:
+    from sparrow.eval import report
+
+    rec = run(a)
+    out = report.record_path("speed", a.json)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(rec, f, indent=2)
+    md = markdown(rec)
+    print(md)
+    if a.md:
+        with open(a.md, "w") as f:
+            f.write(md + "\n")
+    print(f"record: {out}", file=sys.stderr)
+    return 0
