@@ -178,3 +178,24 @@ def test_image_to_text_only_model(tiny_models):
     llm = sparrow.load(tiny_models["qwen3"].folder)
     with pytest.raises(SparrowError, match="text-only"):
         llm.prompt_ids(_user({"type": "image", "image": _picture(64, 64)}))
+
+
+def test_cli_generate_with_image_and_timings(tiny_vl, vl_llm, tmp_path, capsys, monkeypatch):
+    """`sparrow generate --image PATH -p ... --timings`: the answer equals the API's for the same
+    messages, and a [VISION] line gives the image's size after resizing, tokens and time."""
+    from sparrow import cli
+
+    path = str(tmp_path / "pic.png")
+    _picture(100, 70, 9).save(path)
+    monkeypatch.setattr("sys.stdin.isatty", lambda: True, raising=False)
+    rc = cli.main(["generate", "--model", tiny_vl[0], "--image", path, "-p", "Describe it", "-n", "5", "--timings"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    msgs = _user({"type": "image", "image": path}, {"type": "text", "text": "Describe it"})
+    want = "".join(vl_llm.generate(msgs, chat=True, max_tokens=5))
+    assert out.out.rstrip("\n") == want
+    grid = preprocess(Image.open(path), vl_llm.vision).grid
+    line = next(x for x in out.err.splitlines() if x.startswith("[VISION]"))
+    assert f"image 1: {grid[2] * 16}x{grid[1] * 16} px, {grid[1] * grid[2] // 4} tokens" in line
+    rc = cli.main(["generate", "--model", tiny_vl[0], "--image", str(tmp_path / "missing.png"), "-p", "x", "-n", "1"])
+    assert rc == 1 and "cannot read image" in capsys.readouterr().err
