@@ -67,6 +67,7 @@ def attempt(load, data: bytes, path: str, traced: bool = True):
 
 def check(cases, load, path, must_fail: bool, traced: bool = True):
     """cases: (label, bytes). Any exception but SparrowError fails the test, naming the case."""
+    loaded = 0
     for label, data in cases:
         try:
             msg = attempt(load, data, path, traced)
@@ -80,6 +81,8 @@ def check(cases, load, path, must_fail: bool, traced: bool = True):
             assert msg is not None, f"{label}: loaded"
         if msg is not None:
             assert msg.strip() and "\n" not in msg.strip() and len(msg) < 400, f"{label}: {msg[:400]!r}"
+        loaded += msg is None
+    print(f"\n{os.path.basename(path)}: {len(cases)} damaged files, {len(cases) - loaded} one-line errors")
 
 
 # ---------------------------------------------------------------------- GGUF
