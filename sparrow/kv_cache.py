@@ -335,6 +335,13 @@ class KVCache:
             st.importance[:n] = imp[:n]
         self.length = n
 
+    def restore_importance(self, importance):
+        """Sets the prefill importance of positions 0..n-1 to importance [L, n] (and clears the rest)."""
+        n = importance.shape[1]
+        for st, imp in zip(self.sparse, importance):
+            st.importance[:n] = imp
+            st.importance[n:] = 0.0
+
     def importance_snapshot(self):
         """The per-layer prefill importance of positions 0..length-1 as [L, length] float32."""
         return np.stack([st.importance[: self.length] for st in self.sparse])  # [L, n]

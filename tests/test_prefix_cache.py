@@ -93,19 +93,22 @@ def test_second_turn_reuses_kv_and_matches_the_cache_off_bits(llm, sparse):
         (out1,), _ = _submit_one(engine, first, _params(1), sparse)
         second = first + out1 + rng.integers(100, 40000, 23).tolist()  # the next turn: reply and a new message
         before = metrics.snapshot()["prefill_tokens"]
-        (out2,), cached = _submit_one(engine, second, _params(2), sparse)
+        (out2,), cached2 = _submit_one(engine, second, _params(2), sparse)  # takes the first's entry over
         prefilled = metrics.snapshot()["prefill_tokens"] - before
+        third = first[:40] + rng.integers(100, 40000, 30).tolist()  # shares 2 chunks: copies from the second's
+        (out3,), cached3 = _submit_one(engine, third, _params(3), sparse)
     finally:
         engine.stop()
-    assert cached == 80 and prefilled == len(second) - 80  # 5 whole chunks of the first prompt reused
-    assert engine.prefix.stats.hits == 1
-    with_cache = {k: v for k, v in runner.logits.items() if k[0] == tuple(second)}
+    assert cached2 == 80 and prefilled == len(second) - 80  # 5 whole chunks of the first prompt reused
+    assert cached3 == 32 and engine.prefix.stats.hits == 2
     off = Recording(llm.model, CHUNK)
-    seq_tokens = solo_sparse(llm, off, second, _params(2), sparse)
-    assert seq_tokens == out2
-    assert set(with_cache) == set(off.logits)
-    assert all(with_cache[k].tobytes() == off.logits[k].tobytes() for k in with_cache)
-    assert runner.importance[tuple(second)].tobytes() == off.importance[tuple(second)].tobytes()
+    for ids, params, out in ((second, _params(2), out2), (third, _params(3), out3)):
+        assert solo_sparse(llm, off, ids, params, sparse) == out
+        with_cache = {k: v for k, v in runner.logits.items() if k[0] == tuple(ids)}
+        alone = {k: v for k, v in off.logits.items() if k[0] == tuple(ids)}
+        assert set(with_cache) == set(alone)
+        assert all(with_cache[k].tobytes() == alone[k].tobytes() for k in with_cache)
+        assert runner.importance[tuple(ids)].tobytes() == off.importance[tuple(ids)].tobytes()
 
 
 def solo_sparse(llm, runner, ids, params, sparse):

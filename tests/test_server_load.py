@@ -145,26 +145,31 @@ def test_too_large_for_the_budget_is_a_400(tight):
     assert "KV budget" in r.json()["error"]["message"]
 
 
-def test_second_chat_turn_is_served_from_the_prefix_cache(ref):
-    proc, base, log = start_server()
-    try:
-        client = openai.OpenAI(base_url=base + "/v1", api_key="x", timeout=600, max_retries=0)
-        model = client.models.list().data[0].id
-        system = "You are a careful assistant. " * 90  # > 512 tokens: one whole prefill chunk
-        msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Name a fruit."}]
-        r1 = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0)
-        assert r1.usage.prompt_tokens_details.cached_tokens == 0
-        msgs += [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "Why?"}]
-        before = parse_prometheus(httpx.get(base + "/metrics").text)["sparrow_prefill_tokens_total"]
-        r2 = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0)
-        m = parse_prometheus(httpx.get(base + "/metrics").text)
-        assert r2.usage.prompt_tokens_details.cached_tokens == 512
-        assert m["sparrow_prefill_tokens_total"] - before == r2.usage.prompt_tokens - 512  # only the new tokens
-        assert m["sparrow_prefix_cache_hits_total"] == 1
-        want = "".join(o.text for o in ref.stream(msgs, chat=True, max_tokens=4, temperature=0))
-        assert r2.choices[0].message.content == want
-    finally:
-        stop_server(proc, log)
+@pytest.fixture(scope="module")
+def plain():
+    """A server with the default budget; the SIGTERM test (last) ends it."""
+    proc, base, log = start_server("--drain-timeout", "4")
+    yield proc, base, log
+    stop_server(proc, log)
+
+
+def test_second_chat_turn_is_served_from_the_prefix_cache(plain, ref):
+    _, base, _ = plain
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", timeout=600, max_retries=0)
+    model = client.models.list().data[0].id
+    system = "You are a careful assistant. " * 90  # > 512 tokens: one whole prefill chunk
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Name a fruit."}]
+    r1 = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0)
+    assert r1.usage.prompt_tokens_details.cached_tokens == 0
+    msgs += [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "Why?"}]
+    before = parse_prometheus(httpx.get(base + "/metrics").text)["sparrow_prefill_tokens_total"]
+    r2 = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0)
+    m = parse_prometheus(httpx.get(base + "/metrics").text)
+    assert r2.usage.prompt_tokens_details.cached_tokens == 512
+    assert m["sparrow_prefill_tokens_total"] - before == r2.usage.prompt_tokens - 512  # only the new tokens
+    assert m["sparrow_prefix_cache_hits_total"] == 1
+    want = "".join(o.text for o in ref.stream(msgs, chat=True, max_tokens=4, temperature=0))
+    assert r2.choices[0].message.content == want
 
 
 def _sse(base, body):
@@ -175,25 +180,23 @@ def _sse(base, body):
     return resp, resp.iter_lines()
 
 
-def test_sigterm_drains_in_flight_streams_and_exits_cleanly():
-    proc, base, log = start_server("--drain-timeout", "4")
-    try:
-        short = {"prompt": "One", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-        long = {"prompt": "Two", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
-        streams = [_sse(base, short), _sse(base, long)]
-        for _, lines in streams:  # both are generating
-            assert next(line for line in lines if line.startswith("data:"))
-        proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        late = httpx.post(base + "/v1/completions", json={"prompt": "Three", "max_tokens": 2}, timeout=60)
-        assert late.status_code == 503 and late.headers["retry-after"]
-        ends = []
-        for _, lines in streams:
-            events = [line[6:] for line in lines if line.startswith("data: ")]
-            ends.append((events[-1], json.loads(events[-2])))
-        assert ends[0][0] == "[DONE]" and ends[0][1]["choices"][0]["finish_reason"] == "length"  # finished in grace
-        assert ends[1][0] == "[DONE]" and "shutting down" in ends[1][1]["error"]["message"]  # cut at the grace end
-        assert proc.wait(60) == 0
-    finally:
-        text = stop_server(proc, log)
-    assert "Traceback" not in text, text[-3000:]
+def test_sigterm_drains_in_flight_streams_and_exits_cleanly(plain):
+    proc, base, log = plain
+    short = {"prompt": "One", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    long = {"prompt": "Two", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+    streams = [_sse(base, short), _sse(base, long)]
+    for _, lines in streams:  # both are generating
+        assert next(line for line in lines if line.startswith("data:"))
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    late = httpx.post(base + "/v1/completions", json={"prompt": "Three", "max_tokens": 2}, timeout=60)
+    assert late.status_code == 503 and late.headers["retry-after"]
+    ends = []
+    for _, lines in streams:
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+        ends.append((events[-1], json.loads(events[-2])))
+    assert ends[0][0] == "[DONE]" and ends[0][1]["choices"][0]["finish_reason"] == "length"  # finished in grace
+    assert ends[1][0] == "[DONE]" and "shutting down" in ends[1][1]["error"]["message"]  # cut at the grace end
+    assert proc.wait(60) == 0
+    log.seek(0)
+    assert "Traceback" not in log.read()

@@ -334,6 +334,18 @@ class Engine:
         key = self._prefix_key(req)
         for use_prefix in (True, False):  # a pinned entry may be what is in the way: retry without it
             hit = self.prefix.lookup(key, slot.prompt) if use_prefix and key is not None else Hit()
+            snapshots = hit.entry.snapshots if hit.entry is not None else {}
+            cache = self.prefix.take(hit)
+            if cache is not None:  # the whole entry is this request's now (no copy)
+                slot.snapshots = {b: v for b, v in snapshots.items() if b <= hit.tokens}
+                if n_out == 0:
+                    req.cached_tokens = hit.tokens
+                if not self.pool.resize(cache, capacity, probe_of(req.sparse)):
+                    self.pool.release(cache)
+                    slot.snapshots, req.cached_tokens = {}, 0
+                    return False
+                slot.cache = cache
+                return True
             cache = self.runner.model.new_cache(1, req.kv_dtype or self.llm.kv_dtype)
             ok = self.pool.resize(cache, capacity, probe_of(req.sparse))
             if ok and hit.entry is not None:

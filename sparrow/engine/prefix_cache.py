@@ -113,6 +113,26 @@ class PrefixCache:
         self.unpin(hit, hit.entry is not None)
         return hit.tokens
 
+    def take(self, hit: Hit):
+        """Hands a hit's entry over to its request when the request's prompt extends the whole
+        entry (a chat's next turn; its own KV will supersede the entry) and nobody else is
+        copying from it: the request keeps the cache instead of a copy, so a budget that holds
+        one conversation serves its next turn. Returns the cache (length hit.tokens, importance
+        as at that boundary, still charged), or None when the entry must be copied instead."""
+        e = hit.entry
+        with self._lock:
+            if e is None or hit.tokens != len(e.tokens) or e.pins != 1:
+                return None
+            del self._entries[id(e)]
+            self.stats.entries = len(self._entries)
+            e.pins = 0
+            self.stats.hits += 1
+            self.stats.cached_tokens += hit.tokens
+        cache, e.cache = e.cache, None
+        cache.truncate(hit.tokens)
+        cache.restore_importance(e.snapshots[hit.tokens])
+        return cache
+
     def unpin(self, hit: Hit, used: bool) -> None:
         if hit.entry is None:
             return
