@@ -10,6 +10,10 @@ stream decodes exactly --max-tokens tokens) and reports:
 Ratios are against the 1-stream row of the same run, so they hold under the same machine load.
 The JSON record (--json, default runs/serve-<timestamp>/serve.json) is written before the table.
 Only the standard library talks HTTP here, so the base install runs it.
+
+With --load it runs the load test instead (serve_load.py): --clients concurrent streaming
+clients, --requests requests of a mixed workload under --kv-budget / --max-queue, every answer
+checked against a seeded solo run, and the second-chat-turn TTFT ratio with the prefix cache.
 """
 
 from __future__ import annotations
@@ -48,7 +52,10 @@ def _free_port() -> int:
 def _start(a) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "sparrow.cli", "serve", "--port", str(port), "--max-batch", str(a.max_batch)]
-    for flag, v in (("--model", a.model), ("--threads", a.threads), ("--kv-dtype", a.kv_dtype)):
+    flags = [("--model", a.model), ("--threads", a.threads), ("--kv-dtype", a.kv_dtype)]
+    if a.load:
+        flags += [("--kv-budget", a.kv_budget), ("--max-queue", a.max_queue)]
+    for flag, v in flags:
         if v is not None:
             cmd += [flag, str(v)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -110,6 +117,77 @@ def _level(url: str, body: dict, n: int) -> dict:
     }
 
 
+def _stop(proc) -> None:
+    if proc is not None:
+        proc.terminate()  # SIGTERM: the server drains (nothing is in flight by now) and exits
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _load(a, url, proc, out, argv) -> None:
+    from .. import api
+    from ..engine.kv_budget import parse_size
+    from . import serve_load as sl
+
+    jobs = sl.make_jobs(a.requests)
+    try:
+        before = sl.metrics(url)
+        rss_idle = sl.rss(proc.pid if proc is not None else None, "VmRSS")
+        records, wall = sl.run_load(url, jobs, a.clients)
+        after = sl.metrics(url)
+        turn = sl.second_turn_ttft(url)
+        rss = sl.rss(proc.pid if proc is not None else None, "VmHWM")
+    finally:
+        _stop(proc)
+    llm = api.load(a.model, threads=a.threads, kv_dtype=a.kv_dtype or "f32")
+    sl.check(records, llm)
+    budget = parse_size(a.kv_budget) if a.url is None else None
+    summary = sl.summarize(records, wall, before, after, budget, rss)
+    summary["idle_rss_bytes"] = rss_idle
+    record = {
+        "bench": "serve-load",
+        "argv": list(sys.argv[1:] if argv is None else argv),
+        "url": a.url,
+        "model": a.model,
+        "clients": a.clients,
+        "max_batch": a.max_batch,
+        "max_queue": a.max_queue,
+        "environment": report.environment(),
+        "summary": summary,
+        "second_turn": turn,
+        "records": [{k: v for k, v in r.items() if k != "body"} for r in records],
+    }
+    report.write_json(out, record)
+    load = os.getloadavg()
+    s, mb = summary, lambda n: f"{n / 2**20:.0f} MiB" if n else "-"
+    print(
+        f"sparrow bench serve --load: {s['requests']} requests {s['by_kind']} from {a.clients} clients; "
+        f"load average {load[0]:.1f} on {os.cpu_count()} cores"
+    )
+    print(
+        "| requests | wall s | tok/s | TTFT p50/p90/p99 s | ITL p50/p90/p99 ms | prefix hits | preempted "
+        "| 503 retried | cancelled | errors | lost | corrupted | KV peak / budget | RSS idle -> peak |"
+    )
+    print("|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    t, i = s["ttft_s"], s["itl_ms"]
+    print(
+        f"| {s['requests']} | {s['wall_s']:.1f} | {s['throughput_tok_s']:.1f} "
+        f"| {t['p50']:.2f} / {t['p90']:.2f} / {t['p99']:.2f} | {i['p50']:.0f} / {i['p90']:.0f} / {i['p99']:.0f} "
+        f"| {s['prefix_hit_rate']:.0%} | {s['preemptions']:.0f} | {s['retries_503']} | {s['cancelled']} "
+        f"| {s['errors']} | {s['lost']} | {s['corrupted']} | {mb(s['kv_peak_bytes'])} / {mb(budget)} "
+        f"| {mb(rss_idle)} -> {mb(s['peak_rss_bytes'])} |"
+    )
+    print(
+        f"second chat turn ({turn['prompt_tokens']} prompt tokens, {turn['cached_tokens']} cached): TTFT "
+        f"{turn['ttft_cached_s']:.2f} s with the prefix cache vs {turn['ttft_uncached_s']:.2f} s without: "
+        f"{turn['ratio']:.1f}x"
+    )
+    print(f"wrote {out}", file=sys.stderr)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="sparrow bench serve", description=__doc__.splitlines()[0])
     p.add_argument("--url", default=None, help="use a running server instead of starting one")
@@ -120,6 +198,11 @@ def main(argv=None) -> None:
     p.add_argument("--streams", default="1,4,8", help="concurrency levels, comma separated")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--load", action="store_true", help="run the load test (see serve_load.py)")
+    p.add_argument("--clients", type=int, default=8, help="--load: concurrent streaming clients")
+    p.add_argument("--requests", type=int, default=40, help="--load: requests in all")
+    p.add_argument("--kv-budget", default="96M", help="--load: the server's --kv-budget")
+    p.add_argument("--max-queue", type=int, default=4, help="--load: the server's --max-queue")
     p.add_argument(
         "--json",
         default=None,
@@ -133,6 +216,8 @@ def main(argv=None) -> None:
     url = a.url
     if url is None:
         proc, url = _start(a)
+    if a.load:
+        return _load(a, url, proc, out, argv)
     try:
         words = "The quick brown fox jumps over the lazy dog while the sun sets behind the hills. " * 64
         with _post(url + "/tokenize", {"prompt": words}, timeout=60) as r:
