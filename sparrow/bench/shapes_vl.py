@@ -1,7 +1,7 @@
 """The random-weight mmproj GGUF that goes with a vision shape (bench/shapes.py, e.g.
 qwen3-vl-2b): Qwen3-VL's vision tower with its real sizes under llama.cpp's mmproj names and
 clip.* metadata. Matrices are f16 with values of standard deviation 0.02 (the learned position
-grid 0.5, so it shows in the activations), norms ones, biases zeros. Written once into the
+grid f32 with 0.5, so it shows in the activations), norms ones, biases zeros. Written once into the
 shapes cache directory next to the text file, atomically."""
 
 from __future__ import annotations
@@ -56,12 +56,17 @@ def plan(shape) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+def _dtype(name: str, shape) -> np.dtype:
+    # f32: vectors, and the position grid (llama.cpp interpolates it in f32 and asserts so)
+    return np.dtype(np.float32) if len(shape) == 1 or name.startswith("v.position_embd") else np.dtype(np.float16)
+
+
 def _values(rng, name: str, shape) -> np.ndarray:
     if len(shape) == 1:
         fill = 1.0 if ".weight" in name and ("ln" in name or "norm" in name) else 0.0
         return np.full(shape, fill, np.float32)
     std = 0.5 if name.startswith("v.position_embd") else 0.02
-    return (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float16)
+    return (rng.standard_normal(shape, dtype=np.float32) * std).astype(_dtype(name, shape))
 
 
 def ensure_mmproj(name: str, log=None) -> str:
@@ -97,7 +102,7 @@ def ensure_mmproj(name: str, log=None) -> str:
         w.add_vision_use_gelu(True)
         w.add_vision_is_deepstack_layers([i in v["deepstack"] for i in range(v["depth"])])
         for tname, shp in tensors:
-            dt = np.dtype(np.float32) if len(shp) == 1 else np.dtype(np.float16)
+            dt = _dtype(tname, shp)
             w.add_tensor_info(tname, shp, dt, int(np.prod(shp)) * dt.itemsize)
         w.write_header_to_file()
         w.write_kv_data_to_file()

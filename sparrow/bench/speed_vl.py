@@ -74,7 +74,17 @@ def run(a, log=sys.stderr.write) -> dict:
             rows.append(row)
         log(f"round {r}{' (warm-up)' if not r else ''}: " + json.dumps({k: round(v, 2) for k, v in row.items()}) + "\n")
     med = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
-    return {"shape": a.shape, "type": a.type, "threads": a.threads, "decode": a.decode, "rounds": rows, "median": med}
+    rec = {"shape": a.shape, "type": a.type, "threads": a.threads, "decode": a.decode, "rounds": rows, "median": med}
+    if getattr(a, "compare", None) == "llama-cpp":
+        from . import llama_vl
+
+        chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "<image>Describe it."}])
+        del llm, slot, tslot  # the text weights are memory-mapped; llama.cpp maps the same file
+        lrows = llama_vl.run(text, mmproj, _image(), chat, a.threads, a.decode, a.rounds)
+        for r in lrows:
+            log("llama.cpp: " + json.dumps({k: round(v, 2) for k, v in r.items()}) + "\n")
+        rec["llama_cpp"] = {"rounds": lrows, "median": {k: statistics.median(x[k] for x in lrows) for k in lrows[0]}}
+    return rec
 
 
 def markdown(rec) -> str:
@@ -92,7 +102,25 @@ def markdown(rec) -> str:
             f"{m['text_only_decode_tok_s']:.2f} tok/s | "
             f"{m['decode_tok_s'] / m['text_only_decode_tok_s']:.2f} |",
         ]
+        + _llama_rows(rec)
     )
+
+
+def _llama_rows(rec) -> list[str]:
+    if "llama_cpp" not in rec:
+        return []
+    m, lm = rec["median"], rec["llama_cpp"]["median"]
+    return [
+        "",
+        "| engine | vision encoder | image tokens | prompt tokens | prefill | decode |",
+        "|---|---|---|---|---|---|",
+        f"| sparrow | {m['vision_ms']:.0f} ms | {m['image_tokens']:.0f} | {m['prompt_tokens']:.0f} | "
+        f"{m['prefill_tok_s']:.1f} tok/s | {m['decode_tok_s']:.2f} tok/s |",
+        f"| llama.cpp (mtmd) | {lm['vision_ms']:.0f} ms | {lm['image_tokens']:.0f} | {lm['prompt_tokens']:.0f} | "
+        f"{lm['prefill_tok_s']:.1f} tok/s | {lm['decode_tok_s']:.2f} tok/s |",
+        f"| sparrow / llama.cpp | {m['vision_ms'] / lm['vision_ms']:.2f}x time | | | "
+        f"{m['prefill_tok_s'] / lm['prefill_tok_s']:.2f}x | {m['decode_tok_s'] / lm['decode_tok_s']:.2f}x |",
+    ]
 
 
 def main(a) -> int:
