@@ -163,3 +163,22 @@ def test_requests_larger_than_the_budget_are_refused_and_the_queue_is_bounded(ll
     with pytest.raises(EngineBusy) as e:  # not started: both wait in the queue
         engine.submit(list(range(100, 110)), SamplingParams(max_tokens=4), None, lambda k, o: None)
     assert e.value.retry_after >= 1 and len(ok) == 2
+
+
+def test_request_timeout_fails_the_request_and_frees_its_kv(llm):
+    engine = Engine(llm, runner=Runner(llm.model, 16), kv_budget=1 << 28, prefix_cache=False, timeout=0.5)
+    got = []
+    done = threading.Event()
+
+    def emit(kind, out):
+        got.append(kind)
+        if kind != "token" or out.finish_reason:
+            done.set()
+
+    engine.start(warmup=False)
+    try:
+        engine.submit(list(range(100, 140)), SamplingParams(max_tokens=4000, ignore_eos=True), None, emit)
+        assert done.wait(600)  # a hang guard: a cold numba cache compiles first
+    finally:
+        engine.stop()
+    assert got[-1] == "timeout" and engine.pool.used == 0
