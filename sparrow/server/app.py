@@ -229,10 +229,8 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             if body.messages is not None:
                 keys = ("messages", "chat_template_kwargs", "tools", "tool_choice")
-                req = chat_request(
-                    validate(ChatCompletionRequest, body.model_dump(include=set(keys), by_alias=True)),
-                    images=llm.vision is not None,
-                )
+                chat = body.model_dump(include=set(keys), by_alias=True, exclude_unset=True)  # as sent: no nulls
+                req = chat_request(validate(ChatCompletionRequest, chat), images=llm.vision is not None)
                 ids = (await run_in_threadpool(chat_prompt, llm, req))[0]  # image pads expanded
             elif body.prompt is not None:
                 ids = await run_in_threadpool(llm.tokenizer.encode, body.prompt, body.add_special_tokens)
