@@ -83,22 +83,24 @@ def validation_error(errors: list[dict]) -> APIError:
     if any(e.get("type") == "json_invalid" for e in errors):
         why = next(e for e in errors if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
         return APIError(400, f"malformed JSON body: {why}"[:300], code="invalid_json")
-    paths = [_path(e["loc"][1:] if e["loc"][:1] == ("body",) else e["loc"]) for e in errors]
-    paths = [_named(p, e["type"] == "missing") for p, e in zip(paths, errors)]
+    full = [_path(e["loc"][1:] if e["loc"][:1] == ("body",) else e["loc"]) for e in errors]
+    paths = [_named(p, e["type"] == "missing") for p, e in zip(full, errors)]
     if not paths or not paths[0]:
         return APIError(400, "the request body must be a JSON object")
-    group = [(p, e) for p, e in zip(paths, errors) if p[:1] == paths[0][:1]]
+    group = [(p, f, e) for p, f, e in zip(paths, full, errors) if p[:1] == paths[0][:1]]
     common = group[0][0]
-    for p, _ in group[1:]:
+    for p, _, _ in group[1:]:
         n = next((i for i, (a, b) in enumerate(zip(common, p)) if a != b), min(len(common), len(p)))
         common = common[:n]
     param = _param(common)
+    if len(group) == 1 and group[0][2]["type"] == "missing" and group[0][1] == common:
+        return APIError(400, f"'{param}' is required", param=param)
     why = []
-    for p, e in group:
+    for p, f, e in group:
         rest = _param(p[len(common) :])
         text = f"{rest}: {e['msg']}" if rest else e["msg"]
         if e["type"] == "missing":
-            text = f"{e['loc'][-1]!r} is required" + (f" in {rest}" if rest else "")
+            text = f"{_param(f[len(common) :]) or e['loc'][-1]} is required"
         if "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], (dict, list)):
             text += f" (got {e['input']!r:.40})"
         if text not in why:
