@@ -48,7 +48,7 @@ class TextPart(_Model):
 
 
 class ImageURL(_Open):
-    url: str = Field(description="an http(s) URL or a data: URL (base64)")
+    url: str = Field(description="a data: URL of the image (base64); file:// where the server allows a local path")
     detail: str | None = None
 
 
