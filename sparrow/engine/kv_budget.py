@@ -4,7 +4,7 @@ A cache starts at its prompt (rounded up to a page) and grows as it decodes. Gro
 copy (the kernels take each layer's K/V as one contiguous [KVH, C, D] array; see kv_cache.py),
 so capacity grows by the larger of one page and an eighth of what it holds, rounded up to whole
 pages and never past what the request can use (prompt + max_tokens). Measured on the default
-model (f32 KV, 2 threads, a busy machine, `python -m sparrow.engine.kv_budget`): at 4104
+model (f32 KV, 2 threads, a busy machine, `python -m sparrow.bench.kv_growth`): at 4104
 positions a decode step took 145 ms and one resize copy of the cache 139 ms, so growing one page
 at a time would add 3.0% to decode time (more as the cache grows), an eighth at a time 0.19%,
 at a cost of at most 1/8 of a cache's bytes charged before they are written. True paging (a
@@ -137,41 +137,3 @@ class KVPool:
         if n:
             cache.charged = 0
             self.give(n)
-
-
-def _measure() -> None:  # pragma: no cover - the measurement quoted in the docstring
-    import time
-
-    import numpy as np
-
-    import sparrow
-    from sparrow.engine.runner import Runner
-
-    llm = sparrow.load(threads=2)
-    runner = Runner(llm.model)
-    n = 4096
-    cache = llm.model.new_cache(n + 64)
-    rng = np.random.default_rng(0)
-    ids = rng.integers(100, 40000, n)
-    from ..engine.runner import Slot
-
-    slot = Slot(np.asarray(ids, np.int64), cache)
-    runner.prefill(slot)
-    steps = []
-    for _ in range(8):
-        t0 = time.perf_counter()
-        runner.decode([slot], [100])
-        steps.append(time.perf_counter() - t0)
-    copies = []
-    for _ in range(4):
-        t0 = time.perf_counter()
-        cache.resize(cache.capacity + PAGE)
-        copies.append(time.perf_counter() - t0)
-    step, copy = float(np.median(steps)), float(np.median(copies))
-    print(f"at {cache.length} positions: decode step {step * 1e3:.1f} ms, resize copy {copy * 1e3:.1f} ms")
-    print(f"one page per growth: {copy / (PAGE * step):.2%} of decode time")
-    print(f"1/{GROW_FRACTION} per growth: {copy / (cache.length / GROW_FRACTION * step):.2%} of decode time")
-
-
-if __name__ == "__main__":  # pragma: no cover
-    _measure()
