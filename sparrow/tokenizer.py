@@ -137,11 +137,16 @@ def _respell_byte_level(tokens: list[str], merges: list[tuple[str, str]], added:
     return tokens, [(spell(a), spell(b)) for a, b in merges]
 
 
+_MAX_SPLIT = 1024  # characters; real SentencePiece pieces are a few dozen at most
+
+
 def _derive_merges(tokens: list[str], scores) -> list[tuple[str, str]]:
     """Merges implied by a SentencePiece vocabulary: every split of a token into two tokens, best score first."""
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = []
     for tok, score in zip(tokens, scores):
+        if len(tok) > _MAX_SPLIT:  # splitting costs len^2: a corrupt file's megabyte "token" would hang here
+            continue
         local = [(tok[:k], tok[k:]) for k in range(1, len(tok)) if tok[:k] in vocab and tok[k:] in vocab]
         local.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
         merges.extend((l, r, score) for l, r in local)

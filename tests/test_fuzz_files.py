@@ -225,6 +225,23 @@ def test_gguf_flipped_tokenizer_bytes(tiny_gguf, tmp_path):
     check(cases, _load, path, must_fail=False, traced=False)
 
 
+def test_huge_sentencepiece_token_is_no_hang():
+    """A SentencePiece vocabulary's merges are derived by splitting every token (quadratic in its
+    length): a corrupt multi-megabyte token must not stall loading."""
+    from sparrow.tokenizer import _derive_merges
+
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, WATCHDOG_S)
+    try:
+        merges = _derive_merges(["a", "b", "ab", "a" * 4_000_000], [0.0, 0.0, -1.0, -2.0])
+    except Hang:
+        pytest.fail(f"still deriving merges after {WATCHDOG_S} s")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert merges == [("a", "b")]
+
+
 # ---------------------------------------------------------------------- safetensors
 @pytest.fixture(scope="module")
 def tiny_safetensors(tmp_path_factory) -> bytes:
