@@ -13,9 +13,9 @@ V16I32 = ir.VectorType(I32, 16)
 
 
 def fma(builder, a, b, c):
-    """a * b + c rounded once (llvm.fma), scalar f32 or <16 x float>."""
+    """a * b + c rounded once (llvm.fma), scalar f32 or <n x float>."""
     ty = a.type
-    name = "llvm.fma.v16f32" if isinstance(ty, ir.VectorType) else "llvm.fma.f32"
+    name = f"llvm.fma.v{ty.count}f32" if isinstance(ty, ir.VectorType) else "llvm.fma.f32"
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty, ty]), name)
     return builder.call(fn, [a, b, c])
 

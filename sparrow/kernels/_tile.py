@@ -18,22 +18,9 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from sparrow.kernels._ir import F32, I32, I64
+from sparrow.kernels._ir import F32, I64, fma, splat16
 
 V8F = ir.VectorType(F32, 8)
-
-
-def _fma(b, x, y, z):
-    ty = x.type
-    name = "llvm.fma.v8f32" if isinstance(ty, ir.VectorType) else "llvm.fma.f32"
-    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ty, [ty, ty, ty]), name)
-    return b.call(fn, [x, y, z])
-
-
-def _splat(b, x):
-    undef = ir.Constant(V8F, ir.Undefined)
-    v = b.insert_element(undef, x, ir.Constant(I32, 0))
-    return b.shuffle_vector(v, undef, ir.Constant(ir.VectorType(I32, 8), [0] * 8))
 
 
 def _c(v):
@@ -69,9 +56,9 @@ def _tile(b, ap, bp, cp, sa, sb, sc, r0, c0, n, rows, nvec):
         bv = [_load(b, _at(b, bp, sb, k, b.add(c0, _c(8 * v))), vec) for v in range(lanes)]
         for i in range(rows):
             a = b.load(_at(b, ap, sa, b.add(r0, _c(i)), k))
-            a = _splat(b, a) if vec else a
+            a = splat16(b, a, 8) if vec else a
             for v in range(lanes):
-                b.store(_fma(b, a, bv[v], b.load(accs[i][v])), accs[i][v])
+                b.store(fma(b, a, bv[v], b.load(accs[i][v])), accs[i][v])
     for i in range(rows):
         for v in range(lanes):
             _store(b, b.load(accs[i][v]), cptrs[i][v], vec)
