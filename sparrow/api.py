@@ -51,8 +51,9 @@ class LLM:
         self.ctx = ctx
         self.load_seconds = load_seconds
         # stream() leaves each prompt's KV here for the next call that starts the same way (a chat's
-        # next turn); two entries: a conversation and one more, within the default KV budget.
-        self.prefix = PrefixCache(KVPool(default_budget()), self.runner.prefill_chunk, max_entries=2)
+        # next turn); one entry, the latest prompt, so a script looping over long prompts keeps at
+        # most one prompt's KV alive between calls (llm.prefix.clear() drops it).
+        self.prefix = PrefixCache(KVPool(default_budget()), self.runner.prefill_chunk, max_entries=1)
         self.vision = getattr(checkpoint, "vision", None)  # VisionConfig of an image model, else None
         self.max_images = DEFAULT_MAX_IMAGES  # per prompt
 
