@@ -142,25 +142,33 @@ def _load(a, url, proc, out, argv) -> None:
         rss = sl.rss(proc.pid if proc is not None else None, "VmHWM")
     finally:
         _stop(proc)
+    budget = parse_size(a.kv_budget) if a.url is None else None
+
+    def write(checked: bool) -> dict:
+        summary = sl.summarize(records, wall, before, after, budget, rss)
+        summary["idle_rss_bytes"] = rss_idle
+        summary["checked_against_solo_runs"] = checked
+        record = {
+            "bench": "serve-load",
+            "argv": list(sys.argv[1:] if argv is None else argv),
+            "url": a.url,
+            "model": a.model,
+            "clients": a.clients,
+            "max_batch": a.max_batch,
+            "max_queue": a.max_queue,
+            "environment": report.environment(),
+            "summary": summary,
+            "second_turn": turn,
+            "records": [{k: v for k, v in r.items() if k != "body"} for r in records],
+        }
+        report.write_json(out, record)
+        return summary
+
+    write(False)  # the load's figures first: the solo re-runs take as long again
+    print(f"load done in {wall:.0f} s; re-running every request alone to check it", file=sys.stderr, flush=True)
     llm = api.load(a.model, threads=a.threads, kv_dtype=a.kv_dtype or "f32")
     sl.check(records, llm)
-    budget = parse_size(a.kv_budget) if a.url is None else None
-    summary = sl.summarize(records, wall, before, after, budget, rss)
-    summary["idle_rss_bytes"] = rss_idle
-    record = {
-        "bench": "serve-load",
-        "argv": list(sys.argv[1:] if argv is None else argv),
-        "url": a.url,
-        "model": a.model,
-        "clients": a.clients,
-        "max_batch": a.max_batch,
-        "max_queue": a.max_queue,
-        "environment": report.environment(),
-        "summary": summary,
-        "second_turn": turn,
-        "records": [{k: v for k, v in r.items() if k != "body"} for r in records],
-    }
-    report.write_json(out, record)
+    summary = write(True)
     load = os.getloadavg()
     s, mb = summary, lambda n: f"{n / 2**20:.0f} MiB" if n else "-"
     print(
