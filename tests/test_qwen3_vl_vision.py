@@ -162,3 +162,21 @@ def test_hub_config_spelling_gives_the_same_logits(tiny_vl, vl_llm, tmp_path):
     want = vl_llm.runner.prefill(vl_llm.runner.new_slot(prompt, len(prompt), images=images))
     got = llm.runner.prefill(llm.runner.new_slot(prompt, len(prompt), images=images))
     np.testing.assert_array_equal(got, want)
+
+
+def test_fused_decode_after_images_equals_staged(tiny_vl):
+    """Decode after an image prompt shifts the rope position by the prompt's rope delta: the
+    fused decode step (q8_0 weights) gives the staged path's bits."""
+    llm = sparrow.load(tiny_vl[0], quantize="q8_0")
+    images, prompt = _images(), _prompt()
+    more = [101, 202, 303, 404]
+    runs = []
+    for fused in (True, False):
+        llm.model.use_fused = fused
+        steps = llm.model.fused_step().steps
+        slot = llm.runner.new_slot(prompt, len(prompt) + len(more), images=images)
+        llm.runner.prefill(slot)
+        runs.append(np.stack([llm.runner.decode([slot], [t])[0] for t in more]))
+        assert (llm.model.fused_step().steps > steps) == fused  # the path meant ran
+    assert slot.mm.rope_delta < 0
+    np.testing.assert_array_equal(runs[0], runs[1])

@@ -2,9 +2,9 @@
 shapes (text GGUF from bench/shapes.py, mmproj from bench/shapes_vl.py) on one 448x448 image.
 
 Per round: the vision encoder (ms, and the image's tokens), the prefill of the whole prompt
-(image pads included) and greedy decode after it; beside it, in the same run, decode after a
-text-only prompt of the same length, so the cost of images on decode (none is expected: only
-the rope position shifts) reads as a ratio. Medians over the rounds.
+(image pads included) and greedy decode after it; beside it, step for step (alternating), decode
+after a text-only prompt of the same length, so the cost of images on decode (none is expected:
+only the rope position shifts) reads as a ratio. Medians over the rounds.
 """
 
 from __future__ import annotations
@@ -28,13 +28,16 @@ def _image():
     return Image.fromarray(small).resize((IMAGE_SIDE, IMAGE_SIDE), Image.Resampling.BICUBIC)
 
 
-def _decode(llm, slot, first: int, n: int) -> float:
-    """Seconds for n greedy decode steps after the prefill."""
-    tok = first
-    t0 = time.perf_counter()
+def _decode_pair(llm, slots, firsts, n: int) -> list[float]:
+    """Seconds for n greedy decode steps of each slot, the slots' steps alternating so that a
+    change in the machine's load falls on both alike."""
+    toks, secs = list(firsts), [0.0] * len(slots)
     for _ in range(n):
-        tok = int(np.argmax(llm.runner.decode([slot], [tok])[0]))
-    return time.perf_counter() - t0
+        for j, slot in enumerate(slots):
+            t0 = time.perf_counter()
+            toks[j] = int(np.argmax(llm.runner.decode([slot], [toks[j]])[0]))
+            secs[j] += time.perf_counter() - t0
+    return secs
 
 
 def run(a, log=sys.stderr.write) -> dict:
@@ -56,10 +59,10 @@ def run(a, log=sys.stderr.write) -> dict:
         t0 = time.perf_counter()
         logits = llm.runner.prefill(slot)
         prefill_s = time.perf_counter() - t0
-        dec_s = _decode(llm, slot, int(np.argmax(logits)), a.decode)
         tslot = llm.runner.new_slot(plain, len(plain) + a.decode)
         text_logits = llm.runner.prefill(tslot)
-        text_dec_s = _decode(llm, tslot, int(np.argmax(text_logits)), a.decode)
+        firsts = [int(np.argmax(logits)), int(np.argmax(text_logits))]
+        dec_s, text_dec_s = _decode_pair(llm, [slot, tslot], firsts, a.decode)
         vis = slot.mm.timings[0]
         row = {
             "vision_ms": vis["ms"],

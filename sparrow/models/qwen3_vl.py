@@ -57,7 +57,8 @@ class Qwen3VL(Decoder):
         if len(vision.deepstack_visual_indexes) > cfg.num_hidden_layers:
             raise SparrowError("more DeepStack mergers than text layers")
         self.vision_config = vision
-        self.vision = VisionTower(vision, WeightSource(tensors, quantize))
+        # --quantize applies to the text model: the vision tower runs once per image, in stored form
+        self.vision = VisionTower(vision, WeightSource(tensors, None))
 
     def image_tokens(self, grid: tuple[int, int, int]) -> int:
         return self.vision.tokens(grid)
