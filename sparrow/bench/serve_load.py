@@ -206,7 +206,8 @@ def summarize(records: list[dict], wall: float, before: dict, after: dict, budge
     def d(name):
         return after.get(name, 0.0) - before.get(name, 0.0)
 
-    lookups = d("sparrow_prefix_cache_queries_total")
+    served = [r["usage"] for r in records if r.get("usage")]  # cancelled streams end before their usage
+    hits = sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0) > 0 for u in served)
     return {
         "requests": len(records),
         "by_kind": {k: sum(r["kind"] == k for r in records) for k in sorted({r["kind"] for r in records})},
@@ -215,7 +216,7 @@ def summarize(records: list[dict], wall: float, before: dict, after: dict, budge
         "throughput_tok_s": tokens / wall,
         "ttft_s": {f"p{q}": pct(ttft, q) for q in (50, 90, 99)},
         "itl_ms": {f"p{q}": 1e3 * pct(itl, q) for q in (50, 90, 99)},
-        "prefix_hit_rate": d("sparrow_prefix_cache_hits_total") / lookups if lookups else 0.0,
+        "prefix_hit_rate": hits / len(served) if served else 0.0,  # responses with cached_tokens > 0
         "cached_tokens": d("sparrow_prefix_cache_hit_tokens_total"),
         "preemptions": d("sparrow_preemptions_total"),
         "retries_503": sum(r["retries"] for r in records),

@@ -345,6 +345,7 @@ class Engine:
                     slot.snapshots, req.cached_tokens = {}, 0
                     return False
                 slot.cache = cache
+                self.prefix.stats.lookups += 1
                 return True
             cache = self.runner.model.new_cache(1, req.kv_dtype or self.llm.kv_dtype)
             ok = self.pool.resize(cache, capacity, probe_of(req.sparse))
@@ -357,6 +358,7 @@ class Engine:
             self.prefix.unpin(hit, ok)
             if ok:
                 slot.cache = cache
+                self.prefix.stats.lookups += key is not None
                 return True
             if hit.entry is None:
                 return False

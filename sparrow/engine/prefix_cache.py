@@ -43,7 +43,7 @@ class Hit:
 
 @dataclass
 class PrefixStats:
-    lookups: int = 0
+    lookups: int = 0  # requests admitted with a key (not admission attempts that waited for room)
     hits: int = 0
     cached_tokens: int = 0
     evictions: int = 0
@@ -88,7 +88,6 @@ class PrefixCache:
         if not self.enabled:
             return Hit()
         with self._lock:
-            self.stats.lookups += 1
             best = Hit()
             for e in self._entries.values():
                 if e.key != key:
@@ -106,6 +105,7 @@ class PrefixCache:
         """Copies the longest reusable prefix of slot's prompt into its (empty, allocated) cache;
         returns how many positions it holds now (0: no hit)."""
         hit = self.lookup(key, slot.prompt) if key is not None else Hit()
+        self.stats.lookups += key is not None
         if hit.entry is not None:
             e, n = hit.entry, hit.tokens
             slot.cache.copy_prefix(e.cache, n, e.snapshots[n])

@@ -164,7 +164,7 @@ _KV_METRICS = (  # (metric name, kind, set_kv key, help)
     ("kv_cache_bytes_peak", "gauge", "peak", "most KV cache bytes charged at once"),
     ("prefix_cache_bytes", "gauge", "prefix_bytes", "KV bytes held by the prefix cache"),
     ("prefix_cache_entries", "gauge", "prefix_entries", "prompts whose KV the prefix cache holds"),
-    ("prefix_cache_queries_total", "counter", "prefix_lookups", "prefix cache lookups"),
+    ("prefix_cache_queries_total", "counter", "prefix_lookups", "requests admitted with a prefix-cache lookup"),
     ("prefix_cache_hits_total", "counter", "prefix_hits", "requests that reused KV from the prefix cache"),
     ("prefix_cache_hit_tokens_total", "counter", "cached_tokens", "prompt tokens whose KV came from the prefix cache"),
     ("prefix_cache_evictions_total", "counter", "prefix_evictions", "prefix cache entries evicted for room"),
