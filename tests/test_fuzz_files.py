@@ -157,6 +157,18 @@ def test_gguf_huge_counts_lengths_and_offsets(tiny_gguf, tmp_path):
     check(cases, _load, str(tmp_path / "huge.gguf"), must_fail=True)
 
 
+def test_gguf_numbers_out_of_range(tiny_gguf, tmp_path):
+    """Every 32-bit number of the metadata (layer and head counts, widths, context, token ids) set
+    to 0, 2^31 or 2^32-1: a head 2^31 wide once built 12 GiB of tables before failing."""
+    fields = _fields(tiny_gguf, str(tmp_path / "x.gguf"))
+    cases = []
+    for name, parts in fields:
+        if len(parts) == 4 and parts[3][1] == 4 and not name.startswith(("blk.", "token_embd", "output")):
+            cases += [(f"{name} = {v}", _put(tiny_gguf, parts[3][0], "<I", v)) for v in (0, 2**31, 2**32 - 1)]
+    assert len(cases) > 30
+    check(cases, _load, str(tmp_path / "numbers.gguf"), must_fail=False)
+
+
 def test_gguf_huge_vocabulary_and_tensor(tiny_gguf, tmp_path):
     fields = dict(_fields(tiny_gguf, str(tmp_path / "x.gguf")))
     count = fields["tokenizer.ggml.tokens"][4][0]  # the array's element count

@@ -70,13 +70,15 @@ def gguf_config(reader, meta: dict) -> ModelConfig:
     except (TypeError, ValueError, KeyError, IndexError, ZeroDivisionError, OverflowError, AttributeError) as e:
         # a key missing or of the wrong type (a flipped type tag, a string where a count should be)
         raise SparrowError(f"{name}: corrupt GGUF metadata: {type(e).__name__}: {_line(e)}") from None
-    _check_sizes(cfg, names, name)
+    _check_sizes(cfg, {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}, name)
     return cfg
 
 
-def _check_sizes(cfg: ModelConfig, names: set[str], name: str) -> None:
-    """Sizes the model is built from, checked before anything is allocated for them: a float read
-    where an int was written rounds to 0, a flipped bit makes a layer count in the billions."""
+def _check_sizes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], name: str) -> None:
+    """Sizes the model is built from, checked against the tensors before anything is allocated
+    for them: a float read where an int was written rounds to 0, a flipped bit makes a layer count
+    in the billions or a head 2^31 wide (12 GiB of tables before the first token)."""
+    names = shapes.keys()
     sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
     for key in (*sizes, "max_position_embeddings"):
         if getattr(cfg, key) < 1:
@@ -91,6 +93,20 @@ def _check_sizes(cfg: ModelConfig, names: set[str], name: str) -> None:
         raise SparrowError(
             f"{name}: corrupt GGUF metadata: rms_norm_eps {cfg.rms_norm_eps}, rope_theta {cfg.rope_theta}"
         )
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    # ggml order: (inputs, outputs); a tensor the architecture lacks is not checked
+    for tensor, want in (
+        ("token_embd.weight", (cfg.hidden_size, cfg.vocab_size)),
+        ("blk.0.attn_q.weight", (cfg.hidden_size, q)),
+        ("blk.0.attn_k.weight", (cfg.hidden_size, kv)),
+        ("blk.0.attn_v.weight", (cfg.hidden_size, kv)),
+        ("blk.0.ffn_up.weight", (cfg.hidden_size, cfg.intermediate_size)),
+    ):
+        got = shapes.get(tensor)
+        if got is not None and got[:2] != want:
+            raise SparrowError(
+                f"{name}: corrupt GGUF metadata: {tensor} has shape {got}, the header's sizes say {want}"[:300]
+            )
 
 
 def _line(e: Exception) -> str:
