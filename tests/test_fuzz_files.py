@@ -304,6 +304,7 @@ def test_safetensors_damaged_headers(tiny_safetensors, tmp_path):
         for v in values:
             cases.append((f"{key} = {v!r:.30}", _with_header(data, {**header, name: {**entry, key: v}})))
     cases += [(f"entry = {v!r}", _with_header(data, {**header, name: v})) for v in (5, [], "x", None)]
+    cases.append(("a name with a newline", _with_header(data, {**header, "x\ny": {**entry, "dtype": "F64"}})))
     assert len(cases) > 80
     check(cases, read_safetensors, str(tmp_path / "model.safetensors"), must_fail=True)
 

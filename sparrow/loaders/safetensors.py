@@ -42,7 +42,7 @@ def read_safetensors(path: str) -> dict[str, StoredTensor]:
         n = math.prod(shape)  # Python ints: a corrupt shape must not wrap around
         if base + end > size or end - start != n * np.dtype(npdt).itemsize:
             raise SparrowError(
-                f"{name}: truncated or corrupt file: tensor {tname} needs bytes {base + start}..{base + end}, "
+                f"{name}: truncated or corrupt file: tensor {tname!r:.100} needs bytes {base + start}..{base + end}, "
                 f"file has {size}"[:300]
             )
         data = (mm[base + start : base + end] if n else np.zeros(0, np.uint8)).view(npdt).reshape(shape)
@@ -54,7 +54,7 @@ def _entry(name: str, tname: str, info) -> tuple:
     """One header entry checked for types and signs: (kind, numpy dtype, shape, start, end)."""
 
     def bad(why):
-        raise SparrowError(f"{name}: corrupt safetensors header: tensor {tname[:100]} {why}")
+        raise SparrowError(f"{name}: corrupt safetensors header: tensor {tname!r:.100} {why}")
 
     if not isinstance(info, dict):
         bad("is not an object")
