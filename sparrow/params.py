@@ -97,8 +97,10 @@ class SamplingParams:
             bad(f"top_k must be >= 0, got {self.top_k}")
         if not (0.0 <= self.min_p <= 1.0):
             bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        # bounded so that dividing or multiplying a float32 logit by it stays finite (1e-320
+        # is > 0 as a Python float but 0 in float32, and the sampler divided by zero)
+        if not (REPETITION_PENALTY[0] <= self.repetition_penalty <= REPETITION_PENALTY[1]):
+            bad(f"repetition_penalty must be in [1e-6, 1e6], got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not (-2.0 <= getattr(self, name) <= 2.0):
                 bad(f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -107,6 +109,7 @@ class SamplingParams:
         return self
 
 
+REPETITION_PENALTY = (1e-6, 1e6)  # its allowed range (SamplingParams.validate, the server schema)
 SAMPLING_OPTIONS = tuple(f.name for f in fields(SamplingParams))
 
 

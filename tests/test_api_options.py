@@ -55,6 +55,8 @@ def test_stream_takes_objects_or_keywords_not_both(default_llm):
         next(default_llm.stream(ids, max_tokenz=3))
     with pytest.raises(SparrowError, match="temperature"):
         next(default_llm.stream(ids, temperature=-1))
+    with pytest.raises(SparrowError, match="repetition_penalty"):  # > 0, but 0 as a float32
+        next(default_llm.stream(ids, repetition_penalty=1e-320))
 
 
 def test_timing_is_outside_the_model_and_changes_nothing(default_llm):

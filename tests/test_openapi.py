@@ -108,6 +108,7 @@ def test_openapi_and_docs_are_published(served):
         ("/v1/chat/completions", {"messages": CHAT, "temperature": 2.5}, "temperature"),
         ("/v1/chat/completions", {"messages": CHAT, "temperature": "0.5"}, "temperature"),
         ("/v1/chat/completions", {"messages": CHAT, "top_p": 0}, "top_p"),
+        ("/v1/chat/completions", {"messages": CHAT, "repetition_penalty": 1e-320}, "repetition_penalty"),
         ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, "max_tokens"),
         ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 1.5}, "max_completion_tokens"),
         ("/v1/chat/completions", {"messages": CHAT, "seed": "x"}, "seed"),

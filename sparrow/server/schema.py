@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, NonNegativeInt, Tag, field_validator
 
-from ..params import KV_DTYPES
+from ..params import KV_DTYPES, REPETITION_PENALTY
 
 KVDType = Literal[KV_DTYPES]  # type: ignore[valid-type]
 
@@ -176,7 +176,7 @@ class _Sampling(_Model):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY[0], le=REPETITION_PENALTY[1])
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     stop: str | list[str] | None = Field(None, description="at most 16 stop strings")
