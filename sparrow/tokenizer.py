@@ -206,6 +206,10 @@ class Tokenizer:
         types = np.asarray(meta.get("tokenizer.ggml.token_type", np.ones(len(tokens), np.int32)))
         pre = meta.get("tokenizer.ggml.pre")
         bos = meta.get("tokenizer.ggml.bos_token_id")
+        if bos is not None and not (isinstance(bos, (int, np.integer)) and 0 <= bos < len(tokens)):
+            raise SparrowError(
+                f"corrupt GGUF tokenizer: bos_token_id {bos!r} is not a token id (vocabulary {len(tokens)})"
+            )
         eos_ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         eos_ids = [i for i in eos_ids if i is not None and 0 <= i < len(tokens)]
         # A GGUF carries no generation_config.json: like llama.cpp, also end generation on the

@@ -169,6 +169,15 @@ def test_gguf_numbers_out_of_range(tiny_gguf, tmp_path):
     check(cases, _load, str(tmp_path / "numbers.gguf"), must_fail=False)
 
 
+def test_gguf_bos_token_id_out_of_range(tiny_gguf, tmp_path):
+    """A BOS id past the vocabulary loaded and failed only at the first prompt (an index error)."""
+    (o, _, _) = dict(_fields(tiny_gguf, str(tmp_path / "x.gguf")))["tokenizer.ggml.bos_token_id"][3]
+    path = tmp_path / "bos.gguf"
+    path.write_bytes(_put(tiny_gguf, o, "<I", 2**31))
+    with pytest.raises(SparrowError, match="bos_token_id 2147483648 is not a token id"):
+        sparrow.load(str(path))
+
+
 def test_gguf_huge_vocabulary_and_tensor(tiny_gguf, tmp_path):
     fields = dict(_fields(tiny_gguf, str(tmp_path / "x.gguf")))
     count = fields["tokenizer.ggml.tokens"][4][0]  # the array's element count
