@@ -9,13 +9,9 @@ Determinism under load: prefill chunks depend only on their own sequence, decode
 cut where the kernels stay row-independent (see runner.py), and each request samples with its
 own RNG, so a seeded request gives the same tokens alone or beside any other traffic.
 
-Memory: every cache is charged to one KV budget (kv_budget.py). A request is admitted (its
-prompt's KV allocated) only when it fits; a running sequence that cannot grow preempts the
-newest holder of KV (possibly itself): its KV is freed and, when it is admitted again, its
-prompt is prefilled in the same chunks and its sampled tokens are fed back one decode step each
-(`Sequence.next_input`), the same forwards that made them, so its K/V, logits and tokens are
-bit-identical to an uninterrupted run. Finished requests leave their prompt's KV to the prefix
-cache (prefix_cache.py), which the budget evicts first.
+Memory: `KVManager` (kv_manager.py) admits requests against the KV budget, grows running
+caches and preempts when one cannot grow; finished requests leave their prompt's KV to the
+prefix cache (prefix_cache.py), which the budget evicts first.
 """
 
 from __future__ import annotations
@@ -31,8 +27,7 @@ from ..errors import SparrowError
 from ..kernels import linear as _linear
 from ..kernels import set_threads
 from ..params import SamplingParams, SparseParams
-from .kv_budget import KVPool, default_budget, format_size, pages, probe_of
-from .prefix_cache import Hit, PrefixCache, prefix_key
+from .kv_manager import KVManager
 from .runner import Runner
 from .scheduler import Scheduler
 from .sequence import Sequence, StepOutput
@@ -89,13 +84,10 @@ class Engine:
         self.runner = runner or llm.runner
         self.scheduler = Scheduler(max_batch)
         self.metrics = metrics
-        self.pool = KVPool(kv_budget or default_budget())
-        self.prefix = PrefixCache(self.pool, self.runner.prefill_chunk, prefix_cache)
-        self.pool.evictor = self.prefix.evict_one
+        self.kv = KVManager(llm, self.runner, self.scheduler, kv_budget, prefix_cache)
+        self.pool, self.prefix = self.kv.pool, self.kv.prefix
         self.max_queue = max_queue
         self.timeout = timeout  # seconds per request unless it says otherwise
-        self.preemptions = 0
-        self._templates: dict = {}  # kv dtype -> a 1-position cache that prices capacities
         self._incoming: list[Request] = []
         self._waiting = 0  # queue length as of the engine's last step (read by submit)
         self._cv = threading.Condition()
@@ -124,7 +116,7 @@ class Engine:
     ) -> Request:
         """Queues a request. Raises EngineBusy when the queue is full or the engine is draining,
         SparrowError when prompt + max_tokens cannot fit in the whole KV budget."""
-        self.check_fits(len(prompt_ids), params.max_tokens, kv_dtype, sparse)
+        self.kv.check_fits(len(prompt_ids), params.max_tokens, kv_dtype, sparse)
         timeout = timeout if timeout is not None else self.timeout
         deadline = time.monotonic() + timeout if timeout else None
         req = Request(list(prompt_ids), params, sparse, emit, kv_dtype, constraint, deadline, cache_salt, cacheable)
@@ -138,22 +130,9 @@ class Engine:
             self._cv.notify()
         return req
 
-    def kv_bytes(self, positions: int, kv_dtype: str | None = None, sparse: SparseParams | None = None) -> int:
-        """What a cache of `positions` (rounded up to pages) is charged."""
-        dtype = kv_dtype or self.llm.kv_dtype
-        t = self._templates.get(dtype)
-        if t is None:
-            t = self._templates[dtype] = self.runner.model.new_cache(1, dtype)
-        return t.bytes_at(pages(positions), probe_of(sparse))
-
-    def check_fits(self, n_prompt: int, max_tokens: int, kv_dtype=None, sparse=None) -> None:
-        """A request must fit in the budget alone, so that preemption can always make room for it."""
-        need = self.kv_bytes(n_prompt + max_tokens, kv_dtype, sparse)
-        if need > self.pool.budget:
-            raise SparrowError(
-                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) need {format_size(need)} of KV cache, "
-                f"more than the server's whole KV budget of {format_size(self.pool.budget)}"
-            )
+    @property
+    def preemptions(self) -> int:
+        return self.kv.preemptions
 
     @property
     def idle(self) -> bool:
@@ -176,6 +155,10 @@ class Engine:
             req.cancelled = True
             with self._cv:
                 self._cv.notify()
+
+    def alive(self) -> bool:
+        """Whether the engine thread is running (a replica's health check)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def stop(self, timeout: float | None = 5.0) -> None:
         with self._cv:
@@ -258,34 +241,13 @@ class Engine:
     def _drop_cancelled(self) -> None:
         gone = self.scheduler.drop_cancelled()
         for r in gone:
-            self._free(r)  # frees its KV cache now (or hands it to the prefix cache)
+            self.kv.free(r)  # frees its KV cache now (or hands it to the prefix cache)
             r.finished = True
             if r.timed_out:
                 self._emit(r, "timeout", "the request timed out (the server's --request-timeout)")
         if gone and self.metrics is not None:
             n_timeout = sum(r.timed_out for r in gone)
             self.metrics.add(cancelled=len(gone) - n_timeout, timeouts=n_timeout)
-
-    def _prefix_key(self, req: Request):
-        """prefix_cache.prefix_key of req (None: never share its KV)."""
-        seq = req.seq
-        has_images = getattr(req, "images", None) or (seq is not None and getattr(seq.slot, "mm", None) is not None)
-        if not req.cacheable:
-            return None
-        return prefix_key(req.kv_dtype or self.llm.kv_dtype, req.sparse, req.cache_salt, bool(has_images))
-
-    def _free(self, req: Request) -> None:
-        """Drops req's sequence; its KV goes to the prefix cache (which keeps what it can reuse)."""
-        seq, req.seq = req.seq, None
-        cache = seq.slot.cache if seq is not None else None
-        if cache is None:
-            return
-        seq.slot.cache = None
-        key = self._prefix_key(req)
-        if key is None:
-            self.pool.release(cache)
-        else:
-            self.prefix.insert(key, seq.slot.prompt, cache, seq.slot.snapshots)
 
     def _emit(self, req: Request, kind: str, payload) -> None:
         try:
@@ -296,7 +258,7 @@ class Engine:
 
     def _fail(self, req: Request, message: str) -> None:
         req.finished = True
-        self._free(req)
+        self.kv.free(req)
         self._emit(req, "error", message)
 
     def _deliver(self, req: Request, out: StepOutput) -> None:
@@ -308,67 +270,13 @@ class Engine:
             req.finished = True
         self._emit(req, "token", out)
         if req.finished:
-            self._free(req)
-
-    def _admit(self, req: Request) -> bool:
-        """Gives req's sequence a KV cache for its prompt (and the tokens it already sampled, if
-        it was preempted), from the prefix cache where it can; False if the budget is full."""
-        if req.seq is None:
-            req.seq = Sequence.create(
-                self.runner,
-                self.llm.tokenizer,
-                req.prompt_ids,
-                req.params,
-                self.llm.ctx,
-                req.kv_dtype or self.llm.kv_dtype,
-                req.sparse,
-                constraint=req.constraint,
-                allocate=False,
-                images=req.images,
-            )
-        seq, slot = req.seq, req.seq.slot
-        if slot.cache is not None:
-            return True
-        n_prompt, n_out = len(slot.prompt), len(seq.output)
-        capacity = min(n_prompt + req.params.max_tokens, pages(n_prompt + max(1, n_out)))
-        key = self._prefix_key(req)
-        for use_prefix in (True, False):  # a pinned entry may be what is in the way: retry without it
-            hit = self.prefix.lookup(key, slot.prompt) if use_prefix and key is not None else Hit()
-            snapshots = hit.entry.snapshots if hit.entry is not None else {}
-            cache = self.prefix.take(hit)
-            if cache is not None:  # the whole entry is this request's now (no copy)
-                slot.snapshots = {b: v for b, v in snapshots.items() if b <= hit.tokens}
-                if n_out == 0:
-                    req.cached_tokens = hit.tokens
-                if not self.pool.resize(cache, capacity, probe_of(req.sparse)):
-                    self.pool.release(cache)
-                    slot.snapshots, req.cached_tokens = {}, 0
-                    return False
-                slot.cache = cache
-                self.prefix.stats.lookups += 1
-                return True
-            cache = self.runner.model.new_cache(1, req.kv_dtype or self.llm.kv_dtype)
-            ok = self.pool.resize(cache, capacity, probe_of(req.sparse))
-            if ok and hit.entry is not None:
-                e, n = hit.entry, hit.tokens
-                cache.copy_prefix(e.cache, n, e.snapshots[n])
-                slot.snapshots = {b: v for b, v in e.snapshots.items() if b <= n}
-                if n_out == 0:
-                    req.cached_tokens = n
-            self.prefix.unpin(hit, ok)
-            if ok:
-                slot.cache = cache
-                self.prefix.stats.lookups += key is not None
-                return True
-            if hit.entry is None:
-                return False
-        return False
+            self.kv.free(req)
 
     def _prefill(self, req: Request) -> bool:
         """One prefill chunk of req; False when it waits for KV (nothing ran)."""
         try:
-            if not self._admit(req):
-                if self.scheduler.running or self._admitted_head() not in (None, req):
+            if not self.kv.admit(req):
+                if self.scheduler.running or self.kv.admitted_head() not in (None, req):
                     return False
                 raise SparrowError("the KV budget cannot hold this request")  # check_fits makes this unreachable
             seq = req.seq
@@ -396,46 +304,10 @@ class Engine:
         self._deliver(req, out)
         return True
 
-    def _admitted_head(self) -> Request | None:
-        """The waiting head if it holds KV (part-way through its prefill)."""
-        w = self.scheduler.waiting
-        if w and w[0].seq is not None and w[0].seq.slot.cache is not None:
-            return w[0]
-        return None
-
-    def _preempt(self, req: Request) -> None:
-        """Frees req's KV; it goes back to the front of the queue and resumes exactly."""
-        slot = req.seq.slot
-        self.pool.release(slot.cache)
-        slot.cache, slot.snapshots = None, {}
-        head = self._admitted_head()
-        self.scheduler.preempt(req, behind_head=head is not None and head is not req)
-        self.preemptions += 1
-        log.info("request %d preempted (KV budget full); it resumes later", req.id)
-
-    def _make_room(self, reqs: list[Request]) -> list[Request]:
-        """Grows each cache (oldest request first) by the position its next step writes; a cache
-        that cannot grow preempts the newest holder of KV: a head in prefill, then the newest
-        running request, which may be itself. Returns the requests that still decode."""
-        for r in reqs:
-            slot = r.seq.slot if r.seq is not None else None
-            if slot is None or slot.cache is None:
-                continue
-            ceiling = len(slot.prompt) + r.params.max_tokens
-            while not self.pool.grow(slot.cache, slot.cache.length + 1, ceiling, probe_of(r.sparse)):
-                holders = [h for h in self.scheduler.running if h.seq.slot.cache is not None]
-                victim = self._admitted_head() or holders[-1]
-                if victim is r and len(holders) == 1:  # check_fits makes this unreachable
-                    raise SparrowError("the KV budget cannot hold this request")
-                self._preempt(victim)
-                if victim is r:
-                    break
-        return [r for r in reqs if r.seq is not None and r.seq.slot.cache is not None]
-
     def _decode(self, reqs: list[Request]) -> None:
         t0 = time.perf_counter()
         try:
-            reqs = self._make_room(reqs)
+            reqs = self.kv.make_room(reqs)
         except Exception as e:
             self._internal_error(reqs, e)
             self.scheduler.retire()

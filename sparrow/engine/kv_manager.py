@@ -1,0 +1,162 @@
+"""Who holds KV memory: admission against the KV budget, growth and preemption of running
+sequences, and the prefix cache that finished requests leave their prompts' KV to.
+
+The engine thread calls these between steps; the scheduler decides the order, this decides
+whether memory allows it. A request is admitted (its prompt's KV allocated) only when it fits;
+a running sequence that cannot grow preempts the newest holder of KV (possibly itself): its KV
+is freed and, when it is admitted again, its prompt is prefilled in the same chunks and its
+sampled tokens are fed back one decode step each (`Sequence.next_input`), the same forwards
+that made them, so its K/V, logits and tokens are bit-identical to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..errors import SparrowError
+from ..params import SparseParams
+from .kv_budget import KVPool, default_budget, format_size, pages, probe_of
+from .prefix_cache import Hit, PrefixCache, prefix_key
+from .sequence import Sequence
+
+log = logging.getLogger("sparrow.engine")
+
+
+class KVManager:
+    """Works on the engine's Request objects (engine.py) and its scheduler's queues."""
+
+    def __init__(self, llm, runner, scheduler, kv_budget: int | None = None, prefix_cache: bool = True):
+        self.llm, self.runner, self.scheduler = llm, runner, scheduler
+        self.pool = KVPool(kv_budget or default_budget())
+        self.prefix = PrefixCache(self.pool, runner.prefill_chunk, prefix_cache)
+        self.pool.evictor = self.prefix.evict_one
+        self.preemptions = 0
+        self._templates: dict = {}  # kv dtype -> a 1-position cache that prices capacities
+
+    def kv_bytes(self, positions: int, kv_dtype: str | None = None, sparse: SparseParams | None = None) -> int:
+        """What a cache of `positions` (rounded up to pages) is charged."""
+        dtype = kv_dtype or self.llm.kv_dtype
+        t = self._templates.get(dtype)
+        if t is None:
+            t = self._templates[dtype] = self.runner.model.new_cache(1, dtype)
+        return t.bytes_at(pages(positions), probe_of(sparse))
+
+    def check_fits(self, n_prompt: int, max_tokens: int, kv_dtype=None, sparse=None) -> None:
+        """A request must fit in the budget alone, so that preemption can always make room for it."""
+        need = self.kv_bytes(n_prompt + max_tokens, kv_dtype, sparse)
+        if need > self.pool.budget:
+            raise SparrowError(
+                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) need {format_size(need)} of KV cache, "
+                f"more than the server's whole KV budget of {format_size(self.pool.budget)}"
+            )
+
+    def key(self, req):
+        """prefix_cache.prefix_key of req (None: never share its KV)."""
+        seq = req.seq
+        has_images = getattr(req, "images", None) or (seq is not None and getattr(seq.slot, "mm", None) is not None)
+        if not req.cacheable:
+            return None
+        return prefix_key(req.kv_dtype or self.llm.kv_dtype, req.sparse, req.cache_salt, bool(has_images))
+
+    def free(self, req) -> None:
+        """Drops req's sequence; its KV goes to the prefix cache (which keeps what it can reuse)."""
+        seq, req.seq = req.seq, None
+        cache = seq.slot.cache if seq is not None else None
+        if cache is None:
+            return
+        seq.slot.cache = None
+        key = self.key(req)
+        if key is None:
+            self.pool.release(cache)
+        else:
+            self.prefix.insert(key, seq.slot.prompt, cache, seq.slot.snapshots)
+
+    def admit(self, req) -> bool:
+        """Gives req's sequence a KV cache for its prompt (and the tokens it already sampled, if
+        it was preempted), from the prefix cache where it can; False if the budget is full."""
+        if req.seq is None:
+            req.seq = Sequence.create(
+                self.runner,
+                self.llm.tokenizer,
+                req.prompt_ids,
+                req.params,
+                self.llm.ctx,
+                req.kv_dtype or self.llm.kv_dtype,
+                req.sparse,
+                constraint=req.constraint,
+                allocate=False,
+                images=req.images,
+            )
+        seq, slot = req.seq, req.seq.slot
+        if slot.cache is not None:
+            return True
+        n_prompt, n_out = len(slot.prompt), len(seq.output)
+        capacity = min(n_prompt + req.params.max_tokens, pages(n_prompt + max(1, n_out)))
+        key = self.key(req)
+        for use_prefix in (True, False):  # a pinned entry may be what is in the way: retry without it
+            hit = self.prefix.lookup(key, slot.prompt) if use_prefix and key is not None else Hit()
+            snapshots = hit.entry.snapshots if hit.entry is not None else {}
+            cache = self.prefix.take(hit)
+            if cache is not None:  # the whole entry is this request's now (no copy)
+                slot.snapshots = {b: v for b, v in snapshots.items() if b <= hit.tokens}
+                if n_out == 0:
+                    req.cached_tokens = hit.tokens
+                if not self.pool.resize(cache, capacity, probe_of(req.sparse)):
+                    self.pool.release(cache)
+                    slot.snapshots, req.cached_tokens = {}, 0
+                    return False
+                slot.cache = cache
+                self.prefix.stats.lookups += 1
+                return True
+            cache = self.runner.model.new_cache(1, req.kv_dtype or self.llm.kv_dtype)
+            ok = self.pool.resize(cache, capacity, probe_of(req.sparse))
+            if ok and hit.entry is not None:
+                e, n = hit.entry, hit.tokens
+                cache.copy_prefix(e.cache, n, e.snapshots[n])
+                slot.snapshots = {b: v for b, v in e.snapshots.items() if b <= n}
+                if n_out == 0:
+                    req.cached_tokens = n
+            self.prefix.unpin(hit, ok)
+            if ok:
+                slot.cache = cache
+                self.prefix.stats.lookups += key is not None
+                return True
+            if hit.entry is None:
+                return False
+        return False
+
+    def admitted_head(self) -> object | None:
+        """The waiting head if it holds KV (part-way through its prefill)."""
+        w = self.scheduler.waiting
+        if w and w[0].seq is not None and w[0].seq.slot.cache is not None:
+            return w[0]
+        return None
+
+    def preempt(self, req) -> None:
+        """Frees req's KV; it goes back to the front of the queue and resumes exactly."""
+        slot = req.seq.slot
+        self.pool.release(slot.cache)
+        slot.cache, slot.snapshots = None, {}
+        head = self.admitted_head()
+        self.scheduler.preempt(req, behind_head=head is not None and head is not req)
+        self.preemptions += 1
+        log.info("request %d preempted (KV budget full); it resumes later", req.id)
+
+    def make_room(self, reqs: list) -> list:
+        """Grows each cache (oldest request first) by the position its next step writes; a cache
+        that cannot grow preempts the newest holder of KV: a head in prefill, then the newest
+        running request, which may be itself. Returns the requests that still decode."""
+        for r in reqs:
+            slot = r.seq.slot if r.seq is not None else None
+            if slot is None or slot.cache is None:
+                continue
+            ceiling = len(slot.prompt) + r.params.max_tokens
+            while not self.pool.grow(slot.cache, slot.cache.length + 1, ceiling, probe_of(r.sparse)):
+                holders = [h for h in self.scheduler.running if h.seq.slot.cache is not None]
+                victim = self.admitted_head() or holders[-1]
+                if victim is r and len(holders) == 1:  # check_fits makes this unreachable
+                    raise SparrowError("the KV budget cannot hold this request")
+                self.preempt(victim)
+                if victim is r:
+                    break
+        return [r for r in reqs if r.seq is not None and r.seq.slot.cache is not None]
