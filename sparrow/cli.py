@@ -261,6 +261,10 @@ def _positive_int(text: str) -> int:
 
 
 def cmd_serve(a) -> None:
+    if a.ray:
+        from .server.ray_serve import serve_ray
+
+        return serve_ray(a)
     from .server.app import serve
 
     serve(a)
@@ -319,6 +323,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--allowed-local-media-path", default=None, metavar="DIR", help="serve file:// image URLs from under DIR"
     )
     s.add_argument("--max-images-per-request", type=_positive_int, default=None, help="most images in one request")
+    r = s.add_argument_group("Ray Serve (pip install 'sparrow[ray]'; README, Deploy)")
+    r.add_argument("--ray", action="store_true", help="serve replicas of this server on Ray Serve")
+    r.add_argument("--replicas", type=_positive_int, default=1, help="replicas (fixed count)")
+    r.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas")
+    r.add_argument("--max-replicas", type=_positive_int, default=None, help="autoscaling: most replicas")
+    r.add_argument("--target-ongoing-requests", type=float, default=None, help="autoscaling: requests per replica")
+    r.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs a replica declares (its thread count)")
+    r.add_argument("--ray-address", default=None, help="join this Ray cluster ('auto': the local one); default: new")
     _model_args(s)
     s.set_defaults(func=cmd_serve)
 

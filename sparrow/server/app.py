@@ -391,14 +391,10 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-def serve(args) -> None:
-    """`sparrow serve`: binds at once, loads the model in the background, serves until Ctrl-C."""
-    import uvicorn
-
-    from .. import api
-
+def state_from_args(args) -> ServerState:
+    """The server's settings from `sparrow serve`'s arguments (also each Ray Serve replica's)."""
     budget = getattr(args, "kv_budget", None)
-    state = ServerState(
+    return ServerState(
         api_key=args.api_key,
         max_batch=args.max_batch,
         kv_budget=parse_size(budget) if budget else None,
@@ -408,6 +404,28 @@ def serve(args) -> None:
         allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
         max_images_per_request=getattr(args, "max_images_per_request", None),
     )
+
+
+def load_options(args) -> dict:
+    """api.load's keywords from `sparrow serve`'s model arguments."""
+    return dict(
+        path=args.model,
+        kv_dtype=args.kv_dtype,
+        threads=args.threads,
+        quantize=args.quantize,
+        ctx=args.ctx,
+        activations=getattr(args, "activations", "f32"),
+        mmproj=getattr(args, "mmproj", None),
+    )
+
+
+def serve(args) -> None:
+    """`sparrow serve`: binds at once, loads the model in the background, serves until Ctrl-C."""
+    import uvicorn
+
+    from .. import api
+
+    state = state_from_args(args)
     app = create_app(state)
     grace = getattr(args, "drain_timeout", 30.0)
 
@@ -440,15 +458,7 @@ def serve(args) -> None:
 
     def load():
         try:
-            llm = api.load(
-                args.model,
-                kv_dtype=args.kv_dtype,
-                threads=args.threads,
-                quantize=args.quantize,
-                ctx=args.ctx,
-                activations=getattr(args, "activations", "f32"),
-                mmproj=getattr(args, "mmproj", None),
-            )
+            llm = api.load(**load_options(args))
             state.attach(llm)
             kv = format_size(state.engine.pool.budget)
             print(
