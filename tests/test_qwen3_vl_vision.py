@@ -96,8 +96,12 @@ def test_all_prompt_logits_match_transformers(tiny_vl, vl_llm):
     assert np.abs(got - ref).max() < 1e-3
 
 
-def test_vision_tower_matches_transformers(tiny_vl, vl_llm):
+@pytest.mark.parametrize("rows", [1024, 5])  # 5: attention scores in blocks of query rows
+def test_vision_tower_matches_transformers(tiny_vl, vl_llm, rows, monkeypatch):
     """Embeddings and DeepStack features of one image, directly."""
+    from sparrow.vision import encoder
+
+    monkeypatch.setattr(encoder, "ROWS", rows)
     model = tiny_vl[1]
     im = _images(7)[0]
     with torch.no_grad():

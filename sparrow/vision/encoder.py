@@ -62,12 +62,21 @@ class _Block:
         return x + self.fc2(gelu(self.fc1(self.norm2(x)), self.act))  # [N, hid]
 
 
+ROWS = 1024  # query rows per score block: a 4096x4096 image has 65536 patches, [T, T] would be 17 GB
+
+
 def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
-    """softmax(q k^T * scale) v for one head: q, k, v [T, d] -> [T, d] (GEMMs in kernels.linear)."""
-    s = linear(np.ascontiguousarray(q), Weight.from_array(np.ascontiguousarray(k))) * np.float32(scale)  # [T, T]
-    s = np.exp(s - s.max(axis=1, keepdims=True))
-    p = np.ascontiguousarray(s / s.sum(axis=1, keepdims=True), np.float32)  # [T, T]
-    return linear(p, Weight.from_array(np.ascontiguousarray(v.T)))  # [T, d]
+    """softmax(q k^T * scale) v for one head: q, k, v [T, d] -> [T, d] (GEMMs in kernels.linear),
+    over blocks of query rows so that the scores stay small for large images."""
+    kw = Weight.from_array(np.ascontiguousarray(k))  # [T, d]
+    vw = Weight.from_array(np.ascontiguousarray(v.T))  # [d, T]
+    out = np.empty(q.shape, np.float32)
+    for a in range(0, len(q), ROWS):
+        s = linear(np.ascontiguousarray(q[a : a + ROWS]), kw) * np.float32(scale)  # [r, T]
+        s = np.exp(s - s.max(axis=1, keepdims=True))
+        p = np.ascontiguousarray(s / s.sum(axis=1, keepdims=True), np.float32)  # [r, T]
+        out[a : a + ROWS] = linear(p, vw)  # [r, d]
+    return out
 
 
 class _Merger:
