@@ -221,13 +221,16 @@ def qwen3(qwen3_folder):
 @pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
 @pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}])
 def test_tool_prompts_match_transformers(qwen3, conversation, kwargs):
-    """The server's path (parse_chat, then LLM.prompt_ids) renders Qwen3's real template exactly as
+    """The server's path (parse_chat, then LLM.prompt_and_images) renders Qwen3's real template exactly as
     transformers does, tools section, assistant tool calls and tool results included."""
     tok, ref = qwen3
     messages = CONVERSATIONS[conversation]
     req = parse_chat({"messages": messages, "tools": [WEATHER, SEARCH], "chat_template_kwargs": kwargs})
-    llm = types.SimpleNamespace(tokenizer=tok)
-    ids = LLM.prompt_ids(llm, req.messages, True, None, req.chat_template_kwargs, tools=req.structured.template_tools)
+    llm = types.SimpleNamespace(tokenizer=tok, vision=None)  # a text model: no image pads to expand
+    ids, images = LLM.prompt_and_images(
+        llm, req.messages, True, None, req.chat_template_kwargs, tools=req.structured.template_tools
+    )
+    assert images == []
     ref_messages = [{**m, "content": m["content"] or ""} for m in messages]  # Qwen3's template needs a string
     want = ref.apply_chat_template(
         ref_messages, tools=[WEATHER, SEARCH], tokenize=False, add_generation_prompt=True, **kwargs
