@@ -43,6 +43,7 @@ import os
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -292,6 +293,25 @@ def _random_blocks(rng, rows: int, k: int, qtype: str) -> np.ndarray:
     return blk.reshape(rows, -1)
 
 
+@contextmanager
+def gguf_writer(path: str, arch: str):
+    """A gguf.GGUFWriter on a temporary file that becomes `path` only when the block completes;
+    on any error (Ctrl-C included) the partial file is removed."""
+    import gguf
+
+    tmp = f"{path}.tmp-{os.getpid()}"
+    w = gguf.GGUFWriter(tmp, arch)
+    try:
+        yield w
+        w.close()
+        os.replace(tmp, path)
+    except BaseException:
+        w.close()
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
 def write_gguf(path: str, shape, qtype: str, *, seed: int = 0, name: str | None = None, log=None) -> str:
     """Writes the random-weight GGUF for shape (a name or a shape dict) to path, atomically."""
     import gguf
@@ -299,11 +319,9 @@ def write_gguf(path: str, shape, qtype: str, *, seed: int = 0, name: str | None 
     s = _shape(shape)
     tensors = plan(s, qtype)
     name = name or (shape if isinstance(shape, str) else "custom")
-    tmp = f"{path}.tmp-{os.getpid()}"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     qtypes = {t: gguf.GGMLQuantizationType[t.upper()] for t in ("f32",) + tuple(_BLOCK)}
-    w = gguf.GGUFWriter(tmp, s.get("arch", "qwen3"))
-    try:
+    with gguf_writer(path, s.get("arch", "qwen3")) as w:
         w.add_name(f"{name} shape, random weights ({qtype})")
         w.add_description("sparrow bench shapes: random weights with a real model's tensor shapes")
         w.add_file_type(_FILE_TYPE[qtype])
@@ -356,15 +374,8 @@ def write_gguf(path: str, shape, qtype: str, *, seed: int = 0, name: str | None 
                     f"\rwriting {os.path.basename(path)}: {done / total:4.0%} "
                     f"({done >> 20} / {total >> 20} MiB, {time.perf_counter() - t0:.0f} s)"
                 )
-        w.close()
-        os.replace(tmp, path)
-        if log:
-            log("\n")
-    except BaseException:
-        w.close()
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    if log:
+        log("\n")
     return path
 
 

@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from .shapes import _shape, cache_dir
+from .shapes import _shape, cache_dir, gguf_writer
 
 
 def mmproj_path(name: str) -> str:
@@ -71,7 +71,6 @@ def _values(rng, name: str, shape) -> np.ndarray:
 
 def ensure_mmproj(name: str, log=None) -> str:
     """The cached mmproj for the vision shape `name`, written first if missing."""
-    import gguf
 
     s = _shape(name)
     v = s["vision"]
@@ -81,10 +80,8 @@ def ensure_mmproj(name: str, log=None) -> str:
     os.makedirs(cache_dir(), exist_ok=True)
     if log:
         log(f"writing {path} (once; reused afterwards)\n")
-    tmp = f"{path}.tmp-{os.getpid()}"
     tensors = plan(s)
-    w = gguf.GGUFWriter(tmp, "clip")
-    try:
+    with gguf_writer(path, "clip") as w:
         w.add_name(f"{name} vision shape, random weights (f16)")
         w.add_clip_has_vision_encoder(True)
         w.add_clip_projector_type("qwen3vl_merger")
@@ -114,11 +111,4 @@ def ensure_mmproj(name: str, log=None) -> str:
             a = _values(rng, tname, shp)
             a.tofile(fout)
             w.write_padding(fout, a.nbytes)
-        w.close()
-        os.replace(tmp, path)
-    except BaseException:
-        w.close()
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
     return path
