@@ -7,17 +7,14 @@ The server runs in this process (uvicorn in a thread) on the tiny GGUF of test_f
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-
 import httpx
 import pytest
+from inprocess_server import serving
 from test_fuzz_files import tiny_gguf  # noqa: F401 - the fixture, shared
 
 import sparrow
 from sparrow.server import schema
-from sparrow.server.app import ServerState, create_app
+from sparrow.server.app import ServerState
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the heat"}]
 
@@ -25,31 +22,14 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 @pytest.fixture(scope="module")
 def served(tiny_gguf, tmp_path_factory, request):  # noqa: F811
     """Base URL of a ready server on the tiny model (context: the test module's CTX, else 256)."""
-    import uvicorn
-
     path = tmp_path_factory.mktemp("served") / "tiny.gguf"
     path.write_bytes(tiny_gguf)
-    state = ServerState()
-    app = create_app(state)
-    state.attach(sparrow.load(str(path), ctx=getattr(request.module, "CTX", None)))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while not (server.started and state.ready):
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    # the first answer compiles what warm-up did not (when numba's cache is cold): not a test's time
-    body = {"messages": CHAT, "max_tokens": 2, "temperature": 0.5, "logprobs": True, "stream": True}
-    assert httpx.post(base + "/v1/chat/completions", json=body, timeout=600).status_code == 200
-    yield base
-    server.should_exit = True
-    thread.join(30)
-    state.engine.stop()
+    llm = sparrow.load(str(path), ctx=getattr(request.module, "CTX", None))
+    with serving(ServerState(), llm, timeout=120) as base:
+        # the first answer compiles what warm-up did not (when numba's cache is cold): not a test's time
+        body = {"messages": CHAT, "max_tokens": 2, "temperature": 0.5, "logprobs": True, "stream": True}
+        assert httpx.post(base + "/v1/chat/completions", json=body, timeout=600).status_code == 200
+        yield base
 
 
 def post(base, path, body=None, **kw):

@@ -7,18 +7,16 @@ from __future__ import annotations
 
 import base64
 import io
-import socket
-import threading
-import time
 
 import httpx
 import numpy as np
 import pytest
 import vl_reference as vr
+from inprocess_server import serving
 from PIL import Image
 
 import sparrow
-from sparrow.server.app import ServerState, create_app
+from sparrow.server.app import ServerState
 
 
 def _png(seed: int, w=100, h=70) -> bytes:
@@ -40,30 +38,14 @@ def _msgs(*urls, text="What is this?"):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tokenizer_dir):
-    import uvicorn
-
     folder = str(tmp_path_factory.mktemp("tiny_vl_served"))
     vr.build_tiny_vl(folder, tokenizer_dir)
     media = tmp_path_factory.mktemp("media")
     (media / "a.png").write_bytes(_png(1))
     state = ServerState(allowed_local_media_path=str(media), max_images_per_request=2)
-    app = create_app(state)
     llm = sparrow.load(folder)
-    state.attach(llm)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 300
-    while not (server.started and state.ready):
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", llm, media
-    server.should_exit = True
-    thread.join(30)
-    state.engine.stop()
+    with serving(state, llm) as base:
+        yield base, llm, media
 
 
 def _chat(base, messages, **kw):
