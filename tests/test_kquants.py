@@ -150,6 +150,20 @@ def test_identity_rows_give_the_weights(qtype):
     assert np.array_equal(L.linear(eye, w).T, full)
 
 
+def k_scales_mins(blk):
+    """q4_k / q5_k super-blocks [O, nb, bb] uint8 -> the 6-bit (scales, mins) [O, nb, 8] int64."""
+    sb = blk[:, :, 4:16].astype(np.int64)
+    sc = np.empty(sb.shape[:2] + (8,), np.int64)
+    mn = np.empty_like(sc)
+    for s in range(8):
+        if s < 4:
+            sc[..., s], mn[..., s] = sb[..., s] & 63, sb[..., s + 4] & 63
+        else:
+            sc[..., s] = (sb[..., s + 4] & 15) | ((sb[..., s - 4] >> 6) << 4)
+            mn[..., s] = (sb[..., s + 4] >> 4) | ((sb[..., s] >> 6) << 4)
+    return sc, mn
+
+
 def _unpack(qtype, raw, k):
     """(codes [O, K] f32 as the row dots multiply them, scale per unit [O, K / n] f32, unit
     size n, offset coefficient per 32 values [O, K / 32] f32 or None): an independent decode
@@ -167,17 +181,9 @@ def _unpack(qtype, raw, k):
         c = d * np.float32(-16) if qtype == "q5_0" else f16(2)
         return q.reshape(o, k).astype(np.float32), d, 32, c
     if qtype in ("q4_k", "q5_k"):
-        sb = blk[:, :, 4:16].astype(np.int64)
-        sc = np.empty(sb.shape[:2] + (8,), np.int64)
-        mn = np.empty_like(sc)
-        for s in range(8):
-            if s < 4:
-                sc[..., s], mn[..., s] = sb[..., s] & 63, sb[..., s + 4] & 63
-            else:
-                sc[..., s] = (sb[..., s + 4] & 15) | ((sb[..., s - 4] >> 6) << 4)
-                mn[..., s] = (sb[..., s + 4] >> 4) | ((sb[..., s] >> 6) << 4)
+        sc, mn = k_scales_mins(blk)
         qo = 16 if qtype == "q4_k" else 48
-        q = np.empty(sb.shape[:2] + (256,), np.int64)
+        q = np.empty(blk.shape[:2] + (256,), np.int64)
         for s in range(8):
             nib = blk[:, :, qo + 32 * (s // 2) : qo + 32 * (s // 2) + 32].astype(np.int64)
             q[..., 32 * s : 32 * s + 32] = (nib >> (4 * (s % 2))) & 15

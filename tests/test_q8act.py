@@ -17,7 +17,7 @@ from sparrow.kernels.linear import SMALL_T, activations, linear
 from sparrow.models.decoder import Segment
 from weights import acts, make
 
-BB = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+BB = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}
 # (format, [out, in], T): odd and even block counts (the even/odd accumulators), one block,
 # T up to SMALL_T, rows past the serial threshold (the parallel matvec)
 CASES = [
@@ -53,7 +53,7 @@ def quantize_reference(x):
 def rowdot_reference(x, w):
     """The module docstring's order in float64-emulated f32: integer block sums in 8 lanes
     (lane j: elements 4j..4j+3), acc[b % 2] = fma(s, d * dx, acc[b % 2]) per lane, q4_1's
-    accm[b % 2] = fma(m, sx, accm[b % 2]); pairwise tree of acc[0] + acc[1], plus accm."""
+    (and q5_1's) accm[b % 2] = fma(m, sx, accm[b % 2]); pairwise tree of acc[0] + acc[1], plus accm."""
     t_n, k = x.shape
     nb = k // 32
     xq, dx, sx = quantize_reference(x)
@@ -65,14 +65,20 @@ def rowdot_reference(x, w):
     d = half(0)
     if w.qtype == "q8_0":
         codes = blk[:, :, 2:].view(np.int8).astype(np.int64)  # [O, nb, 32]
-    else:
+    elif w.qtype in ("q4_0", "q4_1"):
         q = blk[:, :, 2 if w.qtype == "q4_0" else 4 :].astype(np.int64)  # [O, nb, 16]
         codes = np.concatenate([q & 15, q >> 4], axis=2) - (8 if w.qtype == "q4_0" else 0)
+    else:  # q5_0 / q5_1: the nibbles plus bit j of the u32 qh as 16; q5_0 minus 16
+        at = 2 if w.qtype == "q5_0" else 4
+        qh = blk[:, :, at : at + 4].copy().view(np.uint32).astype(np.int64)  # [O, nb, 1]
+        q = blk[:, :, at + 4 :].astype(np.int64)  # [O, nb, 16]
+        codes = np.concatenate([q & 15, q >> 4], axis=2) | (((qh >> np.arange(32)) & 1) << 4)
+        codes -= 16 if w.qtype == "q5_0" else 0
     prod = codes[None] * xq.reshape(t_n, 1, nb, 32).astype(np.int64)  # [T, O, nb, 32]
     lanes = prod.reshape(t_n, w.shape[0], nb, 8, 4).sum(axis=4).astype(np.float64)  # [T, O, nb, 8] exact
     acc = [np.zeros((t_n, w.shape[0], 8), np.float32) for _ in range(2)]
     accm = [np.zeros((t_n, w.shape[0]), np.float32) for _ in range(2)]
-    m = half(2) if w.qtype == "q4_1" else None
+    m = half(2) if w.qtype in ("q4_1", "q5_1") else None
     for b in range(nb):
         dd = _f32(d[None, :, b].astype(np.float64) * dx[:, None, b])  # [T, O]
         acc[b % 2] = fma32(lanes[:, :, b] * dd[..., None], acc[b % 2])

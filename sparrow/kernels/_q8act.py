@@ -1,6 +1,7 @@
 """Decode matvecs with activations quantised to 8 bits: the named mode activations="q8".
 
-llama.cpp's arithmetic for q8_0 / q4_0 / q4_1 weights: each 32-value block of x becomes int8
+llama.cpp's arithmetic for q8_0 / q4_0 / q4_1 / q5_0 / q5_1 weights (and, in _kq8.py, the
+K-quants q4_k / q5_k / q6_k on the same quantised x): each 32-value block of x becomes int8
 codes and one f32 scale, and each block's dot product is an exact integer sum. It reads the
 same weight bytes as the exact path (kernels._widen) with about 40% fewer vector
 instructions a block, so on a compute-bound core it decodes faster (single core, weights in
@@ -13,8 +14,9 @@ Per x row and block b (32 values): a = max |x|, dx = a / 127, codes q = rint(x *
   s = sum over the block of code_w * q, an exact int32, kept as 8 lane sums <8 x i32>
       (lane j holds elements 4j..4j+3, the split of x86's pmaddubsw + pmaddwd);
   acc[b % 2] = fma(float(s), d * dx, acc[b % 2])          <8 x float>
-  q4_1 only: accm[b % 2] = fma(m, sx, accm[b % 2])         (m: the block's offset)
-  q4_0 codes are the nibbles minus 8 (signed), q4_1's the nibbles, q8_0's the bytes.
+  q4_1 / q5_1 only: accm[b % 2] = fma(m, sx, accm[b % 2])  (m: the block's offset)
+  q4_0 codes are the nibbles minus 8 (signed), q4_1's the nibbles, q8_0's the bytes; q5_0 /
+  q5_1 add the fifth bit (bit j of qh for element j) as 16, and q5_0 subtracts 16.
 Result: pairwise tree (lane i + i + n/2) of acc[0] + acc[1], plus accm[0] + accm[1]. Integer
 sums are exact, so every CPU path (AVX2's pmaddubsw or the generic vector code numba emits
 elsewhere) gives the same bits, whatever T, batch or thread count.
@@ -26,39 +28,20 @@ from numba import njit, prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from sparrow.kernels._ir import F32, I8, I16, I32, I64, fma, hsum16, shuffle, splat16
+from sparrow.kernels._ir import F32, I8, I64, fma, hsum16, shuffle, splat16
+from sparrow.kernels._kq8 import AVX2, V8F, V16I8, V32I8, dot4, rowdot_q4_k, rowdot_q5_k, rowdot_q6_k
+from sparrow.kernels._kq8 import call as _call
 from sparrow.kernels._widen import _ROWS, KIND, PARALLEL_MIN_MACS, _half_at, call_slp
 from sparrow.kernels.gemm import CPU_FEATURES
 
 KW = dict(cache=True, nogil=True)
-AVX2 = "+avx2" in CPU_FEATURES.split(",")  # pmaddubsw / pmaddwd / psignb, else generic IR
-BLOCK_KINDS = (0, 1, 2)  # q8_0, q4_0, q4_1 (kernels._widen.KIND)
+# q8_0, q4_0, q4_1, q5_0, q5_1 here; q4_k, q5_k, q6_k in _kq8 (kernels._widen.KIND)
+BLOCK_KINDS = (0, 1, 2, 6, 7, 8, 9, 10)
+__all__ = ["AVX2", "CPU_FEATURES", "matvec_q8", "quantize", "rows_q8", "supports"]
 
-V8F = ir.VectorType(F32, 8)
-V8I32 = ir.VectorType(I32, 8)
-V16I16 = ir.VectorType(I16, 16)
-V16I8 = ir.VectorType(I8, 16)
-V32I8 = ir.VectorType(I8, 32)
-V32I32 = ir.VectorType(I32, 32)
-_BB = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
-_FALSE = ir.Constant(ir.IntType(1), 0)
-
-
-def _call(builder, name, ret, args):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
-    return builder.call(fn, args)
-
-
-def _dot4(builder, w, x):
-    """<32 x i8> signed w, x -> <8 x i32>, lane j = sum of w[4j + i] * x[4j + i], i < 4."""
-    if AVX2:  # |w| * (x with w's sign) in pmaddubsw (no saturation: |w| <= 128, |x| <= 127)
-        u = _call(builder, "llvm.abs.v32i8", V32I8, [w, _FALSE])
-        s = _call(builder, "llvm.x86.avx2.psign.b", V32I8, [x, w])
-        p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", V16I16, [u, s])
-        return _call(builder, "llvm.x86.avx2.pmadd.wd", V8I32, [p, ir.Constant(V16I16, [1] * 16)])
-    pr = builder.mul(builder.sext(w, V32I32), builder.sext(x, V32I32))
-    parts = [shuffle(builder, pr, pr, range(i, 32, 4)) for i in range(4)]
-    return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
+_BB = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}
+V4I8 = ir.VectorType(I8, 4)
+BITS = [1 << (j % 8) for j in range(32)]  # element j's bit in byte j // 8 of qh
 
 
 def _make_rowdot(qtype):
@@ -89,17 +72,23 @@ def _make_rowdot(qtype):
                 if qtype == "q8_0":
                     w = b.load(b.bitcast(b.gep(rp, [b.add(p, c64(2))]), V32I8.as_pointer()), align=1)
                 else:
-                    off = 4 if qtype == "q4_1" else 2
-                    q = b.load(b.bitcast(b.gep(rp, [b.add(p, c64(off))]), V16I8.as_pointer()), align=1)
+                    off = 2 if qtype in ("q4_0", "q5_0") else 4
+                    q5 = qtype in ("q5_0", "q5_1")
+                    q = b.load(b.bitcast(b.gep(rp, [b.add(p, c64(off + 4 * q5))]), V16I8.as_pointer()), align=1)
                     lo = b.and_(q, ir.Constant(V16I8, [15] * 16))
                     hi = b.lshr(q, ir.Constant(V16I8, [4] * 16))
                     w = shuffle(b, lo, hi, range(32))  # element j (low nibbles), then 16 + j
-                    if qtype == "q4_0":
-                        w = b.sub(w, ir.Constant(V32I8, [8] * 32))
-                s = b.sitofp(_dot4(b, w, x), V8F)
+                    if q5:  # element j's fifth bit: bit j of the little-endian u32 qh
+                        qh = b.load(b.bitcast(b.gep(rp, [b.add(p, c64(off))]), V4I8.as_pointer()), align=1)
+                        hb = b.and_(shuffle(b, qh, qh, [j // 8 for j in range(32)]), ir.Constant(V32I8, BITS))
+                        zero = ir.Constant(V32I8, [0] * 32)
+                        w = b.or_(w, b.select(b.icmp_unsigned("!=", hb, zero), ir.Constant(V32I8, [16] * 32), zero))
+                    if qtype in ("q4_0", "q5_0"):
+                        w = b.sub(w, ir.Constant(V32I8, [16 if q5 else 8] * 32))
+                s = b.sitofp(dot4(b, w, x), V8F)
                 dd = splat16(b, b.fmul(d, b.load(b.gep(dxp, [blk]))), 8)
                 b.store(_call(b, "llvm.fma.v8f32", V8F, [s, dd, b.load(accs[i])]), accs[i])
-                if qtype == "q4_1":
+                if qtype in ("q4_1", "q5_1"):
                     m = _half_at(b, rp, b.add(p, c64(2)))
                     b.store(fma(b, m, b.load(b.gep(sxp, [blk])), b.load(accm[i])), accm[i])
 
@@ -121,6 +110,8 @@ def _make_rowdot(qtype):
 rowdot_q8_0 = _make_rowdot("q8_0")
 rowdot_q4_0 = _make_rowdot("q4_0")
 rowdot_q4_1 = _make_rowdot("q4_1")
+rowdot_q5_0 = _make_rowdot("q5_0")
+rowdot_q5_1 = _make_rowdot("q5_1")
 
 
 @njit(**KW)
@@ -156,7 +147,17 @@ def rows_q8(data, kind, xq, dx, sx, y, o0, o1):
     """y[t, o] for rows o0..o1-1 of stored block rows `data` against quantised x rows."""
     for o in range(o0, o1):
         for t in range(xq.shape[0]):
-            if kind == 2:
+            if kind == 8:
+                y[t, o] = rowdot_q4_k(data[o], xq[t], dx[t], sx[t])
+            elif kind == 10:
+                y[t, o] = rowdot_q6_k(data[o], xq[t], dx[t], sx[t])
+            elif kind == 9:
+                y[t, o] = rowdot_q5_k(data[o], xq[t], dx[t], sx[t])
+            elif kind == 6:
+                y[t, o] = rowdot_q5_0(data[o], xq[t], dx[t], sx[t])
+            elif kind == 7:
+                y[t, o] = rowdot_q5_1(data[o], xq[t], dx[t], sx[t])
+            elif kind == 2:
                 y[t, o] = rowdot_q4_1(data[o], xq[t], dx[t], sx[t])
             elif kind == 1:
                 y[t, o] = rowdot_q4_0(data[o], xq[t], dx[t], sx[t])
@@ -183,7 +184,7 @@ def supports(w) -> bool:
 
 
 def matvec_q8(x, w, out):
-    """out [T, out] = q8(x) @ W.T for a q8_0 / q4_0 / q4_1 Weight and small T."""
+    """out [T, out] = q8(x) @ W.T for a Weight of a BLOCK_KINDS format and small T."""
     small = x.shape[0] * w.data.shape[0] * x.shape[1] < PARALLEL_MIN_MACS
     call_slp(_mv_q8_serial if small else _mv_q8, w.data, KIND[w.qtype], x, out)
     return out

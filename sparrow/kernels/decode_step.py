@@ -50,11 +50,11 @@ def _matvec(w, kind, x, y, tid, nt, q8):
     or with x quantised to 8 bits when q8, the activations="q8" mode)."""
     a, b = _share(w.shape[0], tid, nt)
     if b > a:
-        if kind >= _KQ_FIRST:  # q5_0 / q5_1 / K-quants: f32 activations in either mode
-            _kq_rows(w, kind, x, _kq_x_block_sums(x), y, a, b)
-        elif q8:
+        if q8:
             xq, dx, sx = _q8_quantize(x)
             _rows_q8(w, kind, xq, dx, sx, y, a, b)
+        elif kind >= _KQ_FIRST:  # q5_0 / q5_1 / K-quants
+            _kq_rows(w, kind, x, _kq_x_block_sums(x), y, a, b)
         else:
             _rows_blocks(w, kind, x, _x_block_sums(x), y, a, b)
 

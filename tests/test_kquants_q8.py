@@ -1,0 +1,208 @@
+"""The activations="q8" mode on ggml's 5-bit and K-quant formats (q5_0 / q5_1 in
+kernels/_q8act.py, q4_k / q5_k / q6_k in kernels/_kq8.py): the documented order bit for bit
+against numpy, on this CPU's path and on the generic one, on 1 and 2 threads, a row alone
+equal to that row in a batch, and fused decode equal to staged."""
+
+import platform
+
+import numba
+import numpy as np
+import pytest
+from test_cpu_paths import run_compiled_for
+from test_gemm import bits, fma32
+from test_kquants import _unpack, k_scales_mins, make_kq
+from test_q8act import quantize_reference, rowdot_reference
+
+import sparrow
+from sparrow.kernels import set_threads
+from sparrow.kernels.linear import SMALL_T, activations, linear
+from sparrow.quant import BLOCK_BYTES, Weight
+from weights import acts
+
+# (format, [out, in], T): one and several super-blocks (or odd block counts for q5_*), T up
+# to SMALL_T, and matvecs past the serial threshold (the parallel path)
+CASES = [
+    ("q5_0", (37, 96), 1),
+    ("q5_1", (21, 608), 3),
+    ("q4_k", (37, 256), 1),
+    ("q5_k", (21, 768), 5),
+    ("q6_k", (5, 1536), 8),
+    ("q4_k", (2048, 2048), 1),
+    ("q6_k", (1024, 4096), 2),
+    ("q5_k", (24, 512), 2),
+    ("q5_0", (2048, 2048), 1),
+]
+
+
+def _f32(v):
+    return np.asarray(v, np.float64).astype(np.float32)
+
+
+def kq8_reference(x, w):
+    """_kq8's module docstring in float64-emulated f32: per super-block n, exact integer sums
+    I [8] (sc times the codes' dot with x's codes; q6_k: two scaled halves of 16),
+    acc = fma(I, d * dx[8n : 8n + 8], acc), q4_k / q5_k also accm = fma(-(dmin m), sx, accm);
+    then the pairwise tree of acc + accm."""
+    t_n, k = x.shape
+    o_n, ns = w.shape[0], k // 256
+    xq, dx, sx = quantize_reference(x)  # [T, K] int8, [T, K / 32] f32 x2
+    blk = w.data.reshape(o_n, ns, BLOCK_BYTES[w.qtype])  # [O, ns, bb]
+
+    def half(at):
+        return blk[:, :, at : at + 2].copy().view(np.float16)[:, :, 0].astype(np.float32)  # [O, ns]
+
+    q = _unpack(w.qtype, w.data, k)[0].astype(np.int64)  # [O, K]: q6_k's already minus 32
+    prod = q[None] * xq[:, None].astype(np.int64)  # [T, O, K]
+    if w.qtype == "q6_k":
+        sc = blk[:, :, 192:208].view(np.int8).astype(np.int64).reshape(o_n, k // 16)  # [O, K / 16]
+        isum = (prod.reshape(t_n, o_n, k // 16, 16).sum(axis=3) * sc).reshape(t_n, o_n, k // 32, 2).sum(axis=3)
+        d, neg_ml = half(208), None
+    else:
+        sc, mn = k_scales_mins(blk)  # [O, ns, 8]
+        isum = prod.reshape(t_n, o_n, k // 32, 32).sum(axis=3) * sc.reshape(o_n, -1)  # [T, O, K / 32]
+        d = half(0)
+        neg_ml = -_f32(half(2)[..., None].astype(np.float64) * mn).reshape(o_n, -1)  # [O, K / 32]
+    acc = np.zeros((t_n, o_n, 8), np.float32)
+    accm = np.zeros((t_n, o_n, 8), np.float32)
+    for n in range(ns):
+        s = slice(8 * n, 8 * n + 8)
+        coef = _f32(d[None, :, n, None].astype(np.float64) * dx[:, None, s])  # [T, O, 8]
+        acc = fma32(isum[:, :, s].astype(np.float64) * coef, acc)
+        if neg_ml is not None:
+            accm = fma32(neg_ml[None, :, s].astype(np.float64) * sx[:, None, s], accm)
+    v = acc if neg_ml is None else _f32(acc.astype(np.float64) + accm)
+    while v.shape[-1] > 1:
+        h = v.shape[-1] // 2
+        v = _f32(v[..., :h].astype(np.float64) + v[..., h:])
+    return v[..., 0]
+
+
+def reference(x, w):
+    return rowdot_reference(x, w) if w.qtype in ("q5_0", "q5_1") else kq8_reference(x, w)
+
+
+def compute():
+    """{name: q8-mode linear() output} for CASES on 1 and 2 threads."""
+    out = {}
+    old = numba.get_num_threads()
+    try:
+        for n in (1, 2)[: numba.config.NUMBA_NUM_THREADS]:
+            numba.set_num_threads(n)
+            for i, (q, shape, t) in enumerate(CASES):
+                with activations("q8"):
+                    out[f"c{i}_{n}"] = linear(acts(t, shape[1], seed=7), make_kq(q, shape, seed=8))
+    finally:
+        numba.set_num_threads(old)
+    return out
+
+
+def test_documented_order_bit_for_bit_any_threads_and_batch():
+    assert all(t <= SMALL_T for _, _, t in CASES)
+    out = compute()
+    for i, (q, shape, t) in enumerate(CASES):
+        x, w = acts(t, shape[1], seed=7), make_kq(q, shape, seed=8)
+        ref = reference(x, w)
+        for n in (1, 2)[: numba.config.NUMBA_NUM_THREADS]:
+            assert np.array_equal(bits(out[f"c{i}_{n}"]), bits(ref)), (q, shape, t, n)
+        with activations("q8"):  # a row alone equals that row in the batch
+            assert np.array_equal(bits(linear(np.ascontiguousarray(x[-1:]), w)), bits(ref[-1:]))
+
+
+@pytest.mark.parametrize("qtype", ["q5_0", "q5_1", "q4_k", "q5_k", "q6_k"])
+def test_extreme_codes_and_scales(qtype):
+    """All-max codes and scales against all-max x (the integer sums' largest magnitudes:
+    no int16 saturation in pmaddubsw, no int32 overflow), and an all-zero x row."""
+    raw = make_kq(qtype, (8, 512), seed=3).data.copy().reshape(8, -1, BLOCK_BYTES[qtype])
+    if qtype == "q6_k":
+        raw[:4, :, :192] = 0  # codes -32 (the largest |code|)
+        raw[:4, :, 192:208] = 0x80  # scales -128
+        raw[4:, :, :192] = 0xFF  # codes 31
+        raw[4:, :, 192:208] = 0x7F
+    elif qtype in ("q4_k", "q5_k"):
+        raw[:, :, 4:] = 0xFF  # scales and mins 63, codes 15 (q5_k: 31)
+    else:
+        at = 2 if qtype == "q5_0" else 4
+        raw[:4, :, at:] = 0xFF  # codes 31 (q5_0: 15)
+        raw[4:, :, at:] = 0  # codes 0 (q5_0: -16)
+    w = Weight(qtype, raw.reshape(8, -1), (8, 512))
+    x = np.full((3, 512), 7.5, np.float32)
+    x[1, ::2] = -7.5
+    x[2] = 0
+    with activations("q8"):
+        y = linear(x, w)
+    assert np.array_equal(bits(y), bits(reference(x, w)))
+    assert np.all(y[2] == 0)
+
+
+def test_q8_is_not_f32_and_is_close():
+    for q in ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k"):
+        x, w = acts(2, 1024, seed=1), make_kq(q, (64, 1024), seed=2)
+        exact = linear(x, w)
+        with activations("q8"):
+            q8 = linear(x, w)
+        assert not np.array_equal(q8, exact), q  # the mode really changes the arithmetic
+        np.testing.assert_allclose(q8, exact, rtol=0, atol=0.03 * np.abs(exact).max())
+
+
+def test_fused_k_quant_file_q8_equals_staged_and_differs_from_f32(tmp_path):
+    """A Q4_K_M-style file in the q8 mode: the fused step (every projection through the q8
+    row dots) gives the staged path's bits on 1 and 2 threads, and not the f32 mode's."""
+    from sparrow.bench import shapes
+    from sparrow.models.decoder import Segment
+
+    tiny_k = dict(
+        hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=512, vocab=512, tied=True,
+        rope_theta=1e6, rms_eps=1e-6, context=128,
+    )  # fmt: skip
+    llm = sparrow.load(shapes.write_gguf(str(tmp_path / "tiny-k.gguf"), tiny_k, "q4_k_m", name="tiny"))
+    model = model_ = llm.model
+    assert {w.qtype for lay in model.layers for w in (lay.mlp.down, lay.attn.o)} >= {"q4_k", "q6_k"}
+    ids = np.random.default_rng(3).integers(0, 486, 20)
+
+    def decode(fused, mode):
+        model_.use_fused, model_.activations = fused, mode
+        plan = model_.fused_step()
+        plan.backoff, before = 0, plan.steps
+        try:
+            cache = model_.new_cache(len(ids), "f32")
+            model_.forward([Segment(ids[:12], cache, 0)])
+            rows = [model_.forward([Segment(ids[i : i + 1], cache, i, decode=True)])[0] for i in range(12, len(ids))]
+            assert (plan.steps - before > 0) == fused
+            return np.stack(rows)
+        finally:
+            model_.use_fused, model_.activations = True, "f32"
+
+    try:
+        for threads in (1, 2):
+            set_threads(threads)
+            assert numba.get_num_threads() == threads
+            q8 = decode(True, "q8")
+            assert q8.tobytes() == decode(False, "q8").tobytes(), threads
+        assert not np.array_equal(q8, decode(True, "f32"))
+    finally:
+        set_threads(2)
+
+
+GENERIC_CHILD = r"""
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from sparrow.kernels import _kq8
+from test_kquants_q8 import compute
+
+out = compute()
+np.savez(sys.argv[2], **out)
+print("INFO " + json.dumps(dict(avx2=_kq8.AVX2)))
+"""
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 CPU names")
+def test_generic_code_path_gives_the_same_bits(tmp_path):
+    """Compiled for a CPU without AVX2 (generic vector IR instead of pmaddubsw), the same bits."""
+    feats = "+64bit,+avx,+cx16,+cx8,+f16c,+fxsr,+mmx,+popcnt,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,-avx2,-avx512f"
+    info, child = run_compiled_for(tmp_path, "ivybridge", feats, GENERIC_CHILD)
+    assert info["avx2"] is False, info
+    here_out = compute()
+    assert set(child) == set(here_out)
+    for name in child:
+        assert np.array_equal(bits(child[name]), bits(here_out[name])), name
