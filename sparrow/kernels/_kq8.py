@@ -25,6 +25,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from sparrow.kernels._ir import F32, I8, I16, I32, I64, fma, hsum16, shuffle, splat16
+from sparrow.kernels._kquants import scales_mins8
 from sparrow.kernels.gemm import CPU_FEATURES
 
 AVX2 = "+avx2" in CPU_FEATURES.split(",")  # pmaddubsw / pmaddwd / psignb, else generic IR
@@ -94,20 +95,6 @@ def _half(b, rp, at):
     return b.fpext(_load(b, rp, at, ir.HalfType()), F32)
 
 
-def _scales_mins(b, sb):
-    """The 12 scale bytes (sb: <16 x i8>, bytes 12..15 unused) -> (sc, m) <8 x i32>, ggml's
-    get_scale_min_k4: j < 4: q[j] & 63, q[j + 4] & 63; j >= 4: (q[j + 4] & 15) | (q[j - 4] >> 6) << 4,
-    (q[j + 4] >> 4) | (q[j] >> 6) << 4."""
-    z = lambda idx: b.zext(shuffle(b, sb, sb, idx), V8I32)  # noqa: E731
-    top = _v(V8I32, [0] * 4 + [48] * 4)  # (q >> 6) << 4 == (q >> 2) & 48 for a byte q
-    two = _v(V8I32, [2] * 8)
-    sc = b.or_(b.and_(z([0, 1, 2, 3, 8, 9, 10, 11]), _v(V8I32, [63] * 4 + [15] * 4)),
-               b.and_(b.lshr(z([0, 1, 2, 3, 0, 1, 2, 3]), two), top))  # fmt: skip
-    lo = b.lshr(z([4, 5, 6, 7, 8, 9, 10, 11]), _v(V8I32, [0] * 4 + [4] * 4))
-    m = b.or_(b.and_(lo, _v(V8I32, [63] * 8)), b.and_(b.lshr(z([4, 5, 6, 7, 4, 5, 6, 7]), two), top))
-    return sc, m
-
-
 def _superblock(qtype, b, rp, xp, blk):
     """(I: <8 x i32> per the module doc, d, dmin or None, m <8 x i32> or None) of super-block blk."""
     p = b.mul(blk, _c64(_BB[qtype]))
@@ -128,7 +115,7 @@ def _superblock(qtype, b, rp, xp, blk):
                 lanes.append(dot4(b, w, xs[j], shuffle(b, sc, sc, [2 * j] * 8 + [2 * j + 1] * 8)))
         return _lane_sums(b, lanes), d, None, None
     d, dmin = _half(b, rp, p), _half(b, rp, b.add(p, _c64(2)))
-    sc, m = _scales_mins(b, _load(b, rp, b.add(p, _c64(4)), V16I8))
+    sc, m = scales_mins8(b, _load(b, rp, b.add(p, _c64(4)), V16I8))
     qo = 16 if qtype == "q4_k" else 48
     if qtype == "q5_k":
         qh = _load(b, rp, b.add(p, _c64(16)), V32I8)
