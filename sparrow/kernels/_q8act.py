@@ -82,9 +82,13 @@ def _make_rowdot(qtype):
                         qh = b.load(b.bitcast(b.gep(rp, [b.add(p, c64(off))]), V4I8.as_pointer()), align=1)
                         hb = b.and_(shuffle(b, qh, qh, [j // 8 for j in range(32)]), ir.Constant(V32I8, BITS))
                         zero = ir.Constant(V32I8, [0] * 32)
-                        w = b.or_(w, b.select(b.icmp_unsigned("!=", hb, zero), ir.Constant(V32I8, [16] * 32), zero))
-                    if qtype in ("q4_0", "q5_0"):
-                        w = b.sub(w, ir.Constant(V32I8, [16 if q5 else 8] * 32))
+                        if qtype == "q5_0":  # code - 16 at once: nibble | 0xF0 (-16) where the bit is clear
+                            fifth = b.select(b.icmp_unsigned("==", hb, zero), ir.Constant(V32I8, [-16] * 32), zero)
+                        else:
+                            fifth = b.select(b.icmp_unsigned("!=", hb, zero), ir.Constant(V32I8, [16] * 32), zero)
+                        w = b.or_(w, fifth)
+                    elif qtype == "q4_0":
+                        w = b.sub(w, ir.Constant(V32I8, [8] * 32))
                 s = b.sitofp(dot4(b, w, x), V8F)
                 dd = splat16(b, b.fmul(d, b.load(b.gep(dxp, [blk]))), 8)
                 b.store(_call(b, "llvm.fma.v8f32", V8F, [s, dd, b.load(accs[i])]), accs[i])
