@@ -156,6 +156,8 @@ def _emit_block(qtype, r, blk, step):
         return
     # q6_k: units of 16 values, each its own int8 scale; no offset term
     d = r.half(b.add(p, _c64(208)))
+    scp = b.bitcast(b.gep(r.rp, [b.add(p, _c64(192))]), _V16I8.as_pointer())
+    dsc = b.fmul(splat16(b, d), b.sitofp(b.load(scp, align=1), V16F))  # d * sc of the 16 units, one lane each
     for h in range(2):
         for s in range(4):
             for g in range(2):
@@ -165,8 +167,8 @@ def _emit_block(qtype, r, blk, step):
                 lo = b.and_(b.lshr(ql, _vi32([4 * (s >> 1)] * 16)), _vi32([15] * 16))
                 hi = b.shl(b.and_(b.lshr(qh, _vi32([2 * s] * 16)), _vi32([3] * 16)), _vi32([4] * 16))
                 q = b.sub(b.or_(lo, hi), _vi32([32] * 16))
-                sc = b.sitofp(b.load(b.gep(r.rp, [b.add(p, _c64(192 + 8 * h + 2 * s + g))])), F32)
-                step((q,), b.add(x0, _c64(128 * h + 32 * s + j)), b.fmul(d, sc), None)
+                sc = b.extract_element(dsc, ir.Constant(I32, 8 * h + 2 * s + g))
+                step((q,), b.add(x0, _c64(128 * h + 32 * s + j)), sc, None)
 
 
 def _blocks_loop(builder, qtype, r, nb, emit):
