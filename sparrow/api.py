@@ -181,7 +181,7 @@ class LLM:
         Settings come as objects (`sampling`, `sparse`) or as keyword conveniences: any
         SamplingParams field (max_tokens=256, temperature=0.0, top_p, top_k, min_p, the
         penalties, seed, stop, logprobs) and sparse_attn, sparse_k, sparse_block,
-        sparse_probe, sparse_prefill. trace: a list that receives, per decoded token, the
+        sparse_probe, sparse_prefill, sparse_select. trace: a list that receives, per decoded token, the
         sparse selections [(layer, [(head, blocks, stages, mass)])].
 
         tools, tool_choice, response_format, parallel_tool_calls: as in OpenAI's chat API (see

@@ -12,7 +12,7 @@ import sys
 import time
 
 from .errors import SparrowError
-from .params import KV_DTYPES, QUANTIZE, SamplingParams, SparseParams
+from .params import KV_DTYPES, QUANTIZE, SELECTORS, SamplingParams, SparseParams
 
 DEMO_PROMPT = "In three sentences, why is the sky blue?"
 
@@ -54,7 +54,13 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sparse-attn", action="store_true", help="block-sparse top-k decode attention")
     g.add_argument("--sparse-k", type=int, default=32, help="blocks per query head")
     g.add_argument("--sparse-block", type=int, default=32, help="tokens per block")
-    g.add_argument("--sparse-probe", type=int, default=8, help="probe keys per block")
+    g.add_argument("--sparse-probe", type=int, default=8, help="probe keys per block (seed selector)")
+    g.add_argument(
+        "--sparse-select",
+        choices=SELECTORS,
+        default="seed",
+        help="block selector: seed (the article's, default) or v2 (block summaries; docs/SPARSE_SELECT_V2.md)",
+    )
     g.add_argument("--sparse-prefill", action="store_true", help="select blocks during prefill too")
     g.add_argument(
         "--sparse-trace", default=None, metavar="FILE", help="write selected blocks per token/layer/head as JSON lines"
@@ -76,7 +82,9 @@ def _params(a) -> tuple[SamplingParams, SparseParams | None]:
         seed=a.seed,
         stop=a.stop or [],
     ).validate()
-    sparse = SparseParams.from_options(a.sparse_attn, a.sparse_k, a.sparse_block, a.sparse_probe, a.sparse_prefill)
+    sparse = SparseParams.from_options(
+        a.sparse_attn, a.sparse_k, a.sparse_block, a.sparse_probe, a.sparse_prefill, a.sparse_select
+    )
     return sampling, sparse
 
 
@@ -141,6 +149,7 @@ def _run(llm, prompt, a, **extra) -> str:
                             json.dumps(
                                 {
                                     "token": i,
+                                    "selector": sparse.label,
                                     "layer": layer,
                                     "head": head,
                                     "blocks": blocks,

@@ -196,13 +196,24 @@ class SparseState:
         p.extend(layer, full)
         return p, min(p.blocks, full)
 
+    def block_summaries(self, layer, block, seq_len):
+        """(summaries, n): v2's per-block key mean and variance of layer's full blocks
+        (BlockSummaries), and how many of them a decode over 0..seq_len-1 may read. Kept
+        beside the probe copies (same invalidation), filled once per block on first use."""
+        p = self._probes.get((block, "v2"))
+        if p is None:
+            p = self._probes[(block, "v2")] = BlockSummaries(layer, block)
+        full = seq_len // block
+        p.extend(layer, full)
+        return p, min(p.blocks, full)
+
     @property
     def nbytes(self):
         return self.importance.nbytes
 
     @property
     def probe_nbytes(self):
-        """Bytes of the probe-key copies sparse decode made."""
+        """Bytes of the probe-key copies and block summaries sparse decode made."""
         return sum(p.nbytes for p in self._probes.values())
 
     def resized(self, layer, n):
@@ -261,6 +272,43 @@ class ProbeKeys:
         n = (capacity // block) * len(range(0, block, step))
         row = head_dim * np.dtype(layer_kind.storage).itemsize
         return n_kv_heads * (n * row + 4 * (n if layer_kind.scaled else 1))
+
+
+class BlockSummaries:
+    """v2's block summaries: rows[kh, b] = [mean, variance] of the keys of full block b,
+    float32 [2D] (sparse_select.summarise_block), so a block's score is one 2D-wide dot;
+    the first `blocks` full blocks are valid. 2 rows of f32 per block: 1/16 of an f32 K,
+    where the seed's probe copy is 1/4 of K's bytes."""
+
+    per_block = 1
+
+    def __init__(self, layer, block):
+        self.block = block
+        n = layer.capacity // block
+        self.rows = np.zeros((layer.n_kv_heads, n, 2 * layer.head_dim), np.float32)  # [KVH, n, 2D]
+        self.scale = np.zeros((layer.n_kv_heads, 1), np.float32)  # [KVH, 1], never read
+        self.blocks = 0
+
+    def extend(self, layer, full_blocks):
+        """Summarise blocks blocks..full_blocks-1 of layer (nothing if already there)."""
+        from sparrow.kernels._widen import F16_LUT
+        from sparrow.kernels.sparse_select import summarise_blocks
+
+        if full_blocks > self.blocks:
+            summarise_blocks(layer.k, layer.k_scale, F16_LUT, self.block, self.blocks, full_blocks, self.rows)
+            self.blocks = full_blocks
+
+    @property
+    def nbytes(self):
+        return self.rows.nbytes
+
+    def resized(self, layer, blocks):
+        """A copy for `layer` (resized) keeping the first `blocks` full blocks."""
+        out = BlockSummaries(layer, self.block)
+        blocks = min(blocks, out.rows.shape[1])
+        out.rows[:, :blocks] = self.rows[:, :blocks]
+        out.blocks = blocks
+        return out
 
 
 class KVCache:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, fields
 from .errors import SparrowError
 
 KV_DTYPES = ("f32", "f16", "int8")
+SELECTORS = ("seed", "v2")  # block selectors: the article's (spec) and sparrow's (docs/SPARSE_SELECT_V2.md)
+V2_DENSE_LAYERS = 2  # v2 runs the first layers exact: they hold most of k=8's loss (README, "Selector v2")
 QUANTIZE = (None, "q8_0")  # weight conversions at load: none, or f32/f16/bf16 -> q8_0
 
 
@@ -29,6 +31,11 @@ class SparseParams:
     block: int = 32  # tokens per block
     probe: int = 8  # probe keys per block
     prefill: bool = False  # also select blocks for prefill queries (causal prefix, no importance)
+    select: str = "seed"  # "seed": the article's rule; "v2": block-summary scores (docs/SPARSE_SELECT_V2.md)
+    dense_layers: int | None = None  # v2: layers 0..dense_layers-1 exact (None: V2_DENSE_LAYERS)
+    # v2 ablation switches (bench --selectors v2-nosink, v2-norecent): always take block 0 / the last block
+    sink: bool = True
+    recent: bool = True
 
     def __post_init__(self):
         for name in ("k", "block", "probe"):
@@ -38,6 +45,52 @@ class SparseParams:
                     f"sparse attention needs integer k, block and probe >= 1 (got k={self.k!r}, "
                     f"block={self.block!r}, probe={self.probe!r})"
                 )
+        if self.select not in SELECTORS:
+            raise SparrowError(f"sparse_select must be one of {', '.join(SELECTORS)}, got {self.select!r}")
+        if self.dense_layers is None:
+            self.dense_layers = V2_DENSE_LAYERS if self.select == "v2" else 0
+        d = self.dense_layers
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise SparrowError(f"dense_layers must be an integer >= 0, got {d!r}")
+        if self.select == "seed" and (d or not (self.sink and self.recent)):
+            raise SparrowError("dense_layers, sink and recent are v2 settings (sparse_select='v2')")
+
+    def for_layer(self, index: int) -> SparseParams | None:
+        """These settings for layer `index`, or None where v2 keeps the layer exact."""
+        return None if index < self.dense_layers else self
+
+    @property
+    def flags(self) -> int:
+        """The selector as the kernels take it: 0 seed; v2 = 1, + 2 with the sink, + 4 with recency."""
+        if self.select == "seed":
+            return 0
+        return 1 | (2 if self.sink else 0) | (4 if self.recent else 0)
+
+    @property
+    def label(self) -> str:
+        """Short name for tables and records: seed, v2, v2-nosink, v2-norecent, v2-dense0, ..."""
+        if self.select == "seed":
+            return "seed"
+        parts = ["v2"] + (["nosink"] if not self.sink else []) + (["norecent"] if not self.recent else [])
+        if self.dense_layers != V2_DENSE_LAYERS:
+            parts.append(f"dense{self.dense_layers}")
+        return "-".join(parts)
+
+    @classmethod
+    def from_label(cls, label: str, **kw) -> SparseParams:
+        """Inverse of `label` (bench --selectors): "seed", "v2", "v2-nosink-norecent-dense0", ..."""
+        head, *mods = label.strip().split("-")
+        if head not in SELECTORS or (head == "seed" and mods):
+            raise SparrowError(f"unknown selector {label!r} (seed, v2, v2-nosink, v2-norecent, v2-dense<N>)")
+        opts = {"select": head}
+        for m in mods:
+            if m in ("nosink", "norecent"):
+                opts["sink" if m == "nosink" else "recent"] = False
+            elif m.startswith("dense") and m[5:].isdigit():
+                opts["dense_layers"] = int(m[5:])
+            else:
+                raise SparrowError(f"unknown selector modifier {m!r} in {label!r} (nosink, norecent, dense<N>)")
+        return cls(**opts, **kw)
 
     @classmethod
     def from_options(
@@ -47,15 +100,16 @@ class SparseParams:
         sparse_block: int = 32,
         sparse_probe: int = 8,
         sparse_prefill: bool = False,
+        sparse_select: str = "seed",
     ) -> SparseParams | None:
         """The flat option names the CLI, the HTTP API and `LLM` keywords use -> settings or
         None (exact attention)."""
         if not sparse_attn:
             return None
-        return cls(k=sparse_k, block=sparse_block, probe=sparse_probe, prefill=sparse_prefill)
+        return cls(k=sparse_k, block=sparse_block, probe=sparse_probe, prefill=sparse_prefill, select=sparse_select)
 
 
-SPARSE_OPTIONS = ("sparse_attn", "sparse_k", "sparse_block", "sparse_probe", "sparse_prefill")
+SPARSE_OPTIONS = ("sparse_attn", "sparse_k", "sparse_block", "sparse_probe", "sparse_prefill", "sparse_select")
 
 
 @dataclass

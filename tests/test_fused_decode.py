@@ -18,6 +18,9 @@ SPARSE = {
     "k1": SparseParams(k=1, block=8, probe=4),
     "k2": SparseParams(k=2, block=8, probe=2),
     "k3b16": SparseParams(k=3, block=16, probe=8),
+    "v2k2": SparseParams(k=2, block=8, select="v2", dense_layers=0),
+    "v2k3d1": SparseParams(k=3, block=16, select="v2", dense_layers=1),
+    "v2norecent": SparseParams(k=2, block=8, select="v2", recent=False),  # scores the block a token completes
 }
 
 
@@ -70,7 +73,7 @@ def test_fused_equals_staged_on_the_default_model_both_thread_counts(default_llm
         pytest.fail("this machine gives numba one thread; the 2-thread fused step is not exercised")
     ids = np.asarray(default_llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 30)[:300])
     try:
-        for sp in (None, SparseParams(k=2), SparseParams(k=4, block=16, probe=4)):
+        for sp in (None, SparseParams(k=2), SparseParams(k=4, block=16, probe=4), SparseParams(k=3, select="v2")):
             staged = _decode(default_llm, ids, 260, sp, fused=False, kv="f16")
             for threads in (1, 2):
                 set_threads(threads)
@@ -81,19 +84,20 @@ def test_fused_equals_staged_on_the_default_model_both_thread_counts(default_llm
         set_threads(default_llm.threads)
 
 
-def test_alone_fused_equals_in_a_batch_staged(default_llm):
+@pytest.mark.parametrize("sp", [None, SparseParams(k=2, block=4, select="v2")], ids=["exact", "v2"])
+def test_alone_fused_equals_in_a_batch_staged(default_llm, sp):
     """The server decodes a request alone (fused) or beside others (staged): same bits."""
-    a = np.asarray(default_llm.tokenizer.encode("Alpha beta gamma delta epsilon zeta eta theta"))
+    a = np.asarray(default_llm.tokenizer.encode("Alpha beta gamma delta epsilon zeta eta theta " * 3))
     b = np.asarray(default_llm.tokenizer.encode("One two three four five six seven eight nine ten"))
-    caches = [default_llm.model.new_cache(40, "int8") for _ in range(2)]
+    caches = [default_llm.model.new_cache(60, "int8") for _ in range(2)]
     for ids, c in zip((a, b), caches):
         default_llm.model.forward([Segment(ids[:-1], c, 0)])
     both = default_llm.model.forward(
-        [Segment(a[-1:], caches[0], len(a) - 1, decode=True), Segment(b[-1:], caches[1], len(b) - 1, decode=True)]
+        [Segment(a[-1:], caches[0], len(a) - 1, sp, decode=True), Segment(b[-1:], caches[1], len(b) - 1, decode=True)]
     )  # staged
-    c = default_llm.model.new_cache(40, "int8")
+    c = default_llm.model.new_cache(60, "int8")
     default_llm.model.forward([Segment(a[:-1], c, 0)])
-    alone = default_llm.model.forward([Segment(a[-1:], c, len(a) - 1, decode=True)])  # fused
+    alone = default_llm.model.forward([Segment(a[-1:], c, len(a) - 1, sp, decode=True)])  # fused
     assert default_llm.model.fused_step() is not None
     assert alone[0].tobytes() == both[0].tobytes()
 

@@ -87,16 +87,19 @@ def test_k32_follows_exact_on_2k_needle_prompt(default_llm):
     assert all(0.0 < mass <= 1.0 for *_, mass in heads)
 
 
+SELECT = ("seed", "v2")
+
+
 def sparse_decode_thread_runs(llm):
     """Sparse decode logits with 1 thread, then twice with 2: really 2 (set_threads caps quietly)."""
     ids = llm.tokenizer.encode("Once upon a time, in a land far away, " * 40)[:400]
-    sp = SparseParams(k=4)
     runs = []
     try:
         for threads in (1, 2, 2):
             set_threads(threads)
             assert numba.get_num_threads() == threads
-            runs.append(decode_steps(llm, ids, 392, sp).tobytes())
+            # the seed and v2 selectors (v2: dense first layers, block summaries)
+            runs.append(b"".join(decode_steps(llm, ids, 392, SparseParams(k=4, select=s)).tobytes() for s in SELECT))
     finally:
         set_threads(llm.threads)
     return runs

@@ -42,9 +42,12 @@ def run(
     seed=0,
     threads=None,
     clock="wall",
+    selectors=("seed",),
 ):
-    """Returns one dict per (kv_dtype, context, mode): mode "exact" or "k=<k>", median ms per
-    decoded token for this one layer, and for sparse modes the paired exact/sparse ratio.
+    """Returns one dict per (kv_dtype, context, mode): mode "exact", "k=<k>" (the seed selector)
+    or "<selector> k=<k>", median ms per decoded token for this one layer, and for sparse modes
+    the paired exact/sparse ratio. The layer is a sparse one: v2's dense first layers are a
+    model-level choice and are not applied here.
 
     clock "cpu" times with process CPU time: steadier than wall time on a machine shared with
     other jobs (meaningful with threads=1; idle-spinning worker threads would count too)."""
@@ -60,7 +63,11 @@ def run(
             layer, state = _filled_layer(kv_dtype, max(contexts), rng)
             for ctx in contexts:
                 q = rng.standard_normal((N_HEADS, HEAD_DIM), dtype=np.float32)  # [H, D]
-                modes = [("exact", None)] + [(f"k={k}", SparseParams(k=k)) for k in ks]
+                modes = [("exact", None)] + [
+                    (f"k={k}" if sel == "seed" else f"{sel} k={k}", SparseParams.from_label(sel, k=k))
+                    for k in ks
+                    for sel in selectors
+                ]
                 times = {name: [] for name, _ in modes}
                 for _, sp in modes:  # warm-up: JIT compile and page in the cache
                     decode_attention(q, layer, state, ctx, scale, sp)
@@ -75,6 +82,7 @@ def run(
                         "context": ctx,
                         "mode": name,
                         "k": sp.k if sp else None,
+                        "selector": sp.label if sp else None,
                         "ms": statistics.median(times[name]),
                         "threads": numba.get_num_threads(),
                         "clock": clock,
@@ -118,6 +126,9 @@ def main(argv=None):
     )
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     p.add_argument("--ks", type=int, nargs="+", default=[32, 16, 8])
+    p.add_argument(
+        "--selectors", default="seed", help="comma list of block selectors timed at every k: seed, v2 (and ablations)"
+    )
     p.add_argument("--kv-dtypes", nargs="+", default=["f32", "int8"], choices=KV_DTYPES)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
@@ -138,7 +149,10 @@ def main(argv=None):
     from sparrow.eval import report
 
     out = report.record_path("attention", a.json)
-    rows = run(tuple(a.contexts), tuple(a.ks), tuple(a.kv_dtypes), a.repeats, a.seed, a.threads, a.clock)
+    selectors = tuple(x.strip() for x in a.selectors.split(",") if x.strip())
+    for sel in selectors:
+        SparseParams.from_label(sel)  # a bad name fails before the long fill
+    rows = run(tuple(a.contexts), tuple(a.ks), tuple(a.kv_dtypes), a.repeats, a.seed, a.threads, a.clock, selectors)
     report.write_json(
         out,
         {
@@ -148,6 +162,7 @@ def main(argv=None):
             "repeats": a.repeats,
             "seed": a.seed,
             "clock": a.clock,
+            "selectors": list(selectors),
             "environment": report.environment(),
             "rows": rows,
         },

@@ -33,7 +33,13 @@ def add_common_args(p: argparse.ArgumentParser, lengths: str, depths: str, ks: s
     p.add_argument("--depths", default=depths, help="needle depths in percent (multi-fact tasks: one seed each)")
     p.add_argument("--ks", default=ks, help="sparse k values (blocks per head); exact always runs")
     p.add_argument("--block", type=int, default=32, help="sparse block size in tokens")
-    p.add_argument("--probe", type=int, default=8, help="probe keys per block")
+    p.add_argument("--probe", type=int, default=8, help="probe keys per block (seed selector)")
+    p.add_argument(
+        "--selectors",
+        default="seed",
+        help="comma list of block selectors run at every k: seed, v2, and v2 ablations "
+        "(v2-nosink, v2-norecent, v2-dense<N>)",
+    )
     p.add_argument("--seed", type=int, default=0, help="prompt seed (0 = Zara/ramen)")
     p.add_argument("--max-tokens", type=int, default=tokens, help="greedy tokens generated per configuration")
     p.add_argument(
@@ -73,7 +79,12 @@ def parse_grid(a) -> dict:
     ks = sorted(set(_ints(a.ks, "ks")), reverse=True) if a.ks.strip() else []
     if a.max_tokens < 2:
         raise SparrowError("--max-tokens must be at least 2")
-    configs = [None] + [SparseParams(k=k, block=a.block, probe=a.probe) for k in ks]
+    selectors = [x.strip() for x in a.selectors.split(",") if x.strip()]
+    if not selectors:
+        raise SparrowError("--selectors is empty")
+    configs = [None] + [
+        SparseParams.from_label(sel, k=k, block=a.block, probe=a.probe) for sel in selectors for k in ks
+    ]
     return {
         "tasks": tasks,
         "lengths": [parse_length(x) for x in a.lengths.split(",") if x.strip()],
@@ -171,7 +182,8 @@ def run(a, bench: str, fidelity: bool, title: str, argv=None) -> dict:
         "tasks": grid["tasks"],
         "lengths": grid["lengths"],
         "depths": grid["depths"],
-        "ks": [c.k for c in grid["configs"] if c is not None],
+        "ks": sorted({c.k for c in grid["configs"] if c is not None}, reverse=True),
+        "selectors": list(dict.fromkeys(c.label for c in grid["configs"] if c is not None)),
         "environment": report.environment(),
         "wall_s": round(time.time() - t0, 1),
         "summary": report.summary_rows(rows),

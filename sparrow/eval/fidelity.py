@@ -198,12 +198,14 @@ def nan_to_none(x):
 
 # ---------------------------------------------------------------- one prompt, many configurations
 def config_label(sp: SparseParams | None) -> str:
+    """ "exact", "sparse k=32" (the seed selector, as before selectors existed), "v2 k=32", ..."""
+    if sp is None:
+        return "exact"
     return (
-        "exact"
-        if sp is None
-        else f"sparse k={sp.k}"
+        ("sparse" if sp.select == "seed" else sp.label)
+        + f" k={sp.k}"
         + (f" b={sp.block}" if sp.block != 32 else "")
-        + (f" p={sp.probe}" if sp.probe != 8 else "")
+        + (f" p={sp.probe}" if sp.probe != 8 and sp.select == "seed" else "")
     )
 
 
@@ -223,6 +225,7 @@ def run_prompt(
             "k": sp.k if sp else None,
             "block": sp.block if sp else None,
             "probe": sp.probe if sp else None,
+            "selector": sp.label if sp else None,
             "tokens": run.tokens,
             "text": llm.tokenizer.decode(run.tokens, skip_special_tokens=True),
             "attn_ms": nan_to_none(ms_summary(run.attn_ms)),

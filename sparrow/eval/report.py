@@ -78,12 +78,17 @@ def _cell(text: str, width: int = 60) -> str:
 
 
 def _config_order(name: str):
+    """exact first, then by falling k, the seed selector ("sparse k=...") before others at one k."""
     if name == "exact":
-        return (0, 0)
+        return (0, 0, "")
     try:
-        return (1, -int(name.split("k=")[1].split()[0]))
+        return (1, -int(name.split("k=")[1].split()[0]), "" if name.startswith("sparse ") else name)
     except (IndexError, ValueError):
-        return (2, name)
+        return (2, 0, name)
+
+
+def _selector(r: dict) -> str:
+    return r.get("selector") or "seed"  # records from before selectors existed: the seed's
 
 
 def group_rows(rows: list[dict]) -> dict[str, list[dict]]:
@@ -113,6 +118,7 @@ def summary_rows(rows: list[dict]) -> list[dict]:
             {
                 "config": name,
                 "k": rs[0].get("k"),
+                "selector": rs[0].get("selector"),
                 "n": len(rs),
                 "recall": _mean([r.get("score") for r in rs]),
                 "attn_ms": _median([r.get("attn_ms") for r in rs]),
@@ -219,10 +225,18 @@ def plot(path_prefix: str, rows: list[dict]) -> list[str]:
     sparse = [r for r in rows if r.get("k") is not None]
     exact = [r for r in rows if r.get("k") is None]
     ks = sorted({r["k"] for r in sparse})
+    selectors = list(dict.fromkeys(_selector(r) for r in sparse))
+    multi = len(selectors) > 1
     written = []
 
     def by_k(key, agg, rs):
         return [agg([r.get(key) for r in rs if r["k"] == k]) for k in ks]
+
+    def of(sel, rs):
+        return [r for r in rs if _selector(r) == sel]
+
+    def tag(sel, text=""):
+        return f"{sel} {text}".strip() if multi else text
 
     def save(fig, name):
         p = f"{path_prefix}{name}.png"
@@ -233,9 +247,11 @@ def plot(path_prefix: str, rows: list[dict]) -> list[str]:
 
     if ks and any(r.get("score") is not None for r in sparse):
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        for L in sorted({_length(r) for r in sparse}):
-            rs = [r for r in sparse if _length(r) == L]
-            ax.plot(ks, by_k("score", _mean, rs), "o-", label=f"{L} tok")
+        for sel in selectors:
+            for L in sorted({_length(r) for r in sparse}):
+                rs = [r for r in of(sel, sparse) if _length(r) == L]
+                style = "o-" if sel == selectors[0] else "s--"
+                ax.plot(ks, by_k("score", _mean, rs), style, label=tag(sel, f"{L} tok"))
         ex = _mean([r.get("score") for r in exact])
         if ex is not None:
             ax.axhline(ex, color="gray", ls="--", label="exact")
@@ -246,9 +262,13 @@ def plot(path_prefix: str, rows: list[dict]) -> list[str]:
         save(fig, "recall_vs_k")
     if ks and any(r.get("kl_mean") is not None for r in sparse):
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.plot(ks, by_k("kl_mean", _mean, sparse), "o-", label="KL (mean)")
         ax2 = ax.twinx()
-        ax2.plot(ks, by_k("top1", _mean, sparse), "s--", color="tab:orange", label="top-1")
+        for sel in selectors:
+            ax.plot(ks, by_k("kl_mean", _mean, of(sel, sparse)), "o-", label=tag(sel, "KL (mean)"))
+            ax2.plot(ks, by_k("top1", _mean, of(sel, sparse)), "s--", label=tag(sel, "top-1"))
+        if multi:
+            ax.legend(fontsize=7, loc="upper center")
+            ax2.legend(fontsize=7, loc="upper right")
         ax.set(xscale="log", xlabel="k (blocks)", ylabel="KL(exact || sparse), nats", title="Fidelity vs k")
         ax2.set(ylabel="top-1 agreement", ylim=(-0.05, 1.05))
         ax.set_xticks(ks, [str(k) for k in ks])
@@ -256,10 +276,12 @@ def plot(path_prefix: str, rows: list[dict]) -> list[str]:
         save(fig, "kl_vs_k")
     if ks and any(r.get("mass") for r in sparse):
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        med = [_median([r["mass"]["median"] for r in sparse if r["k"] == k and r.get("mass")]) for k in ks]
-        p5 = [_median([r["mass"]["p5"] for r in sparse if r["k"] == k and r.get("mass")]) for k in ks]
-        ax.plot(ks, med, "o-", label="median")
-        ax.plot(ks, p5, "s--", label="5th percentile")
+        for sel in selectors:
+            rs = of(sel, sparse)
+            med = [_median([r["mass"]["median"] for r in rs if r["k"] == k and r.get("mass")]) for k in ks]
+            p5 = [_median([r["mass"]["p5"] for r in rs if r["k"] == k and r.get("mass")]) for k in ks]
+            ax.plot(ks, med, "o-", label=tag(sel, "median"))
+            ax.plot(ks, p5, "s--", label=tag(sel, "5th percentile"))
         ax.set(
             xscale="log",
             xlabel="k (blocks)",
@@ -293,18 +315,24 @@ def mass_table(rows: list[dict]) -> str:
     sparse = [r for r in rows if r.get("mass")]
     if not sparse:
         return ""
-    ks = sorted({r["k"] for r in sparse}, reverse=True)
+    cols = list(dict.fromkeys((_selector(r), r["k"]) for r in sorted(sparse, key=lambda r: _config_order(r["config"]))))
+    multi = len({sel for sel, _ in cols}) > 1
     layers = sorted({int(li) for r in sparse for li in r["mass"]["per_layer"]})
     lines = [
-        "### Softmax mass covered by the selected blocks (median / p5 per layer)",
+        "### Softmax mass covered by the selected blocks (median / p5 per layer; layers a selector "
+        "keeps exact have no entry)",
         "",
-        "| layer | " + " | ".join(f"k={k}" for k in ks) + " |",
-        "|---|" + "---|" * len(ks),
+        "| layer | " + " | ".join(f"{sel} k={k}" if multi else f"k={k}" for sel, k in cols) + " |",
+        "|---|" + "---|" * len(cols),
     ]
     for li in layers:
         cells = []
-        for k in ks:
-            st = [r["mass"]["per_layer"].get(li) or r["mass"]["per_layer"].get(str(li)) for r in sparse if r["k"] == k]
+        for sel, k in cols:
+            st = [
+                r["mass"]["per_layer"].get(li) or r["mass"]["per_layer"].get(str(li))
+                for r in sparse
+                if r["k"] == k and _selector(r) == sel
+            ]
             st = [s for s in st if s]
             cells.append(
                 f"{_median([s['median'] for s in st]):.3f} / {_median([s['p5'] for s in st]):.3f}" if st else "-"

@@ -12,7 +12,16 @@ import numpy as np
 from numba import njit, prange
 
 from sparrow.kernels._attn_rows import accum, dots, exp_shifted, max_at, prefetch, sum_f32
-from sparrow.kernels.sparse_select import fill_probe_nb, reserve_importance_nb
+from sparrow.kernels.sparse_select import (
+    STAGE_PROBE,
+    STAGE_SCORE,
+    V2_ON,
+    fill_probe_nb,
+    reserve_importance_nb,
+    select_v2_nb,
+    summarise_block,
+    v2_query,
+)
 
 # ---------------------------------------------------------------- one KV head's group
 
@@ -122,6 +131,19 @@ def _probe(q, qs, K2, ks, int8, seq_len, bs, n_probe, P2, ps, per_block, n_copie
 
 
 @njit(cache=True, nogil=True)
+def _v2_scores(u, K2, ks, lut, seq_len, bs, S2, n_summ, row, score):
+    """score[b] = u . [mean, var] of block b (docs/SPARSE_SELECT_V2.md): blocks below n_summ
+    from the summary copy S2 [n, 2D] (one dots call), later ones summarised here with the
+    same arithmetic (so the copy never changes a bit of the result)."""
+    nb = score.shape[0]
+    if n_summ > 0:
+        dots(u, S2, 0, n_summ, 1, score, 0)
+    for b in range(n_summ, nb):
+        summarise_block(K2, ks, lut, b * bs, min(b * bs + bs, seq_len), row[0])
+        dots(u, row, 0, 1, 1, score, b)
+
+
+@njit(cache=True, nogil=True)
 def _group(
     q,
     qa,
@@ -150,33 +172,46 @@ def _group(
     nsel,
     want_p,
     pacc,
+    flags,
+    lut,
 ):
     """Select blocks for query heads h0..h0+G-1 (all of them unless sparse) and attend.
     q: probe queries (raw q, or int8 codes); qa: attention queries (see _attend_group).
     reserved: stage codes after the importance reservation (all -1 without importance).
     P2 / ps: contiguous copies of the probe keys (and int8 scales) of the first n_copied
     blocks, per_block rows each (the cache's probe-key copy; n_copied <= seq_len // bs, so
-    only full blocks below seq_len); later blocks are probed in K itself."""
+    only full blocks below seq_len); later blocks are probed in K itself.
+    flags: 0 the seed selector, else v2's bits (sparse_select.V2_*); for v2, P2 holds the
+    block summaries [n, 2D] (kv_cache.BlockSummaries) and lut widens f16 keys."""
     nb = (seq_len + bs - 1) // bs
     mark = np.zeros((G, nb), dtype=np.bool_)
     ntok = np.zeros(G, dtype=np.int64)
     if sparse and k_blocks < nb:  # with k >= nb every block is taken whatever the probes say
         probe = np.empty(nb, dtype=np.float32)
         tmp = np.empty(max(bs, n_copied * per_block), dtype=np.float32)
+        D = q.shape[1]
+        u = np.empty(2 * D, dtype=np.float32)
+        row = np.empty((1, 2 * D), dtype=np.float32)
         for g in range(G):
             h = h0 + g
-            _probe(q[h], qs[h], K2, ks, int8, seq_len, bs, n_probe, P2, ps, per_block, n_copied, tmp, probe)
-            n = fill_probe_nb(probe, reserved, k_blocks, sel[h], stages[h])
+            if flags & V2_ON:
+                v2_query(q[h], qs[h], int8, scale, u)
+                _v2_scores(u, K2, ks, lut, seq_len, bs, P2, n_copied, row, probe)
+                n = select_v2_nb(probe, flags, k_blocks, sel[h], stages[h])
+            else:
+                _probe(q[h], qs[h], K2, ks, int8, seq_len, bs, n_probe, P2, ps, per_block, n_copied, tmp, probe)
+                n = fill_probe_nb(probe, reserved, k_blocks, sel[h], stages[h])
             nsel[h] = n
             for j in range(n):
                 b = sel[h, j]
                 mark[g, b] = True
                 ntok[g] += min(b * bs + bs, seq_len) - b * bs
     else:
+        every = STAGE_SCORE if flags else STAGE_PROBE  # the stage an all-blocks selection reports
         for g in range(G):
             for b in range(nb):
                 sel[h0 + g, b] = b
-                stages[h0 + g, b] = reserved[b] if sparse and reserved[b] >= 0 else 1
+                stages[h0 + g, b] = reserved[b] if sparse and reserved[b] >= 0 else every
                 mark[g, b] = True
             nsel[h0 + g] = nb
             ntok[g] = seq_len
@@ -222,6 +257,8 @@ def decode_kernel(
     sel,
     stages,
     nsel,
+    flags,
+    lut,
 ):
     # Serial over KV heads: with 3 KV heads on 2 cores a prange over them measured slower at
     # every context up to 7K and every KV type (sparse f32 at 7K: 16.5 vs 12.6 ms a token,
@@ -230,9 +267,9 @@ def decode_kernel(
     # a copy made for a longer seq_len holds blocks at or past seq_len: never read them
     # (unchecked indexing would write past `probe`); the caller passes a clamped count too
     n_copied = min(n_copied, seq_len // bs)
-    if sparse:
+    if sparse and not flags:
         reserved = reserve_importance_nb(_block_sums(imp, seq_len, bs), k_blocks, nb)
-    else:
+    else:  # exact, or v2 (which does not use importance)
         reserved = np.full(nb, -1, dtype=np.int8)
     pdummy = np.zeros((1, 1), dtype=np.float32)
     for kh in range(K.shape[0]):
@@ -264,14 +301,19 @@ def decode_kernel(
             nsel,
             False,
             pdummy,
+            flags,
+            lut,
         )
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def sparse_prefill_kernel(q, qa, qs, K, V, ks, vs, int8, start, scale, G, k_blocks, bs, n_probe, out, pacc, want_p):
+def sparse_prefill_kernel(
+    q, qa, qs, K, V, ks, vs, int8, start, scale, G, k_blocks, bs, n_probe, out, pacc, want_p, flags, P, n_summ, lut
+):
+    """P [KVH, n, 2D] / n_summ: v2's block summaries of the full blocks below start + T (flags
+    set); the seed probes K itself (P unused)."""
     T, H = q.shape[0], q.shape[1]
     nbmax = (start + T + bs - 1) // bs
-    nocopy = np.zeros((1, K.shape[2]), dtype=K.dtype)
     for kh in prange(K.shape[0]):
         sel = np.empty((H, nbmax), dtype=np.int64)
         stages = np.empty((H, nbmax), dtype=np.int8)
@@ -297,14 +339,16 @@ def sparse_prefill_kernel(q, qa, qs, K, V, ks, vs, int8, start, scale, G, k_bloc
                 k_blocks,
                 bs,
                 n_probe,
-                nocopy,
+                P[kh],
                 ks[kh],
                 1,
-                0,
+                min(n_summ, n // bs) if flags else 0,
                 out[t],
                 sel,
                 stages,
                 nsel,
                 want_p,
                 pacc,
+                flags,
+                lut,
             )

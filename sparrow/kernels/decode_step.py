@@ -95,7 +95,7 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch):
     (wq0, wq1, wq2, wo, wg0, wg1, wdown, kinds, offs, in_norm, post_norm, eps, bias, q_norm, k_norm, cos, sin, H,
      KV, D, F, scale, head_norm, head_w, head_kind, q8) = model  # fmt: skip
     K, V, KS, VS, IMP, P, PS, n_copied, per_block, kv_kind = cache
-    sparse, k_blocks, bs, n_probe = attn
+    sparse_on, k_blocks, bs, n_probe, flags, dense, lut = attn
     qkv, att, att_flat, qd, qa, qs, gu, y, logits = scratch  # [1, QKV] [H, D] [1, H*D] [H, D] [H, D] [H] [1, 2F] [1, E]
     E = x.shape[1]
     G = H // KV
@@ -160,8 +160,10 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch):
                 one[0, d] = v + bias[layer, KO + kh * D + d] if has_bias else v
             _store_kv(V[layer], VS[layer], kv_kind, kh, pos, one[0].copy(), one, codes, sc)
         barrier(sync, nt)
-        # attention of this worker's query heads, in runs that share a KV head
-        if sparse:
+        # attention of this worker's query heads, in runs that share a KV head (v2: the first
+        # `dense` layers exact)
+        sparse = sparse_on and layer >= dense
+        if sparse and not flags:
             reserved = reserve_importance_nb(_imp_block_sums(IMP[layer], seq_len, bs), k_blocks, nb)
         else:
             reserved = np.full(nb, -1, dtype=np.int8)
@@ -173,7 +175,7 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch):
             Kl, Vl, KSl, VSl, Pl, PSl = K[layer], V[layer], KS[layer], VS[layer], P[layer], PS[layer]
             _group(qd, qa, qs, Kl[kh], Vl[kh], KSl[kh], VSl[kh], kv_kind == KV_INT8, hh, n, seq_len, scale, sparse,
                    reserved, k_blocks, bs, n_probe, Pl[kh], PSl[kh], per_block, nc, att, sel, stages, nsel, False,
-                   pdummy)  # fmt: skip
+                   pdummy, flags, lut)  # fmt: skip
             hh += n
         barrier(sync, nt)
         _matvec(wo[layer], kinds[layer, 3], att_flat, y, tid, nt, q8)

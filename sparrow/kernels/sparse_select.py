@@ -1,21 +1,28 @@
-"""Block selection for block-sparse top-k attention (spec: shared/SPARSE_ATTENTION.md).
+"""Block selection for block-sparse top-k attention: `seed` (spec: shared/SPARSE_ATTENTION.md)
+and `v2` (spec: docs/SPARSE_SELECT_V2.md).
 
-The four-stage rule twice over:
+seed, the four-stage rule twice over:
 - `select_blocks` (with `probe_block_maxima` and `block_sums` for its inputs): plain Python
   over numpy arrays, one call per query head, for tests and tooling.
 - `reserve_importance_nb` (stage 2) and `fill_probe_nb` (stages 3 and 4): the numba halves
   the attention kernels call, the reservation once per layer and decode step (importance is
   per layer), the fill once per query head.
+v2: `summarise_block` (a block's key mean and variance, the row its score is a dot with),
+`v2_query` (the query side of that dot) and `select_v2_nb` (recency, sink, then top scores).
 Selections are block ids in ascending order with the stage that chose each block.
 """
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 STAGE_IMPORTANCE = 0
 STAGE_PROBE = 1
 STAGE_RECENCY = 2
-STAGE_NAMES = ("importance", "probe", "recency")
+STAGE_SINK = 3
+STAGE_SCORE = 4
+STAGE_NAMES = ("importance", "probe", "recency", "sink", "score")
+V2_ON, V2_SINK, V2_RECENT = 1, 2, 4  # SparseParams.flags bits
 
 PROBE_START = -1e30
 
@@ -126,6 +133,108 @@ def fill_probe_nb(probe, reserved, k, sel, stages):
         if victim >= 0:
             mark[victim] = -1
             mark[last] = STAGE_RECENCY
+    m = 0
+    for b in range(n):
+        if mark[b] >= 0:
+            sel[m] = b
+            stages[m] = mark[b]
+            m += 1
+    return m
+
+
+# ---------------------------------------------------------------- v2 (docs/SPARSE_SELECT_V2.md)
+def key_f32(K2, ks, lut, t, d):
+    """Stored key K2[t, d] as float32: f32 as is, f16 bits via lut, int8 code * its scale ks[t]."""
+
+
+@overload(key_f32, inline="always")
+def _key_f32(K2, ks, lut, t, d):
+    if K2.dtype == types.float32:
+        return lambda K2, ks, lut, t, d: K2[t, d]
+    if K2.dtype == types.uint16:
+        return lambda K2, ks, lut, t, d: lut[K2[t, d]]
+    if K2.dtype == types.int8:
+        return lambda K2, ks, lut, t, d: np.float32(K2[t, d]) * ks[t]
+    return None
+
+
+@njit(cache=True, nogil=True)
+def summarise_block(K2, ks, lut, p0, p1, out):
+    """out[:D] = mean, out[D:] = variance of keys p0..p1-1 per channel, float32: sums in position
+    order, then / n; the variance is the mean of (k - mean)**2 (two passes, no cancellation)."""
+    D = K2.shape[1]
+    n = np.float32(p1 - p0)
+    for d in range(D):
+        a = np.float32(0.0)
+        for t in range(p0, p1):
+            a += key_f32(K2, ks, lut, t, d)
+        mu = a / n
+        v = np.float32(0.0)
+        for t in range(p0, p1):
+            x = key_f32(K2, ks, lut, t, d) - mu
+            v += x * x
+        out[d] = mu
+        out[D + d] = v / n
+
+
+@njit(cache=True, nogil=True)
+def summarise_blocks(K, ks, lut, block, b0, b1, rows):
+    """rows[kh, b] = summarise_block of full block b of every KV head, for b0 <= b < b1."""
+    for kh in range(K.shape[0]):
+        for b in range(b0, b1):
+            summarise_block(K[kh], ks[kh], lut, b * block, b * block + block, rows[kh, b])
+
+
+@njit(cache=True, nogil=True)
+def v2_query(q, qs, int8, scale, u):
+    """u = [scale * q, (scale * scale * 0.5) * q * q], one head (int8: q = codes * qs), so that
+    u . [mean, var] = scale * q.mean + scale**2 / 2 * sum(q**2 var): the log of a block's
+    softmax mass if its scores were Gaussian, less log(n)."""
+    D = q.shape[0]
+    half = np.float32(scale * scale) * np.float32(0.5)
+    for d in range(D):
+        x = q[d] * qs if int8 else q[d]
+        u[d] = x * scale
+        u[D + d] = half * (x * x)
+
+
+@njit(cache=True, nogil=True)
+def select_v2_nb(score, flags, k, sel, stages):
+    """v2 selection over n = len(score) blocks: the last block (with V2_RECENT), block 0 (with
+    V2_SINK), then the largest scores, ties to the lower index, until k are taken; writes
+    ascending ids to sel[:m], stage codes to stages[:m], returns m."""
+    n = score.shape[0]
+    mark = np.full(n, -1, dtype=np.int8)
+    taken = 0
+    limit = min(k, n)
+    if flags & V2_RECENT and taken < limit:
+        mark[n - 1] = STAGE_RECENCY
+        taken += 1
+    if flags & V2_SINK and taken < limit and mark[0] < 0:
+        mark[0] = STAGE_SINK
+        taken += 1
+    want = limit - taken
+    if want > 0:
+        # the want-th largest free score by one O(n) partition (a full sort of 1024 scores per
+        # head cost ~10% of v2's attention at 32K), then every free block above it and, in
+        # index order, as many at it as fit: "largest first, ties to the lower index"
+        free = np.empty(n - taken, dtype=np.float32)
+        j = 0
+        for b in range(n):
+            if mark[b] < 0:
+                free[j] = score[b]
+                j += 1
+        thr = np.partition(free, j - want)[j - want]
+        for b in range(n):
+            if mark[b] < 0 and score[b] > thr:
+                mark[b] = STAGE_SCORE
+                want -= 1
+        for b in range(n):
+            if want == 0:
+                break
+            if mark[b] < 0 and score[b] == thr:
+                mark[b] = STAGE_SCORE
+                want -= 1
     m = 0
     for b in range(n):
         if mark[b] >= 0:

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..kernels._attn_kernels import decode_kernel, sparse_prefill_kernel
 from ..kernels._prefill_attn import prefill_attention as exact_prefill_kernel
+from ..kernels._widen import F16_LUT
 from ..kernels.sparse_select import STAGE_NAMES
 from ..params import SparseParams  # noqa: F401  (type of the sparse argument)
 
@@ -64,8 +65,11 @@ def decode_attention(q, layer, state, seq_len, scale, sparse=None, trace=None):
     nsel = np.empty(H, np.int64)
     out = np.empty((H, D), np.float32)
     if sparse is not None and sparse.k < nb:
-        pk, n_copied = state.probe_keys(layer, bs, sparse.probe, seq_len)
-        probe_rows, probe_scale, per_block = pk.rows, pk.scale, pk.per_block  # [KVH, n, D], [KVH, n | 1]
+        if sparse.flags:  # v2: the block summaries [KVH, n, 2D]
+            pk, n_copied = state.block_summaries(layer, bs, seq_len)
+        else:
+            pk, n_copied = state.probe_keys(layer, bs, sparse.probe, seq_len)
+        probe_rows, probe_scale, per_block = pk.rows, pk.scale, pk.per_block  # [KVH, n, D | 2D], [KVH, n | 1]
     else:  # nothing is probed: K stands in for the copy (n_copied 0, never read)
         probe_rows, probe_scale, per_block, n_copied = layer.k, layer.k_scale, 1, 0
     decode_kernel(
@@ -93,6 +97,8 @@ def decode_attention(q, layer, state, seq_len, scale, sparse=None, trace=None):
         sel,
         stages,
         nsel,
+        sparse.flags if sparse is not None else 0,
+        F16_LUT,
     )
     if trace is not None and sparse is not None:
         for h in range(H):
@@ -132,6 +138,11 @@ def prefill_attention(q, layer, state, start, scale, sparse=None, record_importa
         qd, qa, qs = layer.query(q, scale)  # [T, H, D], [T, H, D], [T, H]
         out = np.empty((T, H, D), np.float32)
         pacc = np.zeros((H, S) if record_importance else (H, 1), np.float32)
+        if sparse.flags:  # v2 scores blocks by their summaries: those of the full blocks below S
+            summ, n_summ = state.block_summaries(layer, sparse.block, S)
+            P = summ.rows  # [KVH, n, 2D]
+        else:  # the seed probes K itself
+            P, n_summ = layer.k, 0
         sparse_prefill_kernel(
             qd,
             qa,
@@ -150,6 +161,10 @@ def prefill_attention(q, layer, state, start, scale, sparse=None, record_importa
             out,
             pacc,
             record_importance,
+            sparse.flags,
+            P,
+            n_summ,
+            F16_LUT,
         )
         if record_importance:
             state.importance[:S] += pacc.sum(axis=0)

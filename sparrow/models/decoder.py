@@ -264,13 +264,14 @@ class Decoder:
             a, b = bounds[j], bounds[j + 1]
             s.cache.append(layer.index, s.start, k[a:b], v[a:b])
             kv, st = s.cache.layers[layer.index], s.cache.sparse[layer.index]
+            sp = s.sparse.for_layer(layer.index) if s.sparse is not None else None  # v2: early layers exact
             if s.decode:
                 tr = [] if s.trace is not None else None
-                out[a] = decode_attention(q[a], kv, st, s.start + 1, layer.attn.scale, s.sparse, tr)
-                if tr is not None:
+                out[a] = decode_attention(q[a], kv, st, s.start + 1, layer.attn.scale, sp, tr)
+                if tr is not None and sp is not None:
                     s.trace.append((layer.index, tr))
             else:
-                out[a:b] = prefill_attention(q[a:b], kv, st, s.start, layer.attn.scale, s.sparse)
+                out[a:b] = prefill_attention(q[a:b], kv, st, s.start, layer.attn.scale, sp)
         return out
 
     def project_out(self, layer: DecoderLayer, out: np.ndarray) -> np.ndarray:

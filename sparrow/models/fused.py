@@ -21,7 +21,7 @@ from numba.typed import List
 from ..errors import SparrowError
 from ..kernels import _sync
 from ..kernels import decode_step as _ds
-from ..kernels._widen import KIND
+from ..kernels._widen import F16_LUT, KIND
 from .layers import MLP
 
 BLOCK_KINDS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
@@ -193,9 +193,12 @@ class FusedDecode:
         n_copied = np.zeros(L, np.int64)
         for i, st in enumerate(cache.sparse):
             st.rewritten(pos, seq_len)  # what KVCache.append does for the staged path
-            if probed:  # copy the full blocks already in the cache; a block this token completes is read in K
+            if probed and sp.flags:  # v2: summaries of the full blocks; one this token completes is summarised in K
+                _, n_copied[i] = st.block_summaries(cache.layers[i], bs, pos)
+            elif probed:  # copy the full blocks already in the cache; a block this token completes is read in K
                 _, n_copied[i] = st.probe_keys(cache.layers[i], bs, sp.probe, pos)
-        K, V, KS, VS, IMP, P, PS, per_block = self._arrays(cache, (bs, sp.probe) if probed else None)
+        probe_key = ((bs, "v2") if sp.flags else (bs, sp.probe)) if probed else None
+        K, V, KS, VS, IMP, P, PS, per_block = self._arrays(cache, probe_key)
         cos, sin = model.rope.shifted(seg.rope_delta, seq_len)  # [>= seq_len, D/2]: row p = rope position p + delta
         x = np.array(model.embed.rows(seg.tokens), dtype=np.float32)  # [1, E], a private copy
         logits = np.empty(self.logits_shape, np.float32)  # [1, V]
@@ -203,7 +206,8 @@ class FusedDecode:
                    self.eps, self.bias, self.q_norm, self.k_norm, cos, sin, self.H, self.KV, self.D, self.F,
                    self.scale, self.head_norm, self.head_w, self.head_kind, model.activations == "q8")  # fmt: skip
         cache_t = (K, V, KS, VS, IMP, P, PS, n_copied, per_block, _KV_KIND[cache.dtype])
-        attn_t = (sp is not None, sp.k if sp is not None else nb, bs, sp.probe if sp is not None else 1)
+        attn_t = (sp is not None, sp.k if sp is not None else nb, bs, sp.probe if sp is not None else 1,
+                  sp.flags if sp is not None else 0, sp.dense_layers if sp is not None else 0, F16_LUT)  # fmt: skip
         scratch = (self.qkv, self.att3[0], self.att3.reshape(1, -1), self.qd, self.qa, self.qs, self.gu, self.y, logits)
         nt = numba.get_num_threads()
         self.sync[:3] = 0

@@ -198,6 +198,7 @@ def _common(r, chat: bool, defaults: dict | None) -> GenRequest:
                 block=32 if r.sparse_block is None else r.sparse_block,
                 probe=8 if r.sparse_probe is None else r.sparse_probe,
                 prefill=bool(r.sparse_prefill),
+                select=r.sparse_select or "seed",
             )
         except SparrowError as e:
             raise _bad("sparse_attn", str(e)) from None

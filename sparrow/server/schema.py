@@ -13,9 +13,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, NonNegativeInt, Tag, field_validator
 
-from ..params import KV_DTYPES, REPETITION_PENALTY
+from ..params import KV_DTYPES, REPETITION_PENALTY, SELECTORS
 
 KVDType = Literal[KV_DTYPES]  # type: ignore[valid-type]
+Selector = Literal[SELECTORS]  # type: ignore[valid-type]
 
 
 def _integral(v):
@@ -187,6 +188,7 @@ class _Sampling(_Model):
     sparse_block: int | None = Field(None, ge=1)
     sparse_probe: int | None = Field(None, ge=1)
     sparse_prefill: bool | None = None
+    sparse_select: Selector | None = Field(None, description="block selector: seed (default) or v2")
     kv_dtype: KVDType | None = Field(None, description="KV cache type for this request (default: the server's)")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
