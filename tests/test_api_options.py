@@ -31,6 +31,10 @@ def test_options_to_params_builds_both_objects_once():
     assert isinstance(sampling.temperature, float)
     assert sparse == SparseParams(k=4)
     assert options_to_params({"sparse_k": 4})[1] is None  # sparse_attn is what turns it on
+    v2 = options_to_params({"sparse_attn": True, "sparse_select": "v2"})[1]
+    assert v2 == SparseParams(select="v2") and v2.dense_layers == 2
+    with pytest.raises(SparrowError, match="sparse_select must be one of seed, v2"):
+        options_to_params({"sparse_attn": True, "sparse_select": "quest"})
     with pytest.raises(SparrowError, match="unknown option"):
         options_to_params({"max_token": 3})
 

@@ -76,6 +76,7 @@ def test_parse_validation():
             "top_logprobs": 2,
             "sparse_attn": True,
             "sparse_k": 4,
+            "sparse_select": "v2",
             "stop_token_ids": [5],
         }
     )
@@ -87,7 +88,7 @@ def test_parse_validation():
         0,
         2,
     )
-    assert (r.sparse.k, r.sparse.block, r.params.stop_token_ids) == (4, 32, [5])
+    assert (r.sparse.k, r.sparse.block, r.sparse.select, r.params.stop_token_ids) == (4, 32, "v2", [5])
     assert parse_completion({"prompt": [[1, 2, 3]]}).prompt == [1, 2, 3]
     bad = [
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
@@ -104,6 +105,7 @@ def test_parse_validation():
         ({"messages": CHAT, "stop": [1]}, "stop"),
         ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
         ({"messages": CHAT, "sparse_attn": True, "sparse_k": 0}, "sparse_k"),
+        ({"messages": CHAT, "sparse_attn": True, "sparse_select": "quest"}, "sparse_select"),
         ({"messages": CHAT, "stop_token_ids": ["a"]}, "stop_token_ids"),
         ({"messages": CHAT, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ]

@@ -167,6 +167,8 @@ def test_cli_sparse_trace_file(tmp_path):
             "--sparse-attn",
             "--sparse-k",
             "2",
+            "--sparse-select",
+            "v2",
             "--sparse-trace",
             str(out),
             "--timings",
@@ -177,8 +179,9 @@ def test_cli_sparse_trace_file(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     recs = [json.loads(line) for line in out.read_text().splitlines()]
-    assert recs and {"token", "layer", "head", "blocks", "stages", "mass"} <= set(recs[0])
-    assert all(len(r["blocks"]) == 2 and len(r["stages"]) == 2 for r in recs)
+    assert recs and {"token", "selector", "layer", "head", "blocks", "stages", "mass"} <= set(recs[0])
+    assert all(len(r["blocks"]) == 2 and r["stages"] == ["sink", "recency"] for r in recs)  # v2 at k=2
+    assert {r["selector"] for r in recs} == {"v2"} and min(r["layer"] for r in recs) == 2  # layers 0, 1 exact
     assert "[DEC-SINGLE] tok=1 total=" in r.stderr and "attn=" in r.stderr
 
 

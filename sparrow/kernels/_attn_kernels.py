@@ -130,17 +130,26 @@ def _probe(q, qs, K2, ks, int8, seq_len, bs, n_probe, P2, ps, per_block, n_copie
         probe[b] = max(np.float32(-1e30), max_at(tmp, 0, n))
 
 
+_V2_CHUNK = 64  # summary rows scored by every head of a group in turn: 64 KB at D=128, L2-resident
+
+
 @njit(cache=True, nogil=True)
-def _v2_scores(u, K2, ks, lut, seq_len, bs, S2, n_summ, row, score):
-    """score[b] = u . [mean, var] of block b (docs/SPARSE_SELECT_V2.md): blocks below n_summ
-    from the summary copy S2 [n, 2D] (one dots call), later ones summarised here with the
-    same arithmetic (so the copy never changes a bit of the result)."""
-    nb = score.shape[0]
-    if n_summ > 0:
-        dots(u, S2, 0, n_summ, 1, score, 0)
+def _v2_scores(q, qs, int8, scale, h0, K2, ks, lut, seq_len, bs, S2, n_summ, U, row, score):
+    """score[g, b] = u_g . [mean, var] of block b for query heads h0 + g (docs/SPARSE_SELECT_V2.md):
+    blocks below n_summ from the summary copy S2 [n, 2D], walked in chunks that every head of
+    the group dots while the chunk is in cache (the group reads the copy once); later blocks are
+    summarised here with the same arithmetic, so the copy never changes a bit of the result."""
+    G, nb = score.shape
+    for g in range(G):
+        v2_query(q[h0 + g], qs[h0 + g], int8, scale, U[g])
+    for c0 in range(0, n_summ, _V2_CHUNK):
+        c1 = min(c0 + _V2_CHUNK, n_summ)
+        for g in range(G):
+            dots(U[g], S2, c0, c1, 1, score[g], c0)
     for b in range(n_summ, nb):
         summarise_block(K2, ks, lut, b * bs, min(b * bs + bs, seq_len), row[0])
-        dots(u, row, 0, 1, 1, score, b)
+        for g in range(G):
+            dots(U[g], row, 0, 1, 1, score[g], b)
 
 
 @njit(cache=True, nogil=True)
@@ -189,15 +198,16 @@ def _group(
     if sparse and k_blocks < nb:  # with k >= nb every block is taken whatever the probes say
         probe = np.empty(nb, dtype=np.float32)
         tmp = np.empty(max(bs, n_copied * per_block), dtype=np.float32)
-        D = q.shape[1]
-        u = np.empty(2 * D, dtype=np.float32)
-        row = np.empty((1, 2 * D), dtype=np.float32)
+        scores = np.empty((G, nb) if flags & V2_ON else (1, 1), dtype=np.float32)
+        if flags & V2_ON:
+            D = q.shape[1]
+            U = np.empty((G, 2 * D), dtype=np.float32)
+            row = np.empty((1, 2 * D), dtype=np.float32)
+            _v2_scores(q, qs, int8, scale, h0, K2, ks, lut, seq_len, bs, P2, n_copied, U, row, scores)
         for g in range(G):
             h = h0 + g
             if flags & V2_ON:
-                v2_query(q[h], qs[h], int8, scale, u)
-                _v2_scores(u, K2, ks, lut, seq_len, bs, P2, n_copied, row, probe)
-                n = select_v2_nb(probe, flags, k_blocks, sel[h], stages[h])
+                n = select_v2_nb(scores[g], flags, k_blocks, sel[h], stages[h])
             else:
                 _probe(q[h], qs[h], K2, ks, int8, seq_len, bs, n_probe, P2, ps, per_block, n_copied, tmp, probe)
                 n = fill_probe_nb(probe, reserved, k_blocks, sel[h], stages[h])
