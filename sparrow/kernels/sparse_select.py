@@ -215,9 +215,9 @@ def select_v2_nb(score, flags, k, sel, stages):
         taken += 1
     want = limit - taken
     if want > 0:
-        # the want-th largest free score by one O(n) partition (a full sort of 1024 scores per
-        # head cost ~10% of v2's attention at 32K), then every free block above it and, in
-        # index order, as many at it as fit: "largest first, ties to the lower index"
+        # the want-th largest free score by one O(n) partition (not a sort: 1024 blocks per
+        # head at 32K), then every free block above it and, in index order, as many at it as
+        # fit: "largest first, ties to the lower index"
         free = np.empty(n - taken, dtype=np.float32)
         j = 0
         for b in range(n):
