@@ -264,12 +264,13 @@ def plot(path_prefix: str, rows: list[dict]) -> list[str]:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         ax2 = ax.twinx()
         for sel in selectors:
-            ax.plot(ks, by_k("kl_mean", _mean, of(sel, sparse)), "o-", label=tag(sel, "KL (mean)"))
-            ax2.plot(ks, by_k("top1", _mean, of(sel, sparse)), "s--", label=tag(sel, "top-1"))
-        if multi:
-            ax.legend(fontsize=7, loc="upper center")
-            ax2.legend(fontsize=7, loc="upper right")
-        ax.set(xscale="log", xlabel="k (blocks)", ylabel="KL(exact || sparse), nats", title="Fidelity vs k")
+            (line,) = ax.plot(ks, by_k("kl_mean", _mean, of(sel, sparse)), "o-", label=tag(sel, "KL (mean)"))
+            ax2.plot(ks, by_k("top1", _mean, of(sel, sparse)), "s--", color=line.get_color(), label=tag(sel, "top-1"))
+        title = "Fidelity vs k"
+        if multi:  # one colour per selector: KL solid, top-1 dashed
+            ax.legend([sel for sel in selectors], fontsize=7, loc="center right")
+            title = "KL (solid) and top-1 (dashed) vs k"
+        ax.set(xscale="log", xlabel="k (blocks)", ylabel="KL(exact || sparse), nats", title=title)
         ax2.set(ylabel="top-1 agreement", ylim=(-0.05, 1.05))
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
@@ -280,14 +281,14 @@ def plot(path_prefix: str, rows: list[dict]) -> list[str]:
             rs = of(sel, sparse)
             med = [_median([r["mass"]["median"] for r in rs if r["k"] == k and r.get("mass")]) for k in ks]
             p5 = [_median([r["mass"]["p5"] for r in rs if r["k"] == k and r.get("mass")]) for k in ks]
-            ax.plot(ks, med, "o-", label=tag(sel, "median"))
-            ax.plot(ks, p5, "s--", label=tag(sel, "5th percentile"))
+            (line,) = ax.plot(ks, med, "o-", label=tag(sel, "median") if not multi else sel)
+            ax.plot(ks, p5, "s--", color=line.get_color(), label=None if multi else "5th percentile")
         ax.set(
             xscale="log",
             xlabel="k (blocks)",
             ylabel="softmax mass in selected blocks",
             ylim=(-0.05, 1.05),
-            title="Mass coverage vs k",
+            title="Mass coverage vs k" + (": median solid, p5 dashed" if multi else ""),
         )
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
