@@ -302,6 +302,11 @@ class BlockSummaries:
     def nbytes(self):
         return self.rows.nbytes
 
+    @staticmethod
+    def bytes_at(n_kv_heads, head_dim, capacity, block):
+        """nbytes of BlockSummaries(layer, block) for a layer of `capacity`."""
+        return n_kv_heads * (capacity // block) * 2 * head_dim * 4
+
     def resized(self, layer, blocks):
         """A copy for `layer` (resized) keeping the first `blocks` full blocks."""
         out = BlockSummaries(layer, self.block)
@@ -362,11 +367,14 @@ class KVCache:
 
     def bytes_at(self, capacity, probe=None):
         """Bytes this cache takes at `capacity` positions: K/V storage and importance, plus the
-        probe copies sparse decode makes when probe = (block, n_probe)."""
+        copies sparse decode makes: the seed's probe keys when probe = (block, n_probe), v2's
+        block summaries when probe = (block, "v2")."""
         kind = type(self.layers[0])
         kvh, d = self.layers[0].n_kv_heads, self.layers[0].head_dim
         per_layer = kind.bytes_at(kvh, d, capacity) + 4 * capacity
-        if probe is not None:
+        if probe is not None and probe[1] == "v2":
+            per_layer += BlockSummaries.bytes_at(kvh, d, capacity, probe[0])
+        elif probe is not None:
             per_layer += ProbeKeys.bytes_at(kind, kvh, d, capacity, *probe)
         return len(self.layers) * per_layer
 

@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from sparrow.engine.kv_budget import probe_of
 from sparrow.errors import SparrowError
 from sparrow.kv_cache import F16Layer, F32Layer, Int8Layer, KVCache, LayerCache, layer_cache, quantize_int8
 from sparrow.models.attention import decode_attention
@@ -103,6 +104,22 @@ def test_sparse_state_truncates_with_the_cache():
     cache.append(0, 40, k[40:41], v[40:41])
     assert copy.blocks == 2 and cache.sparse[0].importance[39] == 1 and cache.sparse[0].importance[40] == 0
     assert cache.sparse[1].importance[40] == 1  # other layers untouched
+
+
+@pytest.mark.parametrize("kind", ["f32", "f16", "int8"])
+@pytest.mark.parametrize("select", ["seed", "v2"])
+def test_budget_charge_is_what_sparse_decode_allocates(kind, select):
+    # the KV budget charges bytes_at(capacity, probe_of(sparse)): the seed's probe keys or v2's
+    # block summaries, as decode really makes them; v2's summaries truncate with the cache
+    cache, k, v = _sparse_cache(kind)
+    sp = SparseParams(k=2, block=16, probe=4, select=select)
+    q = rows(2, 5).reshape(4, D)  # [H, D]
+    for i in range(2):
+        decode_attention(q, cache.layers[i], cache.sparse[i], 200, 0.25, sp)
+    assert cache.probe_nbytes > 0
+    assert cache.nbytes + cache.probe_nbytes == cache.bytes_at(cache.capacity, probe_of(sp))
+    cache.truncate(100)
+    assert all(p.blocks == 100 // 16 for st in cache.sparse for p in st._probes.values())
 
 
 def test_nbytes_counts_storage_and_importance():

@@ -34,6 +34,7 @@ import time
 import numpy as np
 
 from sparrow.engine.runner import PREFILL_CHUNK as CHUNK  # llama.cpp's n_batch matches sparrow's chunk
+from sparrow.params import SELECTORS
 
 MB = 1 << 20
 # decode modes: (KV cache dtype, sparse top-k?, activations); the q8 ones with --activations q8
@@ -190,9 +191,10 @@ SPLIT_STEPS = 4  # staged steps timed stage by stage after each fused measuremen
 class SparrowRunner:
     name = "sparrow"
 
-    def __init__(self, path, threads, capacity):
+    def __init__(self, path, threads, capacity, select="seed"):
         from sparrow.api import load
 
+        self.select = select  # the block selector of the sparse modes
         self.llm = load(path, threads=threads)
         self.model = self.llm.model
         self.cache = self.model.new_cache(capacity, "f32")
@@ -229,7 +231,8 @@ class SparrowRunner:
 
         kv_dtype, sparse, act = MODES[mode]
         cache = self._copy(start, kv_dtype)
-        slot = Slot(np.zeros(start, np.int64), cache, SparseParams(k=sparse_k) if sparse else None)
+        sp = SparseParams(k=sparse_k, select=self.select) if sparse else None
+        slot = Slot(np.zeros(start, np.int64), cache, sp)
         times, parts = [], []
         self.model.activations = act
         try:
@@ -532,6 +535,8 @@ def markdown(rec):
         )
         for m in MODES:
             label = "decode tok/s, " + LABELS[m].format(k=rec["config"]["sparse_k"])
+            if rec["config"].get("sparse_select", "seed") != "seed":
+                label = label.replace("sparse k=", f"sparse {rec['config']['sparse_select']} k=")
             if f"decode_{m}_tok_s" in row:
                 llama = f(row.get("llama_decode_tok_s")) if cmp else "-"
                 lines.append(
@@ -612,6 +617,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--decode", type=int, default=16, help="decoded tokens per context and mode")
     ap.add_argument("--sparse-k", type=int, default=32)
+    ap.add_argument("--sparse-select", choices=SELECTORS, default="seed", help="block selector of the sparse rows")
     ap.add_argument(
         "--flash-attn", action="store_true", help="turn llama.cpp's flash attention on (the bindings' default is off)"
     )
@@ -697,6 +703,7 @@ def main(argv=None):
             "rounds": a.rounds,
             "decode": a.decode,
             "sparse_k": a.sparse_k,
+            "sparse_select": a.sparse_select,
             "compare": compare,
             "flash_attn": a.flash_attn,
             "chunk": CHUNK,
@@ -708,7 +715,7 @@ def main(argv=None):
     rec["startup"] = None if a.no_startup else _startup_runs(path, a.threads, compare)
     capacity = contexts[-1] + a.decode + 16
     modes = tuple(m for m in MODES if a.activations == "q8" or MODES[m][2] == "f32")
-    runners = [SparrowRunner(path, a.threads, capacity)]
+    runners = [SparrowRunner(path, a.threads, capacity, a.sparse_select)]
     rng = np.random.default_rng(0)
     top = min(40000, runners[0].model.config.vocab_size)  # token ids valid in small test vocabularies too
     prompt = rng.integers(min(100, top // 2), top, contexts[-1]).tolist()

@@ -71,8 +71,11 @@ def pages(n: int) -> int:
 
 
 def probe_of(sparse):
-    """(block, n_probe) of the probe copies a sparse request's decode makes, or None."""
-    return (sparse.block, sparse.probe) if sparse is not None else None
+    """What a sparse request's decode copies beside its KV: (block, n_probe) for the seed's probe
+    keys, (block, "v2") for v2's block summaries; None for exact attention."""
+    if sparse is None:
+        return None
+    return (sparse.block, "v2") if sparse.select == "v2" else (sparse.block, sparse.probe)
 
 
 class KVPool:
