@@ -182,8 +182,9 @@ def test_barrier_counts_only_waits_past_the_spin():
         meet(sync, late)
         return int(sync[2])
 
-    # best of 3: on a busy machine a worker can also lose its core for a time slice
-    assert min(waits(per_ms // 3) for _ in range(3)) == 0
+    # best of 20: on a busy machine a worker can also lose its core for a time slice (best of 3
+    # failed once at load average 2.5 on 2 CPUs); one clean meeting shows the spin absorbs it
+    assert min(waits(per_ms // 3) for _ in range(20)) == 0
     assert waits(per_ms * 20) == 1
 
 
