@@ -90,6 +90,18 @@ def select_blocks(probe_scores, imp_sums, k):
 
 
 @njit(cache=True, nogil=True)
+def _emit(mark, sel, stages):
+    """Marked blocks (stage code >= 0) -> ascending ids in sel[:m], their stages; returns m."""
+    m = 0
+    for b in range(mark.shape[0]):
+        if mark[b] >= 0:
+            sel[m] = b
+            stages[m] = mark[b]
+            m += 1
+    return m
+
+
+@njit(cache=True, nogil=True)
 def reserve_importance_nb(imp, k, n):
     """Stage 2 alone: stage codes per block (-1 unused, STAGE_IMPORTANCE reserved).
 
@@ -133,13 +145,7 @@ def fill_probe_nb(probe, reserved, k, sel, stages):
         if victim >= 0:
             mark[victim] = -1
             mark[last] = STAGE_RECENCY
-    m = 0
-    for b in range(n):
-        if mark[b] >= 0:
-            sel[m] = b
-            stages[m] = mark[b]
-            m += 1
-    return m
+    return _emit(mark, sel, stages)
 
 
 # ---------------------------------------------------------------- v2 (docs/SPARSE_SELECT_V2.md)
@@ -235,10 +241,4 @@ def select_v2_nb(score, flags, k, sel, stages):
             if mark[b] < 0 and score[b] == thr:
                 mark[b] = STAGE_SCORE
                 want -= 1
-    m = 0
-    for b in range(n):
-        if mark[b] >= 0:
-            sel[m] = b
-            stages[m] = mark[b]
-            m += 1
-    return m
+    return _emit(mark, sel, stages)
