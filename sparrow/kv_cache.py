@@ -196,6 +196,14 @@ class SparseState:
         p.extend(layer, full)
         return p, min(p.blocks, full)
 
+    def copy_for(self, layer, sparse, seq_len):
+        """(copy, n) of what `sparse`'s selector reads: probe_keys for the seed, block_summaries
+        for v2 (SparseParams.copy_key names it)."""
+        block, what = sparse.copy_key
+        if what == "v2":
+            return self.block_summaries(layer, block, seq_len)
+        return self.probe_keys(layer, block, what, seq_len)
+
     def block_summaries(self, layer, block, seq_len):
         """(summaries, n): v2's per-block key mean and variance of layer's full blocks
         (BlockSummaries), and how many of them a decode over 0..seq_len-1 may read. Kept

@@ -60,6 +60,12 @@ class SparseParams:
         return None if index < self.dense_layers else self
 
     @property
+    def copy_key(self) -> tuple:
+        """Which copy beside the KV this selector's decode reads (SparseState.copy_for, the KV
+        budget's charge): (block, n_probe) the seed's probe keys, (block, "v2") v2's summaries."""
+        return (self.block, "v2") if self.select == "v2" else (self.block, self.probe)
+
+    @property
     def flags(self) -> int:
         """The selector as the kernels take it: 0 seed; v2 = 1, + 2 with the sink, + 4 with recency."""
         if self.select == "seed":

@@ -73,9 +73,7 @@ def pages(n: int) -> int:
 def probe_of(sparse):
     """What a sparse request's decode copies beside its KV: (block, n_probe) for the seed's probe
     keys, (block, "v2") for v2's block summaries; None for exact attention."""
-    if sparse is None:
-        return None
-    return (sparse.block, "v2") if sparse.select == "v2" else (sparse.block, sparse.probe)
+    return sparse.copy_key if sparse is not None else None
 
 
 class KVPool:

@@ -65,10 +65,7 @@ def decode_attention(q, layer, state, seq_len, scale, sparse=None, trace=None):
     nsel = np.empty(H, np.int64)
     out = np.empty((H, D), np.float32)
     if sparse is not None and sparse.k < nb:
-        if sparse.flags:  # v2: the block summaries [KVH, n, 2D]
-            pk, n_copied = state.block_summaries(layer, bs, seq_len)
-        else:
-            pk, n_copied = state.probe_keys(layer, bs, sparse.probe, seq_len)
+        pk, n_copied = state.copy_for(layer, sparse, seq_len)  # seed: probe keys; v2: block summaries [n, 2D]
         probe_rows, probe_scale, per_block = pk.rows, pk.scale, pk.per_block  # [KVH, n, D | 2D], [KVH, n | 1]
     else:  # nothing is probed: K stands in for the copy (n_copied 0, never read)
         probe_rows, probe_scale, per_block, n_copied = layer.k, layer.k_scale, 1, 0

@@ -193,12 +193,9 @@ class FusedDecode:
         n_copied = np.zeros(L, np.int64)
         for i, st in enumerate(cache.sparse):
             st.rewritten(pos, seq_len)  # what KVCache.append does for the staged path
-            if probed and sp.flags:  # v2: summaries of the full blocks; one this token completes is summarised in K
-                _, n_copied[i] = st.block_summaries(cache.layers[i], bs, pos)
-            elif probed:  # copy the full blocks already in the cache; a block this token completes is read in K
-                _, n_copied[i] = st.probe_keys(cache.layers[i], bs, sp.probe, pos)
-        probe_key = ((bs, "v2") if sp.flags else (bs, sp.probe)) if probed else None
-        K, V, KS, VS, IMP, P, PS, per_block = self._arrays(cache, probe_key)
+            if probed:  # the full blocks already in the cache; a block this token completes is read in K
+                _, n_copied[i] = st.copy_for(cache.layers[i], sp, pos)
+        K, V, KS, VS, IMP, P, PS, per_block = self._arrays(cache, sp.copy_key if probed else None)
         cos, sin = model.rope.shifted(seg.rope_delta, seq_len)  # [>= seq_len, D/2]: row p = rope position p + delta
         x = np.array(model.embed.rows(seg.tokens), dtype=np.float32)  # [1, E], a private copy
         logits = np.empty(self.logits_shape, np.float32)  # [1, V]
