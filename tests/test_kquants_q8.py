@@ -11,7 +11,7 @@ import pytest
 from test_cpu_paths import run_compiled_for
 from test_gemm import bits, fma32
 from test_kquants import _unpack, k_scales_mins, make_kq
-from test_q8act import quantize_reference, rowdot_reference
+from test_q8act import q8_outputs, quantize_reference, rowdot_reference
 
 import sparrow
 from sparrow.kernels import set_threads
@@ -82,18 +82,7 @@ def reference(x, w):
 
 
 def compute():
-    """{name: q8-mode linear() output} for CASES on 1 and 2 threads."""
-    out = {}
-    old = numba.get_num_threads()
-    try:
-        for n in (1, 2)[: numba.config.NUMBA_NUM_THREADS]:
-            numba.set_num_threads(n)
-            for i, (q, shape, t) in enumerate(CASES):
-                with activations("q8"):
-                    out[f"c{i}_{n}"] = linear(acts(t, shape[1], seed=7), make_kq(q, shape, seed=8))
-    finally:
-        numba.set_num_threads(old)
-    return out
+    return q8_outputs(CASES, make_kq)
 
 
 def test_documented_order_bit_for_bit_any_threads_and_batch():

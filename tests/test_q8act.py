@@ -92,19 +92,24 @@ def rowdot_reference(x, w):
     return _f32(v[..., 0].astype(np.float64) + _f32(accm[0].astype(np.float64) + accm[1]))
 
 
-def compute():
-    """{name: q8-mode linear() output} for CASES on 1 and 2 threads, plus one row alone."""
+def q8_outputs(cases, build):
+    """{name: q8-mode linear() output} for cases (qtype, shape, T) on 1 and 2 threads, the
+    weights from build(qtype, shape, seed) (also the K-quant tests')."""
     out = {}
     old = numba.get_num_threads()
     try:
         for n in (1, 2)[: numba.config.NUMBA_NUM_THREADS]:
             numba.set_num_threads(n)
-            for i, (q, shape, t) in enumerate(CASES):
+            for i, (q, shape, t) in enumerate(cases):
                 with activations("q8"):
-                    out[f"c{i}_{n}"] = linear(acts(t, shape[1], seed=7), make(q, shape, seed=8))
+                    out[f"c{i}_{n}"] = linear(acts(t, shape[1], seed=7), build(q, shape, seed=8))
     finally:
         numba.set_num_threads(old)
     return out
+
+
+def compute():
+    return q8_outputs(CASES, make)
 
 
 def test_quantize_matches_reference():
