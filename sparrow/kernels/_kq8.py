@@ -21,10 +21,9 @@ formats on one quantisation of each activation row.
 """
 
 from llvmlite import ir
-from numba.core import cgutils, types
-from numba.extending import intrinsic
+from numba.core import cgutils
 
-from sparrow.kernels._ir import F32, I8, I16, I32, I64, fma, hsum16, shuffle, splat16
+from sparrow.kernels._ir import F32, I8, I16, I32, I64, fma, hsum16, make_rows, shuffle, splat16, zeroed
 from sparrow.kernels._kquants import scales_mins8
 from sparrow.kernels.gemm import CPU_FEATURES
 
@@ -130,36 +129,28 @@ def _superblock(qtype, b, rp, xp, blk):
     return b.mul(_lane_sums(b, lanes), sc), d, dmin, m
 
 
-def _make_rowdot(qtype):
-    @intrinsic
-    def rowdot(typingctx, row, xq, dx, sx):
-        """row: stored bytes [nb * bb] uint8; xq: int8 codes [nb * 256]; dx, sx: f32 [nb * 8]."""
-        sig = types.float32(row, xq, dx, sx)
+def emit_row(qtype):
+    """The IR of one row's dot product, as _ir.make_rows calls it (inputs: x's codes, dx, sx,
+    lane sums; the last unused here)."""
 
-        def codegen(context, builder, signature, args):
-            b = builder
-            arrs = [context.make_array(t)(context, b, a) for t, a in zip(signature.args, args)]
-            rp, xp = b.bitcast(arrs[0].data, I8.as_pointer()), b.bitcast(arrs[1].data, I8.as_pointer())
-            dxp, sxp = b.bitcast(arrs[2].data, F32.as_pointer()), b.bitcast(arrs[3].data, F32.as_pointer())
-            nb = b.udiv(b.extract_value(arrs[2].shape, 0), _c64(8))
-            zero = ir.Constant(V8F, [0.0] * 8)
-            acc, accm = cgutils.alloca_once_value(b, zero), cgutils.alloca_once_value(b, zero)
-            with cgutils.for_range(b, nb) as loop:
-                blk = loop.index
-                i, d, dmin, m = _superblock(qtype, b, rp, xp, blk)
-                coef = b.fmul(splat16(b, d, 8), _load(b, dxp, b.mul(blk, _c64(8)), V8F))
-                b.store(fma(b, b.sitofp(i, V8F), coef, b.load(acc)), acc)
-                if m is not None:
-                    neg_ml = b.fneg(b.fmul(splat16(b, dmin, 8), b.uitofp(m, V8F)))
-                    b.store(fma(b, neg_ml, _load(b, sxp, b.mul(blk, _c64(8)), V8F), b.load(accm)), accm)
-            v = b.load(acc) if qtype == "q6_k" else b.fadd(b.load(acc), b.load(accm))
-            return hsum16(b, v)
+    def emit(b, rp, ptrs, lens):
+        xp, dxp, sxp = ptrs[0], b.bitcast(ptrs[1], F32.as_pointer()), b.bitcast(ptrs[2], F32.as_pointer())
+        nb = b.udiv(lens[1], _c64(8))
+        acc, accm = zeroed(b, V8F), zeroed(b, V8F)
+        with cgutils.for_range(b, nb) as loop:
+            blk = loop.index
+            i, d, dmin, m = _superblock(qtype, b, rp, xp, blk)
+            coef = b.fmul(splat16(b, d, 8), _load(b, dxp, b.mul(blk, _c64(8)), V8F))
+            b.store(fma(b, b.sitofp(i, V8F), coef, b.load(acc)), acc)
+            if m is not None:
+                neg_ml = b.fneg(b.fmul(splat16(b, dmin, 8), b.uitofp(m, V8F)))
+                b.store(fma(b, neg_ml, _load(b, sxp, b.mul(blk, _c64(8)), V8F), b.load(accm)), accm)
+        v = b.load(acc) if qtype == "q6_k" else b.fadd(b.load(acc), b.load(accm))
+        return hsum16(b, v)
 
-        return sig, codegen
-
-    return rowdot
+    return emit
 
 
-rowdot_q4_k = _make_rowdot("q4_k")
-rowdot_q5_k = _make_rowdot("q5_k")
-rowdot_q6_k = _make_rowdot("q6_k")
+rows_q4_k = make_rows(emit_row("q4_k"), 4)
+rows_q5_k = make_rows(emit_row("q5_k"), 4)
+rows_q6_k = make_rows(emit_row("q6_k"), 4)

@@ -14,7 +14,7 @@ q6_k (super-blocks of 256); layouts in sparrow.quant's docstring.
   with sum(x) over each 32 values taken sequentially. At the end the two accumulators are
   added and summed by a fixed pairwise tree, then the scalar one is added. Every row's order
   depends only on its length: bit-identical whatever T, the row's batch or the thread count.
-  rowdot_kq(row, kind, x, sx) is the entry point for other kernels (e.g. a fused decode step).
+  rows_kq(data, kind, x, sx, y, o0, o1) is the entry point for other kernels (e.g. a fused decode step).
 Both are generated from one description of each layout (_emit_block), so the row dots and
 the widening decode the same codes and scales. q4_k / q5_k's 6-bit scales and mins are
 unpacked 8 lanes at a time (scales_mins8; the scalar unpack was ~40% of the row dot's
@@ -29,7 +29,7 @@ from numba import njit, prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from sparrow.kernels._ir import F32, I8, I32, I64, V16F, V16I32, hsum16, splat16
+from sparrow.kernels._ir import F32, I8, I32, I64, V16F, V16I32, hsum16, make_rows, splat16, zeroed
 from sparrow.kernels._ir import fma as _fma
 
 KW = dict(cache=True, nogil=True)
@@ -187,52 +187,39 @@ def _blocks_loop(builder, qtype, r, nb, emit):
             emit(loop.index, True)
 
 
-def _make_rowdot(qtype):
+def _emit_rowdot(qtype):
+    """One row dotted with f32 x, as _ir.make_rows calls it (inputs: x [nb * size], sx
+    [nb * size / 32], the sums of x over each 32 values)."""
     per = 1 if qtype in ("q5_0", "q5_1") else 8  # 32-value block sums per (super-)block
 
-    @intrinsic
-    def rowdot(typingctx, row, x, sx):
-        """row: stored bytes uint8 [nb * bb], x: f32 [nb * size], sx: f32 [nb * size / 32]
-        (sums of x over each 32 values) -> f32."""
-        sig = types.float32(row, x, sx)
+    def emit(builder, rp, ptrs, lens):
+        r = _Row(builder, rp, builder.bitcast(ptrs[0], F32.as_pointer()), builder.bitcast(ptrs[1], F32.as_pointer()))
+        nb = builder.udiv(lens[1], _c64(per))
+        accs = [zeroed(builder, V16F) for _ in range(2)]
+        accm = zeroed(builder, F32)
+        turn = [0]  # units alternate between the two vector accumulators
 
-        def codegen(context, builder, signature, args):
-            arrs = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args)]
-            r = _Row(
-                builder,
-                builder.bitcast(arrs[0].data, I8.as_pointer()),
-                builder.bitcast(arrs[1].data, F32.as_pointer()),
-                builder.bitcast(arrs[2].data, F32.as_pointer()),
-            )
-            nb = builder.udiv(builder.extract_value(arrs[2].shape, 0), _c64(per))
-            zero = ir.Constant(V16F, [0.0] * 16)
-            accs = [cgutils.alloca_once_value(builder, zero) for _ in range(2)]
-            accm = cgutils.alloca_once_value(builder, ir.Constant(F32, 0.0))
-            turn = [0]  # units alternate between the two vector accumulators
+        def step(codes, at, scale, offset):
+            q = [builder.sitofp(c, V16F) for c in codes]
+            t = builder.fmul(q[0], r.x16(at))
+            if len(q) == 2:
+                t = _fma(builder, q[1], r.x16(builder.add(at, _c64(16))), t)
+            acc = accs[turn[0] % 2]
+            turn[0] += 1
+            builder.store(_fma(builder, t, splat16(builder, scale), builder.load(acc)), acc)
+            if offset is not None:
+                builder.store(_fma(builder, offset[0], r.sx(offset[1]), builder.load(accm)), accm)
 
-            def step(codes, at, scale, offset):
-                q = [builder.sitofp(c, V16F) for c in codes]
-                t = builder.fmul(q[0], r.x16(at))
-                if len(q) == 2:
-                    t = _fma(builder, q[1], r.x16(builder.add(at, _c64(16))), t)
-                acc = accs[turn[0] % 2]
-                turn[0] += 1
-                builder.store(_fma(builder, t, splat16(builder, scale), builder.load(acc)), acc)
-                if offset is not None:
-                    builder.store(_fma(builder, offset[0], r.sx(offset[1]), builder.load(accm)), accm)
+        def emit_block(blk, first):
+            if first:
+                turn[0] = 0
+            _emit_block(qtype, r, blk, step)
 
-            def emit(blk, first):
-                if first:
-                    turn[0] = 0
-                _emit_block(qtype, r, blk, step)
+        _blocks_loop(builder, qtype, r, nb, emit_block)
+        v = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
+        return builder.fadd(hsum16(builder, v), builder.load(accm))
 
-            _blocks_loop(builder, qtype, r, nb, emit)
-            v = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
-            return builder.fadd(hsum16(builder, v), builder.load(accm))
-
-        return sig, codegen
-
-    return rowdot
+    return emit
 
 
 def _make_widen(qtype):
@@ -270,11 +257,12 @@ def _make_widen(qtype):
     return widen
 
 
-rowdot_q5_0 = _make_rowdot("q5_0")
-rowdot_q5_1 = _make_rowdot("q5_1")
-rowdot_q4_k = _make_rowdot("q4_k")
-rowdot_q5_k = _make_rowdot("q5_k")
-rowdot_q6_k = _make_rowdot("q6_k")
+# rows(data, o0, o1, x, sx, y): y[o] for rows o0..o1-1 (the row loop compiled, _ir.make_rows)
+rows_q5_0 = make_rows(_emit_rowdot("q5_0"), 2)
+rows_q5_1 = make_rows(_emit_rowdot("q5_1"), 2)
+rows_q4_k = make_rows(_emit_rowdot("q4_k"), 2)
+rows_q5_k = make_rows(_emit_rowdot("q5_k"), 2)
+rows_q6_k = make_rows(_emit_rowdot("q6_k"), 2)
 _widen_q5_0 = _make_widen("q5_0")
 _widen_q5_1 = _make_widen("q5_1")
 _widen_q4_k = _make_widen("q4_k")
@@ -298,18 +286,19 @@ def widen_kq(row, kind, lut, out):
 
 
 @njit(**KW)
-def rowdot_kq(row, kind, x, sx):
-    """One stored row of a KQ_KIND kind dotted with f32 x; sx: x's 32-value sums
-    (_x_block_sums). The one entry point for callers outside this module."""
+def rows_kq(data, kind, x, sx, y, o0, o1):
+    """y[o] = stored row o of a KQ_KIND kind dotted with one f32 x row, o0 <= o < o1; sx:
+    x's 32-value sums (_x_block_sums). The one entry point for callers outside this module."""
     if kind == 8:
-        return rowdot_q4_k(row, x, sx)
-    if kind == 10:
-        return rowdot_q6_k(row, x, sx)
-    if kind == 9:
-        return rowdot_q5_k(row, x, sx)
-    if kind == 6:
-        return rowdot_q5_0(row, x, sx)
-    return rowdot_q5_1(row, x, sx)
+        rows_q4_k(data, o0, o1, x, sx, y)
+    elif kind == 10:
+        rows_q6_k(data, o0, o1, x, sx, y)
+    elif kind == 9:
+        rows_q5_k(data, o0, o1, x, sx, y)
+    elif kind == 6:
+        rows_q5_0(data, o0, o1, x, sx, y)
+    else:
+        rows_q5_1(data, o0, o1, x, sx, y)
 
 
 @njit(**KW)
@@ -325,11 +314,15 @@ def _x_block_sums(x):
     return sx
 
 
+_CHUNK = 16  # rows done for each x row before the next rows: a batch reads each row from cache
+
+
 @njit(**KW)
 def _rows(data, kind, x, sx, y, o0, o1):
-    for o in range(o0, o1):
+    step = o1 - o0 if x.shape[0] == 1 else _CHUNK
+    for c in range(o0, o1, max(step, 1)):
         for t in range(x.shape[0]):
-            y[t, o] = rowdot_kq(data[o], kind, x[t], sx[t])
+            rows_kq(data, kind, x[t], sx[t], y[t], c, min(o1, c + step))
 
 
 @njit(parallel=True, **KW)

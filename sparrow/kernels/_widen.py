@@ -16,10 +16,9 @@ import numba.core.config as _nbconfig
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange
-from numba.core import cgutils, types
-from numba.extending import intrinsic
+from numba.core import cgutils
 
-from sparrow.kernels._ir import F32, I8, I32, I64, V16F, V16I32, hsum16, splat16
+from sparrow.kernels._ir import F32, I8, I32, I64, V16F, V16I32, hsum16, make_rows, splat16, zeroed
 from sparrow.kernels._ir import fma as _fma
 from sparrow.kernels._kquants import KQ_KIND, matvec_kq, widen_kq
 
@@ -33,6 +32,7 @@ F16_LUT.flags.writeable = False
 KIND = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "f16": 3, "bf16": 4, "f32": 5}  # f32: rows as uint32 bits
 KIND.update(KQ_KIND)  # q5_0, q5_1, q4_k, q5_k, q6_k: 6 and up, kernels in _kquants
 _ROWS = 16  # weight rows widened per parallel work item
+_CHUNK = 16  # rows a block-format matvec does for each x row before the next rows
 # Block matvecs below this many multiply-adds skip the thread pool: a parallel launch costs
 # 50-180 us of wall time here, as much as a 2M-MAC matvec on one core (measured with the
 # second core busy, the usual state of a shared machine). Results are identical either way.
@@ -155,47 +155,39 @@ def _block_terms(builder, qtype, rp, xp, sp, b):
     return t, d, (builder.fmul(d, ir.Constant(_F32, -8.0)), sx)
 
 
-def _make_rowdot(qtype):
-    @intrinsic
-    def rowdot(typingctx, row, x, sx):
-        """row: stored bytes [nb * bb] uint8, x: f32 [nb * 32], sx: f32 [nb] -> f32."""
-        sig = types.float32(row, x, sx)
+def _emit_rowdot(qtype):
+    """One row dotted with f32 x, as _ir.make_rows calls it (inputs: x [nb * 32], sx [nb])."""
 
-        def codegen(context, builder, signature, args):
-            arrs = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args)]
-            rp = builder.bitcast(arrs[0].data, _I8.as_pointer())
-            xp = builder.bitcast(arrs[1].data, _F32.as_pointer())
-            sp = builder.bitcast(arrs[2].data, _F32.as_pointer())
-            nb = builder.extract_value(arrs[2].shape, 0)
-            zero = ir.Constant(_V16F, [0.0] * 16)
-            accs = [cgutils.alloca_once_value(builder, zero) for _ in range(2)]
-            accm = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+    def emit(builder, rp, ptrs, lens):
+        xp, sp = builder.bitcast(ptrs[0], _F32.as_pointer()), builder.bitcast(ptrs[1], _F32.as_pointer())
+        nb = lens[1]
+        accs = [zeroed(builder, _V16F) for _ in range(2)]
+        accm = zeroed(builder, _F32)
 
-            def block(b, acc):
-                t, d, const = _block_terms(builder, qtype, rp, xp, sp, b)
-                dv = splat16(builder, d)
-                builder.store(_fma(builder, t, dv, builder.load(acc)), acc)
-                if const is not None:
-                    builder.store(_fma(builder, const[0], const[1], builder.load(accm)), accm)
+        def block(b, acc):
+            t, d, const = _block_terms(builder, qtype, rp, xp, sp, b)
+            dv = splat16(builder, d)
+            builder.store(_fma(builder, t, dv, builder.load(acc)), acc)
+            if const is not None:
+                builder.store(_fma(builder, const[0], const[1], builder.load(accm)), accm)
 
-            one = ir.Constant(_I64, 1)
-            with cgutils.for_range(builder, builder.lshr(nb, one)) as loop:
-                b0 = builder.shl(loop.index, one)
-                block(b0, accs[0])
-                block(builder.add(b0, one), accs[1])
-            with builder.if_then(builder.trunc(nb, ir.IntType(1))):
-                block(builder.sub(nb, one), accs[0])
-            v = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
-            return builder.fadd(hsum16(builder, v), builder.load(accm))
+        one = ir.Constant(_I64, 1)
+        with cgutils.for_range(builder, builder.lshr(nb, one)) as loop:
+            b0 = builder.shl(loop.index, one)
+            block(b0, accs[0])
+            block(builder.add(b0, one), accs[1])
+        with builder.if_then(builder.trunc(nb, ir.IntType(1))):
+            block(builder.sub(nb, one), accs[0])
+        v = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
+        return builder.fadd(hsum16(builder, v), builder.load(accm))
 
-        return sig, codegen
-
-    return rowdot
+    return emit
 
 
-rowdot_q8_0 = _make_rowdot("q8_0")
-rowdot_q4_0 = _make_rowdot("q4_0")
-rowdot_q4_1 = _make_rowdot("q4_1")
+# rows(data, o0, o1, x, sx, y): y[o] for rows o0..o1-1 (the row loop compiled, _ir.make_rows)
+rows_q8_0 = make_rows(_emit_rowdot("q8_0"), 2)
+rows_q4_0 = make_rows(_emit_rowdot("q4_0"), 2)
+rows_q4_1 = make_rows(_emit_rowdot("q4_1"), 2)
 
 
 @njit(fastmath=FM, **KW)
@@ -218,14 +210,17 @@ def _x_block_sums(x):
 
 @njit(**KW)
 def _rows_blocks(data, kind, x, sx, y, o0, o1):
-    for o in range(o0, o1):
+    # a chunk of rows for every x row, then the next: a batch reads each row from cache
+    step = o1 - o0 if x.shape[0] == 1 else _CHUNK
+    for c in range(o0, o1, max(step, 1)):
+        e = min(o1, c + step)
         for t in range(x.shape[0]):
             if kind == 2:
-                y[t, o] = rowdot_q4_1(data[o], x[t], sx[t])
+                rows_q4_1(data, c, e, x[t], sx[t], y[t])
             elif kind == 1:
-                y[t, o] = rowdot_q4_0(data[o], x[t], sx[t])
+                rows_q4_0(data, c, e, x[t], sx[t], y[t])
             else:
-                y[t, o] = rowdot_q8_0(data[o], x[t], sx[t])
+                rows_q8_0(data, c, e, x[t], sx[t], y[t])
 
 
 @njit(parallel=True, **KW)
