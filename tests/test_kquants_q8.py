@@ -15,9 +15,10 @@ from test_q8act import q8_outputs, quantize_reference, rowdot_reference
 
 import sparrow
 from sparrow.kernels import set_threads
+from sparrow.kernels._q8act import quantize, rows_q8
 from sparrow.kernels.linear import SMALL_T, activations, linear
 from sparrow.quant import BLOCK_BYTES, Weight
-from weights import acts
+from weights import acts, make
 
 # (format, [out, in], T): one and several super-blocks (or odd block counts for q5_*), T up
 # to SMALL_T, and matvecs past the serial threshold (the parallel path)
@@ -195,3 +196,36 @@ def test_generic_code_path_gives_the_same_bits(tmp_path):
     assert set(child) == set(here_out)
     for name in child:
         assert np.array_equal(bits(child[name]), bits(here_out[name])), name
+
+
+def test_row_range_into_a_strided_output():
+    """The compiled row loop (_ir.make_rows) writes exactly rows o0..o1-1, into a column
+    slice of a wider output (the fused step writes q/k/v pieces so), with the reference's bits;
+    the exact path's row loops (_widen, _kquants) likewise."""
+    from sparrow.kernels._kquants import _rows as kq_rows
+    from sparrow.kernels._kquants import _x_block_sums as kq_sums
+    from sparrow.kernels._widen import KIND, _rows_blocks, _x_block_sums
+
+    for q, t in (("q4_0", 1), ("q5_0", 3), ("q8_0", 2), ("q4_k", 1)):
+        k = 256
+        x = acts(t, k, seed=4)
+        w = make(q, (37, k), seed=5) if q in ("q4_0", "q8_0") else make_kq(q, (37, k), seed=5)
+        xq, dx, sx = quantize(x)
+        with activations("q8"):
+            want_q8 = linear(x, w)
+        want = linear(x, w)
+        for o0, o1 in ((0, 37), (3, 22), (21, 22), (5, 5)):
+            for exact in (False, True):
+                big = np.full((t, 50), np.float32(-7))
+                y = big[:, 9 : 9 + 37]  # [T, 37] with row stride 50
+                if not exact:
+                    rows_q8(w.data, KIND[q], xq, dx, sx, y, o0, o1)
+                elif KIND[q] <= 2:
+                    _rows_blocks(w.data, KIND[q], x, _x_block_sums(x), y, o0, o1)
+                else:
+                    kq_rows(w.data, KIND[q], x, kq_sums(x), y, o0, o1)
+                ref = want if exact else want_q8
+                assert np.array_equal(bits(y[:, o0:o1]), bits(ref[:, o0:o1])), (q, t, o0, o1, exact)
+                untouched = np.ones(50, bool)
+                untouched[9 + o0 : 9 + o1] = False
+                assert (big[:, untouched] == -7).all(), (q, t, o0, o1, exact)

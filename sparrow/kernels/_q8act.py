@@ -3,9 +3,12 @@
 llama.cpp's arithmetic for q8_0 / q4_0 / q4_1 / q5_0 / q5_1 weights (and, in _kq8.py, the
 K-quants q4_k / q5_k / q6_k on the same quantised x): each 32-value block of x becomes int8
 codes and one f32 scale, and each block's dot product is an exact integer sum. It reads the
-same weight bytes as the exact path (kernels._widen) with about 40% fewer vector
+same weight bytes as the exact path (kernels._widen) with about half the vector
 instructions a block, so on a compute-bound core it decodes faster (single core, weights in
-cache: q4_0 18.4 vs 13.5 GMAC/s, q8_0 24.8 vs 16.3). It is not exact: on SmolLM2-135M (Q4_1)
+cache: q4_0 18.4 vs 13.5 GMAC/s, q8_0 24.8 vs 16.3; q4_0 20.8 since its codes enter
+pmaddubsw unsigned, see emit_row). Streaming from memory, compute still matters: one core
+reads ~11 GB/s, and a Q4_0 matvec reached 10-11 GB/s on one core once the row loop ran
+inside the compiled code (_ir.make_rows), 6.5-7 GB/s before. It is not exact: on SmolLM2-135M (Q4_1)
 its decode logits differ from the f32 path by KL 3.1e-3 on average and agree on the top
 token at 97% of 400 positions, which is why it is a mode and never the default.
 
