@@ -5,6 +5,7 @@ numba cache directory is keyed on every kernel source file, so editing this reco
 """
 
 from llvmlite import ir
+from numba import njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
@@ -49,6 +50,17 @@ def zeroed(builder, ty):
     slot = cgutils.alloca_once(builder, ty)
     builder.store(ir.Constant(ty, None), slot)
     return slot
+
+
+ROW_CHUNK = 16  # rows a batched block matvec does for each x row before the next rows
+
+
+@njit(cache=True, nogil=True)
+def row_step(o0, o1, t_n):
+    """How many of rows o0..o1-1 a block matvec over t_n x rows does for each x row before the
+    next rows: all of them for one x row (one make_rows call), else ROW_CHUNK, so a batch reads
+    each row from cache; at least 1 (a range step)."""
+    return max(o1 - o0, 1) if t_n == 1 else ROW_CHUNK
 
 
 def make_rows(emit, n_in):

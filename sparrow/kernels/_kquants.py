@@ -29,7 +29,7 @@ from numba import njit, prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from sparrow.kernels._ir import F32, I8, I32, I64, V16F, V16I32, hsum16, make_rows, splat16, zeroed
+from sparrow.kernels._ir import F32, I8, I32, I64, V16F, V16I32, hsum16, make_rows, row_step, splat16, zeroed
 from sparrow.kernels._ir import fma as _fma
 
 KW = dict(cache=True, nogil=True)
@@ -314,13 +314,10 @@ def _x_block_sums(x):
     return sx
 
 
-_CHUNK = 16  # rows done for each x row before the next rows: a batch reads each row from cache
-
-
 @njit(**KW)
 def _rows(data, kind, x, sx, y, o0, o1):
-    step = o1 - o0 if x.shape[0] == 1 else _CHUNK
-    for c in range(o0, o1, max(step, 1)):
+    step = row_step(o0, o1, x.shape[0])
+    for c in range(o0, o1, step):
         for t in range(x.shape[0]):
             rows_kq(data, kind, x[t], sx[t], y[t], c, min(o1, c + step))
 

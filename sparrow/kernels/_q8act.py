@@ -30,7 +30,7 @@ from llvmlite import ir
 from numba import njit, prange
 from numba.core import cgutils
 
-from sparrow.kernels._ir import F32, I8, I32, I64, fma, hsum16, make_rows, shuffle, splat16, zeroed
+from sparrow.kernels._ir import F32, I8, I32, I64, fma, hsum16, make_rows, row_step, shuffle, splat16, zeroed
 from sparrow.kernels._kq8 import AVX2, V8F, V8I32, V16I8, V32I8, dot4, rows_q4_k, rows_q5_k, rows_q6_k
 from sparrow.kernels._kq8 import call as _call
 from sparrow.kernels._widen import _ROWS, KIND, PARALLEL_MIN_MACS, _half_at, call_slp
@@ -58,10 +58,10 @@ def emit_row(qtype):
 
     4- and 5-bit codes enter pmaddubsw unsigned (the nibble, plus 16 for q5's fifth bit);
     q4_0 and q5_0 then subtract 8 (16) times x's per-lane code sums (xs holds 8 times them,
-    from lane_sums8). That gives the int32
-    lanes the signed codes would (integer arithmetic is exact) with three fewer instructions
-    a block than the abs / sign pair the signed form needs (q8_0 keeps it): a Q4_0 matvec
-    streamed 10.3 instead of 9.6 GB/s on one core, 11.5 instead of 10.3 from cache."""
+    from lane_sums8). That gives the int32 lanes the signed codes would (integer arithmetic
+    is exact); one subtraction replaces the signed form's -8 and its abs / sign pair (q8_0
+    keeps the pair). Paired on one core, a Q4_0 matvec streamed 10.3 instead of 9.6 GB/s,
+    11.5 instead of 10.3 from cache."""
     m_rows = qtype in ("q4_1", "q5_1")
     shift = {"q4_0": 0, "q5_0": 1}.get(qtype)  # xs (8 x the lane sums) doubled for q5_0: the offset's share
 
@@ -183,20 +183,16 @@ def _rows_t(data, kind, xq, dx, sx, xs, y, o0, o1):
         rows_q6_k(data, o0, o1, xq, dx, sx, xs, y)
 
 
-CHUNK = 16  # rows done for every x row before the next rows: a batch reads them from cache
-
-
 @njit(**KW)
 def rows_q8(data, kind, xq, dx, sx, y, o0, o1):
     """y[t, o] for rows o0..o1-1 of stored block rows `data` against quantised x rows."""
-    xs = lane_sums8(xq)
     t_n = xq.shape[0]
-    if t_n == 1:
-        _rows_t(data, kind, xq[0], dx[0], sx[0], xs[0], y[0], o0, o1)
-        return
-    for c in range(o0, o1, CHUNK):
+    # only q4_0 / q5_0 rows read x's lane sums
+    xs = lane_sums8(xq) if kind == 1 or kind == 6 else np.empty((t_n, 0), np.int32)
+    step = row_step(o0, o1, t_n)
+    for c in range(o0, o1, step):
         for t in range(t_n):
-            _rows_t(data, kind, xq[t], dx[t], sx[t], xs[t], y[t], c, min(o1, c + CHUNK))
+            _rows_t(data, kind, xq[t], dx[t], sx[t], xs[t], y[t], c, min(o1, c + step))
 
 
 @njit(parallel=True, **KW)

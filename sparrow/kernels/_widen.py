@@ -18,7 +18,7 @@ from llvmlite import ir
 from numba import njit, prange
 from numba.core import cgutils
 
-from sparrow.kernels._ir import F32, I8, I32, I64, V16F, V16I32, hsum16, make_rows, splat16, zeroed
+from sparrow.kernels._ir import F32, I8, I32, I64, V16F, V16I32, hsum16, make_rows, row_step, splat16, zeroed
 from sparrow.kernels._ir import fma as _fma
 from sparrow.kernels._kquants import KQ_KIND, matvec_kq, widen_kq
 
@@ -32,7 +32,6 @@ F16_LUT.flags.writeable = False
 KIND = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "f16": 3, "bf16": 4, "f32": 5}  # f32: rows as uint32 bits
 KIND.update(KQ_KIND)  # q5_0, q5_1, q4_k, q5_k, q6_k: 6 and up, kernels in _kquants
 _ROWS = 16  # weight rows widened per parallel work item
-_CHUNK = 16  # rows a block-format matvec does for each x row before the next rows
 # Block matvecs below this many multiply-adds skip the thread pool: a parallel launch costs
 # 50-180 us of wall time here, as much as a 2M-MAC matvec on one core (measured with the
 # second core busy, the usual state of a shared machine). Results are identical either way.
@@ -210,9 +209,8 @@ def _x_block_sums(x):
 
 @njit(**KW)
 def _rows_blocks(data, kind, x, sx, y, o0, o1):
-    # a chunk of rows for every x row, then the next: a batch reads each row from cache
-    step = o1 - o0 if x.shape[0] == 1 else _CHUNK
-    for c in range(o0, o1, max(step, 1)):
+    step = row_step(o0, o1, x.shape[0])
+    for c in range(o0, o1, step):
         e = min(o1, c + step)
         for t in range(x.shape[0]):
             if kind == 2:
