@@ -199,14 +199,16 @@ def test_generic_code_path_gives_the_same_bits(tmp_path):
 
 
 def test_row_range_into_a_strided_output():
-    """The compiled row loop (_ir.make_rows) writes exactly rows o0..o1-1, into a column
-    slice of a wider output (the fused step writes q/k/v pieces so), with the reference's bits;
-    the exact path's row loops (_widen, _kquants) likewise."""
+    """The compiled row loops (_ir.make_rows; _x8's groups of 8 rows in the q8 mode) write
+    exactly their rows, into a column slice of a wider output (the fused step writes q/k/v
+    pieces so), with the reference's bits; the exact path's row loops (_widen, _kquants)
+    likewise. Row ranges of the q8 mode's q4_0 / q8_0 count groups: rows 8 g0 .. 8 g1."""
     from sparrow.kernels._kquants import _rows as kq_rows
     from sparrow.kernels._kquants import _x_block_sums as kq_sums
+    from sparrow.kernels._q8act import q8_rows
     from sparrow.kernels._widen import KIND, _rows_blocks, _x_block_sums
 
-    for q, t in (("q4_0", 1), ("q5_0", 3), ("q8_0", 2), ("q4_k", 1)):
+    for q, t in (("q4_0", 1), ("q5_0", 3), ("q8_0", 2), ("q4_k", 1), ("q4_0", 6)):
         k = 256
         x = acts(t, k, seed=4)
         w = make(q, (37, k), seed=5) if q in ("q4_0", "q8_0") else make_kq(q, (37, k), seed=5)
@@ -214,12 +216,18 @@ def test_row_range_into_a_strided_output():
         with activations("q8"):
             want_q8 = linear(x, w)
         want = linear(x, w)
-        for o0, o1 in ((0, 37), (3, 22), (21, 22), (5, 5)):
+        data8, kind8 = q8_rows(w)
+        grouped = data8.shape[0] != 37
+        for o0, o1 in ((0, 37), (3, 22), (21, 22), (5, 5), (1, 5)):
             for exact in (False, True):
+                if grouped and not exact and o1 > 5:
+                    continue  # 5 groups
                 big = np.full((t, 50), np.float32(-7))
                 y = big[:, 9 : 9 + 37]  # [T, 37] with row stride 50
                 if not exact:
-                    rows_q8(w.data, KIND[q], xq, dx, sx, y, o0, o1)
+                    rows_q8(data8, kind8, xq, dx, sx, y, o0, o1)
+                    if grouped:
+                        o0, o1 = min(8 * o0, 37), min(8 * o1, 37)
                 elif KIND[q] <= 2:
                     _rows_blocks(w.data, KIND[q], x, _x_block_sums(x), y, o0, o1)
                 else:

@@ -18,8 +18,9 @@ from sparrow.models.decoder import Segment
 from weights import acts, make
 
 BB = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}
-# (format, [out, in], T): odd and even block counts (the even/odd accumulators), one block,
-# T up to SMALL_T, rows past the serial threshold (the parallel matvec)
+# (format, [out, in], T): odd and even block counts, one block, T up to SMALL_T, rows past
+# the serial threshold (the parallel matvec); rows that fill groups of 8 (kernels/_x8.py)
+# and rows whose last group is part padding, fewer rows than a group
 CASES = [
     ("q8_0", (40, 96), 1),
     ("q4_0", (40, 96), 3),
@@ -27,8 +28,10 @@ CASES = [
     ("q8_0", (24, 32), 2),
     ("q4_0", (33, 256), 1),
     ("q4_1", (17, 224), 5),
+    ("q8_0", (7, 64), 4),
     ("q4_0", (2048, 2048), 1),
-    ("q4_1", (1536, 2048), 2),
+    ("q4_1", (1540, 2048), 2),
+    ("q8_0", (2052, 2048), 1),
 ]
 
 
@@ -51,9 +54,11 @@ def quantize_reference(x):
 
 
 def rowdot_reference(x, w):
-    """The module docstring's order in float64-emulated f32: integer block sums in 8 lanes
-    (lane j: elements 4j..4j+3), acc[b % 2] = fma(s, d * dx, acc[b % 2]) per lane, q4_1's
-    (and q5_1's) accm[b % 2] = fma(m, sx, accm[b % 2]); pairwise tree of acc[0] + acc[1], plus accm."""
+    """The documented order in float64-emulated f32. q8_0 / q4_0 / q4_1 (kernels/_x8.py): per
+    row an exact integer sum s a block, acc = fma(s, d * dx, acc), q4_1's accm = fma(m, sx,
+    accm), result acc + accm. q5_0 / q5_1 (_q8act.py): integer block sums in 8 lanes (lane j:
+    elements 4j..4j+3), acc[b % 2] = fma(s, d * dx, acc[b % 2]) per lane, q5_1's accm[b % 2]
+    = fma(m, sx, accm[b % 2]); pairwise tree of acc[0] + acc[1], plus accm."""
     t_n, k = x.shape
     nb = k // 32
     xq, dx, sx = quantize_reference(x)
@@ -75,10 +80,19 @@ def rowdot_reference(x, w):
         codes = np.concatenate([q & 15, q >> 4], axis=2) | (((qh >> np.arange(32)) & 1) << 4)
         codes -= 16 if w.qtype == "q5_0" else 0
     prod = codes[None] * xq.reshape(t_n, 1, nb, 32).astype(np.int64)  # [T, O, nb, 32]
+    m = half(2) if w.qtype in ("q4_1", "q5_1") else None
+    if w.qtype in ("q8_0", "q4_0", "q4_1"):
+        sums = prod.sum(axis=3).astype(np.float64)  # [T, O, nb] exact
+        acc = accm = np.zeros((t_n, w.shape[0]), np.float32)
+        for b in range(nb):
+            dd = _f32(d[None, :, b].astype(np.float64) * dx[:, None, b])  # [T, O]
+            acc = fma32(sums[:, :, b] * dd, acc)
+            if m is not None:
+                accm = fma32(m[None, :, b].astype(np.float64) * sx[:, None, b], accm)
+        return _f32(acc.astype(np.float64) + accm) if m is not None else acc
     lanes = prod.reshape(t_n, w.shape[0], nb, 8, 4).sum(axis=4).astype(np.float64)  # [T, O, nb, 8] exact
     acc = [np.zeros((t_n, w.shape[0], 8), np.float32) for _ in range(2)]
     accm = [np.zeros((t_n, w.shape[0]), np.float32) for _ in range(2)]
-    m = half(2) if w.qtype in ("q4_1", "q5_1") else None
     for b in range(nb):
         dd = _f32(d[None, :, b].astype(np.float64) * dx[:, None, b])  # [T, O]
         acc[b % 2] = fma32(lanes[:, :, b] * dd[..., None], acc[b % 2])

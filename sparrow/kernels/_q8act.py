@@ -1,25 +1,23 @@
 """Decode matvecs with activations quantised to 8 bits: the named mode activations="q8".
 
-llama.cpp's arithmetic for q8_0 / q4_0 / q4_1 / q5_0 / q5_1 weights (and, in _kq8.py, the
-K-quants q4_k / q5_k / q6_k on the same quantised x): each 32-value block of x becomes int8
-codes and one f32 scale, and each block's dot product is an exact integer sum. It reads the
-same weight bytes as the exact path (kernels._widen) with about half the vector
-instructions a block, so on a compute-bound core it decodes faster (single core, weights in
-cache: q4_0 18.4 vs 13.5 GMAC/s, q8_0 24.8 vs 16.3; q4_0 20.8 since its codes enter
-pmaddubsw unsigned, see emit_row). Streaming from memory, compute still matters: one core
-reads ~11 GB/s, and a Q4_0 matvec reached 10-11 GB/s on one core once the row loop ran
-inside the compiled code (_ir.make_rows), 6.5-7 GB/s before. It is not exact: on SmolLM2-135M (Q4_1)
-its decode logits differ from the f32 path by KL 3.1e-3 on average and agree on the top
-token at 97% of 400 positions, which is why it is a mode and never the default.
+llama.cpp's arithmetic: each 32-value block of x becomes int8 codes and one f32 scale, and
+each block's dot product with a weight block is an exact integer sum. It reads the same
+weight bytes as the exact path (kernels._widen) with a fraction of the vector instructions
+a block, so on a compute-bound core it decodes faster. q8_0 / q4_0 / q4_1 weights take
+kernels/_x8.py (rows interleaved in groups of 8, built once per weight: one core, q4_0 in
+cache 51.6 GMAC/s against 13.5 exact); q5_0 / q5_1 take emit_row below, one row at a time;
+the K-quants q4_k / q5_k / q6_k take _kq8.py, on the same quantised x. It is not exact: on
+SmolLM2-135M (Q4_1) its decode logits differ from the f32 path by KL 3.1e-3 on average and
+agree on the top token at 98% of 400 positions, which is why it is a mode and never the
+default.
 
 Per x row and block b (32 values): a = max |x|, dx = a / 127, codes q = rint(x * 127 / a)
-(all 0 when a == 0), sx = dx * sum(q). Per weight row, block b with scale d:
+(all 0 when a == 0), sx = dx * sum(q). q5_0 / q5_1 per weight row, block b with scale d:
   s = sum over the block of code_w * q, an exact int32, kept as 8 lane sums <8 x i32>
       (lane j holds elements 4j..4j+3, the split of x86's pmaddubsw + pmaddwd);
   acc[b % 2] = fma(float(s), d * dx, acc[b % 2])          <8 x float>
-  q4_1 / q5_1 only: accm[b % 2] = fma(m, sx, accm[b % 2])  (m: the block's offset)
-  q4_0 codes are the nibbles minus 8 (signed), q4_1's the nibbles, q8_0's the bytes; q5_0 /
-  q5_1 add the fifth bit (bit j of qh for element j) as 16, and q5_0 subtracts 16.
+  q5_1 only: accm[b % 2] = fma(m, sx, accm[b % 2])  (m: the block's offset)
+  codes: the nibbles plus the fifth bit (bit j of qh for element j) as 16; q5_0 minus 16.
 Result: pairwise tree (lane i + i + n/2) of acc[0] + acc[1], plus accm[0] + accm[1]. Integer
 sums are exact, so every CPU path (AVX2's pmaddubsw or the generic vector code numba emits
 elsewhere) gives the same bits, whatever T, batch or thread count.
@@ -34,16 +32,18 @@ from sparrow.kernels._ir import F32, I8, I32, I64, fma, hsum16, make_rows, row_s
 from sparrow.kernels._kq8 import AVX2, V8F, V8I32, V16I8, V32I8, dot4, rows_q4_k, rows_q5_k, rows_q6_k
 from sparrow.kernels._kq8 import call as _call
 from sparrow.kernels._widen import _ROWS, KIND, PARALLEL_MIN_MACS, _half_at, call_slp
+from sparrow.kernels._x8 import X8_KIND, interleave, x8_rows
 from sparrow.kernels.gemm import CPU_FEATURES
 
 KW = dict(cache=True, nogil=True)
-# q8_0, q4_0, q4_1, q5_0, q5_1 here; q4_k, q5_k, q6_k in _kq8 (kernels._widen.KIND)
+# q8_0, q4_0, q4_1 in _x8; q5_0, q5_1 here; q4_k, q5_k, q6_k in _kq8 (kernels._widen.KIND)
 BLOCK_KINDS = (0, 1, 2, 6, 7, 8, 9, 10)
-__all__ = ["AVX2", "CPU_FEATURES", "matvec_q8", "quantize", "rows_q8", "supports"]
+__all__ = ["AVX2", "CPU_FEATURES", "matvec_q8", "q8_rows", "quantize", "rows_q8", "supports"]
 
-_BB = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}
+_BB = {"q5_0": 22, "q5_1": 24}
 V4I8 = ir.VectorType(I8, 4)
-BITS = [1 << (j % 8) for j in range(32)]  # element j's bit in byte j // 8 of qh
+BITS = [1 << (j % 8) for j in range(32)]
+X8_FIRST = min(X8_KIND.values())  # element j's bit in byte j // 8 of qh
 
 
 def _half8(b, rp, at):
@@ -54,16 +54,15 @@ def _half8(b, rp, at):
 
 
 def emit_row(qtype):
-    """The IR of one row's dot product in the order above, as _ir.make_rows calls it.
+    """The IR of one q5_0 / q5_1 row's dot product in the order above, as _ir.make_rows
+    calls it.
 
-    4- and 5-bit codes enter pmaddubsw unsigned (the nibble, plus 16 for q5's fifth bit);
-    q4_0 and q5_0 then subtract 8 (16) times x's per-lane code sums (xs holds 8 times them,
-    from lane_sums8). That gives the int32 lanes the signed codes would (integer arithmetic
-    is exact); one subtraction replaces the signed form's -8 and its abs / sign pair (q8_0
-    keeps the pair). Paired on one core, a Q4_0 matvec streamed 10.3 instead of 9.6 GB/s,
-    11.5 instead of 10.3 from cache."""
-    m_rows = qtype in ("q4_1", "q5_1")
-    shift = {"q4_0": 0, "q5_0": 1}.get(qtype)  # xs (8 x the lane sums) doubled for q5_0: the offset's share
+    The 5-bit codes enter pmaddubsw unsigned (the nibble, plus 16 for the fifth bit); q5_0
+    then subtracts 16 times x's per-lane code sums (xs holds 8 times them, from lane_sums8).
+    That gives the int32 lanes the signed codes would (integer arithmetic is exact) with one
+    subtraction instead of the signed form's offset and abs / sign pair: paired on one core,
+    a Q4_0 matvec (then written this way) streamed 10.3 instead of 9.6 GB/s."""
+    m_rows = qtype == "q5_1"
 
     def c64(v):
         return ir.Constant(I64, v)
@@ -73,29 +72,24 @@ def emit_row(qtype):
         xsp, nb = b.bitcast(ptrs[3], I32.as_pointer()), lens[1]
         accs = [zeroed(b, V8F) for _ in range(2)]
         accm = [zeroed(b, F32) for _ in range(2)]
+        off = 2 if qtype == "q5_0" else 4  # qh, then the nibbles
 
         def block(blk, i):
             p = b.mul(blk, c64(_BB[qtype]))
             x = b.load(b.bitcast(b.gep(xp, [b.mul(blk, c64(32))]), V32I8.as_pointer()), align=1)
-            if qtype == "q8_0":
-                w = b.load(b.bitcast(b.gep(rp, [b.add(p, c64(2))]), V32I8.as_pointer()), align=1)
-                s = dot4(b, w, x)
-            else:
-                off = 2 if qtype in ("q4_0", "q5_0") else 4
-                q5 = qtype in ("q5_0", "q5_1")
-                qv = b.load(b.bitcast(b.gep(rp, [b.add(p, c64(off + 4 * q5))]), V16I8.as_pointer()), align=1)
-                lo = b.and_(qv, ir.Constant(V16I8, [15] * 16))
-                hi = b.lshr(qv, ir.Constant(V16I8, [4] * 16))
-                w = shuffle(b, lo, hi, range(32))  # element j (low nibbles), then 16 + j
-                if q5:  # element j's fifth bit: bit j of the little-endian u32 qh, as 16
-                    qh = b.load(b.bitcast(b.gep(rp, [b.add(p, c64(off))]), V4I8.as_pointer()), align=1)
-                    hb = b.and_(shuffle(b, qh, qh, [j // 8 for j in range(32)]), ir.Constant(V32I8, BITS))
-                    zero = ir.Constant(V32I8, [0] * 32)
-                    w = b.or_(w, b.select(b.icmp_unsigned("!=", hb, zero), ir.Constant(V32I8, [16] * 32), zero))
-                s = dot4(b, w, x, unsigned=True)
-                if shift is not None:
-                    lanes = b.load(b.bitcast(b.gep(xsp, [b.mul(blk, c64(8))]), V8I32.as_pointer()), align=4)
-                    s = b.sub(s, b.shl(lanes, ir.Constant(V8I32, [shift] * 8)) if shift else lanes)
+            qv = b.load(b.bitcast(b.gep(rp, [b.add(p, c64(off + 4))]), V16I8.as_pointer()), align=1)
+            lo = b.and_(qv, ir.Constant(V16I8, [15] * 16))
+            hi = b.lshr(qv, ir.Constant(V16I8, [4] * 16))
+            w = shuffle(b, lo, hi, range(32))  # element j (low nibbles), then 16 + j
+            # element j's fifth bit: bit j of the little-endian u32 qh, as 16
+            qh = b.load(b.bitcast(b.gep(rp, [b.add(p, c64(off))]), V4I8.as_pointer()), align=1)
+            hb = b.and_(shuffle(b, qh, qh, [j // 8 for j in range(32)]), ir.Constant(V32I8, BITS))
+            zero = ir.Constant(V32I8, [0] * 32)
+            w = b.or_(w, b.select(b.icmp_unsigned("!=", hb, zero), ir.Constant(V32I8, [16] * 32), zero))
+            s = dot4(b, w, x, unsigned=True)
+            if not m_rows:  # q5_0: minus 16 sum(code_x) per lane
+                lanes = b.load(b.bitcast(b.gep(xsp, [b.mul(blk, c64(8))]), V8I32.as_pointer()), align=4)
+                s = b.sub(s, b.shl(lanes, ir.Constant(V8I32, [1] * 8)))
             dd = b.fmul(_half8(b, rp, p), splat16(b, b.load(b.gep(dxp, [blk])), 8))  # d * dx, every lane
             b.store(_call(b, "llvm.fma.v8f32", V8F, [b.sitofp(s, V8F), dd, b.load(accs[i])]), accs[i])
             if m_rows:
@@ -115,9 +109,6 @@ def emit_row(qtype):
     return emit
 
 
-rows_q8_0 = make_rows(emit_row("q8_0"), 4)
-rows_q4_0 = make_rows(emit_row("q4_0"), 4)
-rows_q4_1 = make_rows(emit_row("q4_1"), 4)
 rows_q5_0 = make_rows(emit_row("q5_0"), 4)
 rows_q5_1 = make_rows(emit_row("q5_1"), 4)
 
@@ -125,7 +116,7 @@ rows_q5_1 = make_rows(emit_row("q5_1"), 4)
 @njit(**KW)
 def lane_sums8(xq):
     """int8 codes [T, K] -> int32 [T, K / 4]: 8 times the sum of each 4 consecutive codes (the
-    lanes of a block's pmaddubsw + pmaddwd), which q4_0 rows subtract (q5_0 rows twice)."""
+    lanes of a block's pmaddubsw + pmaddwd), which q5_0 rows subtract twice."""
     t_n, k = xq.shape
     out = np.empty((t_n, k // 4), np.int32)
     for t in range(t_n):
@@ -163,15 +154,21 @@ def quantize(x):
 
 
 @njit(**KW)
+def block_sums8(xq):
+    """int8 codes [T, K] -> int32 [T, K / 32]: 8 times each block's code sum (q4_0 groups
+    subtract it)."""
+    t_n, k = xq.shape
+    out = np.zeros((t_n, k // 32), np.int32)
+    for t in range(t_n):
+        for j in range(k):
+            out[t, j // 32] += 8 * np.int32(xq[t, j])
+    return out
+
+
+@njit(**KW)
 def _rows_t(data, kind, xq, dx, sx, xs, y, o0, o1):
     """y[o0:o1] for one x row (its codes xq, scales dx, sx and lane sums xs)."""
-    if kind == 1:
-        rows_q4_0(data, o0, o1, xq, dx, sx, xs, y)
-    elif kind == 2:
-        rows_q4_1(data, o0, o1, xq, dx, sx, xs, y)
-    elif kind == 0:
-        rows_q8_0(data, o0, o1, xq, dx, sx, xs, y)
-    elif kind == 6:
+    if kind == 6:
         rows_q5_0(data, o0, o1, xq, dx, sx, xs, y)
     elif kind == 7:
         rows_q5_1(data, o0, o1, xq, dx, sx, xs, y)
@@ -179,16 +176,23 @@ def _rows_t(data, kind, xq, dx, sx, xs, y, o0, o1):
         rows_q4_k(data, o0, o1, xq, dx, sx, xs, y)
     elif kind == 9:
         rows_q5_k(data, o0, o1, xq, dx, sx, xs, y)
-    else:
+    elif kind == 10:
         rows_q6_k(data, o0, o1, xq, dx, sx, xs, y)
+    else:  # q8_0 / q4_0 / q4_1 as stored: the q8 mode reads them interleaved (q8_rows)
+        raise ValueError("rows_q8: no q8 row dot for this weight kind")
 
 
 @njit(**KW)
 def rows_q8(data, kind, xq, dx, sx, y, o0, o1):
-    """y[t, o] for rows o0..o1-1 of stored block rows `data` against quantised x rows."""
+    """y[t, o] for rows o0..o1-1 of stored block rows `data` against quantised x rows; for
+    the _x8 kinds (interleaved q8_0 / q4_0 / q4_1) data's rows, o0 and o1 count groups of 8
+    rows of y's (the last group may be partly padding)."""
     t_n = xq.shape[0]
-    # only q4_0 / q5_0 rows read x's lane sums
-    xs = lane_sums8(xq) if kind == 1 or kind == 6 else np.empty((t_n, 0), np.int32)
+    if kind >= X8_FIRST:
+        x8_rows(data, kind, xq, dx, sx, block_sums8(xq), y, o0, o1)
+        return
+    # only q5_0 rows read x's lane sums
+    xs = lane_sums8(xq) if kind == 6 else np.empty((t_n, 0), np.int32)
     step = row_step(o0, o1, t_n)
     for c in range(o0, o1, step):
         for t in range(t_n):
@@ -213,8 +217,21 @@ def supports(w) -> bool:
     return KIND.get(w.qtype, -1) in BLOCK_KINDS
 
 
+def q8_rows(w):
+    """(rows, kind) the q8 mode reads for a Weight of a BLOCK_KINDS format: q8_0 / q4_0 / q4_1
+    interleaved in groups of 8 (_x8.interleave: a copy, made at the first call and kept on
+    the weight), the others as stored."""
+    if w.qtype not in X8_KIND:
+        return w.data, KIND[w.qtype]
+    if w.x8 is None:
+        w.x8 = interleave(w.data, w.qtype)
+        w.x8.flags.writeable = False  # the same array type as the stored (read-only) rows
+    return w.x8, X8_KIND[w.qtype]
+
+
 def matvec_q8(x, w, out):
     """out [T, out] = q8(x) @ W.T for a Weight of a BLOCK_KINDS format and small T."""
-    small = x.shape[0] * w.data.shape[0] * x.shape[1] < PARALLEL_MIN_MACS
-    call_slp(_mv_q8_serial if small else _mv_q8, w.data, KIND[w.qtype], x, out)
+    data, kind = q8_rows(w)
+    small = x.shape[0] * w.shape[0] * x.shape[1] < PARALLEL_MIN_MACS
+    call_slp(_mv_q8_serial if small else _mv_q8, data, kind, x, out)
     return out

@@ -30,12 +30,14 @@ from sparrow.kernels._q8act import quantize as _q8_quantize
 from sparrow.kernels._q8act import rows_q8 as _rows_q8
 from sparrow.kernels._sync import barrier, f16_bits
 from sparrow.kernels._widen import _rows_blocks, _x_block_sums
+from sparrow.kernels._x8 import GROUP, X8_KIND
 from sparrow.kernels.elementwise import _quant_rows, _rms_rows, _rope, _silu_mul
 from sparrow.kernels.sparse_select import reserve_importance_nb
 
 KW = dict(cache=True, nogil=True)
 KV_F32, KV_F16, KV_INT8 = 0, 1, 2  # storage kinds of the KV cache arrays
 _KQ_FIRST = min(KQ_KIND.values())  # weight kinds from here on have their row dots in _kquants
+_X8_FIRST = min(X8_KIND.values())  # from here on: q8-mode rows interleaved in groups (_x8)
 
 
 @njit(**KW)
@@ -60,11 +62,21 @@ def _matvec(w, kind, x, y, tid, nt, q8):
 
 
 @njit(**KW)
-def _matvec_at(w, kind, x, y, off, tid, nt, q8):
-    """_matvec into y[0, off : off + rows of w] (a piece of a group whose formats differ, as
-    q/k/v in Q4_K_M files); nothing for a piece with no rows."""
-    if w.shape[0] > 0:
-        _matvec(w, kind, x, y[:, off : off + w.shape[0]], tid, nt, q8)
+def _matvec_at(w, kind, x, y, off, n, tid, nt, q8):
+    """_matvec into y[0, off : off + n], n the rows of w (a piece of a group whose formats
+    differ, as q/k/v in Q4_K_M files); nothing for a piece with no rows."""
+    if n > 0:
+        _matvec(w, kind, x, y[:, off : off + n], tid, nt, q8)
+
+
+@njit(**KW)
+def _own_rows(w, kind, n, tid, nt):
+    """The output rows [a, b) of n that worker tid's _matvec over w wrote (w's rows are groups
+    of 8 for the _x8 kinds)."""
+    a, b = _share(w.shape[0], tid, nt)
+    if kind >= _X8_FIRST:
+        return min(GROUP * a, n), min(GROUP * b, n)
+    return a, b
 
 
 @njit(**KW)
@@ -86,13 +98,14 @@ def _store_kv(X, XS, kv_kind, kh, pos, row, one, codes, sc):
 def worker(tid, nt, sync, x, pos, model, cache, attn, scratch):
     """Worker tid of nt: decodes the token at position pos, x [1, E] being its embedding (the
     residual stream, updated in place). The tuples are built by models/fused.py:
-    model: per-layer weight rows (typed lists; q/k/v and gate/up in up to 3 and 2 pieces),
-    their kinds [L, 7] and the pieces' output offsets [L, 5], norms, biases, RoPE
+    model: per-layer weight rows (typed lists; q/k/v and gate/up in up to 3 and 2 pieces;
+    in q8 mode q8_0 / q4_0 / q4_1 in groups of 8 rows, kernels/_x8.py), their kinds [L, 7],
+    the pieces' output offsets and rows [L, 5], norms, biases, RoPE
     tables, sizes, the final norm and lm_head, whether activations are q8; cache: per-layer
     K/V arrays (typed lists), their scales, prefill importance, probe copies; attn: the sparse
     settings; scratch: buffers the workers share, and the logits [1, Vocab]."""
     # q/k/v as one fused piece (then wq1, wq2 have no rows) or three; gate/up likewise
-    (wq0, wq1, wq2, wo, wg0, wg1, wdown, kinds, offs, in_norm, post_norm, eps, bias, q_norm, k_norm, cos, sin, H,
+    (wq0, wq1, wq2, wo, wg0, wg1, wdown, kinds, offs, rows, in_norm, post_norm, eps, bias, q_norm, k_norm, cos, sin, H,
      KV, D, F, scale, head_norm, head_w, head_kind, q8) = model  # fmt: skip
     K, V, KS, VS, IMP, P, PS, n_copied, per_block, kv_kind = cache
     sparse_on, k_blocks, bs, n_probe, flags, dense, lut = attn
@@ -121,9 +134,9 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch):
     has_norm = q_norm.shape[1] > 0
     for layer in range(len(wo)):
         _rms_rows(x, in_norm[layer], eps, h)
-        _matvec_at(wq0[layer], kinds[layer, 0], h, qkv, offs[layer, 0], tid, nt, q8)
-        _matvec_at(wq1[layer], kinds[layer, 1], h, qkv, offs[layer, 1], tid, nt, q8)
-        _matvec_at(wq2[layer], kinds[layer, 2], h, qkv, offs[layer, 2], tid, nt, q8)
+        _matvec_at(wq0[layer], kinds[layer, 0], h, qkv, offs[layer, 0], rows[layer, 0], tid, nt, q8)
+        _matvec_at(wq1[layer], kinds[layer, 1], h, qkv, offs[layer, 1], rows[layer, 1], tid, nt, q8)
+        _matvec_at(wq2[layer], kinds[layer, 2], h, qkv, offs[layer, 2], rows[layer, 2], tid, nt, q8)
         barrier(sync, nt)
         # q heads: bias, q norm, RoPE, then the form the attention kernel takes
         for hh in range(h0, h1):
@@ -179,17 +192,17 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch):
             hh += n
         barrier(sync, nt)
         _matvec(wo[layer], kinds[layer, 3], att_flat, y, tid, nt, q8)
-        a, b = _share(wo[layer].shape[0], tid, nt)
+        a, b = _own_rows(wo[layer], kinds[layer, 3], E, tid, nt)
         for o in range(a, b):
             x[0, o] = x[0, o] + y[0, o]
         barrier(sync, nt)
         _rms_rows(x, post_norm[layer], eps, h)
-        _matvec_at(wg0[layer], kinds[layer, 4], h, gu, offs[layer, 3], tid, nt, q8)
-        _matvec_at(wg1[layer], kinds[layer, 5], h, gu, offs[layer, 4], tid, nt, q8)
+        _matvec_at(wg0[layer], kinds[layer, 4], h, gu, offs[layer, 3], rows[layer, 3], tid, nt, q8)
+        _matvec_at(wg1[layer], kinds[layer, 5], h, gu, offs[layer, 4], rows[layer, 4], tid, nt, q8)
         barrier(sync, nt)
         _silu_mul(gu, F, act)
         _matvec(wdown[layer], kinds[layer, 6], act, y, tid, nt, q8)
-        a, b = _share(wdown[layer].shape[0], tid, nt)
+        a, b = _own_rows(wdown[layer], kinds[layer, 6], E, tid, nt)
         for o in range(a, b):
             x[0, o] = x[0, o] + y[0, o]
         barrier(sync, nt)

@@ -21,6 +21,7 @@ from numba.typed import List
 from ..errors import SparrowError
 from ..kernels import _sync
 from ..kernels import decode_step as _ds
+from ..kernels._q8act import q8_rows
 from ..kernels._widen import F16_LUT, KIND
 from .layers import MLP
 
@@ -68,12 +69,16 @@ _EMPTY = np.zeros((0, 0), np.uint8)
 _EMPTY.flags.writeable = False  # the same array type as the weights' read-only rows
 
 
-def _rows(w):
-    return w.data if w is not None else _EMPTY
+def _rows_kind(w, q8):
+    """(rows, kind) the fused step reads for a weight piece: as stored, or in q8 mode the
+    form kernels._q8act reads (q8_0 / q4_0 / q4_1 interleaved in groups of 8 rows)."""
+    if w is None:
+        return _EMPTY, 0
+    return q8_rows(w) if q8 else (w.data, KIND[w.qtype])
 
 
-def _kind(w):
-    return KIND[w.qtype] if w is not None else 0
+def _n(w):
+    return w.shape[0] if w is not None else 0
 
 
 class FusedDecode:
@@ -102,25 +107,15 @@ class FusedDecode:
         self.E = cfg.hidden_size
         self.eps = np.float32(cfg.rms_norm_eps)
         self.scale = np.float32(a0.scale)
-        qkv = [_pieces(lay.attn.qkv_proj, 3) for lay in layers]  # [(weight | None, offset)] x 3
-        gu = [_pieces(lay.mlp.gate_up, 2) for lay in layers]
-        self.wqkv = tuple(_typed(_rows(ps[i][0]) for ps in qkv) for i in range(3))  # [rows, bytes] each
-        self.wo = _typed(lay.attn.o.data for lay in layers)
-        self.wgu = tuple(_typed(_rows(ps[i][0]) for ps in gu) for i in range(2))
-        self.wdown = _typed(lay.mlp.down.data for lay in layers)
-        self.kinds = np.array(
-            [
-                [_kind(w) for w, _ in q]
-                + [KIND[lay.attn.o.qtype]]
-                + [_kind(w) for w, _ in g]
-                + [KIND[lay.mlp.down.qtype]]
-                for q, g, lay in zip(qkv, gu, layers)
-            ],
-            np.int64,
-        )  # [L, 7]: q/k/v pieces, o, gate/up pieces, down
+        self._qkv = [_pieces(lay.attn.qkv_proj, 3) for lay in layers]  # [(weight | None, offset)] x 3
+        self._gu = [_pieces(lay.mlp.gate_up, 2) for lay in layers]
         self.offs = np.array(
-            [[off for _, off in q] + [off for _, off in g] for q, g in zip(qkv, gu)], np.int64
+            [[off for _, off in q] + [off for _, off in g] for q, g in zip(self._qkv, self._gu)], np.int64
         )  # [L, 5]
+        self.rows = np.array(
+            [[_n(w) for w, _ in q] + [_n(w) for w, _ in g] for q, g in zip(self._qkv, self._gu)], np.int64
+        )  # [L, 5]: output rows of each piece
+        self._weights = {}  # activations mode -> the weight tuple the fused step reads (weights_for)
         self.in_norm = np.stack([lay.input_norm for lay in layers]).astype(np.float32)  # [L, E]
         self.post_norm = np.stack([lay.post_norm for lay in layers]).astype(np.float32)  # [L, E]
         L, QKV = len(layers), (self.H + 2 * self.KV) * self.D
@@ -135,8 +130,6 @@ class FusedDecode:
         else:
             self.q_norm = self.k_norm = np.zeros((L, 0), np.float32)
         head = model.lm_head
-        self.head_kind = KIND[head.qtype] if head.qtype in BLOCK_KINDS else -1
-        self.head_w = head.data if self.head_kind >= 0 else np.zeros((1, 1), np.uint8)
         self.head_norm = model.norm
         V = head.shape[0]
         # scratch shared by the workers; one thread owns the model, so one set serves all calls
@@ -161,6 +154,38 @@ class FusedDecode:
         logits = staged(segments)
         self.staged_s = time.perf_counter() - t0
         return logits
+
+    def weights_for(self, q8: bool):
+        """(q/k/v rows x 3, o, gate/up rows x 2, down, kinds [L, 7], lm_head rows, its kind or
+        -1) for activations q8 or f32, built once each (the q8 set may copy weights,
+        _q8act.q8_rows)."""
+        got = self._weights.get(q8)
+        if got is None:
+            layers = self.model.layers
+
+            def typed(ws):
+                return _typed(_rows_kind(w, q8)[0] for w in ws)
+
+            def kinds(ws):
+                return [_rows_kind(w, q8)[1] for w in ws]
+
+            wqkv = tuple(typed(ps[i][0] for ps in self._qkv) for i in range(3))  # [rows, bytes] each
+            wgu = tuple(typed(ps[i][0] for ps in self._gu) for i in range(2))
+            wo, wdown = typed(lay.attn.o for lay in layers), typed(lay.mlp.down for lay in layers)
+            kinds = np.array(
+                [
+                    kinds(w for w, _ in q) + kinds([lay.attn.o]) + kinds(w for w, _ in g) + kinds([lay.mlp.down])
+                    for q, g, lay in zip(self._qkv, self._gu, layers)
+                ],
+                np.int64,
+            )  # [L, 7]: q/k/v pieces, o, gate/up pieces, down
+            head = self.model.lm_head
+            if head.qtype in BLOCK_KINDS:
+                head_w, head_kind = _rows_kind(head, q8)
+            else:
+                head_w, head_kind = np.zeros((1, 1), np.uint8), -1
+            got = self._weights[q8] = (*wqkv, wo, *wgu, wdown, kinds, head_w, head_kind)
+        return got
 
     # ------------------------------------------------------------------ per cache
     def _arrays(self, cache, probe_key):
@@ -199,9 +224,11 @@ class FusedDecode:
         cos, sin = model.rope.shifted(seg.rope_delta, seq_len)  # [>= seq_len, D/2]: row p = rope position p + delta
         x = np.array(model.embed.rows(seg.tokens), dtype=np.float32)  # [1, E], a private copy
         logits = np.empty(self.logits_shape, np.float32)  # [1, V]
-        model_t = (*self.wqkv, self.wo, *self.wgu, self.wdown, self.kinds, self.offs, self.in_norm, self.post_norm,
+        q8 = model.activations == "q8"
+        wq0, wq1, wq2, wo, wg0, wg1, wdown, kinds, head_w, head_kind = self.weights_for(q8)
+        model_t = (wq0, wq1, wq2, wo, wg0, wg1, wdown, kinds, self.offs, self.rows, self.in_norm, self.post_norm,
                    self.eps, self.bias, self.q_norm, self.k_norm, cos, sin, self.H, self.KV, self.D, self.F,
-                   self.scale, self.head_norm, self.head_w, self.head_kind, model.activations == "q8")  # fmt: skip
+                   self.scale, self.head_norm, head_w, head_kind, q8)  # fmt: skip
         cache_t = (K, V, KS, VS, IMP, P, PS, n_copied, per_block, _KV_KIND[cache.dtype])
         attn_t = (sp is not None, sp.k if sp is not None else nb, bs, sp.probe if sp is not None else 1,
                   sp.flags if sp is not None else 0, sp.dense_layers if sp is not None else 0, F16_LUT)  # fmt: skip
@@ -218,6 +245,6 @@ class FusedDecode:
         if self.sync[2] * CONTENDED > 6 * L:  # more than 1/CONTENDED of the barriers waited long
             if self.staged_s is None or self.staged_s < time.perf_counter() - t0:
                 self.backoff = BACKOFF_STEPS
-        if self.head_kind < 0:
+        if head_kind < 0:
             return model.head(x)
         return logits
