@@ -171,49 +171,33 @@ def emit_tile(qtype, mr):
     return emit
 
 
-def make_groups(qtype, mr):
-    """An intrinsic groups(data, g0, g1, xq, dx, sx, bs, y, t0, o_n): y[t, o] for x rows
-    t0 .. t0 + mr - 1 and the rows o < o_n of groups g0 .. g1 - 1 of data (interleave's
-    [G, group bytes]); xq int8 [T, K], dx / sx f32 and bs int32 (8 sum(code_x) per block,
-    read by q4_0) [T, K / 32] as _q8act.quantize gives them, y f32 [T, >= o_n]."""
-    emit = emit_tile(qtype, mr)
+MR = 4  # x rows a tile reads each unpacked weight chunk for (batched decode, prefill)
 
-    def groups(typingctx, data, g0, g1, xq, dx, sx, bs, y, t0, o_n):
+
+def make_groups(qtype):
+    """An intrinsic groups(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n): y[t, o] for x rows
+    t0 .. t0 + mr - 1 (1 <= mr <= MR) and the rows o < o_n of groups g0 .. g1 - 1 of data
+    (interleave's [G, group bytes]); xq int8 [T, K], dx / sx f32 and bs int32 (8 sum(code_x)
+    per block, read by q4_0) [T, K / 32] as _q8act.quantize gives them, y f32 [T, >= o_n].
+    Each mr has its own loop (its accumulators in registers), chosen at run time."""
+
+    def groups(typingctx, data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n):
         if not (isinstance(data, types.Array) and data.ndim == 2):
             return None
-        sig = types.none(data, g0, g1, xq, dx, sx, bs, y, t0, o_n)
+        sig = types.none(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
 
         def codegen(context, builder, signature, args):
             b = builder
             d = context.make_array(signature.args[0])(context, b, args[0])
             arrs = [context.make_array(t)(context, b, a) for t, a in zip(signature.args[3:8], args[3:8])]
-            t0, o_n = args[8], args[9]
-
-            def rows(arr, ty):  # pointers to rows t0 .. t0 + mr - 1 of a 2-D array
-                base, st = b.bitcast(arr.data, I8.as_pointer()), b.extract_value(arr.strides, 0)
-                return [b.bitcast(b.gep(base, [b.mul(b.add(t0, _c64(t)), st)]), ty) for t in range(mr)]
-
-            xps = rows(arrs[0], I8.as_pointer())
-            dxps, sxps = rows(arrs[1], F32.as_pointer()), rows(arrs[2], F32.as_pointer())
-            bsps, yps = rows(arrs[3], I32.as_pointer()), rows(arrs[4], I8.as_pointer())
+            t0, o_n = args[8], args[10]
             stride = b.extract_value(d.strides, 0)
             base = b.bitcast(d.data, I8.as_pointer())
             nb = b.extract_value(arrs[1].shape, 1)
             ystride = b.extract_value(arrs[4].strides, 1)
-            with cgutils.for_range_slice(b, args[1], args[2], _c64(1)) as (g, _):
-                vs = emit(b, b.gep(base, [b.mul(g, stride)]), xps, dxps, sxps, bsps, nb)
-                o = b.mul(g, _c64(GROUP))
-                full = b.and_(b.icmp_signed("<=", b.add(o, _c64(GROUP)), o_n), b.icmp_signed("==", ystride, _c64(4)))
-                with b.if_else(full) as (then, other):
-                    with then:
-                        for v, yp in zip(vs, yps):
-                            b.store(v, b.bitcast(b.gep(yp, [b.mul(o, _c64(4))]), V8F.as_pointer()), align=4)
-                    with other:  # the padded last group, or a strided y: lane by lane
-                        n = b.sub(o_n, o)
-                        with cgutils.for_range(b, b.select(b.icmp_signed("<", n, _c64(GROUP)), n, _c64(GROUP))) as lp:
-                            for v, yp in zip(vs, yps):
-                                at = b.gep(yp, [b.mul(b.add(o, lp.index), ystride)])
-                                b.store(b.extract_element(v, lp.index), b.bitcast(at, F32.as_pointer()))
+            for m in range(1, MR + 1):
+                with b.if_then(b.icmp_signed("==", args[9], _c64(m))):
+                    _tile_loop(b, emit_tile(qtype, m), m, base, stride, arrs, t0, args[1], args[2], nb, ystride, o_n)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -221,42 +205,44 @@ def make_groups(qtype, mr):
     return intrinsic(groups)
 
 
-MR = 4  # x rows a tile reads each unpacked weight chunk for (batched decode, prefill)
-# numba cannot index a tuple of intrinsics: one name each, x rows 1 .. MR
-q8_0_1, q8_0_2, q8_0_3, q8_0_4 = (make_groups("q8_0", mr) for mr in range(1, MR + 1))
-q4_0_1, q4_0_2, q4_0_3, q4_0_4 = (make_groups("q4_0", mr) for mr in range(1, MR + 1))
-q4_1_1, q4_1_2, q4_1_3, q4_1_4 = (make_groups("q4_1", mr) for mr in range(1, MR + 1))
+def _tile_loop(b, emit, mr, base, stride, arrs, t0, g0, g1, nb, ystride, o_n):
+    """The IR of make_groups' loop over groups for mr x rows."""
+
+    def rows(arr, ty):  # pointers to rows t0 .. t0 + mr - 1 of a 2-D array
+        at, st = b.bitcast(arr.data, I8.as_pointer()), b.extract_value(arr.strides, 0)
+        return [b.bitcast(b.gep(at, [b.mul(b.add(t0, _c64(t)), st)]), ty) for t in range(mr)]
+
+    xps = rows(arrs[0], I8.as_pointer())
+    dxps, sxps = rows(arrs[1], F32.as_pointer()), rows(arrs[2], F32.as_pointer())
+    bsps, yps = rows(arrs[3], I32.as_pointer()), rows(arrs[4], I8.as_pointer())
+    with cgutils.for_range_slice(b, g0, g1, _c64(1)) as (g, _):
+        vs = emit(b, b.gep(base, [b.mul(g, stride)]), xps, dxps, sxps, bsps, nb)
+        o = b.mul(g, _c64(GROUP))
+        full = b.and_(b.icmp_signed("<=", b.add(o, _c64(GROUP)), o_n), b.icmp_signed("==", ystride, _c64(4)))
+        with b.if_else(full) as (then, other):
+            with then:
+                for v, yp in zip(vs, yps):
+                    b.store(v, b.bitcast(b.gep(yp, [b.mul(o, _c64(4))]), V8F.as_pointer()), align=4)
+            with other:  # the padded last group, or a strided y: lane by lane
+                n = b.sub(o_n, o)
+                with cgutils.for_range(b, b.select(b.icmp_signed("<", n, _c64(GROUP)), n, _c64(GROUP))) as lp:
+                    for v, yp in zip(vs, yps):
+                        at = b.gep(yp, [b.mul(b.add(o, lp.index), ystride)])
+                        b.store(b.extract_element(v, lp.index), b.bitcast(at, F32.as_pointer()))
+
+
+groups_q8_0, groups_q4_0, groups_q4_1 = (make_groups(q) for q in ("q8_0", "q4_0", "q4_1"))
 
 
 @njit(cache=True, nogil=True)
 def _tile(data, kind, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n):
     """y[t0 : t0 + mr, rows of groups g0 .. g1 - 1] (mr <= MR)."""
     if kind == 12:
-        if mr == 4:
-            q4_0_4(data, g0, g1, xq, dx, sx, bs, y, t0, o_n)
-        elif mr == 3:
-            q4_0_3(data, g0, g1, xq, dx, sx, bs, y, t0, o_n)
-        elif mr == 2:
-            q4_0_2(data, g0, g1, xq, dx, sx, bs, y, t0, o_n)
-        else:
-            q4_0_1(data, g0, g1, xq, dx, sx, bs, y, t0, o_n)
+        groups_q4_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
     elif kind == 13:
-        if mr == 4:
-            q4_1_4(data, g0, g1, xq, dx, sx, bs, y, t0, o_n)
-        elif mr == 3:
-            q4_1_3(data, g0, g1, xq, dx, sx, bs, y, t0, o_n)
-        elif mr == 2:
-            q4_1_2(data, g0, g1, xq, dx, sx, bs, y, t0, o_n)
-        else:
-            q4_1_1(data, g0, g1, xq, dx, sx, bs, y, t0, o_n)
-    elif mr == 4:
-        q8_0_4(data, g0, g1, xq, dx, sx, bs, y, t0, o_n)
-    elif mr == 3:
-        q8_0_3(data, g0, g1, xq, dx, sx, bs, y, t0, o_n)
-    elif mr == 2:
-        q8_0_2(data, g0, g1, xq, dx, sx, bs, y, t0, o_n)
+        groups_q4_1(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
     else:
-        q8_0_1(data, g0, g1, xq, dx, sx, bs, y, t0, o_n)
+        groups_q8_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
 
 
 GROUP_CHUNK = 16  # groups (128 rows) a tile pass covers before the next x rows, when T > MR
