@@ -32,7 +32,7 @@ from sparrow.kernels._ir import F32, I8, I32, I64, fma, hsum16, make_rows, row_s
 from sparrow.kernels._kq8 import AVX2, V8F, V8I32, V16I8, V32I8, dot4, rows_q4_k, rows_q5_k, rows_q6_k
 from sparrow.kernels._kq8 import call as _call
 from sparrow.kernels._widen import _ROWS, KIND, PARALLEL_MIN_MACS, _half_at, call_slp
-from sparrow.kernels._x8 import X8_KIND, interleave, x8_rows
+from sparrow.kernels._x8 import X8_FIRST, X8_KIND, interleave, x8_rows
 from sparrow.kernels.gemm import CPU_FEATURES
 
 KW = dict(cache=True, nogil=True)
@@ -42,8 +42,8 @@ __all__ = ["AVX2", "CPU_FEATURES", "matvec_q8", "q8_rows", "quantize", "rows_q8"
 
 _BB = {"q5_0": 22, "q5_1": 24}
 V4I8 = ir.VectorType(I8, 4)
-BITS = [1 << (j % 8) for j in range(32)]
-X8_FIRST = min(X8_KIND.values())  # element j's bit in byte j // 8 of qh
+BITS = [1 << (j % 8) for j in range(32)]  # element j's bit in byte j // 8 of qh
+_X8_Q4_0 = X8_KIND["q4_0"]
 
 
 def _half8(b, rp, at):
@@ -188,8 +188,9 @@ def rows_q8(data, kind, xq, dx, sx, y, o0, o1):
     the _x8 kinds (interleaved q8_0 / q4_0 / q4_1) data's rows, o0 and o1 count groups of 8
     rows of y's (the last group may be partly padding)."""
     t_n = xq.shape[0]
-    if kind >= X8_FIRST:
-        x8_rows(data, kind, xq, dx, sx, block_sums8(xq), y, o0, o1)
+    if kind >= X8_FIRST:  # only q4_0 groups read x's block sums
+        bs = block_sums8(xq) if kind == _X8_Q4_0 else np.empty((t_n, 0), np.int32)
+        x8_rows(data, kind, xq, dx, sx, bs, y, o0, o1)
         return
     # only q5_0 rows read x's lane sums
     xs = lane_sums8(xq) if kind == 6 else np.empty((t_n, 0), np.int32)

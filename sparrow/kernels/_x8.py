@@ -37,6 +37,7 @@ from sparrow.kernels._kq8 import call as _call
 
 # the x8 kinds continue _widen.KIND (0-10); X8_KIND[qtype] is the interleaved form of qtype
 X8_KIND = {"q8_0": 11, "q4_0": 12, "q4_1": 13}
+X8_FIRST = min(X8_KIND.values())  # kinds from here on are interleaved groups
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # one row's block, as stored
 GROUP = 8
 _V8H = ir.VectorType(ir.HalfType(), 8)

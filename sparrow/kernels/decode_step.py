@@ -30,14 +30,13 @@ from sparrow.kernels._q8act import quantize as _q8_quantize
 from sparrow.kernels._q8act import rows_q8 as _rows_q8
 from sparrow.kernels._sync import barrier, f16_bits
 from sparrow.kernels._widen import _rows_blocks, _x_block_sums
-from sparrow.kernels._x8 import GROUP, X8_KIND
+from sparrow.kernels._x8 import GROUP, X8_FIRST
 from sparrow.kernels.elementwise import _quant_rows, _rms_rows, _rope, _silu_mul
 from sparrow.kernels.sparse_select import reserve_importance_nb
 
 KW = dict(cache=True, nogil=True)
 KV_F32, KV_F16, KV_INT8 = 0, 1, 2  # storage kinds of the KV cache arrays
 _KQ_FIRST = min(KQ_KIND.values())  # weight kinds from here on have their row dots in _kquants
-_X8_FIRST = min(X8_KIND.values())  # from here on: q8-mode rows interleaved in groups (_x8)
 
 
 @njit(**KW)
@@ -74,7 +73,7 @@ def _own_rows(w, kind, n, tid, nt):
     """The output rows [a, b) of n that worker tid's _matvec over w wrote (w's rows are groups
     of 8 for the _x8 kinds)."""
     a, b = _share(w.shape[0], tid, nt)
-    if kind >= _X8_FIRST:
+    if kind >= X8_FIRST:
         return min(GROUP * a, n), min(GROUP * b, n)
     return a, b
 
