@@ -40,10 +40,10 @@ def _f32(v):
 
 
 def kq8_reference(x, w):
-    """_kq8's module docstring in float64-emulated f32: per super-block n, exact integer sums
-    I [8] (sc times the codes' dot with x's codes; q6_k: two scaled halves of 16),
-    acc = fma(I, d * dx[8n : 8n + 8], acc), q4_k / q5_k also accm = fma(-(dmin m), sx, accm);
-    then the pairwise tree of acc + accm."""
+    """_kq8's module docstring in float64-emulated f32: per row, x block after x block b
+    (sub-block j = b % 8 of super-block n = b // 8), an exact integer sum I (sc[j] times the
+    codes' dot with x's codes; q6_k: two scaled halves of 16), acc = fma(I, d * dx[b], acc),
+    q4_k / q5_k also accm = fma(-(dmin m[j]), sx[b], accm); then acc + accm."""
     t_n, k = x.shape
     o_n, ns = w.shape[0], k // 256
     xq, dx, sx = quantize_reference(x)  # [T, K] int8, [T, K / 32] f32 x2
@@ -63,19 +63,14 @@ def kq8_reference(x, w):
         isum = prod.reshape(t_n, o_n, k // 32, 32).sum(axis=3) * sc.reshape(o_n, -1)  # [T, O, K / 32]
         d = half(0)
         neg_ml = -_f32(half(2)[..., None].astype(np.float64) * mn).reshape(o_n, -1)  # [O, K / 32]
-    acc = np.zeros((t_n, o_n, 8), np.float32)
-    accm = np.zeros((t_n, o_n, 8), np.float32)
-    for n in range(ns):
-        s = slice(8 * n, 8 * n + 8)
-        coef = _f32(d[None, :, n, None].astype(np.float64) * dx[:, None, s])  # [T, O, 8]
-        acc = fma32(isum[:, :, s].astype(np.float64) * coef, acc)
+    acc = np.zeros((t_n, o_n), np.float32)
+    accm = np.zeros((t_n, o_n), np.float32)
+    for b in range(k // 32):
+        coef = _f32(d[None, :, b // 8].astype(np.float64) * dx[:, None, b])  # [T, O]
+        acc = fma32(isum[:, :, b].astype(np.float64) * coef, acc)
         if neg_ml is not None:
-            accm = fma32(neg_ml[None, :, s].astype(np.float64) * sx[:, None, s], accm)
-    v = acc if neg_ml is None else _f32(acc.astype(np.float64) + accm)
-    while v.shape[-1] > 1:
-        h = v.shape[-1] // 2
-        v = _f32(v[..., :h].astype(np.float64) + v[..., h:])
-    return v[..., 0]
+            accm = fma32(neg_ml[None, :, b].astype(np.float64) * sx[:, None, b], accm)
+    return acc if neg_ml is None else _f32(acc.astype(np.float64) + accm)
 
 
 def reference(x, w):

@@ -1,156 +1,190 @@
-"""K-quant row dots with activations quantised to 8 bits (the activations="q8" mode) for
-q4_k, q5_k and q6_k weights; kernels/_q8act.py quantises x and dispatches every format.
+"""K-quant matvecs with activations quantised to 8 bits (the activations="q8" mode) over
+q4_k, q5_k and q6_k rows in groups of 8, interleaved (layout: _x8.REGIONS; kernels/_x8.py
+does the same for q8_0 / q4_0 / q4_1, _q8act.py quantises x and dispatches every format).
 
 x comes as _q8act.quantize gives it: per 32-value block b, int8 codes, scale dx[b] and
-sx[b] = dx[b] * sum(codes). A super-block of 256 weights covers 8 such blocks, so its
-integer dot products land in 8 lanes, lane j for block 8 n + j of super-block n:
-  q4_k / q5_k: I[j] = sc[j] * sum(code_w * code_x) over sub-block j (exact int32);
-  q6_k:        I[j] = sc[2j] * sum over the first 16 values + sc[2j + 1] * the last 16,
-               code_w the stored 6-bit value minus 32 (exact int32, |I| < 2^24);
-  acc  = fma(float(I), d * dx[8 n : 8 n + 8], acc)                   <8 x float>
-  q4_k / q5_k only: accm = fma(-(dmin * m), sx[8 n : 8 n + 8], accm)  (m: the 6-bit mins)
-super-block after super-block. Result: the pairwise tree (lane i + i + n/2) of acc + accm
-(q6_k: of acc). Integer sums are exact, so how a CPU groups them (x86's pmaddubsw +
-pmaddwd, or the generic vector code numba emits elsewhere) never changes a bit, and every
-row's order depends only on its length: the same bits whatever T, batch or thread count.
-The 6-bit scales and mins are unpacked as ggml does, 8 lanes at a time.
+sx[b] = dx[b] * sum(codes). A super-block n of 256 weights covers x blocks 8 n .. 8 n + 7;
+its sub-block j (32 values) meets block b = 8 n + j. Per row, block after block:
+  q4_k / q5_k: I = sc[j] * sum(code_w * code_x) over sub-block j, code_w the nibble
+               (q5_k: plus 16 for the fifth bit); an exact int32
+  q6_k:        I = sc[2j] * sum over its first 16 values + sc[2j + 1] * the last 16,
+               code_w the stored 6-bit value minus 32 (exact int32, |I| < 2^24)
+  acc  = fma(float(I), d * dx[b], acc)
+  q4_k / q5_k only: accm = fma(-(dmin * m[j]), sx[b], accm)   (m: the 6-bit mins)
+from acc = accm = 0; result acc + accm (q6_k: acc). Integer sums are exact, so every CPU
+path gives the same bits, and a row's order depends only on its length: the same bits
+whatever its group, T or thread count. The 6-bit scales and mins are unpacked as ggml does,
+once, when the groups are built (_x8._k_scales).
 
-Unlike llama.cpp's q8_K (one activation scale per 256 values), x keeps one scale per 32
-values, the same quantised x as the q8_0 / q4_x / q5_x row dots, so one Q4_K_M model mixes
-formats on one quantisation of each activation row.
+Lane r of every vector is row 8 g + r: a chunk of 4 code bytes per row meets 4 bytes of x
+broadcast to all lanes (pmaddubsw), products add up in int16 while they fit (q4_k: a whole
+sub-block, 16 x 15 x 127 = 30480; q5_k and q6_k: 16 values, 8 x 31 x 127 and 8 x 32 x 127),
+and pmaddwd against the row's scale turns them into I. Unlike llama.cpp's q8_K (one
+activation scale per 256 values), x keeps one scale per 32 values, the same quantised x as
+the q8_0 / q4_x / q5_x row dots, so one Q4_K_M model mixes formats on one quantisation of
+each activation row.
 """
+
+from functools import partial
 
 from llvmlite import ir
 from numba.core import cgutils
 
-from sparrow.kernels._ir import F32, I8, I16, I32, I64, fma, hsum16, make_rows, shuffle, splat16, zeroed
-from sparrow.kernels._kquants import scales_mins8
-from sparrow.kernels.gemm import CPU_FEATURES
+from sparrow.kernels._ir import I16, fma, shuffle, splat16, zeroed
+from sparrow.kernels._q8ir import (
+    AVX2,
+    V8F,
+    V8I8,
+    V16I8,
+    V16I16,
+    V32I8,
+    absb,
+    bcast4,
+    call,
+    maddbs,
+    maddubs,
+    maddwd,
+    splat,
+)
+from sparrow.kernels._x8 import GROUP_BYTES, V8H, c64, load, make_groups
 
-AVX2 = "+avx2" in CPU_FEATURES.split(",")  # pmaddubsw / pmaddwd / psignb, else generic IR
-
-V8F = ir.VectorType(F32, 8)
-V8I32 = ir.VectorType(I32, 8)
-V8I8 = ir.VectorType(I8, 8)
-V16I16 = ir.VectorType(I16, 16)
-V16I8 = ir.VectorType(I8, 16)
-V32I8 = ir.VectorType(I8, 32)
-V32I32 = ir.VectorType(I32, 32)
-_FALSE = ir.Constant(ir.IntType(1), 0)
-_BB = {"q4_k": 144, "q5_k": 176, "q6_k": 210}
-
-
-def call(builder, name, ret, args):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
-    return builder.call(fn, args)
-
-
-def dot4(builder, w, x, c=None, unsigned=False):
-    """<32 x i8> w, signed x -> <8 x i32>, lane j = sum of w[4j + i] * x[4j + i] * c[2j + i // 2]
-    for i < 4 (c: <16 x i16> factors, all 1 when None; w signed unless unsigned). Needs
-    |w| <= 128 (unsigned: w <= 255) and every pair sum w x + w x within int16, as every
-    caller's codes give."""
-    c = ir.Constant(V16I16, [1] * 16) if c is None else c
-    if AVX2:  # signed w: |w| * (x with w's sign) in pmaddubsw (|w| <= 128, |x| <= 127)
-        if unsigned:
-            p = call(builder, "llvm.x86.avx2.pmadd.ub.sw", V16I16, [w, x])
-        else:
-            u = call(builder, "llvm.abs.v32i8", V32I8, [w, _FALSE])
-            s = call(builder, "llvm.x86.avx2.psign.b", V32I8, [x, w])
-            p = call(builder, "llvm.x86.avx2.pmadd.ub.sw", V16I16, [u, s])
-        return call(builder, "llvm.x86.avx2.pmadd.wd", V8I32, [p, c])
-    c32 = builder.sext(shuffle(builder, c, c, [i // 2 for i in range(32)]), V32I32)
-    w32 = builder.zext(w, V32I32) if unsigned else builder.sext(w, V32I32)
-    pr = builder.mul(builder.mul(w32, builder.sext(x, V32I32)), c32)
-    parts = [shuffle(builder, pr, pr, range(i, 32, 4)) for i in range(4)]
-    return builder.add(builder.add(parts[0], parts[1]), builder.add(parts[2], parts[3]))
-
-
-def _lane_sums(b, vs):
-    """8 <8 x i32> -> <8 x i32> whose lane j is the sum of vs[j]'s lanes (exact: any order)."""
-    g = 8  # lanes each source vector still has; a register holds 8 / g of them, in order
-    while len(vs) > 1:
-        half = [i for k in range(0, 8, g) for i in range(k, k + g // 2)]
-        lo = half + [8 + i for i in half]
-        hi = [i + g // 2 for i in lo]
-        vs = [b.add(shuffle(b, a, c, lo), shuffle(b, a, c, hi)) for a, c in zip(vs[::2], vs[1::2])]
-        g //= 2
-    return vs[0]
-
-
-def _c64(v):
-    return ir.Constant(I64, v)
+_V8I16 = ir.VectorType(ir.IntType(16), 8)
+_CODES = {"q4_k": 160, "q5_k": 416}  # group offsets of the nibble chunks (q5_k: after 8 qh chunks)
+_QH = 160  # q5_k's high-bit chunks
+_Q6_SC, _Q6_QL, _Q6_QH = 16, 144, 1168  # q6_k: scale pairs, low-nibble chunks, 2-bit chunks
 
 
 def _v(ty, vals):
     return ir.Constant(ty, list(vals))
 
 
-def _load(b, base, at, ty):
-    return b.load(b.bitcast(b.gep(base, [at]), ty.as_pointer()), align=1)
+def _dup16(b, v8):
+    """<8 x i16> -> <16 x i16> with each element twice (pmaddwd's factor for row r's pair)."""
+    return shuffle(b, v8, v8, [i // 2 for i in range(16)])
 
 
-def _half(b, rp, at):
-    return b.fpext(_load(b, rp, at, ir.HalfType()), F32)
+def _shr(b, v, n):
+    """<32 x i8> v shifted right by the run-time i64 n < 8 (one 16-bit shift: callers mask
+    the bits that crossed from the next byte)."""
+    cnt = b.bitcast(splat(b, b.trunc(n, I16), V16I16), V16I16)
+    return b.bitcast(b.lshr(b.bitcast(v, V16I16), cnt), V32I8)
 
 
-def _superblock(qtype, b, rp, xp, blk):
-    """(I: <8 x i32> per the module doc, d, dmin or None, m <8 x i32> or None) of super-block blk."""
-    p = b.mul(blk, _c64(_BB[qtype]))
-    x0 = b.mul(blk, _c64(256))
-    xs = [_load(b, xp, b.add(x0, _c64(32 * j)), V32I8) for j in range(8)]
-    if qtype == "q6_k":
-        d = _half(b, rp, b.add(p, _c64(208)))
-        sc = b.sext(_load(b, rp, b.add(p, _c64(192)), V16I8), V16I16)
-        lanes = []
-        for h in range(2):
-            qh = _load(b, rp, b.add(p, _c64(128 + 32 * h)), V32I8)
-            for s in range(4):
-                ql = _load(b, rp, b.add(p, _c64(64 * h + 32 * (s & 1))), V32I8)
-                lo = b.and_(b.lshr(ql, _v(V32I8, [4 * (s >> 1)] * 32)), _v(V32I8, [15] * 32))
-                hi = b.shl(b.and_(b.lshr(qh, _v(V32I8, [2 * s] * 32)), _v(V32I8, [3] * 32)), _v(V32I8, [4] * 32))
-                w = b.sub(b.or_(lo, hi), _v(V32I8, [32] * 32))
-                j = 4 * h + s
-                lanes.append(dot4(b, w, xs[j], shuffle(b, sc, sc, [2 * j] * 8 + [2 * j + 1] * 8)))
-        return _lane_sums(b, lanes), d, None, None
-    d, dmin = _half(b, rp, p), _half(b, rp, b.add(p, _c64(2)))
-    sc, m = scales_mins8(b, _load(b, rp, b.add(p, _c64(4)), V16I8))
-    qo = 16 if qtype == "q4_k" else 48
-    if qtype == "q5_k":
-        qh = _load(b, rp, b.add(p, _c64(16)), V32I8)
-    lanes = []
-    for j in range(8):
-        q = _load(b, rp, b.add(p, _c64(qo + 32 * (j // 2))), V32I8)
-        w = b.and_(b.lshr(q, _v(V32I8, [4 * (j % 2)] * 32)), _v(V32I8, [15] * 32))
-        if qtype == "q5_k":
-            hb = b.and_(b.lshr(qh, _v(V32I8, [j] * 32)), _v(V32I8, [1] * 32))
-            w = b.or_(w, b.shl(hb, _v(V32I8, [4] * 32)))
-        lanes.append(dot4(b, w, xs[j], unsigned=True))  # codes 0..15 (q5_k: 0..31)
-    return b.mul(_lane_sums(b, lanes), sc), d, dmin, m
+def _prefetch(b, p, j, gb):
+    """Sub-block j's share of the next super-block's cache lines (p + gb ..) into L1. q6_k
+    visits a super-block's chunks out of order (its two nibble halves and 2-bit chunks, each
+    twice), which the hardware prefetcher follows badly: one core streaming Qwen3-1.7B's
+    lm_head ran at 7.4 GB/s without, 14.9 with. q4_k / q5_k read theirs in order and gain
+    nothing (two cores: ~20 GB/s either way, this machine's memory)."""
+    per = -(-gb // 64 // 8) + 1
+    for i in range(per):
+        at = b.gep(p, [b.add(c64(gb + 64 * i), b.mul(j, c64(64 * per)))])
+        args = [at] + [ir.Constant(ir.IntType(32), v) for v in (0, 3, 1)]  # read, keep, data
+        call(b, "llvm.prefetch.p0i8", ir.VoidType(), args)
 
 
-def emit_row(qtype):
-    """The IR of one row's dot product, as _ir.make_rows calls it (inputs: x's codes, dx, sx,
-    lane sums; the last unused here)."""
+def _accumulate(b, tots, part, i):
+    tots[i] = part if tots[i] is None else b.add(tots[i], part)
 
-    def emit(b, rp, ptrs, lens):
-        xp, dxp, sxp = ptrs[0], b.bitcast(ptrs[1], F32.as_pointer()), b.bitcast(ptrs[2], F32.as_pointer())
-        nb = b.udiv(lens[1], _c64(8))
-        acc, accm = zeroed(b, V8F), zeroed(b, V8F)
-        with cgutils.for_range(b, nb) as loop:
-            blk = loop.index
-            i, d, dmin, m = _superblock(qtype, b, rp, xp, blk)
-            coef = b.fmul(splat16(b, d, 8), _load(b, dxp, b.mul(blk, _c64(8)), V8F))
-            b.store(fma(b, b.sitofp(i, V8F), coef, b.load(acc)), acc)
-            if m is not None:
-                neg_ml = b.fneg(b.fmul(splat16(b, dmin, 8), b.uitofp(m, V8F)))
-                b.store(fma(b, neg_ml, _load(b, sxp, b.mul(blk, _c64(8)), V8F), b.load(accm)), accm)
-        v = b.load(acc) if qtype == "q6_k" else b.fadd(b.load(acc), b.load(accm))
-        return hsum16(b, v)
+
+def _sub_blocks(b, n, mr, xps, dxps, body):
+    """A run-time loop over super-block n's 8 sub-blocks (unrolled, LLVM kept every chunk of
+    all 8 live and spilled: q6_k ran at 7 GMAC/s): body(j, [x pointers of sub-block j], [dx
+    of block 8 n + j]) per j."""
+    with cgutils.for_range(b, c64(8)) as loop:
+        j = loop.index
+        blk = b.add(b.mul(n, c64(8)), j)
+        xs = [b.gep(xp, [b.mul(blk, c64(32))]) for xp in xps]
+        body(j, blk, xs, [b.load(b.gep(dxp, [blk])) for dxp in dxps])
+
+
+def emit_k(qtype, mr):
+    """emit(b, group pointer, [x codes], [dx], [sx], [unused], nb) -> [<8 x float>] per x row
+    for q4_k / q5_k, in the module docstring's order (nb: x's 32-blocks)."""
+    gb, codes = GROUP_BYTES[qtype], _CODES[qtype]
+    m15, one = _v(V32I8, [15] * 32), _v(V32I8, [1] * 32)
+
+    def emit(b, gp, xps, dxps, sxps, bsps, nb):
+        acc, accm = [zeroed(b, V8F) for _ in range(mr)], [zeroed(b, V8F) for _ in range(mr)]
+        with cgutils.for_range(b, b.udiv(nb, c64(8))) as loop:
+            n = loop.index
+            p = b.gep(gp, [b.mul(n, c64(gb))])
+            d, dmin = b.fpext(load(b, p, 0, V8H), V8F), b.fpext(load(b, p, 16, V8H), V8F)
+
+            def body(j, blk, xs, dxs):
+                sc = _dup16(b, b.zext(loadv(b, p, b.add(c64(32), b.shl(j, c64(3))), V8I8), _V8I16))
+                neg_m = b.fneg(b.fmul(dmin, b.uitofp(loadv(b, p, b.add(c64(96), b.shl(j, c64(3))), V8I8), V8F)))
+                pair = b.gep(p, [b.add(c64(codes), b.mul(b.lshr(j, c64(1)), c64(256)))])  # sub-blocks 2i, 2i + 1
+                shift = b.shl(b.and_(j, c64(1)), c64(2))  # high nibbles for odd j
+                tots = [[None, None] for _ in range(mr)]
+                for c in range(8):  # the pair's bytes 4c .. 4c + 3: elements 4c .. of sub-block j
+                    w = b.and_(_shr(b, load(b, pair, 32 * c, V32I8), shift), m15)
+                    if qtype == "q5_k":  # bit j of qh byte i is element i's fifth bit
+                        hb = b.and_(_shr(b, load(b, p, _QH + 32 * c, V32I8), j), one)
+                        w = b.or_(w, b.shl(hb, _v(V32I8, [4] * 32)))
+                    for t in range(mr):
+                        part = maddubs(b, w, bcast4(b, b.gep(xs[t], [c64(4 * c)])))
+                        _accumulate(b, tots[t], part, c // 4 if qtype == "q5_k" else 0)
+                for t in range(mr):
+                    i = maddwd(b, tots[t][0], sc)
+                    if tots[t][1] is not None:
+                        i = b.add(i, maddwd(b, tots[t][1], sc))
+                    dd = b.fmul(d, splat16(b, dxs[t], 8))
+                    b.store(fma(b, b.sitofp(i, V8F), dd, b.load(acc[t])), acc[t])
+                    sx = splat16(b, b.load(b.gep(sxps[t], [blk])), 8)
+                    b.store(fma(b, neg_m, sx, b.load(accm[t])), accm[t])
+
+            _sub_blocks(b, n, mr, xps, dxps, body)
+        return [b.fadd(b.load(acc[t]), b.load(accm[t])) for t in range(mr)]
 
     return emit
 
 
-rows_q4_k = make_rows(emit_row("q4_k"), 4)
-rows_q5_k = make_rows(emit_row("q5_k"), 4)
-rows_q6_k = make_rows(emit_row("q6_k"), 4)
+def emit_q6_k(mr):
+    """emit for q6_k (emit_k's signature). Per row, a super-block's half h of 128 values:
+    ql bytes 64h + l (low nibble: element l, high: l + 64) and 64h + 32 + l (l + 32, l + 96),
+    qh byte 32h + l holding the 2 high bits of l, l + 32, l + 64, l + 96 (bits 0-1, 2-3, ...)."""
+    gb = GROUP_BYTES["q6_k"]
+    m15, m3, k32 = _v(V32I8, [15] * 32), _v(V32I8, [3] * 32), _v(V32I8, [32] * 32)
+
+    def emit(b, gp, xps, dxps, sxps, bsps, nb):
+        acc = [zeroed(b, V8F) for _ in range(mr)]
+        with cgutils.for_range(b, b.udiv(nb, c64(8))) as loop:
+            n = loop.index
+            p = b.gep(gp, [b.mul(n, c64(gb))])
+            d = b.fpext(load(b, p, 0, V8H), V8F)
+
+            def body(j, blk, xs, dxs):  # x block 8 n + j: half h = j // 4, quarter s = j % 4
+                h, s = b.lshr(j, c64(2)), b.and_(j, c64(3))
+                _prefetch(b, p, j, gb)
+                pairs = b.sext(loadv(b, p, b.add(c64(_Q6_SC), b.shl(j, c64(4))), V16I8), V16I16)  # sc[2j], sc[2j+1]
+                scs = [shuffle(b, pairs, pairs, [2 * (i // 2) + u for i in range(16)]) for u in (0, 1)]
+                ql_at = b.add(c64(_Q6_QL), b.mul(b.add(b.shl(h, c64(4)), b.shl(b.and_(s, c64(1)), c64(3))), c64(32)))
+                ql, qh = b.gep(p, [ql_at]), b.gep(p, [b.add(c64(_Q6_QH), b.shl(h, c64(8)))])
+                nib, hsh = b.shl(b.lshr(s, c64(1)), c64(2)), b.shl(s, c64(1))
+                tots = [[None, None] for _ in range(mr)]
+                for c in range(8):  # values 128h + 32s + 4c .. + 3
+                    lo = b.and_(_shr(b, load(b, ql, 32 * c, V32I8), nib), m15)
+                    hi = b.shl(b.and_(_shr(b, load(b, qh, 32 * c, V32I8), hsh), m3), _v(V32I8, [4] * 32))
+                    w = b.sub(b.or_(lo, hi), k32)  # -32 .. 31
+                    u = absb(b, w) if AVX2 else None
+                    for t in range(mr):
+                        _accumulate(b, tots[t], maddbs(b, w, bcast4(b, b.gep(xs[t], [c64(4 * c)])), u), c // 4)
+                for t in range(mr):
+                    i = b.add(maddwd(b, tots[t][0], scs[0]), maddwd(b, tots[t][1], scs[1]))
+                    dd = b.fmul(d, splat16(b, dxs[t], 8))
+                    b.store(fma(b, b.sitofp(i, V8F), dd, b.load(acc[t])), acc[t])
+
+            _sub_blocks(b, n, mr, xps, dxps, body)
+        return [b.load(acc[t]) for t in range(mr)]
+
+    return emit
+
+
+def loadv(b, p, at, ty):
+    """load at a run-time byte offset (i64)."""
+    return b.load(b.bitcast(b.gep(p, [at]), ty.as_pointer()), align=1)
+
+
+groups_q4_k, groups_q5_k = (make_groups(partial(emit_k, q)) for q in ("q4_k", "q5_k"))
+groups_q6_k = make_groups(emit_q6_k)

@@ -4,9 +4,10 @@ llama.cpp's arithmetic: each 32-value block of x becomes int8 codes and one f32 
 each block's dot product with a weight block is an exact integer sum. It reads the same
 weight bytes as the exact path (kernels._widen) with a fraction of the vector instructions
 a block, so on a compute-bound core it decodes faster. q8_0 / q4_0 / q4_1 weights take
-kernels/_x8.py (rows interleaved in groups of 8, built once per weight: one core, q4_0 in
-cache 51.6 GMAC/s against 13.5 exact); q5_0 / q5_1 take emit_row below, one row at a time;
-the K-quants q4_k / q5_k / q6_k take _kq8.py, on the same quantised x. It is not exact: on
+kernels/_x8.py and the K-quants q4_k / q5_k / q6_k kernels/_kq8.py, on rows interleaved in
+groups of 8 (built once per weight: one core, q4_0 in cache 51.6 GMAC/s against 13.5
+exact, q4_k 31 against 19 row at a time); q5_0 / q5_1 take emit_row below, one row at a
+time, on the same quantised x (_q8ir holds the IR pieces all of them share). It is not exact: on
 SmolLM2-135M (Q4_1) its decode logits differ from the f32 path by KL 3.1e-3 on average and
 agree on the top token at 98% of 400 positions, which is why it is a mode and never the
 default.
@@ -29,10 +30,11 @@ from numba import njit, prange
 from numba.core import cgutils
 
 from sparrow.kernels._ir import F32, I8, I32, I64, fma, hsum16, make_rows, row_step, shuffle, splat16, zeroed
-from sparrow.kernels._kq8 import AVX2, V8F, V8I32, V16I8, V32I8, dot4, rows_q4_k, rows_q5_k, rows_q6_k
-from sparrow.kernels._kq8 import call as _call
+from sparrow.kernels._kq8 import groups_q4_k, groups_q5_k, groups_q6_k
+from sparrow.kernels._q8ir import AVX2, V8F, V8I32, V16I8, V32I8, dot4
+from sparrow.kernels._q8ir import call as _call
 from sparrow.kernels._widen import _ROWS, KIND, PARALLEL_MIN_MACS, _half_at, call_slp
-from sparrow.kernels._x8 import X8_FIRST, X8_KIND, interleave, x8_rows
+from sparrow.kernels._x8 import MR, X8_FIRST, X8_KIND, groups_q4_0, groups_q4_1, groups_q8_0, interleave
 from sparrow.kernels.gemm import CPU_FEATURES
 
 KW = dict(cache=True, nogil=True)
@@ -172,14 +174,40 @@ def _rows_t(data, kind, xq, dx, sx, xs, y, o0, o1):
         rows_q5_0(data, o0, o1, xq, dx, sx, xs, y)
     elif kind == 7:
         rows_q5_1(data, o0, o1, xq, dx, sx, xs, y)
-    elif kind == 8:
-        rows_q4_k(data, o0, o1, xq, dx, sx, xs, y)
-    elif kind == 9:
-        rows_q5_k(data, o0, o1, xq, dx, sx, xs, y)
-    elif kind == 10:
-        rows_q6_k(data, o0, o1, xq, dx, sx, xs, y)
-    else:  # q8_0 / q4_0 / q4_1 as stored: the q8 mode reads them interleaved (q8_rows)
+    else:  # q8_0 / q4_x / K-quants as stored: the q8 mode reads them interleaved (q8_rows)
         raise ValueError("rows_q8: no q8 row dot for this weight kind")
+
+
+@njit(**KW)
+def _tile(data, kind, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n):
+    """y[t0 : t0 + mr, rows of groups g0 .. g1 - 1] (mr <= _x8.MR) for an interleaved kind."""
+    if kind == 11:
+        groups_q8_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
+    elif kind == 12:
+        groups_q4_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
+    elif kind == 13:
+        groups_q4_1(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
+    elif kind == 14:
+        groups_q4_k(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
+    elif kind == 15:
+        groups_q5_k(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
+    else:
+        groups_q6_k(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
+
+
+GROUP_CHUNK = 16  # groups (128 rows) a tile pass covers before the next x rows, when T > MR
+
+
+@njit(**KW)
+def x8_rows(data, kind, xq, dx, sx, bs, y, g0, g1):
+    """y[t, o] for every x row t and the rows o < y.shape[1] of groups g0 .. g1 - 1: x rows
+    in tiles of MR (the last one smaller), a chunk of groups at a time so it stays in cache
+    while the tiles pass."""
+    t_n, o_n = xq.shape[0], y.shape[1]
+    step = max(g1 - g0, 1) if t_n <= MR else GROUP_CHUNK
+    for c in range(g0, g1, step):
+        for t0 in range(0, t_n, MR):
+            _tile(data, kind, c, min(g1, c + step), xq, dx, sx, bs, y, t0, min(MR, t_n - t0), o_n)
 
 
 @njit(**KW)

@@ -25,87 +25,101 @@ exact, so every CPU path (AVX2 or the generic vector code) gives the same bits, 
 order depends only on its length: the same bits whatever its group, T or thread count.
 """
 
+from functools import partial
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from sparrow.kernels._ir import F32, I8, I16, I32, I64, shuffle, splat16, zeroed
-from sparrow.kernels._kq8 import AVX2, V8F, V8I32, V16I16, V32I8, V32I32
-from sparrow.kernels._kq8 import call as _call
+from sparrow.kernels._ir import F32, I8, I32, I64, fma, splat16, zeroed
+from sparrow.kernels._q8ir import AVX2, V8F, V8I32, V16I16, V32I8, absb, bcast4, maddbs, maddubs, maddwd, splat
 
 # the x8 kinds continue _widen.KIND (0-10); X8_KIND[qtype] is the interleaved form of qtype
-X8_KIND = {"q8_0": 11, "q4_0": 12, "q4_1": 13}
+X8_KIND = {"q8_0": 11, "q4_0": 12, "q4_1": 13, "q4_k": 14, "q5_k": 15, "q6_k": 16}
 X8_FIRST = min(X8_KIND.values())  # kinds from here on are interleaved groups
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # one row's block, as stored
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q5_k": 176, "q6_k": 210}  # as stored
 GROUP = 8
-_V8H = ir.VectorType(ir.HalfType(), 8)
-_V32I16 = ir.VectorType(I16, 32)
+# A stored block's byte ranges (src, dst, length, width): bytes src .. src + length - 1 of a
+# row's block go, `width` bytes a row, to offset 8 dst of the group's block (the 8 rows' first
+# width bytes, then their next width bytes, ...). q4_k / q5_k's 12 packed scale bytes are
+# written apart, unpacked (_k_scales): group bytes 32 + 8 j + r (scale j of row r), 96 + 8 j
+# + r (min j). q6_k moves d and its 16 scales (pairs: 2 j, 2 j + 1) ahead of the codes.
+REGIONS = {
+    "q8_0": ((0, 0, 2, 2), (2, 2, 32, 4)),
+    "q4_0": ((0, 0, 2, 2), (2, 2, 16, 4)),
+    "q4_1": ((0, 0, 4, 2), (4, 4, 16, 4)),
+    "q4_k": ((0, 0, 4, 2), (16, 20, 128, 4)),
+    "q5_k": ((0, 0, 4, 2), (16, 20, 32, 4), (48, 52, 128, 4)),
+    "q6_k": ((208, 0, 2, 2), (192, 2, 16, 2), (0, 18, 128, 4), (128, 146, 64, 4)),
+}
+GROUP_BYTES = {q: GROUP * (r[-1][1] + r[-1][2]) for q, r in REGIONS.items()}  # a group's block
 
 
 def interleave(data: np.ndarray, qtype: str) -> np.ndarray:
-    """Stored rows [O, nb * bb] -> groups [ceil(O / 8), nb * 8 * bb] in the layout above (the
-    last group padded with zero rows, whose scales 0 make them 0)."""
+    """Stored rows [O, nb * bb] -> groups [ceil(O / 8), nb * group bytes] in the layout above
+    (the last group padded with zero rows, whose scales 0 make them 0)."""
     o_n, row_bytes = data.shape
-    bb = BLOCK_BYTES[qtype]
-    out = np.zeros((-(-o_n // GROUP), row_bytes * GROUP), np.uint8)
-    _interleave(data, out, bb, 4 if qtype == "q4_1" else 2)
+    nb = row_bytes // BLOCK_BYTES[qtype]
+    out = np.zeros((-(-o_n // GROUP), nb * GROUP_BYTES[qtype]), np.uint8)
+    regions = np.array(REGIONS[qtype], np.int64)
+    _interleave(data, out, BLOCK_BYTES[qtype], GROUP_BYTES[qtype], regions)
+    if qtype in ("q4_k", "q5_k"):
+        _k_scales(data, out, BLOCK_BYTES[qtype], GROUP_BYTES[qtype])
     return out
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _interleave(data, out, bb, head):
-    """data's rows into out's groups; head: bytes of scales ahead of a block's codes (d, or d
-    and m), which go 2 bytes a row, then the codes 4 bytes a row (1.7B's weights: ~1 GB/s,
-    numpy's transposes ~0.15)."""
+def _interleave(data, out, bb, gb, regions):
+    """data's rows into out's groups, region by region (1.7B's q4_0 weights: ~1 GB/s, numpy's
+    transposes ~0.15)."""
     o_n = data.shape[0]
     nb = data.shape[1] // bb
     for g in prange(out.shape[0]):
         for r in range(min(GROUP, o_n - GROUP * g)):
             row = data[GROUP * g + r]
             for blk in range(nb):
-                src, dst = blk * bb, blk * bb * GROUP
-                for j in range(head // 2):  # d, then m
-                    out[g, dst + 16 * j + 2 * r] = row[src + 2 * j]
-                    out[g, dst + 16 * j + 2 * r + 1] = row[src + 2 * j + 1]
-                for c in range((bb - head) // 4):
-                    for i in range(4):
-                        out[g, dst + 8 * head + 32 * c + 4 * r + i] = row[src + head + 4 * c + i]
+                for k in range(regions.shape[0]):
+                    src, dst = regions[k, 0] + blk * bb, 8 * regions[k, 1] + blk * gb
+                    n, w = regions[k, 2], regions[k, 3]
+                    for f in range(n // w):
+                        for i in range(w):
+                            out[g, dst + GROUP * w * f + w * r + i] = row[src + w * f + i]
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _k_scales(data, out, bb, gb):
+    """q4_k / q5_k: each block's 6-bit scales and mins (bytes 4 .. 15), unpacked as ggml's
+    get_scale_min_k4, to group bytes 32 + 8 j + r and 96 + 8 j + r."""
+    o_n = data.shape[0]
+    for g in prange(out.shape[0]):
+        for r in range(min(GROUP, o_n - GROUP * g)):
+            row = data[GROUP * g + r]
+            for blk in range(data.shape[1] // bb):
+                q, o = row[blk * bb + 4 : blk * bb + 16], blk * gb
+                for j in range(8):
+                    if j < 4:
+                        sc, m = q[j] & 63, q[j + 4] & 63
+                    else:
+                        sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4)
+                        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
+                    out[g, o + 32 + 8 * j + r] = sc
+                    out[g, o + 96 + 8 * j + r] = m
 
 
 # ------------------------------------------------------------------ IR
 
+V8H = ir.VectorType(ir.HalfType(), 8)
 
-def _c64(v):
+
+def c64(v):
     return ir.Constant(I64, v)
 
 
-def _splat(b, v, vty):
-    und = ir.Constant(vty, ir.Undefined)
-    return shuffle(b, b.insert_element(und, v, ir.Constant(I32, 0)), und, [0] * vty.count)
-
-
-def _bcast4(b, p):
-    """The 4 bytes at p (i8*) repeated in all 8 i32 lanes, as <32 x i8>."""
-    return b.bitcast(_splat(b, b.load(b.bitcast(p, I32.as_pointer()), align=1), V8I32), V32I8)
-
-
-def _maddubs(b, u, s):
-    """pmaddubsw without its saturation (every caller's pair sums fit int16): <32 x i8> u
-    unsigned, s signed -> <16 x i16>, element i = u[2i] s[2i] + u[2i+1] s[2i+1]."""
-    if AVX2:
-        return _call(b, "llvm.x86.avx2.pmadd.ub.sw", V16I16, [u, s])
-    p = b.mul(b.zext(u, _V32I16), b.sext(s, _V32I16))
-    return b.add(shuffle(b, p, p, range(0, 32, 2)), shuffle(b, p, p, range(1, 32, 2)))
-
-
-def _pairs32(b, v):
-    """<16 x i16> -> <8 x i32>, lane j = v[2j] + v[2j + 1] (pmaddwd by ones)."""
-    if AVX2:
-        return _call(b, "llvm.x86.avx2.pmadd.wd", V8I32, [v, ir.Constant(V16I16, [1] * 16)])
-    w = b.sext(v, ir.VectorType(I32, 16))
-    return b.add(shuffle(b, w, w, range(0, 16, 2)), shuffle(b, w, w, range(1, 16, 2)))
+def load(b, p, at, ty):
+    """A value of type ty at byte `at` (an int) of p (i8*), unaligned."""
+    return b.load(b.bitcast(b.gep(p, [c64(at)]), ty.as_pointer()), align=1)
 
 
 def _block_sums(qtype, b, p, xbs):
@@ -115,56 +129,55 @@ def _block_sums(qtype, b, p, xbs):
     if qtype == "q8_0":
         tots = [None] * len(xbs)
         for c in range(8):
-            w = b.load(b.bitcast(b.gep(p, [_c64(16 + 32 * c)]), V32I8.as_pointer()), align=1)
-            u = _call(b, "llvm.abs.v32i8", V32I8, [w, ir.Constant(ir.IntType(1), 0)]) if AVX2 else None
-            for t, xb in enumerate(xbs):
-                x = _bcast4(b, b.gep(xb, [_c64(4 * c)]))
-                if AVX2:  # |w| * (x with w's sign): |w| <= 128 enters pmaddubsw unsigned
-                    s = _pairs32(b, _maddubs(b, u, _call(b, "llvm.x86.avx2.psign.b", V32I8, [x, w])))
-                else:
-                    pr = b.mul(b.sext(w, V32I32), b.sext(x, V32I32))
-                    q = [shuffle(b, pr, pr, range(i, 32, 4)) for i in range(4)]
-                    s = b.add(b.add(q[0], q[1]), b.add(q[2], q[3]))
+            w = load(b, p, 16 + 32 * c, V32I8)
+            u = absb(b, w) if AVX2 else None
+            for t, xb in enumerate(xbs):  # |w| <= 128 enters pmaddubsw unsigned, x takes w's sign
+                s = maddwd(b, maddbs(b, w, bcast4(b, b.gep(xb, [c64(4 * c)])), u))
                 tots[t] = s if tots[t] is None else b.add(tots[t], s)  # int32: pair sums reach 32512
         return tots
     at = 16 if qtype == "q4_0" else 32
-    m15 = ir.Constant(V32I8, [15] * 32)
     tots = [None] * len(xbs)
     for c in range(4):
-        v = b.load(b.bitcast(b.gep(p, [_c64(at + 32 * c)]), V32I8.as_pointer()), align=1)
-        lo = b.and_(v, m15)  # elements 4c .. 4c + 3 of each row
-        hi = b.and_(b.bitcast(b.lshr(b.bitcast(v, V16I16), ir.Constant(V16I16, [4] * 16)), V32I8), m15)  # 16 + 4c ..
+        v = load(b, p, at + 32 * c, V32I8)
+        lo, hi = nibble(b, v, 0), nibble(b, v, 1)  # elements 4c .. 4c + 3 of each row, 16 + 4c ..
         for t, xb in enumerate(xbs):
-            s = b.add(_maddubs(b, lo, _bcast4(b, b.gep(xb, [_c64(4 * c)]))),
-                      _maddubs(b, hi, _bcast4(b, b.gep(xb, [_c64(16 + 4 * c)]))))  # fmt: skip
+            s = b.add(maddubs(b, lo, bcast4(b, b.gep(xb, [c64(4 * c)]))),
+                      maddubs(b, hi, bcast4(b, b.gep(xb, [c64(16 + 4 * c)]))))  # fmt: skip
             tots[t] = s if tots[t] is None else b.add(tots[t], s)  # int16: |tot| <= 16 * 15 * 127
-    return [_pairs32(b, tot) for tot in tots]
+    return [maddwd(b, tot) for tot in tots]
+
+
+def nibble(b, v, high):
+    """The low (high = 0) or high nibbles of <32 x i8> v, as bytes 0..15."""
+    if high:  # no byte shifts on x86: shift 16-bit lanes, then mask
+        v = b.bitcast(b.lshr(b.bitcast(v, V16I16), ir.Constant(V16I16, [4] * 16)), V32I8)
+    return b.and_(v, ir.Constant(V32I8, [15] * 32))
 
 
 def emit_tile(qtype, mr):
     """emit(b, group pointer, [x codes], [dx], [sx], [8 sum(code_x) per block] (mr x rows'),
     nb) -> [<8 x float>] per x row (lane r: row 8 g + r), in the order of the module
     docstring: each (x row, weight row) the same whatever mr."""
-    gb = GROUP * BLOCK_BYTES[qtype]
+    gb = GROUP_BYTES[qtype]
 
     def emit(b, gp, xps, dxps, sxps, bsps, nb):
         acc, accm = [zeroed(b, V8F) for _ in range(mr)], [zeroed(b, V8F) for _ in range(mr)]
         with cgutils.for_range(b, nb) as loop:
             blk = loop.index
-            p = b.gep(gp, [b.mul(blk, _c64(gb))])
-            sums = _block_sums(qtype, b, p, [b.gep(xp, [b.mul(blk, _c64(32))]) for xp in xps])
-            d = b.fpext(b.load(b.bitcast(p, _V8H.as_pointer()), align=1), V8F)
+            p = b.gep(gp, [b.mul(blk, c64(gb))])
+            sums = _block_sums(qtype, b, p, [b.gep(xp, [b.mul(blk, c64(32))]) for xp in xps])
+            d = b.fpext(load(b, p, 0, V8H), V8F)
             if qtype == "q4_1":
-                m = b.fpext(b.load(b.bitcast(b.gep(p, [_c64(16)]), _V8H.as_pointer()), align=1), V8F)
+                m = b.fpext(load(b, p, 16, V8H), V8F)
             for t in range(mr):
                 s = sums[t]
                 if qtype == "q4_0":
-                    s = b.sub(s, _splat(b, b.load(b.gep(bsps[t], [blk])), V8I32))
+                    s = b.sub(s, splat(b, b.load(b.gep(bsps[t], [blk])), V8I32))
                 dd = b.fmul(d, splat16(b, b.load(b.gep(dxps[t], [blk])), 8))
-                b.store(_call(b, "llvm.fma.v8f32", V8F, [b.sitofp(s, V8F), dd, b.load(acc[t])]), acc[t])
+                b.store(fma(b, b.sitofp(s, V8F), dd, b.load(acc[t])), acc[t])
                 if qtype == "q4_1":
                     sx = splat16(b, b.load(b.gep(sxps[t], [blk])), 8)
-                    b.store(_call(b, "llvm.fma.v8f32", V8F, [m, sx, b.load(accm[t])]), accm[t])
+                    b.store(fma(b, m, sx, b.load(accm[t])), accm[t])
         if qtype == "q4_1":
             return [b.fadd(b.load(acc[t]), b.load(accm[t])) for t in range(mr)]
         return [b.load(acc[t]) for t in range(mr)]
@@ -175,12 +188,13 @@ def emit_tile(qtype, mr):
 MR = 4  # x rows a tile reads each unpacked weight chunk for (batched decode, prefill)
 
 
-def make_groups(qtype):
+def make_groups(emit_for):
     """An intrinsic groups(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n): y[t, o] for x rows
     t0 .. t0 + mr - 1 (1 <= mr <= MR) and the rows o < o_n of groups g0 .. g1 - 1 of data
     (interleave's [G, group bytes]); xq int8 [T, K], dx / sx f32 and bs int32 (8 sum(code_x)
     per block, read by q4_0) [T, K / 32] as _q8act.quantize gives them, y f32 [T, >= o_n].
-    Each mr has its own loop (its accumulators in registers), chosen at run time."""
+    emit_for(mr) gives the IR of one group against mr x rows (emit_tile's signature); each mr
+    has its own loop (its accumulators in registers), chosen at run time."""
 
     def groups(typingctx, data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n):
         if not (isinstance(data, types.Array) and data.ndim == 2):
@@ -197,8 +211,8 @@ def make_groups(qtype):
             nb = b.extract_value(arrs[1].shape, 1)
             ystride = b.extract_value(arrs[4].strides, 1)
             for m in range(1, MR + 1):
-                with b.if_then(b.icmp_signed("==", args[9], _c64(m))):
-                    _tile_loop(b, emit_tile(qtype, m), m, base, stride, arrs, t0, args[1], args[2], nb, ystride, o_n)
+                with b.if_then(b.icmp_signed("==", args[9], c64(m))):
+                    _tile_loop(b, emit_for(m), m, base, stride, arrs, t0, args[1], args[2], nb, ystride, o_n)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -211,51 +225,25 @@ def _tile_loop(b, emit, mr, base, stride, arrs, t0, g0, g1, nb, ystride, o_n):
 
     def rows(arr, ty):  # pointers to rows t0 .. t0 + mr - 1 of a 2-D array
         at, st = b.bitcast(arr.data, I8.as_pointer()), b.extract_value(arr.strides, 0)
-        return [b.bitcast(b.gep(at, [b.mul(b.add(t0, _c64(t)), st)]), ty) for t in range(mr)]
+        return [b.bitcast(b.gep(at, [b.mul(b.add(t0, c64(t)), st)]), ty) for t in range(mr)]
 
     xps = rows(arrs[0], I8.as_pointer())
     dxps, sxps = rows(arrs[1], F32.as_pointer()), rows(arrs[2], F32.as_pointer())
     bsps, yps = rows(arrs[3], I32.as_pointer()), rows(arrs[4], I8.as_pointer())
-    with cgutils.for_range_slice(b, g0, g1, _c64(1)) as (g, _):
+    with cgutils.for_range_slice(b, g0, g1, c64(1)) as (g, _):
         vs = emit(b, b.gep(base, [b.mul(g, stride)]), xps, dxps, sxps, bsps, nb)
-        o = b.mul(g, _c64(GROUP))
-        full = b.and_(b.icmp_signed("<=", b.add(o, _c64(GROUP)), o_n), b.icmp_signed("==", ystride, _c64(4)))
+        o = b.mul(g, c64(GROUP))
+        full = b.and_(b.icmp_signed("<=", b.add(o, c64(GROUP)), o_n), b.icmp_signed("==", ystride, c64(4)))
         with b.if_else(full) as (then, other):
             with then:
                 for v, yp in zip(vs, yps):
-                    b.store(v, b.bitcast(b.gep(yp, [b.mul(o, _c64(4))]), V8F.as_pointer()), align=4)
+                    b.store(v, b.bitcast(b.gep(yp, [b.mul(o, c64(4))]), V8F.as_pointer()), align=4)
             with other:  # the padded last group, or a strided y: lane by lane
                 n = b.sub(o_n, o)
-                with cgutils.for_range(b, b.select(b.icmp_signed("<", n, _c64(GROUP)), n, _c64(GROUP))) as lp:
+                with cgutils.for_range(b, b.select(b.icmp_signed("<", n, c64(GROUP)), n, c64(GROUP))) as lp:
                     for v, yp in zip(vs, yps):
                         at = b.gep(yp, [b.mul(b.add(o, lp.index), ystride)])
                         b.store(b.extract_element(v, lp.index), b.bitcast(at, F32.as_pointer()))
 
 
-groups_q8_0, groups_q4_0, groups_q4_1 = (make_groups(q) for q in ("q8_0", "q4_0", "q4_1"))
-
-
-@njit(cache=True, nogil=True)
-def _tile(data, kind, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n):
-    """y[t0 : t0 + mr, rows of groups g0 .. g1 - 1] (mr <= MR)."""
-    if kind == 12:
-        groups_q4_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
-    elif kind == 13:
-        groups_q4_1(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
-    else:
-        groups_q8_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
-
-
-GROUP_CHUNK = 16  # groups (128 rows) a tile pass covers before the next x rows, when T > MR
-
-
-@njit(cache=True, nogil=True)
-def x8_rows(data, kind, xq, dx, sx, bs, y, g0, g1):
-    """y[t, o] for every x row t and the rows o < y.shape[1] of groups g0 .. g1 - 1: x rows
-    in tiles of MR (the last one smaller), a chunk of groups at a time so it stays in cache
-    while the tiles pass."""
-    t_n, o_n = xq.shape[0], y.shape[1]
-    step = max(g1 - g0, 1) if t_n <= MR else GROUP_CHUNK
-    for c in range(g0, g1, step):
-        for t0 in range(0, t_n, MR):
-            _tile(data, kind, c, min(g1, c + step), xq, dx, sx, bs, y, t0, min(MR, t_n - t0), o_n)
+groups_q8_0, groups_q4_0, groups_q4_1 = (make_groups(partial(emit_tile, q)) for q in ("q8_0", "q4_0", "q4_1"))

@@ -1,0 +1,84 @@
+"""LLVM IR pieces of the activations="q8" mode's integer dot products (_q8act, _x8, _kq8).
+
+Every piece computes exact integers, so x86's pmaddubsw / pmaddwd / psignb (AVX2) and the
+plain vector IR of the generic path give the same values: the q8 mode's bits never depend on
+which one a CPU takes (tests compile the generic one for an older CPU and compare).
+"""
+
+from llvmlite import ir
+from numba.core import cgutils
+
+from sparrow.kernels._ir import F32, I8, I16, I32, shuffle
+from sparrow.kernels.gemm import CPU_FEATURES
+
+AVX2 = "+avx2" in CPU_FEATURES.split(",")  # pmaddubsw / pmaddwd / psignb, else generic IR
+
+V8F = ir.VectorType(F32, 8)
+V8I32 = ir.VectorType(I32, 8)
+V8I8 = ir.VectorType(I8, 8)
+V16I16 = ir.VectorType(I16, 16)
+V16I32 = ir.VectorType(I32, 16)
+V16I8 = ir.VectorType(I8, 16)
+V32I8 = ir.VectorType(I8, 32)
+V32I16 = ir.VectorType(I16, 32)
+V32I32 = ir.VectorType(I32, 32)
+_FALSE = ir.Constant(ir.IntType(1), 0)
+
+
+def call(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def splat(b, v, vty):
+    """The scalar v in every lane of a vector of type vty."""
+    und = ir.Constant(vty, ir.Undefined)
+    return shuffle(b, b.insert_element(und, v, ir.Constant(I32, 0)), und, [0] * vty.count)
+
+
+def bcast4(b, p):
+    """The 4 bytes at p (i8*) repeated in all 8 i32 lanes, as <32 x i8>."""
+    return b.bitcast(splat(b, b.load(b.bitcast(p, I32.as_pointer()), align=1), V8I32), V32I8)
+
+
+def maddubs(b, u, s):
+    """pmaddubsw without its saturation (every caller's pair sums fit int16): <32 x i8> u
+    unsigned, s signed -> <16 x i16>, element i = u[2i] s[2i] + u[2i+1] s[2i+1]."""
+    if AVX2:
+        return call(b, "llvm.x86.avx2.pmadd.ub.sw", V16I16, [u, s])
+    p = b.mul(b.zext(u, V32I16), b.sext(s, V32I16))
+    return b.add(shuffle(b, p, p, range(0, 32, 2)), shuffle(b, p, p, range(1, 32, 2)))
+
+
+def absb(b, w):
+    """|w| of <32 x i8> (AVX2 only: maddbs's u, shared by the x rows that meet one w)."""
+    return call(b, "llvm.abs.v32i8", V32I8, [w, _FALSE])
+
+
+def maddbs(b, w, s, u=None):
+    """maddubs for signed w (|w| <= 128): on AVX2 |w| (u, when the caller has it) against s
+    with w's sign (psignb), the same products w s."""
+    if AVX2:
+        u = absb(b, w) if u is None else u
+        return maddubs(b, u, call(b, "llvm.x86.avx2.psign.b", V32I8, [s, w]))
+    p = b.mul(b.sext(w, V32I16), b.sext(s, V32I16))
+    return b.add(shuffle(b, p, p, range(0, 32, 2)), shuffle(b, p, p, range(1, 32, 2)))
+
+
+def maddwd(b, v, c=None):
+    """pmaddwd: <16 x i16> v, c (all 1 when None) -> <8 x i32>, lane j = v[2j] c[2j] +
+    v[2j+1] c[2j+1]."""
+    c = ir.Constant(V16I16, [1] * 16) if c is None else c
+    if AVX2:
+        return call(b, "llvm.x86.avx2.pmadd.wd", V8I32, [v, c])
+    p = b.mul(b.sext(v, V16I32), b.sext(c, V16I32))
+    return b.add(shuffle(b, p, p, range(0, 16, 2)), shuffle(b, p, p, range(1, 16, 2)))
+
+
+def dot4(builder, w, x, c=None, unsigned=False):
+    """<32 x i8> w, signed x -> <8 x i32>, lane j = sum of w[4j + i] * x[4j + i] * c[2j + i // 2]
+    for i < 4 (c: <16 x i16> factors, all 1 when None; w signed unless unsigned). Needs
+    |w| <= 128 (unsigned: w <= 255) and every pair sum w x + w x within int16, as every
+    caller's codes give."""
+    p = maddubs(builder, w, x) if unsigned else maddbs(builder, w, x)
+    return maddwd(builder, p, c)
