@@ -289,8 +289,9 @@ def load(
 ) -> LLM:
     """Loads a HF folder, a .gguf file, or (path None) the default SmolLM2-135M-Instruct GGUF.
 
-    activations="q8" is the named faster mode: decode matvecs over q8_0 / q4_0 / q4_1 weights
-    quantise activations to 8 bits as llama.cpp does (not exact; README, "Activations").
+    activations="q8" is the named faster mode: decode matvecs over block-quantised weights (and
+    prefill over q8_0 / q4_0 / q4_1 / q4_k) quantise activations to 8 bits as llama.cpp does
+    (not exact; README, "Activations").
     mmproj: llama.cpp's Qwen3-VL vision projector GGUF, with a qwen3vl text GGUF as path."""
     from .kernels.linear import ACTIVATIONS
     from .models import build_model

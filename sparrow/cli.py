@@ -33,8 +33,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         "--activations",
         default="f32",
         choices=["f32", "q8"],
-        help="f32: exact (default). q8: decode with 8-bit activations over q8_0/q4_0/q4_1 weights, "
-        "as llama.cpp does: faster, not exact (README, Activations)",
+        help="f32: exact (default). q8: 8-bit activations over block-quantised weights (decode; prefill "
+        "over q8_0/q4_0/q4_1/q4_k), as llama.cpp does: faster, not exact (README, Activations)",
     )
 
 

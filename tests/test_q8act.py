@@ -154,16 +154,27 @@ def test_q8_is_not_f32_and_is_scoped():
     assert not np.array_equal(q8, exact)  # the mode really changes the arithmetic
     assert np.array_equal(linear(x, w), exact)  # and ends with its block
     np.testing.assert_allclose(q8, exact, rtol=0, atol=0.05 * np.abs(exact).max())
-    with activations("q8"):  # formats without a q8 kernel, and prefill, stay exact
-        f16 = make("f16", (64, 256), seed=2)
-        assert np.array_equal(linear(x, f16), linear(x, f16))
-        xp = acts(SMALL_T + 1, 256, seed=3)
-        with activations("f32"):
-            want = linear(xp, w)
-        assert np.array_equal(linear(xp, w), want)
+    f16 = make("f16", (64, 256), seed=2)
+    xp = acts(SMALL_T + 1, 256, seed=3)
+    want16, want16p = linear(x, f16), linear(xp, f16)
+    with activations("q8"):  # formats without a q8 kernel stay exact, decode and prefill
+        assert np.array_equal(linear(x, f16), want16)
+        assert np.array_equal(linear(xp, f16), want16p)
     with pytest.raises(ValueError):
         with activations("int4"):
             pass
+
+
+@pytest.mark.parametrize("qtype", _q8act.PREFILL_FORMATS[:3])
+def test_prefill_in_q8_mode_follows_the_documented_order(qtype):
+    """Prefill (T > SMALL_T) over q8_0 / q4_0 / q4_1 in the q8 mode runs the interleaved
+    groups too: the reference's bits for every row, so a row's logits do not depend on
+    whether it came in a prefill or a decode step; not the f32 GEMM's."""
+    x, w = acts(37, 512, seed=11), make(qtype, (45, 512), seed=12)
+    with activations("q8"):
+        got = linear(x, w)
+    assert np.array_equal(bits(got), bits(rowdot_reference(x, w)))
+    assert not np.array_equal(got, linear(x, w))
 
 
 def test_load_option(tmp_path):

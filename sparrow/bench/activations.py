@@ -3,7 +3,9 @@
 The same text is decoded one token at a time (teacher forcing: every step sees the same
 prefix) with exact f32 activations and with 8-bit activations, and the logits of each step
 are compared: mean and max KL(f32 || q8), top-1 agreement, max and mean |logit difference|.
-Then decode ms/token of both modes after the text (median of --decode steps).
+Then decode ms/token of both modes after the text (median of --decode steps). The q8 mode's
+prefill (q8_0 / q4_x / q4_k weights) is compared the same way: the whole text in one
+forward, logits at every position, and its time.
 
     sparrow bench activations                     # the default model, 400 positions
     sparrow bench activations --model qwen3.gguf --positions 200
@@ -28,6 +30,16 @@ def _teacher_forced(llm, ids) -> np.ndarray:
     """Logits [len(ids), V] of decode steps feeding ids one at a time from an empty cache."""
     slot = llm.runner.new_slot(ids, len(ids) + 1, "f32")
     return np.stack([llm.runner.decode([slot], [t])[0] for t in ids])
+
+
+def _prefill(llm, ids) -> tuple[np.ndarray, float]:
+    """(logits [len(ids), V] of one forward over ids from an empty cache, its seconds)."""
+    from ..models.decoder import Segment
+
+    cache = llm.model.new_cache(len(ids) + 1, "f32")
+    t0 = time.perf_counter()
+    logits = llm.model.forward([Segment(np.asarray(ids, np.int64), cache, 0)], all_logits=True)
+    return logits, time.perf_counter() - t0
 
 
 def _decode_ms(llm, ids, n) -> float:
@@ -56,13 +68,23 @@ def main(argv=None) -> dict:
     ids = llm.prompt_ids([{"role": "user", "content": text}], chat=True)[: a.positions]
     rec = {"bench": "activations", "model": llm.name, "positions": len(ids), "threads": llm.threads}
     rec["environment"] = report.environment()
-    logits, ms = {}, {}
+    logits, ms, pre, pre_s = {}, {}, {}, {}
     for mode in ("f32", "q8"):
         llm.model.activations = mode
         logits[mode] = _teacher_forced(llm, ids).astype(np.float64)  # [N, V]
         _decode_ms(llm, ids, 2)  # warm-up (compiles the mode's kernels)
         ms[mode] = _decode_ms(llm, ids, a.decode)
+        _prefill(llm, ids)  # warm-up
+        pre[mode], pre_s[mode] = _prefill(llm, ids)
     llm.model.activations = "f32"
+    pkl = kl_per_token(pre["f32"].astype(np.float64), pre["q8"].astype(np.float64))
+    rec.update(
+        prefill_mean_kl=float(pkl.mean()),
+        prefill_max_kl=float(pkl.max()),
+        prefill_top1_agreement=float((pre["f32"].argmax(1) == pre["q8"].argmax(1)).mean()),
+        prefill_ms_f32=pre_s["f32"] * 1e3,
+        prefill_ms_q8=pre_s["q8"] * 1e3,
+    )
     kl = kl_per_token(logits["f32"], logits["q8"])
     diff = np.abs(logits["f32"] - logits["q8"])
     rec.update(
@@ -85,6 +107,11 @@ def main(argv=None) -> dict:
     print(
         f"  decode ms/token after {len(ids)} tokens: f32 {rec['decode_ms_f32']:.2f}, q8 {rec['decode_ms_q8']:.2f}"
         f" ({rec['speedup']:.2f}x)"
+    )
+    print(
+        f"  prefill of the {len(ids)} tokens: mean KL {rec['prefill_mean_kl']:.3g} (max "
+        f"{rec['prefill_max_kl']:.3g}), top-1 {rec['prefill_top1_agreement']:.4f}; "
+        f"f32 {rec['prefill_ms_f32']:.0f} ms, q8 {rec['prefill_ms_q8']:.0f} ms"
     )
     print(f"wrote {path}")
     return rec

@@ -198,18 +198,28 @@ class SparrowRunner:
         self.llm = load(path, threads=threads)
         self.model = self.llm.model
         self.cache = self.model.new_cache(capacity, "f32")
+        self.cache_q8 = None  # the q8 mode's prefill rows write here (prefill(act="q8"))
         self.capacity = capacity
 
-    def prefill(self, tokens, start):
-        """Prefills tokens at positions start.. (the cache is rewound to start first)."""
+    def prefill(self, tokens, start, act="f32"):
+        """Prefills tokens at positions start.. (the cache is rewound to start first); act
+        "q8" times the q8 mode's prefill into a cache of its own, so the decode rows keep
+        starting from the exact one."""
         from sparrow.engine.runner import Slot
 
-        self.cache.truncate(start)
+        if act == "q8" and self.cache_q8 is None:
+            self.cache_q8 = self.model.new_cache(self.capacity, "f32")
+        cache = self.cache_q8 if act == "q8" else self.cache
+        cache.truncate(start)
         # positions below start are in the cache already; the slot only needs their count
         prompt = np.concatenate([np.zeros(start, np.int64), np.asarray(tokens, np.int64)])  # [start + T]
-        t0 = time.perf_counter()
-        self.llm.runner.prefill(Slot(prompt, self.cache))
-        return time.perf_counter() - t0
+        self.model.activations = act
+        try:
+            t0 = time.perf_counter()
+            self.llm.runner.prefill(Slot(prompt, cache))
+            return time.perf_counter() - t0
+        finally:
+            self.model.activations = "f32"
 
     def _copy(self, n, kv_dtype):
         if kv_dtype == "f32":
@@ -330,11 +340,15 @@ class LlamaRunner:
 
 def _pass(runner, prompt, contexts, feed, modes, sparse_k):
     """One prefill of the prompt, decoding at each context; {C: measurements}."""
-    out, pos, pre = {}, 0, 0.0
+    out, pos, pre, pre_q8 = {}, 0, 0.0, 0.0
+    q8 = any(MODES[m][2] == "q8" for m in modes)
     for c in contexts:
         pre += runner.prefill(prompt[pos:c], pos)
-        pos = c
         rec = {"prefill_s": pre, "load_prefill": _load_avg()}
+        if q8:
+            pre_q8 += runner.prefill(prompt[pos:c], pos, "q8")
+            rec["prefill_q8_s"] = pre_q8
+        pos = c
         for mode in modes:
             times, split, kv = runner.decode(feed, c, mode, sparse_k)
             rec[mode] = {"ms": statistics.median(times) * 1e3, "split": split, "kv": kv, "load": _load_avg()}
@@ -432,6 +446,8 @@ def summarise(rounds, contexts, modes, compare):
     for c in contexts:
         s_runs = [r["sparrow"][c] for r in rounds]
         row = {"prefill_tok_s": _median([c / r["prefill_s"] for r in s_runs])}
+        if "prefill_q8_s" in s_runs[0]:
+            row["prefill_q8_tok_s"] = _median([c / r["prefill_q8_s"] for r in s_runs])
         for m in modes:
             row[f"decode_{m}_tok_s"] = _median([1e3 / r[m]["ms"] for r in s_runs])
             row[f"split_{m}"] = {k: _median([r[m]["split"][k] for r in s_runs]) for k in s_runs[0][m]["split"]}
@@ -445,6 +461,9 @@ def summarise(rounds, contexts, modes, compare):
             row["llama_prefill_tok_s"] = _median([c / r["prefill_s"] for r in l_runs])
             row["llama_decode_tok_s"] = _median([1e3 / r["exact"]["ms"] for r in l_runs])
             row["ratio_prefill"] = _median([lr["prefill_s"] / sr["prefill_s"] for sr, lr in zip(s_runs, l_runs)])
+            if "prefill_q8_tok_s" in row:
+                pairs = zip(s_runs, l_runs)
+                row["ratio_prefill_q8"] = _median([lr["prefill_s"] / sr["prefill_q8_s"] for sr, lr in pairs])
             for m in modes:
                 row[f"ratio_decode_{m}"] = _median([lr["exact"]["ms"] / sr[m]["ms"] for sr, lr in zip(s_runs, l_runs)])
         table[c] = row
@@ -533,6 +552,11 @@ def markdown(rec):
             f"| {c} | prefill tok/s | {f(row['prefill_tok_s'])} | {f(row.get('llama_prefill_tok_s'))} "
             f"| {f(row.get('ratio_prefill'), 2)} |"
         )
+        if "prefill_q8_tok_s" in row:
+            lines.append(
+                f"| {c} | prefill tok/s, q8 activations | {f(row['prefill_q8_tok_s'])} | "
+                f"{f(row.get('llama_prefill_tok_s'))} | {f(row.get('ratio_prefill_q8'), 2)} |"
+            )
         for m in MODES:
             label = "decode tok/s, " + LABELS[m].format(k=rec["config"]["sparse_k"])
             if rec["config"].get("sparse_select", "seed") != "seed":
@@ -631,7 +655,7 @@ def main(argv=None):
         "--activations",
         default="f32",
         choices=["f32", "q8"],
-        help="q8: add decode rows with 8-bit activations (the named non-exact mode)",
+        help="q8: add prefill and decode rows with 8-bit activations (the named non-exact mode)",
     )
     ap.add_argument("--moe", action="store_true", help="add the MoE layer row (sparrow.bench.speed_moe)")
     ap.add_argument("--json", help="write the JSON record here (default runs/speed-<timestamp>/speed.json)")

@@ -246,6 +246,18 @@ def supports(w) -> bool:
     return KIND.get(w.qtype, -1) in BLOCK_KINDS
 
 
+# Formats whose prefill (T > linear.SMALL_T) also runs on the interleaved groups in the q8
+# mode, tiles of 4 x rows sharing each unpacked chunk: on 512 x rows of a 6144 x 2048 matrix,
+# two cores, q4_k 114-119 GMAC/s against 83-89 for the f32 GEMM (which widens every row
+# first), q4_0 92-117 vs 88, q8_0 95-112 vs 72-81, q4_1 82-114 vs 49-76. q5_k ran even and
+# q6_k slower (76 vs 83-90): they keep the f32 GEMM.
+PREFILL_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k")
+
+
+def prefills(w) -> bool:
+    return w.qtype in PREFILL_FORMATS
+
+
 def q8_rows(w):
     """(rows, kind) the q8 mode reads for a Weight of a BLOCK_KINDS format: q8_0 / q4_0 / q4_1
     interleaved in groups of 8 (_x8.interleave: a copy, made at the first call and kept on

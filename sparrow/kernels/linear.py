@@ -28,8 +28,8 @@ __all__ = ["linear", "SMALL_T", "ACTIVATIONS", "activations"]
 SMALL_T = 8  # T above this takes the prefill path (different summation order)
 # "f32": exact (the default). "q8": decode matvecs over q8_0 / q4_0 / q4_1 / q5_0 / q5_1 and
 # K-quant weights quantise x to 8 bits per 32-block as llama.cpp does (kernels/_q8act.py,
-# _x8.py, _kq8.py: faster, measured not exact);
-# the prefill GEMM and other weight formats stay f32 either way.
+# _x8.py, _kq8.py: faster, measured not exact); so do prefills over q8_0 / q4_0 / q4_1 / q4_k
+# (_q8act.PREFILL_FORMATS); other prefills and weight formats stay f32 either way.
 ACTIVATIONS = ("f32", "q8")
 _mode = threading.local()  # the mode of the forward this thread runs (models set it per forward)
 
@@ -62,8 +62,9 @@ def linear(x, w, out=None):
         raise ValueError(f"linear: out must be C-contiguous float32 [{t_n}, {o_n}]")
     if t_n == 0:
         return out
-    if t_n > SMALL_T:
+    q8 = getattr(_mode, "act", "f32") == "q8"
+    if t_n > SMALL_T and not (q8 and _q8act.prefills(w)):
         return matmul_widened(x, w, out)
-    if getattr(_mode, "act", "f32") == "q8" and _q8act.supports(w):
+    if q8 and _q8act.supports(w):
         return _q8act.matvec_q8(x, w, out)
     return matvec_widened(x, w, out)

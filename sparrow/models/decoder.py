@@ -169,7 +169,8 @@ class Decoder:
         # (or SPARROW_FUSED=0) keeps every forward on the staged path, e.g. to time its stages.
         self.use_fused = os.environ.get("SPARROW_FUSED", "1") != "0"
         # kernels.linear.ACTIVATIONS: "f32" (exact) or the named faster mode "q8" (decode
-        # matvecs over block-quantised weights with 8-bit activations, as llama.cpp's)
+        # matvecs over block-quantised weights, and prefill over q8_0 / q4_x / q4_k, with
+        # 8-bit activations, as llama.cpp's)
         self.activations = "f32"
         self._fused: FusedDecode | None | bool = False  # False: not planned yet
 
