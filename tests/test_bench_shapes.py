@@ -297,3 +297,19 @@ def test_bench_speed_on_tiny_shape(tmp_path, monkeypatch, capsys):
     )
     assert "CONTENTION (one busy-looping process running" in md
     assert "| 80 | decode tok/s, sparse k=32, int8 KV |" in md
+
+
+def test_bench_speed_q8_rows(tmp_path, monkeypatch, capsys):
+    """--activations q8 adds a q8 prefill row (its own cache: the exact prefill and decode
+    rows still see the exact one) and the q8 decode rows."""
+    monkeypatch.setitem(shapes.SHAPES, "tiny", TINY)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    args = ["--shape", "tiny", "--type", "q4_0", "--contexts", "80", "--rounds", "1", "--decode", "2", "--threads", "1"]
+    rec = speed.main(args + ["--no-startup", "--activations", "q8", "--json", str(tmp_path / "s.json")])
+    row = rec["table"][80]
+    assert row["prefill_q8_tok_s"] > 0 and row["decode_q8_f16_tok_s"] > 0 and row["prefill_tok_s"] > 0
+    md = capsys.readouterr().out
+    assert "| 80 | prefill tok/s, q8 activations |" in md
+    assert "| 80 | decode tok/s, exact, f16 KV, q8 activations |" in md
+    plain = speed.main(args + ["--no-startup", "--json", str(tmp_path / "p.json")])
+    assert "prefill_q8_tok_s" not in plain["table"][80]
