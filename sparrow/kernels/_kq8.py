@@ -35,6 +35,7 @@ from sparrow.kernels._q8ir import (
     AVX2,
     V8F,
     V8I8,
+    V8I16,
     V16I8,
     V16I16,
     V32I8,
@@ -48,7 +49,6 @@ from sparrow.kernels._q8ir import (
 )
 from sparrow.kernels._x8 import GROUP_BYTES, V8H, c64, load, make_groups
 
-_V8I16 = ir.VectorType(ir.IntType(16), 8)
 _CODES = {"q4_k": 160, "q5_k": 416}  # group offsets of the nibble chunks (q5_k: after 8 qh chunks)
 _QH = 160  # q5_k's high-bit chunks
 _Q6_SC, _Q6_QL, _Q6_QH = 16, 144, 1168  # q6_k: scale pairs, low-nibble chunks, 2-bit chunks
@@ -66,7 +66,7 @@ def _dup16(b, v8):
 def _shr(b, v, n):
     """<32 x i8> v shifted right by the run-time i64 n < 8 (one 16-bit shift: callers mask
     the bits that crossed from the next byte)."""
-    cnt = b.bitcast(splat(b, b.trunc(n, I16), V16I16), V16I16)
+    cnt = splat(b, b.trunc(n, I16), V16I16)
     return b.bitcast(b.lshr(b.bitcast(v, V16I16), cnt), V32I8)
 
 
@@ -76,7 +76,7 @@ def _prefetch(b, p, j, gb):
     twice), which the hardware prefetcher follows badly: one core streaming Qwen3-1.7B's
     lm_head ran at 7.4 GB/s without, 14.9 with. q4_k / q5_k read theirs in order and gain
     nothing (two cores: ~20 GB/s either way, this machine's memory)."""
-    per = -(-gb // 64 // 8) + 1
+    per = -(-gb // (64 * 8))  # lines each of the 8 sub-blocks asks for (q6_k: 4)
     for i in range(per):
         at = b.gep(p, [b.add(c64(gb + 64 * i), b.mul(j, c64(64 * per)))])
         args = [at] + [ir.Constant(ir.IntType(32), v) for v in (0, 3, 1)]  # read, keep, data
@@ -87,7 +87,7 @@ def _accumulate(b, tots, part, i):
     tots[i] = part if tots[i] is None else b.add(tots[i], part)
 
 
-def _sub_blocks(b, n, mr, xps, dxps, body):
+def _sub_blocks(b, n, xps, dxps, body):
     """A run-time loop over super-block n's 8 sub-blocks (unrolled, LLVM kept every chunk of
     all 8 live and spilled: q6_k ran at 7 GMAC/s): body(j, [x pointers of sub-block j], [dx
     of block 8 n + j]) per j."""
@@ -112,8 +112,8 @@ def emit_k(qtype, mr):
             d, dmin = b.fpext(load(b, p, 0, V8H), V8F), b.fpext(load(b, p, 16, V8H), V8F)
 
             def body(j, blk, xs, dxs):
-                sc = _dup16(b, b.zext(loadv(b, p, b.add(c64(32), b.shl(j, c64(3))), V8I8), _V8I16))
-                neg_m = b.fneg(b.fmul(dmin, b.uitofp(loadv(b, p, b.add(c64(96), b.shl(j, c64(3))), V8I8), V8F)))
+                sc = _dup16(b, b.zext(load(b, p, b.add(c64(32), b.shl(j, c64(3))), V8I8), V8I16))
+                neg_m = b.fneg(b.fmul(dmin, b.uitofp(load(b, p, b.add(c64(96), b.shl(j, c64(3))), V8I8), V8F)))
                 pair = b.gep(p, [b.add(c64(codes), b.mul(b.lshr(j, c64(1)), c64(256)))])  # sub-blocks 2i, 2i + 1
                 shift = b.shl(b.and_(j, c64(1)), c64(2))  # high nibbles for odd j
                 tots = [[None, None] for _ in range(mr)]
@@ -134,7 +134,7 @@ def emit_k(qtype, mr):
                     sx = splat16(b, b.load(b.gep(sxps[t], [blk])), 8)
                     b.store(fma(b, neg_m, sx, b.load(accm[t])), accm[t])
 
-            _sub_blocks(b, n, mr, xps, dxps, body)
+            _sub_blocks(b, n, xps, dxps, body)
         return [b.fadd(b.load(acc[t]), b.load(accm[t])) for t in range(mr)]
 
     return emit
@@ -157,7 +157,7 @@ def emit_q6_k(mr):
             def body(j, blk, xs, dxs):  # x block 8 n + j: half h = j // 4, quarter s = j % 4
                 h, s = b.lshr(j, c64(2)), b.and_(j, c64(3))
                 _prefetch(b, p, j, gb)
-                pairs = b.sext(loadv(b, p, b.add(c64(_Q6_SC), b.shl(j, c64(4))), V16I8), V16I16)  # sc[2j], sc[2j+1]
+                pairs = b.sext(load(b, p, b.add(c64(_Q6_SC), b.shl(j, c64(4))), V16I8), V16I16)  # sc[2j], sc[2j+1]
                 scs = [shuffle(b, pairs, pairs, [2 * (i // 2) + u for i in range(16)]) for u in (0, 1)]
                 ql_at = b.add(c64(_Q6_QL), b.mul(b.add(b.shl(h, c64(4)), b.shl(b.and_(s, c64(1)), c64(3))), c64(32)))
                 ql, qh = b.gep(p, [ql_at]), b.gep(p, [b.add(c64(_Q6_QH), b.shl(h, c64(8)))])
@@ -175,15 +175,10 @@ def emit_q6_k(mr):
                     dd = b.fmul(d, splat16(b, dxs[t], 8))
                     b.store(fma(b, b.sitofp(i, V8F), dd, b.load(acc[t])), acc[t])
 
-            _sub_blocks(b, n, mr, xps, dxps, body)
+            _sub_blocks(b, n, xps, dxps, body)
         return [b.load(acc[t]) for t in range(mr)]
 
     return emit
-
-
-def loadv(b, p, at, ty):
-    """load at a run-time byte offset (i64)."""
-    return b.load(b.bitcast(b.gep(p, [at]), ty.as_pointer()), align=1)
 
 
 groups_q4_k, groups_q5_k = (make_groups(partial(emit_k, q)) for q in ("q4_k", "q5_k"))

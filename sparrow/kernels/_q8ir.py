@@ -8,7 +8,7 @@ which one a CPU takes (tests compile the generic one for an older CPU and compar
 from llvmlite import ir
 from numba.core import cgutils
 
-from sparrow.kernels._ir import F32, I8, I16, I32, shuffle
+from sparrow.kernels._ir import F32, I8, I16, I32, V16I32, shuffle
 from sparrow.kernels.gemm import CPU_FEATURES
 
 AVX2 = "+avx2" in CPU_FEATURES.split(",")  # pmaddubsw / pmaddwd / psignb, else generic IR
@@ -16,8 +16,8 @@ AVX2 = "+avx2" in CPU_FEATURES.split(",")  # pmaddubsw / pmaddwd / psignb, else 
 V8F = ir.VectorType(F32, 8)
 V8I32 = ir.VectorType(I32, 8)
 V8I8 = ir.VectorType(I8, 8)
+V8I16 = ir.VectorType(I16, 8)
 V16I16 = ir.VectorType(I16, 16)
-V16I32 = ir.VectorType(I32, 16)
 V16I8 = ir.VectorType(I8, 16)
 V32I8 = ir.VectorType(I8, 32)
 V32I16 = ir.VectorType(I16, 32)

@@ -35,11 +35,11 @@ from numba.extending import intrinsic
 
 from sparrow.kernels._ir import F32, I8, I32, I64, fma, splat16, zeroed
 from sparrow.kernels._q8ir import AVX2, V8F, V8I32, V16I16, V32I8, absb, bcast4, maddbs, maddubs, maddwd, splat
+from sparrow.quant import BLOCK_BYTES  # one row's block, as stored
 
 # the x8 kinds continue _widen.KIND (0-10); X8_KIND[qtype] is the interleaved form of qtype
 X8_KIND = {"q8_0": 11, "q4_0": 12, "q4_1": 13, "q4_k": 14, "q5_k": 15, "q6_k": 16}
 X8_FIRST = min(X8_KIND.values())  # kinds from here on are interleaved groups
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q5_k": 176, "q6_k": 210}  # as stored
 GROUP = 8
 # A stored block's byte ranges (src, dst, length, width): bytes src .. src + length - 1 of a
 # row's block go, `width` bytes a row, to offset 8 dst of the group's block (the 8 rows' first
@@ -118,8 +118,9 @@ def c64(v):
 
 
 def load(b, p, at, ty):
-    """A value of type ty at byte `at` (an int) of p (i8*), unaligned."""
-    return b.load(b.bitcast(b.gep(p, [c64(at)]), ty.as_pointer()), align=1)
+    """A value of type ty at byte `at` (an int, or a run-time i64) of p (i8*), unaligned."""
+    at = c64(at) if isinstance(at, int) else at
+    return b.load(b.bitcast(b.gep(p, [at]), ty.as_pointer()), align=1)
 
 
 def _block_sums(qtype, b, p, xbs):
