@@ -29,6 +29,19 @@ HASWELL = (  # an AVX2-only x86 CPU (and no AVX-512, whatever the host has)
     "+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+cx8,+f16c,+fma,+fxsr,+lzcnt,+mmx,+movbe,+popcnt,"
     "+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,-avx512f"
 )
+# The q8 mode's integer code paths other than the host's, for tests/test_q8act.py and
+# test_kquants_q8.py to compile in a child and compare bit for bit: name -> (CPU, features,
+# AVX2, VNNI). The host's own path (VNNI's vpdpbusd where it has AVX-VNNI or AVX512-VNNI)
+# runs in the tests' own process.
+Q8_PATHS = {
+    "generic": (  # Ivy Bridge: AVX and F16C (the kernels widen f16 scales with it), no AVX2
+        "ivybridge",
+        "+64bit,+avx,+cx16,+cx8,+f16c,+fxsr,+mmx,+popcnt,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,-avx2,-avx512f",
+        False,
+        False,
+    ),
+    "avx2": ("haswell", HASWELL, True, False),  # pmaddubsw + pmaddwd, no vpdpbusd
+}
 FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(sparrow.__file__)))  # the children import this sparrow
 BLOCKS = ("q8_0", "q4_0", "q4_1")

@@ -8,7 +8,7 @@ import platform
 import numba
 import numpy as np
 import pytest
-from test_cpu_paths import run_compiled_for
+from test_cpu_paths import Q8_PATHS, run_compiled_for
 from test_gemm import bits, fma32
 from test_kquants import _unpack, k_scales_mins, make_kq
 from test_q8act import q8_outputs, quantize_reference, rowdot_reference
@@ -188,21 +188,23 @@ GENERIC_CHILD = r"""
 import json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-from sparrow.kernels import _kq8
+from sparrow.kernels import _q8ir
 from test_kquants_q8 import compute
 
 out = compute()
 np.savez(sys.argv[2], **out)
-print("INFO " + json.dumps(dict(avx2=_kq8.AVX2)))
+print("INFO " + json.dumps(dict(avx2=_q8ir.AVX2, vnni=_q8ir.VNNI)))
 """
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 CPU names")
-def test_generic_code_path_gives_the_same_bits(tmp_path):
-    """Compiled for a CPU without AVX2 (generic vector IR instead of pmaddubsw), the same bits."""
-    feats = "+64bit,+avx,+cx16,+cx8,+f16c,+fxsr,+mmx,+popcnt,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,-avx2,-avx512f"
-    info, child = run_compiled_for(tmp_path, "ivybridge", feats, GENERIC_CHILD)
-    assert info["avx2"] is False, info
+@pytest.mark.parametrize("path", sorted(Q8_PATHS))
+def test_other_code_paths_give_the_same_bits(tmp_path, path):
+    """Compiled for an older CPU, the same bits: "generic" (no AVX2: plain vector IR instead of
+    pmaddubsw) and "avx2" (pmaddubsw + pmaddwd where a VNNI host takes vpdpbusd)."""
+    cpu, feats, avx2, vnni = Q8_PATHS[path]
+    info, child = run_compiled_for(tmp_path, cpu, feats, GENERIC_CHILD)
+    assert (info["avx2"], info["vnni"]) == (avx2, vnni), info
     here_out = compute()
     assert set(child) == set(here_out)
     for name in child:

@@ -7,7 +7,7 @@ import platform
 import numba
 import numpy as np
 import pytest
-from test_cpu_paths import run_compiled_for
+from test_cpu_paths import Q8_PATHS, run_compiled_for
 from test_gemm import bits, fma32
 
 import sparrow
@@ -215,23 +215,54 @@ GENERIC_CHILD = r"""
 import json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-from sparrow.kernels import _q8act
+from sparrow.kernels import _q8act, _q8ir
 from test_q8act import compute
 
 out = compute()
 np.savez(sys.argv[2], **out)
-print("INFO " + json.dumps(dict(avx2=_q8act.AVX2, features=_q8act.CPU_FEATURES)))
+print("INFO " + json.dumps(dict(avx2=_q8ir.AVX2, vnni=_q8ir.VNNI, features=_q8act.CPU_FEATURES)))
 """
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 CPU names")
-def test_generic_code_path_gives_the_same_bits(tmp_path):
-    """Compiled for a CPU without AVX2 (generic vector IR instead of pmaddubsw), the same bits."""
-    # Ivy Bridge: AVX and F16C (the kernels widen f16 scales with it), no AVX2
-    feats = "+64bit,+avx,+cx16,+cx8,+f16c,+fxsr,+mmx,+popcnt,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,-avx2,-avx512f"
-    info, child = run_compiled_for(tmp_path, "ivybridge", feats, GENERIC_CHILD)
-    assert info["avx2"] is False, info
+@pytest.mark.parametrize("path", sorted(Q8_PATHS))
+def test_other_code_paths_give_the_same_bits(tmp_path, path):
+    """Compiled for an older CPU, the same bits: "generic" (no AVX2: plain vector IR instead of
+    pmaddubsw) and "avx2" (pmaddubsw + pmaddwd where a VNNI host takes vpdpbusd)."""
+    cpu, feats, avx2, vnni = Q8_PATHS[path]
+    info, child = run_compiled_for(tmp_path, cpu, feats, GENERIC_CHILD)
+    assert (info["avx2"], info["vnni"]) == (avx2, vnni), info
     here_out = compute()
     assert set(child) == set(here_out)
     for name in child:
         assert np.array_equal(bits(child[name]), bits(here_out[name])), name
+
+
+VNNI_CHILD = r"""
+import json, sys
+import numpy as np
+from numba import typeof, types
+sys.path.insert(0, sys.argv[1])
+from sparrow.kernels import _q8act, _q8ir
+
+# compiled, never run: this host may lack the instructions
+data = typeof(np.zeros((1, 1), np.uint8)).copy(readonly=True)
+m2 = lambda dt: typeof(np.zeros((1, 1), dt))
+f32, i64 = m2(np.float32), types.int64
+sig = (data, i64, m2(np.int8), f32, f32, m2(np.int32), f32, i64, i64)
+_q8act.x8_rows.compile(sig)
+asm = "".join(_q8act.x8_rows.inspect_asm().values())
+np.savez(sys.argv[2], none=np.zeros(0))
+print("INFO " + json.dumps(dict(vnni=_q8ir.VNNI, vpdpbusd=asm.count("vpdpbusd"), pmaddubsw=asm.count("vpmaddubsw"))))
+"""
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 CPU names")
+def test_vnni_cpus_take_vpdpbusd(tmp_path):
+    """Compiled for a CPU with AVX-VNNI, the q8_0 / q4_x groups' integer dots are vpdpbusd (the
+    host's own tests check their bits where it has VNNI; the "avx2" child above, the rest)."""
+    cpu, feats, _, _ = Q8_PATHS["avx2"]
+    info, _ = run_compiled_for(tmp_path, cpu, feats + ",+avxvnni", VNNI_CHILD)
+    assert info["vnni"] and info["vpdpbusd"] > 0, info  # (the K-quant groups keep pmaddubsw)
+    info, _ = run_compiled_for(tmp_path / "avx2", cpu, feats, VNNI_CHILD)
+    assert not info["vnni"] and info["vpdpbusd"] == 0 and info["pmaddubsw"] > 0, info

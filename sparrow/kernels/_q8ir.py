@@ -1,8 +1,9 @@
 """LLVM IR pieces of the activations="q8" mode's integer dot products (_q8act, _x8, _kq8).
 
-Every piece computes exact integers, so x86's pmaddubsw / pmaddwd / psignb (AVX2) and the
-plain vector IR of the generic path give the same values: the q8 mode's bits never depend on
-which one a CPU takes (tests compile the generic one for an older CPU and compare).
+Every piece computes exact integers, so x86's vpdpbusd (AVX-VNNI / AVX512-VNNI), pmaddubsw /
+pmaddwd / psignb (AVX2) and the plain vector IR of the generic path give the same values: the
+q8 mode's bits never depend on which one a CPU takes (tests compile the AVX2 and the generic
+path for older CPUs and compare).
 """
 
 from llvmlite import ir
@@ -11,7 +12,11 @@ from numba.core import cgutils
 from sparrow.kernels._ir import F32, I8, I16, I32, V16I32, shuffle
 from sparrow.kernels.gemm import CPU_FEATURES
 
-AVX2 = "+avx2" in CPU_FEATURES.split(",")  # pmaddubsw / pmaddwd / psignb, else generic IR
+_FEATS = CPU_FEATURES.split(",")
+AVX2 = "+avx2" in _FEATS  # pmaddubsw / pmaddwd / psignb, else generic IR
+# vpdpbusd on ymm: 4 u8 x s8 products summed into an int32 lane in one instruction, where
+# AVX2 takes pmaddubsw + pmaddwd + paddd. AVX-VNNI (its VEX form) or AVX512-VNNI with VL.
+VNNI = AVX2 and ("+avxvnni" in _FEATS or {"+avx512vnni", "+avx512vl"} <= set(_FEATS))
 
 V8F = ir.VectorType(F32, 8)
 V8I32 = ir.VectorType(I32, 8)
@@ -75,10 +80,33 @@ def maddwd(b, v, c=None):
     return b.add(shuffle(b, p, p, range(0, 16, 2)), shuffle(b, p, p, range(1, 16, 2)))
 
 
+def dpbusd(b, acc, u, s):
+    """acc (<8 x i32>, or None for 0) + lane j = sum of u[4j + i] s[4j + i], i < 4: <32 x i8>
+    u unsigned, s signed. One vpdpbusd with VNNI, else pmaddubsw + pmaddwd (+ paddd): the
+    same integers, as the products' pair sums fit int16 for every caller's codes."""
+    if VNNI:
+        acc = ir.Constant(V8I32, None) if acc is None else acc
+        return call(b, "llvm.x86.avx512.vpdpbusd.256", V8I32, [acc, b.bitcast(u, V8I32), b.bitcast(s, V8I32)])
+    s4 = maddwd(b, maddubs(b, u, s))
+    return s4 if acc is None else b.add(acc, s4)
+
+
+def dpbssd(b, acc, w, s, u=None):
+    """dpbusd for signed w (|w| <= 128): |w| (u, when the caller has it) against s with w's
+    sign, the same products w s."""
+    if VNNI:
+        u = absb(b, w) if u is None else u
+        return dpbusd(b, acc, u, call(b, "llvm.x86.avx2.psign.b", V32I8, [s, w]))
+    s4 = maddwd(b, maddbs(b, w, s, u))
+    return s4 if acc is None else b.add(acc, s4)
+
+
 def dot4(builder, w, x, c=None, unsigned=False):
     """<32 x i8> w, signed x -> <8 x i32>, lane j = sum of w[4j + i] * x[4j + i] * c[2j + i // 2]
     for i < 4 (c: <16 x i16> factors, all 1 when None; w signed unless unsigned). Needs
     |w| <= 128 (unsigned: w <= 255) and every pair sum w x + w x within int16, as every
     caller's codes give."""
+    if c is None:
+        return dpbusd(builder, None, w, x) if unsigned else dpbssd(builder, None, w, x)
     p = maddubs(builder, w, x) if unsigned else maddbs(builder, w, x)
     return maddwd(builder, p, c)
