@@ -20,8 +20,10 @@ from weights import acts, make
 BB = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}
 # (format, [out, in], T): odd and even block counts, one block, T up to SMALL_T, rows past
 # the serial threshold (the parallel matvec); rows that fill groups of 8 (kernels/_x8.py)
-# and rows whose last group is part padding, fewer rows than a group
+# and rows whose last group is part padding, fewer rows than a group; one prefill (T > SMALL_T:
+# AMX tiles where this host has them, so the children of test_other_code_paths check them)
 CASES = [
+    ("q4_1", (45, 512), 37),
     ("q8_0", (40, 96), 1),
     ("q4_0", (40, 96), 3),
     ("q4_1", (40, 96), 8),
@@ -135,7 +137,8 @@ def test_quantize_matches_reference():
 
 
 def test_documented_order_bit_for_bit_any_threads_and_batch():
-    assert SMALL_T == 8 and all(t <= SMALL_T for _, _, t in CASES)
+    # decode cases, and prefills of formats whose q8 prefill keeps the order
+    assert SMALL_T == 8 and all(t <= SMALL_T or q in _q8act.PREFILL_FORMATS for q, _, t in CASES)
     out = compute()
     for i, (q, shape, t) in enumerate(CASES):
         x, w = acts(t, shape[1], seed=7), make(q, shape, seed=8)

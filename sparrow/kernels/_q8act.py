@@ -29,6 +29,7 @@ from llvmlite import ir
 from numba import njit, prange
 from numba.core import cgutils
 
+from sparrow.kernels import _amx
 from sparrow.kernels._ir import F32, I8, I32, I64, fma, hsum16, make_rows, row_step, shuffle, splat16, zeroed
 from sparrow.kernels._kq8 import groups_q4_k, groups_q5_k, groups_q6_k
 from sparrow.kernels._q8ir import AVX2, V8F, V8I32, V16I8, V32I8, dot4
@@ -270,9 +271,25 @@ def q8_rows(w):
     return w.x8, X8_KIND[w.qtype]
 
 
+def quantize_padded(x, rows):
+    """quantize's (xq, dx, sx) in arrays of a multiple of `rows` rows, the pad rows zero."""
+    t_n, k = x.shape
+    tp = -(-t_n // rows) * rows
+    xq, dx, sx = np.zeros((tp, k), np.int8), np.zeros((tp, k // 32), np.float32), np.zeros((tp, k // 32), np.float32)
+    quantize_rows(x, xq[:t_n], dx[:t_n], sx[:t_n])
+    return xq, dx, sx
+
+
+# From this many x rows a prefill over an _amx format runs on AMX tiles where the CPU has
+# them (the same bits; 16-row tiles, so fewer rows would mostly multiply padding).
+AMX_MIN_T = 16
+
+
 def matvec_q8(x, w, out):
-    """out [T, out] = q8(x) @ W.T for a Weight of a BLOCK_KINDS format and small T."""
+    """out [T, out] = q8(x) @ W.T for a Weight of a BLOCK_KINDS format."""
     data, kind = q8_rows(w)
+    if _amx.AMX and x.shape[0] >= AMX_MIN_T and w.qtype in _amx.FORMATS:
+        return _amx.matmul(*quantize_padded(x, _amx.TILE), data, w.qtype, out)
     small = x.shape[0] * w.shape[0] * x.shape[1] < PARALLEL_MIN_MACS
     call_slp(_mv_q8_serial if small else _mv_q8, data, kind, x, out)
     return out

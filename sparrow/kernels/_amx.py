@@ -1,0 +1,311 @@
+"""q8-mode prefill on Intel AMX tiles (Sapphire Rapids and later): the same bits, more MACs.
+
+A q8-mode prefill multiplies T quantised x rows by a q8_0 / q4_0 / q4_1 / q4_k matrix. The
+vector path (_x8 groups, vpdpbusd) reaches ~86 GMAC/s on two cores of an AMX Xeon; one AMX
+tdpbssd multiplies a 16 x 32 int8 tile by a 32 x 16 one (8192 exact integer MACs) in ~16
+cycles. Here a 16-row panel of weights (two _x8 groups) is unpacked once to int8 codes in
+the B-tile layout (4 bytes of a row a column: the _x8 chunks side by side) and swept by
+every 16-row tile of x:
+
+  per block b (32 values): C = A_b B_b (tdpbssd / tdpbsud: C[t, r] = the exact int32 sum
+  of code_x * code_w over the block); then, per x row t and weight row r (16 lanes),
+    acc = fma(float(s), d * dx[t, b], acc)            s = C[t, r] (q4_k: times the
+    q4_1 only: accm = fma(m, sx[t, b], accm)          sub-block's 6-bit scale)
+    q4_k only: accm = fma(-(dmin m_j), sx[t, b], accm)
+
+which is _x8's and _kq8's documented order, operation for operation: integer sums are exact
+whichever instruction forms them, so this path gives the vector path's bits (tests compare
+them) and a row's bits stay independent of T, the tile and the thread count. q4_0's codes
+enter as nibble - 8 (signed), so its s needs no -8 sum(code_x) correction.
+
+Tiles need the kernel's permission (arch_prctl ARCH_REQ_XCOMP_PERM, once per process); where
+it is refused, where the CPU lacks amx-int8, or with SPARROW_AMX=0, nothing here runs.
+"""
+
+import ctypes
+import os
+import platform
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from sparrow.kernels._ir import F32, I8, I32, I64, V16F, V16I32, fma, splat16, zeroed
+from sparrow.kernels._q8ir import V32I8, call
+from sparrow.kernels._widen import F16_LUT
+from sparrow.kernels._x8 import GROUP_BYTES, load, nibble
+from sparrow.kernels.gemm import CPU_FEATURES
+
+KW = dict(cache=True, nogil=True)
+TILE = 16  # x rows and weight rows a tile covers
+FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k")
+
+
+def _permitted() -> bool:
+    feats = set(CPU_FEATURES.split(","))
+    if os.environ.get("SPARROW_AMX", "1") == "0" or not {"+amx-tile", "+amx-int8"} <= feats:
+        return False
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:  # arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): tiles for every thread of this process
+        return ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+AMX = _permitted()
+
+
+def _config():
+    """The 64-byte tile configuration (palette 1): tmm0 / tmm3 C [16 x 16 i32], tmm1 / tmm4
+    A [16 x 32 i8], tmm2 / tmm5 B [8 x 64 i8], for even / odd blocks."""
+    cfg = np.zeros(64, np.uint8)
+    cfg[0] = 1
+    colsb, rows = cfg[16:48].view(np.uint16), cfg[48:64]
+    for t, (r, c) in enumerate([(16, 64), (16, 32), (8, 64)] * 2):
+        rows[t], colsb[t] = r, c
+    cfg.flags.writeable = False
+    return cfg
+
+
+CONFIG = _config()
+
+# ------------------------------------------------------------------ panels (numba)
+
+
+@njit(**KW)
+def _f16(p, at, lut):
+    return lut[np.int32(p[at]) | (np.int32(p[at + 1]) << 8)]
+
+
+def _unpack(qtype):
+    """An intrinsic unpack(row, nb, bpan, h): the codes of one _x8 group row (its bytes, nb x
+    blocks of 32) into columns 32 h .. 32 h + 31 of the B tiles bpan [nb, 8, 64], as vector
+    code (the numba loop it replaced ran as long as the tiles on q4_0)."""
+    gb = GROUP_BYTES[qtype]
+
+    def unpack(typingctx, row, nb, bpan, h):
+        sig = types.void(row, nb, bpan, h)
+
+        def codegen(context, b, signature, args):
+            rp = b.bitcast(context.make_array(signature.args[0])(context, b, args[0]).data, I8.as_pointer())
+            bp = b.bitcast(context.make_array(signature.args[2])(context, b, args[2]).data, I8.as_pointer())
+            col = b.mul(args[3], _c(32))
+            with cgutils.for_range(b, args[1]) as loop:
+                blk = loop.index
+                dst = b.gep(bp, [b.add(b.mul(blk, _c(512)), col)])
+                if qtype == "q4_k":  # super-block blk // 8, sub-block j: chunks 8 (j // 2) .. of its codes
+                    j = b.urem(blk, _c(8))
+                    at = b.add(_c(160), b.mul(b.udiv(j, _c(2)), _c(256)))
+                    src = b.gep(rp, [b.add(b.mul(b.udiv(blk, _c(8)), _c(gb)), at)])
+                    high = b.icmp_unsigned("!=", b.urem(j, _c(2)), _c(0))
+                    for c in range(8):
+                        v = load(b, src, 32 * c, V32I8)
+                        b.store(b.select(high, nibble(b, v, 1), nibble(b, v, 0)), _at(b, dst, 64 * c))
+                elif qtype == "q8_0":
+                    src = b.gep(rp, [b.add(b.mul(blk, _c(gb)), _c(16))])
+                    for c in range(8):
+                        b.store(load(b, src, 32 * c, V32I8), _at(b, dst, 64 * c))
+                else:  # chunk c: low nibbles elements 4 c .., high ones 16 + 4 c ..; q4_0 minus 8
+                    src = b.gep(rp, [b.add(b.mul(blk, _c(gb)), _c(16 if qtype == "q4_0" else 32))])
+                    for c in range(4):
+                        v = load(b, src, 32 * c, V32I8)
+                        lo, hi = nibble(b, v, 0), nibble(b, v, 1)
+                        if qtype == "q4_0":
+                            lo, hi = b.sub(lo, _EIGHT), b.sub(hi, _EIGHT)
+                        b.store(lo, _at(b, dst, 64 * c))
+                        b.store(hi, _at(b, dst, 64 * (4 + c)))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return intrinsic(unpack)
+
+
+_EIGHT = ir.Constant(V32I8, [8] * 32)
+
+
+def _at(b, p, off):
+    return b.bitcast(b.gep(p, [_c(off)]), V32I8.as_pointer())
+
+
+_unpack_q8_0, _unpack_q4_0, _unpack_q4_1, _unpack_q4_k = (_unpack(q) for q in FORMATS)
+
+
+@njit(**KW)
+def _f16(p, at, lut):
+    return lut[np.int32(p[at]) | (np.int32(p[at + 1]) << 8)]
+
+
+@njit(**KW)
+def panel(qtype_id, data, g, bb, lut, bpan, dpan, mpan, span):
+    """Groups g, g + 1 of _x8's layout (the second absent past the last) -> B tiles bpan [nb,
+    8, 64] int8 (element 4 k4 + i of weight row r at [k4, 4 r + i]), d and the offset term
+    (q4_1: m; q4_k: -(dmin m_j)) per block and row in dpan / mpan [nb, 16], q4_k's 6-bit
+    scale of the sub-block in span."""
+    nb = dpan.shape[0]
+    for h in range(2):
+        if g + h >= data.shape[0]:
+            bpan[:, :, 32 * h : 32 * h + 32] = 0
+            dpan[:, 8 * h : 8 * h + 8] = 0
+            mpan[:, 8 * h : 8 * h + 8] = 0
+            span[:, 8 * h : 8 * h + 8] = 0
+            continue
+        row = data[g + h]
+        if qtype_id == 0:
+            _unpack_q8_0(row, nb, bpan, h)
+        elif qtype_id == 1:
+            _unpack_q4_0(row, nb, bpan, h)
+        elif qtype_id == 2:
+            _unpack_q4_1(row, nb, bpan, h)
+        else:
+            _unpack_q4_k(row, nb, bpan, h)
+        for b in range(nb):
+            if qtype_id == 3:  # q4_k: super-block b // 8, sub-block j = b % 8
+                p, j = (b // 8) * bb, b % 8
+                for r in range(8):
+                    dpan[b, 8 * h + r] = _f16(row, p + 2 * r, lut)
+                    dmin = _f16(row, p + 16 + 2 * r, lut)
+                    span[b, 8 * h + r] = row[p + 32 + 8 * j + r]
+                    mpan[b, 8 * h + r] = -(dmin * np.float32(row[p + 96 + 8 * j + r]))
+                continue
+            p = b * bb
+            for r in range(8):
+                dpan[b, 8 * h + r] = _f16(row, p + 2 * r, lut)
+                mpan[b, 8 * h + r] = _f16(row, p + 16 + 2 * r, lut) if qtype_id == 2 else 0
+
+
+# ------------------------------------------------------------------ the tile loop (IR)
+
+
+def _c(v, ty=I64):
+    return ir.Constant(ty, v)
+
+
+def _tile(qtype):
+    """An intrinsic tile(cfg, xq, t0, bpan, dpan, mpan, span, dx, sx, cbuf, out): out [16, 16]
+    f32 = x rows t0 .. t0 + 15 (xq int8 [>= t0 + 16, K], dx / sx f32 [., K / 32]) against the
+    panel, in the module docstring's order, blocks in pairs on two C tiles so one block's
+    tdp runs while the last one's sums are scaled."""
+    signed_w = qtype in ("q8_0", "q4_0")  # q4_1 / q4_k codes are unsigned nibbles
+    dp_name = "llvm.x86.tdpbssd" if signed_w else "llvm.x86.tdpbsud"
+    with_m = qtype in ("q4_1", "q4_k")
+
+    def tile(typingctx, cfg, xq, t0, bpan, dpan, mpan, span, dx, sx, cbuf, out):
+        sig = types.void(cfg, xq, t0, bpan, dpan, mpan, span, dx, sx, cbuf, out)
+
+        def codegen(context, b, signature, args):
+            a = [context.make_array(signature.args[i])(context, b, args[i]) if i != 2 else None for i in range(11)]
+            ptr = lambda i, ty=I8: b.bitcast(a[i].data, ty.as_pointer())  # noqa: E731
+            t0 = args[2]
+            xs = b.extract_value(a[1].strides, 0)
+            nb = b.extract_value(a[7].shape, 1)
+            ds = b.extract_value(a[7].strides, 0)
+            xbase = b.gep(ptr(1), [b.mul(t0, xs)])
+            dxb = b.gep(ptr(7), [b.mul(t0, ds)])
+            sxb = b.gep(ptr(8), [b.mul(t0, ds)])
+            bp, cb = ptr(3), ptr(9)
+            dpf, mpf, spi = ptr(4, F32), ptr(5, F32), ptr(6, I32)
+            call(b, "llvm.x86.ldtilecfg", ir.VoidType(), [ptr(0)])
+            acc = [zeroed(b, V16F) for _ in range(TILE)]
+            accm = [zeroed(b, V16F) for _ in range(TILE)] if with_m else None
+
+            def issue(blk, h):  # C_h = A_blk B_blk into tile 3 h, stored to cbuf half h
+                tc, ta, tb = _c(3 * h, I8), _c(3 * h + 1, I8), _c(3 * h + 2, I8)
+                call(b, "llvm.x86.tilezero", ir.VoidType(), [tc])
+                call(b, "llvm.x86.tileloadd64", ir.VoidType(), [ta, b.gep(xbase, [b.mul(blk, _c(32))]), xs])
+                call(b, "llvm.x86.tileloadd64", ir.VoidType(), [tb, b.gep(bp, [b.mul(blk, _c(512))]), _c(64)])
+                call(b, dp_name, ir.VoidType(), [tc, ta, tb])
+                call(b, "llvm.x86.tilestored64", ir.VoidType(), [tc, b.gep(cb, [_c(1024 * h)]), _c(64)])
+
+            def scale(blk, h):  # the block's sums into the accumulators, x row by x row
+                d = b.load(b.bitcast(b.gep(dpf, [b.mul(blk, _c(16))]), V16F.as_pointer()), align=4)
+                if qtype == "q4_k":
+                    sc = b.load(b.bitcast(b.gep(spi, [b.mul(blk, _c(16))]), V16I32.as_pointer()), align=4)
+                if with_m:
+                    m = b.load(b.bitcast(b.gep(mpf, [b.mul(blk, _c(16))]), V16F.as_pointer()), align=4)
+                for t in range(TILE):
+                    sp = b.gep(cb, [_c(1024 * h + 64 * t)])
+                    s = b.load(b.bitcast(sp, V16I32.as_pointer()), align=4)
+                    if qtype == "q4_k":
+                        s = b.mul(s, sc)
+                    at = b.add(b.mul(_c(t), ds), b.mul(blk, _c(4)))
+                    dxt = b.load(b.bitcast(b.gep(dxb, [at]), F32.as_pointer()))
+                    dd = b.fmul(d, splat16(b, dxt))
+                    b.store(fma(b, b.sitofp(s, V16F), dd, b.load(acc[t])), acc[t])
+                    if with_m:
+                        sxt = b.load(b.bitcast(b.gep(sxb, [at]), F32.as_pointer()))
+                        b.store(fma(b, m, splat16(b, sxt), b.load(accm[t])), accm[t])
+
+            pairs = b.udiv(nb, _c(2))
+            with cgutils.for_range(b, pairs) as loop:
+                b0 = b.mul(loop.index, _c(2))
+                b1 = b.add(b0, _c(1))
+                issue(b0, 0)
+                issue(b1, 1)
+                scale(b0, 0)
+                scale(b1, 1)
+            with b.if_then(b.icmp_unsigned("!=", b.mul(pairs, _c(2)), nb)):
+                last = b.sub(nb, _c(1))
+                issue(last, 0)
+                scale(last, 0)
+            call(b, "llvm.x86.tilerelease", ir.VoidType(), [])
+            op = ptr(10, F32)
+            for t in range(TILE):
+                v = b.load(acc[t])
+                if with_m:
+                    v = b.fadd(v, b.load(accm[t]))
+                b.store(v, b.bitcast(b.gep(op, [_c(16 * t)]), V16F.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return intrinsic(tile)
+
+
+_tile_q8_0, _tile_q4_0, _tile_q4_1, _tile_q4_k = (_tile(q) for q in FORMATS)
+
+
+@njit(**KW)
+def _run_tile(qtype_id, cfg, xq, t0, bpan, dpan, mpan, span, dx, sx, cbuf, out):
+    if qtype_id == 0:
+        _tile_q8_0(cfg, xq, t0, bpan, dpan, mpan, span, dx, sx, cbuf, out)
+    elif qtype_id == 1:
+        _tile_q4_0(cfg, xq, t0, bpan, dpan, mpan, span, dx, sx, cbuf, out)
+    elif qtype_id == 2:
+        _tile_q4_1(cfg, xq, t0, bpan, dpan, mpan, span, dx, sx, cbuf, out)
+    else:
+        _tile_q4_k(cfg, xq, t0, bpan, dpan, mpan, span, dx, sx, cbuf, out)
+
+
+@njit(parallel=True, **KW)
+def _matmul(qtype_id, cfg, data, bb, lut, xq, dx, sx, y):
+    """y [T, O] for every x row (xq / dx / sx padded to a multiple of 16 rows) and _x8 groups
+    data, 16 weight rows (two groups) a parallel item."""
+    t_n, o_n = y.shape
+    nb = dx.shape[1]
+    for pi in prange((data.shape[0] + 1) // 2):
+        bpan = np.empty((nb, 8, 64), np.int8)
+        dpan = np.empty((nb, TILE), np.float32)
+        mpan = np.empty((nb, TILE), np.float32)
+        span = np.empty((nb, TILE), np.int32)
+        cbuf = np.empty((2 * TILE, TILE), np.int32)
+        out = np.empty((TILE, TILE), np.float32)
+        panel(qtype_id, data, 2 * pi, bb, lut, bpan, dpan, mpan, span)
+        o0 = TILE * pi
+        n = min(TILE, o_n - o0)
+        for t0 in range(0, t_n, TILE):
+            _run_tile(qtype_id, cfg, xq, t0, bpan, dpan, mpan, span, dx, sx, cbuf, out)
+            for t in range(min(TILE, t_n - t0)):
+                for r in range(n):
+                    y[t0 + t, o0 + r] = out[t, r]
+
+
+def matmul(xq, dx, sx, data, qtype, y):
+    """y [T, O] = the q8-mode product of quantised x rows (_q8act.quantize's xq / dx / sx,
+    padded with zero rows to a multiple of 16) and a weight's _x8 groups data (qtype one of
+    FORMATS; O at most 8 per group)."""
+    _matmul(FORMATS.index(qtype), CONFIG, data, GROUP_BYTES[qtype], F16_LUT, xq, dx, sx, y)
+    return y
