@@ -22,7 +22,7 @@ needs_amx = pytest.mark.skipif(not _amx.AMX, reason="this CPU (or its kernel) gi
 
 
 def _weight(qtype, shape, seed):
-    return make_kq(qtype, shape, seed=seed) if qtype == "q4_k" else make(qtype, shape, seed=seed)
+    return make_kq(qtype, shape, seed=seed) if qtype.endswith("_k") else make(qtype, shape, seed=seed)
 
 
 def _vector_path(x, w):
@@ -36,7 +36,7 @@ def _vector_path(x, w):
 
 # (format, [out, in], T): whole and partial 16-row tiles of x; a last panel with one group
 # (3 groups) or a partial one (45 rows); odd block counts (the unpaired last block) and one
-# block; q4_k's 256-value super-blocks
+# block; q4_k's and q6_k's 256-value super-blocks (q6_k: two tiles a block)
 CASES = [
     ("q8_0", (45, 512), 37),
     ("q4_0", (45, 512), 37),
@@ -49,6 +49,9 @@ CASES = [
     ("q4_k", (20, 768), 16),
     ("q4_k", (8, 256), 5),
     ("q4_0", (300, 2048), 70),
+    ("q6_k", (45, 512), 37),
+    ("q6_k", (20, 768), 16),
+    ("q6_k", (8, 256), 5),
 ]
 
 

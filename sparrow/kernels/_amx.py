@@ -40,7 +40,7 @@ from sparrow.kernels.gemm import CPU_FEATURES
 
 KW = dict(cache=True, nogil=True)
 TILE = 16  # x rows and weight rows a tile covers
-FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k")
+FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
 
 
 def _permitted() -> bool:
@@ -58,19 +58,22 @@ def _permitted() -> bool:
 AMX = _permitted()
 
 
-def _config():
-    """The 64-byte tile configuration (palette 1): tmm0 / tmm3 C [16 x 16 i32], tmm1 / tmm4
-    A [16 x 32 i8], tmm2 / tmm5 B [8 x 64 i8], for even / odd blocks."""
+def _config(shapes):
+    """The 64-byte tile configuration (palette 1) giving tmm0, tmm1, ... these (rows, bytes)."""
     cfg = np.zeros(64, np.uint8)
     cfg[0] = 1
     colsb, rows = cfg[16:48].view(np.uint16), cfg[48:64]
-    for t, (r, c) in enumerate([(16, 64), (16, 32), (8, 64)] * 2):
+    for t, (r, c) in enumerate(shapes):
         rows[t], colsb[t] = r, c
     cfg.flags.writeable = False
     return cfg
 
 
-CONFIG = _config()
+# tmm0 / tmm3 C [16 x 16 i32], tmm1 / tmm4 A [16 x 32 i8], tmm2 / tmm5 B [8 x 64 i8], for even
+# / odd blocks; q6_k (a scale per 16 values): tmm0 / tmm1 C, tmm2 / tmm3 A [16 x 16 i8], tmm4 /
+# tmm5 B [4 x 64 i8] for a block's first and last 16 values
+CONFIG = _config([(16, 64), (16, 32), (8, 64)] * 2)
+CONFIG_Q6_K = _config([(16, 64)] * 2 + [(16, 16)] * 2 + [(4, 64)] * 2)
 
 # ------------------------------------------------------------------ panels (numba)
 
@@ -104,6 +107,22 @@ def _unpack(qtype):
                     for c in range(8):
                         v = load(b, src, 32 * c, V32I8)
                         b.store(b.select(high, nibble(b, v, 1), nibble(b, v, 0)), _at(b, dst, 64 * c))
+                elif qtype == "q6_k":  # sub-block j of super-block n: half j // 4, quarter q = j % 4
+                    n, j = b.udiv(blk, _c(8)), b.urem(blk, _c(8))
+                    half, q = b.udiv(j, _c(4)), b.urem(j, _c(4))
+                    sb = b.gep(rp, [b.mul(n, _c(gb))])
+                    # ql chunks 16 half + 8 (q % 2) + c (nibble q // 2), qh chunks 8 half + c (bits 2 q)
+                    ql = b.gep(
+                        sb, [b.add(_c(144), b.mul(_c(32), b.add(b.mul(half, _c(16)), b.mul(b.urem(q, _c(2)), _c(8)))))]
+                    )
+                    qh = b.gep(sb, [b.add(_c(1168), b.mul(_c(256), half))])
+                    s_lo = _splat_i16(b, b.mul(b.udiv(q, _c(2)), _c(4)))
+                    s_hi = _splat_i16(b, b.mul(q, _c(2)))
+                    for c in range(8):
+                        lo = _shr_mask(b, load(b, ql, 32 * c, V32I8), s_lo, 15)
+                        hi = _shr_mask(b, load(b, qh, 32 * c, V32I8), s_hi, 3)
+                        v = b.sub(b.or_(lo, b.shl(hi, ir.Constant(V32I8, [4] * 32))), ir.Constant(V32I8, [32] * 32))
+                        b.store(v, _at(b, dst, 64 * c))
                 elif qtype == "q8_0":
                     src = b.gep(rp, [b.add(b.mul(blk, _c(gb)), _c(16))])
                     for c in range(8):
@@ -125,13 +144,26 @@ def _unpack(qtype):
 
 
 _EIGHT = ir.Constant(V32I8, [8] * 32)
+V16I16 = ir.VectorType(ir.IntType(16), 16)
+
+
+def _splat_i16(b, n):
+    """The run-time i64 n in every lane of <16 x i16>."""
+    v = b.insert_element(ir.Constant(V16I16, ir.Undefined), b.trunc(n, ir.IntType(16)), _c(0, I32))
+    return b.shuffle_vector(v, ir.Constant(V16I16, ir.Undefined), ir.Constant(ir.VectorType(I32, 16), [0] * 16))
+
+
+def _shr_mask(b, v, sh, mask):
+    """(v >> sh) & mask for each byte of <32 x i8> v (shifted as 16-bit lanes, then masked)."""
+    v = b.bitcast(b.lshr(b.bitcast(v, V16I16), sh), V32I8)
+    return b.and_(v, ir.Constant(V32I8, [mask] * 32))
 
 
 def _at(b, p, off):
     return b.bitcast(b.gep(p, [_c(off)]), V32I8.as_pointer())
 
 
-_unpack_q8_0, _unpack_q4_0, _unpack_q4_1, _unpack_q4_k = (_unpack(q) for q in FORMATS)
+_unpack_q8_0, _unpack_q4_0, _unpack_q4_1, _unpack_q4_k, _unpack_q6_k = (_unpack(q) for q in FORMATS)
 
 
 @njit(**KW)
@@ -143,15 +175,15 @@ def _f16(p, at, lut):
 def panel(qtype_id, data, g, bb, lut, bpan, dpan, mpan, span):
     """Groups g, g + 1 of _x8's layout (the second absent past the last) -> B tiles bpan [nb,
     8, 64] int8 (element 4 k4 + i of weight row r at [k4, 4 r + i]), d and the offset term
-    (q4_1: m; q4_k: -(dmin m_j)) per block and row in dpan / mpan [nb, 16], q4_k's 6-bit
-    scale of the sub-block in span."""
+    (q4_1: m; q4_k: -(dmin m_j)) per block and row in dpan / mpan [nb, 16], the block's
+    scales in span [nb, 2, 16] (q4_k: its 6-bit scale; q6_k: those of its two halves)."""
     nb = dpan.shape[0]
     for h in range(2):
         if g + h >= data.shape[0]:
             bpan[:, :, 32 * h : 32 * h + 32] = 0
             dpan[:, 8 * h : 8 * h + 8] = 0
             mpan[:, 8 * h : 8 * h + 8] = 0
-            span[:, 8 * h : 8 * h + 8] = 0
+            span[:, :, 8 * h : 8 * h + 8] = 0
             continue
         row = data[g + h]
         if qtype_id == 0:
@@ -160,15 +192,26 @@ def panel(qtype_id, data, g, bb, lut, bpan, dpan, mpan, span):
             _unpack_q4_0(row, nb, bpan, h)
         elif qtype_id == 2:
             _unpack_q4_1(row, nb, bpan, h)
-        else:
+        elif qtype_id == 3:
             _unpack_q4_k(row, nb, bpan, h)
+        else:
+            _unpack_q6_k(row, nb, bpan, h)
         for b in range(nb):
+            if qtype_id == 4:  # q6_k: super-block b // 8, its scales 2 j, 2 j + 1 (int8)
+                p, j = (b // 8) * bb, b % 8
+                for r in range(8):
+                    dpan[b, 8 * h + r] = _f16(row, p + 2 * r, lut)
+                    mpan[b, 8 * h + r] = 0
+                    for i in range(2):
+                        v = np.int32(row[p + 16 + 16 * j + 2 * r + i])
+                        span[b, i, 8 * h + r] = v - 256 if v > 127 else v
+                continue
             if qtype_id == 3:  # q4_k: super-block b // 8, sub-block j = b % 8
                 p, j = (b // 8) * bb, b % 8
                 for r in range(8):
                     dpan[b, 8 * h + r] = _f16(row, p + 2 * r, lut)
                     dmin = _f16(row, p + 16 + 2 * r, lut)
-                    span[b, 8 * h + r] = row[p + 32 + 8 * j + r]
+                    span[b, 0, 8 * h + r] = row[p + 32 + 8 * j + r]
                     mpan[b, 8 * h + r] = -(dmin * np.float32(row[p + 96 + 8 * j + r]))
                 continue
             p = b * bb
@@ -189,7 +232,7 @@ def _tile(qtype):
     f32 = x rows t0 .. t0 + 15 (xq int8 [>= t0 + 16, K], dx / sx f32 [., K / 32]) against the
     panel, in the module docstring's order, blocks in pairs on two C tiles so one block's
     tdp runs while the last one's sums are scaled."""
-    signed_w = qtype in ("q8_0", "q4_0")  # q4_1 / q4_k codes are unsigned nibbles
+    signed_w = qtype in ("q8_0", "q4_0", "q6_k")  # q4_1 / q4_k codes are unsigned nibbles
     dp_name = "llvm.x86.tdpbssd" if signed_w else "llvm.x86.tdpbsud"
     with_m = qtype in ("q4_1", "q4_k")
 
@@ -220,17 +263,39 @@ def _tile(qtype):
                 call(b, dp_name, ir.VoidType(), [tc, ta, tb])
                 call(b, "llvm.x86.tilestored64", ir.VoidType(), [tc, b.gep(cb, [_c(1024 * h)]), _c(64)])
 
+            def issue_q6(blk):  # a block's halves on tiles 0 and 1, stored to cbuf's halves
+                for h in range(2):
+                    tc, ta, tb = _c(h, I8), _c(2 + h, I8), _c(4 + h, I8)
+                    call(b, "llvm.x86.tilezero", ir.VoidType(), [tc])
+                    xa = b.gep(xbase, [b.add(b.mul(blk, _c(32)), _c(16 * h))])
+                    call(b, "llvm.x86.tileloadd64", ir.VoidType(), [ta, xa, xs])
+                    wb = b.gep(bp, [b.add(b.mul(blk, _c(512)), _c(256 * h))])
+                    call(b, "llvm.x86.tileloadd64", ir.VoidType(), [tb, wb, _c(64)])
+                    call(b, dp_name, ir.VoidType(), [tc, ta, tb])
+                    call(b, "llvm.x86.tilestored64", ir.VoidType(), [tc, b.gep(cb, [_c(1024 * h)]), _c(64)])
+
+            def vec(p, ty, blk, at=0):
+                return b.load(
+                    b.bitcast(b.gep(p, [b.add(b.mul(blk, _c(32 if p is spi else 16)), _c(at))]), ty.as_pointer()),
+                    align=4,
+                )
+
             def scale(blk, h):  # the block's sums into the accumulators, x row by x row
-                d = b.load(b.bitcast(b.gep(dpf, [b.mul(blk, _c(16))]), V16F.as_pointer()), align=4)
-                if qtype == "q4_k":
-                    sc = b.load(b.bitcast(b.gep(spi, [b.mul(blk, _c(16))]), V16I32.as_pointer()), align=4)
+                d = vec(dpf, V16F, blk)
+                if qtype in ("q4_k", "q6_k"):
+                    sc = vec(spi, V16I32, blk)
+                if qtype == "q6_k":
+                    sc1 = vec(spi, V16I32, blk, 16)
                 if with_m:
-                    m = b.load(b.bitcast(b.gep(mpf, [b.mul(blk, _c(16))]), V16F.as_pointer()), align=4)
+                    m = vec(mpf, V16F, blk)
                 for t in range(TILE):
                     sp = b.gep(cb, [_c(1024 * h + 64 * t)])
                     s = b.load(b.bitcast(sp, V16I32.as_pointer()), align=4)
                     if qtype == "q4_k":
                         s = b.mul(s, sc)
+                    elif qtype == "q6_k":  # I = sc[2j] s(first 16) + sc[2j + 1] s(last 16)
+                        s1 = b.load(b.bitcast(b.gep(cb, [_c(1024 + 64 * t)]), V16I32.as_pointer()), align=4)
+                        s = b.add(b.mul(s, sc), b.mul(s1, sc1))
                     at = b.add(b.mul(_c(t), ds), b.mul(blk, _c(4)))
                     dxt = b.load(b.bitcast(b.gep(dxb, [at]), F32.as_pointer()))
                     dd = b.fmul(d, splat16(b, dxt))
@@ -239,18 +304,23 @@ def _tile(qtype):
                         sxt = b.load(b.bitcast(b.gep(sxb, [at]), F32.as_pointer()))
                         b.store(fma(b, m, splat16(b, sxt), b.load(accm[t])), accm[t])
 
-            pairs = b.udiv(nb, _c(2))
-            with cgutils.for_range(b, pairs) as loop:
-                b0 = b.mul(loop.index, _c(2))
-                b1 = b.add(b0, _c(1))
-                issue(b0, 0)
-                issue(b1, 1)
-                scale(b0, 0)
-                scale(b1, 1)
-            with b.if_then(b.icmp_unsigned("!=", b.mul(pairs, _c(2)), nb)):
-                last = b.sub(nb, _c(1))
-                issue(last, 0)
-                scale(last, 0)
+            if qtype == "q6_k":
+                with cgutils.for_range(b, nb) as loop:
+                    issue_q6(loop.index)
+                    scale(loop.index, 0)
+            else:
+                pairs = b.udiv(nb, _c(2))
+                with cgutils.for_range(b, pairs) as loop:
+                    b0 = b.mul(loop.index, _c(2))
+                    b1 = b.add(b0, _c(1))
+                    issue(b0, 0)
+                    issue(b1, 1)
+                    scale(b0, 0)
+                    scale(b1, 1)
+                with b.if_then(b.icmp_unsigned("!=", b.mul(pairs, _c(2)), nb)):
+                    last = b.sub(nb, _c(1))
+                    issue(last, 0)
+                    scale(last, 0)
             call(b, "llvm.x86.tilerelease", ir.VoidType(), [])
             op = ptr(10, F32)
             for t in range(TILE):
@@ -265,7 +335,7 @@ def _tile(qtype):
     return intrinsic(tile)
 
 
-_tile_q8_0, _tile_q4_0, _tile_q4_1, _tile_q4_k = (_tile(q) for q in FORMATS)
+_tile_q8_0, _tile_q4_0, _tile_q4_1, _tile_q4_k, _tile_q6_k = (_tile(q) for q in FORMATS)
 
 
 @njit(**KW)
@@ -276,8 +346,10 @@ def _run_tile(qtype_id, cfg, xq, t0, bpan, dpan, mpan, span, dx, sx, cbuf, out):
         _tile_q4_0(cfg, xq, t0, bpan, dpan, mpan, span, dx, sx, cbuf, out)
     elif qtype_id == 2:
         _tile_q4_1(cfg, xq, t0, bpan, dpan, mpan, span, dx, sx, cbuf, out)
-    else:
+    elif qtype_id == 3:
         _tile_q4_k(cfg, xq, t0, bpan, dpan, mpan, span, dx, sx, cbuf, out)
+    else:
+        _tile_q6_k(cfg, xq, t0, bpan, dpan, mpan, span, dx, sx, cbuf, out)
 
 
 @njit(parallel=True, **KW)
@@ -290,7 +362,7 @@ def _matmul(qtype_id, cfg, data, bb, lut, xq, dx, sx, y):
         bpan = np.empty((nb, 8, 64), np.int8)
         dpan = np.empty((nb, TILE), np.float32)
         mpan = np.empty((nb, TILE), np.float32)
-        span = np.empty((nb, TILE), np.int32)
+        span = np.empty((nb, 2, TILE), np.int32)
         cbuf = np.empty((2 * TILE, TILE), np.int32)
         out = np.empty((TILE, TILE), np.float32)
         panel(qtype_id, data, 2 * pi, bb, lut, bpan, dpan, mpan, span)
@@ -307,5 +379,15 @@ def matmul(xq, dx, sx, data, qtype, y):
     """y [T, O] = the q8-mode product of quantised x rows (_q8act.quantize's xq / dx / sx,
     padded with zero rows to a multiple of 16) and a weight's _x8 groups data (qtype one of
     FORMATS; O at most 8 per group)."""
-    _matmul(FORMATS.index(qtype), CONFIG, data, GROUP_BYTES[qtype], F16_LUT, xq, dx, sx, y)
+    _matmul(
+        FORMATS.index(qtype),
+        CONFIG_Q6_K if qtype == "q6_k" else CONFIG,
+        data,
+        GROUP_BYTES[qtype],
+        F16_LUT,
+        xq,
+        dx,
+        sx,
+        y,
+    )
     return y

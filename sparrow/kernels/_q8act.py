@@ -248,11 +248,14 @@ def supports(w) -> bool:
 
 
 # Formats whose prefill (T > linear.SMALL_T) also runs on the interleaved groups in the q8
-# mode, tiles of 4 x rows sharing each unpacked chunk: on 512 x rows of a 6144 x 2048 matrix,
-# two cores, q4_k 114-119 GMAC/s against 83-89 for the f32 GEMM (which widens every row
-# first), q4_0 92-117 vs 88, q8_0 95-112 vs 72-81, q4_1 82-114 vs 49-76. q5_k ran even and
-# q6_k slower (76 vs 83-90): they keep the f32 GEMM.
-PREFILL_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k")
+# mode, tiles of 4 x rows sharing each unpacked chunk, or AMX tiles (kernels/_amx.py) where
+# the CPU has them; the same bits either way, and the same as a decode step's. On 512 x rows
+# of a 6144 x 2048 matrix, two cores of a Zen 3 EPYC (AVX2): q4_k 114-119 GMAC/s against
+# 83-89 for the f32 GEMM (which widens every row first), q4_0 92-117 vs 88, q8_0 95-112 vs
+# 72-81, q4_1 82-114 vs 49-76; q6_k 76 vs 83-90, kept for AMX's 126 (and bits that match
+# decode). On an AMX Xeon: q8_0 / q4_x / q4_k 218-352, q6_k 126. q5_0 / q5_1 / q5_k keep the
+# f32 GEMM (q5_k ran even, and has no AMX kernel).
+PREFILL_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
 
 
 def prefills(w) -> bool:
