@@ -173,6 +173,19 @@ def run_compiled_for(tmp_path, cpu, features, code):
     return info, dict(np.load(tmp_path / "out.npz"))
 
 
+def q8_path_matches_here(tmp_path, path, code, compute):
+    """The q8 mode's code path `path` (a Q8_PATHS name) in a child running `code`, which
+    prints INFO {avx2, vnni} and saves compute()'s arrays: it took that path, and its arrays
+    equal this process's compute() bit for bit (tests/test_q8act.py, test_kquants_q8.py)."""
+    cpu, feats, avx2, vnni = Q8_PATHS[path]
+    info, child = run_compiled_for(tmp_path, cpu, feats, code)
+    assert (info["avx2"], info["vnni"]) == (avx2, vnni), info
+    here_out = compute()
+    assert set(child) == set(here_out)
+    for name in child:
+        assert np.array_equal(bits(child[name]), bits(here_out[name])), name
+
+
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 CPU names")
 def test_avx2_code_path_bit_for_bit(tmp_path):
     info, child = run_compiled_for(tmp_path, "haswell", HASWELL, CHILD)

@@ -8,7 +8,7 @@ import platform
 import numba
 import numpy as np
 import pytest
-from test_cpu_paths import Q8_PATHS, run_compiled_for
+from test_cpu_paths import Q8_PATHS, q8_path_matches_here
 from test_gemm import bits, fma32
 from test_kquants import _unpack, k_scales_mins, make_kq
 from test_q8act import q8_outputs, quantize_reference, rowdot_reference
@@ -204,13 +204,7 @@ print("INFO " + json.dumps(dict(avx2=_q8ir.AVX2, vnni=_q8ir.VNNI)))
 def test_other_code_paths_give_the_same_bits(tmp_path, path):
     """Compiled for an older CPU, the same bits: "generic" (no AVX2: plain vector IR instead of
     pmaddubsw) and "avx2" (pmaddubsw + pmaddwd where a VNNI host takes vpdpbusd)."""
-    cpu, feats, avx2, vnni = Q8_PATHS[path]
-    info, child = run_compiled_for(tmp_path, cpu, feats, GENERIC_CHILD)
-    assert (info["avx2"], info["vnni"]) == (avx2, vnni), info
-    here_out = compute()
-    assert set(child) == set(here_out)
-    for name in child:
-        assert np.array_equal(bits(child[name]), bits(here_out[name])), name
+    q8_path_matches_here(tmp_path, path, GENERIC_CHILD, compute)
 
 
 def test_row_range_into_a_strided_output():
