@@ -1,6 +1,6 @@
 """q8-mode prefill on Intel AMX tiles (Sapphire Rapids and later): the same bits, more MACs.
 
-A q8-mode prefill multiplies T quantised x rows by a q8_0 / q4_0 / q4_1 / q4_k matrix. The
+A q8-mode prefill multiplies T quantised x rows by a q8_0 / q4_0 / q4_1 / q4_k / q6_k matrix. The
 vector path (_x8 groups, vpdpbusd) reaches ~86 GMAC/s on two cores of an AMX Xeon; one AMX
 tdpbssd multiplies a 16 x 32 int8 tile by a 32 x 16 one (8192 exact integer MACs) in ~16
 cycles. Here a 16-row panel of weights (two _x8 groups) is unpacked once to int8 codes in
@@ -8,10 +8,11 @@ the B-tile layout (4 bytes of a row a column: the _x8 chunks side by side) and s
 every 16-row tile of x:
 
   per block b (32 values): C = A_b B_b (tdpbssd / tdpbsud: C[t, r] = the exact int32 sum
-  of code_x * code_w over the block); then, per x row t and weight row r (16 lanes),
+  of code_x * code_w over the block; q6_k: two tiles, one per 16-value half); then, per x
+  row t and weight row r (16 lanes),
     acc = fma(float(s), d * dx[t, b], acc)            s = C[t, r] (q4_k: times the
-    q4_1 only: accm = fma(m, sx[t, b], accm)          sub-block's 6-bit scale)
-    q4_k only: accm = fma(-(dmin m_j), sx[t, b], accm)
+    q4_1 only: accm = fma(m, sx[t, b], accm)          sub-block's 6-bit scale; q6_k:
+    q4_k only: accm = fma(-(dmin m_j), sx[t, b], accm)   sc[2j] C0 + sc[2j + 1] C1)
 
 which is _x8's and _kq8's documented order, operation for operation: integer sums are exact
 whichever instruction forms them, so this path gives the vector path's bits (tests compare
@@ -32,10 +33,11 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from sparrow.kernels._ir import F32, I8, I32, I64, V16F, V16I32, fma, splat16, zeroed
-from sparrow.kernels._q8ir import V32I8, call
+from sparrow.kernels._ir import F32, I8, I16, I32, V16F, V16I32, fma, splat16, zeroed
+from sparrow.kernels._kq8 import _CODES, _Q6_QH, _Q6_QL, _Q6_SC
+from sparrow.kernels._q8ir import V16I16, V32I8, call, splat
 from sparrow.kernels._widen import F16_LUT
-from sparrow.kernels._x8 import GROUP_BYTES, load, nibble
+from sparrow.kernels._x8 import GROUP_BYTES, REGIONS, c64, load, nibble
 from sparrow.kernels.gemm import CPU_FEATURES
 
 KW = dict(cache=True, nogil=True)
@@ -88,6 +90,7 @@ def _unpack(qtype):
     blocks of 32) into columns 32 h .. 32 h + 31 of the B tiles bpan [nb, 8, 64], as vector
     code (the numba loop it replaced ran as long as the tiles on q4_0)."""
     gb = GROUP_BYTES[qtype]
+    codes = 8 * REGIONS[qtype][-1][1]  # q8_0 / q4_x: where a group block's code chunks start
 
     def unpack(typingctx, row, nb, bpan, h):
         sig = types.void(row, nb, bpan, h)
@@ -95,40 +98,39 @@ def _unpack(qtype):
         def codegen(context, b, signature, args):
             rp = b.bitcast(context.make_array(signature.args[0])(context, b, args[0]).data, I8.as_pointer())
             bp = b.bitcast(context.make_array(signature.args[2])(context, b, args[2]).data, I8.as_pointer())
-            col = b.mul(args[3], _c(32))
+            col = b.mul(args[3], c64(32))
             with cgutils.for_range(b, args[1]) as loop:
                 blk = loop.index
-                dst = b.gep(bp, [b.add(b.mul(blk, _c(512)), col)])
+                dst = b.gep(bp, [b.add(b.mul(blk, c64(512)), col)])
                 if qtype == "q4_k":  # super-block blk // 8, sub-block j: chunks 8 (j // 2) .. of its codes
-                    j = b.urem(blk, _c(8))
-                    at = b.add(_c(160), b.mul(b.udiv(j, _c(2)), _c(256)))
-                    src = b.gep(rp, [b.add(b.mul(b.udiv(blk, _c(8)), _c(gb)), at)])
-                    high = b.icmp_unsigned("!=", b.urem(j, _c(2)), _c(0))
+                    j = b.urem(blk, c64(8))
+                    at = b.add(c64(_CODES["q4_k"]), b.mul(b.udiv(j, c64(2)), c64(256)))
+                    src = b.gep(rp, [b.add(b.mul(b.udiv(blk, c64(8)), c64(gb)), at)])
+                    high = b.icmp_unsigned("!=", b.urem(j, c64(2)), c64(0))
                     for c in range(8):
                         v = load(b, src, 32 * c, V32I8)
                         b.store(b.select(high, nibble(b, v, 1), nibble(b, v, 0)), _at(b, dst, 64 * c))
                 elif qtype == "q6_k":  # sub-block j of super-block n: half j // 4, quarter q = j % 4
-                    n, j = b.udiv(blk, _c(8)), b.urem(blk, _c(8))
-                    half, q = b.udiv(j, _c(4)), b.urem(j, _c(4))
-                    sb = b.gep(rp, [b.mul(n, _c(gb))])
+                    n, j = b.udiv(blk, c64(8)), b.urem(blk, c64(8))
+                    half, q = b.udiv(j, c64(4)), b.urem(j, c64(4))
+                    sb = b.gep(rp, [b.mul(n, c64(gb))])
                     # ql chunks 16 half + 8 (q % 2) + c (nibble q // 2), qh chunks 8 half + c (bits 2 q)
-                    ql = b.gep(
-                        sb, [b.add(_c(144), b.mul(_c(32), b.add(b.mul(half, _c(16)), b.mul(b.urem(q, _c(2)), _c(8)))))]
-                    )
-                    qh = b.gep(sb, [b.add(_c(1168), b.mul(_c(256), half))])
-                    s_lo = _splat_i16(b, b.mul(b.udiv(q, _c(2)), _c(4)))
-                    s_hi = _splat_i16(b, b.mul(q, _c(2)))
+                    chunk = b.add(b.mul(half, c64(16)), b.mul(b.urem(q, c64(2)), c64(8)))
+                    ql = b.gep(sb, [b.add(c64(_Q6_QL), b.mul(c64(32), chunk))])
+                    qh = b.gep(sb, [b.add(c64(_Q6_QH), b.mul(c64(256), half))])
+                    s_lo = splat(b, b.trunc(b.mul(b.udiv(q, c64(2)), c64(4)), I16), V16I16)
+                    s_hi = splat(b, b.trunc(b.mul(q, c64(2)), I16), V16I16)
                     for c in range(8):
                         lo = _shr_mask(b, load(b, ql, 32 * c, V32I8), s_lo, 15)
                         hi = _shr_mask(b, load(b, qh, 32 * c, V32I8), s_hi, 3)
                         v = b.sub(b.or_(lo, b.shl(hi, ir.Constant(V32I8, [4] * 32))), ir.Constant(V32I8, [32] * 32))
                         b.store(v, _at(b, dst, 64 * c))
                 elif qtype == "q8_0":
-                    src = b.gep(rp, [b.add(b.mul(blk, _c(gb)), _c(16))])
+                    src = b.gep(rp, [b.add(b.mul(blk, c64(gb)), c64(codes))])
                     for c in range(8):
                         b.store(load(b, src, 32 * c, V32I8), _at(b, dst, 64 * c))
                 else:  # chunk c: low nibbles elements 4 c .., high ones 16 + 4 c ..; q4_0 minus 8
-                    src = b.gep(rp, [b.add(b.mul(blk, _c(gb)), _c(16 if qtype == "q4_0" else 32))])
+                    src = b.gep(rp, [b.add(b.mul(blk, c64(gb)), c64(codes))])
                     for c in range(4):
                         v = load(b, src, 32 * c, V32I8)
                         lo, hi = nibble(b, v, 0), nibble(b, v, 1)
@@ -144,13 +146,6 @@ def _unpack(qtype):
 
 
 _EIGHT = ir.Constant(V32I8, [8] * 32)
-V16I16 = ir.VectorType(ir.IntType(16), 16)
-
-
-def _splat_i16(b, n):
-    """The run-time i64 n in every lane of <16 x i16>."""
-    v = b.insert_element(ir.Constant(V16I16, ir.Undefined), b.trunc(n, ir.IntType(16)), _c(0, I32))
-    return b.shuffle_vector(v, ir.Constant(V16I16, ir.Undefined), ir.Constant(ir.VectorType(I32, 16), [0] * 16))
 
 
 def _shr_mask(b, v, sh, mask):
@@ -160,15 +155,10 @@ def _shr_mask(b, v, sh, mask):
 
 
 def _at(b, p, off):
-    return b.bitcast(b.gep(p, [_c(off)]), V32I8.as_pointer())
+    return b.bitcast(b.gep(p, [c64(off)]), V32I8.as_pointer())
 
 
 _unpack_q8_0, _unpack_q4_0, _unpack_q4_1, _unpack_q4_k, _unpack_q6_k = (_unpack(q) for q in FORMATS)
-
-
-@njit(**KW)
-def _f16(p, at, lut):
-    return lut[np.int32(p[at]) | (np.int32(p[at + 1]) << 8)]
 
 
 @njit(**KW)
@@ -203,7 +193,7 @@ def panel(qtype_id, data, g, bb, lut, bpan, dpan, mpan, span):
                     dpan[b, 8 * h + r] = _f16(row, p + 2 * r, lut)
                     mpan[b, 8 * h + r] = 0
                     for i in range(2):
-                        v = np.int32(row[p + 16 + 16 * j + 2 * r + i])
+                        v = np.int32(row[p + _Q6_SC + 16 * j + 2 * r + i])
                         span[b, i, 8 * h + r] = v - 256 if v > 127 else v
                 continue
             if qtype_id == 3:  # q4_k: super-block b // 8, sub-block j = b % 8
@@ -223,15 +213,16 @@ def panel(qtype_id, data, g, bb, lut, bpan, dpan, mpan, span):
 # ------------------------------------------------------------------ the tile loop (IR)
 
 
-def _c(v, ty=I64):
-    return ir.Constant(ty, v)
+def _tmm(i):
+    """Tile register i, as the AMX intrinsics take it (an i8 immediate)."""
+    return ir.Constant(I8, i)
 
 
 def _tile(qtype):
     """An intrinsic tile(cfg, xq, t0, bpan, dpan, mpan, span, dx, sx, cbuf, out): out [16, 16]
     f32 = x rows t0 .. t0 + 15 (xq int8 [>= t0 + 16, K], dx / sx f32 [., K / 32]) against the
     panel, in the module docstring's order, blocks in pairs on two C tiles so one block's
-    tdp runs while the last one's sums are scaled."""
+    tdp runs while the last one's sums are scaled (q6_k: one block at a time, on two)."""
     signed_w = qtype in ("q8_0", "q4_0", "q6_k")  # q4_1 / q4_k codes are unsigned nibbles
     dp_name = "llvm.x86.tdpbssd" if signed_w else "llvm.x86.tdpbsud"
     with_m = qtype in ("q4_1", "q4_k")
@@ -256,27 +247,27 @@ def _tile(qtype):
             accm = [zeroed(b, V16F) for _ in range(TILE)] if with_m else None
 
             def issue(blk, h):  # C_h = A_blk B_blk into tile 3 h, stored to cbuf half h
-                tc, ta, tb = _c(3 * h, I8), _c(3 * h + 1, I8), _c(3 * h + 2, I8)
+                tc, ta, tb = _tmm(3 * h), _tmm(3 * h + 1), _tmm(3 * h + 2)
                 call(b, "llvm.x86.tilezero", ir.VoidType(), [tc])
-                call(b, "llvm.x86.tileloadd64", ir.VoidType(), [ta, b.gep(xbase, [b.mul(blk, _c(32))]), xs])
-                call(b, "llvm.x86.tileloadd64", ir.VoidType(), [tb, b.gep(bp, [b.mul(blk, _c(512))]), _c(64)])
+                call(b, "llvm.x86.tileloadd64", ir.VoidType(), [ta, b.gep(xbase, [b.mul(blk, c64(32))]), xs])
+                call(b, "llvm.x86.tileloadd64", ir.VoidType(), [tb, b.gep(bp, [b.mul(blk, c64(512))]), c64(64)])
                 call(b, dp_name, ir.VoidType(), [tc, ta, tb])
-                call(b, "llvm.x86.tilestored64", ir.VoidType(), [tc, b.gep(cb, [_c(1024 * h)]), _c(64)])
+                call(b, "llvm.x86.tilestored64", ir.VoidType(), [tc, b.gep(cb, [c64(1024 * h)]), c64(64)])
 
             def issue_q6(blk):  # a block's halves on tiles 0 and 1, stored to cbuf's halves
                 for h in range(2):
-                    tc, ta, tb = _c(h, I8), _c(2 + h, I8), _c(4 + h, I8)
+                    tc, ta, tb = _tmm(h), _tmm(2 + h), _tmm(4 + h)
                     call(b, "llvm.x86.tilezero", ir.VoidType(), [tc])
-                    xa = b.gep(xbase, [b.add(b.mul(blk, _c(32)), _c(16 * h))])
+                    xa = b.gep(xbase, [b.add(b.mul(blk, c64(32)), c64(16 * h))])
                     call(b, "llvm.x86.tileloadd64", ir.VoidType(), [ta, xa, xs])
-                    wb = b.gep(bp, [b.add(b.mul(blk, _c(512)), _c(256 * h))])
-                    call(b, "llvm.x86.tileloadd64", ir.VoidType(), [tb, wb, _c(64)])
+                    wb = b.gep(bp, [b.add(b.mul(blk, c64(512)), c64(256 * h))])
+                    call(b, "llvm.x86.tileloadd64", ir.VoidType(), [tb, wb, c64(64)])
                     call(b, dp_name, ir.VoidType(), [tc, ta, tb])
-                    call(b, "llvm.x86.tilestored64", ir.VoidType(), [tc, b.gep(cb, [_c(1024 * h)]), _c(64)])
+                    call(b, "llvm.x86.tilestored64", ir.VoidType(), [tc, b.gep(cb, [c64(1024 * h)]), c64(64)])
 
             def vec(p, ty, blk, at=0):
                 return b.load(
-                    b.bitcast(b.gep(p, [b.add(b.mul(blk, _c(32 if p is spi else 16)), _c(at))]), ty.as_pointer()),
+                    b.bitcast(b.gep(p, [b.add(b.mul(blk, c64(32 if p is spi else 16)), c64(at))]), ty.as_pointer()),
                     align=4,
                 )
 
@@ -289,14 +280,14 @@ def _tile(qtype):
                 if with_m:
                     m = vec(mpf, V16F, blk)
                 for t in range(TILE):
-                    sp = b.gep(cb, [_c(1024 * h + 64 * t)])
+                    sp = b.gep(cb, [c64(1024 * h + 64 * t)])
                     s = b.load(b.bitcast(sp, V16I32.as_pointer()), align=4)
                     if qtype == "q4_k":
                         s = b.mul(s, sc)
                     elif qtype == "q6_k":  # I = sc[2j] s(first 16) + sc[2j + 1] s(last 16)
-                        s1 = b.load(b.bitcast(b.gep(cb, [_c(1024 + 64 * t)]), V16I32.as_pointer()), align=4)
+                        s1 = b.load(b.bitcast(b.gep(cb, [c64(1024 + 64 * t)]), V16I32.as_pointer()), align=4)
                         s = b.add(b.mul(s, sc), b.mul(s1, sc1))
-                    at = b.add(b.mul(_c(t), ds), b.mul(blk, _c(4)))
+                    at = b.add(b.mul(c64(t), ds), b.mul(blk, c64(4)))
                     dxt = b.load(b.bitcast(b.gep(dxb, [at]), F32.as_pointer()))
                     dd = b.fmul(d, splat16(b, dxt))
                     b.store(fma(b, b.sitofp(s, V16F), dd, b.load(acc[t])), acc[t])
@@ -309,16 +300,16 @@ def _tile(qtype):
                     issue_q6(loop.index)
                     scale(loop.index, 0)
             else:
-                pairs = b.udiv(nb, _c(2))
+                pairs = b.udiv(nb, c64(2))
                 with cgutils.for_range(b, pairs) as loop:
-                    b0 = b.mul(loop.index, _c(2))
-                    b1 = b.add(b0, _c(1))
+                    b0 = b.mul(loop.index, c64(2))
+                    b1 = b.add(b0, c64(1))
                     issue(b0, 0)
                     issue(b1, 1)
                     scale(b0, 0)
                     scale(b1, 1)
-                with b.if_then(b.icmp_unsigned("!=", b.mul(pairs, _c(2)), nb)):
-                    last = b.sub(nb, _c(1))
+                with b.if_then(b.icmp_unsigned("!=", b.mul(pairs, c64(2)), nb)):
+                    last = b.sub(nb, c64(1))
                     issue(last, 0)
                     scale(last, 0)
             call(b, "llvm.x86.tilerelease", ir.VoidType(), [])
@@ -327,7 +318,7 @@ def _tile(qtype):
                 v = b.load(acc[t])
                 if with_m:
                     v = b.fadd(v, b.load(accm[t]))
-                b.store(v, b.bitcast(b.gep(op, [_c(16 * t)]), V16F.as_pointer()), align=4)
+                b.store(v, b.bitcast(b.gep(op, [c64(16 * t)]), V16F.as_pointer()), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
