@@ -134,6 +134,9 @@ def test_quantize_matches_reference():
         x[0, :32] *= 1e-30  # a tiny block
         for got, want in zip(_q8act.quantize(x), quantize_reference(x)):
             assert np.array_equal(got, want)
+    x = acts(37, 512, seed=5)  # the prefill's parallel chunks of 16 rows, zero pad rows after
+    for got, want in zip(_q8act.quantize_padded(x, 16), quantize_reference(x)):
+        assert got.shape[0] == 48 and np.array_equal(got[:37], want) and not got[37:].any()
 
 
 def test_documented_order_bit_for_bit_any_threads_and_batch():

@@ -219,3 +219,6 @@ def test_fused_small_ops_against_numpy():
     assert np.all(np.abs(h - ref) <= 1e-6 * np.abs(ref) + 1e-30)
     one = El.silu_mul(gu[1:2].copy(), g.shape[1])
     assert np.array_equal(one[0], h[1])  # a row alone == that row in a batch
+    big = np.concatenate([gu] * 15)  # [45, 132]: a prefill's rows, in parallel chunks of 16
+    assert big.shape[0] > El.PAR_ROWS
+    assert np.array_equal(El.silu_mul(big, g.shape[1]).view(np.uint32), np.concatenate([h] * 15).view(np.uint32))

@@ -146,6 +146,15 @@ def quantize_rows(x, xq, dx, sx):
             sx[t, b] = dx[t, b] * np.float32(tot)
 
 
+@njit(parallel=True, **KW)
+def _quantize_par(x, xq, dx, sx):
+    """quantize_rows on chunks of 16 rows across the threads (a prefill's x: serial, it was
+    0.36 of a 5.5 s 512-token q8 prefill of the Qwen3-1.7B shape); the same bits a row."""
+    for c in prange((x.shape[0] + 15) // 16):
+        r = slice(16 * c, 16 * c + 16)
+        quantize_rows(x[r], xq[r], dx[r], sx[r])
+
+
 @njit(**KW)
 def quantize(x):
     t_n, k = x.shape
@@ -279,7 +288,7 @@ def quantize_padded(x, rows):
     t_n, k = x.shape
     tp = -(-t_n // rows) * rows
     xq, dx, sx = np.zeros((tp, k), np.int8), np.zeros((tp, k // 32), np.float32), np.zeros((tp, k // 32), np.float32)
-    quantize_rows(x, xq[:t_n], dx[:t_n], sx[:t_n])
+    _quantize_par(x, xq[:t_n], dx[:t_n], sx[:t_n])
     return xq, dx, sx
 
 

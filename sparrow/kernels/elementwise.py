@@ -2,8 +2,10 @@
 the int8 KV row quantisation.
 
 At decode each is a few hundred floats, so one compiled call replaces several numpy calls
-(Python overhead dominated them). They are serial and work row by row, so a row's result
-never depends on the batch it came in.
+(Python overhead dominated them). They work row by row, so a row's result never depends on
+the batch it came in; a prefill's silu(gate) * up runs the same serial kernel on chunks of
+PAR_ROWS rows across the threads (serial, it was 0.26 of a 5.5 s 512-token prefill of the
+Qwen3-1.7B shape).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 _KW = dict(cache=True, nogil=True)
 
@@ -104,10 +106,19 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray)
     return out
 
 
+PAR_ROWS = 16  # rows a parallel item of a prefill's element kernels covers
+
+
+@njit(parallel=True, **_KW)
+def _silu_mul_rows(gu, f, out):
+    for c in prange((gu.shape[0] + PAR_ROWS - 1) // PAR_ROWS):
+        _silu_mul(gu[c * PAR_ROWS : (c + 1) * PAR_ROWS], f, out[c * PAR_ROWS : (c + 1) * PAR_ROWS])
+
+
 def silu_mul(gu: np.ndarray, f: int) -> np.ndarray:
     """gu [T, 2F] = [gate | up] -> silu(gate) * up [T, F]."""
     h = np.empty((gu.shape[0], f), np.float32)
-    _silu_mul(gu, f, h)
+    (_silu_mul_rows if gu.shape[0] > PAR_ROWS else _silu_mul)(gu, f, h)
     return h
 
 
