@@ -749,6 +749,8 @@ def main(argv=None):
         rec["llama_settings"] = runners[-1].settings
     for r in runners:  # warm-up: JIT load / compile, page in the weights
         r.prefill(prompt[:64], 0)
+        if r.name == "sparrow" and a.activations == "q8":  # its prefill kernels too (AMX tiles:
+            r.prefill(prompt[:64], 0, "q8")  # compiling them once made a first round 29 s, not 5)
         for m in modes if r.name == "sparrow" else ("exact",):
             r.decode(feed[:2], 64, m, a.sparse_k)
     rounds = []
