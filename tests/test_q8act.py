@@ -266,3 +266,33 @@ def test_vnni_cpus_take_vpdpbusd(tmp_path):
     assert info["vnni"] and info["vpdpbusd"] > 0, info  # (the K-quant groups keep pmaddubsw)
     info, _ = run_compiled_for(tmp_path / "avx2", cpu, feats, VNNI_CHILD)
     assert not info["vnni"] and info["vpdpbusd"] == 0 and info["pmaddubsw"] > 0, info
+
+
+def test_dropping_mapped_pages_keeps_the_bytes(tmp_path):
+    """After the interleaved copy, the stored rows' pages leave the resident set: a read-only
+    file mapping gives the same bytes again (faulted back in); anonymous memory (a converted
+    weight) and writable mappings are never touched."""
+    import mmap
+
+    raw = np.random.default_rng(0).integers(0, 256, 6 * mmap.PAGESIZE, dtype=np.uint8)
+    path = tmp_path / "w.bin"
+    raw.tofile(path)
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    view = mm[100:].reshape(-1, 4)  # rows of a tensor, not page-aligned
+    assert int(view.sum()) == int(raw[100:].sum())  # touched: resident
+    assert _q8act.drop_mapped_pages(view) is True
+    assert np.array_equal(view.ravel(), raw[100:])
+    anon = raw.copy()
+    assert _q8act.drop_mapped_pages(anon) is False and np.array_equal(anon, raw)
+    rw = np.memmap(path, dtype=np.uint8, mode="r+")
+    assert _q8act.drop_mapped_pages(rw) is False and np.array_equal(rw, raw)
+
+
+def test_the_q8_copy_releases_a_mapped_weights_pages(monkeypatch):
+    w = make("q4_0", (64, 256), seed=3)
+    seen = []
+    monkeypatch.setattr(_q8act, "drop_mapped_pages", lambda a: seen.append(a) or False)
+    data, _ = _q8act.q8_rows(w)
+    assert data is w.x8 and len(seen) == 1 and seen[0] is w.data
+    _q8act.q8_rows(w)  # once per weight
+    assert len(seen) == 1

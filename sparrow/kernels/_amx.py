@@ -222,11 +222,13 @@ def _tiles(qtype):
     """An intrinsic tiles(cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n): y[t, o0 ..
     o0 + 15] (those below y's width) for every x row t < t_n = its x tile (xa: tile_major's
     int8 [tiles, nb, 16, 32], dx / sx f32 [>= 16 tiles, nb]) against the panel, in the module
-    docstring's order, blocks in pairs on two C tiles so one block's tdp runs while the last
-    one's sums are scaled (q6_k: one block at a time, on two). One call sweeps every x tile
-    of a panel: loading the tile configuration once a panel instead of once a tile, and
-    storing into y directly, took q8_0 from 47.5 to 32.6 ms on one core (6144 x 2048 x 512,
-    best of 15; this machine's timings wander by ~30%)."""
+    docstring's order; even and odd blocks alternate between two C tiles and two halves of
+    cbuf (q6_k: its two C tiles, one a half-block, and two slots of cbuf), so one block's tdp
+    runs while the last one's sums are scaled (cbuf [5 x 16, 16] i32: those halves, q6_k's
+    two slots, then the offset term's 16 x 16 f32). One call sweeps every x tile of a panel:
+    loading the tile configuration once a panel instead of once a tile, and storing into y
+    directly, took q8_0 from 47.5 to 32.6 ms on one core (6144 x 2048 x 512, best of 15;
+    this machine's timings wander by ~30%)."""
     signed_w = qtype in ("q8_0", "q4_0", "q6_k")  # q4_1 / q4_k codes are unsigned nibbles
     dp_name = "llvm.x86.tdpbssd" if signed_w else "llvm.x86.tdpbsud"
     with_m = qtype in ("q4_1", "q4_k")

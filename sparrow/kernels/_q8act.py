@@ -24,6 +24,10 @@ sums are exact, so every CPU path (AVX2's pmaddubsw or the generic vector code n
 elsewhere) gives the same bits, whatever T, batch or thread count.
 """
 
+import ctypes
+import mmap
+import sys
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange
@@ -280,7 +284,40 @@ def q8_rows(w):
     if w.x8 is None:
         w.x8 = interleave(w.data, w.qtype)
         w.x8.flags.writeable = False  # the same array type as the stored (read-only) rows
+        drop_mapped_pages(w.data)
     return w.x8, X8_KIND[w.qtype]
+
+
+def _mapping(a):
+    """The np.memmap of a file opened read-only that array a is a view into, or None."""
+    while a is not None:
+        if isinstance(a, np.memmap):
+            return a if a.mode == "r" else None
+        a = getattr(a, "base", None)
+    return None
+
+
+def drop_mapped_pages(a) -> bool:
+    """Takes the whole pages under a C-contiguous view a of a read-only file mapping out of
+    this process's resident set (madvise MADV_DONTNEED: the file's pages stay in the page
+    cache, and a later read faults them back in with the same bytes). Once the q8 mode has
+    its interleaved copy, the stored rows it was made from are read only by the exact mode,
+    so the copy no longer doubles resident weights. Anonymous memory (a converted weight)
+    is never touched, since DONTNEED would zero it. True when pages were dropped."""
+    m = _mapping(a)
+    if m is None or not a.flags.c_contiguous or not sys.platform.startswith("linux"):
+        return False
+    page = mmap.PAGESIZE
+    lo, hi = a.ctypes.data, a.ctypes.data + a.nbytes
+    m_lo = m.ctypes.data
+    if not (m_lo <= lo and hi <= m_lo + m.nbytes):
+        return False
+    start, end = -(-lo // page) * page, hi // page * page
+    if end <= start:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc.madvise(start, end - start, 4) == 0  # MADV_DONTNEED
 
 
 def quantize_padded(x, rows):
