@@ -20,10 +20,12 @@ from weights import acts, make
 BB = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}
 # (format, [out, in], T): odd and even block counts, one block, T up to SMALL_T, rows past
 # the serial threshold (the parallel matvec); rows that fill groups of 8 (kernels/_x8.py)
-# and rows whose last group is part padding, fewer rows than a group; one prefill (T > SMALL_T:
-# AMX tiles where this host has them, so the children of test_other_code_paths check them)
+# and rows whose last group is part padding, fewer rows than a group; two prefills (T > SMALL_T:
+# AMX tiles or _x16's zmm tiles where this host has them, so the children of
+# test_other_code_paths check them)
 CASES = [
     ("q4_1", (45, 512), 37),
+    ("q4_0", (45, 512), 37),
     ("q8_0", (40, 96), 1),
     ("q4_0", (40, 96), 3),
     ("q4_1", (40, 96), 8),

@@ -17,6 +17,9 @@ AVX2 = "+avx2" in _FEATS  # pmaddubsw / pmaddwd / psignb, else generic IR
 # vpdpbusd on ymm: 4 u8 x s8 products summed into an int32 lane in one instruction, where
 # AVX2 takes pmaddubsw + pmaddwd + paddd. AVX-VNNI (its VEX form) or AVX512-VNNI with VL.
 VNNI = AVX2 and ("+avxvnni" in _FEATS or {"+avx512vnni", "+avx512vl"} <= set(_FEATS))
+# vpdpbusd on zmm (AVX512-VNNI, with AVX512-BW for the byte and word lanes): 16 rows a vector
+# in the q8 mode's prefill tiles (kernels/_x16.py)
+VNNI512 = AVX2 and {"+avx512vnni", "+avx512bw"} <= set(_FEATS)
 
 V8F = ir.VectorType(F32, 8)
 V8I32 = ir.VectorType(I32, 8)
@@ -27,6 +30,7 @@ V16I8 = ir.VectorType(I8, 16)
 V32I8 = ir.VectorType(I8, 32)
 V32I16 = ir.VectorType(I16, 32)
 V32I32 = ir.VectorType(I32, 32)
+V64I8 = ir.VectorType(I8, 64)
 _FALSE = ir.Constant(ir.IntType(1), 0)
 
 
@@ -89,6 +93,21 @@ def dpbusd(b, acc, u, s):
         return call(b, "llvm.x86.avx512.vpdpbusd.256", V8I32, [acc, b.bitcast(u, V8I32), b.bitcast(s, V8I32)])
     s4 = maddwd(b, maddubs(b, u, s))
     return s4 if acc is None else b.add(acc, s4)
+
+
+def dpbusd16(b, acc, u, s):
+    """dpbusd on 16 lanes: acc (<16 x i32>, or None for 0) + lane j = sum of u[4j + i]
+    s[4j + i], i < 4, <64 x i8> u unsigned and s signed. One zmm vpdpbusd with VNNI512, else
+    dpbusd on each half (the same integers)."""
+    if VNNI512:
+        acc = ir.Constant(V16I32, None) if acc is None else acc
+        return call(b, "llvm.x86.avx512.vpdpbusd.512", V16I32, [acc, b.bitcast(u, V16I32), b.bitcast(s, V16I32)])
+    halves = []
+    for k in (0, 1):  # lanes 8k .. 8k + 7, bytes 32k .. 32k + 31
+        a = None if acc is None else shuffle(b, acc, acc, range(8 * k, 8 * k + 8))
+        h = range(32 * k, 32 * k + 32)
+        halves.append(dpbusd(b, a, shuffle(b, u, u, h), shuffle(b, s, s, h)))
+    return shuffle(b, halves[0], halves[1], range(16))
 
 
 def dpbssd(b, acc, w, s, u=None):

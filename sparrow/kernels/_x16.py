@@ -1,0 +1,127 @@
+"""q8-mode prefill tiles over two interleaved groups at once: 16 weight rows a zmm register.
+
+kernels/_x8.py keeps q4_0 / q4_1 rows in groups of 8 and dots a group against up to MR = 4 x
+rows in ymm registers. On CPUs with AVX512-VNNI (_q8ir.VNNI512) a prefill here takes groups
+g and g + 1 side by side in one <64 x i8>, so each vpdpbusd covers 16 rows, and PAIR_MR = 6 x
+rows share each unpacked chunk. Lane r of every vector is row 8 g + r (r < 8: group g, else
+row r - 8 of group g + 1). One Zen 4 core, 6144 x 2048 x 512 (interleaved with the ymm
+tiles, the machine noisy): 138-163 GMAC/s against 83-136 for _x8's tiles; ymm tiles of 6 or
+8 x rows were no faster (8 spilled: 85).
+
+The order is _x8's, lane by lane: per row and block b, s = sum of code_w * code_x (exact
+int32; q4_0: minus 8 sum(code_x)), acc = fma(float(s), d * dx[b], acc), q4_1 also accm =
+fma(m, sx[b], accm); so a row's bits do not depend on which tile computed it.
+"""
+
+from functools import partial
+
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+from sparrow.kernels._ir import F32, I8, I32, V16F, V16I32, fma, shuffle, splat16, zeroed
+from sparrow.kernels._q8ir import V32I8, V64I8, dpbusd16, splat
+from sparrow.kernels._x8 import GROUP, GROUP_BYTES, V8H, c64, load
+
+PAIR_MR = 6  # x rows a pair tile reads each unpacked chunk for
+_V32I16 = ir.VectorType(ir.IntType(16), 32)
+
+
+def _pair(b, p0, p1, at, ty):
+    """ty at byte `at` of group blocks p0 and p1, joined: p0's lanes first."""
+    lo, hi = load(b, p0, at, ty), load(b, p1, at, ty)
+    return shuffle(b, lo, hi, range(2 * ty.count))
+
+
+def _bcast4(b, p):
+    """The 4 bytes at p (i8*) in all 16 i32 lanes, as <64 x i8>."""
+    return b.bitcast(splat(b, b.load(b.bitcast(p, I32.as_pointer()), align=1), V16I32), V64I8)
+
+
+def _nibble(b, v, high):
+    if high:  # no byte shifts on x86: shift 16-bit lanes, then mask
+        v = b.bitcast(b.lshr(b.bitcast(v, _V32I16), ir.Constant(_V32I16, [4] * 32)), V64I8)
+    return b.and_(v, ir.Constant(V64I8, [15] * 64))
+
+
+def emit_pair(qtype, mr):
+    """emit(b, group g block pointer, group g + 1's, [x codes], [dx], [sx], [8 sum(code_x)],
+    nb) -> [<16 x float>] per x row, in the module docstring's order (q4_0 / q4_1)."""
+    gb = GROUP_BYTES[qtype]
+    at = 16 if qtype == "q4_0" else 32  # the code chunks (after d, and q4_1's m)
+
+    def emit(b, g0p, g1p, xps, dxps, sxps, bsps, nb):
+        acc, accm = [zeroed(b, V16F) for _ in range(mr)], [zeroed(b, V16F) for _ in range(mr)]
+        with cgutils.for_range(b, nb) as loop:
+            blk = loop.index
+            p0, p1 = b.gep(g0p, [b.mul(blk, c64(gb))]), b.gep(g1p, [b.mul(blk, c64(gb))])
+            xbs = [b.gep(xp, [b.mul(blk, c64(32))]) for xp in xps]
+            los, his = [None] * mr, [None] * mr  # low and high nibbles: two vpdpbusd chains
+            for c in range(4):
+                v = _pair(b, p0, p1, at + 32 * c, V32I8)
+                lo, hi = _nibble(b, v, 0), _nibble(b, v, 1)
+                for t in range(mr):
+                    los[t] = dpbusd16(b, los[t], lo, _bcast4(b, b.gep(xbs[t], [c64(4 * c)])))
+                    his[t] = dpbusd16(b, his[t], hi, _bcast4(b, b.gep(xbs[t], [c64(16 + 4 * c)])))
+            d = b.fpext(_pair(b, p0, p1, 0, V8H), V16F)
+            m = b.fpext(_pair(b, p0, p1, 16, V8H), V16F) if qtype == "q4_1" else None
+            for t in range(mr):
+                s = b.add(los[t], his[t])
+                if qtype == "q4_0":
+                    s = b.sub(s, splat(b, b.load(b.gep(bsps[t], [blk])), V16I32))
+                dd = b.fmul(d, splat16(b, b.load(b.gep(dxps[t], [blk]))))
+                b.store(fma(b, b.sitofp(s, V16F), dd, b.load(acc[t])), acc[t])
+                if m is not None:
+                    b.store(fma(b, m, splat16(b, b.load(b.gep(sxps[t], [blk]))), b.load(accm[t])), accm[t])
+        if qtype == "q4_1":
+            return [b.fadd(b.load(acc[t]), b.load(accm[t])) for t in range(mr)]
+        return [b.load(acc[t]) for t in range(mr)]
+
+    return emit
+
+
+def make_pairs(emit_for):
+    """An intrinsic pairs(data, g0, g1, xq, dx, sx, bs, y, t0, mr): y[t, 8 g0 .. 8 g1 - 1] for
+    x rows t0 .. t0 + mr - 1 (1 <= mr <= PAIR_MR), groups g0 .. g1 - 1 of data taken two at a
+    time: g1 - g0 even, every row of those groups a row of y, y's rows contiguous (arguments
+    as _x8.make_groups', which covers what this does not)."""
+
+    def pairs(typingctx, data, g0, g1, xq, dx, sx, bs, y, t0, mr):
+        if not (isinstance(data, types.Array) and data.ndim == 2):
+            return None
+        sig = types.none(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
+
+        def codegen(context, builder, signature, args):
+            b = builder
+            d = context.make_array(signature.args[0])(context, b, args[0])
+            arrs = [context.make_array(t)(context, b, a) for t, a in zip(signature.args[3:8], args[3:8])]
+            stride, base = b.extract_value(d.strides, 0), b.bitcast(d.data, I8.as_pointer())
+            nb = b.extract_value(arrs[1].shape, 1)
+            for m in range(1, PAIR_MR + 1):
+                with b.if_then(b.icmp_signed("==", args[9], c64(m))):
+                    _pair_loop(b, emit_for(m), m, base, stride, arrs, args[8], args[1], args[2], nb)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return intrinsic(pairs)
+
+
+def _pair_loop(b, emit, mr, base, stride, arrs, t0, g0, g1, nb):
+    def rows(arr, ty):  # pointers to rows t0 .. t0 + mr - 1 of a 2-D array
+        at, st = b.bitcast(arr.data, I8.as_pointer()), b.extract_value(arr.strides, 0)
+        return [b.bitcast(b.gep(at, [b.mul(b.add(t0, c64(t)), st)]), ty) for t in range(mr)]
+
+    xps = rows(arrs[0], I8.as_pointer())
+    dxps, sxps = rows(arrs[1], F32.as_pointer()), rows(arrs[2], F32.as_pointer())
+    bsps, yps = rows(arrs[3], I32.as_pointer()), rows(arrs[4], I8.as_pointer())
+    with cgutils.for_range(b, b.sdiv(b.sub(g1, g0), c64(2))) as loop:
+        g = b.add(g0, b.shl(loop.index, c64(1)))
+        gp = b.gep(base, [b.mul(g, stride)])
+        vs = emit(b, gp, b.gep(gp, [stride]), xps, dxps, sxps, bsps, nb)
+        o = b.mul(g, c64(4 * GROUP))  # byte offset of row 8 g in a y row
+        for v, yp in zip(vs, yps):
+            b.store(v, b.bitcast(b.gep(yp, [o]), V16F.as_pointer()), align=4)
+
+
+pairs_q4_0, pairs_q4_1 = (make_pairs(partial(emit_pair, q)) for q in ("q4_0", "q4_1"))

@@ -1,0 +1,70 @@
+"""The q8 mode's zmm prefill tiles over pairs of interleaved groups (kernels/_x16.py): the
+documented order's bits (tests/test_q8act.py's float64 emulation) for any T, group count,
+last group and thread count, and the path really taken where the CPU has AVX512-VNNI (the
+AVX2 and generic children of test_q8act.py compare the same prefill against this host)."""
+
+import numba
+import numpy as np
+import pytest
+from test_gemm import bits
+from test_q8act import rowdot_reference
+
+from sparrow.kernels import _q8act, _q8ir, _x8, _x16
+from sparrow.kernels.linear import activations, linear
+from weights import acts, make
+
+needs_vnni512 = pytest.mark.skipif(not _q8ir.VNNI512, reason="this CPU has no AVX512-VNNI")
+
+# (format, [out, in], T): one pair and one block; 17 groups (8 pairs, then one group on the
+# ymm tiles); a part-padding last group; T not a multiple of PAIR_MR, or below it but above MR;
+# more groups than one chunk (_q8act.GROUP_CHUNK)
+CASES = [
+    ("q4_0", (16, 32), 7),
+    ("q4_1", (16, 32), 5),
+    ("q4_0", (136, 96), 13),
+    ("q4_1", (45, 512), 37),
+    ("q4_0", (300, 2048), 70),
+    ("q4_1", (272, 256), 6),
+]
+
+
+@needs_vnni512
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1][0]}x{c[1][1]}-T{c[2]}")
+def test_pair_tiles_follow_the_documented_order(case):
+    q, shape, t = case
+    x, w = acts(t, shape[1], seed=3), make(q, shape, seed=4)
+    ref = rowdot_reference(x, w)
+    old = numba.get_num_threads()
+    try:
+        for n in (1, 2)[: numba.config.NUMBA_NUM_THREADS]:
+            numba.set_num_threads(n)
+            with activations("q8"):
+                assert np.array_equal(bits(linear(x, w)), bits(ref)), (case, n)
+    finally:
+        numba.set_num_threads(old)
+
+
+@needs_vnni512
+def test_pairs_write_exactly_their_rows_of_a_strided_output():
+    """x8_rows into columns off .. off + O of a wider y (as the fused decode step's pieces
+    are): the pair tiles store whole 16-row vectors, so nothing left or right of them moves."""
+    q, (o_n, k), t = "q4_0", (45, 256), 9
+    x, w = acts(t, k, seed=5), make(q, (o_n, k), seed=6)
+    data, kind = _q8act.q8_rows(w)
+    xq, dx, sx = _q8act.quantize(x)
+    y = np.full((t, o_n + 40), np.float32(7))
+    _q8act.rows_q8(data, kind, xq, dx, sx, y[:, 20 : 20 + o_n], 0, data.shape[0])
+    assert np.array_equal(bits(y[:, 20 : 20 + o_n]), bits(rowdot_reference(x, w)))
+    assert (y[:, :20] == 7).all() and (y[:, 20 + o_n :] == 7).all()
+
+
+@needs_vnni512
+def test_prefill_takes_the_zmm_tiles():
+    """Where the CPU has AVX512-VNNI the q4_0 / q4_1 prefill tiles are zmm vpdpbusd."""
+    numba_fn = _q8act._pair_tiles
+    if not numba_fn.signatures:
+        with activations("q8"):
+            linear(acts(_x8.MR + 1, 64), make("q4_0", (16, 64)))
+    asm = "".join(numba_fn.inspect_asm().values())
+    assert "vpdpbusd" in asm and "zmm" in asm
+    assert _x16.PAIR_MR > _x8.MR
