@@ -1,16 +1,20 @@
-"""The q8 mode's zmm prefill tiles over pairs of interleaved groups (kernels/_x16.py): the
-documented order's bits (tests/test_q8act.py's float64 emulation) for any T, group count,
-last group and thread count, and the path really taken where the CPU has AVX512-VNNI (the
-AVX2 and generic children of test_q8act.py compare the same prefill against this host)."""
+"""The q8 mode's zmm prefill tiles over pairs of interleaved groups (kernels/_x16.py; q4_0,
+q4_1, q4_k): the documented order's bits (the float64 emulations of tests/test_q8act.py and
+test_kquants_q8.py) for any T, group count, last group and thread count, and the path really
+taken where the CPU has AVX512-VNNI (the AVX2 and generic children of those suites compare
+the same prefills against this host)."""
 
 import numba
 import numpy as np
 import pytest
 from test_gemm import bits
+from test_kquants import make_kq
+from test_kquants_q8 import kq8_reference
 from test_q8act import rowdot_reference
 
 from sparrow.kernels import _q8act, _q8ir, _x8, _x16
 from sparrow.kernels.linear import activations, linear
+from sparrow.quant import BLOCK_BYTES, Weight
 from weights import acts, make
 
 needs_vnni512 = pytest.mark.skipif(not _q8ir.VNNI512, reason="this CPU has no AVX512-VNNI")
@@ -25,15 +29,26 @@ CASES = [
     ("q4_1", (45, 512), 37),
     ("q4_0", (300, 2048), 70),
     ("q4_1", (272, 256), 6),
+    ("q4_k", (16, 256), 7),
+    ("q4_k", (136, 768), 13),
+    ("q4_k", (300, 2048), 70),
 ]
+
+
+def _weight(q, shape, seed):
+    return make_kq(q, shape, seed=seed) if q == "q4_k" else make(q, shape, seed=seed)
+
+
+def _reference(x, w):
+    return kq8_reference(x, w) if w.qtype == "q4_k" else rowdot_reference(x, w)
 
 
 @needs_vnni512
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1][0]}x{c[1][1]}-T{c[2]}")
 def test_pair_tiles_follow_the_documented_order(case):
     q, shape, t = case
-    x, w = acts(t, shape[1], seed=3), make(q, shape, seed=4)
-    ref = rowdot_reference(x, w)
+    x, w = acts(t, shape[1], seed=3), _weight(q, shape, seed=4)
+    ref = _reference(x, w)
     old = numba.get_num_threads()
     try:
         for n in (1, 2)[: numba.config.NUMBA_NUM_THREADS]:
@@ -42,6 +57,22 @@ def test_pair_tiles_follow_the_documented_order(case):
                 assert np.array_equal(bits(linear(x, w)), bits(ref)), (case, n)
     finally:
         numba.set_num_threads(old)
+
+
+@needs_vnni512
+def test_q4_k_pairs_extreme_codes_and_scales():
+    """q4_k's largest sums (scales, mins and codes all at their maximum against x at +-127):
+    float(s) * float(sc) must stay exact, below 2^24; and an all-zero x row gives 0."""
+    raw = make_kq("q4_k", (16, 512), seed=3).data.copy().reshape(16, -1, BLOCK_BYTES["q4_k"])
+    raw[:, :, 4:] = 0xFF
+    w = Weight("q4_k", raw.reshape(16, -1), (16, 512))
+    x = np.full((_x8.MR + 3, 512), 7.5, np.float32)
+    x[1, ::2] = -7.5
+    x[2] = 0
+    with activations("q8"):
+        y = linear(x, w)
+    assert np.array_equal(bits(y), bits(kq8_reference(x, w)))
+    assert np.all(y[2] == 0)
 
 
 @needs_vnni512

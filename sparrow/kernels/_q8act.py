@@ -40,7 +40,7 @@ from sparrow.kernels._q8ir import AVX2, V8F, V8I32, V16I8, V32I8, VNNI512, dot4
 from sparrow.kernels._q8ir import call as _call
 from sparrow.kernels._widen import _ROWS, KIND, PARALLEL_MIN_MACS, _half_at, call_slp
 from sparrow.kernels._x8 import GROUP, MR, X8_FIRST, X8_KIND, groups_q4_0, groups_q4_1, groups_q8_0, interleave
-from sparrow.kernels._x16 import PAIR_MR, pairs_q4_0, pairs_q4_1
+from sparrow.kernels._x16 import PAIR_MR, pairs_q4_0, pairs_q4_1, pairs_q4_k
 from sparrow.kernels.gemm import CPU_FEATURES
 
 KW = dict(cache=True, nogil=True)
@@ -51,7 +51,7 @@ __all__ = ["AVX2", "CPU_FEATURES", "matvec_q8", "q8_rows", "quantize", "rows_q8"
 _BB = {"q5_0": 22, "q5_1": 24}
 V4I8 = ir.VectorType(I8, 4)
 BITS = [1 << (j % 8) for j in range(32)]  # element j's bit in byte j // 8 of qh
-_X8_Q4_0, _X8_Q4_1 = X8_KIND["q4_0"], X8_KIND["q4_1"]
+_X8_Q4_0, _X8_Q4_1, _X8_Q4_K = X8_KIND["q4_0"], X8_KIND["q4_1"], X8_KIND["q4_k"]
 
 
 def _half8(b, rp, at):
@@ -221,21 +221,24 @@ def _pair_tiles(data, kind, g0, g1, xq, dx, sx, bs, y):
     """_x16's tiles over groups g0 .. g1 - 1 (an even count of full groups), every x row."""
     t_n = xq.shape[0]
     for t0 in range(0, t_n, PAIR_MR):
+        mr = min(PAIR_MR, t_n - t0)
         if kind == _X8_Q4_0:
-            pairs_q4_0(data, g0, g1, xq, dx, sx, bs, y, t0, min(PAIR_MR, t_n - t0))
+            pairs_q4_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
+        elif kind == _X8_Q4_1:
+            pairs_q4_1(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
         else:
-            pairs_q4_1(data, g0, g1, xq, dx, sx, bs, y, t0, min(PAIR_MR, t_n - t0))
+            pairs_q4_k(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
 
 
 @njit(**KW)
 def x8_rows(data, kind, xq, dx, sx, bs, y, g0, g1):
     """y[t, o] for every x row t and the rows o < y.shape[1] of groups g0 .. g1 - 1: x rows
     in tiles of MR (the last one smaller), a chunk of groups at a time so it stays in cache
-    while the tiles pass. With more than MR x rows, q4_0 / q4_1 groups go in pairs through
+    while the tiles pass. With more than MR x rows, q4_0 / q4_1 / q4_k groups go in pairs through
     _x16's zmm tiles where the CPU has AVX512-VNNI (the same bits), the rest as before."""
     t_n, o_n = xq.shape[0], y.shape[1]
     step = max(g1 - g0, 1) if t_n <= MR else GROUP_CHUNK
-    pairs = VNNI512 and t_n > MR and (kind == _X8_Q4_0 or kind == _X8_Q4_1) and y.strides[1] == 4
+    pairs = VNNI512 and t_n > MR and (kind == _X8_Q4_0 or kind == _X8_Q4_1 or kind == _X8_Q4_K) and y.strides[1] == 4
     for c in range(g0, g1, step):
         e = min(g1, c + step)
         p = c

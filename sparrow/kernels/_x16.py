@@ -1,17 +1,15 @@
 """q8-mode prefill tiles over two interleaved groups at once: 16 weight rows a zmm register.
 
-kernels/_x8.py keeps q4_0 / q4_1 rows in groups of 8 and dots a group against up to MR = 4 x
-rows in ymm registers. On CPUs with AVX512-VNNI (_q8ir.VNNI512) a prefill here takes groups
-g and g + 1 side by side in one <64 x i8>, so each vpdpbusd covers 16 rows, and PAIR_MR = 6 x
-rows share each unpacked chunk. Lane r of every vector is row 8 g + r (r < 8: group g, else
-row r - 8 of group g + 1). One Zen 4 core, 6144 x 2048 x 512 (interleaved with the ymm
-tiles, the machine noisy): 138-163 GMAC/s against 83-136 for _x8's tiles; ymm tiles of 6 or
-8 x rows were no faster (8 spilled: 85).
+kernels/_x8.py (q4_0 / q4_1) and _kq8.py (q4_k) keep rows in groups of 8 and dot a group
+against up to MR = 4 x rows in ymm registers. On CPUs with AVX512-VNNI (_q8ir.VNNI512) a
+prefill here takes groups g and g + 1 side by side in one <64 x i8>, so each vpdpbusd covers
+16 rows, and PAIR_MR = 6 x rows share each unpacked chunk. Lane r of every vector is row
+8 g + r (r < 8: group g, else row r - 8 of group g + 1). One Zen 4 core, 6144 x 2048 x 512,
+interleaved runs: q4_0 149-163 GMAC/s against 133-136 for _x8's tiles (ymm tiles of 6 or 8 x
+rows were no faster; 8 spilled: 85), q4_k 146-147 against 94-95 for _kq8's pmaddubsw tiles.
 
-The order is _x8's, lane by lane: per row and block b, s = sum of code_w * code_x (exact
-int32; q4_0: minus 8 sum(code_x)), acc = fma(float(s), d * dx[b], acc), q4_1 also accm =
-fma(m, sx[b], accm); so a row's bits do not depend on which tile computed it.
-"""
+The order is _x8's and _kq8's, lane by lane (their docstrings), so a row's bits do not depend
+on which tile computed it (tests/test_x16.py)."""
 
 from functools import partial
 
@@ -20,7 +18,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from sparrow.kernels._ir import F32, I8, I32, V16F, V16I32, fma, shuffle, splat16, zeroed
-from sparrow.kernels._q8ir import V32I8, V64I8, dpbusd16, splat
+from sparrow.kernels._q8ir import V8I8, V32I8, V64I8, dpbusd16, splat
 from sparrow.kernels._x8 import GROUP, GROUP_BYTES, V8H, c64, load
 
 PAIR_MR = 6  # x rows a pair tile reads each unpacked chunk for
@@ -80,6 +78,51 @@ def emit_pair(qtype, mr):
     return emit
 
 
+_K_CODES = 160  # q4_k: group offset of the nibble chunks (_kq8._CODES), 256 bytes a sub-block pair
+
+
+def emit_pair_q4_k(mr):
+    """emit for q4_k (emit_pair's signature), in _kq8's order: per row and sub-block j of
+    super-block n (x block b = 8 n + j), I = sc[j] * sum(code_w * code_x) (exact: float(s) *
+    float(sc) is below 2^24), acc = fma(float(I), d * dx[b], acc), accm = fma(-(dmin * m[j]),
+    sx[b], accm); result acc + accm. Sub-blocks 2i and 2i + 1 (low and high nibbles of the
+    same bytes) are dotted together, then added to acc in order."""
+    gb = GROUP_BYTES["q4_k"]
+
+    def emit(b, g0p, g1p, xps, dxps, sxps, bsps, nb):
+        acc, accm = [zeroed(b, V16F) for _ in range(mr)], [zeroed(b, V16F) for _ in range(mr)]
+        with cgutils.for_range(b, b.udiv(nb, c64(8))) as loop:
+            n = loop.index
+            p0, p1 = b.gep(g0p, [b.mul(n, c64(gb))]), b.gep(g1p, [b.mul(n, c64(gb))])
+            d, dmin = b.fpext(_pair(b, p0, p1, 0, V8H), V16F), b.fpext(_pair(b, p0, p1, 16, V8H), V16F)
+            with cgutils.for_range(b, c64(4)) as sub:
+                i = sub.index  # sub-blocks 2i (low nibbles) and 2i + 1 (high)
+                blks = [b.add(b.mul(n, c64(8)), b.add(b.shl(i, c64(1)), c64(h))) for h in (0, 1)]
+                at = b.add(c64(_K_CODES), b.mul(i, c64(256)))
+                sums = [[None, None] for _ in range(mr)]
+                for c in range(8):
+                    v = _pair(b, p0, p1, b.add(at, c64(32 * c)), V32I8)
+                    for h in (0, 1):
+                        w = _nibble(b, v, h)
+                        for t in range(mr):
+                            xb = b.gep(xps[t], [b.add(b.mul(blks[h], c64(32)), c64(4 * c))])
+                            sums[t][h] = dpbusd16(b, sums[t][h], w, _bcast4(b, xb))
+                for h in (0, 1):
+                    j = b.add(b.shl(i, c64(1)), c64(h))
+                    sc = b.uitofp(_pair(b, p0, p1, b.add(c64(32), b.shl(j, c64(3))), V8I8), V16F)  # scales j
+                    m = b.uitofp(_pair(b, p0, p1, b.add(c64(96), b.shl(j, c64(3))), V8I8), V16F)  # mins j
+                    neg_m = b.fneg(b.fmul(dmin, m))
+                    for t in range(mr):
+                        big = b.fmul(b.sitofp(sums[t][h], V16F), sc)  # = float(sc * s), exact
+                        dd = b.fmul(d, splat16(b, b.load(b.gep(dxps[t], [blks[h]]))))
+                        b.store(fma(b, big, dd, b.load(acc[t])), acc[t])
+                        sx = splat16(b, b.load(b.gep(sxps[t], [blks[h]])))
+                        b.store(fma(b, neg_m, sx, b.load(accm[t])), accm[t])
+        return [b.fadd(b.load(acc[t]), b.load(accm[t])) for t in range(mr)]
+
+    return emit
+
+
 def make_pairs(emit_for):
     """An intrinsic pairs(data, g0, g1, xq, dx, sx, bs, y, t0, mr): y[t, 8 g0 .. 8 g1 - 1] for
     x rows t0 .. t0 + mr - 1 (1 <= mr <= PAIR_MR), groups g0 .. g1 - 1 of data taken two at a
@@ -125,3 +168,4 @@ def _pair_loop(b, emit, mr, base, stride, arrs, t0, g0, g1, nb):
 
 
 pairs_q4_0, pairs_q4_1 = (make_pairs(partial(emit_pair, q)) for q in ("q4_0", "q4_1"))
+pairs_q4_k = make_pairs(emit_pair_q4_k)
