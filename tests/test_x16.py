@@ -10,7 +10,7 @@ import pytest
 from test_gemm import bits
 from test_kquants import make_kq
 from test_kquants_q8 import kq8_reference
-from test_q8act import rowdot_reference
+from test_q8act import q8_outputs, rowdot_reference
 
 from sparrow.kernels import _q8act, _q8ir, _x8, _x16
 from sparrow.kernels.linear import activations, linear
@@ -44,19 +44,12 @@ def _reference(x, w):
 
 
 @needs_vnni512
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1][0]}x{c[1][1]}-T{c[2]}")
-def test_pair_tiles_follow_the_documented_order(case):
-    q, shape, t = case
-    x, w = acts(t, shape[1], seed=3), _weight(q, shape, seed=4)
-    ref = _reference(x, w)
-    old = numba.get_num_threads()
-    try:
+def test_pair_tiles_follow_the_documented_order():
+    out = q8_outputs(CASES, _weight)
+    for i, (q, shape, t) in enumerate(CASES):
+        ref = _reference(acts(t, shape[1], seed=7), _weight(q, shape, seed=8))
         for n in (1, 2)[: numba.config.NUMBA_NUM_THREADS]:
-            numba.set_num_threads(n)
-            with activations("q8"):
-                assert np.array_equal(bits(linear(x, w)), bits(ref)), (case, n)
-    finally:
-        numba.set_num_threads(old)
+            assert np.array_equal(bits(out[f"c{i}_{n}"]), bits(ref)), (q, shape, t, n)
 
 
 @needs_vnni512
