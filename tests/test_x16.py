@@ -84,11 +84,15 @@ def test_pairs_write_exactly_their_rows_of_a_strided_output():
 
 @needs_vnni512
 def test_prefill_takes_the_zmm_tiles():
-    """Where the CPU has AVX512-VNNI the q4_0 / q4_1 prefill tiles are zmm vpdpbusd."""
-    numba_fn = _q8act._pair_tiles
-    if not numba_fn.signatures:
-        with activations("q8"):
-            linear(acts(_x8.MR + 1, 64), make("q4_0", (16, 64)))
-    asm = "".join(numba_fn.inspect_asm().values())
+    """Where the CPU has AVX512-VNNI the q4_0 / q4_1 / q4_k prefill tiles are zmm vpdpbusd
+    (compiled afresh here: a kernel loaded from numba's cache has no assembly to show)."""
+    fresh = numba.njit(_q8act._pair_tiles.py_func)
+    x, w = acts(_x8.MR + 1, 64), make("q4_0", (16, 64))
+    data, kind = _q8act.q8_rows(w)
+    xq, dx, sx = _q8act.quantize(x)
+    y = np.empty((x.shape[0], 16), np.float32)
+    fresh(data, kind, 0, 2, xq, dx, sx, _q8act.x_sums(kind, xq), y)
+    asm = "".join(fresh.inspect_asm().values())
     assert "vpdpbusd" in asm and "zmm" in asm
+    assert np.array_equal(bits(y), bits(rowdot_reference(x, w)))
     assert _x16.PAIR_MR > _x8.MR
