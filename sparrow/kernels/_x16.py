@@ -17,9 +17,9 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from sparrow.kernels._ir import F32, I8, I32, V16F, V16I32, fma, shuffle, splat16, zeroed
+from sparrow.kernels._ir import I8, I32, V16F, V16I32, fma, shuffle, splat16, zeroed
 from sparrow.kernels._q8ir import V8I8, V32I8, V64I8, dpbusd16, splat
-from sparrow.kernels._x8 import GROUP, GROUP_BYTES, V8H, c64, load
+from sparrow.kernels._x8 import GROUP, GROUP_BYTES, V8H, c64, load, tile_rows
 
 PAIR_MR = 6  # x rows a pair tile reads each unpacked chunk for
 _V32I16 = ir.VectorType(ir.IntType(16), 32)
@@ -151,13 +151,7 @@ def make_pairs(emit_for):
 
 
 def _pair_loop(b, emit, mr, base, stride, arrs, t0, g0, g1, nb):
-    def rows(arr, ty):  # pointers to rows t0 .. t0 + mr - 1 of a 2-D array
-        at, st = b.bitcast(arr.data, I8.as_pointer()), b.extract_value(arr.strides, 0)
-        return [b.bitcast(b.gep(at, [b.mul(b.add(t0, c64(t)), st)]), ty) for t in range(mr)]
-
-    xps = rows(arrs[0], I8.as_pointer())
-    dxps, sxps = rows(arrs[1], F32.as_pointer()), rows(arrs[2], F32.as_pointer())
-    bsps, yps = rows(arrs[3], I32.as_pointer()), rows(arrs[4], I8.as_pointer())
+    xps, dxps, sxps, bsps, yps = tile_rows(b, arrs, t0, mr)
     with cgutils.for_range(b, b.sdiv(b.sub(g1, g0), c64(2))) as loop:
         g = b.add(g0, b.shl(loop.index, c64(1)))
         gp = b.gep(base, [b.mul(g, stride)])

@@ -251,16 +251,21 @@ def make_groups(emit_for):
     return intrinsic(groups)
 
 
-def _tile_loop(b, emit, mr, base, stride, arrs, t0, g0, g1, nb, ystride, o_n):
-    """The IR of make_groups' loop over groups for mr x rows."""
+def tile_rows(b, arrs, t0, mr):
+    """Pointers to rows t0 .. t0 + mr - 1 of a tile's arrays [xq, dx, sx, bs, y] (as i8*, f32*,
+    f32*, i32*, i8*): one list each."""
 
-    def rows(arr, ty):  # pointers to rows t0 .. t0 + mr - 1 of a 2-D array
+    def rows(arr, ty):
         at, st = b.bitcast(arr.data, I8.as_pointer()), b.extract_value(arr.strides, 0)
         return [b.bitcast(b.gep(at, [b.mul(b.add(t0, c64(t)), st)]), ty) for t in range(mr)]
 
-    xps = rows(arrs[0], I8.as_pointer())
-    dxps, sxps = rows(arrs[1], F32.as_pointer()), rows(arrs[2], F32.as_pointer())
-    bsps, yps = rows(arrs[3], I32.as_pointer()), rows(arrs[4], I8.as_pointer())
+    tys = (I8.as_pointer(), F32.as_pointer(), F32.as_pointer(), I32.as_pointer(), I8.as_pointer())
+    return [rows(a, ty) for a, ty in zip(arrs, tys)]
+
+
+def _tile_loop(b, emit, mr, base, stride, arrs, t0, g0, g1, nb, ystride, o_n):
+    """The IR of make_groups' loop over groups for mr x rows."""
+    xps, dxps, sxps, bsps, yps = tile_rows(b, arrs, t0, mr)
     with cgutils.for_range_slice(b, g0, g1, c64(1)) as (g, _):
         vs = emit(b, b.gep(base, [b.mul(g, stride)]), xps, dxps, sxps, bsps, nb)
         o = b.mul(g, c64(GROUP))
