@@ -45,9 +45,10 @@ def splat(b, v, vty):
     return shuffle(b, b.insert_element(und, v, ir.Constant(I32, 0)), und, [0] * vty.count)
 
 
-def bcast4(b, p):
-    """The 4 bytes at p (i8*) repeated in all 8 i32 lanes, as <32 x i8>."""
-    return b.bitcast(splat(b, b.load(b.bitcast(p, I32.as_pointer()), align=1), V8I32), V32I8)
+def bcast4(b, p, lanes=8):
+    """The 4 bytes at p (i8*) repeated in all `lanes` i32 lanes, as <4 lanes x i8>."""
+    v = splat(b, b.load(b.bitcast(p, I32.as_pointer()), align=1), ir.VectorType(I32, lanes))
+    return b.bitcast(v, ir.VectorType(I8, 4 * lanes))
 
 
 def maddubs(b, u, s):

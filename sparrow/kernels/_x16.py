@@ -13,33 +13,21 @@ on which tile computed it (tests/test_x16.py)."""
 
 from functools import partial
 
-from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from sparrow.kernels._ir import I8, I32, V16F, V16I32, fma, shuffle, splat16, zeroed
-from sparrow.kernels._q8ir import V8I8, V32I8, V64I8, dpbusd16, splat
-from sparrow.kernels._x8 import GROUP, GROUP_BYTES, V8H, c64, load, tile_rows
+from sparrow.kernels._ir import I8, V16F, V16I32, fma, shuffle, splat16, zeroed
+from sparrow.kernels._kq8 import _CODES
+from sparrow.kernels._q8ir import V8I8, V32I8, bcast4, dpbusd16, splat
+from sparrow.kernels._x8 import GROUP, GROUP_BYTES, V8H, c64, load, nibble, tile_rows
 
 PAIR_MR = 6  # x rows a pair tile reads each unpacked chunk for
-_V32I16 = ir.VectorType(ir.IntType(16), 32)
 
 
 def _pair(b, p0, p1, at, ty):
     """ty at byte `at` of group blocks p0 and p1, joined: p0's lanes first."""
     lo, hi = load(b, p0, at, ty), load(b, p1, at, ty)
     return shuffle(b, lo, hi, range(2 * ty.count))
-
-
-def _bcast4(b, p):
-    """The 4 bytes at p (i8*) in all 16 i32 lanes, as <64 x i8>."""
-    return b.bitcast(splat(b, b.load(b.bitcast(p, I32.as_pointer()), align=1), V16I32), V64I8)
-
-
-def _nibble(b, v, high):
-    if high:  # no byte shifts on x86: shift 16-bit lanes, then mask
-        v = b.bitcast(b.lshr(b.bitcast(v, _V32I16), ir.Constant(_V32I16, [4] * 32)), V64I8)
-    return b.and_(v, ir.Constant(V64I8, [15] * 64))
 
 
 def emit_pair(qtype, mr):
@@ -57,10 +45,10 @@ def emit_pair(qtype, mr):
             los, his = [None] * mr, [None] * mr  # low and high nibbles: two vpdpbusd chains
             for c in range(4):
                 v = _pair(b, p0, p1, at + 32 * c, V32I8)
-                lo, hi = _nibble(b, v, 0), _nibble(b, v, 1)
+                lo, hi = nibble(b, v, 0), nibble(b, v, 1)
                 for t in range(mr):
-                    los[t] = dpbusd16(b, los[t], lo, _bcast4(b, b.gep(xbs[t], [c64(4 * c)])))
-                    his[t] = dpbusd16(b, his[t], hi, _bcast4(b, b.gep(xbs[t], [c64(16 + 4 * c)])))
+                    los[t] = dpbusd16(b, los[t], lo, bcast4(b, b.gep(xbs[t], [c64(4 * c)]), 16))
+                    his[t] = dpbusd16(b, his[t], hi, bcast4(b, b.gep(xbs[t], [c64(16 + 4 * c)]), 16))
             d = b.fpext(_pair(b, p0, p1, 0, V8H), V16F)
             m = b.fpext(_pair(b, p0, p1, 16, V8H), V16F) if qtype == "q4_1" else None
             for t in range(mr):
@@ -78,7 +66,7 @@ def emit_pair(qtype, mr):
     return emit
 
 
-_K_CODES = 160  # q4_k: group offset of the nibble chunks (_kq8._CODES), 256 bytes a sub-block pair
+_K_CODES = _CODES["q4_k"]  # q4_k: group offset of the nibble chunks, 256 bytes a sub-block pair
 
 
 def emit_pair_q4_k(mr):
@@ -103,10 +91,10 @@ def emit_pair_q4_k(mr):
                 for c in range(8):
                     v = _pair(b, p0, p1, b.add(at, c64(32 * c)), V32I8)
                     for h in (0, 1):
-                        w = _nibble(b, v, h)
+                        w = nibble(b, v, h)
                         for t in range(mr):
                             xb = b.gep(xps[t], [b.add(b.mul(blks[h], c64(32)), c64(4 * c))])
-                            sums[t][h] = dpbusd16(b, sums[t][h], w, _bcast4(b, xb))
+                            sums[t][h] = dpbusd16(b, sums[t][h], w, bcast4(b, xb, 16))
                 for h in (0, 1):
                     j = b.add(b.shl(i, c64(1)), c64(h))
                     sc = b.uitofp(_pair(b, p0, p1, b.add(c64(32), b.shl(j, c64(3))), V8I8), V16F)  # scales j

@@ -44,7 +44,6 @@ from sparrow.kernels._q8ir import (
     AVX2,
     V8F,
     V8I32,
-    V16I16,
     V32I8,
     VNNI,
     absb,
@@ -179,10 +178,12 @@ def _block_sums(qtype, b, p, xbs):
 
 
 def nibble(b, v, high):
-    """The low (high = 0) or high nibbles of <32 x i8> v, as bytes 0..15."""
+    """The low (high = 0) or high nibbles of <n x i8> v (n even), as bytes 0..15."""
+    n = v.type.count
     if high:  # no byte shifts on x86: shift 16-bit lanes, then mask
-        v = b.bitcast(b.lshr(b.bitcast(v, V16I16), ir.Constant(V16I16, [4] * 16)), V32I8)
-    return b.and_(v, ir.Constant(V32I8, [15] * 32))
+        w = ir.VectorType(ir.IntType(16), n // 2)
+        v = b.bitcast(b.lshr(b.bitcast(v, w), ir.Constant(w, [4] * (n // 2))), v.type)
+    return b.and_(v, ir.Constant(v.type, [15] * n))
 
 
 def emit_tile(qtype, mr):
