@@ -1,5 +1,5 @@
 """The activations="q8" mode on ggml's 5-bit and K-quant formats (q5_0 / q5_1 in
-kernels/_q8act.py, q4_k / q5_k / q6_k in kernels/_kq8.py): the documented order bit for bit
+kernels/_x8.py, q4_k / q5_k / q6_k in kernels/_kq8.py): the documented order bit for bit
 against numpy, on this CPU's path and on the generic one, on 1 and 2 threads, a row alone
 equal to that row in a batch, and fused decode equal to staged."""
 
@@ -32,7 +32,10 @@ CASES = [
     ("q6_k", (1024, 4096), 2),
     ("q5_k", (24, 512), 2),
     ("q5_0", (2048, 2048), 1),
-    ("q4_k", (40, 512), 37),  # a prefill: AMX tiles where this host has them
+    ("q4_k", (40, 512), 37),  # prefills: AMX or zmm tiles where this host has them
+    ("q6_k", (40, 512), 37),
+    ("q5_0", (45, 96), 13),
+    ("q5_1", (21, 608), 11),
 ]
 
 
@@ -94,43 +97,55 @@ def test_documented_order_bit_for_bit_any_threads_and_batch():
             assert np.array_equal(bits(linear(np.ascontiguousarray(x[-1:]), w)), bits(ref[-1:]))
 
 
-@pytest.mark.parametrize("qtype", ["q5_0", "q5_1", "q4_k", "q5_k", "q6_k"])
-def test_extreme_codes_and_scales(qtype):
-    """All-max codes and scales against all-max x (the integer sums' largest magnitudes:
-    no int16 saturation in pmaddubsw, no int32 overflow), and an all-zero x row."""
-    raw = make_kq(qtype, (8, 512), seed=3).data.copy().reshape(8, -1, BLOCK_BYTES[qtype])
+def extreme_weight(qtype, o_n=8):
+    """[o_n, 512] weights of qtype at the integer sums' largest magnitudes: half the rows at
+    one end of the code range, half at the other, scales (and mins) at their maximum."""
+    raw = make_kq(qtype, (o_n, 512), seed=3).data.copy().reshape(o_n, -1, BLOCK_BYTES[qtype])
+    h = o_n // 2
     if qtype == "q6_k":
-        raw[:4, :, :192] = 0  # codes -32 (the largest |code|)
-        raw[:4, :, 192:208] = 0x80  # scales -128
-        raw[4:, :, :192] = 0xFF  # codes 31
-        raw[4:, :, 192:208] = 0x7F
+        raw[:h, :, :192] = 0  # codes -32 (the largest |code|)
+        raw[:h, :, 192:208] = 0x80  # scales -128
+        raw[h:, :, :192] = 0xFF  # codes 31
+        raw[h:, :, 192:208] = 0x7F
     elif qtype in ("q4_k", "q5_k"):
         raw[:, :, 4:] = 0xFF  # scales and mins 63, codes 15 (q5_k: 31)
     else:
         at = 2 if qtype == "q5_0" else 4
-        raw[:4, :, at:] = 0xFF  # codes 31 (q5_0: 15)
-        raw[4:, :, at:] = 0  # codes 0 (q5_0: -16)
-    w = Weight(qtype, raw.reshape(8, -1), (8, 512))
-    x = np.full((3, 512), 7.5, np.float32)
-    x[1, ::2] = -7.5
-    x[2] = 0
+        raw[:h, :, at:] = 0xFF  # codes 31 (q5_0: 15)
+        raw[h:, :, at:] = 0  # codes 0 (q5_0: -16)
+    return Weight(qtype, raw.reshape(o_n, -1), (o_n, 512))
+
+
+def extreme_x(t_n):
+    """x rows at +-127 codes (all +, then alternating signs), then all zero."""
+    x = np.full((t_n, 512), 7.5, np.float32)
+    x[1::2, ::2] = -7.5
+    x[-1] = 0
+    return x
+
+
+@pytest.mark.parametrize("qtype", ["q5_0", "q5_1", "q4_k", "q5_k", "q6_k"])
+def test_extreme_codes_and_scales(qtype):
+    """All-max codes and scales against all-max x (the integer sums' largest magnitudes:
+    no int16 saturation in pmaddubsw, no int32 overflow), and an all-zero x row."""
+    w, x = extreme_weight(qtype), extreme_x(3)
     with activations("q8"):
         y = linear(x, w)
     assert np.array_equal(bits(y), bits(reference(x, w)))
     assert np.all(y[2] == 0)
 
 
-def test_prefill_q4_k_q6_k_are_q8_and_q5_x_stay_f32():
-    """Prefill (T > SMALL_T) in the q8 mode: q4_k and q6_k run the interleaved groups (AMX
-    tiles where the host has them; the reference's bits either way), q5_0 / q5_k the f32
-    GEMM (its bits, as outside the mode)."""
+def test_prefill_in_q8_mode_on_all_but_q5_k():
+    """Prefill (T > SMALL_T) in the q8 mode: q5_0, q5_1, q4_k and q6_k run the interleaved
+    groups (AMX or zmm tiles where the host has them; the reference's bits either way), q5_k
+    the f32 GEMM (its bits, as outside the mode)."""
     x = acts(SMALL_T + 12, 512, seed=13)
-    for q in ("q4_k", "q5_0", "q5_k", "q6_k"):
+    for q in ("q4_k", "q5_0", "q5_1", "q5_k", "q6_k"):
         w = make_kq(q, (27, 512), seed=14)
         exact = linear(x, w)
         with activations("q8"):
             got = linear(x, w)
-        if q in ("q4_k", "q6_k"):
+        if q != "q5_k":
             assert np.array_equal(bits(got), bits(reference(x, w))), q
             assert not np.array_equal(got, exact)
         else:

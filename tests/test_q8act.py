@@ -58,11 +58,9 @@ def quantize_reference(x):
 
 
 def rowdot_reference(x, w):
-    """The documented order in float64-emulated f32. q8_0 / q4_0 / q4_1 (kernels/_x8.py): per
-    row an exact integer sum s a block, acc = fma(s, d * dx, acc), q4_1's accm = fma(m, sx,
-    accm), result acc + accm. q5_0 / q5_1 (_q8act.py): integer block sums in 8 lanes (lane j:
-    elements 4j..4j+3), acc[b % 2] = fma(s, d * dx, acc[b % 2]) per lane, q5_1's accm[b % 2]
-    = fma(m, sx, accm[b % 2]); pairwise tree of acc[0] + acc[1], plus accm."""
+    """The documented order (kernels/_x8.py) in float64-emulated f32, for q8_0 / q4_0 / q4_1 /
+    q5_0 / q5_1: per row an exact integer sum s a block, acc = fma(s, d * dx, acc), q4_1 /
+    q5_1's accm = fma(m, sx, accm), result acc + accm."""
     t_n, k = x.shape
     nb = k // 32
     xq, dx, sx = quantize_reference(x)
@@ -85,29 +83,14 @@ def rowdot_reference(x, w):
         codes -= 16 if w.qtype == "q5_0" else 0
     prod = codes[None] * xq.reshape(t_n, 1, nb, 32).astype(np.int64)  # [T, O, nb, 32]
     m = half(2) if w.qtype in ("q4_1", "q5_1") else None
-    if w.qtype in ("q8_0", "q4_0", "q4_1"):
-        sums = prod.sum(axis=3).astype(np.float64)  # [T, O, nb] exact
-        acc = accm = np.zeros((t_n, w.shape[0]), np.float32)
-        for b in range(nb):
-            dd = _f32(d[None, :, b].astype(np.float64) * dx[:, None, b])  # [T, O]
-            acc = fma32(sums[:, :, b] * dd, acc)
-            if m is not None:
-                accm = fma32(m[None, :, b].astype(np.float64) * sx[:, None, b], accm)
-        return _f32(acc.astype(np.float64) + accm) if m is not None else acc
-    lanes = prod.reshape(t_n, w.shape[0], nb, 8, 4).sum(axis=4).astype(np.float64)  # [T, O, nb, 8] exact
-    acc = [np.zeros((t_n, w.shape[0], 8), np.float32) for _ in range(2)]
-    accm = [np.zeros((t_n, w.shape[0]), np.float32) for _ in range(2)]
+    sums = prod.sum(axis=3).astype(np.float64)  # [T, O, nb] exact
+    acc = accm = np.zeros((t_n, w.shape[0]), np.float32)
     for b in range(nb):
         dd = _f32(d[None, :, b].astype(np.float64) * dx[:, None, b])  # [T, O]
-        acc[b % 2] = fma32(lanes[:, :, b] * dd[..., None], acc[b % 2])
+        acc = fma32(sums[:, :, b] * dd, acc)
         if m is not None:
-            accm[b % 2] = fma32(m[None, :, b].astype(np.float64) * sx[:, None, b], accm[b % 2])
-    v = _f32(acc[0].astype(np.float64) + acc[1])
-    n = 8
-    while n > 1:
-        v = _f32(v[..., : n // 2].astype(np.float64) + v[..., n // 2 : n])
-        n //= 2
-    return _f32(v[..., 0].astype(np.float64) + _f32(accm[0].astype(np.float64) + accm[1]))
+            accm = fma32(m[None, :, b].astype(np.float64) * sx[:, None, b], accm)
+    return _f32(acc.astype(np.float64) + accm) if m is not None else acc
 
 
 def q8_outputs(cases, build):

@@ -1,6 +1,6 @@
 """The q8 mode's zmm prefill tiles over pairs of interleaved groups (kernels/_x16.py; q4_0,
-q4_1, q4_k): the documented order's bits (the float64 emulations of tests/test_q8act.py and
-test_kquants_q8.py) for any T, group count, last group and thread count, and the path really
+q4_1, q5_0, q5_1, q4_k, q6_k): the documented order's bits (the float64 emulations of
+tests/test_q8act.py and test_kquants_q8.py) for any T, group count, last group and thread count, and the path really
 taken where the CPU has AVX512-VNNI (the AVX2 and generic children of those suites compare
 the same prefills against this host)."""
 
@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 from test_gemm import bits
 from test_kquants import make_kq
-from test_kquants_q8 import kq8_reference
+from test_kquants_q8 import extreme_weight, extreme_x, kq8_reference
 from test_q8act import q8_outputs, rowdot_reference
 
 from sparrow.kernels import _q8act, _q8ir, _x8, _x16
 from sparrow.kernels.linear import activations, linear
-from sparrow.quant import BLOCK_BYTES, Weight
 from weights import acts, make
 
 needs_vnni512 = pytest.mark.skipif(not _q8ir.VNNI512, reason="this CPU has no AVX512-VNNI")
@@ -32,15 +31,23 @@ CASES = [
     ("q4_k", (16, 256), 7),
     ("q4_k", (136, 768), 13),
     ("q4_k", (300, 2048), 70),
+    ("q6_k", (16, 256), 7),
+    ("q6_k", (136, 768), 13),
+    ("q6_k", (300, 2048), 70),
+    ("q5_0", (136, 96), 13),
+    ("q5_0", (300, 2048), 70),
+    ("q5_1", (45, 512), 37),
+    ("q5_1", (16, 32), 5),
 ]
+KQ = ("q4_k", "q6_k")  # the reference of test_kquants_q8, the others test_q8act's
 
 
 def _weight(q, shape, seed):
-    return make_kq(q, shape, seed=seed) if q == "q4_k" else make(q, shape, seed=seed)
+    return make(q, shape, seed=seed) if q in ("q4_0", "q4_1") else make_kq(q, shape, seed=seed)
 
 
 def _reference(x, w):
-    return kq8_reference(x, w) if w.qtype == "q4_k" else rowdot_reference(x, w)
+    return kq8_reference(x, w) if w.qtype in KQ else rowdot_reference(x, w)
 
 
 @needs_vnni512
@@ -53,19 +60,16 @@ def test_pair_tiles_follow_the_documented_order():
 
 
 @needs_vnni512
-def test_q4_k_pairs_extreme_codes_and_scales():
-    """q4_k's largest sums (scales, mins and codes all at their maximum against x at +-127):
-    float(s) * float(sc) must stay exact, below 2^24; and an all-zero x row gives 0."""
-    raw = make_kq("q4_k", (16, 512), seed=3).data.copy().reshape(16, -1, BLOCK_BYTES["q4_k"])
-    raw[:, :, 4:] = 0xFF
-    w = Weight("q4_k", raw.reshape(16, -1), (16, 512))
-    x = np.full((_x8.MR + 3, 512), 7.5, np.float32)
-    x[1, ::2] = -7.5
-    x[2] = 0
+@pytest.mark.parametrize("qtype", ["q4_k", "q6_k", "q5_0", "q5_1"])
+def test_pairs_extreme_codes_and_scales(qtype):
+    """The largest sums (codes and scales at their extremes against x at +-127): q4_k's and
+    q6_k's float(s) * float(sc) must stay exact, below 2^24, q6_k's offset codes must not
+    overflow; and an all-zero x row gives 0."""
+    w, x = extreme_weight(qtype, 16), extreme_x(_x8.MR + 3)
     with activations("q8"):
         y = linear(x, w)
-    assert np.array_equal(bits(y), bits(kq8_reference(x, w)))
-    assert np.all(y[2] == 0)
+    assert np.array_equal(bits(y), bits(_reference(x, w)))
+    assert np.all(y[-1] == 0)
 
 
 @needs_vnni512
@@ -84,8 +88,8 @@ def test_pairs_write_exactly_their_rows_of_a_strided_output():
 
 @needs_vnni512
 def test_prefill_takes_the_zmm_tiles():
-    """Where the CPU has AVX512-VNNI the q4_0 / q4_1 / q4_k prefill tiles are zmm vpdpbusd
-    (compiled afresh here: a kernel loaded from numba's cache has no assembly to show)."""
+    """Where the CPU has AVX512-VNNI the pair tiles are zmm vpdpbusd (compiled afresh here:
+    a kernel loaded from numba's cache has no assembly to show)."""
     fresh = numba.njit(_q8act._pair_tiles.py_func)
     x, w = acts(_x8.MR + 1, 64), make("q4_0", (16, 64))
     data, kind = _q8act.q8_rows(w)

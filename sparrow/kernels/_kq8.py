@@ -64,10 +64,10 @@ def _dup16(b, v8):
 
 
 def _shr(b, v, n):
-    """<32 x i8> v shifted right by the run-time i64 n < 8 (one 16-bit shift: callers mask
-    the bits that crossed from the next byte)."""
-    cnt = splat(b, b.trunc(n, I16), V16I16)
-    return b.bitcast(b.lshr(b.bitcast(v, V16I16), cnt), V32I8)
+    """<m x i8> v (m even) shifted right by the run-time i64 n < 8 (one 16-bit shift: callers
+    mask the bits that crossed from the next byte)."""
+    w = ir.VectorType(I16, v.type.count // 2)
+    return b.bitcast(b.lshr(b.bitcast(v, w), splat(b, b.trunc(n, I16), w)), v.type)
 
 
 def _prefetch(b, p, j, gb):

@@ -3,25 +3,21 @@
 llama.cpp's arithmetic: each 32-value block of x becomes int8 codes and one f32 scale, and
 each block's dot product with a weight block is an exact integer sum. It reads the same
 weight bytes as the exact path (kernels._widen) with a fraction of the vector instructions
-a block, so on a compute-bound core it decodes faster. q8_0 / q4_0 / q4_1 weights take
-kernels/_x8.py and the K-quants q4_k / q5_k / q6_k kernels/_kq8.py, on rows interleaved in
-groups of 8 (built once per weight: one core, q4_0 in cache 51.6 GMAC/s against 13.5
-exact, q4_k 31 against 19 row at a time); q5_0 / q5_1 take emit_row below, one row at a
-time, on the same quantised x (_q8ir holds the IR pieces all of them share). It is not exact: on
-SmolLM2-135M (Q4_1) its decode logits differ from the f32 path by KL 3.1e-3 on average and
-agree on the top token at 98% of 400 positions, which is why it is a mode and never the
-default.
+a block, so on a compute-bound core it decodes faster. Every format it covers (q8_0, q4_0,
+q4_1, q5_0, q5_1 in kernels/_x8.py; the K-quants q4_k, q5_k, q6_k in kernels/_kq8.py) is read
+as rows interleaved in groups of 8, built once per weight (one core, q4_0 in cache 51.6
+GMAC/s against 13.5 exact, q4_k 31 against 19 row at a time); _x8 and _kq8 document the
+order, _q8ir holds the IR pieces they share, this module quantises x and dispatches. It is
+not exact: on SmolLM2-135M (Q4_1) its decode logits differ from the f32 path by KL 3.1e-3 on
+average and agree on the top token at 98% of 400 positions, which is why it is a mode and
+never the default.
 
 Per x row and block b (32 values): a = max |x|, dx = a / 127, codes q = rint(x * 127 / a)
-(all 0 when a == 0), sx = dx * sum(q). q5_0 / q5_1 per weight row, block b with scale d:
-  s = sum over the block of code_w * q, an exact int32, kept as 8 lane sums <8 x i32>
-      (lane j holds elements 4j..4j+3, the split of x86's pmaddubsw + pmaddwd);
-  acc[b % 2] = fma(float(s), d * dx, acc[b % 2])          <8 x float>
-  q5_1 only: accm[b % 2] = fma(m, sx, accm[b % 2])  (m: the block's offset)
-  codes: the nibbles plus the fifth bit (bit j of qh for element j) as 16; q5_0 minus 16.
-Result: pairwise tree (lane i + i + n/2) of acc[0] + acc[1], plus accm[0] + accm[1]. Integer
-sums are exact, so every CPU path (AVX2's pmaddubsw or the generic vector code numba emits
-elsewhere) gives the same bits, whatever T, batch or thread count.
+(all 0 when a == 0), sx = dx * sum(q). Integer sums are exact, so every CPU path (AVX2's
+pmaddubsw, VNNI's vpdpbusd or the generic vector code numba emits elsewhere) gives the same
+bits, whatever T, batch or thread count. (q5_0 / q5_1 ran one row at a time here until
+2026-12: lane sums and two accumulators, another order; on the interleaved groups their
+decode matvec and prefill take the q4 formats' order, which changed their q8 bits.)
 """
 
 import ctypes
@@ -31,16 +27,25 @@ import sys
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange
-from numba.core import cgutils
 
 from sparrow.kernels import _amx
-from sparrow.kernels._ir import F32, I8, I32, I64, fma, hsum16, make_rows, row_step, shuffle, splat16, zeroed
+from sparrow.kernels._ir import I8
 from sparrow.kernels._kq8 import groups_q4_k, groups_q5_k, groups_q6_k
-from sparrow.kernels._q8ir import AVX2, V8F, V8I32, V16I8, V32I8, VNNI512, dot4
-from sparrow.kernels._q8ir import call as _call
-from sparrow.kernels._widen import _ROWS, KIND, PARALLEL_MIN_MACS, _half_at, call_slp
-from sparrow.kernels._x8 import GROUP, MR, X8_FIRST, X8_KIND, groups_q4_0, groups_q4_1, groups_q8_0, interleave
-from sparrow.kernels._x16 import PAIR_MR, pairs_q4_0, pairs_q4_1, pairs_q4_k
+from sparrow.kernels._q8ir import AVX2, VNNI512
+from sparrow.kernels._widen import _ROWS, KIND, PARALLEL_MIN_MACS, call_slp
+from sparrow.kernels._x8 import (
+    GROUP,
+    MR,
+    X8_FIRST,
+    X8_KIND,
+    groups_q4_0,
+    groups_q4_1,
+    groups_q5_0,
+    groups_q5_1,
+    groups_q8_0,
+    interleave,
+)
+from sparrow.kernels._x16 import PAIR_MR, pairs_q4_0, pairs_q4_1, pairs_q4_k, pairs_q5_0, pairs_q5_1, pairs_q6_k
 from sparrow.kernels.gemm import CPU_FEATURES
 
 KW = dict(cache=True, nogil=True)
@@ -51,86 +56,8 @@ __all__ = ["AVX2", "CPU_FEATURES", "matvec_q8", "q8_rows", "quantize", "rows_q8"
 _BB = {"q5_0": 22, "q5_1": 24}
 V4I8 = ir.VectorType(I8, 4)
 BITS = [1 << (j % 8) for j in range(32)]  # element j's bit in byte j // 8 of qh
-_X8_Q4_0, _X8_Q4_1, _X8_Q4_K = X8_KIND["q4_0"], X8_KIND["q4_1"], X8_KIND["q4_k"]
-
-
-def _half8(b, rp, at):
-    """The f16 at byte rp + at, widened to f32 in all 8 lanes (a broadcast, then vcvtph2ps)."""
-    h = b.load(b.bitcast(b.gep(rp, [at]), ir.HalfType().as_pointer()), align=1)
-    v = b.insert_element(ir.Constant(ir.VectorType(ir.HalfType(), 8), ir.Undefined), h, ir.Constant(I32, 0))
-    return b.fpext(shuffle(b, v, v, [0] * 8), V8F)
-
-
-def emit_row(qtype):
-    """The IR of one q5_0 / q5_1 row's dot product in the order above, as _ir.make_rows
-    calls it.
-
-    The 5-bit codes enter pmaddubsw unsigned (the nibble, plus 16 for the fifth bit); q5_0
-    then subtracts 16 times x's per-lane code sums (xs holds 8 times them, from lane_sums8).
-    That gives the int32 lanes the signed codes would (integer arithmetic is exact) with one
-    subtraction instead of the signed form's offset and abs / sign pair: paired on one core,
-    a Q4_0 matvec (then written this way) streamed 10.3 instead of 9.6 GB/s."""
-    m_rows = qtype == "q5_1"
-
-    def c64(v):
-        return ir.Constant(I64, v)
-
-    def emit(b, rp, ptrs, lens):
-        xp, dxp, sxp = ptrs[0], b.bitcast(ptrs[1], F32.as_pointer()), b.bitcast(ptrs[2], F32.as_pointer())
-        xsp, nb = b.bitcast(ptrs[3], I32.as_pointer()), lens[1]
-        accs = [zeroed(b, V8F) for _ in range(2)]
-        accm = [zeroed(b, F32) for _ in range(2)]
-        off = 2 if qtype == "q5_0" else 4  # qh, then the nibbles
-
-        def block(blk, i):
-            p = b.mul(blk, c64(_BB[qtype]))
-            x = b.load(b.bitcast(b.gep(xp, [b.mul(blk, c64(32))]), V32I8.as_pointer()), align=1)
-            qv = b.load(b.bitcast(b.gep(rp, [b.add(p, c64(off + 4))]), V16I8.as_pointer()), align=1)
-            lo = b.and_(qv, ir.Constant(V16I8, [15] * 16))
-            hi = b.lshr(qv, ir.Constant(V16I8, [4] * 16))
-            w = shuffle(b, lo, hi, range(32))  # element j (low nibbles), then 16 + j
-            # element j's fifth bit: bit j of the little-endian u32 qh, as 16
-            qh = b.load(b.bitcast(b.gep(rp, [b.add(p, c64(off))]), V4I8.as_pointer()), align=1)
-            hb = b.and_(shuffle(b, qh, qh, [j // 8 for j in range(32)]), ir.Constant(V32I8, BITS))
-            zero = ir.Constant(V32I8, [0] * 32)
-            w = b.or_(w, b.select(b.icmp_unsigned("!=", hb, zero), ir.Constant(V32I8, [16] * 32), zero))
-            s = dot4(b, w, x, unsigned=True)
-            if not m_rows:  # q5_0: minus 16 sum(code_x) per lane
-                lanes = b.load(b.bitcast(b.gep(xsp, [b.mul(blk, c64(8))]), V8I32.as_pointer()), align=4)
-                s = b.sub(s, b.shl(lanes, ir.Constant(V8I32, [1] * 8)))
-            dd = b.fmul(_half8(b, rp, p), splat16(b, b.load(b.gep(dxp, [blk])), 8))  # d * dx, every lane
-            b.store(_call(b, "llvm.fma.v8f32", V8F, [b.sitofp(s, V8F), dd, b.load(accs[i])]), accs[i])
-            if m_rows:
-                m = _half_at(b, rp, b.add(p, c64(2)))
-                b.store(fma(b, m, b.load(b.gep(sxp, [blk])), b.load(accm[i])), accm[i])
-
-        one = c64(1)
-        with cgutils.for_range(b, b.lshr(nb, one)) as loop:
-            b0 = b.shl(loop.index, one)
-            block(b0, 0)
-            block(b.add(b0, one), 1)
-        with b.if_then(b.trunc(nb, ir.IntType(1))):
-            block(b.sub(nb, one), 0)
-        v = hsum16(b, b.fadd(b.load(accs[0]), b.load(accs[1])))  # 8 lanes
-        return b.fadd(v, b.fadd(b.load(accm[0]), b.load(accm[1])))
-
-    return emit
-
-
-rows_q5_0 = make_rows(emit_row("q5_0"), 4)
-rows_q5_1 = make_rows(emit_row("q5_1"), 4)
-
-
-@njit(**KW)
-def lane_sums8(xq):
-    """int8 codes [T, K] -> int32 [T, K / 4]: 8 times the sum of each 4 consecutive codes (the
-    lanes of a block's pmaddubsw + pmaddwd), which q5_0 rows subtract twice."""
-    t_n, k = xq.shape
-    out = np.empty((t_n, k // 4), np.int32)
-    for t in range(t_n):
-        for j in range(k // 4):
-            out[t, j] = 8 * (np.int32(xq[t, 4 * j]) + xq[t, 4 * j + 1] + xq[t, 4 * j + 2] + xq[t, 4 * j + 3])
-    return out
+_X8_Q4_0, _X8_Q4_1, _X8_Q4_K, _X8_Q6_K, _X8_Q5_0 = (X8_KIND[q] for q in ("q4_0", "q4_1", "q4_k", "q6_k", "q5_0"))
+_X8_Q8_0, _X8_Q5_K = X8_KIND["q8_0"], X8_KIND["q5_k"]
 
 
 @njit(**KW)
@@ -186,14 +113,18 @@ def block_sums8(xq):
 
 
 @njit(**KW)
-def _rows_t(data, kind, xq, dx, sx, xs, y, o0, o1):
-    """y[o0:o1] for one x row (its codes xq, scales dx, sx and lane sums xs)."""
-    if kind == 6:
-        rows_q5_0(data, o0, o1, xq, dx, sx, xs, y)
-    elif kind == 7:
-        rows_q5_1(data, o0, o1, xq, dx, sx, xs, y)
-    else:  # q8_0 / q4_x / K-quants as stored: the q8 mode reads them interleaved (q8_rows)
-        raise ValueError("rows_q8: no q8 row dot for this weight kind")
+def half_sums32(xq):
+    """int8 codes [T, K] -> int32 [T, K / 16]: 32 times the code sum of each 16 values (q6_k's
+    pair tiles take its codes unsigned, plus 32, and subtract these)."""
+    t_n, k = xq.shape
+    out = np.empty((t_n, k // 16), np.int32)
+    for t in range(t_n):
+        for h in range(k // 16):
+            s = np.int32(0)
+            for j in range(16):
+                s += np.int32(xq[t, 16 * h + j])
+            out[t, h] = 32 * s
+    return out
 
 
 @njit(**KW)
@@ -209,8 +140,12 @@ def _tile(data, kind, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n):
         groups_q4_k(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
     elif kind == 15:
         groups_q5_k(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
-    else:
+    elif kind == 16:
         groups_q6_k(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
+    elif kind == 17:
+        groups_q5_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
+    else:
+        groups_q5_1(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
 
 
 GROUP_CHUNK = 16  # groups (128 rows) a tile pass covers before the next x rows, when T > MR
@@ -226,8 +161,14 @@ def _pair_tiles(data, kind, g0, g1, xq, dx, sx, bs, y):
             pairs_q4_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
         elif kind == _X8_Q4_1:
             pairs_q4_1(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
-        else:
+        elif kind == _X8_Q4_K:
             pairs_q4_k(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
+        elif kind == _X8_Q6_K:
+            pairs_q6_k(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
+        elif kind == _X8_Q5_0:
+            pairs_q5_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
+        else:
+            pairs_q5_1(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
 
 
 @njit(**KW)
@@ -238,7 +179,7 @@ def x8_rows(data, kind, xq, dx, sx, bs, y, g0, g1):
     _x16's zmm tiles where the CPU has AVX512-VNNI (the same bits), the rest as before."""
     t_n, o_n = xq.shape[0], y.shape[1]
     step = max(g1 - g0, 1) if t_n <= MR else GROUP_CHUNK
-    pairs = VNNI512 and t_n > MR and (kind == _X8_Q4_0 or kind == _X8_Q4_1 or kind == _X8_Q4_K) and y.strides[1] == 4
+    pairs = VNNI512 and t_n > MR and pair_kind(kind) and y.strides[1] == 4
     for c in range(g0, g1, step):
         e = min(g1, c + step)
         p = c
@@ -251,13 +192,20 @@ def x8_rows(data, kind, xq, dx, sx, bs, y, g0, g1):
 
 
 @njit(**KW)
+def pair_kind(kind):
+    """Whether _x16 has pair tiles for an interleaved kind (all but q8_0 and q5_k)."""
+    return kind >= X8_FIRST and kind != _X8_Q8_0 and kind != _X8_Q5_K
+
+
+@njit(**KW)
 def x_sums(kind, xq):
-    """What a kind's rows read of x besides its codes and scales: q4_0 groups 8 sum(code_x)
-    per block (block_sums8), q5_0 rows lane sums (lane_sums8), other kinds nothing."""
-    if kind == _X8_Q4_0:
+    """What a kind's rows read of x besides its codes and scales: q4_0 / q5_0 groups 8
+    sum(code_x) per block (block_sums8), q6_k's zmm pair tiles 32 sum(code_x) per 16 values
+    (half_sums32, where they run), other kinds nothing."""
+    if kind == _X8_Q4_0 or kind == _X8_Q5_0:
         return block_sums8(xq)
-    if kind == 6:
-        return lane_sums8(xq)
+    if kind == _X8_Q6_K and VNNI512 and xq.shape[0] > MR:
+        return half_sums32(xq)
     return np.empty((xq.shape[0], 0), np.int32)
 
 
@@ -274,13 +222,9 @@ def rows_q8_xs(data, kind, xq, dx, sx, xs, y, o0, o1):
     """rows_q8 with x_sums(kind, xq) given: a parallel matvec computes them once, not once a
     chunk of rows (a 512-row prefill's q4_0 sums, recomputed for each of a 6144 x 2048
     matrix's 48 chunks, took half its time: 67 against 134 GMAC/s on one Zen 4 core)."""
-    if kind >= X8_FIRST:
-        x8_rows(data, kind, xq, dx, sx, xs, y, o0, o1)
-        return
-    step = row_step(o0, o1, xq.shape[0])
-    for c in range(o0, o1, step):
-        for t in range(xq.shape[0]):
-            _rows_t(data, kind, xq[t], dx[t], sx[t], xs[t], y[t], c, min(o1, c + step))
+    if kind < X8_FIRST:  # every q8 format is read interleaved (q8_rows)
+        raise ValueError("rows_q8: weights not in the q8 mode's groups")
+    x8_rows(data, kind, xq, dx, sx, xs, y, o0, o1)
 
 
 @njit(parallel=True, **KW)
@@ -308,9 +252,11 @@ def supports(w) -> bool:
 # of a 6144 x 2048 matrix, two cores of a Zen 3 EPYC (AVX2): q4_k 114-119 GMAC/s against
 # 83-89 for the f32 GEMM (which widens every row first), q4_0 92-117 vs 88, q8_0 95-112 vs
 # 72-81, q4_1 82-114 vs 49-76; q6_k 76 vs 83-90, kept for AMX's 126 (and bits that match
-# decode). On an AMX Xeon: q8_0 / q4_x / q4_k 218-352, q6_k 126. q5_0 / q5_1 / q5_k keep the
-# f32 GEMM (q5_k ran even, and has no AMX kernel).
-PREFILL_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
+# decode). On an AMX Xeon: q8_0 / q4_x / q4_k 218-352, q6_k 126. On two Zen 4 cores (_x16's
+# zmm pair tiles), 512 x rows: q4_0 254, q5_0 205 GMAC/s (6144 x 2048), q6_k 154-163 (2048 x
+# 6144; 87-93 on the ymm tiles, 89-96 f32), q5_0 175 vs 50-78 f32 on SmolLM2's 3072 x 576.
+# q5_k keeps the f32 GEMM (it ran even on the ymm tiles, and has neither AMX nor zmm tiles).
+PREFILL_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k")
 
 
 def prefills(w) -> bool:

@@ -1,25 +1,41 @@
 """q8-mode prefill tiles over two interleaved groups at once: 16 weight rows a zmm register.
 
-kernels/_x8.py (q4_0 / q4_1) and _kq8.py (q4_k) keep rows in groups of 8 and dot a group
-against up to MR = 4 x rows in ymm registers. On CPUs with AVX512-VNNI (_q8ir.VNNI512) a
+kernels/_x8.py (q4_0 / q4_1 / q5_0 / q5_1) and _kq8.py (q4_k / q6_k) keep rows in groups of
+8 and dot a group against up to MR = 4 x rows in ymm registers. On CPUs with AVX512-VNNI (_q8ir.VNNI512) a
 prefill here takes groups g and g + 1 side by side in one <64 x i8>, so each vpdpbusd covers
 16 rows, and PAIR_MR = 6 x rows share each unpacked chunk. Lane r of every vector is row
 8 g + r (r < 8: group g, else row r - 8 of group g + 1). One Zen 4 core, 6144 x 2048 x 512,
 interleaved runs: q4_0 149-163 GMAC/s against 133-136 for _x8's tiles (ymm tiles of 6 or 8 x
-rows were no faster; 8 spilled: 85), q4_k 146-147 against 94-95 for _kq8's pmaddubsw tiles.
+rows were no faster; 8 spilled: 85), q4_k 146-147 against 94-95 for _kq8's pmaddubsw tiles;
+2048 x 6144 x 512 on two cores: q6_k 154-163 against 87-93 for _kq8's tiles (4 or 8 x rows:
+slower or even; starting the chains at -X instead of subtracting X after: slower).
 
 The order is _x8's and _kq8's, lane by lane (their docstrings), so a row's bits do not depend
 on which tile computed it (tests/test_x16.py)."""
 
 from functools import partial
 
+from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from sparrow.kernels._ir import I8, V16F, V16I32, fma, shuffle, splat16, zeroed
-from sparrow.kernels._kq8 import _CODES
-from sparrow.kernels._q8ir import V8I8, V32I8, bcast4, dpbusd16, splat
-from sparrow.kernels._x8 import GROUP, GROUP_BYTES, V8H, c64, load, nibble, tile_rows
+from sparrow.kernels._kq8 import _CODES, _Q6_QH, _Q6_QL, _Q6_SC, _shr
+from sparrow.kernels._q8ir import V8I8, V16I8, V32I8, V64I8, bcast4, dpbusd16, splat
+from sparrow.kernels._x8 import (
+    CODES_AT,
+    GROUP,
+    GROUP_BYTES,
+    M_ROWS,
+    OFFSET_SHIFT,
+    QH_AT,
+    V8H,
+    c64,
+    codes5,
+    load,
+    nibble,
+    tile_rows,
+)
 
 PAIR_MR = 6  # x rows a pair tile reads each unpacked chunk for
 
@@ -32,9 +48,9 @@ def _pair(b, p0, p1, at, ty):
 
 def emit_pair(qtype, mr):
     """emit(b, group g block pointer, group g + 1's, [x codes], [dx], [sx], [8 sum(code_x)],
-    nb) -> [<16 x float>] per x row, in the module docstring's order (q4_0 / q4_1)."""
-    gb = GROUP_BYTES[qtype]
-    at = 16 if qtype == "q4_0" else 32  # the code chunks (after d, and q4_1's m)
+    nb) -> [<16 x float>] per x row, in the module docstring's order (q4_0 / q4_1 / q5_0 /
+    q5_1)."""
+    gb, at = GROUP_BYTES[qtype], CODES_AT[qtype]
 
     def emit(b, g0p, g1p, xps, dxps, sxps, bsps, nb):
         acc, accm = [zeroed(b, V16F) for _ in range(mr)], [zeroed(b, V16F) for _ in range(mr)]
@@ -43,23 +59,25 @@ def emit_pair(qtype, mr):
             p0, p1 = b.gep(g0p, [b.mul(blk, c64(gb))]), b.gep(g1p, [b.mul(blk, c64(gb))])
             xbs = [b.gep(xp, [b.mul(blk, c64(32))]) for xp in xps]
             los, his = [None] * mr, [None] * mr  # low and high nibbles: two vpdpbusd chains
+            qh = _pair(b, p0, p1, QH_AT[qtype], V32I8) if qtype in QH_AT else None
             for c in range(4):
                 v = _pair(b, p0, p1, at + 32 * c, V32I8)
-                lo, hi = nibble(b, v, 0), nibble(b, v, 1)
+                lo, hi = codes5(b, v, qh, c, 0), codes5(b, v, qh, c, 1)
                 for t in range(mr):
                     los[t] = dpbusd16(b, los[t], lo, bcast4(b, b.gep(xbs[t], [c64(4 * c)]), 16))
                     his[t] = dpbusd16(b, his[t], hi, bcast4(b, b.gep(xbs[t], [c64(16 + 4 * c)]), 16))
             d = b.fpext(_pair(b, p0, p1, 0, V8H), V16F)
-            m = b.fpext(_pair(b, p0, p1, 16, V8H), V16F) if qtype == "q4_1" else None
+            m = b.fpext(_pair(b, p0, p1, 16, V8H), V16F) if qtype in M_ROWS else None
             for t in range(mr):
                 s = b.add(los[t], his[t])
-                if qtype == "q4_0":
-                    s = b.sub(s, splat(b, b.load(b.gep(bsps[t], [blk])), V16I32))
+                if qtype in OFFSET_SHIFT:
+                    bs = splat(b, b.load(b.gep(bsps[t], [blk])), V16I32)
+                    s = b.sub(s, b.shl(bs, ir.Constant(V16I32, [OFFSET_SHIFT[qtype]] * 16)))
                 dd = b.fmul(d, splat16(b, b.load(b.gep(dxps[t], [blk]))))
                 b.store(fma(b, b.sitofp(s, V16F), dd, b.load(acc[t])), acc[t])
                 if m is not None:
                     b.store(fma(b, m, splat16(b, b.load(b.gep(sxps[t], [blk]))), b.load(accm[t])), accm[t])
-        if qtype == "q4_1":
+        if m is not None:
             return [b.fadd(b.load(acc[t]), b.load(accm[t])) for t in range(mr)]
         return [b.load(acc[t]) for t in range(mr)]
 
@@ -111,6 +129,57 @@ def emit_pair_q4_k(mr):
     return emit
 
 
+def emit_pair_q6_k(mr):
+    """emit for q6_k (emit_pair's signature; bsps: x's 32 sum(code_x) per 16 values, from
+    _q8act.half_sums32), in _kq8's order: sub-block j of super-block n (x block b = 8 n + j),
+    I = sc[2j] (S0 - X0) + sc[2j + 1] (S1 - X1), S the dot of x's codes with the stored
+    6-bit values u = code + 32 (vpdpbusd takes them unsigned) over each 16, X x's 32 sum;
+    acc = fma(float(I), d * dx[b], acc), sub-block after sub-block. float(S - X) * float(sc)
+    and the sum of two are exact integers below 2^24 (|S - X| <= 16 * 32 * 127, |sc| <= 128),
+    so float(I) is _kq8's sitofp(I)."""
+    gb = GROUP_BYTES["q6_k"]
+
+    def emit(b, g0p, g1p, xps, dxps, sxps, bsps, nb):
+        acc = [zeroed(b, V16F) for _ in range(mr)]
+        m15, m48 = ir.Constant(V64I8, [15] * 64), ir.Constant(V64I8, [48] * 64)
+        with cgutils.for_range(b, b.udiv(nb, c64(8))) as loop:
+            n = loop.index
+            p0, p1 = b.gep(g0p, [b.mul(n, c64(gb))]), b.gep(g1p, [b.mul(n, c64(gb))])
+            d = b.fpext(_pair(b, p0, p1, 0, V8H), V16F)
+            with cgutils.for_range(b, c64(8)) as sub:
+                j = sub.index  # half h = j // 4, quarter s = j % 4 (_kq8.emit_q6_k's layout)
+                h, s = b.lshr(j, c64(2)), b.and_(j, c64(3))
+                blk = b.add(b.mul(n, c64(8)), j)
+                ql_at = b.add(c64(_Q6_QL), b.mul(b.add(b.shl(h, c64(4)), b.shl(b.and_(s, c64(1)), c64(3))), c64(32)))
+                qh_at = b.add(c64(_Q6_QH), b.shl(h, c64(8)))
+                nib, hsh = b.shl(b.lshr(s, c64(1)), c64(2)), b.shl(s, c64(1))
+                sums = [[None, None] for _ in range(mr)]
+                for c in range(8):  # values 128 h + 32 s + 4 c .. + 3
+                    lo = b.and_(_shr(b, _pair(b, p0, p1, b.add(ql_at, c64(32 * c)), V32I8), nib), m15)
+                    hq = _shr(b, _pair(b, p0, p1, b.add(qh_at, c64(32 * c)), V32I8), hsh)
+                    u = b.or_(lo, b.and_(_shl4(b, hq), m48))  # 0 .. 63
+                    for t in range(mr):
+                        xb = b.gep(xps[t], [b.add(b.mul(blk, c64(32)), c64(4 * c))])
+                        sums[t][c // 4] = dpbusd16(b, sums[t][c // 4], u, bcast4(b, xb, 16))
+                pr = _pair(b, p0, p1, b.add(c64(_Q6_SC), b.shl(j, c64(4))), V16I8)  # (sc[2j], sc[2j + 1]) a row
+                scs = [b.sitofp(shuffle(b, pr, pr, range(k, 32, 2)), V16F) for k in (0, 1)]
+                for t in range(mr):
+                    at = [b.gep(bsps[t], [b.add(b.shl(blk, c64(1)), c64(k))]) for k in (0, 1)]
+                    f = [b.sitofp(b.sub(sums[t][k], splat(b, b.load(at[k]), V16I32)), V16F) for k in (0, 1)]
+                    big = fma(b, f[1], scs[1], b.fmul(f[0], scs[0]))  # = float(I), exact
+                    dd = b.fmul(d, splat16(b, b.load(b.gep(dxps[t], [blk]))))
+                    b.store(fma(b, big, dd, b.load(acc[t])), acc[t])
+        return [b.load(acc[t]) for t in range(mr)]
+
+    return emit
+
+
+def _shl4(b, v):
+    """<64 x i8> v's 16-bit lanes shifted left by 4 (bits 0-1 of each byte land on 4-5)."""
+    w = ir.VectorType(ir.IntType(16), 32)
+    return b.bitcast(b.shl(b.bitcast(v, w), ir.Constant(w, [4] * 32)), V64I8)
+
+
 def make_pairs(emit_for):
     """An intrinsic pairs(data, g0, g1, xq, dx, sx, bs, y, t0, mr): y[t, 8 g0 .. 8 g1 - 1] for
     x rows t0 .. t0 + mr - 1 (1 <= mr <= PAIR_MR), groups g0 .. g1 - 1 of data taken two at a
@@ -149,5 +218,8 @@ def _pair_loop(b, emit, mr, base, stride, arrs, t0, g0, g1, nb):
             b.store(v, b.bitcast(b.gep(yp, [o]), V16F.as_pointer()), align=4)
 
 
-pairs_q4_0, pairs_q4_1 = (make_pairs(partial(emit_pair, q)) for q in ("q4_0", "q4_1"))
+pairs_q4_0, pairs_q4_1, pairs_q5_0, pairs_q5_1 = (
+    make_pairs(partial(emit_pair, q)) for q in ("q4_0", "q4_1", "q5_0", "q5_1")
+)
 pairs_q4_k = make_pairs(emit_pair_q4_k)
+pairs_q6_k = make_pairs(emit_pair_q6_k)

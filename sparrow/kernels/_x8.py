@@ -1,17 +1,19 @@
-"""q8-mode decode matvecs over q8_0 / q4_0 / q4_1 rows kept in groups of 8, interleaved.
+"""q8-mode matvecs over q8_0 / q4_0 / q4_1 / q5_0 / q5_1 rows kept in groups of 8, interleaved.
 
 A block dot product against one row ends in 8 int32 lanes that still have to be summed
 across; llama.cpp's AVX2 "repack" kernels avoid that by storing 8 rows' blocks side by side.
 Here, likewise, group g holds rows 8 g .. 8 g + 7 and its block b is, for 8 rows at once:
-  the 8 f16 scales d (row r at byte 2 r), then q4_1 only the 8 f16 offsets m, then the
-  codes in chunks of 4 bytes: chunk c holds row r's stored code bytes 4 c .. 4 c + 3 at
-  byte 4 r (4 chunks of a q4 block's 16 nibble bytes, 8 of a q8_0 block's 32 bytes).
+  the 8 f16 scales d (row r at byte 2 r), then q4_1 / q5_1 only the 8 f16 offsets m, then
+  q5 only the 8 rows' 32 high bits (qh, row r's u32 at 4 r), then the codes in chunks of 4
+  bytes: chunk c holds row r's stored code bytes 4 c .. 4 c + 3 at byte 4 r (4 chunks of a
+  q4 / q5 block's 16 nibble bytes, 8 of a q8_0 block's 32 bytes).
 Each chunk meets 4 bytes of x broadcast to all 8 lanes, so pmaddubsw + pmaddwd leave lane r
 holding row r's sum: no horizontal sums, x read once for 8 rows. A q4 chunk's low nibbles
 are elements 4c..4c+3 and its high nibbles 16 + 4c..; a block's 4 chunks, low and high, add
-up in int16 (16 products of |15 * 127| each, <= 30480), so one pmaddwd a block.
-One core, Qwen3-1.7B's lm_head in cache: q4_0 51.6 vs 20.5 GMAC/s for the row-at-a-time
-kernel (_q8act.emit_row); streaming from memory 14.9 vs 10.8 GB/s.
+up in int16 (16 products of |15 * 127| each, <= 30480), so one pmaddwd a block (q5: one per
+2 chunks, codes up to 31). q5's fifth bits come from qh by a byte shuffle and a bit test.
+One core, Qwen3-1.7B's lm_head in cache: q4_0 51.6 vs 20.5 GMAC/s for a row-at-a-time
+kernel; streaming from memory 14.9 vs 10.8 GB/s.
 CPUs with AVX-VNNI or AVX512-VNNI take vpdpbusd instead (pmaddubsw + pmaddwd + paddd in one
 instruction, the same integers), in two accumulator chains a block since each vpdpbusd waits
 for the last. On a 2-core Intel Xeon with AVX512-VNNI, a 6144 x 2048 matrix, best of 3 runs
@@ -22,11 +24,12 @@ against the AVX2 sequence: prefill (T = 512) q4_0 86 vs 67 GMAC/s, q8_0 81 vs 58
 The order (the documented one of activations="q8" for these formats; x quantised as
 _q8act.quantize does), per row and block b:
   s = sum over the block of code_w * code_x, an exact integer (q4_0's codes are the
-      nibbles minus 8: s = sum(nibble * code_x) - 8 sum(code_x); q4_1's the nibbles; q8_0's
-      the bytes)
+      nibbles minus 8: s = sum(nibble * code_x) - 8 sum(code_x); q4_1's the nibbles; q5_1's
+      the nibbles plus 16 for the fifth bit (bit j of qh for element j), q5_0's those minus
+      16; q8_0's the bytes)
   acc  = fma(float(s), d * dx[b], acc)
-  q4_1 only: accm = fma(m, sx[b], accm)
-block after block from acc = accm = 0; result acc (q4_1: acc + accm). Integer sums are
+  q4_1 / q5_1 only: accm = fma(m, sx[b], accm)
+block after block from acc = accm = 0; result acc (q4_1 / q5_1: acc + accm). Integer sums are
 exact, so every CPU path (AVX2 or the generic vector code) gives the same bits, and a row's
 order depends only on its length: the same bits whatever its group, T or thread count.
 """
@@ -39,7 +42,7 @@ from numba import njit, prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from sparrow.kernels._ir import F32, I8, I32, I64, fma, splat16, zeroed
+from sparrow.kernels._ir import F32, I8, I32, I64, fma, shuffle, splat16, zeroed
 from sparrow.kernels._q8ir import (
     AVX2,
     V8F,
@@ -57,7 +60,7 @@ from sparrow.kernels._q8ir import (
 from sparrow.quant import BLOCK_BYTES  # one row's block, as stored
 
 # the x8 kinds continue _widen.KIND (0-10); X8_KIND[qtype] is the interleaved form of qtype
-X8_KIND = {"q8_0": 11, "q4_0": 12, "q4_1": 13, "q4_k": 14, "q5_k": 15, "q6_k": 16}
+X8_KIND = {"q8_0": 11, "q4_0": 12, "q4_1": 13, "q4_k": 14, "q5_k": 15, "q6_k": 16, "q5_0": 17, "q5_1": 18}
 X8_FIRST = min(X8_KIND.values())  # kinds from here on are interleaved groups
 GROUP = 8
 # A stored block's byte ranges (src, dst, length, width): bytes src .. src + length - 1 of a
@@ -69,6 +72,8 @@ REGIONS = {
     "q8_0": ((0, 0, 2, 2), (2, 2, 32, 4)),
     "q4_0": ((0, 0, 2, 2), (2, 2, 16, 4)),
     "q4_1": ((0, 0, 4, 2), (4, 4, 16, 4)),
+    "q5_0": ((0, 0, 2, 2), (2, 2, 4, 4), (6, 6, 16, 4)),
+    "q5_1": ((0, 0, 4, 2), (4, 4, 4, 4), (8, 8, 16, 4)),
     "q4_k": ((0, 0, 4, 2), (16, 20, 128, 4)),
     "q5_k": ((0, 0, 4, 2), (16, 20, 32, 4), (48, 52, 128, 4)),
     "q6_k": ((208, 0, 2, 2), (192, 2, 16, 2), (0, 18, 128, 4), (128, 146, 64, 4)),
@@ -142,10 +147,33 @@ def load(b, p, at, ty):
     return b.load(b.bitcast(b.gep(p, [at]), ty.as_pointer()), align=1)
 
 
+CODES_AT = {"q4_0": 16, "q4_1": 32, "q5_0": 48, "q5_1": 64}  # a group block's code chunks
+QH_AT = {"q5_0": 16, "q5_1": 32}  # q5's high bits: row r's little-endian u32 at 4 r
+
+
+def fifth_bits(b, qh, c, high):
+    """q5's fifth bits for chunk c's low (high = 0) or high nibbles, as 16 or 0 per byte:
+    qh holds each row's u32 in 4 bytes (<4 n x i8>, n rows); byte k of row r becomes bit
+    16 high + 4 c + k of that u32, which is in its byte 2 high + c // 2."""
+    n = qh.type.count
+    at = 2 * high + c // 2
+    v = shuffle(b, qh, qh, [4 * (i // 4) + at for i in range(n)])  # the byte to every lane of its row
+    bits = b.and_(v, ir.Constant(qh.type, [1 << (4 * (c % 2) + i % 4) for i in range(n)]))
+    zero = ir.Constant(qh.type, [0] * n)
+    return b.select(b.icmp_unsigned("!=", bits, zero), ir.Constant(qh.type, [16] * n), zero)
+
+
+def codes5(b, v, qh, c, high):
+    """Chunk c's q4 / q5 codes, unsigned: the low or high nibbles of v, plus the fifth bits
+    when qh (q5) is given."""
+    w = nibble(b, v, high)
+    return w if qh is None else b.or_(w, fifth_bits(b, qh, c, high))
+
+
 def _block_sums(qtype, b, p, xbs):
     """[<8 x i32>] per x row: lane r = row r's sum of code_w * code_x over the block at p
-    (i8*), that x row's codes at xbs[t] (before q4_0's -8 sum(code_x)). The weight bytes are
-    loaded and unpacked once for all x rows."""
+    (i8*), that x row's codes at xbs[t] (q4 / q5 codes unsigned: before q4_0's -8 sum(code_x)
+    and q5_0's -16). The weight bytes are loaded and unpacked once for all x rows."""
     if qtype == "q8_0":
         tots = [None] * len(xbs)
         for c in range(8):
@@ -156,25 +184,31 @@ def _block_sums(qtype, b, p, xbs):
             if c == 3:  # two chains: chunks 0-3, then 4-7 (vpdpbusd waits on its accumulator)
                 firsts, tots = tots, [None] * len(xbs)
         return [b.add(f, t) for f, t in zip(firsts, tots)]
-    at = 16 if qtype == "q4_0" else 32
+    at = CODES_AT[qtype]
+    qh = load(b, p, QH_AT[qtype], V32I8) if qtype in QH_AT else None
     tots = [None] * len(xbs)
-    if VNNI:  # vpdpbusd into int32 lanes (AVX2: int16 sums, one pmaddwd); low and high
+    if VNNI:  # vpdpbusd into int32 lanes (AVX2: int16 sums, then pmaddwd); low and high
         his = [None] * len(xbs)  # nibbles in two chains, each vpdpbusd waiting on the last
         for c in range(4):
             v = load(b, p, at + 32 * c, V32I8)
-            lo, hi = nibble(b, v, 0), nibble(b, v, 1)
+            lo, hi = codes5(b, v, qh, c, 0), codes5(b, v, qh, c, 1)
             for t, xb in enumerate(xbs):
                 tots[t] = dpbusd(b, tots[t], lo, bcast4(b, b.gep(xb, [c64(4 * c)])))
                 his[t] = dpbusd(b, his[t], hi, bcast4(b, b.gep(xb, [c64(16 + 4 * c)])))
         return [b.add(lo, hi) for lo, hi in zip(tots, his)]
+    # int16 sums hold 4 chunks' products of q4 codes (16 * 15 * 127 = 30480), 2 of q5's (31)
+    per = 4 if qh is None else 2
+    out = [None] * len(xbs)
     for c in range(4):
         v = load(b, p, at + 32 * c, V32I8)
-        lo, hi = nibble(b, v, 0), nibble(b, v, 1)  # elements 4c .. 4c + 3 of each row, 16 + 4c ..
+        lo, hi = codes5(b, v, qh, c, 0), codes5(b, v, qh, c, 1)  # elements 4c .. 4c + 3 of each row, 16 + 4c ..
         for t, xb in enumerate(xbs):
             s = b.add(maddubs(b, lo, bcast4(b, b.gep(xb, [c64(4 * c)]))),
                       maddubs(b, hi, bcast4(b, b.gep(xb, [c64(16 + 4 * c)]))))  # fmt: skip
-            tots[t] = s if tots[t] is None else b.add(tots[t], s)  # int16: |tot| <= 16 * 15 * 127
-    return [maddwd(b, tot) for tot in tots]
+            tots[t] = s if c % per == 0 else b.add(tots[t], s)
+            if c % per == per - 1:
+                out[t] = maddwd(b, tots[t]) if out[t] is None else b.add(out[t], maddwd(b, tots[t]))
+    return out
 
 
 def nibble(b, v, high):
@@ -199,22 +233,27 @@ def emit_tile(qtype, mr):
             p = b.gep(gp, [b.mul(blk, c64(gb))])
             sums = _block_sums(qtype, b, p, [b.gep(xp, [b.mul(blk, c64(32))]) for xp in xps])
             d = b.fpext(load(b, p, 0, V8H), V8F)
-            if qtype == "q4_1":
+            if qtype in M_ROWS:
                 m = b.fpext(load(b, p, 16, V8H), V8F)
             for t in range(mr):
                 s = sums[t]
-                if qtype == "q4_0":
-                    s = b.sub(s, splat(b, b.load(b.gep(bsps[t], [blk])), V8I32))
+                if qtype in OFFSET_SHIFT:  # minus 8 (q5_0: 16) sum(code_x)
+                    bs = splat(b, b.load(b.gep(bsps[t], [blk])), V8I32)
+                    s = b.sub(s, b.shl(bs, ir.Constant(V8I32, [OFFSET_SHIFT[qtype]] * 8)))
                 dd = b.fmul(d, splat16(b, b.load(b.gep(dxps[t], [blk])), 8))
                 b.store(fma(b, b.sitofp(s, V8F), dd, b.load(acc[t])), acc[t])
-                if qtype == "q4_1":
+                if qtype in M_ROWS:
                     sx = splat16(b, b.load(b.gep(sxps[t], [blk])), 8)
                     b.store(fma(b, m, sx, b.load(accm[t])), accm[t])
-        if qtype == "q4_1":
+        if qtype in M_ROWS:
             return [b.fadd(b.load(acc[t]), b.load(accm[t])) for t in range(mr)]
         return [b.load(acc[t]) for t in range(mr)]
 
     return emit
+
+
+M_ROWS = ("q4_1", "q5_1")  # formats with an offset m a block (f16, after the 8 scales)
+OFFSET_SHIFT = {"q4_0": 0, "q5_0": 1}  # their codes minus 8 sum(code_x) (bs) shifted left by this
 
 
 MR = 4  # x rows a tile reads each unpacked weight chunk for (batched decode, prefill)
@@ -283,4 +322,6 @@ def _tile_loop(b, emit, mr, base, stride, arrs, t0, g0, g1, nb, ystride, o_n):
                         b.store(b.extract_element(v, lp.index), b.bitcast(at, F32.as_pointer()))
 
 
-groups_q8_0, groups_q4_0, groups_q4_1 = (make_groups(partial(emit_tile, q)) for q in ("q8_0", "q4_0", "q4_1"))
+groups_q8_0, groups_q4_0, groups_q4_1, groups_q5_0, groups_q5_1 = (
+    make_groups(partial(emit_tile, q)) for q in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+)

@@ -28,7 +28,7 @@ __all__ = ["linear", "SMALL_T", "ACTIVATIONS", "activations"]
 SMALL_T = 8  # T above this takes the prefill path (different summation order)
 # "f32": exact (the default). "q8": decode matvecs over q8_0 / q4_0 / q4_1 / q5_0 / q5_1 and
 # K-quant weights quantise x to 8 bits per 32-block as llama.cpp does (kernels/_q8act.py,
-# _x8.py, _kq8.py: faster, measured not exact); so do prefills over q8_0 / q4_0 / q4_1 / q4_k
+# _x8.py, _kq8.py: faster, measured not exact); so do prefills over all of them but q5_k
 # (_q8act.PREFILL_FORMATS); other prefills and weight formats stay f32 either way.
 ACTIVATIONS = ("f32", "q8")
 _mode = threading.local()  # the mode of the forward this thread runs (models set it per forward)
