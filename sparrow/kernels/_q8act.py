@@ -98,32 +98,19 @@ def quantize(x):
 
 
 @njit(**KW)
-def block_sums8(xq):
-    """int8 codes [T, K] -> int32 [T, K / 32]: 8 times each block's code sum (q4_0 groups
-    subtract it)."""
+def code_sums(xq, n, times):
+    """int8 codes [T, K] -> int32 [T, K / n]: `times` times the code sum of each n values.
+    q4_0 / q5_0 groups subtract 8 (q5_0: 16) sum(code_x) per block of 32 (code_sums(xq, 32,
+    8)); q6_k's pair tiles take its codes unsigned, plus 32, and subtract 32 sum(code_x) per
+    16 values (code_sums(xq, 16, 32))."""
     t_n, k = xq.shape
-    out = np.empty((t_n, k // 32), np.int32)
+    out = np.empty((t_n, k // n), np.int32)
     for t in range(t_n):
-        for b in range(k // 32):
+        for b in range(k // n):
             s = np.int32(0)
-            for j in range(32):
-                s += np.int32(xq[t, 32 * b + j])
-            out[t, b] = 8 * s
-    return out
-
-
-@njit(**KW)
-def half_sums32(xq):
-    """int8 codes [T, K] -> int32 [T, K / 16]: 32 times the code sum of each 16 values (q6_k's
-    pair tiles take its codes unsigned, plus 32, and subtract these)."""
-    t_n, k = xq.shape
-    out = np.empty((t_n, k // 16), np.int32)
-    for t in range(t_n):
-        for h in range(k // 16):
-            s = np.int32(0)
-            for j in range(16):
-                s += np.int32(xq[t, 16 * h + j])
-            out[t, h] = 32 * s
+            for j in range(n):
+                s += np.int32(xq[t, n * b + j])
+            out[t, b] = times * s
     return out
 
 
@@ -200,12 +187,12 @@ def pair_kind(kind):
 @njit(**KW)
 def x_sums(kind, xq):
     """What a kind's rows read of x besides its codes and scales: q4_0 / q5_0 groups 8
-    sum(code_x) per block (block_sums8), q6_k's zmm pair tiles 32 sum(code_x) per 16 values
-    (half_sums32, where they run), other kinds nothing."""
+    sum(code_x) per block, q6_k's zmm pair tiles 32 sum(code_x) per 16 values (where they
+    run), other kinds nothing (code_sums)."""
     if kind == _X8_Q4_0 or kind == _X8_Q5_0:
-        return block_sums8(xq)
+        return code_sums(xq, 32, 8)
     if kind == _X8_Q6_K and VNNI512 and xq.shape[0] > MR:
-        return half_sums32(xq)
+        return code_sums(xq, 16, 32)
     return np.empty((xq.shape[0], 0), np.int32)
 
 

@@ -131,7 +131,7 @@ def emit_pair_q4_k(mr):
 
 def emit_pair_q6_k(mr):
     """emit for q6_k (emit_pair's signature; bsps: x's 32 sum(code_x) per 16 values, from
-    _q8act.half_sums32), in _kq8's order: sub-block j of super-block n (x block b = 8 n + j),
+    _q8act.code_sums), in _kq8's order: sub-block j of super-block n (x block b = 8 n + j),
     I = sc[2j] (S0 - X0) + sc[2j + 1] (S1 - X1), S the dot of x's codes with the stored
     6-bit values u = code + 32 (vpdpbusd takes them unsigned) over each 16, X x's 32 sum;
     acc = fma(float(I), d * dx[b], acc), sub-block after sub-block. float(S - X) * float(sc)
