@@ -25,11 +25,9 @@ import mmap
 import sys
 
 import numpy as np
-from llvmlite import ir
 from numba import njit, prange
 
 from sparrow.kernels import _amx
-from sparrow.kernels._ir import I8
 from sparrow.kernels._kq8 import groups_q4_k, groups_q5_k, groups_q6_k
 from sparrow.kernels._q8ir import AVX2, VNNI512
 from sparrow.kernels._widen import _ROWS, KIND, PARALLEL_MIN_MACS, call_slp
@@ -49,13 +47,10 @@ from sparrow.kernels._x16 import PAIR_MR, pairs_q4_0, pairs_q4_1, pairs_q4_k, pa
 from sparrow.kernels.gemm import CPU_FEATURES
 
 KW = dict(cache=True, nogil=True)
-# q8_0, q4_0, q4_1 in _x8; q5_0, q5_1 here; q4_k, q5_k, q6_k in _kq8 (kernels._widen.KIND)
+# q8_0, q4_0, q4_1, q5_0, q5_1 in _x8; q4_k, q5_k, q6_k in _kq8 (kernels._widen.KIND)
 BLOCK_KINDS = (0, 1, 2, 6, 7, 8, 9, 10)
 __all__ = ["AVX2", "CPU_FEATURES", "matvec_q8", "q8_rows", "quantize", "rows_q8", "supports"]
 
-_BB = {"q5_0": 22, "q5_1": 24}
-V4I8 = ir.VectorType(I8, 4)
-BITS = [1 << (j % 8) for j in range(32)]  # element j's bit in byte j // 8 of qh
 _X8_Q4_0, _X8_Q4_1, _X8_Q4_K, _X8_Q6_K, _X8_Q5_0 = (X8_KIND[q] for q in ("q4_0", "q4_1", "q4_k", "q6_k", "q5_0"))
 _X8_Q8_0, _X8_Q5_K = X8_KIND["q8_0"], X8_KIND["q5_k"]
 

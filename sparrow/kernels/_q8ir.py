@@ -119,14 +119,3 @@ def dpbssd(b, acc, w, s, u=None):
         return dpbusd(b, acc, u, call(b, "llvm.x86.avx2.psign.b", V32I8, [s, w]))
     s4 = maddwd(b, maddbs(b, w, s, u))
     return s4 if acc is None else b.add(acc, s4)
-
-
-def dot4(builder, w, x, c=None, unsigned=False):
-    """<32 x i8> w, signed x -> <8 x i32>, lane j = sum of w[4j + i] * x[4j + i] * c[2j + i // 2]
-    for i < 4 (c: <16 x i16> factors, all 1 when None; w signed unless unsigned). Needs
-    |w| <= 128 (unsigned: w <= 255) and every pair sum w x + w x within int16, as every
-    caller's codes give."""
-    if c is None:
-        return dpbusd(builder, None, w, x) if unsigned else dpbssd(builder, None, w, x)
-    p = maddubs(builder, w, x) if unsigned else maddbs(builder, w, x)
-    return maddwd(builder, p, c)
