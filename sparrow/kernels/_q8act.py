@@ -157,11 +157,11 @@ def _pair_tiles(data, kind, g0, g1, xq, dx, sx, bs, y):
 def x8_rows(data, kind, xq, dx, sx, bs, y, g0, g1):
     """y[t, o] for every x row t and the rows o < y.shape[1] of groups g0 .. g1 - 1: x rows
     in tiles of MR (the last one smaller), a chunk of groups at a time so it stays in cache
-    while the tiles pass. With more than MR x rows, q4_0 / q4_1 / q4_k groups go in pairs through
-    _x16's zmm tiles where the CPU has AVX512-VNNI (the same bits), the rest as before."""
+    while the tiles pass. Where takes_pairs, groups go in pairs through _x16's zmm tiles (the
+    same bits), the rest as before."""
     t_n, o_n = xq.shape[0], y.shape[1]
     step = max(g1 - g0, 1) if t_n <= MR else GROUP_CHUNK
-    pairs = VNNI512 and t_n > MR and pair_kind(kind) and y.strides[1] == 4
+    pairs = takes_pairs(kind, t_n) and y.strides[1] == 4
     for c in range(g0, g1, step):
         e = min(g1, c + step)
         p = c
@@ -174,9 +174,10 @@ def x8_rows(data, kind, xq, dx, sx, bs, y, g0, g1):
 
 
 @njit(**KW)
-def pair_kind(kind):
-    """Whether _x16 has pair tiles for an interleaved kind (all but q8_0 and q5_k)."""
-    return kind >= X8_FIRST and kind != _X8_Q8_0 and kind != _X8_Q5_K
+def takes_pairs(kind, t_n):
+    """Whether t_n x rows of an interleaved kind go through _x16's zmm pair tiles: more than
+    MR of them, a CPU with AVX512-VNNI, and a kind with pair tiles (all but q8_0 and q5_k)."""
+    return VNNI512 and t_n > MR and kind >= X8_FIRST and kind != _X8_Q8_0 and kind != _X8_Q5_K
 
 
 @njit(**KW)
@@ -186,7 +187,7 @@ def x_sums(kind, xq):
     run), other kinds nothing (code_sums)."""
     if kind == _X8_Q4_0 or kind == _X8_Q5_0:
         return code_sums(xq, 32, 8)
-    if kind == _X8_Q6_K and VNNI512 and xq.shape[0] > MR:
+    if kind == _X8_Q6_K and takes_pairs(kind, xq.shape[0]):
         return code_sums(xq, 16, 32)
     return np.empty((xq.shape[0], 0), np.int32)
 

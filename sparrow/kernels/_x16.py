@@ -141,7 +141,7 @@ def emit_pair_q6_k(mr):
 
     def emit(b, g0p, g1p, xps, dxps, sxps, bsps, nb):
         acc = [zeroed(b, V16F) for _ in range(mr)]
-        m15, m48 = ir.Constant(V64I8, [15] * 64), ir.Constant(V64I8, [48] * 64)
+        m15, m3, k4 = (ir.Constant(V64I8, [v] * 64) for v in (15, 3, 4))
         with cgutils.for_range(b, b.udiv(nb, c64(8))) as loop:
             n = loop.index
             p0, p1 = b.gep(g0p, [b.mul(n, c64(gb))]), b.gep(g1p, [b.mul(n, c64(gb))])
@@ -157,7 +157,7 @@ def emit_pair_q6_k(mr):
                 for c in range(8):  # values 128 h + 32 s + 4 c .. + 3
                     lo = b.and_(_shr(b, _pair(b, p0, p1, b.add(ql_at, c64(32 * c)), V32I8), nib), m15)
                     hq = _shr(b, _pair(b, p0, p1, b.add(qh_at, c64(32 * c)), V32I8), hsh)
-                    u = b.or_(lo, b.and_(_shl4(b, hq), m48))  # 0 .. 63
+                    u = b.or_(lo, b.shl(b.and_(hq, m3), k4))  # 0 .. 63
                     for t in range(mr):
                         xb = b.gep(xps[t], [b.add(b.mul(blk, c64(32)), c64(4 * c))])
                         sums[t][c // 4] = dpbusd16(b, sums[t][c // 4], u, bcast4(b, xb, 16))
@@ -172,12 +172,6 @@ def emit_pair_q6_k(mr):
         return [b.load(acc[t]) for t in range(mr)]
 
     return emit
-
-
-def _shl4(b, v):
-    """<64 x i8> v's 16-bit lanes shifted left by 4 (bits 0-1 of each byte land on 4-5)."""
-    w = ir.VectorType(ir.IntType(16), 32)
-    return b.bitcast(b.shl(b.bitcast(v, w), ir.Constant(w, [4] * 32)), V64I8)
 
 
 def make_pairs(emit_for):
