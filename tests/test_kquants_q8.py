@@ -78,7 +78,8 @@ def kq8_reference(x, w):
 
 
 def reference(x, w):
-    return rowdot_reference(x, w) if w.qtype in ("q5_0", "q5_1") else kq8_reference(x, w)
+    """The documented q8 order for any q8-mode format: _kq8's for K-quants, else _x8's."""
+    return kq8_reference(x, w) if w.qtype.endswith("_k") else rowdot_reference(x, w)
 
 
 def compute():

@@ -1,15 +1,15 @@
 """The q8 mode's zmm prefill tiles over pairs of interleaved groups (kernels/_x16.py; q4_0,
 q4_1, q5_0, q5_1, q4_k, q6_k): the documented order's bits (the float64 emulations of
-tests/test_q8act.py and test_kquants_q8.py) for any T, group count, last group and thread count, and the path really
-taken where the CPU has AVX512-VNNI (the AVX2 and generic children of those suites compare
-the same prefills against this host)."""
+tests/test_q8act.py and test_kquants_q8.py) for any T, group count, last group and thread
+count, and the path really taken where the CPU has AVX512-VNNI (the AVX2 and generic
+children of those suites compare the same prefills against this host)."""
 
 import numba
 import numpy as np
 import pytest
 from test_gemm import bits
 from test_kquants import make_kq
-from test_kquants_q8 import extreme_weight, extreme_x, kq8_reference
+from test_kquants_q8 import extreme_weight, extreme_x, reference
 from test_q8act import q8_outputs, rowdot_reference
 
 from sparrow.kernels import _q8act, _q8ir, _x8, _x16
@@ -39,22 +39,17 @@ CASES = [
     ("q5_1", (45, 512), 37),
     ("q5_1", (16, 32), 5),
 ]
-KQ = ("q4_k", "q6_k")  # the reference of test_kquants_q8, the others test_q8act's
 
 
 def _weight(q, shape, seed):
     return make(q, shape, seed=seed) if q in ("q4_0", "q4_1") else make_kq(q, shape, seed=seed)
 
 
-def _reference(x, w):
-    return kq8_reference(x, w) if w.qtype in KQ else rowdot_reference(x, w)
-
-
 @needs_vnni512
 def test_pair_tiles_follow_the_documented_order():
     out = q8_outputs(CASES, _weight)
     for i, (q, shape, t) in enumerate(CASES):
-        ref = _reference(acts(t, shape[1], seed=7), _weight(q, shape, seed=8))
+        ref = reference(acts(t, shape[1], seed=7), _weight(q, shape, seed=8))
         for n in (1, 2)[: numba.config.NUMBA_NUM_THREADS]:
             assert np.array_equal(bits(out[f"c{i}_{n}"]), bits(ref)), (q, shape, t, n)
 
@@ -68,7 +63,7 @@ def test_pairs_extreme_codes_and_scales(qtype):
     w, x = extreme_weight(qtype, 16), extreme_x(_x8.MR + 3)
     with activations("q8"):
         y = linear(x, w)
-    assert np.array_equal(bits(y), bits(_reference(x, w)))
+    assert np.array_equal(bits(y), bits(reference(x, w)))
     assert np.all(y[-1] == 0)
 
 
