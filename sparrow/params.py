@@ -12,7 +12,7 @@ from .errors import SparrowError
 
 KV_DTYPES = ("f32", "f16", "int8")
 SELECTORS = ("seed", "v2")  # block selectors: the article's (spec) and sparrow's (docs/SPARSE_SELECT_V2.md)
-V2_DENSE_LAYERS = 2  # v2 runs the first layers exact: they hold most of k=8's loss (README, "Selector v2")
+V2_DENSE_LAYERS = 2  # v2 runs the first layers exact: they hold most of k=8's loss (docs/evaluation.md, "Selector v2")
 QUANTIZE = (None, "q8_0")  # weight conversions at load: none, or f32/f16/bf16 -> q8_0
 
 

@@ -25,7 +25,7 @@ from ..errors import SparrowError
 
 PAGE = 32  # positions; the sparse attention block size
 GROW_FRACTION = 8  # a growing cache adds at least 1/GROW_FRACTION of its capacity
-DEFAULT_FRACTION = 0.5  # of MemAvailable when the server starts (README, "Reliability")
+DEFAULT_FRACTION = 0.5  # of MemAvailable when the server starts (docs/serving.md, "Reliability under load")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
