@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from sparrow.bench import shapes, speed
+from sparrow.bench import bandwidth, shapes, speed
 from sparrow.errors import SparrowError
 from sparrow.loaders.gguf_file import GGUFFile
 
@@ -313,3 +313,78 @@ def test_bench_speed_q8_rows(tmp_path, monkeypatch, capsys):
     assert "| 80 | decode tok/s, exact, f16 KV, q8 activations |" in md
     plain = speed.main(args + ["--no-startup", "--json", str(tmp_path / "p.json")])
     assert "prefill_q8_tok_s" not in plain["table"][80]
+
+
+def test_bench_speed_stream_rows_and_roofline(tmp_path, monkeypatch, capsys):
+    """The rows through LLM.stream: a fresh prompt prefills everything, the same prompt again
+    takes its 512-token prefix from the prefix cache; every decode cell carries the bytes a
+    token reads and the share of the measured bandwidth (here a fixed 10 GB/s)."""
+    monkeypatch.setitem(shapes.SHAPES, "tiny", dict(TINY, context=1024))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(
+        bandwidth, "read_bandwidth", lambda threads: {"gb_s": 10.0, "buffer_mib": 1, "threads": threads, "passes": 1}
+    )
+    args = ["--shape", "tiny", "--type", "q8_0", "--contexts", "600", "--rounds", "1", "--decode", "3"]
+    rec = speed.main(args + ["--threads", "1", "--no-startup", "--json", str(tmp_path / "s.json")])
+    run = rec["rounds"][0]["sparrow"][600]
+    for name in ("exact", "sparse"):
+        assert run[f"stream_{name}_fresh"]["cached_tokens"] == 0
+        assert run[f"stream_{name}_cached"]["cached_tokens"] == 512
+        counters = set(run[f"stream_{name}_fresh"]["during_decode"])
+        assert counters == {"minor_faults", "involuntary_switches", "steal_ticks"}
+    row = rec["table"][600]
+    weights = bandwidth.weight_bytes(rec["config"]["model"])
+    assert rec["weight_bytes"] == weights > 0
+    cfg = rec["config"]
+    kv = 2 * 2 * 2 * 16 * 4 * 600  # layers x (K, V) x kv heads x head_dim x f32 bytes x positions
+    assert row["read_mb_exact"] == pytest.approx((weights + kv) / 1e6)
+    assert row["bandwidth_exact"] == pytest.approx((weights + kv) * row["decode_exact_tok_s"] / 10e9)
+    assert cfg["stream"] is True
+    md = capsys.readouterr().out
+    assert "Read bandwidth: 10.0 GB/s" in md
+    assert "| 600 | decode tok/s through LLM.stream, exact, f32 KV: fresh prompt / same prompt again (512 tokens" in md
+    assert "| 600 | decode tok/s, exact, f32 KV | " in md and "of bandwidth) |" in md
+    plain = speed.main(args + ["--threads", "1", "--no-startup", "--no-stream", "--json", str(tmp_path / "p.json")])
+    assert "stream_exact_fresh" not in plain["rounds"][0]["sparrow"][600]
+
+
+def test_weight_and_kv_bytes(tmp_path, monkeypatch):
+    """What a decode token reads: the tensor table less the token embedding unless it is the
+    output matrix too; expert tensors at experts used / experts; KV by dtype and sparsity."""
+    import gguf
+    from safetensors.numpy import save_file
+
+    from sparrow.params import SparseParams
+
+    monkeypatch.setitem(shapes.SHAPES, "tiny", TINY)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = shapes.ensure("tiny", "q8_0", log=lambda msg: None)
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    assert "output.weight" not in tensors  # tied: the embedding is the output matrix, read whole
+    assert bandwidth.weight_bytes(path) == sum(tensors.values())
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"num_experts": 8, "num_experts_per_tok": 2}))
+    f32 = np.zeros((4, 8), np.float32)  # 128 bytes each
+    save_file(
+        {
+            "model.embed_tokens.weight": f32,
+            "lm_head.weight": f32,
+            "model.layers.0.mlp.experts.0.up_proj.weight": np.zeros((8, 8), np.float32),  # 256 bytes
+        },
+        str(folder / "model.safetensors"),
+    )
+    assert bandwidth.weight_bytes(str(folder)) == 128 + 256 * 2 // 8
+    assert bandwidth.weight_bytes(str(tmp_path / "missing.gguf")) is None
+
+    cfg = SimpleNamespace(num_hidden_layers=4, num_key_value_heads=2, head_dim=16)
+    assert bandwidth.kv_bytes_per_position(cfg, "f16") == 2 * 2 * 16 * 2
+    assert bandwidth.kv_bytes_per_position(cfg, "int8") == 2 * 2 * (16 + 4)
+    assert bandwidth.kv_read_bytes(cfg, 1000, "f32") == 4 * 1000 * 2 * 2 * 16 * 4
+    sp = SparseParams(k=4, block=32, select="v2", dense_layers=1)
+    per = 2 * 2 * 16 * 4
+    assert bandwidth.kv_read_bytes(cfg, 1000, "f32", sp, 8.0) == 1000 * per + 3 * 128 * per + 8.0 * 1000
+    assert bandwidth.fraction(1e9, 5.0, 10.0) == 0.5 and bandwidth.fraction(None, 5.0, 10.0) is None
+    bw = bandwidth.read_bandwidth(1, passes=2, nbytes=1 << 20)
+    assert bw["gb_s"] > 0 and bw["threads"] == 1

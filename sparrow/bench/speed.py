@@ -16,6 +16,16 @@ median of per-round sparrow/llama ratios. Start-up (cold: empty numba cache; war
 RSS are measured in fresh subprocesses. The header names the CPU and its vector extensions and
 the load average at start and end (a warning when the machine is busy at the start).
 
+Decode as users meet it: for each context, a fresh random prompt of that length goes through
+`LLM.stream` (prefill, then --decode tokens), then the same prompt again, which the prefix cache
+serves; exact and sparse. The runner rows above rewind one cache and so never show a difference
+between a freshly prefilled context and a reused one; these rows do (--no-stream skips them).
+
+Roofline: the machine's read bandwidth is measured first (sparrow.bench.bandwidth: a sum over a
+buffer far larger than the last-level cache, on the bench's threads), and every decode cell
+gives the bytes a token reads (weights from the file's tensor table, KV rows by mode) and the
+share of that bandwidth reached, for both engines.
+
 --shape NAME --type q8_0|q4_0|q4_k_m benches a random-weight GGUF with a real model's exact tensor shapes
 (sparrow.bench.shapes; written once into the cache directory). --contention adds a separately
 labelled row: decode after the first context while one busy-looping process competes for the CPUs.
@@ -33,6 +43,7 @@ import time
 
 import numpy as np
 
+from sparrow.bench import bandwidth
 from sparrow.engine.runner import PREFILL_CHUNK as CHUNK  # llama.cpp's n_batch matches sparrow's chunk
 from sparrow.params import SELECTORS
 
@@ -270,6 +281,46 @@ class SparrowRunner:
         }
         return times, split, kv
 
+    def stream(self, ids, n_decode, sparse_k=None):
+        """One request through LLM.stream, as users and the server meet decode: prefill of the
+        prompt (from the prefix cache where LLM.stream's entry covers it), then n_decode tokens.
+        Returns {"prefill_s", "ms" (median decode step), "cached_tokens"} and what the machine
+        did during the decode steps (minor page faults, involuntary context switches, CPU time
+        stolen by the hypervisor), which tell an environmental slowdown from the engine's."""
+        from sparrow.params import SamplingParams, SparseParams
+
+        sp = SparseParams(k=sparse_k, select=self.select) if sparse_k else None
+        params = SamplingParams(max_tokens=n_decode + 1, temperature=0.0, ignore_eos=True)
+        times, first, cached, before = [], None, 0, None
+        t0 = time.perf_counter()
+        for out in self.llm.stream([int(t) for t in ids], sampling=params, sparse=sp):
+            t1 = time.perf_counter()
+            if first is None:
+                first, cached, before = t1 - t0, out.cached_tokens or 0, _machine_counters()
+            else:
+                times.append(t1 - t0)
+            t0 = time.perf_counter()
+        after = _machine_counters()
+        return {
+            "prefill_s": first,
+            "ms": statistics.median(times) * 1e3,
+            "cached_tokens": cached,
+            "during_decode": {k: after[k] - before[k] for k in after},
+        }
+
+
+def _machine_counters() -> dict:
+    """This process's minor faults and involuntary switches, and the machine's stolen CPU ticks."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    out = {"minor_faults": ru.ru_minflt, "involuntary_switches": ru.ru_nivcsw, "steal_ticks": 0}
+    try:
+        with open("/proc/stat") as f:
+            v = f.readline().split()
+        out["steal_ticks"] = int(v[8]) if len(v) > 8 else 0
+    except (OSError, ValueError):
+        pass
+    return out
+
 
 class LlamaRunner:
     name = "llama.cpp"
@@ -338,8 +389,10 @@ class LlamaRunner:
         return times, None, None
 
 
-def _pass(runner, prompt, contexts, feed, modes, sparse_k):
-    """One prefill of the prompt, decoding at each context; {C: measurements}."""
+def _pass(runner, prompt, contexts, feed, modes, sparse_k, stream_rng=None):
+    """One prefill of the prompt, decoding at each context; {C: measurements}. With stream_rng
+    (sparrow only), each context also gets the STREAM_ROWS: a fresh random prompt of C tokens
+    through LLM.stream, then the same prompt again (from the prefix cache), exact and sparse."""
     out, pos, pre, pre_q8 = {}, 0, 0.0, 0.0
     q8 = any(MODES[m][2] == "q8" for m in modes)
     for c in contexts:
@@ -352,6 +405,14 @@ def _pass(runner, prompt, contexts, feed, modes, sparse_k):
         for mode in modes:
             times, split, kv = runner.decode(feed, c, mode, sparse_k)
             rec[mode] = {"ms": statistics.median(times) * 1e3, "split": split, "kv": kv, "load": _load_avg()}
+        if stream_rng is not None:
+            top = min(40000, runner.model.config.vocab_size)
+            for sparse in (False, True):
+                ids = stream_rng.integers(min(100, top // 2), top, c)
+                k = sparse_k if sparse else None
+                name = "sparse" if sparse else "exact"
+                rec[f"stream_{name}_fresh"] = runner.stream(ids, len(feed), k)
+                rec[f"stream_{name}_cached"] = runner.stream(ids, len(feed), k)
         out[c] = rec
     return out
 
@@ -452,8 +513,18 @@ def summarise(rounds, contexts, modes, compare):
             row[f"decode_{m}_tok_s"] = _median([1e3 / r[m]["ms"] for r in s_runs])
             row[f"split_{m}"] = {k: _median([r[m]["split"][k] for r in s_runs]) for k in s_runs[0][m]["split"]}
             row[f"kv_bytes_per_token_{m}"] = s_runs[0][m]["kv"]["kv_bytes_per_token"]
+            row[f"copy_bytes_per_position_{m}"] = s_runs[0][m]["kv"]["probe_copy_bytes_per_token"]
         if "sparse" in modes:
             row["probe_copy_bytes_per_token"] = s_runs[0]["sparse"]["kv"]["probe_copy_bytes_per_token"]
+        for name in STREAM_ROWS:
+            if name in s_runs[0]:
+                row[f"{name}_tok_s"] = _median([1e3 / r[name]["ms"] for r in s_runs])
+                row[f"{name}_cached_tokens"] = min(r[name]["cached_tokens"] for r in s_runs)
+        for name in ("exact", "sparse"):
+            if f"stream_{name}_fresh" in s_runs[0]:
+                row[f"stream_{name}_fresh_vs_cached"] = _median(
+                    [r[f"stream_{name}_cached"]["ms"] / r[f"stream_{name}_fresh"]["ms"] for r in s_runs]
+                )
         if "int8" in modes:
             row["int8_vs_f32"] = _median([r["exact"]["ms"] / r["int8"]["ms"] for r in s_runs])
         if compare:
@@ -468,6 +539,34 @@ def summarise(rounds, contexts, modes, compare):
                 row[f"ratio_decode_{m}"] = _median([lr["exact"]["ms"] / sr[m]["ms"] for sr, lr in zip(s_runs, l_runs)])
         table[c] = row
     return table
+
+
+STREAM_ROWS = ("stream_exact_fresh", "stream_exact_cached", "stream_sparse_fresh", "stream_sparse_cached")
+
+
+def roofline(table, config, weights, gb_s, sparse_k, select, llama_kv="f16"):
+    """Adds to each row the bytes a decode token reads (weights + KV, MB) and the fraction of the
+    measured read bandwidth reached, per sparrow decode mode and for llama.cpp (f16 KV, all
+    positions). Rows stay as they were when the weights' bytes are unknown."""
+    from sparrow.params import SparseParams
+
+    if not weights:
+        return
+    sp = SparseParams(k=sparse_k, select=select)
+    for c, row in table.items():
+        for m in MODES:
+            tok_s = row.get(f"decode_{m}_tok_s")
+            if tok_s is None:
+                continue
+            kv_dtype, sparse, _ = MODES[m]
+            copy = row.get(f"copy_bytes_per_position_{m}", 0.0) if sparse else 0.0
+            total = weights + bandwidth.kv_read_bytes(config, c, kv_dtype, sp if sparse else None, copy)
+            row[f"read_mb_{m}"] = total / 1e6
+            row[f"bandwidth_{m}"] = bandwidth.fraction(total, tok_s, gb_s)
+        if row.get("llama_decode_tok_s"):
+            total = weights + bandwidth.kv_read_bytes(config, c, llama_kv)
+            row["llama_read_mb"] = total / 1e6
+            row["llama_bandwidth"] = bandwidth.fraction(total, row["llama_decode_tok_s"], gb_s)
 
 
 _BUSY_LOOP = "while True: pass"
@@ -537,7 +636,22 @@ def header(rec) -> list[str]:
         if ver.get("llama_cpp_system_info"):
             engines += f" (build: `{ver['llama_cpp_system_info']}`)"
     lines += ["", f"Engines: {engines}.", ""]
+    bw = rec.get("bandwidth")
+    if bw:
+        weights = rec.get("weight_bytes")
+        lines += [
+            f"Read bandwidth: {bw['gb_s']:.1f} GB/s (a sum over {bw['buffer_mib']:.0f} MiB on {bw['threads']} "
+            f"threads, best of {bw['passes']}). A decode token reads "
+            + (f"{weights / 1e6:.0f} MB of weights" if weights else "weights of unknown size")
+            + " plus its KV rows; each decode cell gives those bytes and the share of the bandwidth they reach.",
+            "",
+        ]
     return lines
+
+
+def _roof(mb, frac) -> str:
+    """' (X MB read a token, Y% of the read bandwidth)' for a decode cell, '' when unknown."""
+    return "" if mb is None or frac is None else f" ({mb:.4g} MB/token, {frac:.0%} of bandwidth)"
 
 
 def markdown(rec):
@@ -562,10 +676,20 @@ def markdown(rec):
             if rec["config"].get("sparse_select", "seed") != "seed":
                 label = label.replace("sparse k=", f"sparse {rec['config']['sparse_select']} k=")
             if f"decode_{m}_tok_s" in row:
-                llama = f(row.get("llama_decode_tok_s")) if cmp else "-"
+                llama = f(row.get("llama_decode_tok_s")) + _roof(row.get("llama_read_mb"), row.get("llama_bandwidth"))
+                mine = f(row[f"decode_{m}_tok_s"]) + _roof(row.get(f"read_mb_{m}"), row.get(f"bandwidth_{m}"))
                 lines.append(
-                    f"| {c} | {label} | {f(row[f'decode_{m}_tok_s'])} | "
-                    f"{llama} | {f(row.get(f'ratio_decode_{m}'), 2)} |"
+                    f"| {c} | {label} | {mine} | {llama if cmp else '-'} | {f(row.get(f'ratio_decode_{m}'), 2)} |"
+                )
+        for name in ("exact", "sparse"):
+            if f"stream_{name}_fresh_tok_s" in row:
+                cfg = rec["config"]
+                what = "exact" if name == "exact" else f"sparse {cfg.get('sparse_select', 'seed')} k={cfg['sparse_k']}"
+                lines.append(
+                    f"| {c} | decode tok/s through LLM.stream, {what}, f32 KV: fresh prompt / same prompt again "
+                    f"({row[f'stream_{name}_cached_cached_tokens']} tokens from the prefix cache) | "
+                    f"{f(row[f'stream_{name}_fresh_tok_s'])} / {f(row[f'stream_{name}_cached_tok_s'])} "
+                    f"(fresh = {f(row[f'stream_{name}_fresh_vs_cached'], 2)}x cached) | | |"
                 )
         sp = row["split_exact"]
         lines.append(
@@ -652,6 +776,11 @@ def main(argv=None):
     )
     ap.add_argument("--no-startup", action="store_true", help="skip cold/warm start and RSS")
     ap.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="skip the rows through LLM.stream (per context a fresh prompt, then the same one from the prefix cache)",
+    )
+    ap.add_argument(
         "--activations",
         default="f32",
         choices=["f32", "q8"],
@@ -733,6 +862,7 @@ def main(argv=None):
             "chunk": CHUNK,
             "contention": a.contention,
             "activations": a.activations,
+            "stream": not a.no_stream,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         },
     }
@@ -753,16 +883,24 @@ def main(argv=None):
             r.prefill(prompt[:64], 0, "q8")  # compiling them once made a first round 29 s, not 5)
         for m in modes if r.name == "sparrow" else ("exact",):
             r.decode(feed[:2], 64, m, a.sparse_k)
+    rec["bandwidth"] = bandwidth.read_bandwidth(a.threads)
+    rec["weight_bytes"] = bandwidth.weight_bytes(path)
+    stream_rng = None if a.no_stream else np.random.default_rng(1)  # prompts no other row uses
     rounds = []
     for i in range(a.rounds):
         res = {}
         for r in runners if i % 2 == 0 else runners[::-1]:
-            ms = modes if r.name == "sparrow" else ("exact",)
-            res["sparrow" if r.name == "sparrow" else "llama"] = _pass(r, prompt, contexts, feed, ms, a.sparse_k)
+            mine = r.name == "sparrow"
+            ms = modes if mine else ("exact",)
+            res["sparrow" if mine else "llama"] = _pass(
+                r, prompt, contexts, feed, ms, a.sparse_k, stream_rng if mine else None
+            )
             print(f"round {i + 1}: {r.name} done (load {_load_avg()})", file=sys.stderr)
         rounds.append(res)
     rec["rounds"] = rounds
     rec["table"] = summarise(rounds, contexts, modes, compare)
+    config = runners[0].model.config
+    roofline(rec["table"], config, rec["weight_bytes"], rec["bandwidth"]["gb_s"], a.sparse_k, a.sparse_select)
     rec["load_end"] = _load_avg()
     report.write_json(out, rec)  # the record first: nothing optional below can lose it
     if a.moe:
