@@ -288,8 +288,24 @@ def cmd_bench(a) -> None:
     mod.main(a.bench_args)
 
 
+def version_line() -> str:
+    """'sparrow X (numba Y, numpy Z, Python W)', read from the installed metadata (nothing imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+
+    def of(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "missing"
+
+    return f"sparrow {__version__} (numba {of('numba')}, numpy {of('numpy')}, Python {sys.version.split()[0]})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparrow", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=version_line())
     sub = p.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="complete a prompt (or chat with --chat)")

@@ -230,3 +230,17 @@ def test_first_run_says_it_compiles_and_a_warm_one_is_silent(tmp_path):
     fresh = dict(env, XDG_CACHE_HOME=str(tmp_path / "empty"))
     out = _serve_until(fresh, tmp_path, re.escape(K.COMPILE_NOTICE) + "|loaded in|failed")
     assert K.COMPILE_NOTICE in out, out
+
+
+def test_version_names_sparrow_and_its_kernel_stack():
+    """`sparrow --version` answers at once (no kernels loaded) with the versions a bug report needs."""
+    import numba
+    import numpy
+
+    from sparrow import __version__
+
+    r = subprocess.run([sys.executable, "-m", "sparrow.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0
+    assert r.stdout.strip() == (
+        f"sparrow {__version__} (numba {numba.__version__}, numpy {numpy.__version__}, Python {sys.version.split()[0]})"
+    )
