@@ -330,6 +330,7 @@ def test_bench_speed_stream_rows_and_roofline(tmp_path, monkeypatch, capsys):
     for name in ("exact", "sparse"):
         assert run[f"stream_{name}_fresh"]["cached_tokens"] == 0
         assert run[f"stream_{name}_cached"]["cached_tokens"] == 512
+        assert run[f"stream_{name}_fresh"]["end_ms"] >= 0 and run[f"stream_{name}_fresh"]["loop_tok_s"] > 0
         counters = set(run[f"stream_{name}_fresh"]["during_decode"])
         assert counters == {"minor_faults", "involuntary_switches", "steal_ticks"}
     row = rec["table"][600]
@@ -343,6 +344,7 @@ def test_bench_speed_stream_rows_and_roofline(tmp_path, monkeypatch, capsys):
     md = capsys.readouterr().out
     assert "Read bandwidth: 10.0 GB/s" in md
     assert "| 600 | decode tok/s through LLM.stream, exact, f32 KV: fresh prompt / same prompt again (512 tokens" in md
+    assert "| 600 | the same, as a loop over the stream sees it (to the stream's end)" in md
     assert "| 600 | decode tok/s, exact, f32 KV | " in md and "of bandwidth) |" in md
     plain = speed.main(args + ["--threads", "1", "--no-startup", "--no-stream", "--json", str(tmp_path / "p.json")])
     assert "stream_exact_fresh" not in plain["rounds"][0]["sparrow"][600]

@@ -172,3 +172,30 @@ def test_api_second_chat_turn_reuses_the_first(llm):
     assert [(o.token_id, o.logprob, o.top_logprobs) for o in cached] == [
         (o.token_id, o.logprob, o.top_logprobs) for o in fresh
     ]
+
+
+def test_an_entry_keeps_its_storage_unless_much_of_it_is_unused():
+    """Shrinking a finished cache to its prefix copies all of it: an entry keeps the request's
+    arrays (charged at their capacity) while the slack is at most 1/KEEP_SLACK of the prefix,
+    and is shrunk (a copy, charged at the prefix) past that."""
+    from sparrow.engine.prefix_cache import KEEP_SLACK
+
+    pool = KVPool(1 << 24)
+    pc = PrefixCache(pool, CHUNK)
+    key = prefix_key("f32", None)
+
+    def finished(slack, offset):  # a 64-position prefix in storage with `slack` positions more
+        tokens, cache, snaps = _finished(64, tokens=np.arange(64) + offset)
+        cache.resize(64 + slack)
+        return tokens, cache, snaps
+
+    tokens, kept, snaps = finished(64 // KEEP_SLACK, 0)
+    k_before = kept.layers[0].k
+    pc.insert(key, tokens, kept, snaps)
+    assert kept.layers[0].k is k_before and kept.capacity == 80 and kept.length == 64
+    assert pool.used == kept.charged == kept.bytes_at(80)
+    tokens, shrunk, snaps = finished(64 // KEEP_SLACK + 1, 500)
+    k_before = shrunk.layers[0].k
+    pc.insert(key, tokens, shrunk, snaps)
+    assert shrunk.layers[0].k is not k_before and shrunk.capacity == 64 and shrunk.length == 64
+    assert pool.used == kept.bytes_at(80) + shrunk.bytes_at(64) and len(pc) == 2

@@ -284,14 +284,16 @@ class SparrowRunner:
     def stream(self, ids, n_decode, sparse_k=None):
         """One request through LLM.stream, as users and the server meet decode: prefill of the
         prompt (from the prefix cache where LLM.stream's entry covers it), then n_decode tokens.
-        Returns {"prefill_s", "ms" (median decode step), "cached_tokens"} and what the machine
-        did during the decode steps (minor page faults, involuntary context switches, CPU time
-        stolen by the hypervisor), which tell an environmental slowdown from the engine's."""
+        Returns {"prefill_s", "ms" (median decode step), "end_ms" (from the last token to the
+        stream's end), "loop_tok_s" (tokens after the first over the time from the first token to
+        the end), "cached_tokens"} and what the machine did during the decode steps (minor page
+        faults, involuntary context switches, CPU time stolen by the hypervisor), which tell an
+        environmental slowdown from the engine's."""
         from sparrow.params import SamplingParams, SparseParams
 
         sp = SparseParams(k=sparse_k, select=self.select) if sparse_k else None
         params = SamplingParams(max_tokens=n_decode + 1, temperature=0.0, ignore_eos=True)
-        times, first, cached, before = [], None, 0, None
+        times, first, cached, before, after = [], None, 0, None, None
         t0 = time.perf_counter()
         for out in self.llm.stream([int(t) for t in ids], sampling=params, sparse=sp):
             t1 = time.perf_counter()
@@ -299,11 +301,14 @@ class SparrowRunner:
                 first, cached, before = t1 - t0, out.cached_tokens or 0, _machine_counters()
             else:
                 times.append(t1 - t0)
+                after = _machine_counters()  # at the last token: not the prefix-cache insert that ends a stream
             t0 = time.perf_counter()
-        after = _machine_counters()
+        end = time.perf_counter() - t0  # from the last token to the stream's end (LLM.stream's prefix-cache insert)
         return {
             "prefill_s": first,
             "ms": statistics.median(times) * 1e3,
+            "end_ms": end * 1e3,
+            "loop_tok_s": len(times) / (sum(times) + end),  # what a loop over the stream sees after its first token
             "cached_tokens": cached,
             "during_decode": {k: after[k] - before[k] for k in after},
         }
@@ -520,6 +525,8 @@ def summarise(rounds, contexts, modes, compare):
             if name in s_runs[0]:
                 row[f"{name}_tok_s"] = _median([1e3 / r[name]["ms"] for r in s_runs])
                 row[f"{name}_cached_tokens"] = min(r[name]["cached_tokens"] for r in s_runs)
+                row[f"{name}_loop_tok_s"] = _median([r[name]["loop_tok_s"] for r in s_runs])
+                row[f"{name}_end_ms"] = _median([r[name]["end_ms"] for r in s_runs])
         for name in ("exact", "sparse"):
             if f"stream_{name}_fresh" in s_runs[0]:
                 row[f"stream_{name}_fresh_vs_cached"] = _median(
@@ -690,6 +697,12 @@ def markdown(rec):
                     f"({row[f'stream_{name}_cached_cached_tokens']} tokens from the prefix cache) | "
                     f"{f(row[f'stream_{name}_fresh_tok_s'])} / {f(row[f'stream_{name}_cached_tok_s'])} "
                     f"(fresh = {f(row[f'stream_{name}_fresh_vs_cached'], 2)}x cached) | | |"
+                )
+                lines.append(
+                    f"| {c} | the same, as a loop over the stream sees it (to the stream's end): tok/s, and ms "
+                    f"from the last token to the end, fresh / again | {f(row[f'stream_{name}_fresh_loop_tok_s'])} / "
+                    f"{f(row[f'stream_{name}_cached_loop_tok_s'])}; {f(row[f'stream_{name}_fresh_end_ms'], 0)} / "
+                    f"{f(row[f'stream_{name}_cached_end_ms'], 0)} ms | | |"
                 )
         sp = row["split_exact"]
         lines.append(

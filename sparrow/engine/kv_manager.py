@@ -15,7 +15,7 @@ import logging
 
 from ..errors import SparrowError
 from ..params import SparseParams
-from .kv_budget import KVPool, default_budget, format_size, pages, probe_of
+from .kv_budget import GROW_FRACTION, KVPool, default_budget, format_size, pages, probe_of
 from .prefix_cache import Hit, PrefixCache, prefix_key
 from .sequence import Sequence
 
@@ -91,7 +91,12 @@ class KVManager:
         if slot.cache is not None:
             return True
         n_prompt, n_out = len(slot.prompt), len(seq.output)
-        capacity = min(n_prompt + req.params.max_tokens, pages(n_prompt + max(1, n_out)))
+        # The first growth step is taken now, while the prefill is still to run: growing later
+        # copies the whole cache on the engine thread, between two decode steps of every stream
+        # (3.4 s at token 34 of a 4K prompt on a Qwen3-1.7B shape, f32 KV, against 134-ms steps).
+        # Positions past the prompt are untouched pages until decode writes them.
+        need = n_prompt + max(1, n_out)
+        capacity = min(n_prompt + req.params.max_tokens, pages(need + need // GROW_FRACTION))
         key = self.key(req)
         for use_prefix in (True, False):  # a pinned entry may be what is in the way: retry without it
             hit = self.prefix.lookup(key, slot.prompt) if use_prefix and key is not None else Hit()

@@ -14,7 +14,12 @@ a salt that names them (a hash of their bytes; Request.cache_salt), or opt out
 (Request.cacheable = False): token ids alone do not say which image a placeholder stands for.
 
 Entries are charged to the KV budget like running caches and evicted least recently used when
-a charge does not fit (KVPool's evictor).
+a charge does not fit (KVPool's evictor). An entry keeps its request's storage, charged at its
+capacity, when the positions past its prefix are at most 1/KEEP_SLACK of it: shrinking means
+copying the whole cache into new memory (2.1-2.5 s for 4K positions of a Qwen3-1.7B shape's
+f32 KV on an AMD EPYC Zen 4 under KVM), which stalled each long request's end and, in the
+server, every other stream with it; a short prompt with a large max_tokens is still shrunk,
+where the copy is small and the memory saved large.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+
+KEEP_SLACK = 4  # an entry keeps its request's storage while at most 1/4 of its prefix is unused beyond it
 
 
 @dataclass(eq=False)
@@ -162,7 +169,10 @@ class PrefixCache:
                 if n == len(e.tokens) and e.pins == 0:  # the new entry covers this one
                     self._drop(e)
         cache.truncate(b)
-        if not self.pool.resize(cache, b):  # a refund for the engine's caches; a charge for the API's
+        # Shrinking the storage to b positions copies the whole cache (KVCache.resize), on the
+        # thread that serves every stream; keep it when what that would free is small beside it.
+        capacity = cache.capacity if cache.capacity - b <= b // KEEP_SLACK else b
+        if not self.pool.resize(cache, capacity):  # a refund for the engine's caches; a charge for the API's
             self.pool.release(cache)
             return
         entry = Entry(key, tokens, cache, {k: v for k, v in snapshots.items() if k <= b})
