@@ -288,6 +288,17 @@ def cmd_bench(a) -> None:
     mod.main(a.bench_args)
 
 
+class _Version(argparse.Action):
+    """--version: the line is read only when asked for (metadata look-ups cost ~25 ms a start)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())  # on stdout, as argparse's own version action
+        parser.exit()
+
+
 def version_line() -> str:
     """'sparrow X (numba Y, numpy Z, Python W)', read from the installed metadata (nothing imported)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -305,7 +316,7 @@ def version_line() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparrow", description=__doc__.splitlines()[0])
-    p.add_argument("--version", action="version", version=version_line())
+    p.add_argument("--version", action=_Version, help="show the versions of sparrow, numba, numpy and Python")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="complete a prompt (or chat with --chat)")

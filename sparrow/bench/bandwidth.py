@@ -3,16 +3,14 @@
 A decode step on a CPU is bound by memory: it reads every weight matrix once (the active
 experts' only, in an MoE layer) and the KV rows attention looks at. `read_bandwidth` measures
 what the machine can stream (a STREAM-like sum over a buffer far larger than the last-level
-cache, on the bench's thread count, the best of several passes); `decode_bytes` counts what one
-token reads. bytes x tokens/s over the bandwidth is the fraction of the roofline an engine
-reaches, which `sparrow bench speed` prints for both engines.
+cache, on the bench's thread count, the best of several passes); `weight_bytes` and
+`kv_read_bytes` count what one token reads. bytes x tokens/s over the bandwidth is the
+fraction of the roofline an engine reaches, which `sparrow bench speed` prints for both engines.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import time
 
 import numba
@@ -72,74 +70,53 @@ def read_bandwidth(threads: int, passes: int = 10, nbytes: int | None = None) ->
 
 
 def weight_bytes(path: str) -> int | None:
-    """Bytes of weights one decode step reads, from the file's tensor table: every tensor but
-    the token embedding (one row of it is read), the embedding counted when it doubles as the
-    output matrix (tied), and expert tensors scaled by experts used / experts. None when the
-    format is not recognised."""
+    """Bytes of weights one decode step reads, from the file's tensor table (read by sparrow's
+    own loaders, mapped, not loaded): every tensor but the token embedding (one row of it is
+    read), the embedding counted when it doubles as the output matrix (tied), and expert
+    tensors scaled by experts used / experts. None when the format is not recognised."""
+    from sparrow.errors import SparrowError
+
     try:
         if os.path.isfile(path) and path.endswith(".gguf"):
             return _gguf_weight_bytes(path)
         if os.path.isdir(path):
             return _safetensors_weight_bytes(path)
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, SparrowError):
         return None
     return None
 
 
 def _gguf_weight_bytes(path: str) -> int:
-    from gguf import GGUFReader
+    from sparrow.loaders.gguf_file import GGUFFile
 
-    r = GGUFReader(path, "r")
-    arch = _gguf_str(r, "general.architecture")
-    used, experts = _gguf_int(r, f"{arch}.expert_used_count"), _gguf_int(r, f"{arch}.expert_count")
-    sizes = {t.name: int(t.n_bytes) for t in r.tensors}
-    total = 0
-    for name, n in sizes.items():
-        if name == "token_embd.weight" and "output.weight" in sizes:
-            continue
-        if "_exps." in name and used and experts:
-            n = n * used // experts
-        total += n
-    return total
-
-
-def _gguf_field(r, key):
-    f = r.fields.get(key)
-    return None if f is None else f.parts[f.data[0]]
-
-
-def _gguf_str(r, key) -> str:
-    v = _gguf_field(r, key)
-    return "" if v is None else bytes(v).decode()
-
-
-def _gguf_int(r, key) -> int | None:
-    v = _gguf_field(r, key)
-    return None if v is None else int(v[0])
+    f = GGUFFile(path)
+    arch = f.meta.get("general.architecture", "")
+    used, experts = f.meta.get(f"{arch}.expert_used_count"), f.meta.get(f"{arch}.expert_count")
+    sizes = {t.name: t.data.nbytes for t in f.tensors}
+    return _read_per_token(sizes, "token_embd.weight", "output.weight", "_exps.", used, experts)
 
 
 def _safetensors_weight_bytes(folder: str) -> int:
-    with open(os.path.join(folder, "config.json")) as f:
-        cfg = json.load(f)
+    import json
+
+    from sparrow.loaders.safetensors import read_safetensors_dir
+
+    with open(os.path.join(folder, "config.json")) as fh:
+        cfg = json.load(fh)
     cfg = cfg.get("text_config", cfg)
-    used, experts = cfg.get("num_experts_per_tok"), cfg.get("num_experts")
-    sizes = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            with open(os.path.join(folder, name), "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
-            for k, v in header.items():
-                if k != "__metadata__":
-                    sizes[k] = v["data_offsets"][1] - v["data_offsets"][0]
-    has_head = any(k.endswith("lm_head.weight") for k in sizes)
+    sizes = {k: t.data.nbytes for k, t in read_safetensors_dir(folder).items() if "visual" not in k}
+    embed = next((k for k in sizes if k.endswith("embed_tokens.weight")), None)
+    head = next((k for k in sizes if k.endswith("lm_head.weight")), None)
+    return _read_per_token(sizes, embed, head, ".experts.", cfg.get("num_experts_per_tok"), cfg.get("num_experts"))
+
+
+def _read_per_token(sizes: dict, embed, head, expert_mark: str, used, experts) -> int:
+    """Sum of sizes less the embedding when an output matrix exists, experts at used / experts."""
     total = 0
     for name, n in sizes.items():
-        if "visual" in name:
+        if name == embed and head in sizes:
             continue
-        if name.endswith("embed_tokens.weight") and has_head:
-            continue
-        if ".experts." in name and used and experts:
+        if expert_mark in name and used and experts:
             n = n * used // experts
         total += n
     return total
@@ -149,11 +126,11 @@ def _safetensors_weight_bytes(folder: str) -> int:
 
 
 def kv_bytes_per_position(config, kv_dtype: str) -> int:
-    """K and V bytes of one position in one layer (int8: the per-head scales too)."""
-    kvh = config.num_key_value_heads
-    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    item = {"f32": 4, "f16": 2, "int8": 1}[kv_dtype]
-    return 2 * kvh * (d * item + (4 if kv_dtype == "int8" else 0))
+    """K and V bytes of one position in one layer (int8: the per-head scales too), as the
+    cache's storage kind counts them."""
+    from sparrow.kv_cache import LAYER_KINDS
+
+    return LAYER_KINDS[kv_dtype].bytes_at(config.num_key_value_heads, config.head_dim, 1)
 
 
 def kv_read_bytes(config, context: int, kv_dtype: str, sparse=None, copy_bytes_per_position: float = 0.0) -> float:

@@ -394,6 +394,12 @@ class LlamaRunner:
         return times, None, None
 
 
+def random_ids(rng, config, n) -> np.ndarray:
+    """n random token ids, valid in small test vocabularies too."""
+    top = min(40000, config.vocab_size)
+    return rng.integers(min(100, top // 2), top, n)
+
+
 def _pass(runner, prompt, contexts, feed, modes, sparse_k, stream_rng=None):
     """One prefill of the prompt, decoding at each context; {C: measurements}. With stream_rng
     (sparrow only), each context also gets the STREAM_ROWS: a fresh random prompt of C tokens
@@ -411,9 +417,8 @@ def _pass(runner, prompt, contexts, feed, modes, sparse_k, stream_rng=None):
             times, split, kv = runner.decode(feed, c, mode, sparse_k)
             rec[mode] = {"ms": statistics.median(times) * 1e3, "split": split, "kv": kv, "load": _load_avg()}
         if stream_rng is not None:
-            top = min(40000, runner.model.config.vocab_size)
             for sparse in (False, True):
-                ids = stream_rng.integers(min(100, top // 2), top, c)
+                ids = random_ids(stream_rng, runner.model.config, c)
                 k = sparse_k if sparse else None
                 name = "sparse" if sparse else "exact"
                 rec[f"stream_{name}_fresh"] = runner.stream(ids, len(feed), k)
@@ -884,9 +889,8 @@ def main(argv=None):
     modes = tuple(m for m in MODES if a.activations == "q8" or MODES[m][2] == "f32")
     runners = [SparrowRunner(path, a.threads, capacity, a.sparse_select)]
     rng = np.random.default_rng(0)
-    top = min(40000, runners[0].model.config.vocab_size)  # token ids valid in small test vocabularies too
-    prompt = rng.integers(min(100, top // 2), top, contexts[-1]).tolist()
-    feed = rng.integers(min(100, top // 2), top, a.decode).tolist()
+    prompt = random_ids(rng, runners[0].model.config, contexts[-1]).tolist()
+    feed = random_ids(rng, runners[0].model.config, a.decode).tolist()
     if compare:
         runners.append(LlamaRunner(path, a.threads, capacity, a.flash_attn))
         rec["llama_settings"] = runners[-1].settings
