@@ -1,4 +1,4 @@
-"""Command line: `sparrow generate | chat | serve | bench ...`.
+"""Command line: `sparrow generate | chat | serve | compile | bench ...`.
 
 User errors (SparrowError) print one line on stderr and exit with status 1, never a traceback.
 """
@@ -88,13 +88,19 @@ def _params(a) -> tuple[SamplingParams, SparseParams | None]:
     return sampling, sparse
 
 
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def _compile_notice() -> None:
-    """One line on stderr when the kernels are about to be compiled (a cold cache), so the
-    first run's pause does not look like a hang. The server prints it from serve()."""
-    from .kernels import COMPILE_NOTICE, cache_is_cold
+    """One line on stderr when the kernels are about to be compiled (a cold cache), then one
+    per kernel that takes seconds to compile (any run may still compile a path it has not used
+    before), so a first run's pause does not look like a hang. serve() does the same."""
+    from .kernels import COMPILE_NOTICE, cache_is_cold, report_compiles
 
     if cache_is_cold():
-        print(COMPILE_NOTICE, file=sys.stderr, flush=True)
+        _stderr(COMPILE_NOTICE)
+    report_compiles(_stderr)
 
 
 def _load(a):
@@ -279,6 +285,30 @@ def cmd_serve(a) -> None:
     serve(a)
 
 
+def cmd_compile(a) -> None:
+    """Compiles (or loads from the disk cache) the kernels of every path a server with these
+    settings may take; --all: for every KV storage and activations mode too."""
+    from .engine.warmup import PATHS, SERVER_PATHS, warm
+
+    llm = _load(a)
+    kinds = KV_DTYPES if a.all else (a.kv_dtype,)
+    modes = ("f32", "q8") if a.all else (a.activations,)
+    paths = tuple(a.paths.split(",")) if a.paths else SERVER_PATHS
+    bad = [p for p in paths if p not in PATHS]
+    if bad:
+        raise SparrowError(f"unknown path {bad[0]!r}: --paths takes {', '.join(PATHS)}")
+    t0 = time.perf_counter()
+    for mode in modes:
+        llm.model.activations = mode
+        for kv in kinds:
+
+            def report(name, i, n, seconds, kv=kv, mode=mode):
+                print(f"{name:<15} KV {kv:<5} activations {mode:<4} {seconds:6.1f} s  ({PATHS[name]})", flush=True)
+
+            warm(llm.runner, llm.tokenizer, kv, paths, report)
+    print(f"sparrow: kernels ready for {llm.name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+
+
 def cmd_bench(a) -> None:
     import importlib
 
@@ -369,6 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ray-address", default=None, help="join this Ray cluster ('auto': the local one); default: new")
     _model_args(s)
     s.set_defaults(func=cmd_serve)
+
+    k = sub.add_parser("compile", help="compile the kernels now (for example in a container build)")
+    k.add_argument("--all", action="store_true", help="for every KV storage and activations mode, not just these")
+    k.add_argument("--paths", default=None, help="comma-separated: exact,batched,seed,v2,sparse-prefill (default all)")
+    _model_args(k)
+    k.set_defaults(func=cmd_compile)
 
     b = sub.add_parser("bench", help="benchmarks: attention, speed, needle, fidelity, serve, activations")
     b.add_argument("bench", choices=["attention", "speed", "needle", "fidelity", "serve", "activations"])

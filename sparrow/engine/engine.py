@@ -24,13 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import SparrowError
-from ..kernels import linear as _linear
 from ..kernels import set_threads
 from ..params import SamplingParams, SparseParams
 from .kv_manager import KVManager
 from .runner import Runner
 from .scheduler import Scheduler
 from .sequence import Sequence, StepOutput
+from .warmup import SERVER_PATHS, warm
 
 log = logging.getLogger("sparrow.engine")
 _ids = itertools.count(1)
@@ -96,7 +96,18 @@ class Engine:
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ client side (any thread)
-    def start(self, warmup: bool = True, on_ready: Callable[[], None] | None = None) -> None:
+    def start(
+        self,
+        warmup: bool | tuple[str, ...] = True,
+        on_ready: Callable[[], None] | None = None,
+        on_warm: Callable[[str, int, int, float], None] | None = None,
+    ) -> None:
+        """Starts the engine thread. warmup: True runs every path a request may take
+        (warmup.SERVER_PATHS) before on_ready, a tuple those paths, False none; on_warm(name,
+        i, n, seconds) follows each path's warm-up."""
+        if warmup is True:
+            warmup = SERVER_PATHS
+        self._on_warm = on_warm
         self._thread = threading.Thread(target=self._main, args=(warmup, on_ready), name="sparrow-engine", daemon=True)
         self._thread.start()
 
@@ -168,10 +179,10 @@ class Engine:
             self._thread.join(timeout)
 
     # ------------------------------------------------------------------ engine thread
-    def _main(self, warmup: bool, on_ready) -> None:
+    def _main(self, warmup, on_ready) -> None:
         set_threads(self.llm.threads)  # numba's thread count is per thread
         if warmup:
-            self._warmup()
+            self._warmup(warmup)
         if on_ready is not None:
             on_ready()
         sched = self.scheduler
@@ -200,16 +211,11 @@ class Engine:
             self._fail(req, "the server is shutting down")
         self.prefix.clear()
 
-    def _warmup(self) -> None:
-        """A short generation so numba's compiled kernels are loaded before the first request;
-        its prompt is longer than SMALL_T rows so that both linear paths (GEMM and the row-wise
-        decode kernels) get loaded."""
+    def _warmup(self, paths) -> None:
+        """Runs each path a request may take once (engine/warmup.py), so that no request
+        compiles kernels while others stream."""
         try:
-            tok = self.llm.tokenizer
-            ids = (tok.encode("Hello there. " * 8) or [0] * 16)[: 2 * _linear.SMALL_T]
-            seq = Sequence.create(self.runner, tok, ids, SamplingParams(max_tokens=2), len(ids) + 2, self.llm.kv_dtype)
-            seq.accept(self.runner.prefill(seq.slot))
-            self.runner.decode([seq.slot], [seq.last_token])
+            warm(self.runner, self.llm.tokenizer, self.llm.kv_dtype, paths, self._on_warm)
         except Exception:  # a failed warm-up only costs speed on the first request
             log.exception("warm-up failed")
 

@@ -63,8 +63,47 @@ if not os.environ.get("NUMBA_CACHE_DIR"):
     if _dir:
         numba.config.CACHE_DIR = _dir
 
-# The estimate is measured: 224 s of CPU for a cold `sparrow generate` on 2 Zen 4 cores (DEVELOPMENT.md).
-COMPILE_NOTICE = "sparrow: compiling kernels for this CPU (first run only: about 4 min on 2 cores)."
+# The estimate is measured: ~52 s of CPU for a cold `sparrow generate` on 2 Zen 4 cores (DEVELOPMENT.md).
+COMPILE_NOTICE = "sparrow: compiling kernels for this CPU (first run only: about 1 min on 2 cores)."
+
+# What the kernels that take a second or more to compile do, for the progress lines
+KERNEL_ROLES = {
+    "decode_token": "fused decode step",
+    "worker": "fused decode step (one thread)",
+    "gemm_stored": "prefill matmul",
+    "prefill_kernel": "prefill attention",
+    "sparse_prefill_kernel": "sparse prefill attention",
+    "decode_kernel": "decode attention",
+    "_mv_blocks": "matvec",
+    "_mv_blocks_serial": "matvec",
+    "_mv_stored": "matvec (f16/bf16)",
+    "_silu_mul_rows": "SiLU gate",
+}
+
+
+def report_compiles(write, min_seconds: float = 1.0) -> None:
+    """From now on, write(line) after each kernel compile (outermost only) that took at least
+    min_seconds: what it was and how long it took, so a first run shows its progress."""
+    import time
+
+    from numba.core import event
+
+    class _Progress(event.Listener):
+        def __init__(self):
+            self.starts = []
+
+        def on_start(self, ev):
+            self.starts.append(time.perf_counter())
+
+        def on_end(self, ev):
+            dt = time.perf_counter() - self.starts.pop()
+            if self.starts or dt < min_seconds:
+                return
+            fn = getattr(ev.data.get("dispatcher"), "py_func", None)
+            name = getattr(fn, "__name__", "?")
+            write(f"sparrow: compiled {KERNEL_ROLES.get(name, name)} in {dt:.0f} s")
+
+    event.register("numba:compile", _Progress())
 
 
 def cache_is_cold(path=None) -> bool:

@@ -183,6 +183,7 @@ def _group(
     pacc,
     flags,
     lut,
+    select,
 ):
     """Select blocks for query heads h0..h0+G-1 (all of them unless sparse) and attend.
     q: probe queries (raw q, or int8 codes); qa: attention queries (see _attend_group).
@@ -191,11 +192,13 @@ def _group(
     blocks, per_block rows each (the cache's probe-key copy; n_copied <= seq_len // bs, so
     only full blocks below seq_len); later blocks are probed in K itself.
     flags: 0 the seed selector, else v2's bits (sparse_select.V2_*); for v2, P2 holds the
-    block summaries [n, 2D] (kv_cache.BlockSummaries) and lut widens f16 keys."""
+    block summaries [n, 2D] (kv_cache.BlockSummaries) and lut widens f16 keys.
+    select: None where no caller ever selects (the fused step of exact requests): a type,
+    so numba prunes the selection code before typing it; True elsewhere, `sparse` decides."""
     nb = (seq_len + bs - 1) // bs
     mark = np.zeros((G, nb), dtype=np.bool_)
     ntok = np.zeros(G, dtype=np.int64)
-    if sparse and k_blocks < nb:  # with k >= nb every block is taken whatever the probes say
+    if select is not None and sparse and k_blocks < nb:  # with k >= nb every block is taken whatever the probes say
         probe = np.empty(nb, dtype=np.float32)
         tmp = np.empty(max(bs, n_copied * per_block), dtype=np.float32)
         scores = np.empty((G, nb) if flags & V2_ON else (1, 1), dtype=np.float32)
@@ -313,6 +316,7 @@ def decode_kernel(
             pdummy,
             flags,
             lut,
+            True,
         )
 
 
@@ -361,4 +365,5 @@ def sparse_prefill_kernel(
                 pacc,
                 flags,
                 lut,
+                True,
             )

@@ -53,8 +53,10 @@ def _item(qa, KT, V, start, group, t0, t1, out, prow, want_p):
     prow2 = prow[: nblk * BK].reshape((nblk, BK)) if want_p else np.empty((1, BK), np.float32)
     for kh in range(KT.shape[0]):
         KT2, V2 = KT[kh], V[kh]
-        for r in range(R):
-            Q[r] = qa[t0 + r % nq, kh * group + r // nq]
+        for r in range(R):  # element loops, not array assignment: numba's shape-checked copy costs ~5 s of compile
+            q = qa[t0 + r % nq, kh * group + r // nq]
+            for d in range(D):
+                Q[r, d] = q[d]
         O[:] = 0
         m[:] = -np.inf
         den[:] = 0
@@ -86,7 +88,8 @@ def _item(qa, KT, V, start, group, t0, t1, out, prow, want_p):
                     row[j] = 0
                 den[r] += sum_f32(row, nv)
                 if want_p:
-                    keep[b, r, :] = row
+                    for j in range(BK):
+                        keep[b, r, j] = row[j]
                     mb[r, b] = m[r]
             mm_add(S, V2[k0 : k0 + kn], O, kn)  # [R, D]
         for r in range(R):
@@ -116,9 +119,10 @@ def prefill_kernel(qa, KT, V, start, group, out, pacc, want_p):
     T = qa.shape[0]
     n = (T + QT - 1) // QT
     for j in prange((n + 1) // 2):
-        _pair_item(qa, KT, V, start, group, out, pacc, want_p, j)
-        if n - 1 - j != j:  # the middle item of an odd count runs once
-            _pair_item(qa, KT, V, start, group, out, pacc, want_p, n - 1 - j)
+        i = np.int64(j)  # prange's index is unsigned in the parallel region: one signed type, one compile
+        _pair_item(qa, KT, V, start, group, out, pacc, want_p, i)
+        if n - 1 - i != i:  # the middle item of an odd count runs once
+            _pair_item(qa, KT, V, start, group, out, pacc, want_p, n - 1 - i)
 
 
 @njit(cache=True, nogil=True)

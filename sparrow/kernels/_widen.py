@@ -65,10 +65,12 @@ def dot(w, x):
 
 
 @njit(**KW)
-def widen_row(row, kind, lut, out, out_bits):
-    """One stored row -> f32 out [K] (out_bits: out viewed as uint32, for bf16 and f32 bits)."""
+def widen_row(row, kind, lut, out, out_bits, kq):
+    """One stored row -> f32 out [K] (out_bits: out viewed as uint32, for bf16 and f32 bits).
+    kq: True where kind may be one of _kquants' (6 and up), None where it never is: a type,
+    so numba prunes the K-quant widening (5 vector-IR kernels) before typing it."""
     k = out.shape[0]
-    if kind >= 6:
+    if kq is not None and kind >= 6:
         widen_kq(row, kind, lut, out)
         return
     if kind == 5:
@@ -248,7 +250,7 @@ def _mv_stored(data, kind, lut, x, y):
         bits = np.empty(k, np.uint32)
         row = bits.view(np.float32)
         for o in range(c * _ROWS, min(o_n, (c + 1) * _ROWS)):
-            widen_row(data[o], kind, lut, row, bits)
+            widen_row(data[o], kind, lut, row, bits, None)  # f16 / bf16 only (matvec_widened)
             for t in range(x.shape[0]):
                 y[t, o] = dot(row, x[t])
 

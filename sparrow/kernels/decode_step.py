@@ -20,6 +20,7 @@ the K-quants (q4_k, q5_k, q6_k) through kernels/_kquants.py's row dots.
 
 import numpy as np
 from numba import njit, prange
+from numba.typed import List
 
 from sparrow.kernels._attn_kernels import _block_sums as _imp_block_sums
 from sparrow.kernels._attn_kernels import _group
@@ -40,6 +41,18 @@ _KQ_FIRST = min(KQ_KIND.values())  # weight kinds from here on have their row do
 
 
 @njit(**KW)
+def typed_list(arrays):
+    """A numba typed List of a tuple of same-typed arrays (the fused step's per-layer
+    weights and caches). Built here, compiled and cached once per list type: numba compiles
+    typed.List's own append on first use in every process (~0.2 s a list type, 1.5 s of a
+    warm start)."""
+    out = List()
+    for a in arrays:
+        out.append(a)
+    return out
+
+
+@njit(**KW)
 def _share(n, tid, nt):
     """Rows [a, b) of n that worker tid takes: contiguous, sizes differing by at most one."""
     return n * tid // nt, n * (tid + 1) // nt
@@ -47,11 +60,13 @@ def _share(n, tid, nt):
 
 @njit(**KW)
 def _matvec(w, kind, x, y, tid, nt, q8):
-    """y[0, o] = row o of w . x[0] for this worker's rows (the staged path's row dots: exact,
-    or with x quantised to 8 bits when q8, the activations="q8" mode)."""
+    """y[0, o] = row o of w . x[0] for this worker's rows (the staged path's row dots: exact
+    when q8 is None, else with x quantised to 8 bits, the activations="q8" mode). q8 is a
+    type, not a value: numba prunes the branch a None never takes before typing it, so the
+    exact step never compiles the q8 kernels (~90 s of a cold start) and the reverse."""
     a, b = _share(w.shape[0], tid, nt)
     if b > a:
-        if q8:
+        if q8 is not None:
             xq, dx, sx = _q8_quantize(x)
             _rows_q8(w, kind, xq, dx, sx, y, a, b)
         elif kind >= _KQ_FIRST:  # q5_0 / q5_1 / K-quants
@@ -80,32 +95,41 @@ def _own_rows(w, kind, n, tid, nt):
 
 @njit(**KW)
 def _store_kv(X, XS, kv_kind, kh, pos, row, one, codes, sc):
-    """Writes the f32 row [D] (one: its [1, D] buffer) as KV head kh's entry at pos."""
+    """Writes the f32 row [D] (one: its [1, D] buffer) as KV head kh's entry at pos.
+    Copies here and in worker are element loops: numba's shape-checked array assignment
+    costs seconds of compile."""
+    D = row.shape[0]
     if kv_kind == KV_F32:
-        X[kh, pos, :] = row
+        for d in range(D):
+            X[kh, pos, d] = row[d]
     elif kv_kind == KV_F16:
-        for d in range(row.shape[0]):
+        for d in range(D):
             X[kh, pos, d] = f16_bits(row[d])
     else:
-        one[0, :] = row
+        for d in range(D):
+            one[0, d] = row[d]
         _quant_rows(one, codes, sc)
-        X[kh, pos, :] = codes[0]
+        for d in range(D):
+            X[kh, pos, d] = codes[0, d]
         XS[kh, pos] = sc[0]
 
 
 @njit(**KW)
-def worker(tid, nt, sync, x, pos, model, cache, attn, scratch):
+def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select):
     """Worker tid of nt: decodes the token at position pos, x [1, E] being its embedding (the
     residual stream, updated in place). The tuples are built by models/fused.py:
     model: per-layer weight rows (typed lists; q/k/v and gate/up in up to 3 and 2 pieces;
     in q8 mode q8_0 / q4_0 / q4_1 in groups of 8 rows, kernels/_x8.py), their kinds [L, 7],
     the pieces' output offsets and rows [L, 5], norms, biases, RoPE
-    tables, sizes, the final norm and lm_head, whether activations are q8; cache: per-layer
+    tables, sizes, the final norm and lm_head; cache: per-layer
     K/V arrays (typed lists), their scales, prefill importance, probe copies; attn: the sparse
-    settings; scratch: buffers the workers share, and the logits [1, Vocab]."""
+    settings; scratch: buffers the workers share, and the logits [1, Vocab]. Two types
+    choose what is compiled (numba prunes the branches a None never takes before typing
+    them): q8, None for exact activations or True for the q8 mode (see _matvec); select,
+    None for exact attention (no selection code) or True where attn's settings may select."""
     # q/k/v as one fused piece (then wq1, wq2 have no rows) or three; gate/up likewise
     (wq0, wq1, wq2, wo, wg0, wg1, wdown, kinds, offs, rows, in_norm, post_norm, eps, bias, q_norm, k_norm, cos, sin, H,
-     KV, D, F, scale, head_norm, head_w, head_kind, q8) = model  # fmt: skip
+     KV, D, F, scale, head_norm, head_w, head_kind) = model  # fmt: skip
     K, V, KS, VS, IMP, P, PS, n_copied, per_block, kv_kind = cache
     sparse_on, k_blocks, bs, n_probe, flags, dense, lut = attn
     qkv, att, att_flat, qd, qa, qs, gu, y, logits = scratch  # [1, QKV] [H, D] [1, H*D] [H, D] [H, D] [H] [1, 2F] [1, E]
@@ -144,7 +168,8 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch):
                 src[0, 0, d] = v + bias[layer, hh * D + d] if has_bias else v
             if has_norm:
                 _rms_rows(src[0], q_norm[layer], eps, normed)
-                src[0, 0, :] = normed[0]
+                for d in range(D):
+                    src[0, 0, d] = normed[0, d]
             _rope(src, cos, sin, positions, rot)
             if kv_kind == KV_INT8:
                 _quant_rows(rot[0], codes, sc)
@@ -164,7 +189,8 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch):
                 src[0, 0, d] = v + bias[layer, QO + kh * D + d] if has_bias else v
             if has_norm:
                 _rms_rows(src[0], k_norm[layer], eps, normed)
-                src[0, 0, :] = normed[0]
+                for d in range(D):
+                    src[0, 0, d] = normed[0, d]
             _rope(src, cos, sin, positions, rot)
             _store_kv(K[layer], KS[layer], kv_kind, kh, pos, rot[0, 0], one, codes, sc)
             for d in range(D):
@@ -175,7 +201,7 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch):
         # attention of this worker's query heads, in runs that share a KV head (v2: the first
         # `dense` layers exact)
         sparse = sparse_on and layer >= dense
-        if sparse and not flags:
+        if select is not None and sparse and not flags:
             reserved = reserve_importance_nb(_imp_block_sums(IMP[layer], seq_len, bs), k_blocks, nb)
         else:
             reserved = np.full(nb, -1, dtype=np.int8)
@@ -187,7 +213,7 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch):
             Kl, Vl, KSl, VSl, Pl, PSl = K[layer], V[layer], KS[layer], VS[layer], P[layer], PS[layer]
             _group(qd, qa, qs, Kl[kh], Vl[kh], KSl[kh], VSl[kh], kv_kind == KV_INT8, hh, n, seq_len, scale, sparse,
                    reserved, k_blocks, bs, n_probe, Pl[kh], PSl[kh], per_block, nc, att, sel, stages, nsel, False,
-                   pdummy, flags, lut)  # fmt: skip
+                   pdummy, flags, lut, select)  # fmt: skip
             hh += n
         barrier(sync, nt)
         _matvec(wo[layer], kinds[layer, 3], att_flat, y, tid, nt, q8)
@@ -211,8 +237,10 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch):
 
 
 @njit(parallel=True, **KW)
-def decode_token(nt, sync, x, pos, model, cache, attn, scratch):
+def decode_token(nt, sync, x, pos, model, cache, attn, scratch, q8, select):
     """`worker` on nt threads at once (numba's workqueue hands each prange index to its own
     thread, so all nt workers run together and can wait for each other)."""
     for tid in prange(nt):
-        worker(tid, nt, sync, x, pos, model, cache, attn, scratch)
+        # prange's index is unsigned inside the parallel region and signed when numba types
+        # this function: one signed type keeps `worker` to one compile (each is ~65 s)
+        worker(np.int64(tid), nt, sync, x, pos, model, cache, attn, scratch, q8, select)

@@ -39,6 +39,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from sparrow.kernels._ir import F32, I8, I32, V16F
+from sparrow.kernels._kquants import KQ_KIND
 from sparrow.kernels._widen import F16_LUT, KIND, call_slp, widen_row
 
 KW = dict(cache=True, nogil=True)
@@ -177,11 +178,20 @@ def _sweep(bp, xp, y, o0, n):
         else:
             for s in range((n + NK - 1) // NK):
                 _kernel(xp, tb, bp, s * k, c, 0, s * NK)
-            y[tb * MR : tb * MR + MR, o0 : o0 + n] = c[:, :n]
+            _copy_tile(c, y, tb * MR, MR, o0, n)
     if full * MR < t_n:
         for s in range((n + NK - 1) // NK):
             _kernel(xp, full, bp, s * k, c, 0, s * NK)
-        y[full * MR :, o0 : o0 + n] = c[: t_n - full * MR, :n]
+        _copy_tile(c, y, full * MR, t_n - full * MR, o0, n)
+
+
+@njit(**KW)
+def _copy_tile(c, y, t0, m, o0, n):
+    # y[t0 : t0 + m, o0 : o0 + n] = c[:m, :n] as element loops: numba's shape-checked array
+    # assignment costs ~3 s of compile
+    for i in range(m):
+        for j in range(n):
+            y[t0 + i, o0 + j] = c[i, j]
 
 
 @intrinsic
@@ -320,7 +330,7 @@ _widen_q4_1 = _make_widen(20, 2)
 
 
 @njit(**KW)
-def _pack_stored(data, kind, lut, o0, n, tmp, bp):
+def _pack_stored(data, kind, lut, o0, n, tmp, bp, kq):
     bits = tmp.view(np.uint32)
     for j in range(n):
         if kind == 2:
@@ -330,7 +340,7 @@ def _pack_stored(data, kind, lut, o0, n, tmp, bp):
         elif kind == 0:
             _widen_q8_0(data[o0 + j], tmp[j])
         else:
-            widen_row(data[o0 + j], kind, lut, tmp[j], bits[j])
+            widen_row(data[o0 + j], kind, lut, tmp[j], bits[j], kq)
     _transpose_into(tmp, n, bp)
 
 
@@ -341,11 +351,12 @@ def _pack_stored(data, kind, lut, o0, n, tmp, bp):
 
 
 @njit(parallel=True, **KW)
-def gemm_stored(data, kind, lut, x, y, xp, bps, tmps):
+def gemm_stored(data, kind, lut, x, y, xp, bps, tmps, kq):
     """y [T, O] = x [T, K] @ W.T for stored rows data [O, *] of format kind (_widen.KIND;
     f32 rows come as their uint32 bits, widened by a copy). Scratch (contents ignored):
     xp [ceil(T / MR), K MR] for packed x; per thread bps [P, NS K, NK] for a packed panel,
-    tmps [P, NR, K] for its rows widened; P threads at most."""
+    tmps [P, NR, K] for its rows widened; P threads at most. kq: None unless kind is a
+    K-quant or q5 format (see _widen.widen_row)."""
     o_n = data.shape[0]
     n_p = (o_n + NR - 1) // NR
     nxt = np.zeros(1, np.int64)
@@ -358,7 +369,7 @@ def gemm_stored(data, kind, lut, x, y, xp, bps, tmps):
             n = min(NR, o_n - o0)
             if n < NR:
                 bp[:] = 0
-            _pack_stored(data, kind, lut, o0, n, tmp, bp)
+            _pack_stored(data, kind, lut, o0, n, tmp, bp, kq)
             _sweep(bp, xp, y, o0, n)
             p = _claim(nxt)
 
@@ -389,5 +400,6 @@ def matmul_widened(x, w, out):
     t_n, k = x.shape
     p_n = max(1, min((w.shape[0] + NR - 1) // NR, numba.get_num_threads()))
     xp, bps, tmps = _scratch_arrays(((t_n + MR - 1) // MR, k * MR), (p_n, NS * k, NK), (p_n, NR, k))
-    call_slp(gemm_stored, data, KIND[w.qtype], F16_LUT, x, out, xp, bps, tmps)
+    kq = True if w.qtype in KQ_KIND else None
+    call_slp(gemm_stored, data, KIND[w.qtype], F16_LUT, x, out, xp, bps, tmps, kq)
     return out

@@ -91,8 +91,8 @@ def _gate_up(x, tok, gstart, gexp, gates, ups, kg, ku, lut, h):
         bg_bits = bg.view(np.uint32)
         bu_bits = bu.view(np.uint32)
         for f in range(f0, min(f_n, f0 + _ROWS)):
-            _widen_row(gw[f], kg, lut, bg, bg_bits)
-            _widen_row(uw[f], ku, lut, bu, bu_bits)
+            _widen_row(gw[f], kg, lut, bg, bg_bits, True)
+            _widen_row(uw[f], ku, lut, bu, bu_bits, True)
             for p in range(gstart[g], gstart[g + 1]):
                 xr = x[tok[p]]
                 gv = _dot(bg, xr)
@@ -113,7 +113,7 @@ def _down(h, gstart, gexp, downs, kd, lut, y):
         buf = np.empty(k, np.float32)
         bits = buf.view(np.uint32)
         for o in range(o0, min(o_n, o0 + _ROWS)):
-            _widen_row(dw[o], kd, lut, buf, bits)
+            _widen_row(dw[o], kd, lut, buf, bits, True)
             for p in range(gstart[g], gstart[g + 1]):
                 y[p, o] = _dot(buf, h[p])
 

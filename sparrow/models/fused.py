@@ -41,7 +41,11 @@ BACKOFF_STEPS = 64
 
 
 def _typed(arrays) -> List:
-    out = List()
+    """The arrays as a numba typed List (its item type the first array's)."""
+    arrays = tuple(arrays)
+    if len({numba.typeof(a) for a in arrays}) == 1:
+        return _ds.typed_list(arrays)  # compiled once per list type, cached on disk
+    out = List()  # mixed layouts or flags: List.append casts each to the first one's type
     for a in arrays:
         out.append(a)
     return out
@@ -228,18 +232,21 @@ class FusedDecode:
         wq0, wq1, wq2, wo, wg0, wg1, wdown, kinds, head_w, head_kind = self.weights_for(q8)
         model_t = (wq0, wq1, wq2, wo, wg0, wg1, wdown, kinds, self.offs, self.rows, self.in_norm, self.post_norm,
                    self.eps, self.bias, self.q_norm, self.k_norm, cos, sin, self.H, self.KV, self.D, self.F,
-                   self.scale, self.head_norm, head_w, head_kind, q8)  # fmt: skip
+                   self.scale, self.head_norm, head_w, head_kind)  # fmt: skip
         cache_t = (K, V, KS, VS, IMP, P, PS, n_copied, per_block, _KV_KIND[cache.dtype])
         attn_t = (sp is not None, sp.k if sp is not None else nb, bs, sp.probe if sp is not None else 1,
                   sp.flags if sp is not None else 0, sp.dense_layers if sp is not None else 0, F16_LUT)  # fmt: skip
         scratch = (self.qkv, self.att3[0], self.att3.reshape(1, -1), self.qd, self.qa, self.qs, self.gu, self.y, logits)
+        # types to the kernel: each activation mode compiles only its own matvecs, and exact
+        # requests no block selection
+        mode, select = (True if q8 else None), (True if sp is not None else None)
         nt = numba.get_num_threads()
         self.sync[:3] = 0
         t0 = time.perf_counter()
         if nt > 1:
-            _ds.decode_token(nt, self.sync, x, pos, model_t, cache_t, attn_t, scratch)
+            _ds.decode_token(nt, self.sync, x, pos, model_t, cache_t, attn_t, scratch, mode, select)
         else:
-            _ds.worker(0, 1, self.sync, x, pos, model_t, cache_t, attn_t, scratch)
+            _ds.worker(0, 1, self.sync, x, pos, model_t, cache_t, attn_t, scratch, mode, select)
         cache.length = seq_len
         self.steps += 1
         if self.sync[2] * CONTENDED > 6 * L:  # more than 1/CONTENDED of the barriers waited long

@@ -87,13 +87,14 @@ class ServerState:
         self.ready = False
         self.load_error: str | None = None
 
-    def attach(self, llm, warmup: bool = True) -> None:
-        """Starts the engine on a loaded model; ready once its warm-up step has run."""
+    def attach(self, llm, warmup: bool = True, on_warm=None) -> None:
+        """Starts the engine on a loaded model; ready once its warm-up (engine/warmup.py) has
+        run. on_warm(name, i, n, seconds) follows each warmed path."""
         self.llm = llm
         self.aliases = {llm.name, os.path.splitext(llm.name)[0]}
         self.created = now()
         self.engine = Engine(llm, max_batch=self.max_batch, metrics=self.metrics, **self.engine_options)
-        self.engine.start(warmup=warmup, on_ready=self._ready)
+        self.engine.start(warmup=warmup, on_ready=self._ready, on_warm=on_warm)
 
     def _ready(self) -> None:
         self.ready = self.metrics.ready = True
@@ -419,6 +420,10 @@ def load_options(args) -> dict:
     )
 
 
+def _warm_line(name: str, i: int, n: int, seconds: float) -> None:
+    print(f"sparrow: warm-up {i}/{n}: {name} in {seconds:.1f} s", file=sys.stderr, flush=True)
+
+
 def serve(args) -> None:
     """`sparrow serve`: binds at once, loads the model in the background, serves until Ctrl-C."""
     import uvicorn
@@ -459,7 +464,7 @@ def serve(args) -> None:
     def load():
         try:
             llm = api.load(**load_options(args))
-            state.attach(llm)
+            state.attach(llm, on_warm=_warm_line)
             kv = format_size(state.engine.pool.budget)
             print(
                 f"sparrow: {llm.name} loaded in {llm.load_seconds:.1f} s ({llm.threads} threads, ctx {llm.ctx}, "
@@ -472,10 +477,18 @@ def serve(args) -> None:
             server.should_exit = True
 
     print(f"sparrow: serving on http://{args.host}:{args.port} (model loading)", file=sys.stderr, flush=True)
-    from ..kernels import COMPILE_NOTICE, cache_is_cold
+    from ..engine.warmup import SERVER_PATHS
+    from ..kernels import COMPILE_NOTICE, cache_is_cold, report_compiles
 
     if cache_is_cold():
         print(COMPILE_NOTICE, file=sys.stderr, flush=True)
+    report_compiles(lambda line: print(line, file=sys.stderr, flush=True))
+    print(
+        f"sparrow: before serving, every path a request may take runs once ({', '.join(SERVER_PATHS)}), "
+        "so that no request compiles kernels while others stream",
+        file=sys.stderr,
+        flush=True,
+    )
     threading.Thread(target=load, name="sparrow-load", daemon=True).start()
     try:
         server.run()
