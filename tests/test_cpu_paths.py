@@ -9,6 +9,7 @@ gemm picks its micro-kernel tile from the features numba compiles for, so the ch
 AVX2 tile (and AVX2 code: its assembly is checked for ymm and no zmm registers).
 """
 
+import hashlib
 import json
 import os
 import platform
@@ -153,13 +154,16 @@ def test_rowdot_reference_matches_this_process():
         assert np.array_equal(bits(linear(x, w)), bits(rowdot_reference(x, w, sx))), (q, shape, t)
 
 
-def run_compiled_for(tmp_path, cpu, features, code):
+def run_compiled_for(tmp_path, cpu, features, code, fresh=False):
     """Runs `code` (argv: the tests folder, an .npz path it writes) in a child process whose
-    numba compiles for `cpu` / `features` into a fresh cache; returns (the INFO json the child
-    printed, its arrays)."""
+    numba compiles for `cpu` / `features`; returns (the INFO json the child printed, its arrays).
+    The children of one CPU path share a cache for the test session (pytest's base temp
+    folder), so each kernel compiles once per path, not once per test file; fresh=True gives
+    the child an empty one of its own (code that inspects what it compiled)."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES=features)
-    env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")  # fresh: compiled for that CPU, inspectable
+    key = hashlib.sha256(f"{cpu};{features}".encode()).hexdigest()[:12]
+    env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba" if fresh else tmp_path.parent / f"numba-path-{key}")
     env["PYTHONPATH"] = os.pathsep.join([ROOT, here] + [p for p in [env.get("PYTHONPATH")] if p])
     res = subprocess.run(
         [sys.executable, "-c", code, here, str(tmp_path / "out.npz")],
@@ -188,7 +192,7 @@ def q8_path_matches_here(tmp_path, path, code, compute):
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 CPU names")
 def test_avx2_code_path_bit_for_bit(tmp_path):
-    info, child = run_compiled_for(tmp_path, "haswell", HASWELL, CHILD)
+    info, child = run_compiled_for(tmp_path, "haswell", HASWELL, CHILD, fresh=True)  # inspects its asm
     # the child compiled for AVX2: the narrow tile, ymm registers, no zmm
     assert info["cpu"] == "haswell" and not info["avx512f"], info
     assert info["tile"] == list(gemm.micro_tile(HASWELL)) and info["tile"][2] == 8, info

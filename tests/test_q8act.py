@@ -247,9 +247,9 @@ def test_vnni_cpus_take_vpdpbusd(tmp_path):
     """Compiled for a CPU with AVX-VNNI, the q8_0 / q4_x groups' integer dots are vpdpbusd (the
     host's own tests check their bits where it has VNNI; the "avx2" child above, the rest)."""
     cpu, feats, _, _ = Q8_PATHS["avx2"]
-    info, _ = run_compiled_for(tmp_path, cpu, feats + ",+avxvnni", VNNI_CHILD)
+    info, _ = run_compiled_for(tmp_path, cpu, feats + ",+avxvnni", VNNI_CHILD, fresh=True)
     assert info["vnni"] and info["vpdpbusd"] > 0, info  # (the K-quant groups keep pmaddubsw)
-    info, _ = run_compiled_for(tmp_path / "avx2", cpu, feats, VNNI_CHILD)
+    info, _ = run_compiled_for(tmp_path / "avx2", cpu, feats, VNNI_CHILD, fresh=True)
     assert not info["vnni"] and info["vpdpbusd"] == 0 and info["pmaddubsw"] > 0, info
 
 

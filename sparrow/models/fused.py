@@ -73,12 +73,23 @@ _EMPTY = np.zeros((0, 0), np.uint8)
 _EMPTY.flags.writeable = False  # the same array type as the weights' read-only rows
 
 
+def _readonly(a):
+    """A read-only view: weights mapped from a file are read-only and weights quantised at
+    load are not, and numba types the two apart, so one model's fused step would not reuse
+    another's compiled code (~30 s a specialisation)."""
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
 def _rows_kind(w, q8):
-    """(rows, kind) the fused step reads for a weight piece: as stored, or in q8 mode the
-    form kernels._q8act reads (q8_0 / q4_0 / q4_1 interleaved in groups of 8 rows)."""
+    """(rows, kind) the fused step reads for a weight piece, read-only: as stored, or in q8
+    mode the form kernels._q8act reads (q8_0 / q4_0 / q4_1 interleaved in groups of 8 rows)."""
     if w is None:
         return _EMPTY, 0
-    return q8_rows(w) if q8 else (w.data, KIND[w.qtype])
+    rows, kind = q8_rows(w) if q8 else (w.data, KIND[w.qtype])
+    return _readonly(rows), kind
 
 
 def _n(w):
@@ -187,7 +198,7 @@ class FusedDecode:
             if head.qtype in BLOCK_KINDS:
                 head_w, head_kind = _rows_kind(head, q8)
             else:
-                head_w, head_kind = np.zeros((1, 1), np.uint8), -1
+                head_w, head_kind = _readonly(np.zeros((1, 1), np.uint8)), -1  # the head runs staged
             got = self._weights[q8] = (*wqkv, wo, *wgu, wdown, kinds, head_w, head_kind)
         return got
 
