@@ -31,8 +31,8 @@ def _host_cpu() -> str:
 
 
 def _cache_dir(here=None, base=None):
-    """A numba cache directory named after a hash of every kernel source file here and of
-    the host CPU.
+    """A numba cache directory named after a hash of every kernel source file here (in
+    subfolders too) and of the host CPU.
 
     numba keys a cached function on its own file only, so an edit to a jitted helper or
     intrinsic in another file (the row kernels, widen_row, sparse_select) would leave stale
@@ -42,10 +42,13 @@ def _cache_dir(here=None, base=None):
     NUMBA_CACHE_DIR, when set, wins."""
     here = here or os.path.dirname(os.path.abspath(__file__))
     h = hashlib.sha256(numba.__version__.encode() + b"\0" + _host_cpu().encode())
-    for name in sorted(os.listdir(here)):
-        if name.endswith(".py"):
-            with open(os.path.join(here, name), "rb") as f:
-                h.update(name.encode() + b"\0" + f.read())
+    sources = []
+    for folder, dirs, files in os.walk(here):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        sources += [os.path.relpath(os.path.join(folder, f), here) for f in files if f.endswith(".py")]
+    for name in sorted(s.replace(os.sep, "/") for s in sources):
+        with open(os.path.join(here, name), "rb") as f:
+            h.update(name.encode() + b"\0" + f.read())
     base = base or os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     path = os.path.join(base, "sparrow", "numba-" + h.hexdigest()[:16])
     try:

@@ -1,0 +1,203 @@
+"""Golden bits: hashes of linear()'s outputs for every stored format, activations mode and
+T class (decode, a batch of rows, prefill), and of the fused decode step's logits, as they
+are today. Moving or renaming kernels (issue 33) must leave every hash as it is; a change of
+a documented numerical order is the only reason to regenerate them, in its own commit:
+`python tests/test_golden_bits.py` prints the table to paste below.
+
+The same bits hold on every CPU path (the AVX2, generic and AMX-off children of
+test_cpu_paths.py, test_q8act.py, test_kquants_q8.py and test_amx.py compare their outputs
+with this process's bit for bit), so one table serves every x86 machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numba
+import numpy as np
+import pytest
+from test_kquants import make_kq
+
+from sparrow.kernels import set_threads
+from sparrow.kernels.linear import SMALL_T, activations, linear
+from weights import acts, make
+
+FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "f16", "bf16", "f32")
+Q8_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")  # the q8 mode's
+T_CLASSES = {"decode": 1, "batch": SMALL_T - 3, "prefill": 24}  # 24: past SMALL_T and AMX's 16 rows
+SHAPE = (80, 512)  # rows not a multiple of any tile or group; two K-quant super-blocks a row
+
+
+def _weight(qtype):
+    if qtype in ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k"):
+        return make_kq(qtype, SHAPE, seed=11)
+    return make(qtype, SHAPE, seed=11)
+
+
+def _digest(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()[:16]
+
+
+def linear_hashes() -> dict[str, str]:
+    """{format/mode/T class: hash of linear()'s output}, on 2 threads where there are 2."""
+    out = {}
+    for q in FORMATS:
+        w = _weight(q)
+        for mode in ("f32", "q8") if q in Q8_FORMATS else ("f32",):
+            for name, t in T_CLASSES.items():
+                with activations(mode):
+                    out[f"{q}/{mode}/{name}"] = _digest(linear(acts(t, SHAPE[1], seed=12), w))
+    return out
+
+
+def fused_hashes(tiny_folder) -> dict[str, str]:
+    """{kv/mode/attention: hash of the fused step's logits over 8 decode steps} on a tiny q8_0
+    Llama (the fused step's own bits equal the staged path's: test_fused_decode.py)."""
+    import sparrow
+    from sparrow.models.decoder import Segment
+    from sparrow.params import SparseParams
+
+    llm = sparrow.load(tiny_folder, quantize="q8_0", threads=2)
+    ids = np.random.default_rng(5).integers(0, 200, 40)
+    out = {}
+    for kv in ("f32", "f16", "int8"):
+        for mode in ("f32", "q8"):
+            for name, sp in (
+                ("exact", None),
+                ("seed", SparseParams(k=2, block=8)),
+                ("v2", SparseParams(k=2, block=8, select="v2")),
+            ):
+                llm.model.activations = mode
+                plan = llm.model.fused_step()
+                plan.backoff, before = 0, plan.steps
+                cache = llm.model.new_cache(len(ids), kv)
+                llm.model.forward([Segment(ids[:32], cache, 0)])
+                rows = [
+                    llm.model.forward([Segment(ids[i : i + 1], cache, i, sp, decode=True)])[0] for i in range(32, 40)
+                ]
+                assert plan.steps - before == 8  # the fused step ran
+                out[f"{kv}/{mode}/{name}"] = _digest(np.stack(rows))
+    llm.model.activations = "f32"
+    return out
+
+
+# generated 2026-12-03 on an AMD EPYC Zen 4 (2 threads)
+GOLDEN_LINEAR = {
+    "q8_0/f32/decode": "39998aa1350ccb63",
+    "q8_0/f32/batch": "c288794d79ec24b3",
+    "q8_0/f32/prefill": "8e4103f53cc3522c",
+    "q8_0/q8/decode": "0ee478f7252423d8",
+    "q8_0/q8/batch": "59dd817632a8dea6",
+    "q8_0/q8/prefill": "e48b6349938859bf",
+    "q4_0/f32/decode": "5aaf4d6be8204506",
+    "q4_0/f32/batch": "79f106673d302a7f",
+    "q4_0/f32/prefill": "a82884b575fe246a",
+    "q4_0/q8/decode": "60d54e76f736849f",
+    "q4_0/q8/batch": "82b9aeab27971692",
+    "q4_0/q8/prefill": "ec6bea3aa85c78a7",
+    "q4_1/f32/decode": "f52e138969feaa41",
+    "q4_1/f32/batch": "59bcc836d57e7bf9",
+    "q4_1/f32/prefill": "c41a931ab1d4435b",
+    "q4_1/q8/decode": "bc4b309376fb3e4f",
+    "q4_1/q8/batch": "7d4d37525d043b1b",
+    "q4_1/q8/prefill": "b9cb120a62fd489f",
+    "q5_0/f32/decode": "19ab0dc28737b97b",
+    "q5_0/f32/batch": "2a3b78c1dd7ea117",
+    "q5_0/f32/prefill": "5b89cc15e2c115e8",
+    "q5_0/q8/decode": "d08005ab66c67a46",
+    "q5_0/q8/batch": "e2335e11abe02b0c",
+    "q5_0/q8/prefill": "dd3786289025ef66",
+    "q5_1/f32/decode": "7e7b4143cc1ea9b2",
+    "q5_1/f32/batch": "10f8673c598d81ce",
+    "q5_1/f32/prefill": "68f49282f8c1f248",
+    "q5_1/q8/decode": "be19b222382b7fd5",
+    "q5_1/q8/batch": "c291f41e6824873f",
+    "q5_1/q8/prefill": "6785debd2ee0ed52",
+    "q4_k/f32/decode": "8aa2a90ac9c33c5b",
+    "q4_k/f32/batch": "179f6647a1a37ae3",
+    "q4_k/f32/prefill": "8f56545b9de4e525",
+    "q4_k/q8/decode": "3a24e0ac7d573705",
+    "q4_k/q8/batch": "56149d4ff253ae02",
+    "q4_k/q8/prefill": "611305446ac3d90c",
+    "q5_k/f32/decode": "6dc7eb7318761e7d",
+    "q5_k/f32/batch": "8928384ddbcc75c8",
+    "q5_k/f32/prefill": "cb95488544e71254",
+    "q5_k/q8/decode": "33cb2f5e28498f13",
+    "q5_k/q8/batch": "7484bc972738f9ad",
+    "q5_k/q8/prefill": "cb95488544e71254",
+    "q6_k/f32/decode": "2babd0047774c33c",
+    "q6_k/f32/batch": "fe1e1af018aad11e",
+    "q6_k/f32/prefill": "7fa1da30aaeb3dd6",
+    "q6_k/q8/decode": "9e5e170d5b8b24f1",
+    "q6_k/q8/batch": "a2263b254a107871",
+    "q6_k/q8/prefill": "3974e92df2593fe8",
+    "f16/f32/decode": "65cfa13ae3e8787c",
+    "f16/f32/batch": "8760a4a252f57b56",
+    "f16/f32/prefill": "505b6162da6b2a48",
+    "bf16/f32/decode": "95a825d62c5031a0",
+    "bf16/f32/batch": "7b3dd6136ccb35f2",
+    "bf16/f32/prefill": "5b65fb1470b44179",
+    "f32/f32/decode": "00d334c79b7192ce",
+    "f32/f32/batch": "afabea64769571ea",
+    "f32/f32/prefill": "dace14bda84c4d6a",
+}
+GOLDEN_FUSED = {
+    "f32/f32/exact": "746156f18b89c843",
+    "f32/f32/seed": "49429dd99bc19363",
+    "f32/f32/v2": "ec45afb2a3de478e",
+    "f32/q8/exact": "f343a51b33f6d67a",
+    "f32/q8/seed": "04fca112dac8f26d",
+    "f32/q8/v2": "d67f0dc856fb8646",
+    "f16/f32/exact": "445823c1b171275a",
+    "f16/f32/seed": "6224d26457730df2",
+    "f16/f32/v2": "c41981cca0d325d0",
+    "f16/q8/exact": "2aca9c549d0321e6",
+    "f16/q8/seed": "97c3f874dd29ba5d",
+    "f16/q8/v2": "64d29e38aa1488ef",
+    "int8/f32/exact": "b04a327dbd8f41fd",
+    "int8/f32/seed": "85dc35cac220f1c6",
+    "int8/f32/v2": "dd2f4bfe4852ac8e",
+    "int8/q8/exact": "237c586dd244776c",
+    "int8/q8/seed": "3716dfb87cf1d463",
+    "int8/q8/v2": "996f7a7ad0040866",
+}
+
+
+@pytest.fixture
+def two_threads():
+    old = numba.get_num_threads()
+    set_threads(2)
+    yield
+    set_threads(old)
+
+
+def test_linear_bits_are_the_golden_ones(two_threads):
+    got = linear_hashes()
+    assert set(got) == set(GOLDEN_LINEAR)
+    changed = {k: (GOLDEN_LINEAR[k], v) for k, v in got.items() if GOLDEN_LINEAR[k] != v}
+    assert not changed, f"linear() bits changed: {changed}"
+
+
+def test_fused_step_bits_are_the_golden_ones(tiny_models, monkeypatch):
+    from sparrow.models import fused
+
+    monkeypatch.setattr(fused, "BACKOFF_STEPS", 0)  # a busy machine must not send steps to the staged path
+    got = fused_hashes(tiny_models["llama"].folder)
+    assert set(got) == set(GOLDEN_FUSED)
+    changed = {k: (GOLDEN_FUSED[k], v) for k, v in got.items() if GOLDEN_FUSED[k] != v}
+    assert not changed, f"fused step bits changed: {changed}"
+
+
+if __name__ == "__main__":  # prints the tables (a documented order changed: its own commit)
+    import sys
+    import tempfile
+
+    import reference_models as rm
+
+    set_threads(2)
+    print("GOLDEN_LINEAR =", linear_hashes())
+    tok, d = tempfile.mkdtemp(), tempfile.mkdtemp()
+    rm.save_default_tokenizer(tok)
+    rm.build_tiny("llama", d, tok)
+    print("GOLDEN_FUSED =", fused_hashes(d))
+    sys.exit(0)
