@@ -108,7 +108,7 @@ def test_widen_row_bit_exact(qtype):
         full = w.dequantize()
         out = np.full_like(full, np.nan)
         for o in range(len(out)):
-            call_slp(widen_row, w.data[o], KIND[qtype], F16_LUT, out[o], out[o].view(np.uint32))
+            call_slp(widen_row, w.data[o], KIND[qtype], F16_LUT, out[o], out[o].view(np.uint32), True)
         assert np.array_equal(bits(out), bits(full))
     # every byte random: extreme f16 scales (subnormal, 65504, inf, NaN), all 6-bit scales
     bb, bs = BLOCK_BYTES[qtype], BLOCK_SIZE[qtype]
@@ -118,7 +118,7 @@ def test_widen_row_bit_exact(qtype):
         full = w.dequantize()
     out = np.full_like(full, np.nan)
     for o in range(len(out)):
-        call_slp(widen_row, w.data[o], KIND[qtype], F16_LUT, out[o], out[o].view(np.uint32))
+        call_slp(widen_row, w.data[o], KIND[qtype], F16_LUT, out[o], out[o].view(np.uint32), True)
     nan = np.isnan(full)
     assert np.array_equal(np.isnan(out), nan) and np.array_equal(bits(out)[~nan], bits(full)[~nan])
 

@@ -106,7 +106,7 @@ def test_widened_rows_and_embedding_rows(qtype):
     out = np.empty_like(full)
     data = w.data.view(np.uint32) if qtype == "f32" else w.data  # f32 rows as their bits
     for o in range(len(out)):
-        call_slp(widen_row, data[o], KIND[qtype], F16_LUT, out[o], out[o].view(np.uint32))
+        call_slp(widen_row, data[o], KIND[qtype], F16_LUT, out[o], out[o].view(np.uint32), True)
     assert np.array_equal(out.view(np.uint32), full.view(np.uint32))
     ids = np.array([36, 0, 5, 5])
     assert np.array_equal(w.rows(ids), full[ids])
