@@ -93,14 +93,11 @@ def _stderr(line: str) -> None:
 
 
 def _compile_notice() -> None:
-    """One line on stderr when the kernels are about to be compiled (a cold cache), then one
-    per kernel that takes seconds to compile (any run may still compile a path it has not used
-    before), so a first run's pause does not look like a hang. serve() does the same."""
-    from .kernels import COMPILE_NOTICE, cache_is_cold, report_compiles
+    """The compile notice and progress lines on stderr (kernels.announce_compiles), so a first
+    run's pause does not look like a hang. serve() does the same."""
+    from .kernels import announce_compiles
 
-    if cache_is_cold():
-        _stderr(COMPILE_NOTICE)
-    report_compiles(_stderr)
+    announce_compiles(_stderr)
 
 
 def _load(a):

@@ -103,3 +103,17 @@ def test_sparrow_error_is_what_unknown_paths_raise():
     a = build_parser().parse_args(["compile", "--paths", "turbo"])
     with pytest.raises(SparrowError, match="unknown path 'turbo'"):
         cmd_compile(a)
+
+
+def test_compile_progress_listens_once_per_process():
+    """Each `announce_compiles` call (the CLI's, the server's, a test's) replaces the writer of
+    one numba listener: a compile is reported once, not once per call."""
+    from numba.core import event
+
+    import sparrow.kernels as K
+
+    first, second = [], []
+    K.announce_compiles(first.append)
+    K.announce_compiles(second.append)
+    ours = [lst for lst in event._registered["numba:compile"] if lst is K._progress]
+    assert len(ours) == 1 and K._progress.write == second.append

@@ -107,8 +107,9 @@ class Engine:
         i, n, seconds) follows each path's warm-up."""
         if warmup is True:
             warmup = SERVER_PATHS
-        self._on_warm = on_warm
-        self._thread = threading.Thread(target=self._main, args=(warmup, on_ready), name="sparrow-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=self._main, args=(warmup, on_ready, on_warm), name="sparrow-engine", daemon=True
+        )
         self._thread.start()
 
     def submit(
@@ -179,10 +180,10 @@ class Engine:
             self._thread.join(timeout)
 
     # ------------------------------------------------------------------ engine thread
-    def _main(self, warmup, on_ready) -> None:
+    def _main(self, warmup, on_ready, on_warm) -> None:
         set_threads(self.llm.threads)  # numba's thread count is per thread
         if warmup:
-            self._warmup(warmup)
+            self._warmup(warmup, on_warm)
         if on_ready is not None:
             on_ready()
         sched = self.scheduler
@@ -211,11 +212,11 @@ class Engine:
             self._fail(req, "the server is shutting down")
         self.prefix.clear()
 
-    def _warmup(self, paths) -> None:
+    def _warmup(self, paths, on_warm) -> None:
         """Runs each path a request may take once (engine/warmup.py), so that no request
         compiles kernels while others stream."""
         try:
-            warm(self.runner, self.llm.tokenizer, self.llm.kv_dtype, paths, self._on_warm)
+            warm(self.runner, self.llm.tokenizer, self.llm.kv_dtype, paths, on_warm)
         except Exception:  # a failed warm-up only costs speed on the first request
             log.exception("warm-up failed")
 

@@ -66,7 +66,7 @@ if not os.environ.get("NUMBA_CACHE_DIR"):
     if _dir:
         numba.config.CACHE_DIR = _dir
 
-# The estimate is measured: ~52 s of CPU for a cold `sparrow generate` on 2 Zen 4 cores (DEVELOPMENT.md).
+# The estimate is measured: 56 s of CPU for a cold `sparrow generate` on 2 Zen 4 cores (DEVELOPMENT.md).
 COMPILE_NOTICE = "sparrow: compiling kernels for this CPU (first run only: about 1 min on 2 cores)."
 
 # What the kernels that take a second or more to compile do, for the progress lines
@@ -84,12 +84,21 @@ KERNEL_ROLES = {
 }
 
 
-def report_compiles(write, min_seconds: float = 1.0) -> None:
-    """From now on, write(line) after each kernel compile (outermost only) that took at least
-    min_seconds: what it was and how long it took, so a first run shows its progress."""
+_progress = None  # the numba listener announce_compiles registered (one a process)
+
+
+def announce_compiles(write, min_seconds: float = 1.0) -> None:
+    """write(COMPILE_NOTICE) when the kernel cache is cold, then, from now on, write(line) after
+    each kernel compile (outermost only) that took at least min_seconds: what it was and how
+    long it took, so a first run shows its progress (any run may still compile a path it has
+    not used before). A second call only replaces write."""
+    global _progress
     import time
 
     from numba.core import event
+
+    if cache_is_cold():
+        write(COMPILE_NOTICE)
 
     class _Progress(event.Listener):
         def __init__(self):
@@ -104,9 +113,12 @@ def report_compiles(write, min_seconds: float = 1.0) -> None:
                 return
             fn = getattr(ev.data.get("dispatcher"), "py_func", None)
             name = getattr(fn, "__name__", "?")
-            write(f"sparrow: compiled {KERNEL_ROLES.get(name, name)} in {dt:.0f} s")
+            self.write(f"sparrow: compiled {KERNEL_ROLES.get(name, name)} in {dt:.0f} s")
 
-    event.register("numba:compile", _Progress())
+    if _progress is None:
+        _progress = _Progress()
+        event.register("numba:compile", _progress)
+    _progress.write = write
 
 
 def cache_is_cold(path=None) -> bool:

@@ -478,11 +478,9 @@ def serve(args) -> None:
 
     print(f"sparrow: serving on http://{args.host}:{args.port} (model loading)", file=sys.stderr, flush=True)
     from ..engine.warmup import SERVER_PATHS
-    from ..kernels import COMPILE_NOTICE, cache_is_cold, report_compiles
+    from ..kernels import announce_compiles
 
-    if cache_is_cold():
-        print(COMPILE_NOTICE, file=sys.stderr, flush=True)
-    report_compiles(lambda line: print(line, file=sys.stderr, flush=True))
+    announce_compiles(lambda line: print(line, file=sys.stderr, flush=True))
     print(
         f"sparrow: before serving, every path a request may take runs once ({', '.join(SERVER_PATHS)}), "
         "so that no request compiles kernels while others stream (cold cache: about 2 min on 2 cores)",
