@@ -122,8 +122,8 @@ def test_contention_backs_off_to_the_staged_path(default_llm, monkeypatch):
     plan.backoff = 0
     orig_token, orig_worker = fused_mod._ds.decode_token, fused_mod._ds.worker
 
-    def token(nt, sync, *args):  # as if every barrier had had to yield
-        orig_token(nt, sync, *args)
+    def token(addr, nt, sync, *args):  # as if every barrier had had to yield
+        orig_token(addr, nt, sync, *args)
         sync[2] = 10**6
 
     def worker(tid, nt, sync, *args):

@@ -71,8 +71,8 @@ COMPILE_NOTICE = "sparrow: compiling kernels for this CPU (first run only: about
 
 # What the kernels that take a second or more to compile do, for the progress lines
 KERNEL_ROLES = {
-    "decode_token": "fused decode step",
-    "worker": "fused decode step (one thread)",
+    "decode_token": "fused decode step (threads)",
+    "worker": "fused decode step",
     "gemm_stored": "prefill matmul",
     "prefill_kernel": "prefill attention",
     "sparse_prefill_kernel": "sparse prefill attention",

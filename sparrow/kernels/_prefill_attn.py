@@ -26,6 +26,7 @@ from numba import njit, prange
 
 from sparrow.kernels._attn_rows import exp_shifted, max_at, sum_f32
 from sparrow.kernels._tile import mm_add
+from sparrow.kernels.native_call import address_for, call_native
 
 QT = 8  # queries per work item: a key block read from memory serves QT * group rows
 BK = 64  # keys per step (SmolLM2 at 2K: 64 ms a layer vs 72 with 32; 128 overflows L1)
@@ -110,19 +111,27 @@ def _item(qa, KT, V, start, group, t0, t1, out, prow, want_p):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def prefill_kernel(qa, KT, V, start, group, out, pacc, want_p):
+def prefill_kernel(addr, qa, KT, V, start, group, out, pacc, want_p):
     """Exact causal attention of qa [T, H, D] (q * scale, positions start..start+T-1) -> out
     [T, H, D]. KT: keys [KVH, nblk, D, BK], block b transposed, zero past the last key
     (key_blocks); V: values [KVH, >= start+T, D]; pacc: zeros [items, nblk * BK] (items =
     ceil(T / QT)), or [1, 1] without importance. Item j and its mirror items-1-j run together:
-    their key counts add up to the same total, so any split of the pairs is balanced."""
+    their key counts add up to the same total, so any split of the pairs is balanced. addr:
+    _pair_items' machine code for these types, called through it so that it is compiled once
+    (kernels/native_call.py)."""
     T = qa.shape[0]
     n = (T + QT - 1) // QT
     for j in prange((n + 1) // 2):
-        i = np.int64(j)  # prange's index is unsigned in the parallel region: one signed type, one compile
-        _pair_item(qa, KT, V, start, group, out, pacc, want_p, i)
-        if n - 1 - i != i:  # the middle item of an odd count runs once
-            _pair_item(qa, KT, V, start, group, out, pacc, want_p, n - 1 - i)
+        # prange's index is unsigned in the parallel region: _pair_items takes it signed
+        call_native(addr, (np.int64(j), n, qa, KT, V, start, group, out, pacc, want_p))
+
+
+@njit(cache=True, nogil=True)
+def _pair_items(i, n, qa, KT, V, start, group, out, pacc, want_p):
+    """Query item i of n and its mirror n-1-i (the middle item of an odd count runs once)."""
+    _pair_item(qa, KT, V, start, group, out, pacc, want_p, i)
+    if n - 1 - i != i:
+        _pair_item(qa, KT, V, start, group, out, pacc, want_p, n - 1 - i)
 
 
 @njit(cache=True, nogil=True)
@@ -150,5 +159,7 @@ def prefill_attention(qa, K, V, start, group, want_p):
     KT = key_blocks(K, S)  # [KVH, nblk, D, BK]
     out = np.empty((T, H, D), np.float32)
     pacc = np.zeros(((T + QT - 1) // QT, KT.shape[1] * BK) if want_p else (1, 1), np.float32)
-    prefill_kernel(np.ascontiguousarray(qa, np.float32), KT, V, start, group, out, pacc, want_p)
+    args = (np.ascontiguousarray(qa, np.float32), KT, V, int(start), int(group), out, pacc, bool(want_p))
+    addr = address_for(_pair_items, (0, (T + QT - 1) // QT) + args)
+    prefill_kernel(addr, *args)
     return out, (pacc.sum(axis=0)[:S] if want_p else None)

@@ -33,6 +33,7 @@ from sparrow.kernels._sync import barrier, f16_bits
 from sparrow.kernels._widen import _rows_blocks, _x_block_sums
 from sparrow.kernels._x8 import GROUP, X8_FIRST
 from sparrow.kernels.elementwise import _quant_rows, _rms_rows, _rope, _silu_mul
+from sparrow.kernels.native_call import address_for, call_native
 from sparrow.kernels.sparse_select import reserve_importance_nb
 
 KW = dict(cache=True, nogil=True)
@@ -77,8 +78,9 @@ def _matvec(w, kind, x, y, tid, nt, q8):
 
 @njit(**KW)
 def _matvec_at(w, kind, x, y, off, n, tid, nt, q8):
-    """_matvec into y[0, off : off + n], n the rows of w (a piece of a group whose formats
-    differ, as q/k/v in Q4_K_M files); nothing for a piece with no rows."""
+    """_matvec into y[0, off : off + n], n the rows of w's output (a piece of a group whose
+    formats differ, as q/k/v in Q4_K_M files); nothing for a piece with no rows. Every matvec
+    of the step goes through here, so _matvec compiles for one layout of y, not two."""
     if n > 0:
         _matvec(w, kind, x, y[:, off : off + n], tid, nt, q8)
 
@@ -216,7 +218,7 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select):
                    pdummy, flags, lut, select)  # fmt: skip
             hh += n
         barrier(sync, nt)
-        _matvec(wo[layer], kinds[layer, 3], att_flat, y, tid, nt, q8)
+        _matvec_at(wo[layer], kinds[layer, 3], att_flat, y, np.int64(0), E, tid, nt, q8)
         a, b = _own_rows(wo[layer], kinds[layer, 3], E, tid, nt)
         for o in range(a, b):
             x[0, o] = x[0, o] + y[0, o]
@@ -226,21 +228,27 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select):
         _matvec_at(wg1[layer], kinds[layer, 5], h, gu, offs[layer, 4], rows[layer, 4], tid, nt, q8)
         barrier(sync, nt)
         _silu_mul(gu, F, act)
-        _matvec(wdown[layer], kinds[layer, 6], act, y, tid, nt, q8)
+        _matvec_at(wdown[layer], kinds[layer, 6], act, y, np.int64(0), E, tid, nt, q8)
         a, b = _own_rows(wdown[layer], kinds[layer, 6], E, tid, nt)
         for o in range(a, b):
             x[0, o] = x[0, o] + y[0, o]
         barrier(sync, nt)
     if head_kind >= 0:
         _rms_rows(x, head_norm, eps, h)
-        _matvec(head_w, head_kind, h, logits, tid, nt, q8)
+        _matvec_at(head_w, head_kind, h, logits, np.int64(0), logits.shape[1], tid, nt, q8)
 
 
 @njit(parallel=True, **KW)
-def decode_token(nt, sync, x, pos, model, cache, attn, scratch, q8, select):
+def decode_token(addr, nt, sync, x, pos, model, cache, attn, scratch, q8, select):
     """`worker` on nt threads at once (numba's workqueue hands each prange index to its own
-    thread, so all nt workers run together and can wait for each other)."""
+    thread, so all nt workers run together and can wait for each other). addr: worker's
+    machine code for these arguments' types (worker_address); called through it, worker is
+    compiled once instead of again inside this parallel region (kernels/native_call.py)."""
     for tid in prange(nt):
-        # prange's index is unsigned inside the parallel region and signed when numba types
-        # this function: one signed type keeps `worker` to one compile (each is ~65 s)
-        worker(np.int64(tid), nt, sync, x, pos, model, cache, attn, scratch, q8, select)
+        # prange's index is unsigned inside the parallel region: worker takes it signed
+        call_native(addr, (np.int64(tid), nt, sync, x, pos, model, cache, attn, scratch, q8, select))
+
+
+def worker_address(args, kernel=worker) -> int:
+    """The address of `worker` compiled for args (worker's own arguments, tid first)."""
+    return address_for(kernel, args)

@@ -41,6 +41,7 @@ from numba.extending import intrinsic
 from sparrow.kernels._ir import F32, I8, I32, V16F
 from sparrow.kernels._kquants import KQ_KIND
 from sparrow.kernels._widen import F16_LUT, KIND, call_slp, widen_row
+from sparrow.kernels.native_call import address_for, call_native
 
 KW = dict(cache=True, nogil=True)
 NR = 48  # weight rows per panel (a multiple of NK, the columns of one micro-kernel call)
@@ -351,33 +352,43 @@ def _pack_stored(data, kind, lut, o0, n, tmp, bp, kq):
 
 
 @njit(parallel=True, **KW)
-def gemm_stored(data, kind, lut, x, y, xp, bps, tmps, kq):
+def gemm_stored(addr, data, kind, lut, x, y, xp, bps, tmps, kq):
     """y [T, O] = x [T, K] @ W.T for stored rows data [O, *] of format kind (_widen.KIND;
     f32 rows come as their uint32 bits, widened by a copy). Scratch (contents ignored):
     xp [ceil(T / MR), K MR] for packed x; per thread bps [P, NS K, NK] for a packed panel,
     tmps [P, NR, K] for its rows widened; P threads at most. kq: None unless kind is a
-    K-quant or q5 format (see _widen.widen_row)."""
-    o_n = data.shape[0]
-    n_p = (o_n + NR - 1) // NR
+    K-quant or q5 format (see _widen.widen_row). addr: _gemm_panels' machine code for these
+    types, called through it so that it is compiled once (kernels/native_call.py)."""
+    n_p = (data.shape[0] + NR - 1) // NR
     nxt = np.zeros(1, np.int64)
     _pack_x(x, xp)
     for i in prange(min(n_p, bps.shape[0])):
-        bp, tmp = bps[i], tmps[i]
+        # prange's index is unsigned in the parallel region: _gemm_panels takes it signed
+        call_native(addr, (np.int64(i), data, kind, lut, y, xp, bps, tmps, nxt, n_p, kq))
+
+
+@njit(**KW)
+def _gemm_panels(i, data, kind, lut, y, xp, bps, tmps, nxt, n_p, kq):
+    """Thread i of gemm_stored: claims panels from the counter nxt until none of n_p are left,
+    packing each into its own scratch bps[i] / tmps[i] and sweeping x over it."""
+    bp, tmp = bps[i], tmps[i]
+    o_n = data.shape[0]
+    p = _claim(nxt)
+    while p < n_p:
+        o0 = p * NR
+        n = min(NR, o_n - o0)
+        if n < NR:
+            bp[:] = 0
+        _pack_stored(data, kind, lut, o0, n, tmp, bp, kq)
+        _sweep(bp, xp, y, o0, n)
         p = _claim(nxt)
-        while p < n_p:
-            o0 = p * NR
-            n = min(NR, o_n - o0)
-            if n < NR:
-                bp[:] = 0
-            _pack_stored(data, kind, lut, o0, n, tmp, bp, kq)
-            _sweep(bp, xp, y, o0, n)
-            p = _claim(nxt)
 
 
 # Scratch for gemm_stored, kept per calling thread and grown as needed: fresh arrays on
 # every call cost page faults (~60k of them in one 512-token SmolLM2 prefill, ~15% of its
 # GEMM time).
 _scratch = threading.local()
+_COUNTER = np.zeros(1, np.int64)  # stands in for gemm_stored's panel counter when typing
 
 
 def _scratch_arrays(*shapes):
@@ -401,5 +412,7 @@ def matmul_widened(x, w, out):
     p_n = max(1, min((w.shape[0] + NR - 1) // NR, numba.get_num_threads()))
     xp, bps, tmps = _scratch_arrays(((t_n + MR - 1) // MR, k * MR), (p_n, NS * k, NK), (p_n, NR, k))
     kq = True if w.qtype in KQ_KIND else None
-    call_slp(gemm_stored, data, KIND[w.qtype], F16_LUT, x, out, xp, bps, tmps, kq)
+    kind, n_p = KIND[w.qtype], (w.shape[0] + NR - 1) // NR
+    panels = (0, data, kind, F16_LUT, out, xp, bps, tmps, _COUNTER, n_p, kq)  # _gemm_panels' argument types
+    call_slp(gemm_stored, address_for(_gemm_panels, panels, slp=True), data, kind, F16_LUT, x, out, xp, bps, tmps, kq)
     return out

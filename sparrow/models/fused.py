@@ -220,6 +220,20 @@ class FusedDecode:
             got = memo[probe_key] = (K, V, KS, VS, IMP, P, PS, per_block)
         return got
 
+    def _worker_address(self, cache, args) -> int:
+        """worker's machine code for args (kernels/native_call.py), memoised in the cache: the
+        argument types are fixed by the cache's arrays, the activations mode, the selection
+        switch, the probe copies and the RoPE tables' layout, which make the key (typing all
+        the arguments on every step would cost ~0.3 ms)."""
+        model_t, cache_t, mode, select = args[5], args[6], args[9], args[10]
+        cos, sin = model_t[16], model_t[17]
+        key = (id(self), mode, select, id(cache_t[5]), cos.flags.c_contiguous, sin.flags.c_contiguous)
+        memo = cache.__dict__.setdefault("_fused_addresses", {})
+        addr = memo.get(key)
+        if addr is None:
+            addr = memo[key] = _ds.worker_address(args)
+        return addr
+
     def __call__(self, seg) -> np.ndarray:
         """Decodes seg (one token at seg.start over its cache) -> logits [1, V]."""
         model, cache, pos, sp = self.model, seg.cache, int(seg.start), seg.sparse
@@ -245,8 +259,10 @@ class FusedDecode:
                    self.eps, self.bias, self.q_norm, self.k_norm, cos, sin, self.H, self.KV, self.D, self.F,
                    self.scale, self.head_norm, head_w, head_kind)  # fmt: skip
         cache_t = (K, V, KS, VS, IMP, P, PS, n_copied, per_block, _KV_KIND[cache.dtype])
-        attn_t = (sp is not None, sp.k if sp is not None else nb, bs, sp.probe if sp is not None else 1,
-                  sp.flags if sp is not None else 0, sp.dense_layers if sp is not None else 0, F16_LUT)  # fmt: skip
+        if sp is not None:  # plain ints: the kernel's types must not depend on how sp was built
+            attn_t = (True, int(sp.k), int(bs), int(sp.probe), int(sp.flags), int(sp.dense_layers), F16_LUT)
+        else:
+            attn_t = (False, int(nb), int(bs), 1, 0, 0, F16_LUT)
         scratch = (self.qkv, self.att3[0], self.att3.reshape(1, -1), self.qd, self.qa, self.qs, self.gu, self.y, logits)
         # types to the kernel: each activation mode compiles only its own matvecs, and exact
         # requests no block selection
@@ -255,7 +271,8 @@ class FusedDecode:
         self.sync[:3] = 0
         t0 = time.perf_counter()
         if nt > 1:
-            _ds.decode_token(nt, self.sync, x, pos, model_t, cache_t, attn_t, scratch, mode, select)
+            args = (0, nt, self.sync, x, pos, model_t, cache_t, attn_t, scratch, mode, select)
+            _ds.decode_token(self._worker_address(cache, args), *args[1:])
         else:
             _ds.worker(0, 1, self.sync, x, pos, model_t, cache_t, attn_t, scratch, mode, select)
         cache.length = seq_len
