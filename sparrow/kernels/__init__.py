@@ -66,15 +66,17 @@ if not os.environ.get("NUMBA_CACHE_DIR"):
     if _dir:
         numba.config.CACHE_DIR = _dir
 
-# The estimate is measured: 56 s of CPU for a cold `sparrow generate` on 2 Zen 4 cores (DEVELOPMENT.md).
-COMPILE_NOTICE = "sparrow: compiling kernels for this CPU (first run only: about 1 min on 2 cores)."
+# The estimate is measured: 37 s of CPU for a cold `sparrow generate` on 2 Zen 4 cores (DEVELOPMENT.md).
+COMPILE_NOTICE = "sparrow: compiling kernels for this CPU (first run only: about 40 s on 2 cores)."
 
 # What the kernels that take a second or more to compile do, for the progress lines
 KERNEL_ROLES = {
     "decode_token": "fused decode step (threads)",
     "worker": "fused decode step",
-    "gemm_stored": "prefill matmul",
-    "prefill_kernel": "prefill attention",
+    "_gemm_panels": "prefill matmul",
+    "gemm_stored": "prefill matmul (threads)",
+    "_pair_items": "prefill attention",
+    "prefill_kernel": "prefill attention (threads)",
     "sparse_prefill_kernel": "sparse prefill attention",
     "decode_kernel": "decode attention",
     "_mv_blocks": "matvec",
