@@ -299,8 +299,8 @@ class BlockSummaries:
 
     def extend(self, layer, full_blocks):
         """Summarise blocks blocks..full_blocks-1 of layer (nothing if already there)."""
-        from sparrow.kernels._widen import F16_LUT
-        from sparrow.kernels.sparse_select import summarise_blocks
+        from sparrow.kernels.attention.select import summarise_blocks
+        from sparrow.kernels.matmul.widen import F16_LUT
 
         if full_blocks > self.blocks:
             summarise_blocks(layer.k, layer.k_scale, F16_LUT, self.block, self.blocks, full_blocks, self.rows)

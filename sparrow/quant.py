@@ -189,7 +189,7 @@ def gguf_support(ggml_type):
 class Weight:
     """A [out, in] weight matrix in stored form; see the module docstring for layouts."""
 
-    # x8: the q8 mode's interleaved copy of q8_0 / q4_0 / q4_1 rows (kernels._q8act.q8_rows)
+    # x8: the q8 mode's interleaved copy of q8_0 / q4_0 / q4_1 rows (kernels.matmul.q8.quantized.q8_rows)
     __slots__ = ("qtype", "shape", "data", "x8")
 
     def __init__(self, qtype, data, shape):

@@ -1,4 +1,4 @@
-"""The q8 mode's prefill on AMX tiles (kernels/_amx.py): the vector path's bits (the _x8 /
+"""The q8 mode's prefill on AMX tiles (kernels/matmul/q8/amx.py): the vector path's bits (the _x8 /
 _kq8 groups, whose order tests/test_q8act.py and test_kquants_q8.py check against a float64
 emulation), for any T, padding, panel and thread count; used only where the CPU has it."""
 
@@ -14,8 +14,9 @@ from test_gemm import bits
 from test_kquants import make_kq
 from test_q8act import rowdot_reference
 
-from sparrow.kernels import _amx, _q8act
 from sparrow.kernels.linear import activations, linear
+from sparrow.kernels.matmul.q8 import amx as _amx
+from sparrow.kernels.matmul.q8 import quantized as _q8act
 from weights import acts, make
 
 needs_amx = pytest.mark.skipif(not _amx.AMX, reason="this CPU (or its kernel) gives no AMX tiles")
@@ -91,7 +92,7 @@ CHILD = r"""
 import sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-from sparrow.kernels import _amx
+from sparrow.kernels.matmul.q8 import amx as _amx
 from sparrow.kernels.linear import activations, linear
 from test_amx import CASES, _weight
 from weights import acts

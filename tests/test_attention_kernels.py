@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from sparrow.errors import SparrowError
-from sparrow.kernels.sparse_select import block_sums, probe_block_maxima, select_blocks
+from sparrow.kernels.attention.select import block_sums, probe_block_maxima, select_blocks
 from sparrow.kv_cache import KVCache
 from sparrow.models.attention import decode_attention, prefill_attention
 from sparrow.params import SparseParams
@@ -271,7 +271,7 @@ def test_cache_bookkeeping():
 
 
 def test_vectorised_exp_against_float64():
-    from sparrow.kernels._attn_rows import exp_shifted
+    from sparrow.kernels.attention.rows import exp_shifted
 
     x = np.concatenate([-np.linspace(0, 100, 20001), [-0.0, -1e-8, -87.5, -300.0]]).astype(np.float32)
     for m in (0.0, 3.5):
@@ -307,7 +307,7 @@ def _fma_order_dot(q, k):
 def test_row_kernels_against_documented_order(dim):
     from numba import njit
 
-    from sparrow.kernels._attn_rows import accum, dots
+    from sparrow.kernels.attention.rows import accum, dots
 
     @njit
     def run_dots(q, K2, t0, t1, step, s, off):
@@ -387,7 +387,7 @@ def test_tile_product_matches_float64(rows, inner, cols, n):
     column slice (the rows of B need not be contiguous with each other)."""
     from numba import njit
 
-    from sparrow.kernels._tile import mm_add
+    from sparrow.kernels.attention.tile import mm_add
 
     @njit
     def run(A, B, C, n):

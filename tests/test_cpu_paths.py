@@ -9,7 +9,6 @@ gemm picks its micro-kernel tile from the features numba compiles for, so the ch
 AVX2 tile (and AVX2 code: its assembly is checked for ymm and no zmm registers).
 """
 
-import hashlib
 import json
 import os
 import platform
@@ -22,8 +21,9 @@ import pytest
 from test_gemm import bits, fma32, fma_order_reference
 
 import sparrow
-from sparrow.kernels import _widen, gemm
 from sparrow.kernels.linear import SMALL_T, linear
+from sparrow.kernels.matmul import gemm as gemm
+from sparrow.kernels.matmul import widen as _widen
 from weights import acts, make
 
 HASWELL = (  # an AVX2-only x86 CPU (and no AVX-512, whatever the host has)
@@ -58,7 +58,8 @@ import json, sys
 import numba, numpy as np
 sys.path.insert(0, sys.argv[1])
 import sparrow
-from sparrow.kernels import _widen, gemm
+from sparrow.kernels.matmul import widen as _widen
+from sparrow.kernels.matmul import gemm as gemm
 from sparrow.kernels.linear import linear
 from test_cpu_paths import DECODE_CASES, GEMM_CASES, compute
 
@@ -157,13 +158,15 @@ def test_rowdot_reference_matches_this_process():
 def run_compiled_for(tmp_path, cpu, features, code, fresh=False):
     """Runs `code` (argv: the tests folder, an .npz path it writes) in a child process whose
     numba compiles for `cpu` / `features`; returns (the INFO json the child printed, its arrays).
-    The children of one CPU path share a cache for the test session (pytest's base temp
-    folder), so each kernel compiles once per path, not once per test file; fresh=True gives
-    the child an empty one of its own (code that inspects what it compiled)."""
+    The children of one CPU path share sparrow's own kernel cache, whose folder is keyed on the
+    kernel sources and the CPU the child compiles for (kernels/__init__.py; numba's index keys
+    each entry on the target CPU too), so each kernel compiles once per path and source
+    version, not once per test file or run; fresh=True gives the child an empty cache of its
+    own (code that inspects what it compiled)."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES=features)
-    key = hashlib.sha256(f"{cpu};{features}".encode()).hexdigest()[:12]
-    env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba" if fresh else tmp_path.parent / f"numba-path-{key}")
+    if fresh:
+        env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
     env["PYTHONPATH"] = os.pathsep.join([ROOT, here] + [p for p in [env.get("PYTHONPATH")] if p])
     res = subprocess.run(
         [sys.executable, "-c", code, here, str(tmp_path / "out.npz")],
@@ -261,3 +264,23 @@ def test_other_tile_bit_for_bit(tmp_path):
     for i, (q, shape, t) in enumerate(GEMM_CASES):
         ref = fma_order_reference(acts(t, shape[1], seed=4), make(q, shape, seed=3).dequantize())
         assert np.array_equal(bits(child[f"gemm{i}"]), bits(ref)), (tile, q, shape, t)
+
+
+def test_one_cpu_description_names_the_paths_taken():
+    """kernels/cpu.py is the one reader of the target CPU: the GEMM tile, the q8 mode's integer
+    dots and tiles and AMX all come from it, and `sparrow bench speed` prints which it takes."""
+    from sparrow.kernels import cpu
+    from sparrow.kernels.matmul.q8 import amx as _amx
+    from sparrow.kernels.matmul.q8 import ir as _q8ir
+
+    d = cpu.describe()
+    assert (gemm.MR, gemm.NW, gemm.LANES) == cpu.GEMM_TILE == cpu.micro_tile(cpu.FEATURES)
+    assert (d["avx2"], d["vnni"], d["vnni512"], d["amx"]) == (_q8ir.AVX2, _q8ir.VNNI, _q8ir.VNNI512, _amx.AMX)
+    assert gemm.CPU_FEATURES == cpu.FEATURES and d["name"] == gemm.CPU_NAME
+    haswell = dict(name="haswell", avx2=True, avx512f=False, vnni=False, vnni512=False, amx=False, gemm_tile="4x3x8")
+    line = cpu.paths_line(haswell)
+    assert "by pmaddubsw (AVX2)" in line and "prefill on ymm tiles" in line and "micro-tile 4x3x8 [" in line
+    generic = dict(haswell, name="x86-64", avx2=False)
+    assert "by generic vector IR" in cpu.paths_line(generic)
+    amx = dict(haswell, name="sapphirerapids", vnni=True, vnni512=True, amx=True, gemm_tile="8x3x16")
+    assert "by vpdpbusd (VNNI)" in cpu.paths_line(amx) and "prefill on AMX tiles" in cpu.paths_line(amx)

@@ -1,4 +1,4 @@
-"""The fused decode step (models/fused.py, kernels/decode_step.py) gives the staged path's bits:
+"""The fused decode step (models/fused.py, kernels/fused/decode_step.py) gives the staged path's bits:
 every architecture, KV storage kind and attention mode, on 1 and 2 threads, and a sequence
 decoded alone (fused) equals the same sequence decoded in a batch (staged)."""
 
@@ -162,7 +162,7 @@ def test_barrier_counts_only_waits_past_the_spin():
     for longer than the spin (as when another process holds its core) is counted once."""
     from numba import njit, prange
 
-    from sparrow.kernels import _sync
+    from sparrow.kernels.fused import sync as _sync
 
     @njit(parallel=True)
     def meet(sync, late_rounds):

@@ -1,4 +1,4 @@
-"""Prefill GEMM (sparrow.kernels.gemm via linear for T > SMALL_T): accuracy on every
+"""Prefill GEMM (sparrow.kernels.matmul.gemm via linear for T > SMALL_T): accuracy on every
 format and odd size, the exact summation order (sequential fma over k), and bit-identical
 results whatever the thread count or the batch a row is computed in."""
 
@@ -6,8 +6,8 @@ import numba
 import numpy as np
 import pytest
 
-from sparrow.kernels import gemm
 from sparrow.kernels.linear import SMALL_T, linear
+from sparrow.kernels.matmul import gemm as gemm
 from sparrow.quant import Weight
 from weights import acts, make
 

@@ -9,9 +9,9 @@ import pytest
 from test_gemm import bits, fma32, fma_order_reference
 
 from sparrow.errors import SparrowError
-from sparrow.kernels import _kquants as KQ
 from sparrow.kernels import linear as L
-from sparrow.kernels._widen import F16_LUT, KIND, call_slp, widen_row
+from sparrow.kernels.matmul import kquants as KQ
+from sparrow.kernels.matmul.widen import F16_LUT, KIND, call_slp, widen_row
 from sparrow.quant import BLOCK_BYTES, BLOCK_SIZE, Weight
 from weights import acts
 
@@ -206,7 +206,7 @@ def _unpack(qtype, raw, k):
 
 def rowdot_order_reference(qtype, w, x):
     """y [O] for one x row [K], emulating the row dots' f32 operations in order (module doc
-    of sparrow.kernels._kquants): per unit of n values, t = q . x in 16 lanes, acc[u % 2] =
+    of sparrow.kernels.matmul.kquants): per unit of n values, t = q . x in 16 lanes, acc[u % 2] =
     fma(t, scale, acc[u % 2]); offsets fma'd into a scalar in order; then the pairwise sum."""
     q, scale, n, c = _unpack(qtype, w.data, w.shape[1])
     f64 = lambda a: np.asarray(a, np.float32).astype(np.float64)  # noqa: E731

@@ -1,5 +1,5 @@
 """The activations="q8" mode on ggml's 5-bit and K-quant formats (q5_0 / q5_1 in
-kernels/_x8.py, q4_k / q5_k / q6_k in kernels/_kq8.py): the documented order bit for bit
+kernels/matmul/q8/groups.py, q4_k / q5_k / q6_k in kernels/matmul/q8/kquant_groups.py): the documented order bit for bit
 against numpy, on this CPU's path and on the generic one, on 1 and 2 threads, a row alone
 equal to that row in a batch, and fused decode equal to staged."""
 
@@ -14,9 +14,10 @@ from test_kquants import _unpack, k_scales_mins, make_kq
 from test_q8act import q8_outputs, quantize_reference, rowdot_reference
 
 import sparrow
-from sparrow.kernels import _q8act, set_threads
-from sparrow.kernels._q8act import quantize, rows_q8
+from sparrow.kernels import set_threads
 from sparrow.kernels.linear import SMALL_T, activations, linear
+from sparrow.kernels.matmul.q8 import quantized as _q8act
+from sparrow.kernels.matmul.q8.quantized import quantize, rows_q8
 from sparrow.quant import BLOCK_BYTES, Weight
 from weights import acts, make
 
@@ -206,7 +207,7 @@ GENERIC_CHILD = r"""
 import json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-from sparrow.kernels import _q8ir
+from sparrow.kernels.matmul.q8 import ir as _q8ir
 from test_kquants_q8 import compute
 
 out = compute()
@@ -228,10 +229,10 @@ def test_row_range_into_a_strided_output():
     exactly their rows, into a column slice of a wider output (the fused step writes q/k/v
     pieces so), with the reference's bits; the exact path's row loops (_widen, _kquants)
     likewise. Row ranges of the q8 mode's q4_0 / q8_0 count groups: rows 8 g0 .. 8 g1."""
-    from sparrow.kernels._kquants import _rows as kq_rows
-    from sparrow.kernels._kquants import _x_block_sums as kq_sums
-    from sparrow.kernels._q8act import q8_rows
-    from sparrow.kernels._widen import KIND, _rows_blocks, _x_block_sums
+    from sparrow.kernels.matmul.kquants import _rows as kq_rows
+    from sparrow.kernels.matmul.kquants import _x_block_sums as kq_sums
+    from sparrow.kernels.matmul.q8.quantized import q8_rows
+    from sparrow.kernels.matmul.widen import KIND, _rows_blocks, _x_block_sums
 
     for q, t in (("q4_0", 1), ("q5_0", 3), ("q8_0", 2), ("q4_k", 1), ("q4_0", 6)):
         k = 256

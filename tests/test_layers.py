@@ -42,6 +42,35 @@ TIERS = [
 ]
 ROOT = "sparrow"
 
+# Inside tier 1's kernels, bottom to top (the same rule: a module imports its own sub-tier or
+# lower ones). The concerns of sub-tier 1 (matmul, attention) never import each other.
+KERNEL_TIERS = [
+    # 0: what every kernel shares: the target CPU, the weight formats, compile options, LLVM IR
+    #    helpers, calls through a compiled function's address
+    (
+        "sparrow.kernels.cpu",
+        "sparrow.kernels.formats",
+        "sparrow.kernels.options",
+        "sparrow.kernels.ir",
+        "sparrow.kernels.native_call",
+    ),
+    # 1: kernels by concern: products with stored weights (exact rows, GEMM, the q8 mode),
+    #    attention, elementwise ops, the vision tower's ops, the fused step's barrier
+    (
+        "sparrow.kernels.matmul.*",
+        "sparrow.kernels.attention.*",
+        "sparrow.kernels.elementwise",
+        "sparrow.kernels.vision",
+        "sparrow.kernels.fused.sync",
+    ),
+    # 2: what composes them: linear() (the one entry to the products), MoE experts, the fused
+    #    decode step
+    ("sparrow.kernels.linear", "sparrow.kernels.moe", "sparrow.kernels.fused.*"),
+    # 3: the package: threading layer, disk cache, thread counts, compile progress
+    ("sparrow.kernels",),
+]
+APART = ("sparrow.kernels.matmul", "sparrow.kernels.attention")
+
 
 # ---------------------------------------------------------------------- the walker
 def package_modules(root: str = ROOT) -> dict[str, tuple[Path, bool]]:
@@ -87,8 +116,8 @@ def imports_of(source: str, module: str, is_pkg: bool, known: set[str], root: st
     return sorted(set(found))
 
 
-def tier_of(module: str) -> int | None:
-    for i, patterns in enumerate(TIERS):
+def tier_of(module: str, tiers=None) -> int | None:
+    for i, patterns in enumerate(tiers or TIERS):
         if any(module == p.removesuffix(".*") or fnmatch.fnmatchcase(module, p) for p in patterns):
             return i
     return None
@@ -173,6 +202,27 @@ def test_imports_go_down_the_tiers():
     assert not bad, "imports of a higher tier (see TIERS in tests/test_layers.py):\n  " + "\n  ".join(bad)
 
 
+def kernel_tier_of(module: str) -> int | None:
+    return tier_of(module, KERNEL_TIERS)
+
+
+def test_kernels_import_down_their_sub_tiers():
+    graph = {m: e for m, e in import_graph(package_modules()).items() if m.startswith("sparrow.kernels")}
+    assert all(kernel_tier_of(m) is not None for m in graph), [m for m in graph if kernel_tier_of(m) is None]
+    bad = upward_imports(graph, kernel_tier_of)
+    assert not bad, "kernel imports of a higher sub-tier (KERNEL_TIERS in tests/test_layers.py):\n  " + "\n  ".join(bad)
+    crossing = [
+        f"{m}:{line} imports {t}"
+        for m, edges in graph.items()
+        for line, t in edges
+        for a, b in (APART, APART[::-1])
+        if (m == a or m.startswith(a + ".")) and (t == b or t.startswith(b + "."))
+    ]
+    assert not crossing, crossing
+    # the check sees an upward import when there is one
+    assert upward_imports({"sparrow.kernels.ir": [(3, "sparrow.kernels.linear")]}, kernel_tier_of)
+
+
 def test_no_import_cycles():
     graph = import_graph(package_modules())
     found = [_cycle_message(graph, c) for c in cycles(graph)]
@@ -231,7 +281,12 @@ def test_walker_sees_every_kind_of_import():
         (1, "sparrow.kernels.linear"),
         (2, "sparrow.kernels.gemm"),
     ]
-    assert (tier_of("sparrow"), tier_of("sparrow.kernels"), tier_of("sparrow.kernels.gemm"), tier_of("sparrowx")) == (
+    assert (
+        tier_of("sparrow"),
+        tier_of("sparrow.kernels"),
+        tier_of("sparrow.kernels.gemm"),
+        tier_of("sparrowx"),
+    ) == (
         5,
         1,
         1,

@@ -1,4 +1,4 @@
-"""The activations="q8" mode (kernels/_q8act.py): its documented order bit for bit, on this
+"""The activations="q8" mode (kernels/matmul/q8/quantized.py): its documented order bit for bit, on this
 CPU's path and on the generic one, batch and thread invariant, the same bits fused and
 staged, and never on unless asked for."""
 
@@ -12,14 +12,14 @@ from test_gemm import bits, fma32
 
 import sparrow
 from sparrow.errors import SparrowError
-from sparrow.kernels import _q8act
 from sparrow.kernels.linear import SMALL_T, activations, linear
+from sparrow.kernels.matmul.q8 import quantized as _q8act
 from sparrow.models.decoder import Segment
 from weights import acts, make
 
 BB = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}
 # (format, [out, in], T): odd and even block counts, one block, T up to SMALL_T, rows past
-# the serial threshold (the parallel matvec); rows that fill groups of 8 (kernels/_x8.py)
+# the serial threshold (the parallel matvec); rows that fill groups of 8 (kernels/matmul/q8/groups.py)
 # and rows whose last group is part padding, fewer rows than a group; two prefills (T > SMALL_T:
 # AMX tiles or _x16's zmm tiles where this host has them, so the children of
 # test_other_code_paths check them)
@@ -58,7 +58,7 @@ def quantize_reference(x):
 
 
 def rowdot_reference(x, w):
-    """The documented order (kernels/_x8.py) in float64-emulated f32, for q8_0 / q4_0 / q4_1 /
+    """The documented order (kernels/matmul/q8/groups.py) in float64-emulated f32, for q8_0 / q4_0 / q4_1 /
     q5_0 / q5_1: per row an exact integer sum s a block, acc = fma(s, d * dx, acc), q4_1 /
     q5_1's accm = fma(m, sx, accm), result acc + accm."""
     t_n, k = x.shape
@@ -206,7 +206,8 @@ GENERIC_CHILD = r"""
 import json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-from sparrow.kernels import _q8act, _q8ir
+from sparrow.kernels.matmul.q8 import quantized as _q8act
+from sparrow.kernels.matmul.q8 import ir as _q8ir
 from test_q8act import compute
 
 out = compute()
@@ -228,7 +229,8 @@ import json, sys
 import numpy as np
 from numba import typeof, types
 sys.path.insert(0, sys.argv[1])
-from sparrow.kernels import _q8act, _q8ir
+from sparrow.kernels.matmul.q8 import quantized as _q8act
+from sparrow.kernels.matmul.q8 import ir as _q8ir
 
 # compiled, never run: this host may lack the instructions
 data = typeof(np.zeros((1, 1), np.uint8)).copy(readonly=True)

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from sparrow.kernels.sparse_select import (
+from sparrow.kernels.attention.select import (
     STAGE_NAMES,
     block_sums,
     fill_probe_nb,

@@ -16,7 +16,7 @@ import pytest
 from test_sparse_reference import filled, spec_attend, spec_mass, stored_rows
 
 from sparrow.errors import SparrowError
-from sparrow.kernels.gemm import CPU_NAME
+from sparrow.kernels.matmul.gemm import CPU_NAME
 from sparrow.kv_cache import KVCache
 from sparrow.models.attention import decode_attention, prefill_attention
 from sparrow.params import SparseParams

@@ -1,4 +1,4 @@
-"""The q8 mode's zmm prefill tiles over pairs of interleaved groups (kernels/_x16.py; q4_0,
+"""The q8 mode's zmm prefill tiles over pairs of interleaved groups (kernels/matmul/q8/pair_tiles.py; q4_0,
 q4_1, q5_0, q5_1, q4_k, q6_k): the documented order's bits (the float64 emulations of
 tests/test_q8act.py and test_kquants_q8.py) for any T, group count, last group and thread
 count, and the path really taken where the CPU has AVX512-VNNI (the AVX2 and generic
@@ -12,14 +12,17 @@ from test_kquants import make_kq
 from test_kquants_q8 import extreme_weight, extreme_x, reference
 from test_q8act import q8_outputs, rowdot_reference
 
-from sparrow.kernels import _q8act, _q8ir, _x8, _x16
 from sparrow.kernels.linear import activations, linear
+from sparrow.kernels.matmul.q8 import groups as _x8
+from sparrow.kernels.matmul.q8 import ir as _q8ir
+from sparrow.kernels.matmul.q8 import pair_tiles as _x16
+from sparrow.kernels.matmul.q8 import quantized as _q8act
 from weights import acts, make
 
 needs_vnni512 = pytest.mark.skipif(not _q8ir.VNNI512, reason="this CPU has no AVX512-VNNI")
 
 # (format, [out, in], T): one pair and one block; 17 groups (8 pairs, then one group on the
-# ymm tiles); a part-padding last group; T not a multiple of PAIR_MR, or below it but above MR;
+# ymm tiles); a part-padding last group; T not a multiple of PAIR_X_ROWS, or below it but above TILE_X_ROWS;
 # more groups than one chunk (_q8act.GROUP_CHUNK)
 CASES = [
     ("q4_0", (16, 32), 7),
@@ -60,7 +63,7 @@ def test_pairs_extreme_codes_and_scales(qtype):
     """The largest sums (codes and scales at their extremes against x at +-127): q4_k's and
     q6_k's float(s) * float(sc) must stay exact, below 2^24, q6_k's offset codes must not
     overflow; and an all-zero x row gives 0."""
-    w, x = extreme_weight(qtype, 16), extreme_x(_x8.MR + 3)
+    w, x = extreme_weight(qtype, 16), extreme_x(_x8.TILE_X_ROWS + 3)
     with activations("q8"):
         y = linear(x, w)
     assert np.array_equal(bits(y), bits(reference(x, w)))
@@ -86,7 +89,7 @@ def test_prefill_takes_the_zmm_tiles():
     """Where the CPU has AVX512-VNNI the pair tiles are zmm vpdpbusd (compiled afresh here:
     a kernel loaded from numba's cache has no assembly to show)."""
     fresh = numba.njit(_q8act._pair_tiles.py_func)
-    x, w = acts(_x8.MR + 1, 64), make("q4_0", (16, 64))
+    x, w = acts(_x8.TILE_X_ROWS + 1, 64), make("q4_0", (16, 64))
     data, kind = _q8act.q8_rows(w)
     xq, dx, sx = _q8act.quantize(x)
     y = np.empty((x.shape[0], 16), np.float32)
@@ -94,4 +97,4 @@ def test_prefill_takes_the_zmm_tiles():
     asm = "".join(fresh.inspect_asm().values())
     assert "vpdpbusd" in asm and "zmm" in asm
     assert np.array_equal(bits(y), bits(rowdot_reference(x, w)))
-    assert _x16.PAIR_MR > _x8.MR
+    assert _x16.PAIR_X_ROWS > _x8.TILE_X_ROWS

@@ -2,7 +2,7 @@
 input, so numba compiles its kernels (or loads them from the disk cache) now, not inside
 the request that first needs them, where the server would freeze every other stream.
 
-Which kernels a path compiles is decided by types, not values (kernels/decode_step.py):
+Which kernels a path compiles is decided by types, not values (kernels/fused/decode_step.py):
 the fused step of exact requests never compiles the block selection, so a server that may
 see sparse requests compiles both. `sparrow serve` warms every path its flags allow
 (SERVER_PATHS), `sparrow compile` the ones asked for, a CLI run only what it uses.

@@ -20,14 +20,10 @@ if "NUMBA_THREADING_LAYER" not in os.environ:
 
 
 def _host_cpu() -> str:
-    """The CPU numba compiles for: name and features (NUMBA_CPU_NAME/NUMBA_CPU_FEATURES win)."""
-    import llvmlite.binding as ll
+    """The CPU numba compiles for: name and features (kernels/cpu.py)."""
+    from sparrow.kernels import cpu
 
-    try:
-        features = numba.config.CPU_FEATURES or ll.get_host_cpu_features().flatten()
-    except RuntimeError:
-        features = ""
-    return (numba.config.CPU_NAME or ll.get_host_cpu_name()) + ";" + features
+    return cpu.NAME + ";" + cpu.FEATURES
 
 
 def _cache_dir(here=None, base=None):

@@ -15,7 +15,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-_KW = dict(cache=True, nogil=True)
+from sparrow.kernels.options import KW as _KW
 
 
 @njit(fastmath={"reassoc", "contract"}, **_KW)

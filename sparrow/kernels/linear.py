@@ -9,7 +9,7 @@ batch and any number of threads gives the same bits. Activations stay f32: quant
 block, as llama.cpp does, costs SmolLM2-135M its greedy answers (logit errors ~1).
 Large T (prefill): panels of 48 W rows are widened to packed f32 and multiplied with 8 x
 rows at a time by an outer-product micro-kernel that keeps its 8 x 48 accumulators in
-vector registers (sparrow.kernels.gemm, ~100 GFLOP/s a core here); each y[t, o] is a
+vector registers (sparrow.kernels.matmul.gemm, ~100 GFLOP/s a core here); each y[t, o] is a
 sequential fma over k whatever T and the thread count. No BLAS: OpenBLAS's own threads spin
 after each call and starve numba's threads on a shared machine.
 """
@@ -19,17 +19,17 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from sparrow.kernels import _q8act
-from sparrow.kernels._widen import matvec_widened
-from sparrow.kernels.gemm import matmul_widened
+from sparrow.kernels.matmul.gemm import matmul_widened
+from sparrow.kernels.matmul.q8 import quantized
+from sparrow.kernels.matmul.widen import matvec_widened
 
 __all__ = ["linear", "SMALL_T", "ACTIVATIONS", "activations"]
 
 SMALL_T = 8  # T above this takes the prefill path (different summation order)
 # "f32": exact (the default). "q8": decode matvecs over q8_0 / q4_0 / q4_1 / q5_0 / q5_1 and
-# K-quant weights quantise x to 8 bits per 32-block as llama.cpp does (kernels/_q8act.py,
-# _x8.py, _kq8.py: faster, measured not exact); so do prefills over all of them but q5_k
-# (_q8act.PREFILL_FORMATS); other prefills and weight formats stay f32 either way.
+# K-quant weights quantise x to 8 bits per 32-block as llama.cpp does (kernels/matmul/q8/quantized.py,
+# q8.groups.py, q8.kquant_groups.py: faster, measured not exact); so do prefills over all of them but q5_k
+# (quantized.PREFILL_FORMATS); other prefills and weight formats stay f32 either way.
 ACTIVATIONS = ("f32", "q8")
 _mode = threading.local()  # the mode of the forward this thread runs (models set it per forward)
 
@@ -63,8 +63,8 @@ def linear(x, w, out=None):
     if t_n == 0:
         return out
     q8 = getattr(_mode, "act", "f32") == "q8"
-    if t_n > SMALL_T and not (q8 and _q8act.prefills(w)):
+    if t_n > SMALL_T and not (q8 and quantized.prefills(w)):
         return matmul_widened(x, w, out)
-    if q8 and _q8act.supports(w):
-        return _q8act.matvec_q8(x, w, out)
+    if q8 and quantized.supports(w):
+        return quantized.matvec_q8(x, w, out)
     return matvec_widened(x, w, out)

@@ -11,7 +11,7 @@ expert_pairs: the SwiGLU experts for a list of (token, expert) pairs in two para
 of weight rows), so each output has one writer. Each stored row is widened to f32 once per
 expert and dotted with each of its pairs' f32 activation rows by one fixed loop, so a pair's
 output depends only on that pair (batch and thread invariant). The widening and dot helpers
-are kernels/_widen.py's (the numba cache directory is keyed on every kernel source, so an
+are kernels/matmul/widen.py's (the numba cache directory is keyed on every kernel source, so an
 edit there recompiles these too).
 """
 
@@ -21,12 +21,12 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from sparrow.kernels._widen import F16_LUT, KIND, call_slp
-from sparrow.kernels._widen import dot as _dot
-from sparrow.kernels._widen import widen_row as _widen_row
-
-KW = dict(cache=True, nogil=True)
-_ROWS = 16  # weight rows per parallel work item
+from sparrow.kernels.formats import KIND
+from sparrow.kernels.matmul.widen import F16_LUT, call_slp
+from sparrow.kernels.matmul.widen import dot as _dot
+from sparrow.kernels.matmul.widen import widen_row as _widen_row
+from sparrow.kernels.options import KW
+from sparrow.kernels.options import ROWS as _ROWS
 
 
 @njit(**KW)

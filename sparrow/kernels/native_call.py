@@ -40,7 +40,7 @@ def call_native(typingctx, addr, args):
 def address(dispatcher, argtypes: tuple, slp: bool = False) -> int:
     """The address of dispatcher's machine code for argtypes (numba types), compiling it (or
     loading it from the disk cache) on first use; slp: compile with LLVM's SLP vectoriser on
-    (the block kernels need it, see _widen.call_slp). The caller must pass arguments of
+    (the block kernels need it, see widen.call_slp). The caller must pass arguments of
     exactly these types to call_native: a mismatch is undefined behaviour, not an error."""
     cres = dispatcher.overloads.get(argtypes)
     if cres is None:

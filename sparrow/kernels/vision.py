@@ -11,7 +11,9 @@ import math
 import numpy as np
 from numba import njit, prange
 
-_KW = dict(cache=True, nogil=True, parallel=True)
+from sparrow.kernels.options import KW
+
+_KW = dict(KW, parallel=True)
 
 
 @njit(**_KW)

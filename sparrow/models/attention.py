@@ -2,7 +2,7 @@
 
 The cache-aware side of attention: it takes a LayerCache (K/V storage of one kind) and its
 SparseState (importance, probe-key copies) and hands their arrays to the kernels in
-sparrow.kernels._attn_kernels, which know nothing of caches.
+sparrow.kernels.attention.decode, which know nothing of caches.
 
 Decode runs one serial numba kernel, sparse prefill one parallel kernel (prange over KV heads
 only); both attend each query head over its list of selected blocks, the query heads of a GQA
@@ -21,16 +21,16 @@ Nothing is split across threads, so results do not depend on the thread count. P
 spec's raw q . K[p] (int8: with the scales); sparse decode reads the probe keys of full blocks
 below seq_len from a contiguous copy kept in the SparseState (kv_cache.ProbeKeys).
 
-Exact prefill runs kernels._prefill_attn: online softmax over 64-key steps, a few queries of
+Exact prefill runs kernels.attention.prefill: online softmax over 64-key steps, a few queries of
 every head per work item, scores in L1; f16/int8 keys and values are dequantised to f32 for it.
 """
 
 import numpy as np
 
-from ..kernels._attn_kernels import decode_kernel, sparse_prefill_kernel
-from ..kernels._prefill_attn import prefill_attention as exact_prefill_kernel
-from ..kernels._widen import F16_LUT
-from ..kernels.sparse_select import STAGE_NAMES
+from ..kernels.attention.decode import decode_kernel, sparse_prefill_kernel
+from ..kernels.attention.prefill import prefill_attention as exact_prefill_kernel
+from ..kernels.attention.select import STAGE_NAMES
+from ..kernels.matmul.widen import F16_LUT
 from ..params import SparseParams  # noqa: F401  (type of the sparse argument)
 
 _DEFAULT_BLOCK = 32

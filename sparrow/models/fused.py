@@ -1,4 +1,4 @@
-"""The fused decode step: one compiled call per token on every thread (kernels/decode_step.py),
+"""The fused decode step: one compiled call per token on every thread (kernels/fused/decode_step.py),
 for a single sequence's decode when the model allows it; everything else takes the staged
 path (Decoder.forward's stage methods), which gives the same bits.
 
@@ -19,17 +19,18 @@ import numpy as np
 from numba.typed import List
 
 from ..errors import SparrowError
-from ..kernels import _sync
-from ..kernels import decode_step as _ds
-from ..kernels._q8act import q8_rows
-from ..kernels._widen import F16_LUT, KIND
+from ..kernels.formats import KIND
+from ..kernels.fused import decode_step as _ds
+from ..kernels.fused import sync
+from ..kernels.matmul.q8.quantized import q8_rows
+from ..kernels.matmul.widen import F16_LUT
 from .layers import MLP
 
 BLOCK_KINDS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 _KV_KIND = {"f32": _ds.KV_F32, "f16": _ds.KV_F16, "int8": _ds.KV_INT8}
 _DEFAULT_BLOCK = 32  # the block the exact-attention kernel walks (models.attention)
 # Contention: the workers meet at 6 barriers a layer and spin there. When another process
-# takes a core, a worker waits for a descheduled partner (past _sync.SPIN_SECONDS the
+# takes a core, a worker waits for a descheduled partner (past sync.SPIN_SECONDS the
 # barrier yields the CPU and counts the wait); past 1 in CONTENDED such waits in a step,
 # the next BACKOFF_STEPS single-sequence steps take the staged path, whose parallel
 # launches sleep instead of spin.
@@ -85,7 +86,7 @@ def _readonly(a):
 
 def _rows_kind(w, q8):
     """(rows, kind) the fused step reads for a weight piece, read-only: as stored, or in q8
-    mode the form kernels._q8act reads (q8_0 / q4_0 / q4_1 interleaved in groups of 8 rows)."""
+    mode the form kernels.matmul.q8.quantized reads (q8_0 / q4_0 / q4_1 interleaved in groups of 8 rows)."""
     if w is None:
         return _EMPTY, 0
     rows, kind = q8_rows(w) if q8 else (w.data, KIND[w.qtype])
@@ -157,7 +158,7 @@ class FusedDecode:
         self.y = np.empty((1, self.E), np.float32)
         self.logits_shape = (1, V)
         self.sync = np.zeros(4, np.int64)  # barrier: arrivals, generation, long waits, spin rounds
-        self.sync[3] = _sync.spin_rounds()
+        self.sync[3] = sync.spin_rounds()
         self.backoff = 0  # staged steps left before the fused step is tried again
         self.staged_s = None  # seconds of the latest staged step taken while backing off
         self.steps = 0  # fused steps run (tests check the path they meant to test ran)
@@ -173,7 +174,7 @@ class FusedDecode:
     def weights_for(self, q8: bool):
         """(q/k/v rows x 3, o, gate/up rows x 2, down, kinds [L, 7], lm_head rows, its kind or
         -1) for activations q8 or f32, built once each (the q8 set may copy weights,
-        _q8act.q8_rows)."""
+        q8.quantized.q8_rows)."""
         got = self._weights.get(q8)
         if got is None:
             layers = self.model.layers
@@ -226,8 +227,8 @@ class FusedDecode:
         switch, the probe copies and the RoPE tables' layout, which make the key (typing all
         the arguments on every step would cost ~0.3 ms)."""
         model_t, cache_t, mode, select = args[5], args[6], args[9], args[10]
-        cos, sin = model_t[16], model_t[17]
-        key = (id(self), mode, select, id(cache_t[5]), cos.flags.c_contiguous, sin.flags.c_contiguous)
+        cos, sin = model_t.cos, model_t.sin
+        key = (id(self), mode, select, id(cache_t.P), cos.flags.c_contiguous, sin.flags.c_contiguous)
         memo = cache.__dict__.setdefault("_fused_addresses", {})
         addr = memo.get(key)
         if addr is None:
@@ -255,15 +256,29 @@ class FusedDecode:
         logits = np.empty(self.logits_shape, np.float32)  # [1, V]
         q8 = model.activations == "q8"
         wq0, wq1, wq2, wo, wg0, wg1, wdown, kinds, head_w, head_kind = self.weights_for(q8)
-        model_t = (wq0, wq1, wq2, wo, wg0, wg1, wdown, kinds, self.offs, self.rows, self.in_norm, self.post_norm,
-                   self.eps, self.bias, self.q_norm, self.k_norm, cos, sin, self.H, self.KV, self.D, self.F,
-                   self.scale, self.head_norm, head_w, head_kind)  # fmt: skip
-        cache_t = (K, V, KS, VS, IMP, P, PS, n_copied, per_block, _KV_KIND[cache.dtype])
+        model_t = _ds.StepModel(
+            wq0=wq0, wq1=wq1, wq2=wq2, wo=wo, wg0=wg0, wg1=wg1, wdown=wdown, kinds=kinds, offs=self.offs,
+            rows=self.rows, in_norm=self.in_norm, post_norm=self.post_norm, eps=self.eps, bias=self.bias,
+            q_norm=self.q_norm, k_norm=self.k_norm, cos=cos, sin=sin, H=self.H, KV=self.KV, D=self.D, F=self.F,
+            scale=self.scale, head_norm=self.head_norm, head_w=head_w, head_kind=head_kind,
+        )  # fmt: skip
+        cache_t = _ds.StepCache(
+            K=K, V=V, KS=KS, VS=VS, IMP=IMP, P=P, PS=PS, n_copied=n_copied, per_block=per_block,
+            kv_kind=_KV_KIND[cache.dtype],
+        )  # fmt: skip
         if sp is not None:  # plain ints: the kernel's types must not depend on how sp was built
-            attn_t = (True, int(sp.k), int(bs), int(sp.probe), int(sp.flags), int(sp.dense_layers), F16_LUT)
+            attn_t = _ds.StepAttention(
+                sparse_on=True, k_blocks=int(sp.k), block=int(bs), n_probe=int(sp.probe), flags=int(sp.flags),
+                dense=int(sp.dense_layers), lut=F16_LUT,
+            )  # fmt: skip
         else:
-            attn_t = (False, int(nb), int(bs), 1, 0, 0, F16_LUT)
-        scratch = (self.qkv, self.att3[0], self.att3.reshape(1, -1), self.qd, self.qa, self.qs, self.gu, self.y, logits)
+            attn_t = _ds.StepAttention(
+                sparse_on=False, k_blocks=int(nb), block=int(bs), n_probe=1, flags=0, dense=0, lut=F16_LUT
+            )
+        scratch = _ds.StepScratch(
+            qkv=self.qkv, att=self.att3[0], att_flat=self.att3.reshape(1, -1), qd=self.qd, qa=self.qa, qs=self.qs,
+            gu=self.gu, y=self.y, logits=logits,
+        )  # fmt: skip
         # types to the kernel: each activation mode compiles only its own matvecs, and exact
         # requests no block selection
         mode, select = (True if q8 else None), (True if sp is not None else None)

@@ -1,4 +1,4 @@
-"""LLVM IR building blocks shared by the vector-IR kernels (_widen, gemm, _attn_rows).
+"""LLVM IR building blocks shared by the vector-IR kernels (widen, gemm, attention.rows).
 
 Plain Python run at compile time; what they emit is part of those kernels' machine code (the
 numba cache directory is keyed on every kernel source file, so editing this recompiles them).
@@ -12,6 +12,11 @@ from numba.extending import intrinsic
 F32, I8, I16, I32, I64 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 V16F = ir.VectorType(F32, 16)
 V16I32 = ir.VectorType(I32, 16)
+
+
+def c64(v):
+    """An i64 constant."""
+    return ir.Constant(I64, v)
 
 
 def fma(builder, a, b, c):

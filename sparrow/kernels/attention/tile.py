@@ -18,7 +18,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from sparrow.kernels._ir import F32, I64, fma, splat16
+from sparrow.kernels.ir import F32, I64, fma, splat16
 
 V8F = ir.VectorType(F32, 8)
 

@@ -1,10 +1,10 @@
 """q8-mode prefill on Intel AMX tiles (Sapphire Rapids and later): the same bits, more MACs.
 
 A q8-mode prefill multiplies T quantised x rows by a q8_0 / q4_0 / q4_1 / q4_k / q6_k matrix. The
-vector path (_x8 groups, vpdpbusd) reaches ~86 GMAC/s on two cores of an AMX Xeon; one AMX
+vector path (q8.groups groups, vpdpbusd) reaches ~86 GMAC/s on two cores of an AMX Xeon; one AMX
 tdpbssd multiplies a 16 x 32 int8 tile by a 32 x 16 one (8192 exact integer MACs) in ~16
-cycles. Here a 16-row panel of weights (two _x8 groups) is unpacked once to int8 codes in
-the B-tile layout (4 bytes of a row a column: the _x8 chunks side by side) and swept by
+cycles. Here a 16-row panel of weights (two q8.groups groups) is unpacked once to int8 codes in
+the B-tile layout (4 bytes of a row a column: the q8.groups chunks side by side) and swept by
 every 16-row tile of x:
 
   per block b (32 values): C = A_b B_b (tdpbssd / tdpbsud: C[t, r] = the exact int32 sum
@@ -14,7 +14,7 @@ every 16-row tile of x:
     q4_1 only: accm = fma(m, sx[t, b], accm)          sub-block's 6-bit scale; q6_k:
     q4_k only: accm = fma(-(dmin m_j), sx[t, b], accm)   sc[2j] C0 + sc[2j + 1] C1)
 
-which is _x8's and _kq8's documented order, operation for operation: integer sums are exact
+which is q8.groups's and q8.kquant_groups's documented order, operation for operation: integer sums are exact
 whichever instruction forms them, so this path gives the vector path's bits (tests compare
 them) and a row's bits stay independent of T, the tile and the thread count. q4_0's codes
 enter as nibble - 8 (signed), so its s needs no -8 sum(code_x) correction.
@@ -23,41 +23,26 @@ Tiles need the kernel's permission (arch_prctl ARCH_REQ_XCOMP_PERM, once per pro
 it is refused, where the CPU lacks amx-int8, or with SPARROW_AMX=0, nothing here runs.
 """
 
-import ctypes
-import os
-import platform
-
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from sparrow.kernels._ir import F32, I8, I16, I32, V16F, V16I32, fma, splat16
-from sparrow.kernels._kq8 import _CODES, _Q6_QH, _Q6_QL, _Q6_SC
-from sparrow.kernels._q8ir import V16I16, V32I8, call, splat
-from sparrow.kernels._widen import F16_LUT
-from sparrow.kernels._x8 import GROUP_BYTES, REGIONS, c64, load, nibble
-from sparrow.kernels.gemm import CPU_FEATURES
+from sparrow.kernels import cpu
+from sparrow.kernels.formats import AMX_FORMATS, KIND, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
+from sparrow.kernels.ir import F32, I8, I16, I32, V16F, V16I32, c64, fma, splat16
+from sparrow.kernels.matmul.q8.groups import GROUP_BYTES, REGIONS, load, nibble
+from sparrow.kernels.matmul.q8.ir import V16I16, V32I8, call, splat
+from sparrow.kernels.matmul.q8.kquant_groups import _CODES, _Q6_QH, _Q6_QL, _Q6_SC
+from sparrow.kernels.matmul.widen import F16_LUT
+from sparrow.kernels.options import KW
 
-KW = dict(cache=True, nogil=True)
 TILE = 16  # x rows and weight rows a tile covers
-FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q6_k")
+FORMATS = AMX_FORMATS  # q8_0, q4_0, q4_1, q4_k, q6_k
 
 
-def _permitted() -> bool:
-    feats = set(CPU_FEATURES.split(","))
-    if os.environ.get("SPARROW_AMX", "1") == "0" or not {"+amx-tile", "+amx-int8"} <= feats:
-        return False
-    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    try:  # arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): tiles for every thread of this process
-        return ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-AMX = _permitted()
+AMX = cpu.AMX  # the CPU has tiles, SPARROW_AMX is not 0 and Linux grants them (kernels/cpu.py)
 
 
 def _config(shapes):
@@ -86,7 +71,7 @@ def _f16(p, at, lut):
 
 
 def _unpack(qtype):
-    """An intrinsic unpack(row, nb, bpan, h): the codes of one _x8 group row (its bytes, nb x
+    """An intrinsic unpack(row, nb, bpan, h): the codes of one q8.groups group row (its bytes, nb x
     blocks of 32) into columns 32 h .. 32 h + 31 of the B tiles bpan [nb, 8, 64], as vector
     code (the numba loop it replaced ran as long as the tiles on q4_0)."""
     gb = GROUP_BYTES[qtype]
@@ -162,8 +147,8 @@ _unpack_q8_0, _unpack_q4_0, _unpack_q4_1, _unpack_q4_k, _unpack_q6_k = (_unpack(
 
 
 @njit(**KW)
-def panel(qtype_id, data, g, bb, lut, bpan, dpan, mpan, span):
-    """Groups g, g + 1 of _x8's layout (the second absent past the last) -> B tiles bpan [nb,
+def panel(kind, data, g, bb, lut, bpan, dpan, mpan, span):
+    """Groups g, g + 1 of q8.groups's layout (the second absent past the last) -> B tiles bpan [nb,
     8, 64] int8 (element 4 k4 + i of weight row r at [k4, 4 r + i]), d and the offset term
     (q4_1: m; q4_k: -(dmin m_j)) per block and row in dpan / mpan [nb, 16], the block's
     scales in span [nb, 2, 16] (q4_k: its 6-bit scale; q6_k: those of its two halves)."""
@@ -176,18 +161,18 @@ def panel(qtype_id, data, g, bb, lut, bpan, dpan, mpan, span):
             span[:, :, 8 * h : 8 * h + 8] = 0
             continue
         row = data[g + h]
-        if qtype_id == 0:
+        if kind == Q8_0:
             _unpack_q8_0(row, nb, bpan, h)
-        elif qtype_id == 1:
+        elif kind == Q4_0:
             _unpack_q4_0(row, nb, bpan, h)
-        elif qtype_id == 2:
+        elif kind == Q4_1:
             _unpack_q4_1(row, nb, bpan, h)
-        elif qtype_id == 3:
+        elif kind == Q4_K:
             _unpack_q4_k(row, nb, bpan, h)
         else:
             _unpack_q6_k(row, nb, bpan, h)
         for b in range(nb):
-            if qtype_id == 4:  # q6_k: super-block b // 8, its scales 2 j, 2 j + 1 (int8)
+            if kind == Q6_K:  # q6_k: super-block b // 8, its scales 2 j, 2 j + 1 (int8)
                 p, j = (b // 8) * bb, b % 8
                 for r in range(8):
                     dpan[b, 8 * h + r] = _f16(row, p + 2 * r, lut)
@@ -196,7 +181,7 @@ def panel(qtype_id, data, g, bb, lut, bpan, dpan, mpan, span):
                         v = np.int32(row[p + _Q6_SC + 16 * j + 2 * r + i])
                         span[b, i, 8 * h + r] = v - 256 if v > 127 else v
                 continue
-            if qtype_id == 3:  # q4_k: super-block b // 8, sub-block j = b % 8
+            if kind == Q4_K:  # q4_k: super-block b // 8, sub-block j = b % 8
                 p, j = (b // 8) * bb, b % 8
                 for r in range(8):
                     dpan[b, 8 * h + r] = _f16(row, p + 2 * r, lut)
@@ -207,7 +192,7 @@ def panel(qtype_id, data, g, bb, lut, bpan, dpan, mpan, span):
             p = b * bb
             for r in range(8):
                 dpan[b, 8 * h + r] = _f16(row, p + 2 * r, lut)
-                mpan[b, 8 * h + r] = _f16(row, p + 16 + 2 * r, lut) if qtype_id == 2 else 0
+                mpan[b, 8 * h + r] = _f16(row, p + 16 + 2 * r, lut) if kind == Q4_1 else 0
 
 
 # ------------------------------------------------------------------ the tile loop (IR)
@@ -367,14 +352,14 @@ _tiles_q8_0, _tiles_q4_0, _tiles_q4_1, _tiles_q4_k, _tiles_q6_k = (_tiles(q) for
 
 
 @njit(**KW)
-def _run_tiles(qtype_id, cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n):
-    if qtype_id == 0:
+def _run_tiles(kind, cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n):
+    if kind == Q8_0:
         _tiles_q8_0(cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n)
-    elif qtype_id == 1:
+    elif kind == Q4_0:
         _tiles_q4_0(cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n)
-    elif qtype_id == 2:
+    elif kind == Q4_1:
         _tiles_q4_1(cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n)
-    elif qtype_id == 3:
+    elif kind == Q4_K:
         _tiles_q4_k(cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n)
     else:
         _tiles_q6_k(cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n)
@@ -388,9 +373,9 @@ def tile_major(xq):
 
 
 @njit(parallel=True, **KW)
-def _matmul(qtype_id, cfg, data, bb, lut, xa, dx, sx, y):
+def _matmul(kind, cfg, data, bb, lut, xa, dx, sx, y):
     """y [T, O] for every x row (xa: tile_major's; dx / sx padded to a multiple of 16 rows) and
-    _x8 groups data, 16 weight rows (two groups) a parallel item."""
+    q8.groups groups data, 16 weight rows (two groups) a parallel item."""
     t_n = y.shape[0]
     nb = dx.shape[1]
     for pi in prange((data.shape[0] + 1) // 2):
@@ -399,16 +384,16 @@ def _matmul(qtype_id, cfg, data, bb, lut, xa, dx, sx, y):
         mpan = np.empty((nb, TILE), np.float32)
         span = np.empty((nb, 2, TILE), np.int32)
         cbuf = np.empty((5 * TILE, TILE), np.int32)
-        panel(qtype_id, data, 2 * pi, bb, lut, bpan, dpan, mpan, span)
-        _run_tiles(qtype_id, cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, TILE * pi, t_n)
+        panel(kind, data, 2 * pi, bb, lut, bpan, dpan, mpan, span)
+        _run_tiles(kind, cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, TILE * pi, t_n)
 
 
 def matmul(xq, dx, sx, data, qtype, y):
-    """y [T, O] = the q8-mode product of quantised x rows (_q8act.quantize's xq / dx / sx,
-    padded with zero rows to a multiple of 16) and a weight's _x8 groups data (qtype one of
+    """y [T, O] = the q8-mode product of quantised x rows (q8.quantized.quantize's xq / dx / sx,
+    padded with zero rows to a multiple of 16) and a weight's q8.groups groups data (qtype one of
     FORMATS; O at most 8 per group)."""
     _matmul(
-        FORMATS.index(qtype),
+        KIND[qtype],
         CONFIG_Q6_K if qtype == "q6_k" else CONFIG,
         data,
         GROUP_BYTES[qtype],

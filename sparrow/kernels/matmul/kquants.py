@@ -2,12 +2,12 @@
 q6_k (super-blocks of 256); layouts in sparrow.quant's docstring.
 
 - widen_kq: one stored row -> f32 in vector IR, bit-identical to Weight.dequantize() (the
-  same f32 operations in the same order: (d * sc) * q - dmin * m, no fma). _widen.widen_row
+  same f32 operations in the same order: (d * sc) * q - dmin * m, no fma). widen.widen_row
   hands these kinds here, so the prefill GEMM (gemm.py packs panels with widen_row) and the
   MoE expert kernels run them unchanged.
 - matvec_kq: small T (decode). Each row is dotted with f32 x straight from its blocks by a
   rowdot written as LLVM vector IR (numba promotes small integers to int64, halving the SIMD
-  width of the unpacking; see _widen's block row dots). Per sub-block of 32 values
+  width of the unpacking; see widen's block row dots). Per sub-block of 32 values
   (q6_k: per 16), t = q . x in 16 lanes, then acc = fma(t, d * sc, acc), two vector
   accumulators (even / odd sub-blocks); the offset part (q4_k / q5_k: -dmin * m * sum(x),
   q5_1: m * sum(x), q5_0: -16 d * sum(x)) goes to a scalar accumulator in sub-block order,
@@ -19,7 +19,7 @@ Both are generated from one description of each layout (_emit_block), so the row
 the widening decode the same codes and scales. q4_k / q5_k's 6-bit scales and mins are
 unpacked 8 lanes at a time (scales_mins8; the scalar unpack was ~40% of the row dot's
 instructions), then d * sc and -(dmin * m) are the same f32 products per lane.
-This module imports nothing from the other kernel modules (_widen imports it); the numba
+This module imports only ir and formats of the other kernel modules (widen imports it); the numba
 cache directory is keyed on every kernel source, so an edit here recompiles their kernels.
 """
 
@@ -29,25 +29,18 @@ from numba import njit, prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from sparrow.kernels._ir import F32, I8, I32, I64, V16F, V16I32, hsum16, make_rows, row_step, splat16, zeroed
-from sparrow.kernels._ir import fma as _fma
-
-KW = dict(cache=True, nogil=True)
-KQ_KIND = {"q5_0": 6, "q5_1": 7, "q4_k": 8, "q5_k": 9, "q6_k": 10}  # continues _widen.KIND
-_ROWS = 16  # weight rows per parallel work item
-PARALLEL_MIN_MACS = 4_000_000  # as _widen's: below this a thread-pool launch costs more than it saves
-
+from sparrow.kernels.formats import BY_NAME, KQ_KIND, Q4_K, Q5_0, Q5_K, Q6_K
+from sparrow.kernels.ir import F32, I8, I32, V16F, V16I32, c64, hsum16, make_rows, row_step, splat16, zeroed
+from sparrow.kernels.ir import fma as _fma
+from sparrow.kernels.options import KW, PARALLEL_MIN_MACS
+from sparrow.kernels.options import ROWS as _ROWS
 
 # ---------------------------------------------------------------- vector IR: block decoding, row dots, widening
 
-_BB = {"q5_0": 22, "q5_1": 24, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+_BB = {q: BY_NAME[q].block_bytes for q in KQ_KIND}  # bytes a (super-)block
 _V16I8 = ir.VectorType(I8, 16)
 _V8I32 = ir.VectorType(I32, 8)
 _V8F = ir.VectorType(F32, 8)
-
-
-def _c64(v):
-    return ir.Constant(I64, v)
 
 
 def _vi32(vals):
@@ -80,7 +73,7 @@ class _Row:
     def dot32(self, lo, hi, xo):
         """q . x over 32 values in 16 lanes: fma(hi, x[xo + 16:], lo * x[xo:])."""
         b = self.b
-        return _fma(b, hi, self.x16(b.add(xo, _c64(16))), b.fmul(lo, self.x16(xo)))
+        return _fma(b, hi, self.x16(b.add(xo, c64(16))), b.fmul(lo, self.x16(xo)))
 
 
 def scales_mins8(b, sb):
@@ -107,15 +100,15 @@ def _emit_block(qtype, r, blk, step):
     for q5_1 and the K types (coefficient m, or -dmin m), scale * (code - 16) for q5_0 (its
     coefficient: -16 d), scale * code for q6_k (codes already signed)."""
     b = r.b
-    p = b.mul(blk, _c64(_BB[qtype]))
+    p = b.mul(blk, c64(_BB[qtype]))
     if qtype in ("q5_0", "q5_1"):
         d = r.half(p)
         o = 2 if qtype == "q5_0" else 4
-        qhp = b.bitcast(b.gep(r.rp, [b.add(p, _c64(o))]), I32.as_pointer())
+        qhp = b.bitcast(b.gep(r.rp, [b.add(p, c64(o))]), I32.as_pointer())
         qh = b.load(qhp, align=1)
         undef = ir.Constant(V16I32, ir.Undefined)
         qhv = b.shuffle_vector(b.insert_element(undef, qh, ir.Constant(I32, 0)), undef, _vi32([0] * 16))
-        q = r.bytes16(b.add(p, _c64(o + 4)))
+        q = r.bytes16(b.add(p, c64(o + 4)))
         # bit i of qh -> 16 in lane i: a mask test and a select (per-lane variable shifts are
         # slower on AVX2)
         zero, sixteen = _vi32([0] * 16), _vi32([16] * 16)
@@ -125,57 +118,57 @@ def _emit_block(qtype, r, blk, step):
 
         lo = b.or_(b.and_(q, _vi32([15] * 16)), fifth(range(16)))
         hi = b.or_(b.lshr(q, _vi32([4] * 16)), fifth(range(16, 32)))
-        coef = b.fmul(d, ir.Constant(F32, -16.0)) if qtype == "q5_0" else r.half(b.add(p, _c64(2)))
-        step((lo, hi), b.mul(blk, _c64(32)), d, (coef, blk))
+        coef = b.fmul(d, ir.Constant(F32, -16.0)) if qtype == "q5_0" else r.half(b.add(p, c64(2)))
+        step((lo, hi), b.mul(blk, c64(32)), d, (coef, blk))
         return
-    x0 = b.mul(blk, _c64(256))
-    s0 = b.mul(blk, _c64(8))  # first 32-value block of this super-block
+    x0 = b.mul(blk, c64(256))
+    s0 = b.mul(blk, c64(8))  # first 32-value block of this super-block
     if qtype in ("q4_k", "q5_k"):
-        d, dmin = r.half(p), r.half(b.add(p, _c64(2)))
+        d, dmin = r.half(p), r.half(b.add(p, c64(2)))
         qo = 16 if qtype == "q4_k" else 48
         if qtype == "q5_k":
-            qh = (r.bytes16(b.add(p, _c64(16))), r.bytes16(b.add(p, _c64(32))))
+            qh = (r.bytes16(b.add(p, c64(16))), r.bytes16(b.add(p, c64(32))))
         # d * sc and -(dmin * m) of the 8 sub-blocks in vector lanes: the same f32 products
         # a scalar unpack gives, in a fifth of its instructions
-        sbp = b.bitcast(b.gep(r.rp, [b.add(p, _c64(4))]), _V16I8.as_pointer())
+        sbp = b.bitcast(b.gep(r.rp, [b.add(p, c64(4))]), _V16I8.as_pointer())
         scv, mv = scales_mins8(b, b.load(sbp, align=1))
         dsc = b.fmul(splat16(b, d, 8), b.uitofp(scv, _V8F))
         nml = b.fsub(ir.Constant(_V8F, [-0.0] * 8), b.fmul(splat16(b, dmin, 8), b.uitofp(mv, _V8F)))
         for s in range(8):
             lane = ir.Constant(I32, s)
-            q0 = b.add(p, _c64(qo + 32 * (s // 2)))
+            q0 = b.add(p, c64(qo + 32 * (s // 2)))
             codes = []
-            for i, q in enumerate((r.bytes16(q0), r.bytes16(b.add(q0, _c64(16))))):
+            for i, q in enumerate((r.bytes16(q0), r.bytes16(b.add(q0, c64(16))))):
                 v = b.and_(b.lshr(q, _vi32([4 * (s % 2)] * 16)), _vi32([15] * 16))
                 if qtype == "q5_k":
                     hb = b.and_(b.lshr(qh[i], _vi32([s] * 16)), _vi32([1] * 16))
                     v = b.or_(v, b.shl(hb, _vi32([4] * 16)))
                 codes.append(v)
-            offset = (b.extract_element(nml, lane), b.add(s0, _c64(s)))
-            step(codes, b.add(x0, _c64(32 * s)), b.extract_element(dsc, lane), offset)
+            offset = (b.extract_element(nml, lane), b.add(s0, c64(s)))
+            step(codes, b.add(x0, c64(32 * s)), b.extract_element(dsc, lane), offset)
         return
     # q6_k: units of 16 values, each its own int8 scale; no offset term
-    d = r.half(b.add(p, _c64(208)))
-    scp = b.bitcast(b.gep(r.rp, [b.add(p, _c64(192))]), _V16I8.as_pointer())
+    d = r.half(b.add(p, c64(208)))
+    scp = b.bitcast(b.gep(r.rp, [b.add(p, c64(192))]), _V16I8.as_pointer())
     dsc = b.fmul(splat16(b, d), b.sitofp(b.load(scp, align=1), V16F))  # d * sc of the 16 units, one lane each
     for h in range(2):
         for s in range(4):
             for g in range(2):
                 j = 16 * g
-                ql = r.bytes16(b.add(p, _c64(64 * h + 32 * (s & 1) + j)))
-                qh = r.bytes16(b.add(p, _c64(128 + 32 * h + j)))
+                ql = r.bytes16(b.add(p, c64(64 * h + 32 * (s & 1) + j)))
+                qh = r.bytes16(b.add(p, c64(128 + 32 * h + j)))
                 lo = b.and_(b.lshr(ql, _vi32([4 * (s >> 1)] * 16)), _vi32([15] * 16))
                 hi = b.shl(b.and_(b.lshr(qh, _vi32([2 * s] * 16)), _vi32([3] * 16)), _vi32([4] * 16))
                 q = b.sub(b.or_(lo, hi), _vi32([32] * 16))
                 sc = b.extract_element(dsc, ir.Constant(I32, 8 * h + 2 * s + g))
-                step((q,), b.add(x0, _c64(128 * h + 32 * s + j)), sc, None)
+                step((q,), b.add(x0, c64(128 * h + 32 * s + j)), sc, None)
 
 
 def _blocks_loop(builder, qtype, r, nb, emit):
     """emit(block index) for every (super-)block; q5_* two a time, then an odd last one.
     emit is called at the start of each group, so a caller can reset per-group state."""
     if qtype in ("q5_0", "q5_1"):
-        one = _c64(1)
+        one = c64(1)
         with cgutils.for_range(builder, builder.lshr(nb, one)) as loop:
             b0 = builder.shl(loop.index, one)
             emit(b0, True)
@@ -188,13 +181,13 @@ def _blocks_loop(builder, qtype, r, nb, emit):
 
 
 def _emit_rowdot(qtype):
-    """One row dotted with f32 x, as _ir.make_rows calls it (inputs: x [nb * size], sx
+    """One row dotted with f32 x, as ir.make_rows calls it (inputs: x [nb * size], sx
     [nb * size / 32], the sums of x over each 32 values)."""
     per = 1 if qtype in ("q5_0", "q5_1") else 8  # 32-value block sums per (super-)block
 
     def emit(builder, rp, ptrs, lens):
         r = _Row(builder, rp, builder.bitcast(ptrs[0], F32.as_pointer()), builder.bitcast(ptrs[1], F32.as_pointer()))
-        nb = builder.udiv(lens[1], _c64(per))
+        nb = builder.udiv(lens[1], c64(per))
         accs = [zeroed(builder, V16F) for _ in range(2)]
         accm = zeroed(builder, F32)
         turn = [0]  # units alternate between the two vector accumulators
@@ -203,7 +196,7 @@ def _emit_rowdot(qtype):
             q = [builder.sitofp(c, V16F) for c in codes]
             t = builder.fmul(q[0], r.x16(at))
             if len(q) == 2:
-                t = _fma(builder, q[1], r.x16(builder.add(at, _c64(16))), t)
+                t = _fma(builder, q[1], r.x16(builder.add(at, c64(16))), t)
             acc = accs[turn[0] % 2]
             turn[0] += 1
             builder.store(_fma(builder, t, splat16(builder, scale), builder.load(acc)), acc)
@@ -236,7 +229,7 @@ def _make_widen(qtype):
             oa = context.make_array(signature.args[1])(context, builder, args[1])
             r = _Row(builder, builder.bitcast(ra.data, I8.as_pointer()), None, None)
             op = builder.bitcast(oa.data, F32.as_pointer())
-            nb = builder.udiv(builder.extract_value(oa.shape, 0), _c64(size))
+            nb = builder.udiv(builder.extract_value(oa.shape, 0), c64(size))
 
             def step(codes, at, scale, offset):
                 sv = splat16(builder, scale)
@@ -246,7 +239,7 @@ def _make_widen(qtype):
                     v = builder.fmul(sv, builder.sitofp(c, V16F))
                     if offset is not None and qtype != "q5_0":
                         v = builder.fadd(v, splat16(builder, offset[0]))
-                    dst = builder.gep(op, [builder.add(at, _c64(16 * i))])
+                    dst = builder.gep(op, [builder.add(at, c64(16 * i))])
                     builder.store(v, builder.bitcast(dst, V16F.as_pointer()), align=4)
 
             _blocks_loop(builder, qtype, r, nb, lambda blk, first: _emit_block(qtype, r, blk, step))
@@ -257,7 +250,7 @@ def _make_widen(qtype):
     return widen
 
 
-# rows(data, o0, o1, x, sx, y): y[o] for rows o0..o1-1 (the row loop compiled, _ir.make_rows)
+# rows(data, o0, o1, x, sx, y): y[o] for rows o0..o1-1 (the row loop compiled, ir.make_rows)
 rows_q5_0 = make_rows(_emit_rowdot("q5_0"), 2)
 rows_q5_1 = make_rows(_emit_rowdot("q5_1"), 2)
 rows_q4_k = make_rows(_emit_rowdot("q4_k"), 2)
@@ -273,13 +266,13 @@ _widen_q6_k = _make_widen("q6_k")
 @njit(**KW)
 def widen_kq(row, kind, lut, out):
     """One stored row of a KQ_KIND kind -> f32 out [K] (lut unused: widen_row's signature)."""
-    if kind == 8:
+    if kind == Q4_K:
         _widen_q4_k(row, out)
-    elif kind == 10:
+    elif kind == Q6_K:
         _widen_q6_k(row, out)
-    elif kind == 9:
+    elif kind == Q5_K:
         _widen_q5_k(row, out)
-    elif kind == 6:
+    elif kind == Q5_0:
         _widen_q5_0(row, out)
     else:
         _widen_q5_1(row, out)
@@ -289,13 +282,13 @@ def widen_kq(row, kind, lut, out):
 def rows_kq(data, kind, x, sx, y, o0, o1):
     """y[o] = stored row o of a KQ_KIND kind dotted with one f32 x row, o0 <= o < o1; sx:
     x's 32-value sums (_x_block_sums). The one entry point for callers outside this module."""
-    if kind == 8:
+    if kind == Q4_K:
         rows_q4_k(data, o0, o1, x, sx, y)
-    elif kind == 10:
+    elif kind == Q6_K:
         rows_q6_k(data, o0, o1, x, sx, y)
-    elif kind == 9:
+    elif kind == Q5_K:
         rows_q5_k(data, o0, o1, x, sx, y)
-    elif kind == 6:
+    elif kind == Q5_0:
         rows_q5_0(data, o0, o1, x, sx, y)
     else:
         rows_q5_1(data, o0, o1, x, sx, y)

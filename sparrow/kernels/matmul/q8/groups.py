@@ -18,11 +18,11 @@ CPUs with AVX-VNNI or AVX512-VNNI take vpdpbusd instead (pmaddubsw + pmaddwd + p
 instruction, the same integers), in two accumulator chains a block since each vpdpbusd waits
 for the last. On a 2-core Intel Xeon with AVX512-VNNI, a 6144 x 2048 matrix, best of 3 runs
 against the AVX2 sequence: prefill (T = 512) q4_0 86 vs 67 GMAC/s, q8_0 81 vs 58; decode
-(T = 1, from L3) q4_0 43 vs 34. The K-quant groups (_kq8) gained nothing from it (q4_k 72 vs
+(T = 1, from L3) q4_0 43 vs 34. The K-quant groups (q8.kquant_groups) gained nothing from it (q4_k 72 vs
 75, q6_k 20 vs 21 GMAC/s) and keep pmaddubsw.
 
 The order (the documented one of activations="q8" for these formats; x quantised as
-_q8act.quantize does), per row and block b:
+q8.quantized.quantize does), per row and block b:
   s = sum over the block of code_w * code_x, an exact integer (q4_0's codes are the
       nibbles minus 8: s = sum(nibble * code_x) - 8 sum(code_x); q4_1's the nibbles; q5_1's
       the nibbles plus 16 for the fifth bit (bit j of qh for element j), q5_0's those minus
@@ -42,8 +42,8 @@ from numba import njit, prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from sparrow.kernels._ir import F32, I8, I32, I64, fma, shuffle, splat16, zeroed
-from sparrow.kernels._q8ir import (
+from sparrow.kernels.ir import F32, I8, I32, c64, fma, shuffle, splat16, zeroed
+from sparrow.kernels.matmul.q8.ir import (
     AVX2,
     V8F,
     V8I32,
@@ -59,9 +59,6 @@ from sparrow.kernels._q8ir import (
 )
 from sparrow.quant import BLOCK_BYTES  # one row's block, as stored
 
-# the x8 kinds continue _widen.KIND (0-10); X8_KIND[qtype] is the interleaved form of qtype
-X8_KIND = {"q8_0": 11, "q4_0": 12, "q4_1": 13, "q4_k": 14, "q5_k": 15, "q6_k": 16, "q5_0": 17, "q5_1": 18}
-X8_FIRST = min(X8_KIND.values())  # kinds from here on are interleaved groups
 GROUP = 8
 # A stored block's byte ranges (src, dst, length, width): bytes src .. src + length - 1 of a
 # row's block go, `width` bytes a row, to offset 8 dst of the group's block (the 8 rows' first
@@ -137,10 +134,6 @@ def _k_scales(data, out, bb, gb):
 V8H = ir.VectorType(ir.HalfType(), 8)
 
 
-def c64(v):
-    return ir.Constant(I64, v)
-
-
 def load(b, p, at, ty):
     """A value of type ty at byte `at` (an int, or a run-time i64) of p (i8*), unaligned."""
     at = c64(at) if isinstance(at, int) else at
@@ -170,7 +163,7 @@ def codes5(b, v, qh, c, high):
     return w if qh is None else b.or_(w, fifth_bits(b, qh, c, high))
 
 
-def _block_sums(qtype, b, p, xbs):
+def _block_dots(qtype, b, p, xbs):
     """[<8 x i32>] per x row: lane r = row r's sum of code_w * code_x over the block at p
     (i8*), that x row's codes at xbs[t] (q4 / q5 codes unsigned: before q4_0's -8 sum(code_x)
     and q5_0's -16). The weight bytes are loaded and unpacked once for all x rows."""
@@ -231,7 +224,7 @@ def emit_tile(qtype, mr):
         with cgutils.for_range(b, nb) as loop:
             blk = loop.index
             p = b.gep(gp, [b.mul(blk, c64(gb))])
-            sums = _block_sums(qtype, b, p, [b.gep(xp, [b.mul(blk, c64(32))]) for xp in xps])
+            sums = _block_dots(qtype, b, p, [b.gep(xp, [b.mul(blk, c64(32))]) for xp in xps])
             d = b.fpext(load(b, p, 0, V8H), V8F)
             if qtype in M_ROWS:
                 m = b.fpext(load(b, p, 16, V8H), V8F)
@@ -256,14 +249,14 @@ M_ROWS = ("q4_1", "q5_1")  # formats with an offset m a block (f16, after the 8 
 OFFSET_SHIFT = {"q4_0": 0, "q5_0": 1}  # their codes minus 8 sum(code_x) (bs) shifted left by this
 
 
-MR = 4  # x rows a tile reads each unpacked weight chunk for (batched decode, prefill)
+TILE_X_ROWS = 4  # x rows a tile reads each unpacked weight chunk for (batched decode, prefill)
 
 
 def make_groups(emit_for):
     """An intrinsic groups(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n): y[t, o] for x rows
-    t0 .. t0 + mr - 1 (1 <= mr <= MR) and the rows o < o_n of groups g0 .. g1 - 1 of data
+    t0 .. t0 + mr - 1 (1 <= mr <= TILE_X_ROWS) and the rows o < o_n of groups g0 .. g1 - 1 of data
     (interleave's [G, group bytes]); xq int8 [T, K], dx / sx f32 and bs int32 (8 sum(code_x)
-    per block, read by q4_0) [T, K / 32] as _q8act.quantize gives them, y f32 [T, >= o_n].
+    per block, read by q4_0) [T, K / 32] as q8.quantized.quantize gives them, y f32 [T, >= o_n].
     emit_for(mr) gives the IR of one group against mr x rows (emit_tile's signature); each mr
     has its own loop (its accumulators in registers), chosen at run time."""
 
@@ -281,7 +274,7 @@ def make_groups(emit_for):
             base = b.bitcast(d.data, I8.as_pointer())
             nb = b.extract_value(arrs[1].shape, 1)
             ystride = b.extract_value(arrs[4].strides, 1)
-            for m in range(1, MR + 1):
+            for m in range(1, TILE_X_ROWS + 1):
                 with b.if_then(b.icmp_signed("==", args[9], c64(m))):
                     _tile_loop(b, emit_for(m), m, base, stride, arrs, t0, args[1], args[2], nb, ystride, o_n)
             return context.get_dummy_value()

@@ -1,8 +1,8 @@
 """K-quant matvecs with activations quantised to 8 bits (the activations="q8" mode) over
-q4_k, q5_k and q6_k rows in groups of 8, interleaved (layout: _x8.REGIONS; kernels/_x8.py
-does the same for q8_0 / q4_0 / q4_1, _q8act.py quantises x and dispatches every format).
+q4_k, q5_k and q6_k rows in groups of 8, interleaved (layout: q8.groups.REGIONS; kernels/matmul/q8/groups.py
+does the same for q8_0 / q4_0 / q4_1, q8.quantized.py quantises x and dispatches every format).
 
-x comes as _q8act.quantize gives it: per 32-value block b, int8 codes, scale dx[b] and
+x comes as q8.quantized.quantize gives it: per 32-value block b, int8 codes, scale dx[b] and
 sx[b] = dx[b] * sum(codes). A super-block n of 256 weights covers x blocks 8 n .. 8 n + 7;
 its sub-block j (32 values) meets block b = 8 n + j. Per row, block after block:
   q4_k / q5_k: I = sc[j] * sum(code_w * code_x) over sub-block j, code_w the nibble
@@ -14,7 +14,7 @@ its sub-block j (32 values) meets block b = 8 n + j. Per row, block after block:
 from acc = accm = 0; result acc + accm (q6_k: acc). Integer sums are exact, so every CPU
 path gives the same bits, and a row's order depends only on its length: the same bits
 whatever its group, T or thread count. The 6-bit scales and mins are unpacked as ggml does,
-once, when the groups are built (_x8._k_scales).
+once, when the groups are built (q8.groups._k_scales).
 
 Lane r of every vector is row 8 g + r: a chunk of 4 code bytes per row meets 4 bytes of x
 broadcast to all lanes (pmaddubsw), products add up in int16 while they fit (q4_k: a whole
@@ -30,8 +30,9 @@ from functools import partial
 from llvmlite import ir
 from numba.core import cgutils
 
-from sparrow.kernels._ir import I16, fma, shuffle, splat16, zeroed
-from sparrow.kernels._q8ir import (
+from sparrow.kernels.ir import I16, c64, fma, shuffle, splat16, zeroed
+from sparrow.kernels.matmul.q8.groups import GROUP_BYTES, V8H, load, make_groups
+from sparrow.kernels.matmul.q8.ir import (
     AVX2,
     V8F,
     V8I8,
@@ -47,7 +48,6 @@ from sparrow.kernels._q8ir import (
     maddwd,
     splat,
 )
-from sparrow.kernels._x8 import GROUP_BYTES, V8H, c64, load, make_groups
 
 _CODES = {"q4_k": 160, "q5_k": 416}  # group offsets of the nibble chunks (q5_k: after 8 qh chunks)
 _QH = 160  # q5_k's high-bit chunks

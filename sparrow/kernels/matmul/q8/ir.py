@@ -1,4 +1,4 @@
-"""LLVM IR pieces of the activations="q8" mode's integer dot products (_q8act, _x8, _kq8).
+"""LLVM IR pieces of the activations="q8" mode's integer dot products (q8.quantized, q8.groups, q8.kquant_groups).
 
 Every piece computes exact integers, so x86's vpdpbusd (AVX-VNNI / AVX512-VNNI), pmaddubsw /
 pmaddwd / psignb (AVX2) and the plain vector IR of the generic path give the same values: the
@@ -9,17 +9,8 @@ path for older CPUs and compare).
 from llvmlite import ir
 from numba.core import cgutils
 
-from sparrow.kernels._ir import F32, I8, I16, I32, V16I32, shuffle
-from sparrow.kernels.gemm import CPU_FEATURES
-
-_FEATS = CPU_FEATURES.split(",")
-AVX2 = "+avx2" in _FEATS  # pmaddubsw / pmaddwd / psignb, else generic IR
-# vpdpbusd on ymm: 4 u8 x s8 products summed into an int32 lane in one instruction, where
-# AVX2 takes pmaddubsw + pmaddwd + paddd. AVX-VNNI (its VEX form) or AVX512-VNNI with VL.
-VNNI = AVX2 and ("+avxvnni" in _FEATS or {"+avx512vnni", "+avx512vl"} <= set(_FEATS))
-# vpdpbusd on zmm (AVX512-VNNI, with AVX512-BW for the byte and word lanes): 16 rows a vector
-# in the q8 mode's prefill tiles (kernels/_x16.py)
-VNNI512 = AVX2 and {"+avx512vnni", "+avx512bw"} <= set(_FEATS)
+from sparrow.kernels.cpu import AVX2, VNNI, VNNI512  # noqa: F401 (this module's face: which IR it emits)
+from sparrow.kernels.ir import F32, I8, I16, I32, V16I32, shuffle
 
 V8F = ir.VectorType(F32, 8)
 V8I32 = ir.VectorType(I32, 8)

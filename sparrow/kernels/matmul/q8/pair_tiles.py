@@ -1,16 +1,16 @@
 """q8-mode prefill tiles over two interleaved groups at once: 16 weight rows a zmm register.
 
-kernels/_x8.py (q4_0 / q4_1 / q5_0 / q5_1) and _kq8.py (q4_k / q6_k) keep rows in groups of
-8 and dot a group against up to MR = 4 x rows in ymm registers. On CPUs with AVX512-VNNI (_q8ir.VNNI512) a
+kernels/matmul/q8/groups.py (q4_0 / q4_1 / q5_0 / q5_1) and q8.kquant_groups.py (q4_k / q6_k) keep rows in groups of
+8 and dot a group against up to TILE_X_ROWS = 4 x rows in ymm registers. On CPUs with AVX512-VNNI (q8.ir.VNNI512) a
 prefill here takes groups g and g + 1 side by side in one <64 x i8>, so each vpdpbusd covers
-16 rows, and PAIR_MR = 6 x rows share each unpacked chunk. Lane r of every vector is row
+16 rows, and PAIR_X_ROWS = 6 x rows share each unpacked chunk. Lane r of every vector is row
 8 g + r (r < 8: group g, else row r - 8 of group g + 1). One Zen 4 core, 6144 x 2048 x 512,
-interleaved runs: q4_0 149-163 GMAC/s against 133-136 for _x8's tiles (ymm tiles of 6 or 8 x
-rows were no faster; 8 spilled: 85), q4_k 146-147 against 94-95 for _kq8's pmaddubsw tiles;
-2048 x 6144 x 512 on two cores: q6_k 154-163 against 87-93 for _kq8's tiles (4 or 8 x rows:
+interleaved runs: q4_0 149-163 GMAC/s against 133-136 for q8.groups's tiles (ymm tiles of 6 or 8 x
+rows were no faster; 8 spilled: 85), q4_k 146-147 against 94-95 for q8.kquant_groups's pmaddubsw tiles;
+2048 x 6144 x 512 on two cores: q6_k 154-163 against 87-93 for q8.kquant_groups's tiles (4 or 8 x rows:
 slower or even; starting the chains at -X instead of subtracting X after: slower).
 
-The order is _x8's and _kq8's, lane by lane (their docstrings), so a row's bits do not depend
+The order is q8.groups's and q8.kquant_groups's, lane by lane (their docstrings), so a row's bits do not depend
 on which tile computed it (tests/test_x16.py)."""
 
 from functools import partial
@@ -19,10 +19,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from sparrow.kernels._ir import I8, V16F, V16I32, fma, shuffle, splat16, zeroed
-from sparrow.kernels._kq8 import _CODES, _Q6_QH, _Q6_QL, _Q6_SC, _shr
-from sparrow.kernels._q8ir import V8I8, V16I8, V32I8, V64I8, bcast4, dpbusd16, splat
-from sparrow.kernels._x8 import (
+from sparrow.kernels.ir import I8, V16F, V16I32, c64, fma, shuffle, splat16, zeroed
+from sparrow.kernels.matmul.q8.groups import (
     CODES_AT,
     GROUP,
     GROUP_BYTES,
@@ -30,14 +28,15 @@ from sparrow.kernels._x8 import (
     OFFSET_SHIFT,
     QH_AT,
     V8H,
-    c64,
     codes5,
     load,
     nibble,
     tile_rows,
 )
+from sparrow.kernels.matmul.q8.ir import V8I8, V16I8, V32I8, V64I8, bcast4, dpbusd16, splat
+from sparrow.kernels.matmul.q8.kquant_groups import _CODES, _Q6_QH, _Q6_QL, _Q6_SC, _shr
 
-PAIR_MR = 6  # x rows a pair tile reads each unpacked chunk for
+PAIR_X_ROWS = 6  # x rows a pair tile reads each unpacked chunk for
 
 
 def _pair(b, p0, p1, at, ty):
@@ -88,7 +87,7 @@ _K_CODES = _CODES["q4_k"]  # q4_k: group offset of the nibble chunks, 256 bytes 
 
 
 def emit_pair_q4_k(mr):
-    """emit for q4_k (emit_pair's signature), in _kq8's order: per row and sub-block j of
+    """emit for q4_k (emit_pair's signature), in q8.kquant_groups's order: per row and sub-block j of
     super-block n (x block b = 8 n + j), I = sc[j] * sum(code_w * code_x) (exact: float(s) *
     float(sc) is below 2^24), acc = fma(float(I), d * dx[b], acc), accm = fma(-(dmin * m[j]),
     sx[b], accm); result acc + accm. Sub-blocks 2i and 2i + 1 (low and high nibbles of the
@@ -131,12 +130,12 @@ def emit_pair_q4_k(mr):
 
 def emit_pair_q6_k(mr):
     """emit for q6_k (emit_pair's signature; bsps: x's 32 sum(code_x) per 16 values, from
-    _q8act.code_sums), in _kq8's order: sub-block j of super-block n (x block b = 8 n + j),
+    q8.quantized.code_sums), in q8.kquant_groups's order: sub-block j of super-block n (x block b = 8 n + j),
     I = sc[2j] (S0 - X0) + sc[2j + 1] (S1 - X1), S the dot of x's codes with the stored
     6-bit values u = code + 32 (vpdpbusd takes them unsigned) over each 16, X x's 32 sum;
     acc = fma(float(I), d * dx[b], acc), sub-block after sub-block. float(S - X) * float(sc)
     and the sum of two are exact integers below 2^24 (|S - X| <= 16 * 32 * 127, |sc| <= 128),
-    so float(I) is _kq8's sitofp(I)."""
+    so float(I) is q8.kquant_groups's sitofp(I)."""
     gb = GROUP_BYTES["q6_k"]
 
     def emit(b, g0p, g1p, xps, dxps, sxps, bsps, nb):
@@ -147,7 +146,7 @@ def emit_pair_q6_k(mr):
             p0, p1 = b.gep(g0p, [b.mul(n, c64(gb))]), b.gep(g1p, [b.mul(n, c64(gb))])
             d = b.fpext(_pair(b, p0, p1, 0, V8H), V16F)
             with cgutils.for_range(b, c64(8)) as sub:
-                j = sub.index  # half h = j // 4, quarter s = j % 4 (_kq8.emit_q6_k's layout)
+                j = sub.index  # half h = j // 4, quarter s = j % 4 (q8.kquant_groups.emit_q6_k's layout)
                 h, s = b.lshr(j, c64(2)), b.and_(j, c64(3))
                 blk = b.add(b.mul(n, c64(8)), j)
                 ql_at = b.add(c64(_Q6_QL), b.mul(b.add(b.shl(h, c64(4)), b.shl(b.and_(s, c64(1)), c64(3))), c64(32)))
@@ -176,9 +175,9 @@ def emit_pair_q6_k(mr):
 
 def make_pairs(emit_for):
     """An intrinsic pairs(data, g0, g1, xq, dx, sx, bs, y, t0, mr): y[t, 8 g0 .. 8 g1 - 1] for
-    x rows t0 .. t0 + mr - 1 (1 <= mr <= PAIR_MR), groups g0 .. g1 - 1 of data taken two at a
+    x rows t0 .. t0 + mr - 1 (1 <= mr <= PAIR_X_ROWS), groups g0 .. g1 - 1 of data taken two at a
     time: g1 - g0 even, every row of those groups a row of y, y's rows contiguous (arguments
-    as _x8.make_groups', which covers what this does not)."""
+    as q8.groups.make_groups', which covers what this does not)."""
 
     def pairs(typingctx, data, g0, g1, xq, dx, sx, bs, y, t0, mr):
         if not (isinstance(data, types.Array) and data.ndim == 2):
@@ -191,7 +190,7 @@ def make_pairs(emit_for):
             arrs = [context.make_array(t)(context, b, a) for t, a in zip(signature.args[3:8], args[3:8])]
             stride, base = b.extract_value(d.strides, 0), b.bitcast(d.data, I8.as_pointer())
             nb = b.extract_value(arrs[1].shape, 1)
-            for m in range(1, PAIR_MR + 1):
+            for m in range(1, PAIR_X_ROWS + 1):
                 with b.if_then(b.icmp_signed("==", args[9], c64(m))):
                     _pair_loop(b, emit_for(m), m, base, stride, arrs, args[8], args[1], args[2], nb)
             return context.get_dummy_value()

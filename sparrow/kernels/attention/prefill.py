@@ -5,7 +5,7 @@ The numpy/BLAS path this replaced wrote each score tile to memory and read it ba
 512 KiB L2, and on SmolLM2-135M at 2K it spent ~110 ms a layer there (BLAS scoring with a
 64-long inner dimension ran at 24 GMAC/s, the softmax at 1.4-3.7 ns a score). Here a work
 item is QT consecutive queries of every head; for each KV head, its group's QT * group query
-rows take the keys BK at a time: scores by a register-tiled product (kernels._tile.mm_add)
+rows take the keys BK at a time: scores by a register-tiled product (kernels.attention.tile.mm_add)
 against the block's keys stored transposed, then the running max and sum, then the weighted
 values by the same product, so scores stay in L1.
 
@@ -24,8 +24,8 @@ are the same for any thread count, work split or prefill chunking.
 import numpy as np
 from numba import njit, prange
 
-from sparrow.kernels._attn_rows import exp_shifted, max_at, sum_f32
-from sparrow.kernels._tile import mm_add
+from sparrow.kernels.attention.rows import exp_shifted, max_at, sum_f32
+from sparrow.kernels.attention.tile import mm_add
 from sparrow.kernels.native_call import address_for, call_native
 
 QT = 8  # queries per work item: a key block read from memory serves QT * group rows

@@ -1,18 +1,18 @@
 """Attention kernels (wrapped by sparrow.models.attention, which hands them a cache's arrays):
-decode and sparse prefill (exact prefill: _prefill_attn).
+decode and sparse prefill (exact prefill: attention.prefill).
 
 Per KV head, the query heads of its group select blocks (all of them for exact attention)
 and attend over them; a block's K/V rows are read from memory once for the whole group.
 Everything here is serial per KV head and sums in orders fixed by the code (the row kernels
-in _attn_rows), so results do not depend on the thread count; exact attention is sparse
+in attention.rows), so results do not depend on the thread count; exact attention is sparse
 attention with every block.
 """
 
 import numpy as np
 from numba import njit, prange
 
-from sparrow.kernels._attn_rows import accum, dots, exp_shifted, max_at, prefetch, sum_f32
-from sparrow.kernels.sparse_select import (
+from sparrow.kernels.attention.rows import accum, dots, exp_shifted, max_at, prefetch, sum_f32
+from sparrow.kernels.attention.select import (
     STAGE_PROBE,
     STAGE_SCORE,
     V2_ON,
@@ -232,7 +232,7 @@ def _group(
 
 
 @njit(cache=True, nogil=True)
-def _block_sums(imp, seq_len, bs):
+def importance_per_block(imp, seq_len, bs):
     """Per-block float32 sums of imp[:seq_len], each summed in position order."""
     nb = (seq_len + bs - 1) // bs
     out = np.zeros(nb, dtype=np.float32)
@@ -281,7 +281,7 @@ def decode_kernel(
     # (unchecked indexing would write past `probe`); the caller passes a clamped count too
     n_copied = min(n_copied, seq_len // bs)
     if sparse and not flags:
-        reserved = reserve_importance_nb(_block_sums(imp, seq_len, bs), k_blocks, nb)
+        reserved = reserve_importance_nb(importance_per_block(imp, seq_len, bs), k_blocks, nb)
     else:  # exact, or v2 (which does not use importance)
         reserved = np.full(nb, -1, dtype=np.int8)
     pdummy = np.zeros((1, 1), dtype=np.float32)

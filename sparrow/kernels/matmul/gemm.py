@@ -24,7 +24,7 @@ One parallel region per call (a launch costs 50-180 us here); threads claim weig
 from a shared counter; each packs its panel (K x NR f32, 110 KiB at K = 576) and sweeps
 all of x with it, one x block (L1) against the NS sub-panels (L2 or streamed) at a time.
 The packing buffers are reused from call to call (_scratch_arrays).
-f16 / bf16 / f32 rows are packed by _widen.widen_row (this module imports _widen, never the
+f16 / bf16 / f32 rows are packed by widen.widen_row (this module imports widen, never the
 other way round). The numba cache directory is keyed on a hash of all kernel sources
 (kernels/__init__.py, _cache_dir), so an edit to widen_row recompiles the kernels here too.
 """
@@ -38,45 +38,19 @@ from numba import njit, prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from sparrow.kernels._ir import F32, I8, I32, V16F
-from sparrow.kernels._kquants import KQ_KIND
-from sparrow.kernels._widen import F16_LUT, KIND, call_slp, widen_row
+from sparrow.kernels import cpu
+from sparrow.kernels.cpu import micro_tile
+from sparrow.kernels.formats import KIND, KQ_KIND, Q4_0, Q4_1, Q8_0
+from sparrow.kernels.ir import F32, I8, I32, V16F
+from sparrow.kernels.matmul.widen import F16_LUT, call_slp, widen_row
 from sparrow.kernels.native_call import address_for, call_native
+from sparrow.kernels.options import KW
 
-KW = dict(cache=True, nogil=True)
 NR = 48  # weight rows per panel (a multiple of NK, the columns of one micro-kernel call)
 
 
-def _target_cpu():
-    """(name, features) numba compiles for: its JIT codegen's own, else what NUMBA_CPU_NAME /
-    NUMBA_CPU_FEATURES or the host say (numba's rule: the features string overrides the name)."""
-    try:
-        from numba.core.registry import cpu_target
-
-        cg = cpu_target.target_context.codegen()
-        return cg._get_host_cpu_name(), cg._tm_features
-    except Exception:  # pragma: no cover - numba internals moved
-        import llvmlite.binding as ll
-
-        name = numba.config.CPU_NAME or ll.get_host_cpu_name()
-        feats = numba.config.CPU_FEATURES
-        return name, (ll.get_host_cpu_features().flatten() if feats is None else feats)
-
-
-def micro_tile(features):
-    """(MR, NW, LANES): x rows, vectors a row and f32 lanes a vector of the micro-kernel.
-
-    With avx512f (32 zmm): 8 x 3 <16 x float> accumulators (8 x 48). Otherwise (AVX2's 16
-    ymm, or anything else): 4 x 3 <8 x float> (4 x 24), so 12 accumulators + 3 weight
-    vectors + 1 broadcast fill the 16 registers without spilling, and 12 independent fma
-    chains cover the fma latency. The tile never changes the bits, only the speed."""
-    if "+avx512f" in features.split(","):
-        return 8, 3, 16
-    return 4, 3, 8
-
-
-CPU_NAME, CPU_FEATURES = _target_cpu()
-MR, NW, LANES = micro_tile(CPU_FEATURES)  # x rows, vectors a row, lanes a vector
+CPU_NAME, CPU_FEATURES = cpu.NAME, cpu.FEATURES
+MR, NW, LANES = micro_tile(CPU_FEATURES)  # x rows, vectors a row, lanes a vector (cpu.micro_tile)
 NK = NW * LANES  # panel columns per micro-kernel call: a panel is NS sub-panels [K, NK]
 NS = NR // NK
 assert NR % NK == 0 and NK % LANES == 0
@@ -334,11 +308,11 @@ _widen_q4_1 = _make_widen(20, 2)
 def _pack_stored(data, kind, lut, o0, n, tmp, bp, kq):
     bits = tmp.view(np.uint32)
     for j in range(n):
-        if kind == 2:
+        if kind == Q4_1:
             _widen_q4_1(data[o0 + j], tmp[j])
-        elif kind == 1:
+        elif kind == Q4_0:
             _widen_q4_0(data[o0 + j], tmp[j])
-        elif kind == 0:
+        elif kind == Q8_0:
             _widen_q8_0(data[o0 + j], tmp[j])
         else:
             widen_row(data[o0 + j], kind, lut, tmp[j], bits[j], kq)
@@ -353,11 +327,11 @@ def _pack_stored(data, kind, lut, o0, n, tmp, bp, kq):
 
 @njit(parallel=True, **KW)
 def gemm_stored(addr, data, kind, lut, x, y, xp, bps, tmps, kq):
-    """y [T, O] = x [T, K] @ W.T for stored rows data [O, *] of format kind (_widen.KIND;
+    """y [T, O] = x [T, K] @ W.T for stored rows data [O, *] of format kind (formats.KIND;
     f32 rows come as their uint32 bits, widened by a copy). Scratch (contents ignored):
     xp [ceil(T / MR), K MR] for packed x; per thread bps [P, NS K, NK] for a packed panel,
     tmps [P, NR, K] for its rows widened; P threads at most. kq: None unless kind is a
-    K-quant or q5 format (see _widen.widen_row). addr: _gemm_panels' machine code for these
+    K-quant or q5 format (see widen.widen_row). addr: _gemm_panels' machine code for these
     types, called through it so that it is compiled once (kernels/native_call.py)."""
     n_p = (data.shape[0] + NR - 1) // NR
     nxt = np.zeros(1, np.int64)

@@ -4,7 +4,7 @@ The staged path (models/decoder.py) makes ~20 Python-level calls per layer, and 
 matvecs run on one core because a numba parallel launch (~100 us here) costs more than a
 0.5M multiply-add matvec takes. Here the whole token is one parallel region: each worker
 takes its share of every matvec's rows, of the query heads and of the KV heads, and the
-workers meet at a spin barrier (_sync.barrier, ~0.2 us) between dependent phases:
+workers meet at a spin barrier (sync.barrier, ~0.2 us) between dependent phases:
 
     per layer: rmsnorm (each worker, redundantly) -> qkv rows | -> bias, q/k norm, RoPE, query
     form, K/V append | -> attention per query head | -> o rows, residual | -> rmsnorm
@@ -15,30 +15,30 @@ Bit-identical to the staged path: every value is computed by the same compiled h
 arrays of the same types (rows by rowdot_*, norms by _rms_rows, RoPE by _rope, silu by
 _silu_mul, attention by _group), and splitting rows or heads between workers never changes
 what one row or head computes. Block formats run here: q8_0, q4_0, q4_1, and q5_0, q5_1 and
-the K-quants (q4_k, q5_k, q6_k) through kernels/_kquants.py's row dots.
+the K-quants (q4_k, q5_k, q6_k) through kernels/matmul/kquants.py's row dots.
 """
+
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit, prange
 from numba.typed import List
 
-from sparrow.kernels._attn_kernels import _block_sums as _imp_block_sums
-from sparrow.kernels._attn_kernels import _group
-from sparrow.kernels._kquants import KQ_KIND
-from sparrow.kernels._kquants import _rows as _kq_rows
-from sparrow.kernels._kquants import _x_block_sums as _kq_x_block_sums
-from sparrow.kernels._q8act import quantize as _q8_quantize
-from sparrow.kernels._q8act import rows_q8 as _rows_q8
-from sparrow.kernels._sync import barrier, f16_bits
-from sparrow.kernels._widen import _rows_blocks, _x_block_sums
-from sparrow.kernels._x8 import GROUP, X8_FIRST
+from sparrow.kernels.attention.decode import _group, importance_per_block
+from sparrow.kernels.attention.select import reserve_importance_nb
 from sparrow.kernels.elementwise import _quant_rows, _rms_rows, _rope, _silu_mul
+from sparrow.kernels.formats import KQ_FIRST, X8_FIRST
+from sparrow.kernels.fused.sync import barrier, f16_bits
+from sparrow.kernels.matmul.kquants import _rows as _kq_rows
+from sparrow.kernels.matmul.kquants import _x_block_sums as _kq_x_block_sums
+from sparrow.kernels.matmul.q8.groups import GROUP
+from sparrow.kernels.matmul.q8.quantized import quantize as _q8_quantize
+from sparrow.kernels.matmul.q8.quantized import rows_q8 as _rows_q8
+from sparrow.kernels.matmul.widen import _rows_blocks, _x_block_sums
 from sparrow.kernels.native_call import address_for, call_native
-from sparrow.kernels.sparse_select import reserve_importance_nb
+from sparrow.kernels.options import KW
 
-KW = dict(cache=True, nogil=True)
 KV_F32, KV_F16, KV_INT8 = 0, 1, 2  # storage kinds of the KV cache arrays
-_KQ_FIRST = min(KQ_KIND.values())  # weight kinds from here on have their row dots in _kquants
 
 
 @njit(**KW)
@@ -70,7 +70,7 @@ def _matvec(w, kind, x, y, tid, nt, q8):
         if q8 is not None:
             xq, dx, sx = _q8_quantize(x)
             _rows_q8(w, kind, xq, dx, sx, y, a, b)
-        elif kind >= _KQ_FIRST:  # q5_0 / q5_1 / K-quants
+        elif kind >= KQ_FIRST:  # q5_0 / q5_1 / K-quants
             _kq_rows(w, kind, x, _kq_x_block_sums(x), y, a, b)
         else:
             _rows_blocks(w, kind, x, _x_block_sums(x), y, a, b)
@@ -88,7 +88,7 @@ def _matvec_at(w, kind, x, y, off, n, tid, nt, q8):
 @njit(**KW)
 def _own_rows(w, kind, n, tid, nt):
     """The output rows [a, b) of n that worker tid's _matvec over w wrote (w's rows are groups
-    of 8 for the _x8 kinds)."""
+    of 8 for the q8.groups kinds)."""
     a, b = _share(w.shape[0], tid, nt)
     if kind >= X8_FIRST:
         return min(GROUP * a, n), min(GROUP * b, n)
@@ -116,25 +116,105 @@ def _store_kv(X, XS, kv_kind, kh, pos, row, one, codes, sc):
         XS[kh, pos] = sc[0]
 
 
+class StepModel(NamedTuple):
+    """The model's side of a fused step (built once per activations mode by models/fused.py)."""
+
+    wq0: object  # typed List [L] of weight rows: q/k/v as one piece, or q (then wq1: k, wq2: v)
+    wq1: object
+    wq2: object
+    wo: object
+    wg0: object  # gate/up as one piece, or gate (then wg1: up)
+    wg1: object
+    wdown: object
+    kinds: np.ndarray  # [L, 7] formats.KIND (or X8_KIND in the q8 mode) of wq0 wq1 wq2 wo wg0 wg1 wdown
+    offs: np.ndarray  # [L, 5] output offsets of the q/k/v and gate/up pieces
+    rows: np.ndarray  # [L, 5] their output rows (0: no piece)
+    in_norm: np.ndarray  # [L, E]
+    post_norm: np.ndarray  # [L, E]
+    eps: np.float32
+    bias: np.ndarray  # [L, QKV] or [L, 0]
+    q_norm: np.ndarray  # [L, D] or [L, 0]
+    k_norm: np.ndarray
+    cos: np.ndarray  # [>= seq_len, D/2], row p: rope position p (+ the prompt's delta)
+    sin: np.ndarray
+    H: int
+    KV: int
+    D: int
+    F: int
+    scale: np.float32
+    head_norm: np.ndarray  # [E]
+    head_w: np.ndarray  # lm_head rows
+    head_kind: int  # their kind; -1: the head runs staged
+
+
+class StepCache(NamedTuple):
+    """One sequence's KV cache as the step reads and appends it (typed Lists [L] of arrays)."""
+
+    K: object
+    V: object
+    KS: object  # int8 scales (unused for f32 / f16)
+    VS: object
+    IMP: object  # prefill importance per position
+    P: object  # probe copies (K when nothing is probed)
+    PS: object
+    n_copied: np.ndarray  # [L] blocks of P already copied
+    per_block: int
+    kv_kind: int  # KV_F32, KV_F16, KV_INT8
+
+
+class StepAttention(NamedTuple):
+    """The request's attention settings."""
+
+    sparse_on: bool
+    k_blocks: int
+    block: int
+    n_probe: int
+    flags: int  # 0: the seed's selector, else v2's (attention.select.V2_*)
+    dense: int  # v2: layers 0..dense-1 exact
+    lut: np.ndarray  # f16 bits -> f32
+
+
+class StepScratch(NamedTuple):
+    """Buffers the workers share, and the logits."""
+
+    qkv: np.ndarray  # [1, QKV]
+    att: np.ndarray  # [H, D]
+    att_flat: np.ndarray  # [1, H*D], att's memory
+    qd: np.ndarray  # [H, D]
+    qa: np.ndarray  # [H, D]
+    qs: np.ndarray  # [H]
+    gu: np.ndarray  # [1, 2F]
+    y: np.ndarray  # [1, E]
+    logits: np.ndarray  # [1, Vocab]
+
+
 @njit(**KW)
 def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select):
     """Worker tid of nt: decodes the token at position pos, x [1, E] being its embedding (the
-    residual stream, updated in place). The tuples are built by models/fused.py:
-    model: per-layer weight rows (typed lists; q/k/v and gate/up in up to 3 and 2 pieces;
-    in q8 mode q8_0 / q4_0 / q4_1 in groups of 8 rows, kernels/_x8.py), their kinds [L, 7],
-    the pieces' output offsets and rows [L, 5], norms, biases, RoPE
-    tables, sizes, the final norm and lm_head; cache: per-layer
-    K/V arrays (typed lists), their scales, prefill importance, probe copies; attn: the sparse
-    settings; scratch: buffers the workers share, and the logits [1, Vocab]. Two types
+    residual stream, updated in place). model, cache, attn and scratch are the records above
+    (StepModel, StepCache, StepAttention, StepScratch), built by models/fused.py. Two types
     choose what is compiled (numba prunes the branches a None never takes before typing
     them): q8, None for exact activations or True for the q8 mode (see _matvec); select,
     None for exact attention (no selection code) or True where attn's settings may select."""
-    # q/k/v as one fused piece (then wq1, wq2 have no rows) or three; gate/up likewise
-    (wq0, wq1, wq2, wo, wg0, wg1, wdown, kinds, offs, rows, in_norm, post_norm, eps, bias, q_norm, k_norm, cos, sin, H,
-     KV, D, F, scale, head_norm, head_w, head_kind) = model  # fmt: skip
-    K, V, KS, VS, IMP, P, PS, n_copied, per_block, kv_kind = cache
-    sparse_on, k_blocks, bs, n_probe, flags, dense, lut = attn
-    qkv, att, att_flat, qd, qa, qs, gu, y, logits = scratch  # [1, QKV] [H, D] [1, H*D] [H, D] [H, D] [H] [1, 2F] [1, E]
+    # by name, so the records' field order is nobody's concern
+    wq0, wq1, wq2, wo, wg0, wg1, wdown = model.wq0, model.wq1, model.wq2, model.wo, model.wg0, model.wg1, model.wdown
+    kinds, offs, rows, bias, q_norm, k_norm = (
+        model.kinds,
+        model.offs,
+        model.rows,
+        model.bias,
+        model.q_norm,
+        model.k_norm,
+    )
+    in_norm, post_norm, eps, cos, sin = model.in_norm, model.post_norm, model.eps, model.cos, model.sin
+    H, KV, D, F, scale = model.H, model.KV, model.D, model.F, model.scale
+    head_norm, head_w, head_kind = model.head_norm, model.head_w, model.head_kind
+    K, V, KS, VS, IMP, P, PS = cache.K, cache.V, cache.KS, cache.VS, cache.IMP, cache.P, cache.PS
+    n_copied, per_block, kv_kind = cache.n_copied, cache.per_block, cache.kv_kind
+    sparse_on, k_blocks, bs, n_probe = attn.sparse_on, attn.k_blocks, attn.block, attn.n_probe
+    flags, dense, lut = attn.flags, attn.dense, attn.lut
+    qkv, att, att_flat, qd, qa, qs = scratch.qkv, scratch.att, scratch.att_flat, scratch.qd, scratch.qa, scratch.qs
+    gu, y, logits = scratch.gu, scratch.y, scratch.logits
     E = x.shape[1]
     G = H // KV
     QO, KO = H * D, H * D + KV * D
@@ -204,7 +284,7 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select):
         # `dense` layers exact)
         sparse = sparse_on and layer >= dense
         if select is not None and sparse and not flags:
-            reserved = reserve_importance_nb(_imp_block_sums(IMP[layer], seq_len, bs), k_blocks, nb)
+            reserved = reserve_importance_nb(importance_per_block(IMP[layer], seq_len, bs), k_blocks, nb)
         else:
             reserved = np.full(nb, -1, dtype=np.int8)
         nc = min(n_copied[layer], seq_len // bs)

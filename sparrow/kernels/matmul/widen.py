@@ -1,5 +1,5 @@
 """Kernels that widen stored weight rows to f32 and work in f32 (used by kernels.linear,
-kernels.gemm and kernels.moe; this module imports none of them).
+kernels.matmul.gemm and kernels.moe; this module imports none of them).
 
 - widen_row: one stored row -> f32, bit-identical to Weight.dequantize() (same f32
   operations: d * q, then + m).
@@ -7,7 +7,7 @@ kernels.gemm and kernels.moe; this module imports none of them).
   their blocks (rowdot_*: LLVM vector IR, see below); f16 / bf16 rows are widened once and
   dotted by one compiled loop. Either way each row's summation order depends only on its
   length (batch and thread invariant). Small matvecs skip the thread pool.
-Large T (prefill) is sparrow.kernels.gemm.matmul_widened, which packs rows with widen_row.
+Large T (prefill) is sparrow.kernels.matmul.gemm.matmul_widened, which packs rows with widen_row.
 Edits here reach every cached kernel that inlines these helpers: the numba cache directory
 is keyed on a hash of all kernel sources (kernels/__init__.py, _cache_dir).
 """
@@ -18,24 +18,18 @@ from llvmlite import ir
 from numba import njit, prange
 from numba.core import cgutils
 
-from sparrow.kernels._ir import F32, I8, I32, I64, V16F, V16I32, hsum16, make_rows, row_step, splat16, zeroed
-from sparrow.kernels._ir import fma as _fma
-from sparrow.kernels._kquants import KQ_KIND, matvec_kq, widen_kq
+from sparrow.kernels.formats import BF16, FP16, FP32, KIND, KQ_FIRST, KQ_KIND, Q4_0, Q4_1, Q8_0
+from sparrow.kernels.ir import F32, I8, I32, I64, V16F, V16I32, hsum16, make_rows, row_step, splat16, zeroed
+from sparrow.kernels.ir import fma as _fma
+from sparrow.kernels.matmul.kquants import matvec_kq, widen_kq
+from sparrow.kernels.options import KW, PARALLEL_MIN_MACS
+from sparrow.kernels.options import ROWS as _ROWS
 
-KW = dict(cache=True, nogil=True)
 FM = {"reassoc", "contract"}  # lets LLVM use vector lanes + FMA in the dot products
 
 # f16 bit pattern -> f32 value; numba has no float16 on CPU.
 F16_LUT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 F16_LUT.flags.writeable = False
-
-KIND = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "f16": 3, "bf16": 4, "f32": 5}  # f32: rows as uint32 bits
-KIND.update(KQ_KIND)  # q5_0, q5_1, q4_k, q5_k, q6_k: 6 and up, kernels in _kquants
-_ROWS = 16  # weight rows widened per parallel work item
-# Block matvecs below this many multiply-adds skip the thread pool: a parallel launch costs
-# 50-180 us of wall time here, as much as a 2M-MAC matvec on one core (measured with the
-# second core busy, the usual state of a shared machine). Results are identical either way.
-PARALLEL_MIN_MACS = 4_000_000
 
 
 def call_slp(kernel, *args):
@@ -67,32 +61,32 @@ def dot(w, x):
 @njit(**KW)
 def widen_row(row, kind, lut, out, out_bits, kq):
     """One stored row -> f32 out [K] (out_bits: out viewed as uint32, for bf16 and f32 bits).
-    kq: True where kind may be one of _kquants' (6 and up), None where it never is: a type,
+    kq: True where kind may be one of kquants' (KQ_FIRST and up), None where it never is: a type,
     so numba prunes the K-quant widening (5 vector-IR kernels) before typing it."""
     k = out.shape[0]
-    if kq is not None and kind >= 6:
+    if kq is not None and kind >= KQ_FIRST:
         widen_kq(row, kind, lut, out)
         return
-    if kind == 5:
+    if kind == FP32:
         for i in range(k):
             out_bits[i] = np.uint32(row[i])
         return
-    if kind == 3:
+    if kind == FP16:
         for i in range(k):
             out[i] = lut[row[i]]
         return
-    if kind == 4:
+    if kind == BF16:
         for i in range(k):
             out_bits[i] = np.uint32(row[i]) << np.uint32(16)
         return
-    bb = 34 if kind == 0 else (18 if kind == 1 else 20)
+    bb = 34 if kind == Q8_0 else (18 if kind == Q4_0 else 20)
     for b in range(k // 32):
         p = b * bb
         d = lut[np.int32(row[p]) | (np.int32(row[p + 1]) << 8)]
-        if kind == 0:
+        if kind == Q8_0:
             for j in range(32):
                 out[b * 32 + j] = d * np.float32(np.int8(row[p + 2 + j]))
-        elif kind == 1:
+        elif kind == Q4_0:
             for j in range(16):
                 q = np.int32(row[p + 2 + j])
                 out[b * 32 + j] = d * np.float32((q & 15) - 8)
@@ -157,7 +151,7 @@ def _block_terms(builder, qtype, rp, xp, sp, b):
 
 
 def _emit_rowdot(qtype):
-    """One row dotted with f32 x, as _ir.make_rows calls it (inputs: x [nb * 32], sx [nb])."""
+    """One row dotted with f32 x, as ir.make_rows calls it (inputs: x [nb * 32], sx [nb])."""
 
     def emit(builder, rp, ptrs, lens):
         xp, sp = builder.bitcast(ptrs[0], _F32.as_pointer()), builder.bitcast(ptrs[1], _F32.as_pointer())
@@ -185,14 +179,14 @@ def _emit_rowdot(qtype):
     return emit
 
 
-# rows(data, o0, o1, x, sx, y): y[o] for rows o0..o1-1 (the row loop compiled, _ir.make_rows)
+# rows(data, o0, o1, x, sx, y): y[o] for rows o0..o1-1 (the row loop compiled, ir.make_rows)
 rows_q8_0 = make_rows(_emit_rowdot("q8_0"), 2)
 rows_q4_0 = make_rows(_emit_rowdot("q4_0"), 2)
 rows_q4_1 = make_rows(_emit_rowdot("q4_1"), 2)
 
 
 @njit(fastmath=FM, **KW)
-def _block_sums(xr, sxr):
+def _x_row_block_sums(xr, sxr):
     # sxr[b] = sum of xr over block b; the order depends only on the block length
     for b in range(sxr.shape[0]):
         a = np.float32(0)
@@ -205,7 +199,7 @@ def _block_sums(xr, sxr):
 def _x_block_sums(x):
     sx = np.empty((x.shape[0], x.shape[1] // 32), np.float32)  # [T, nb]
     for t in range(x.shape[0]):
-        _block_sums(x[t], sx[t])
+        _x_row_block_sums(x[t], sx[t])
     return sx
 
 
@@ -215,9 +209,9 @@ def _rows_blocks(data, kind, x, sx, y, o0, o1):
     for c in range(o0, o1, step):
         e = min(o1, c + step)
         for t in range(x.shape[0]):
-            if kind == 2:
+            if kind == Q4_1:
                 rows_q4_1(data, c, e, x[t], sx[t], y[t])
-            elif kind == 1:
+            elif kind == Q4_0:
                 rows_q4_0(data, c, e, x[t], sx[t], y[t])
             else:
                 rows_q8_0(data, c, e, x[t], sx[t], y[t])
@@ -261,7 +255,7 @@ def matvec_widened(x, w, out):
         _mv_f32(w.data, x, out)
     elif w.qtype in KQ_KIND:
         matvec_kq(x, w, out)
-    elif KIND[w.qtype] <= 2:
+    elif KIND[w.qtype] <= Q4_1:  # q8_0, q4_0, q4_1
         small = x.shape[0] * w.data.shape[0] * x.shape[1] < PARALLEL_MIN_MACS
         (_mv_blocks_serial if small else _mv_blocks)(w.data, KIND[w.qtype], x, out)
     else:

@@ -1,4 +1,4 @@
-"""Row kernels of attention as LLVM vector IR, and the softmax pieces (used by _attn_kernels).
+"""Row kernels of attention as LLVM vector IR, and the softmax pieces (used by attention.decode).
 
 - dots(q, K2, t0, t1, step, s, off): s[off + j] = q . K2[t0 + j * step] for t0 + j * step < t1.
 - accum(w, off, V2, t0, t1, acc): acc[(off + j) % 4] += w[off + j] * V2[t0 + j] for t0 + j < t1.
@@ -26,16 +26,16 @@ from numba import njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from sparrow.kernels._ir import F32 as _F32
-from sparrow.kernels._ir import I8 as _I8
-from sparrow.kernels._ir import I16 as _I16
-from sparrow.kernels._ir import I32 as _I32
-from sparrow.kernels._ir import I64 as _I64
-from sparrow.kernels._ir import V16F as _V16F
-from sparrow.kernels._ir import fma as _fma
-from sparrow.kernels._ir import hsum16 as _hsum
-from sparrow.kernels._ir import splat16 as _splat
 from sparrow.kernels.elementwise import exp_parts
+from sparrow.kernels.ir import F32 as _F32
+from sparrow.kernels.ir import I8 as _I8
+from sparrow.kernels.ir import I16 as _I16
+from sparrow.kernels.ir import I32 as _I32
+from sparrow.kernels.ir import I64 as _I64
+from sparrow.kernels.ir import V16F as _V16F
+from sparrow.kernels.ir import fma as _fma
+from sparrow.kernels.ir import hsum16 as _hsum
+from sparrow.kernels.ir import splat16 as _splat
 
 _ZERO = ir.Constant(_V16F, [0.0] * 16)
 

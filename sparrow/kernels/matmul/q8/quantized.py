@@ -2,12 +2,12 @@
 
 llama.cpp's arithmetic: each 32-value block of x becomes int8 codes and one f32 scale, and
 each block's dot product with a weight block is an exact integer sum. It reads the same
-weight bytes as the exact path (kernels._widen) with a fraction of the vector instructions
+weight bytes as the exact path (kernels.matmul.widen) with a fraction of the vector instructions
 a block, so on a compute-bound core it decodes faster. Every format it covers (q8_0, q4_0,
-q4_1, q5_0, q5_1 in kernels/_x8.py; the K-quants q4_k, q5_k, q6_k in kernels/_kq8.py) is read
+q4_1, q5_0, q5_1 in q8/groups.py; the K-quants q4_k, q5_k, q6_k in q8/kquant_groups.py) is read
 as rows interleaved in groups of 8, built once per weight (one core, q4_0 in cache 51.6
-GMAC/s against 13.5 exact, q4_k 31 against 19 row at a time); _x8 and _kq8 document the
-order, _q8ir holds the IR pieces they share, this module quantises x and dispatches. It is
+GMAC/s against 13.5 exact, q4_k 31 against 19 row at a time); q8.groups and q8.kquant_groups document the
+order, q8.ir holds the IR pieces they share, this module quantises x and dispatches. It is
 not exact: on SmolLM2-135M (Q4_1) its decode logits differ from the f32 path by KL 3.1e-3 on
 average and agree on the top token at 98% of 400 positions, which is why it is a mode and
 never the default.
@@ -27,15 +27,25 @@ import sys
 import numpy as np
 from numba import njit, prange
 
-from sparrow.kernels import _amx
-from sparrow.kernels._kq8 import groups_q4_k, groups_q5_k, groups_q6_k
-from sparrow.kernels._q8ir import AVX2, VNNI512
-from sparrow.kernels._widen import _ROWS, KIND, PARALLEL_MIN_MACS, call_slp
-from sparrow.kernels._x8 import (
-    GROUP,
-    MR,
+from sparrow.kernels.cpu import FEATURES as CPU_FEATURES
+from sparrow.kernels.formats import (
+    BLOCK_KINDS,
+    KIND,
+    PREFILL_FORMATS,
     X8_FIRST,
     X8_KIND,
+    X8_Q4_0,
+    X8_Q4_1,
+    X8_Q4_K,
+    X8_Q5_0,
+    X8_Q5_K,
+    X8_Q6_K,
+    X8_Q8_0,
+)
+from sparrow.kernels.matmul.q8 import amx
+from sparrow.kernels.matmul.q8.groups import (
+    GROUP,
+    TILE_X_ROWS,
     groups_q4_0,
     groups_q4_1,
     groups_q5_0,
@@ -43,16 +53,23 @@ from sparrow.kernels._x8 import (
     groups_q8_0,
     interleave,
 )
-from sparrow.kernels._x16 import PAIR_MR, pairs_q4_0, pairs_q4_1, pairs_q4_k, pairs_q5_0, pairs_q5_1, pairs_q6_k
-from sparrow.kernels.gemm import CPU_FEATURES
+from sparrow.kernels.matmul.q8.ir import AVX2, VNNI512
+from sparrow.kernels.matmul.q8.kquant_groups import groups_q4_k, groups_q5_k, groups_q6_k
+from sparrow.kernels.matmul.q8.pair_tiles import (
+    PAIR_X_ROWS,
+    pairs_q4_0,
+    pairs_q4_1,
+    pairs_q4_k,
+    pairs_q5_0,
+    pairs_q5_1,
+    pairs_q6_k,
+)
+from sparrow.kernels.matmul.widen import call_slp
+from sparrow.kernels.options import KW, PARALLEL_MIN_MACS
+from sparrow.kernels.options import ROWS as _ROWS
 
-KW = dict(cache=True, nogil=True)
-# q8_0, q4_0, q4_1, q5_0, q5_1 in _x8; q4_k, q5_k, q6_k in _kq8 (kernels._widen.KIND)
-BLOCK_KINDS = (0, 1, 2, 6, 7, 8, 9, 10)
+# BLOCK_KINDS (formats.py): q8_0, q4_0, q4_1, q5_0, q5_1 in _x8; q4_k, q5_k, q6_k in q8.kquant_groups
 __all__ = ["AVX2", "CPU_FEATURES", "matvec_q8", "q8_rows", "quantize", "rows_q8", "supports"]
-
-_X8_Q4_0, _X8_Q4_1, _X8_Q4_K, _X8_Q6_K, _X8_Q5_0 = (X8_KIND[q] for q in ("q4_0", "q4_1", "q4_k", "q6_k", "q5_0"))
-_X8_Q8_0, _X8_Q5_K = X8_KIND["q8_0"], X8_KIND["q5_k"]
 
 
 @njit(**KW)
@@ -111,43 +128,43 @@ def code_sums(xq, n, times):
 
 @njit(**KW)
 def _tile(data, kind, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n):
-    """y[t0 : t0 + mr, rows of groups g0 .. g1 - 1] (mr <= _x8.MR) for an interleaved kind."""
-    if kind == 11:
+    """y[t0 : t0 + mr, rows of groups g0 .. g1 - 1] (mr <= q8.groups.TILE_X_ROWS) for an interleaved kind."""
+    if kind == X8_Q8_0:
         groups_q8_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
-    elif kind == 12:
+    elif kind == X8_Q4_0:
         groups_q4_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
-    elif kind == 13:
+    elif kind == X8_Q4_1:
         groups_q4_1(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
-    elif kind == 14:
+    elif kind == X8_Q4_K:
         groups_q4_k(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
-    elif kind == 15:
+    elif kind == X8_Q5_K:
         groups_q5_k(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
-    elif kind == 16:
+    elif kind == X8_Q6_K:
         groups_q6_k(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
-    elif kind == 17:
+    elif kind == X8_Q5_0:
         groups_q5_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
     else:
         groups_q5_1(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
 
 
-GROUP_CHUNK = 16  # groups (128 rows) a tile pass covers before the next x rows, when T > MR
+GROUP_CHUNK = 16  # groups (128 rows) a tile pass covers before the next x rows, when T > TILE_X_ROWS
 
 
 @njit(**KW)
 def _pair_tiles(data, kind, g0, g1, xq, dx, sx, bs, y):
-    """_x16's tiles over groups g0 .. g1 - 1 (an even count of full groups), every x row."""
+    """q8.pair_tiles's tiles over groups g0 .. g1 - 1 (an even count of full groups), every x row."""
     t_n = xq.shape[0]
-    for t0 in range(0, t_n, PAIR_MR):
-        mr = min(PAIR_MR, t_n - t0)
-        if kind == _X8_Q4_0:
+    for t0 in range(0, t_n, PAIR_X_ROWS):
+        mr = min(PAIR_X_ROWS, t_n - t0)
+        if kind == X8_Q4_0:
             pairs_q4_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
-        elif kind == _X8_Q4_1:
+        elif kind == X8_Q4_1:
             pairs_q4_1(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
-        elif kind == _X8_Q4_K:
+        elif kind == X8_Q4_K:
             pairs_q4_k(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
-        elif kind == _X8_Q6_K:
+        elif kind == X8_Q6_K:
             pairs_q6_k(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
-        elif kind == _X8_Q5_0:
+        elif kind == X8_Q5_0:
             pairs_q5_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
         else:
             pairs_q5_1(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
@@ -156,11 +173,11 @@ def _pair_tiles(data, kind, g0, g1, xq, dx, sx, bs, y):
 @njit(**KW)
 def x8_rows(data, kind, xq, dx, sx, bs, y, g0, g1):
     """y[t, o] for every x row t and the rows o < y.shape[1] of groups g0 .. g1 - 1: x rows
-    in tiles of MR (the last one smaller), a chunk of groups at a time so it stays in cache
-    while the tiles pass. Where takes_pairs, groups go in pairs through _x16's zmm tiles (the
+    in tiles of TILE_X_ROWS (the last one smaller), a chunk of groups at a time so it stays in cache
+    while the tiles pass. Where takes_pairs, groups go in pairs through q8.pair_tiles's zmm tiles (the
     same bits), the rest as before."""
     t_n, o_n = xq.shape[0], y.shape[1]
-    step = max(g1 - g0, 1) if t_n <= MR else GROUP_CHUNK
+    step = max(g1 - g0, 1) if t_n <= TILE_X_ROWS else GROUP_CHUNK
     pairs = takes_pairs(kind, t_n) and y.strides[1] == 4
     for c in range(g0, g1, step):
         e = min(g1, c + step)
@@ -169,15 +186,15 @@ def x8_rows(data, kind, xq, dx, sx, bs, y, g0, g1):
             p = c + max(min(e, o_n // GROUP) - c, 0) // 2 * 2
             _pair_tiles(data, kind, c, p, xq, dx, sx, bs, y)
         if p < e:
-            for t0 in range(0, t_n, MR):
-                _tile(data, kind, p, e, xq, dx, sx, bs, y, t0, min(MR, t_n - t0), o_n)
+            for t0 in range(0, t_n, TILE_X_ROWS):
+                _tile(data, kind, p, e, xq, dx, sx, bs, y, t0, min(TILE_X_ROWS, t_n - t0), o_n)
 
 
 @njit(**KW)
 def takes_pairs(kind, t_n):
-    """Whether t_n x rows of an interleaved kind go through _x16's zmm pair tiles: more than
-    MR of them, a CPU with AVX512-VNNI, and a kind with pair tiles (all but q8_0 and q5_k)."""
-    return VNNI512 and t_n > MR and kind >= X8_FIRST and kind != _X8_Q8_0 and kind != _X8_Q5_K
+    """Whether t_n x rows of an interleaved kind go through q8.pair_tiles's zmm pair tiles: more than
+    TILE_X_ROWS of them, a CPU with AVX512-VNNI, and a kind with pair tiles (all but q8_0 and q5_k)."""
+    return VNNI512 and t_n > TILE_X_ROWS and kind >= X8_FIRST and kind != X8_Q8_0 and kind != X8_Q5_K
 
 
 @njit(**KW)
@@ -185,9 +202,9 @@ def x_sums(kind, xq):
     """What a kind's rows read of x besides its codes and scales: q4_0 / q5_0 groups 8
     sum(code_x) per block, q6_k's zmm pair tiles 32 sum(code_x) per 16 values (where they
     run), other kinds nothing (code_sums)."""
-    if kind == _X8_Q4_0 or kind == _X8_Q5_0:
+    if kind == X8_Q4_0 or kind == X8_Q5_0:
         return code_sums(xq, 32, 8)
-    if kind == _X8_Q6_K and takes_pairs(kind, xq.shape[0]):
+    if kind == X8_Q6_K and takes_pairs(kind, xq.shape[0]):
         return code_sums(xq, 16, 32)
     return np.empty((xq.shape[0], 0), np.int32)
 
@@ -195,7 +212,7 @@ def x_sums(kind, xq):
 @njit(**KW)
 def rows_q8(data, kind, xq, dx, sx, y, o0, o1):
     """y[t, o] for rows o0..o1-1 of stored block rows `data` against quantised x rows; for
-    the _x8 kinds (interleaved q8_0 / q4_0 / q4_1 / K-quants) data's rows, o0 and o1 count
+    the q8.groups kinds (interleaved q8_0 / q4_0 / q4_1 / K-quants) data's rows, o0 and o1 count
     groups of 8 rows of y's (the last group may be partly padding)."""
     rows_q8_xs(data, kind, xq, dx, sx, x_sums(kind, xq), y, o0, o1)
 
@@ -230,16 +247,16 @@ def supports(w) -> bool:
 
 
 # Formats whose prefill (T > linear.SMALL_T) also runs on the interleaved groups in the q8
-# mode, tiles of 4 x rows sharing each unpacked chunk, or AMX tiles (kernels/_amx.py) where
+# mode, tiles of 4 x rows sharing each unpacked chunk, or AMX tiles (kernels/matmul/q8/amx.py) where
 # the CPU has them; the same bits either way, and the same as a decode step's. On 512 x rows
 # of a 6144 x 2048 matrix, two cores of a Zen 3 EPYC (AVX2): q4_k 114-119 GMAC/s against
 # 83-89 for the f32 GEMM (which widens every row first), q4_0 92-117 vs 88, q8_0 95-112 vs
 # 72-81, q4_1 82-114 vs 49-76; q6_k 76 vs 83-90, kept for AMX's 126 (and bits that match
-# decode). On an AMX Xeon: q8_0 / q4_x / q4_k 218-352, q6_k 126. On two Zen 4 cores (_x16's
+# decode). On an AMX Xeon: q8_0 / q4_x / q4_k 218-352, q6_k 126. On two Zen 4 cores (q8.pair_tiles's
 # zmm pair tiles), 512 x rows: q4_0 254, q5_0 205 GMAC/s (6144 x 2048), q6_k 154-163 (2048 x
 # 6144; 87-93 on the ymm tiles, 89-96 f32), q5_0 175 vs 50-78 f32 on SmolLM2's 3072 x 576.
 # q5_k keeps the f32 GEMM (it ran even on the ymm tiles, and has neither AMX nor zmm tiles).
-PREFILL_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k")
+# PREFILL_FORMATS (formats.py): q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q6_k
 
 
 def prefills(w) -> bool:
@@ -248,7 +265,7 @@ def prefills(w) -> bool:
 
 def q8_rows(w):
     """(rows, kind) the q8 mode reads for a Weight of a BLOCK_KINDS format: q8_0 / q4_0 / q4_1
-    interleaved in groups of 8 (_x8.interleave: a copy, made at the first call and kept on
+    interleaved in groups of 8 (q8.groups.interleave: a copy, made at the first call and kept on
     the weight), the others as stored."""
     if w.qtype not in X8_KIND:
         return w.data, KIND[w.qtype]
@@ -300,7 +317,7 @@ def quantize_padded(x, rows):
     return xq, dx, sx
 
 
-# From this many x rows a prefill over an _amx format runs on AMX tiles where the CPU has
+# From this many x rows a prefill over an q8.amx format runs on AMX tiles where the CPU has
 # them (the same bits; 16-row tiles, so fewer rows would mostly multiply padding).
 AMX_MIN_T = 16
 
@@ -308,8 +325,8 @@ AMX_MIN_T = 16
 def matvec_q8(x, w, out):
     """out [T, out] = q8(x) @ W.T for a Weight of a BLOCK_KINDS format."""
     data, kind = q8_rows(w)
-    if _amx.AMX and x.shape[0] >= AMX_MIN_T and w.qtype in _amx.FORMATS:
-        return _amx.matmul(*quantize_padded(x, _amx.TILE), data, w.qtype, out)
+    if amx.AMX and x.shape[0] >= AMX_MIN_T and w.qtype in amx.FORMATS:
+        return amx.matmul(*quantize_padded(x, amx.TILE), data, w.qtype, out)
     small = x.shape[0] * w.shape[0] * x.shape[1] < PARALLEL_MIN_MACS
     call_slp(_mv_q8_serial if small else _mv_q8, data, kind, x, out)
     return out

@@ -1,0 +1,101 @@
+"""The CPU the kernels compile for, read once: numba's target name and features, and every
+choice the kernels make from them. Other modules ask here and never read the CPU themselves.
+
+numba compiles for the host unless NUMBA_CPU_NAME / NUMBA_CPU_FEATURES say otherwise (the
+tests' AVX2 and generic children set them); the features string wins over the name. The
+choices never change a result's bits, only which instructions compute it.
+"""
+
+import ctypes
+import os
+import platform
+
+import numba
+
+
+def _target() -> tuple[str, str]:
+    """(name, features) numba compiles for: its JIT codegen's own, else what NUMBA_CPU_NAME /
+    NUMBA_CPU_FEATURES or the host say."""
+    try:
+        from numba.core.registry import cpu_target
+
+        cg = cpu_target.target_context.codegen()
+        return cg._get_host_cpu_name(), cg._tm_features
+    except Exception:  # pragma: no cover - numba internals moved
+        import llvmlite.binding as ll
+
+        name = numba.config.CPU_NAME or ll.get_host_cpu_name()
+        feats = numba.config.CPU_FEATURES
+        return name, (ll.get_host_cpu_features().flatten() if feats is None else feats)
+
+
+NAME, FEATURES = _target()
+_FEATS = set(FEATURES.split(","))
+
+AVX2 = "+avx2" in _FEATS  # the q8 mode: pmaddubsw / pmaddwd / psignb, else generic IR
+AVX512F = "+avx512f" in _FEATS  # the prefill GEMM's 16-lane micro-tile
+# vpdpbusd on ymm: 4 u8 x s8 products summed into an int32 lane in one instruction, where
+# AVX2 takes pmaddubsw + pmaddwd + paddd. AVX-VNNI (its VEX form) or AVX512-VNNI with VL.
+VNNI = AVX2 and ("+avxvnni" in _FEATS or {"+avx512vnni", "+avx512vl"} <= _FEATS)
+# vpdpbusd on zmm (AVX512-VNNI, with AVX512-BW for the byte and word lanes): 16 rows a vector
+# in the q8 mode's prefill tiles (kernels/matmul/q8/pair_tiles.py)
+VNNI512 = AVX2 and {"+avx512vnni", "+avx512bw"} <= _FEATS
+
+
+def micro_tile(features: str) -> tuple[int, int, int]:
+    """(MR, NW, LANES) of the prefill GEMM's micro-kernel (kernels/matmul/gemm.py): x rows, vectors a
+    row and f32 lanes a vector.
+
+    With avx512f (32 zmm): 8 x 3 <16 x float> accumulators (8 x 48). Otherwise (AVX2's 16
+    ymm, or anything else): 4 x 3 <8 x float> (4 x 24), so 12 accumulators + 3 weight
+    vectors + 1 broadcast fill the 16 registers without spilling, and 12 independent fma
+    chains cover the fma latency."""
+    if "+avx512f" in features.split(","):
+        return 8, 3, 16
+    return 4, 3, 8
+
+
+GEMM_TILE = micro_tile(FEATURES)
+
+
+def _amx_permitted() -> bool:
+    """Whether the q8 mode's prefill may use AMX tiles: the CPU has them, SPARROW_AMX is not 0,
+    and Linux grants this process the tile state."""
+    if os.environ.get("SPARROW_AMX", "1") == "0" or not {"+amx-tile", "+amx-int8"} <= _FEATS:
+        return False
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:  # arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): tiles for every thread of this process
+        return ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+AMX = _amx_permitted()
+
+
+def paths_line(d: dict | None = None) -> str:
+    """One sentence: every code path the kernels have, and the one this CPU takes (d: a
+    describe() dict, this process's by default)."""
+    d = d or describe()
+    dots = "vpdpbusd (VNNI)" if d["vnni"] else ("pmaddubsw (AVX2)" if d["avx2"] else "generic vector IR")
+    tiles = "zmm pair tiles (AVX512-VNNI)" if d["vnni512"] else "ymm tiles"
+    return (
+        f"sparrow's code paths on this CPU (numba target {d['name']}): q8 integer dots by {dots} "
+        "[of: vpdpbusd, pmaddubsw, generic]; q8 prefill on "
+        f"{'AMX tiles' if d['amx'] else tiles} [of: AMX tiles, zmm pair tiles, ymm tiles]; "
+        f"prefill GEMM micro-tile {d['gemm_tile']} [of: 8x3x16 (AVX-512), 4x3x8]."
+    )
+
+
+def describe() -> dict:
+    """The CPU and the code paths this process takes on it (`sparrow bench speed` prints it)."""
+    return dict(
+        name=NAME,
+        avx2=AVX2,
+        avx512f=AVX512F,
+        vnni=VNNI,
+        vnni512=VNNI512,
+        amx=AMX,
+        gemm_tile="x".join(map(str, GEMM_TILE)),
+    )

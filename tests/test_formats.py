@@ -1,0 +1,83 @@
+"""The weight-format table (kernels/formats.py) is the one place the kernels' format ids and
+capabilities come from: it agrees with sparrow.quant's storage, every branch chain handles
+exactly the formats that claim what the chain does, and no kernel branches on a literal id."""
+
+import os
+import re
+
+import numpy as np
+import pytest
+from test_kquants import make_kq
+
+from sparrow import quant
+from sparrow.kernels import formats
+from sparrow.kernels.formats import FORMATS, KIND, X8_FIRST
+from sparrow.kernels.matmul.q8 import amx as _amx
+from sparrow.kernels.matmul.q8 import quantized as _q8act
+from sparrow.kernels.matmul.widen import F16_LUT, call_slp, widen_row
+from weights import make
+
+KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sparrow", "kernels")
+
+
+def _weight(f, shape=(9, 512)):
+    if f.row_dot == "kquants":
+        return make_kq(f.name, shape, seed=3)
+    return make(f.name, shape, seed=3)
+
+
+def test_table_matches_the_stored_formats():
+    assert set(KIND) == set(quant.QTYPES)  # every format a Weight can hold has kernels, and no more
+    for f in FORMATS:
+        if f.block_values > 1:
+            assert (f.block_bytes, f.block_values) == (quant.BLOCK_BYTES[f.name], quant.BLOCK_SIZE[f.name]), f
+        w = _weight(f)
+        assert w.qtype == f.name and w.data.nbytes == w.shape[0] * 512 // f.block_values * f.block_bytes, f
+    # ids: the stored kinds 0..n-1 in table order, the interleaved ones above them all
+    assert [f.kind for f in FORMATS] == list(range(len(FORMATS)))
+    assert all(f.x8 is None or f.x8 >= X8_FIRST > max(KIND.values()) for f in FORMATS)
+
+
+@pytest.mark.parametrize("f", FORMATS, ids=lambda f: f.name)
+def test_each_chain_takes_exactly_the_formats_claiming_it(f):
+    w = _weight(f)
+    # widen_row (prefill GEMM, MoE experts, f16/bf16/f32 matvec): every kind, Weight.dequantize's bits
+    data = w.data.view(np.uint32) if f.name == "f32" else w.data
+    out = np.empty((w.shape[0], w.shape[1]), np.float32)
+    for o in range(len(out)):
+        call_slp(widen_row, data[o], f.kind, F16_LUT, out[o], out[o].view(np.uint32), True)
+    assert np.array_equal(out.view(np.uint32), w.dequantize().view(np.uint32)), f.name
+    # the q8 mode: which formats it runs, which it interleaves, which prefill on its groups
+    assert _q8act.supports(w) == (f.x8 is not None)
+    assert _q8act.prefills(w) == f.q8_prefill
+    assert (f.name in _amx.FORMATS) == f.amx
+    if f.x8 is not None:
+        rows, kind = _q8act.q8_rows(w)
+        assert kind == f.x8 and rows.shape[0] == -(-w.shape[0] // 8)  # groups of 8 rows
+        # zmm pair tiles: the formats claiming them, on CPUs with AVX512-VNNI, past TILE_X_ROWS rows
+        assert _q8act.takes_pairs(f.x8, 64) == (_q8act.VNNI512 and f.zmm_pairs)
+        assert not _q8act.takes_pairs(f.x8, 1)
+
+
+def test_no_kernel_branches_on_a_literal_format_id():
+    """`kind == 3` would mean f16 in one place and q4_k in another (the AMX numbering did):
+    the kernels compare kinds with formats.py's named ids only."""
+    pattern = re.compile(r"\b(kind|kinds\[[^\]]*\]|qtype_id)\s*(==|!=|<=|>=|<|>)\s*\d+\b")  # head_kind < 0: no head
+    found = []
+    for folder, _, files in os.walk(KERNELS):
+        for name in files:
+            if name.endswith(".py") and name != "formats.py":
+                with open(os.path.join(folder, name)) as fh:
+                    for n, line in enumerate(fh, 1):
+                        if pattern.search(line):
+                            found.append(f"{name}:{n}: {line.strip()}")
+    assert not found, found
+    # the check sees a literal when there is one
+    assert pattern.search("    if kind == 11:") and not pattern.search("    if kind == X8_Q8_0:")
+
+
+def test_named_ids_are_the_table_ids():
+    for f in FORMATS:
+        assert getattr(formats, {"f16": "FP16", "f32": "FP32"}.get(f.name, f.name.upper())) == f.kind
+        if f.x8 is not None:
+            assert getattr(formats, "X8_" + f.name.upper()) == f.x8
