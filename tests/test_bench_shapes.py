@@ -247,19 +247,21 @@ def test_ensure_checks_free_space_and_cleans_up(tmp_path, monkeypatch):
 
 
 def test_cpu_info_and_busy_threshold():
-    info = speed.cpu_info()
+    from sparrow.bench import host
+
+    info = host.cpu_info()
     assert info["model"] and info["cpus"] == os.cpu_count()
-    assert set(info["extensions"]) <= set(speed._EXTENSIONS)
-    busy = speed.cpu_busy(0.2)
+    assert set(info["extensions"]) <= set(host._EXTENSIONS)
+    busy = host.cpu_busy(0.2)
     assert busy is None or 0.0 <= busy <= 1.0
-    assert speed.busy_threshold(1) == 0.5 and speed.busy_threshold(2) == 0.5 and speed.busy_threshold(16) == 4.0
+    assert host.busy_threshold(1) == 0.5 and host.busy_threshold(2) == 0.5 and host.busy_threshold(16) == 4.0
 
 
 def test_bench_speed_on_tiny_shape(tmp_path, monkeypatch, capsys):
     """sparrow-only run (no --compare) through --shape, with the contention row and the header."""
     monkeypatch.setitem(shapes.SHAPES, "tiny", TINY)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(speed, "_load_avg", lambda: 99.0)  # a busy machine at the start
+    monkeypatch.setattr(speed, "load_avg", lambda: 99.0)  # a busy machine at the start
     monkeypatch.setattr(speed, "cpu_busy", lambda interval=1.0: 0.9)
     out = tmp_path / "speed.json"
     rec = speed.main(
@@ -289,6 +291,7 @@ def test_bench_speed_on_tiny_shape(tmp_path, monkeypatch, capsys):
     assert saved["contention"]["context"] == 40 and saved["cpu"]["model"] == rec["cpu"]["model"]
     md = capsys.readouterr().out
     assert "random weights, tiny shapes, q8_0" in md and "CPU: " in md and "vector extensions" in md
+    assert "sparrow's code paths on this CPU" in md
     assert (
         "Load average (1 min): 99.0 at start" in md
         and "1/5/15 min at start" in md
