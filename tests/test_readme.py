@@ -143,12 +143,14 @@ def test_layout_lists_every_module():
     """The layout block names each module under its package; empty __init__.py files excepted."""
     doc = REPO / "docs" / "architecture.md"
     block = next(b for b in fenced_blocks(doc.read_text()) if b.startswith("sparrow/\n"))
-    listed, package = set(), ""
+    listed, folders = set(), []  # folders: (indent, "name/") of the lines above, outermost first
     for line in block.split("\n"):
-        if m := re.match(r"  (\w+)/", line):
-            package = m.group(1) + "/"
+        if m := re.match(r"( +)(\w+)/", line):
+            depth = len(m.group(1))
+            folders = [f for f in folders if f[0] < depth] + [(depth, m.group(2) + "/")]
         elif m := re.match(r"( +)(\w+\.py) ", line):
-            listed.add((package if len(m.group(1)) > 2 else "") + m.group(2))
+            folders = [f for f in folders if f[0] < len(m.group(1))]
+            listed.add("".join(name for _, name in folders) + m.group(2))
     root = REPO / "sparrow"
     present = {
         p.relative_to(root).as_posix() for p in root.rglob("*.py") if p.stat().st_size or p.name != "__init__.py"

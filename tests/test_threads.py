@@ -59,14 +59,14 @@ def test_numba_cache_dir_follows_kernel_sources(tmp_path):
     shutil.copytree(os.path.dirname(K.__file__), src, ignore=shutil.ignore_patterns("__pycache__"))
     a = K._cache_dir(str(src), str(tmp_path / "cache"))
     assert a == K._cache_dir(str(src), str(tmp_path / "cache")) and os.path.isdir(a)
-    with open(src / "_attn_rows.py", "a") as f:
+    with open(src / "attention" / "rows.py", "a") as f:  # a kernel in a subfolder
         f.write("\n# edited\n")
     b = K._cache_dir(str(src), str(tmp_path / "cache"))
     assert b != a and os.path.isdir(b)
-    (src / "matmul").mkdir()  # kernels in a subfolder count too (issue 33's folders by concern)
-    (src / "matmul" / "rows.py").write_text("X = 1\n")
+    (src / "newfolder").mkdir()  # and a new file in a new subfolder
+    (src / "newfolder" / "rows.py").write_text("X = 1\n")
     c = K._cache_dir(str(src), str(tmp_path / "cache"))
-    (src / "matmul" / "rows.py").write_text("X = 2\n")
+    (src / "newfolder" / "rows.py").write_text("X = 2\n")
     assert len({a, b, c, K._cache_dir(str(src), str(tmp_path / "cache"))}) == 4
     if not os.environ.get("NUMBA_CACHE_DIR"):
         import numba
