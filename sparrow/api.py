@@ -314,8 +314,5 @@ def load(
     t0 = time.perf_counter()
     ckpt = open_checkpoint(os.path.expanduser(path) if path else None, os.path.expanduser(mmproj) if mmproj else None)
     model = build_model(ckpt, quantize=quantize, progress=progress)
-    model.activations = activations
-    plan = model.fused_step() if activations == "q8" and hasattr(model, "fused_step") else None
-    if plan is not None:  # the q8 mode's interleaved weights (~1 GB/s), now rather than in the first request
-        plan.weights_for(True)
+    model.use_activations(activations)
     return LLM(ckpt, model, kv_dtype, threads, ctx or ckpt.config.max_position_embeddings, time.perf_counter() - t0)

@@ -19,14 +19,14 @@ import numpy as np
 from numba.typed import List
 
 from ..errors import SparrowError
-from ..kernels.formats import KIND
+from ..kernels.formats import FORMATS, KIND
 from ..kernels.fused import decode_step as _ds
 from ..kernels.fused import sync
 from ..kernels.matmul.q8.quantized import q8_rows
 from ..kernels.matmul.widen import F16_LUT
 from .layers import MLP
 
-BLOCK_KINDS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+BLOCK_KINDS = tuple(f.name for f in FORMATS if f.row_dot != "widened")  # the formats with block row dots
 _KV_KIND = {"f32": _ds.KV_F32, "f16": _ds.KV_F16, "int8": _ds.KV_INT8}
 _DEFAULT_BLOCK = 32  # the block the exact-attention kernel walks (models.attention)
 # Contention: the workers meet at 6 barriers a layer and spin there. When another process
