@@ -120,18 +120,13 @@ def test_contention_backs_off_to_the_staged_path(default_llm, monkeypatch):
     default_llm.model.forward([Segment(ids, cache, 0)])
     pos = len(ids)
     plan.backoff = 0
-    orig_token, orig_worker = fused_mod._ds.decode_token, fused_mod._ds.worker
+    orig_run = plan._run
 
-    def token(addr, nt, sync, *args):  # as if every barrier had had to yield
-        orig_token(addr, nt, sync, *args)
-        sync[2] = 10**6
+    def run_contended(cache, args):  # as if every barrier had had to yield
+        orig_run(cache, args)
+        plan.sync[2] = 10**6
 
-    def worker(tid, nt, sync, *args):
-        orig_worker(tid, nt, sync, *args)
-        sync[2] = 10**6
-
-    monkeypatch.setattr(fused_mod._ds, "decode_token", token)
-    monkeypatch.setattr(fused_mod._ds, "worker", worker)
+    monkeypatch.setattr(plan, "_run", run_contended)
     orig_staged = plan.staged_step
     staged_took = {"s": 0.0}
 

@@ -221,19 +221,25 @@ class FusedDecode:
             got = memo[probe_key] = (K, V, KS, VS, IMP, P, PS, per_block)
         return got
 
-    def _worker_address(self, cache, args) -> int:
-        """worker's machine code for args (kernels/native_call.py), memoised in the cache: the
-        argument types are fixed by the cache's arrays, the activations mode, the selection
-        switch, the probe copies and the RoPE tables' layout, which make the key (typing all
-        the arguments on every step would cost ~0.3 ms)."""
+    def _run(self, cache, args) -> None:
+        """`worker` (args: its arguments) on every thread, or on this one alone. On several,
+        decode_token runs through its compiled entry point and calls worker by address
+        (kernels/fused/decode_step.step_entry), both memoised in the cache: the argument types
+        are fixed by the cache's arrays, the activations mode, the selection switch, the probe
+        copies and the RoPE tables' layout, which make the key (typing the arguments costs
+        ~0.3 ms, numba's dispatch ~0.17 ms a step)."""
+        if args[1] == 1:
+            _ds.worker(*args)
+            return
         model_t, cache_t, mode, select = args[5], args[6], args[9], args[10]
         cos, sin = model_t.cos, model_t.sin
         key = (id(self), mode, select, id(cache_t.P), cos.flags.c_contiguous, sin.flags.c_contiguous)
-        memo = cache.__dict__.setdefault("_fused_addresses", {})
-        addr = memo.get(key)
-        if addr is None:
-            addr = memo[key] = _ds.worker_address(args)
-        return addr
+        memo = cache.__dict__.setdefault("_fused_entries", {})
+        got = memo.get(key)
+        if got is None:
+            got = memo[key] = _ds.step_entry(args)
+        addr, entry = got
+        entry(addr, *args[1:])
 
     def __call__(self, seg) -> np.ndarray:
         """Decodes seg (one token at seg.start over its cache) -> logits [1, V]."""
@@ -285,11 +291,7 @@ class FusedDecode:
         nt = numba.get_num_threads()
         self.sync[:3] = 0
         t0 = time.perf_counter()
-        if nt > 1:
-            args = (0, nt, self.sync, x, pos, model_t, cache_t, attn_t, scratch, mode, select)
-            _ds.decode_token(self._worker_address(cache, args), *args[1:])
-        else:
-            _ds.worker(0, 1, self.sync, x, pos, model_t, cache_t, attn_t, scratch, mode, select)
+        self._run(cache, (0, nt, self.sync, x, pos, model_t, cache_t, attn_t, scratch, mode, select))
         cache.length = seq_len
         self.steps += 1
         if self.sync[2] * CONTENDED > 6 * L:  # more than 1/CONTENDED of the barriers waited long

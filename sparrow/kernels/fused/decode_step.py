@@ -21,7 +21,7 @@ the K-quants (q4_k, q5_k, q6_k) through kernels/matmul/kquants.py's row dots.
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, typeof, types
 from numba.typed import List
 
 from sparrow.kernels.attention.decode import _group, importance_per_block
@@ -35,7 +35,7 @@ from sparrow.kernels.matmul.q8.groups import GROUP
 from sparrow.kernels.matmul.q8.quantized import quantize as _q8_quantize
 from sparrow.kernels.matmul.q8.quantized import rows_q8 as _rows_q8
 from sparrow.kernels.matmul.widen import _rows_blocks, _x_block_sums
-from sparrow.kernels.native_call import address_for, call_native
+from sparrow.kernels.native_call import address, call_native
 from sparrow.kernels.options import KW
 
 KV_F32, KV_F16, KV_INT8 = 0, 1, 2  # storage kinds of the KV cache arrays
@@ -329,6 +329,13 @@ def decode_token(addr, nt, sync, x, pos, model, cache, attn, scratch, q8, select
         call_native(addr, (np.int64(tid), nt, sync, x, pos, model, cache, attn, scratch, q8, select))
 
 
-def worker_address(args, kernel=worker) -> int:
-    """The address of `worker` compiled for args (worker's own arguments, tid first)."""
-    return address_for(kernel, args)
+def step_entry(args, kernel=worker) -> tuple[int, object]:
+    """(the address of `worker` compiled for args, decode_token's compiled entry point for the
+    same types), args being worker's own arguments, tid first. Calling the entry point skips
+    numba's dispatch, which types the records' typed lists in Python on every call (~0.17 ms a
+    token); the caller must keep the argument types those of args (models/fused.py memoises
+    this per KV cache on what decides them)."""
+    sig = (types.int64,) + tuple(typeof(a) for a in args[1:])  # tid; decode_token's addr
+    addr = address(kernel, sig)
+    decode_token.compile(sig)  # or load it from the disk cache
+    return addr, decode_token.overloads[sig].entry_point
