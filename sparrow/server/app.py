@@ -483,7 +483,7 @@ def serve(args) -> None:
     announce_compiles(lambda line: print(line, file=sys.stderr, flush=True))
     print(
         f"sparrow: before serving, every path a request may take runs once ({', '.join(SERVER_PATHS)}), "
-        "so that no request compiles kernels while others stream (cold cache: about 2 min on 2 cores)",
+        "so that no request compiles kernels while others stream (cold cache: under 2 min on 2 cores)",
         file=sys.stderr,
         flush=True,
     )
