@@ -26,7 +26,7 @@ from ..kernels.matmul.q8.quantized import q8_rows
 from ..kernels.matmul.widen import F16_LUT
 from .layers import MLP
 
-BLOCK_KINDS = tuple(f.name for f in FORMATS if f.row_dot != "widened")  # the formats with block row dots
+BLOCK_FORMATS = tuple(f.name for f in FORMATS if f.row_dot != "widened")  # names; formats.BLOCK_KINDS are ids
 _KV_KIND = {"f32": _ds.KV_F32, "f16": _ds.KV_F16, "int8": _ds.KV_INT8}
 _DEFAULT_BLOCK = 32  # the block the exact-attention kernel walks (models.attention)
 # Contention: the workers meet at 6 barriers a layer and spin there. When another process
@@ -53,7 +53,7 @@ def _typed(arrays) -> List:
 
 
 def _block_weight(w) -> bool:
-    return w is not None and w.qtype in BLOCK_KINDS
+    return w is not None and w.qtype in BLOCK_FORMATS
 
 
 def _group_ok(fl) -> bool:
@@ -196,7 +196,7 @@ class FusedDecode:
                 np.int64,
             )  # [L, 7]: q/k/v pieces, o, gate/up pieces, down
             head = self.model.lm_head
-            if head.qtype in BLOCK_KINDS:
+            if head.qtype in BLOCK_FORMATS:
                 head_w, head_kind = _rows_kind(head, q8)
             else:
                 head_w, head_kind = _readonly(np.zeros((1, 1), np.uint8)), -1  # the head runs staged
