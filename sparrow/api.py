@@ -55,7 +55,23 @@ class LLM:
         # most one prompt's KV alive between calls (llm.prefix.clear() drops it).
         self.prefix = PrefixCache(KVPool(default_budget()), self.runner.prefill_chunk, max_entries=1)
         self.vision = getattr(checkpoint, "vision", None)  # VisionConfig of an image model, else None
+        self.activations_why = "asked for"  # why the model runs its activations mode (load)
         self.max_images = DEFAULT_MAX_IMAGES  # per prompt
+
+    def with_activations(self, mode: str) -> LLM:
+        """This checkpoint as an LLM whose model runs activations mode `mode` (a model's mode is
+        fixed when it is built: its weights are prepared for it); self when it already does.
+        The memory-mapped stored weights are shared; the q8 mode's interleaved copies are not."""
+        from .kernels.linear import ACTIVATIONS
+        from .models import build_model
+
+        if mode not in ACTIVATIONS:
+            raise SparrowError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {mode!r}")
+        if mode == self.model.activations:
+            return self
+        t0 = time.perf_counter()
+        model = build_model(self.checkpoint, quantize=self.model.quantize, activations=mode)
+        return LLM(self.checkpoint, model, self.kv_dtype, self.threads, self.ctx, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ prompts
     def prompt_ids(
@@ -284,21 +300,23 @@ def load(
     quantize: str | None = None,
     ctx: int | None = None,
     progress: bool = False,
-    activations: str = "f32",
+    activations: str | None = None,
     mmproj: str | None = None,
 ) -> LLM:
     """Loads a HF folder, a .gguf file, or (path None) the default SmolLM2-135M-Instruct GGUF.
 
-    activations="q8" is the named faster mode: decode matvecs over block-quantised weights (and
-    prefill over q8_0 / q4_0 / q4_1 / q4_k) quantise activations to 8 bits as llama.cpp does
-    (not exact; README, "Activations").
+    activations: "f32" (exact) or "q8", the faster mode: matvecs over block-quantised weights
+    quantise activations to 8 bits as llama.cpp does (not exact; README, "Activations"). None
+    (the default) takes the rule of models/activations.py: exact, unless exact decode of this
+    model's weights would trail llama.cpp's by more than 10%; llm.activations_why says why.
     mmproj: llama.cpp's Qwen3-VL vision projector GGUF, with a qwen3vl text GGUF as path."""
     from .kernels.linear import ACTIVATIONS
     from .models import build_model
+    from .models.activations import default_activations
 
     # Settings are checked before the (slow) load, so a typo costs nothing.
     check_kv_dtype(kv_dtype)
-    if activations not in ACTIVATIONS:
+    if activations is not None and activations not in ACTIVATIONS:
         raise SparrowError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     if quantize not in QUANTIZE:
         raise SparrowError(f"quantize must be 'q8_0' or None, got {quantize!r}")
@@ -313,6 +331,10 @@ def load(
         pass
     t0 = time.perf_counter()
     ckpt = open_checkpoint(os.path.expanduser(path) if path else None, os.path.expanduser(mmproj) if mmproj else None)
-    model = build_model(ckpt, quantize=quantize, progress=progress)
-    model.use_activations(activations)
-    return LLM(ckpt, model, kv_dtype, threads, ctx or ckpt.config.max_position_embeddings, time.perf_counter() - t0)
+    why = "asked for"
+    if activations is None:
+        activations, why = default_activations(ckpt.tensors, quantize)
+    model = build_model(ckpt, quantize=quantize, progress=progress, activations=activations)
+    llm = LLM(ckpt, model, kv_dtype, threads, ctx or ckpt.config.max_position_embeddings, time.perf_counter() - t0)
+    llm.activations_why = why
+    return llm

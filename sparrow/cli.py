@@ -31,10 +31,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--activations",
-        default="f32",
+        default=None,
         choices=["f32", "q8"],
-        help="f32: exact (default). q8: 8-bit activations over block-quantised weights (decode; prefill "
-        "over q8_0/q4_0/q4_1/q4_k), as llama.cpp does: faster, not exact (README, Activations)",
+        help="f32: exact. q8: 8-bit activations over block-quantised weights, as llama.cpp does: faster, "
+        "not exact. Default: exact, unless exact decode of this model's weights would trail llama.cpp's "
+        "(q4/q5/q6 files from ~0.5B parameters) (README, Activations)",
     )
 
 
@@ -116,7 +117,8 @@ def _load(a):
     _compile_notice()  # after the load: a model that fails to load compiles nothing
     if getattr(a, "timings", False):
         print(
-            f"[LOAD] {llm.name}: {llm.load_seconds:.2f} s, {llm.config.architecture}, {llm.threads} threads",
+            f"[LOAD] {llm.name}: {llm.load_seconds:.2f} s, {llm.config.architecture}, {llm.threads} threads, "
+            f"activations {llm.model.activations} ({llm.activations_why})",
             file=sys.stderr,
         )
     return llm
@@ -289,14 +291,14 @@ def cmd_compile(a) -> None:
 
     llm = _load(a)
     kinds = KV_DTYPES if a.all else (a.kv_dtype,)
-    modes = ("f32", "q8") if a.all else (a.activations,)
+    modes = ("f32", "q8") if a.all else (llm.model.activations,)
     paths = tuple(a.paths.split(",")) if a.paths else SERVER_PATHS
     bad = [p for p in paths if p not in PATHS]
     if bad:
         raise SparrowError(f"unknown path {bad[0]!r}: --paths takes {', '.join(PATHS)}")
     t0 = time.perf_counter()
     for mode in modes:
-        llm.model.activations = mode
+        llm = llm.with_activations(mode)
         for kv in kinds:
 
             def report(name, i, n, seconds, kv=kv, mode=mode):

@@ -189,8 +189,7 @@ def gguf_support(ggml_type):
 class Weight:
     """A [out, in] weight matrix in stored form; see the module docstring for layouts."""
 
-    # x8: the q8 mode's interleaved copy of q8_0 / q4_0 / q4_1 rows (kernels.matmul.q8.quantized.q8_rows)
-    __slots__ = ("qtype", "shape", "data", "x8")
+    __slots__ = ("qtype", "shape", "data")
 
     def __init__(self, qtype, data, shape):
         if qtype not in QTYPES:
@@ -211,7 +210,6 @@ class Weight:
         self.qtype = qtype
         self.shape = (out, k)
         self.data = _readonly(data.reshape(want))  # [out, in] or [out, nb * blockbytes]
-        self.x8 = None
 
     @property
     def nbytes(self):

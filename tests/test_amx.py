@@ -14,7 +14,7 @@ from test_gemm import bits
 from test_kquants import make_kq
 from test_q8act import rowdot_reference
 
-from sparrow.kernels.linear import activations, linear
+from sparrow.kernels.linear import AMX_MIN_T, linear, prepare
 from sparrow.kernels.matmul.q8 import amx as _amx
 from sparrow.kernels.matmul.q8 import quantized as _q8act
 from weights import acts, make
@@ -28,7 +28,8 @@ def _weight(qtype, shape, seed):
 
 def _vector_path(x, w):
     """The q8 mode's product on the _x8 / _kq8 groups (no tiles), every row of x."""
-    data, kind = _q8act.q8_rows(w)
+    w8 = _q8act.Q8Weight(w)
+    data, kind = w8.rows, w8.kind
     xq, dx, sx = _q8act.quantize(x)
     y = np.empty((x.shape[0], w.shape[0]), np.float32)
     _q8act.rows_q8(data, kind, xq, dx, sx, y, 0, data.shape[0])
@@ -62,7 +63,8 @@ def test_tiles_give_the_vector_paths_bits_on_any_thread_count(case):
     qtype, shape, t_n = case
     w, x = _weight(qtype, shape, seed=3), acts(t_n, shape[1], seed=4)
     want = _vector_path(x, w)
-    data, _ = _q8act.q8_rows(w)
+    w8 = _q8act.Q8Weight(w)
+    data, _ = w8.rows, w8.kind
     old = numba.get_num_threads()
     try:
         for n in (1, 2)[: numba.config.NUMBA_NUM_THREADS]:
@@ -81,9 +83,9 @@ def test_prefill_takes_the_tiles_and_keeps_the_documented_order(monkeypatch):
     calls = []
     real = _amx.matmul
     monkeypatch.setattr(_amx, "matmul", lambda *a: calls.append(1) or real(*a))
-    with activations("q8"):
-        got = linear(x, w)
-        linear(x[: _q8act.AMX_MIN_T - 1], w)
+    w8 = prepare(w, "q8")
+    got = linear(x, w8)
+    linear(x[: AMX_MIN_T - 1], w8)
     assert calls == [1]
     assert np.array_equal(bits(got), bits(rowdot_reference(x, w)))
 
@@ -93,15 +95,14 @@ import sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
 from sparrow.kernels.matmul.q8 import amx as _amx
-from sparrow.kernels.linear import activations, linear
+from sparrow.kernels.linear import linear, prepare
 from test_amx import CASES, _weight
 from weights import acts
 
 assert not _amx.AMX
 out = {}
 for i, (q, shape, t) in enumerate(CASES):
-    with activations("q8"):
-        out[f"c{i}"] = linear(acts(t, shape[1], seed=4), _weight(q, shape, seed=3))
+    out[f"c{i}"] = linear(acts(t, shape[1], seed=4), prepare(_weight(q, shape, seed=3), "q8"))
 np.savez(sys.argv[2], **out)
 """
 
@@ -115,6 +116,5 @@ def test_switched_off_gives_the_same_bits(tmp_path):
     subprocess.run([sys.executable, "-c", CHILD, tests, str(out)], env=env, check=True, timeout=900)
     child = np.load(out)
     for i, (q, shape, t) in enumerate(CASES):
-        with activations("q8"):
-            here = linear(acts(t, shape[1], seed=4), _weight(q, shape, seed=3))
+        here = linear(acts(t, shape[1], seed=4), prepare(_weight(q, shape, seed=3), "q8"))
         assert np.array_equal(bits(child[f"c{i}"]), bits(here)), CASES[i]

@@ -12,6 +12,16 @@ from test_kquants import make_kq
 from sparrow import quant
 from sparrow.kernels import formats
 from sparrow.kernels.formats import FORMATS, KIND, X8_FIRST
+from sparrow.kernels.linear import (
+    EXACT_GEMM,
+    EXACT_ROWS,
+    Q8_AMX,
+    Q8_ROWS,
+    SMALL_T,
+    Q8Weight,
+    choose,
+    prepare,
+)
 from sparrow.kernels.matmul.q8 import amx as _amx
 from sparrow.kernels.matmul.q8 import quantized as _q8act
 from sparrow.kernels.matmul.widen import F16_LUT, call_slp, widen_row
@@ -48,11 +58,14 @@ def test_each_chain_takes_exactly_the_formats_claiming_it(f):
         call_slp(widen_row, data[o], f.kind, F16_LUT, out[o], out[o].view(np.uint32), True)
     assert np.array_equal(out.view(np.uint32), w.dequantize().view(np.uint32)), f.name
     # the q8 mode: which formats it runs, which it interleaves, which prefill on its groups
-    assert _q8act.supports(w) == (f.x8 is not None)
-    assert _q8act.prefills(w) == f.q8_prefill
+    w8 = prepare(w, "q8")
+    assert isinstance(w8, Q8Weight) == (f.x8 is not None)
+    assert choose(w8, 1) == (Q8_ROWS if f.x8 is not None else EXACT_ROWS)
+    assert (choose(w8, SMALL_T + 1) in (Q8_ROWS, Q8_AMX)) == f.q8_prefill
+    assert choose(w, 1) == EXACT_ROWS and choose(w, SMALL_T + 1) == EXACT_GEMM  # stored: the exact mode
     assert (f.name in _amx.FORMATS) == f.amx
     if f.x8 is not None:
-        rows, kind = _q8act.q8_rows(w)
+        rows, kind = w8.rows, w8.kind
         assert kind == f.x8 and rows.shape[0] == -(-w.shape[0] // 8)  # groups of 8 rows
         # zmm pair tiles: the formats claiming them, on CPUs with AVX512-VNNI, past TILE_X_ROWS rows
         assert _q8act.takes_pairs(f.x8, 64) == (_q8act.VNNI512 and f.zmm_pairs)

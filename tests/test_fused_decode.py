@@ -200,10 +200,9 @@ def test_fused_runs_k_quant_files_with_mixed_groups(tmp_path):
     assert llm.model.fused_step() is not None
     ids = np.random.default_rng(3).integers(0, 486, 24)
     for mode in ("f32", "q8"):
-        llm.model.activations = mode
+        llm_m = llm.with_activations(mode)
         for threads in (1, 2):
             set_threads(threads)
             assert numba.get_num_threads() == threads
-            fused = _decode(llm, ids, 16, None, fused=True)
-            assert fused.tobytes() == _decode(llm, ids, 16, None, fused=False).tobytes(), (mode, threads)
-    llm.model.activations = "f32"
+            fused = _decode(llm_m, ids, 16, None, fused=True)
+            assert fused.tobytes() == _decode(llm_m, ids, 16, None, fused=False).tobytes(), (mode, threads)

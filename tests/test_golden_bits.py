@@ -19,7 +19,7 @@ import pytest
 from test_kquants import make_kq
 
 from sparrow.kernels import set_threads
-from sparrow.kernels.linear import SMALL_T, activations, linear
+from sparrow.kernels.linear import SMALL_T, linear, prepare
 from weights import acts, make
 
 FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "f16", "bf16", "f32")
@@ -45,8 +45,7 @@ def linear_hashes() -> dict[str, str]:
         w = _weight(q)
         for mode in ("f32", "q8") if q in Q8_FORMATS else ("f32",):
             for name, t in T_CLASSES.items():
-                with activations(mode):
-                    out[f"{q}/{mode}/{name}"] = _digest(linear(acts(t, SHAPE[1], seed=12), w))
+                out[f"{q}/{mode}/{name}"] = _digest(linear(acts(t, SHAPE[1], seed=12), prepare(w, mode)))
     return out
 
 
@@ -74,13 +73,13 @@ def fused_hashes(tiny_folder) -> dict[str, str]:
     from sparrow.models.decoder import Segment
     from sparrow.params import SparseParams
 
-    llm = sparrow.load(tiny_folder, quantize="q8_0", threads=2)
+    llms = {m: sparrow.load(tiny_folder, quantize="q8_0", threads=2, activations=m) for m in ("f32", "q8")}
     ids = np.random.default_rng(5).integers(0, 200, 40)
     out = {}
     for kv, mode in FUSED_CASES:
         for name in _fused_attention(kv, mode):
             sp = FUSED_ATTENTION[name] and SparseParams(**FUSED_ATTENTION[name])
-            llm.model.activations = mode
+            llm = llms[mode]
             plan = llm.model.fused_step()
             plan.backoff, before = 0, plan.steps
             cache = llm.model.new_cache(len(ids), kv)
@@ -88,7 +87,6 @@ def fused_hashes(tiny_folder) -> dict[str, str]:
             rows = [llm.model.forward([Segment(ids[i : i + 1], cache, i, sp, decode=True)])[0] for i in range(32, 40)]
             assert plan.steps - before == 8  # the fused step ran
             out[f"{kv}/{mode}/{name}"] = _digest(np.stack(rows))
-    llm.model.activations = "f32"
     return out
 
 

@@ -10,8 +10,9 @@ from test_gemm import bits, fma32, fma_order_reference
 
 from sparrow.errors import SparrowError
 from sparrow.kernels import linear as L
-from sparrow.kernels.matmul import kquants as KQ
-from sparrow.kernels.matmul.widen import F16_LUT, KIND, call_slp, widen_row
+from sparrow.kernels.formats import KIND
+from sparrow.kernels.matmul import widen as _widen
+from sparrow.kernels.matmul.widen import F16_LUT, call_slp, widen_row
 from sparrow.quant import BLOCK_BYTES, BLOCK_SIZE, Weight
 from weights import acts
 
@@ -259,16 +260,16 @@ def test_batch_and_thread_invariance(qtype):
     for i in range(x.shape[0]):
         assert np.array_equal(bits(L.linear(x[i : i + 1].copy(), w)[0]), bits(y[i]))
         assert np.array_equal(bits(L.linear(x[i : i + 3].copy(), w)[0]), bits(y[i]))
-    # the parallel and serial decode kernels (matvec_kq picks by size) give the same bits
+    # the parallel and serial decode kernels (matvec_widened picks by size) give the same bits
     yk = np.empty_like(y)
-    KQ._mv(w.data, KIND[qtype], x, yk)
+    _widen._mv_rows(w.data, KIND[qtype], x, yk, True)
     assert np.array_equal(bits(yk), bits(y))
     threads = numba.get_num_threads()
     try:
         for n in (1, 2):
             if n <= numba.config.NUMBA_NUM_THREADS:
                 numba.set_num_threads(n)
-                KQ._mv(w.data, KIND[qtype], x, yk)
+                _widen._mv_rows(w.data, KIND[qtype], x, yk, True)
                 assert np.array_equal(bits(yk), bits(y))
                 assert np.array_equal(bits(L.linear(xp, w)), bits(yp))
     finally:

@@ -15,8 +15,8 @@ from test_q8act import q8_outputs, quantize_reference, rowdot_reference
 
 import sparrow
 from sparrow.kernels import set_threads
-from sparrow.kernels.linear import SMALL_T, activations, linear
-from sparrow.kernels.matmul.q8 import quantized as _q8act
+from sparrow.kernels.formats import PREFILL_FORMATS
+from sparrow.kernels.linear import SMALL_T, linear, prepare
 from sparrow.kernels.matmul.q8.quantized import quantize, rows_q8
 from sparrow.quant import BLOCK_BYTES, Weight
 from weights import acts, make
@@ -88,15 +88,15 @@ def compute():
 
 
 def test_documented_order_bit_for_bit_any_threads_and_batch():
-    assert all(t <= SMALL_T or q in _q8act.PREFILL_FORMATS for q, _, t in CASES)  # q8 prefills keep the order
+    assert all(t <= SMALL_T or q in PREFILL_FORMATS for q, _, t in CASES)  # q8 prefills keep the order
     out = compute()
     for i, (q, shape, t) in enumerate(CASES):
         x, w = acts(t, shape[1], seed=7), make_kq(q, shape, seed=8)
         ref = reference(x, w)
         for n in (1, 2)[: numba.config.NUMBA_NUM_THREADS]:
             assert np.array_equal(bits(out[f"c{i}_{n}"]), bits(ref)), (q, shape, t, n)
-        with activations("q8"):  # a row alone equals that row in the batch
-            assert np.array_equal(bits(linear(np.ascontiguousarray(x[-1:]), w)), bits(ref[-1:]))
+        # a row alone equals that row in the batch
+        assert np.array_equal(bits(linear(np.ascontiguousarray(x[-1:]), prepare(w, "q8"))), bits(ref[-1:]))
 
 
 def extreme_weight(qtype, o_n=8):
@@ -131,8 +131,7 @@ def test_extreme_codes_and_scales(qtype):
     """All-max codes and scales against all-max x (the integer sums' largest magnitudes:
     no int16 saturation in pmaddubsw, no int32 overflow), and an all-zero x row."""
     w, x = extreme_weight(qtype), extreme_x(3)
-    with activations("q8"):
-        y = linear(x, w)
+    y = linear(x, prepare(w, "q8"))
     assert np.array_equal(bits(y), bits(reference(x, w)))
     assert np.all(y[2] == 0)
 
@@ -145,8 +144,7 @@ def test_prefill_in_q8_mode_on_all_but_q5_k():
     for q in ("q4_k", "q5_0", "q5_1", "q5_k", "q6_k"):
         w = make_kq(q, (27, 512), seed=14)
         exact = linear(x, w)
-        with activations("q8"):
-            got = linear(x, w)
+        got = linear(x, prepare(w, "q8"))
         if q != "q5_k":
             assert np.array_equal(bits(got), bits(reference(x, w))), q
             assert not np.array_equal(got, exact)
@@ -158,8 +156,7 @@ def test_q8_is_not_f32_and_is_close():
     for q in ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k"):
         x, w = acts(2, 1024, seed=1), make_kq(q, (64, 1024), seed=2)
         exact = linear(x, w)
-        with activations("q8"):
-            q8 = linear(x, w)
+        q8 = linear(x, prepare(w, "q8"))
         assert not np.array_equal(q8, exact), q  # the mode really changes the arithmetic
         np.testing.assert_allclose(q8, exact, rtol=0, atol=0.03 * np.abs(exact).max())
 
@@ -175,12 +172,14 @@ def test_fused_k_quant_file_q8_equals_staged_and_differs_from_f32(tmp_path):
         rope_theta=1e6, rms_eps=1e-6, context=128,
     )  # fmt: skip
     llm = sparrow.load(shapes.write_gguf(str(tmp_path / "tiny-k.gguf"), tiny_k, "q4_k_m", name="tiny"))
-    model = model_ = llm.model
+    model = llm.model
     assert {w.qtype for lay in model.layers for w in (lay.mlp.down, lay.attn.o)} >= {"q4_k", "q6_k"}
+    models = {m: llm.with_activations(m).model for m in ("f32", "q8")}
     ids = np.random.default_rng(3).integers(0, 486, 20)
 
     def decode(fused, mode):
-        model_.use_fused, model_.activations = fused, mode
+        model_ = models[mode]
+        model_.use_fused = fused
         plan = model_.fused_step()
         plan.backoff, before = 0, plan.steps
         try:
@@ -190,7 +189,7 @@ def test_fused_k_quant_file_q8_equals_staged_and_differs_from_f32(tmp_path):
             assert (plan.steps - before > 0) == fused
             return np.stack(rows)
         finally:
-            model_.use_fused, model_.activations = True, "f32"
+            model_.use_fused = True
 
     try:
         for threads in (1, 2):
@@ -229,20 +228,18 @@ def test_row_range_into_a_strided_output():
     exactly their rows, into a column slice of a wider output (the fused step writes q/k/v
     pieces so), with the reference's bits; the exact path's row loops (_widen, _kquants)
     likewise. Row ranges of the q8 mode's q4_0 / q8_0 count groups: rows 8 g0 .. 8 g1."""
-    from sparrow.kernels.matmul.kquants import _rows as kq_rows
-    from sparrow.kernels.matmul.kquants import _x_block_sums as kq_sums
-    from sparrow.kernels.matmul.q8.quantized import q8_rows
-    from sparrow.kernels.matmul.widen import KIND, _rows_blocks, _x_block_sums
+    from sparrow.kernels.formats import KIND
+    from sparrow.kernels.matmul.widen import exact_sums, rows_exact
 
     for q, t in (("q4_0", 1), ("q5_0", 3), ("q8_0", 2), ("q4_k", 1), ("q4_0", 6)):
         k = 256
         x = acts(t, k, seed=4)
         w = make(q, (37, k), seed=5) if q in ("q4_0", "q8_0") else make_kq(q, (37, k), seed=5)
         xq, dx, sx = quantize(x)
-        with activations("q8"):
-            want_q8 = linear(x, w)
+        want_q8 = linear(x, prepare(w, "q8"))
         want = linear(x, w)
-        data8, kind8 = q8_rows(w)
+        w8 = prepare(w, "q8")
+        data8, kind8 = w8.rows, w8.kind
         grouped = data8.shape[0] != 37
         for o0, o1 in ((0, 37), (3, 22), (21, 22), (5, 5), (1, 5)):
             for exact in (False, True):
@@ -254,10 +251,8 @@ def test_row_range_into_a_strided_output():
                     rows_q8(data8, kind8, xq, dx, sx, y, o0, o1)
                     if grouped:
                         o0, o1 = min(8 * o0, 37), min(8 * o1, 37)
-                elif KIND[q] <= 2:
-                    _rows_blocks(w.data, KIND[q], x, _x_block_sums(x), y, o0, o1)
                 else:
-                    kq_rows(w.data, KIND[q], x, kq_sums(x), y, o0, o1)
+                    rows_exact(w.data, KIND[q], x, exact_sums(x, KIND[q], True), y, o0, o1, True)
                 ref = want if exact else want_q8
                 assert np.array_equal(bits(y[:, o0:o1]), bits(ref[:, o0:o1])), (q, t, o0, o1, exact)
                 untouched = np.ones(50, bool)

@@ -169,6 +169,8 @@ def test_answers_match_the_published_models(served):
     tok = schema.TokenizeResponse.model_validate(post(served, "/tokenize", {"prompt": "the heat"}).json())
     detok = post(served, "/detokenize", {"tokens": tok.tokens}).json()
     assert schema.DetokenizeResponse.model_validate(detok).prompt == "the heat"
-    assert schema.ModelList.model_validate(httpx.get(served + "/v1/models").json()).data[0].max_model_len == 256
+    card = schema.ModelList.model_validate(httpx.get(served + "/v1/models").json()).data[0]
+    assert card.max_model_len == 256
+    assert card.activations in ("f32", "q8") and card.activations_why  # which mode runs, and why
     err = post(served, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 10**6}).json()
     assert schema.ErrorResponse.model_validate(err).error.param == "messages"

@@ -12,7 +12,8 @@ from test_gemm import bits, fma32
 
 import sparrow
 from sparrow.errors import SparrowError
-from sparrow.kernels.linear import SMALL_T, activations, linear
+from sparrow.kernels.formats import PREFILL_FORMATS
+from sparrow.kernels.linear import SMALL_T, linear, prepare
 from sparrow.kernels.matmul.q8 import quantized as _q8act
 from sparrow.models.decoder import Segment
 from weights import acts, make
@@ -102,8 +103,7 @@ def q8_outputs(cases, build):
         for n in (1, 2)[: numba.config.NUMBA_NUM_THREADS]:
             numba.set_num_threads(n)
             for i, (q, shape, t) in enumerate(cases):
-                with activations("q8"):
-                    out[f"c{i}_{n}"] = linear(acts(t, shape[1], seed=7), build(q, shape, seed=8))
+                out[f"c{i}_{n}"] = linear(acts(t, shape[1], seed=7), prepare(build(q, shape, seed=8), "q8"))
     finally:
         numba.set_num_threads(old)
     return out
@@ -126,44 +126,40 @@ def test_quantize_matches_reference():
 
 def test_documented_order_bit_for_bit_any_threads_and_batch():
     # decode cases, and prefills of formats whose q8 prefill keeps the order
-    assert SMALL_T == 8 and all(t <= SMALL_T or q in _q8act.PREFILL_FORMATS for q, _, t in CASES)
+    assert SMALL_T == 8 and all(t <= SMALL_T or q in PREFILL_FORMATS for q, _, t in CASES)
     out = compute()
     for i, (q, shape, t) in enumerate(CASES):
         x, w = acts(t, shape[1], seed=7), make(q, shape, seed=8)
         ref = rowdot_reference(x, w)
         for n in (1, 2)[: numba.config.NUMBA_NUM_THREADS]:
             assert np.array_equal(bits(out[f"c{i}_{n}"]), bits(ref)), (q, shape, t, n)
-        with activations("q8"):  # a row alone equals that row in the batch
-            assert np.array_equal(bits(linear(np.ascontiguousarray(x[-1:]), w)), bits(ref[-1:]))
+        # a row alone equals that row in the batch
+        assert np.array_equal(bits(linear(np.ascontiguousarray(x[-1:]), prepare(w, "q8"))), bits(ref[-1:]))
 
 
-def test_q8_is_not_f32_and_is_scoped():
+def test_q8_is_not_f32_and_lives_in_the_prepared_weight():
     x, w = acts(2, 256, seed=1), make("q4_1", (64, 256), seed=2)
     exact = linear(x, w)
-    with activations("q8"):
-        q8 = linear(x, w)
+    q8w = prepare(w, "q8")
+    assert isinstance(q8w, _q8act.Q8Weight) and q8w.stored is w and prepare(q8w, "q8") is q8w
+    q8 = linear(x, q8w)
     assert not np.array_equal(q8, exact)  # the mode really changes the arithmetic
-    assert np.array_equal(linear(x, w), exact)  # and ends with its block
+    assert np.array_equal(linear(x, w), exact)  # and the stored weight stays exact
+    assert prepare(w, "f32") is w
     np.testing.assert_allclose(q8, exact, rtol=0, atol=0.05 * np.abs(exact).max())
     f16 = make("f16", (64, 256), seed=2)
-    xp = acts(SMALL_T + 1, 256, seed=3)
-    want16, want16p = linear(x, f16), linear(xp, f16)
-    with activations("q8"):  # formats without a q8 kernel stay exact, decode and prefill
-        assert np.array_equal(linear(x, f16), want16)
-        assert np.array_equal(linear(xp, f16), want16p)
-    with pytest.raises(ValueError):
-        with activations("int4"):
-            pass
+    assert prepare(f16, "q8") is f16  # formats without a q8 kernel stay exact, decode and prefill
+    with pytest.raises(ValueError, match="activations"):
+        prepare(w, "int4")
 
 
-@pytest.mark.parametrize("qtype", _q8act.PREFILL_FORMATS[:3])
+@pytest.mark.parametrize("qtype", PREFILL_FORMATS[:3])
 def test_prefill_in_q8_mode_follows_the_documented_order(qtype):
     """Prefill (T > SMALL_T) over q8_0 / q4_0 / q4_1 in the q8 mode runs the interleaved
     groups too: the reference's bits for every row, so a row's logits do not depend on
     whether it came in a prefill or a decode step; not the f32 GEMM's."""
     x, w = acts(37, 512, seed=11), make(qtype, (45, 512), seed=12)
-    with activations("q8"):
-        got = linear(x, w)
+    got = linear(x, prepare(w, "q8"))
     assert np.array_equal(bits(got), bits(rowdot_reference(x, w)))
     assert not np.array_equal(got, linear(x, w))
 
@@ -177,15 +173,15 @@ def test_default_model_fused_equals_staged_and_default_is_exact(default_llm, mon
     from sparrow.models import fused as fused_mod
 
     monkeypatch.setattr(fused_mod, "BACKOFF_STEPS", 0)  # a busy machine must not turn fused steps staged
-    model = default_llm.model
-    model.fused_step().backoff = 0
-    assert model.activations == "f32"
+    assert default_llm.model.activations == "f32"
+    models = {m: default_llm.with_activations(m).model for m in ("f32", "q8")}
     ids = np.asarray(default_llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)[:40])
 
     def decode(fused, mode):
-        model.use_fused, model.activations = fused, mode
+        model = models[mode]
+        model.use_fused = fused
         plan = model.fused_step()
-        before = plan.steps
+        plan.backoff, before = 0, plan.steps
         try:
             cache = model.new_cache(len(ids), "f32")
             model.forward([Segment(ids[:24], cache, 0)])
@@ -193,7 +189,7 @@ def test_default_model_fused_equals_staged_and_default_is_exact(default_llm, mon
             assert (plan.steps - before > 0) == fused  # the path meant to run did
             return np.stack(rows)
         finally:
-            model.use_fused, model.activations = True, "f32"
+            model.use_fused = True
 
     q8 = decode(True, "q8")
     assert q8.tobytes() == decode(False, "q8").tobytes()
@@ -279,7 +275,58 @@ def test_the_q8_copy_releases_a_mapped_weights_pages(monkeypatch):
     w = make("q4_0", (64, 256), seed=3)
     seen = []
     monkeypatch.setattr(_q8act, "drop_mapped_pages", lambda a: seen.append(a) or False)
-    data, _ = _q8act.q8_rows(w)
-    assert data is w.x8 and len(seen) == 1 and seen[0] is w.data
-    _q8act.q8_rows(w)  # once per weight
-    assert len(seen) == 1
+    q8w = prepare(w, "q8")
+    assert q8w.stored is w and len(seen) == 1 and seen[0] is w.data
+    assert prepare(q8w, "q8") is q8w and len(seen) == 1  # once per weight
+
+
+def _stored(name, fmt, nbytes, shape=(64, 64)):
+    """A StoredTensor of `nbytes` bytes that allocates none (a broadcast view)."""
+    import gguf
+
+    from sparrow.loaders.tensor import StoredTensor
+
+    data = np.broadcast_to(np.zeros(1, np.uint8), (nbytes,))
+    if fmt in ("f32", "f16", "bf16"):
+        return StoredTensor(name, data, fmt, shape)
+    return StoredTensor(name, data, "gguf", shape, gguf.GGMLQuantizationType[fmt.upper()])
+
+
+def test_default_activations_rule():
+    """models/activations.py: q8 where most q8-mode bytes are in a format whose exact decode
+    trails llama.cpp's and there are enough of them; exact otherwise; experts never count."""
+    from sparrow.models.activations import Q8_FROM_BYTES, TRAILS, default_activations
+
+    big, small = Q8_FROM_BYTES, Q8_FROM_BYTES // 4
+
+    def rule(*tensors, quantize=None):
+        return default_activations({t.name: t for t in tensors}, quantize)
+
+    for fmt in TRAILS:
+        assert rule(_stored("model.layers.0.mlp.down_proj.weight", fmt, big))[0] == "q8", fmt
+        assert rule(_stored("model.layers.0.mlp.down_proj.weight", fmt, small))[0] == "f32", fmt
+    assert rule(_stored("model.layers.0.mlp.down_proj.weight", "q8_0", 4 * big))[0] == "f32"
+    # most bytes decide, counting every format that trails together (a Q4_K_M file's q6_k too)
+    assert rule(_stored("a.weight", "q4_k", big), _stored("b.weight", "q8_0", 2 * big))[0] == "f32"
+    assert rule(_stored("a.weight", "q4_k", small), _stored("b.weight", "q6_k", big - small))[0] == "q8"
+    assert rule(_stored("a.weight", "q4_k", small), _stored("b.weight", "q6_k", small))[0] == "f32"
+    # f16 weights: exact, unless --quantize made them a format that trails (q8_0 does not)
+    f16 = _stored("model.layers.0.mlp.down_proj.weight", "f16", 4 * big)
+    assert rule(f16) == ("f32", "no weights the q8 mode runs")
+    assert rule(f16, quantize="q8_0")[0] == "f32"
+    # MoE experts stay exact in both modes, so they do not count; a tied embedding is the head
+    assert rule(_stored("model.layers.0.mlp.experts.3.up_proj.weight", "q4_k", 4 * big))[0] == "f32"
+    embed = _stored("model.embed_tokens.weight", "q4_0", big)
+    assert rule(embed)[0] == "q8"
+    assert rule(embed, _stored("lm_head.weight", "q8_0", small))[0] == "f32"
+    mode, why = rule(_stored("x.weight", "q4_0", big))
+    assert "llama.cpp" in why and "--activations f32" in why
+
+
+def test_the_default_model_loads_exact_and_says_why(default_llm):
+    # 135M parameters of q4_1: exact decode leads llama.cpp's there (models/activations.py)
+    assert default_llm.model.activations == "f32"
+    assert "q4_1" in default_llm.activations_why
+    assert default_llm.with_activations("q8").activations_why == "asked for"
+    with pytest.raises(SparrowError, match="activations"):
+        default_llm.with_activations("int8")

@@ -7,7 +7,8 @@ import pytest
 
 from sparrow.errors import SparrowError
 from sparrow.kernels import linear as L
-from sparrow.kernels.matmul.widen import F16_LUT, KIND, call_slp, widen_row
+from sparrow.kernels.formats import KIND
+from sparrow.kernels.matmul.widen import F16_LUT, call_slp, widen_row
 from sparrow.quant import Weight, f32_to_bf16_bits, quantize_blocks
 from weights import acts, make
 

@@ -183,6 +183,7 @@ def test_cli_sparse_trace_file(tmp_path):
     assert all(len(r["blocks"]) == 2 and r["stages"] == ["sink", "recency"] for r in recs)  # v2 at k=2
     assert {r["selector"] for r in recs} == {"v2"} and min(r["layer"] for r in recs) == 2  # layers 0, 1 exact
     assert "[DEC-SINGLE] tok=1 total=" in r.stderr and "attn=" in r.stderr
+    assert "activations f32 (q4_1 weights, few enough" in r.stderr  # --timings names the mode and why
 
 
 def test_sparse_settings_are_validated_once(default_llm):

@@ -12,7 +12,7 @@ from test_kquants import make_kq
 from test_kquants_q8 import extreme_weight, extreme_x, reference
 from test_q8act import q8_outputs, rowdot_reference
 
-from sparrow.kernels.linear import activations, linear
+from sparrow.kernels.linear import linear, prepare
 from sparrow.kernels.matmul.q8 import groups as _x8
 from sparrow.kernels.matmul.q8 import ir as _q8ir
 from sparrow.kernels.matmul.q8 import pair_tiles as _x16
@@ -64,8 +64,7 @@ def test_pairs_extreme_codes_and_scales(qtype):
     q6_k's float(s) * float(sc) must stay exact, below 2^24, q6_k's offset codes must not
     overflow; and an all-zero x row gives 0."""
     w, x = extreme_weight(qtype, 16), extreme_x(_x8.TILE_X_ROWS + 3)
-    with activations("q8"):
-        y = linear(x, w)
+    y = linear(x, prepare(w, "q8"))
     assert np.array_equal(bits(y), bits(reference(x, w)))
     assert np.all(y[-1] == 0)
 
@@ -76,7 +75,8 @@ def test_pairs_write_exactly_their_rows_of_a_strided_output():
     are): the pair tiles store whole 16-row vectors, so nothing left or right of them moves."""
     q, (o_n, k), t = "q4_0", (45, 256), 9
     x, w = acts(t, k, seed=5), make(q, (o_n, k), seed=6)
-    data, kind = _q8act.q8_rows(w)
+    w8 = _q8act.Q8Weight(w)
+    data, kind = w8.rows, w8.kind
     xq, dx, sx = _q8act.quantize(x)
     y = np.full((t, o_n + 40), np.float32(7))
     _q8act.rows_q8(data, kind, xq, dx, sx, y[:, 20 : 20 + o_n], 0, data.shape[0])
@@ -90,7 +90,8 @@ def test_prefill_takes_the_zmm_tiles():
     a kernel loaded from numba's cache has no assembly to show)."""
     fresh = numba.njit(_q8act._pair_tiles.py_func)
     x, w = acts(_x8.TILE_X_ROWS + 1, 64), make("q4_0", (16, 64))
-    data, kind = _q8act.q8_rows(w)
+    w8 = _q8act.Q8Weight(w)
+    data, kind = w8.rows, w8.kind
     xq, dx, sx = _q8act.quantize(x)
     y = np.empty((x.shape[0], 16), np.float32)
     fresh(data, kind, 0, 2, xq, dx, sx, _q8act.x_sums(kind, xq), y)

@@ -63,20 +63,19 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None, help="write the JSON record here (default runs/activations-<timestamp>/)")
     a = p.parse_args(argv)
-    llm = load(a.model, threads=a.threads)
+    llm = load(a.model, threads=a.threads, activations="f32")
     text = "Read this and summarise it in one line.\n" + " ".join(filler_sentences(random.Random(0), 80))
     ids = llm.prompt_ids([{"role": "user", "content": text}], chat=True)[: a.positions]
     rec = {"bench": "activations", "model": llm.name, "positions": len(ids), "threads": llm.threads}
     rec["environment"] = report.environment()
     logits, ms, pre, pre_s = {}, {}, {}, {}
     for mode in ("f32", "q8"):
-        llm.model.activations = mode
+        llm = llm.with_activations(mode)
         logits[mode] = _teacher_forced(llm, ids).astype(np.float64)  # [N, V]
         _decode_ms(llm, ids, 2)  # warm-up (compiles the mode's kernels)
         ms[mode] = _decode_ms(llm, ids, a.decode)
         _prefill(llm, ids)  # warm-up
         pre[mode], pre_s[mode] = _prefill(llm, ids)
-    llm.model.activations = "f32"
     pkl = kl_per_token(pre["f32"].astype(np.float64), pre["q8"].astype(np.float64))
     rec.update(
         prefill_mean_kl=float(pkl.mean()),

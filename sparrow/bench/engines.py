@@ -34,8 +34,9 @@ class SparrowRunner:
         from sparrow.api import load
 
         self.select = select  # the block selector of the sparse modes
-        self.llm = load(path, threads=threads)
+        self.llm = load(path, threads=threads, activations="f32")
         self.model = self.llm.model
+        self._llms = {"f32": self.llm}  # activations mode -> the LLM whose model runs it (_llm)
         self.cache = self.model.new_cache(capacity, "f32")
         self.cache_q8 = None  # the q8 mode's prefill rows write here (prefill(act="q8"))
         self.capacity = capacity
@@ -52,13 +53,16 @@ class SparrowRunner:
         cache.truncate(start)
         # positions below start are in the cache already; the slot only needs their count
         prompt = np.concatenate([np.zeros(start, np.int64), np.asarray(tokens, np.int64)])  # [start + T]
-        self.model.activations = act
-        try:
-            t0 = time.perf_counter()
-            self.llm.runner.prefill(Slot(prompt, cache))
-            return time.perf_counter() - t0
-        finally:
-            self.model.activations = "f32"
+        t0 = time.perf_counter()
+        self._llm(act).runner.prefill(Slot(prompt, cache))
+        return time.perf_counter() - t0
+
+    def _llm(self, act):
+        """The LLM in activations mode act: the loaded one, or (q8) a model built from the same
+        checkpoint once, with its weights prepared for that mode."""
+        if act not in self._llms:
+            self._llms[act] = self.llm.with_activations(act)
+        return self._llms[act]
 
     def _copy(self, n, kv_dtype):
         if kv_dtype == "f32":
@@ -83,14 +87,11 @@ class SparrowRunner:
         sp = SparseParams(k=sparse_k, select=self.select) if sparse else None
         slot = Slot(np.zeros(start, np.int64), cache, sp)
         times, parts = [], []
-        self.model.activations = act
-        try:
-            for tok in feed:
-                t0 = time.perf_counter()
-                self.llm.runner.decode([slot], [tok])
-                times.append(time.perf_counter() - t0)
-        finally:
-            self.model.activations = "f32"
+        runner = self._llm(act).runner
+        for tok in feed:
+            t0 = time.perf_counter()
+            runner.decode([slot], [tok])
+            times.append(time.perf_counter() - t0)
         cache.truncate(start)
         for tok in feed[:SPLIT_STEPS]:
             with timed(self.model) as timer:

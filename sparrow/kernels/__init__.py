@@ -75,8 +75,8 @@ KERNEL_ROLES = {
     "prefill_kernel": "prefill attention (threads)",
     "sparse_prefill_kernel": "sparse prefill attention",
     "decode_kernel": "decode attention",
-    "_mv_blocks": "matvec",
-    "_mv_blocks_serial": "matvec",
+    "_mv_rows": "matvec",
+    "_mv_rows_serial": "matvec",
     "_mv_stored": "matvec (f16/bf16)",
     "_silu_mul_rows": "SiLU gate",
 }

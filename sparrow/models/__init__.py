@@ -6,7 +6,9 @@ from ..errors import SparrowError
 from .decoder import Decoder
 
 
-def build_model(ckpt, quantize: str | None = None, progress: bool = False) -> Decoder:
+def build_model(ckpt, quantize: str | None = None, progress: bool = False, activations: str = "f32") -> Decoder:
+    """The checkpoint's model, its weights prepared for activations mode `activations`
+    (kernels.linear.ACTIVATIONS; fixed for the model's life)."""
     cfg = ckpt.config
     bar = None
     if progress:
@@ -17,11 +19,13 @@ def build_model(ckpt, quantize: str | None = None, progress: bool = False) -> De
     if getattr(ckpt, "vision", None) is not None:
         from .qwen3_vl import Qwen3VL
 
-        return Qwen3VL(cfg, ckpt.tensors, ckpt.vision, quantize=quantize, progress=bar)
+        return Qwen3VL(cfg, ckpt.tensors, ckpt.vision, quantize=quantize, progress=bar, activations=activations)
     if cfg.architecture in ("llama", "qwen2", "qwen3"):
-        return Decoder(cfg, ckpt.tensors, quantize=quantize, progress=bar)
+        return Decoder(cfg, ckpt.tensors, quantize=quantize, progress=bar, activations=activations)
     if cfg.architecture == "qwen3_moe":
         from .qwen3_moe import moe_mlp_factory
 
-        return Decoder(cfg, ckpt.tensors, quantize=quantize, mlp_factory=moe_mlp_factory, progress=bar)
+        return Decoder(
+            cfg, ckpt.tensors, quantize=quantize, mlp_factory=moe_mlp_factory, progress=bar, activations=activations
+        )
     raise SparrowError(f"unsupported architecture {cfg.architecture!r}")

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import SparrowError
-from ..kernels.linear import activations, linear
+from ..kernels.linear import ACTIVATIONS, linear, prepare
 from ..kv_cache import KVCache
 from ..loaders.tensor import StoredTensor
 from ..params import SparseParams
@@ -43,8 +43,8 @@ class Attention:
     def __init__(self, cfg: ModelConfig, get, prefix: str):
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.qkv_proj = FusedLinear([get.weight(prefix + f"{n}_proj.weight") for n in "qkv"])
-        self.o = get.weight(prefix + "o_proj.weight")
+        self.qkv_proj = FusedLinear([get.weight(prefix + f"{n}_proj.weight") for n in "qkv"], get.activations)
+        self.o = prepare(get.weight(prefix + "o_proj.weight"), get.activations)
         bias = cfg.attention_bias
         self.q_b = get.array(prefix + "q_proj.bias") if bias else None
         self.k_b = get.array(prefix + "k_proj.bias") if bias else None
@@ -86,6 +86,7 @@ def dense_mlp(cfg: ModelConfig, get, i: int, prefix: str) -> MLP:
         get.weight(prefix + "gate_proj.weight"),
         get.weight(prefix + "up_proj.weight"),
         get.weight(prefix + "down_proj.weight"),
+        get.activations,
     )
 
 
@@ -115,11 +116,16 @@ def _release_file_pages(tensors: dict[str, StoredTensor]) -> None:
 
 
 class WeightSource:
-    """Looks tensors up by HF name, converting on demand; reports missing tensors clearly."""
+    """Looks tensors up by HF name, converting on demand; reports missing tensors clearly.
+    Carries the model's build settings: `quantize` (stored weights converted at load) and
+    `activations`, the mode the layers prepare their weights for (kernels.linear.prepare)."""
 
-    def __init__(self, tensors: dict[str, StoredTensor], quantize: str | None):
+    def __init__(self, tensors: dict[str, StoredTensor], quantize: str | None, activations: str = "f32"):
+        if activations not in ACTIVATIONS:
+            raise SparrowError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         self.tensors = tensors
         self.quantize = quantize
+        self.activations = activations
 
     def stored(self, name: str) -> StoredTensor:
         t = self.tensors.get(name)
@@ -148,9 +154,15 @@ class Decoder:
         quantize: str | None = None,
         mlp_factory=dense_mlp,
         progress=None,
+        activations: str = "f32",
     ):
-        get = WeightSource(tensors, quantize)
+        get = WeightSource(tensors, quantize, activations)
         self.config = cfg
+        # kernels.linear.ACTIVATIONS: "f32" (exact) or the named faster mode "q8" (decode
+        # matvecs over block-quantised weights, and prefill over most of them, with 8-bit
+        # activations, as llama.cpp's). Fixed at build: every weight is prepared for it.
+        self.activations = activations
+        self.quantize = quantize  # --quantize: the block format f32 / f16 / bf16 weights became
         self.embed = get.stored("model.embed_tokens.weight").to_weight()  # rows looked up, never multiplied
         layers = range(cfg.num_hidden_layers)
         if progress is not None:
@@ -161,27 +173,14 @@ class Decoder:
             _release_file_pages(tensors)
         self.norm = get.array("model.norm.weight")
         if cfg.tie_word_embeddings or not get.has("lm_head.weight"):
-            self.lm_head = self.embed
+            self.lm_head = prepare(self.embed, activations)
         else:
-            self.lm_head = get.weight("lm_head.weight")
+            self.lm_head = prepare(get.weight("lm_head.weight"), activations)
         self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.mrope_section)
         # The fused decode step (models/fused.py), planned at the first decode; use_fused=False
         # (or SPARROW_FUSED=0) keeps every forward on the staged path, e.g. to time its stages.
         self.use_fused = os.environ.get("SPARROW_FUSED", "1") != "0"
-        # kernels.linear.ACTIVATIONS: "f32" (exact) or the named faster mode "q8" (decode
-        # matvecs over block-quantised weights, and prefill over q8_0 / q4_x / q4_k, with
-        # 8-bit activations, as llama.cpp's)
-        self.activations = "f32"
         self._fused: FusedDecode | None | bool = False  # False: not planned yet
-
-    def use_activations(self, mode: str) -> None:
-        """Runs the model's products in activations mode `mode` ("f32" or "q8") from now on, and
-        prepares what that mode reads now rather than in the first request: the q8 mode's
-        interleaved weights for the fused step (~1 GB/s to build)."""
-        self.activations = mode
-        plan = self.fused_step() if mode == "q8" else None
-        if plan is not None:
-            plan.weights_for(True)
 
     def fuses(self, traced: bool) -> bool:
         """Whether a single sequence's decode step takes the fused path: not when traced, and
@@ -207,10 +206,8 @@ class Decoder:
             if self.fuses(segments[0].trace is not None):
                 return self._fused(segments[0])  # [1, V]
             if self._fused and self._fused.backoff > 0 and self.use_fused:
-                with activations(self.activations):
-                    return self._fused.staged_step(self._staged, segments)  # [1, V], timed
-        with activations(self.activations):
-            return self._staged(segments, all_logits)
+                return self._fused.staged_step(self._staged, segments)  # [1, V], timed
+        return self._staged(segments, all_logits)
 
     def _staged(self, segments: list[Segment], all_logits: bool = False) -> np.ndarray:
         tokens = np.concatenate([s.tokens for s in segments]).astype(np.int64)  # [N]

@@ -22,7 +22,7 @@ from ..errors import SparrowError
 from ..kernels.formats import FORMATS, KIND
 from ..kernels.fused import decode_step as _ds
 from ..kernels.fused import sync
-from ..kernels.matmul.q8.quantized import q8_rows
+from ..kernels.linear import Q8Weight
 from ..kernels.matmul.widen import F16_LUT
 from .layers import MLP
 
@@ -84,12 +84,12 @@ def _readonly(a):
     return a
 
 
-def _rows_kind(w, q8):
-    """(rows, kind) the fused step reads for a weight piece, read-only: as stored, or in q8
-    mode the form kernels.matmul.q8.quantized reads (q8_0 / q4_0 / q4_1 interleaved in groups of 8 rows)."""
+def _rows_kind(w):
+    """(rows, kind) the fused step reads for a weight piece, read-only: as stored, or for a
+    weight prepared for the q8 mode its interleaved groups (kernels.linear.Q8Weight)."""
     if w is None:
         return _EMPTY, 0
-    rows, kind = q8_rows(w) if q8 else (w.data, KIND[w.qtype])
+    rows, kind = (w.rows, w.kind) if isinstance(w, Q8Weight) else (w.data, KIND[w.qtype])
     return _readonly(rows), kind
 
 
@@ -131,7 +131,7 @@ class FusedDecode:
         self.rows = np.array(
             [[_n(w) for w, _ in q] + [_n(w) for w, _ in g] for q, g in zip(self._qkv, self._gu)], np.int64
         )  # [L, 5]: output rows of each piece
-        self._weights = {}  # activations mode -> the weight tuple the fused step reads (weights_for)
+        self._weights = None  # the weight tuple the fused step reads (weights)
         self.in_norm = np.stack([lay.input_norm for lay in layers]).astype(np.float32)  # [L, E]
         self.post_norm = np.stack([lay.post_norm for lay in layers]).astype(np.float32)  # [L, E]
         L, QKV = len(layers), (self.H + 2 * self.KV) * self.D
@@ -171,19 +171,19 @@ class FusedDecode:
         self.staged_s = time.perf_counter() - t0
         return logits
 
-    def weights_for(self, q8: bool):
+    def weights(self):
         """(q/k/v rows x 3, o, gate/up rows x 2, down, kinds [L, 7], lm_head rows, its kind or
-        -1) for activations q8 or f32, built once each (the q8 set may copy weights,
-        q8.quantized.q8_rows)."""
-        got = self._weights.get(q8)
+        -1), built once: the rows the model's weights were prepared with for its activations
+        mode (stored, or the q8 mode's interleaved groups)."""
+        got = self._weights
         if got is None:
             layers = self.model.layers
 
             def typed(ws):
-                return _typed(_rows_kind(w, q8)[0] for w in ws)
+                return _typed(_rows_kind(w)[0] for w in ws)
 
             def kinds(ws):
-                return [_rows_kind(w, q8)[1] for w in ws]
+                return [_rows_kind(w)[1] for w in ws]
 
             wqkv = tuple(typed(ps[i][0] for ps in self._qkv) for i in range(3))  # [rows, bytes] each
             wgu = tuple(typed(ps[i][0] for ps in self._gu) for i in range(2))
@@ -197,10 +197,10 @@ class FusedDecode:
             )  # [L, 7]: q/k/v pieces, o, gate/up pieces, down
             head = self.model.lm_head
             if head.qtype in BLOCK_FORMATS:
-                head_w, head_kind = _rows_kind(head, q8)
+                head_w, head_kind = _rows_kind(head)
             else:
                 head_w, head_kind = _readonly(np.zeros((1, 1), np.uint8)), -1  # the head runs staged
-            got = self._weights[q8] = (*wqkv, wo, *wgu, wdown, kinds, head_w, head_kind)
+            got = self._weights = (*wqkv, wo, *wgu, wdown, kinds, head_w, head_kind)
         return got
 
     # ------------------------------------------------------------------ per cache
@@ -261,7 +261,7 @@ class FusedDecode:
         x = np.array(model.embed.rows(seg.tokens), dtype=np.float32)  # [1, E], a private copy
         logits = np.empty(self.logits_shape, np.float32)  # [1, V]
         q8 = model.activations == "q8"
-        wq0, wq1, wq2, wo, wg0, wg1, wdown, kinds, head_w, head_kind = self.weights_for(q8)
+        wq0, wq1, wq2, wo, wg0, wg1, wdown, kinds, head_w, head_kind = self.weights()
         model_t = _ds.StepModel(
             wq0=wq0, wq1=wq1, wq2=wq2, wo=wo, wg0=wg0, wg1=wg1, wdown=wdown, kinds=kinds, offs=self.offs,
             rows=self.rows, in_norm=self.in_norm, post_norm=self.post_norm, eps=self.eps, bias=self.bias,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels.elementwise import rms_norm, rope, silu_mul
-from ..kernels.linear import linear
+from ..kernels.linear import linear, prepare
 from ..quant import Weight
 
 __all__ = ["rms_norm", "Rope", "RowRope", "FusedLinear", "MLP", "silu"]
@@ -107,13 +107,15 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 class FusedLinear:
     """Several projections of the same input as one kernel launch when their formats agree
-    (q/k/v, gate/up): per-token decode is dominated by launch overhead, not arithmetic."""
+    (q/k/v, gate/up): per-token decode is dominated by launch overhead, not arithmetic. The
+    fused weight (or each part) is prepared for activations `mode` (kernels.linear.prepare)."""
 
-    def __init__(self, weights: list[Weight]):
+    def __init__(self, weights: list[Weight], mode: str = "f32"):
         self.sizes = [w.shape[0] for w in weights]
         same = len({(w.qtype, w.shape[1]) for w in weights}) == 1
-        self.fused = Weight.concat_rows(weights) if same and len(weights) > 1 else None
-        self.parts = None if self.fused is not None else weights
+        fused = Weight.concat_rows(weights) if same and len(weights) > 1 else None
+        self.fused = prepare(fused, mode) if fused is not None else None
+        self.parts = None if fused is not None else [prepare(w, mode) for w in weights]
 
     def __call__(self, x: np.ndarray) -> list[np.ndarray]:
         if self.fused is None:
@@ -123,11 +125,11 @@ class FusedLinear:
 
 
 class MLP:
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), its weights prepared for activations `mode`."""
 
-    def __init__(self, gate: Weight, up: Weight, down: Weight):
-        self.gate_up = FusedLinear([gate, up])
-        self.down = down
+    def __init__(self, gate: Weight, up: Weight, down: Weight, mode: str = "f32"):
+        self.gate_up = FusedLinear([gate, up], mode)
+        self.down = prepare(down, mode)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if self.gate_up.fused is None:

@@ -32,7 +32,9 @@ from .layers import MLP, silu
 
 class Expert:
     """One SwiGLU expert: three stored weights, three linear calls. Unlike layers.MLP it never
-    concatenates gate and up (that would copy every expert out of the memory map)."""
+    concatenates gate and up, and it is never prepared for the q8 mode: either would copy every
+    expert out of the memory map (a 30B-A3B file is most of a machine's RAM), so experts stay
+    exact, read from the mapping, in both activations modes."""
 
     __slots__ = ("gate", "up", "down")
 
@@ -102,6 +104,7 @@ def moe_mlp_factory(cfg, get, i: int, prefix: str):
             get.weight(prefix + "gate_proj.weight"),
             get.weight(prefix + "up_proj.weight"),
             get.weight(prefix + "down_proj.weight"),
+            get.activations,
         )
     n, hidden = cfg.num_experts, cfg.hidden_size
     router = Weight.from_array(get.array(prefix + "gate.weight"))

@@ -48,8 +48,8 @@ class MultimodalPrompt:
 
 
 class Qwen3VL(Decoder):
-    def __init__(self, cfg, tensors, vision: VisionConfig, quantize=None, progress=None):
-        super().__init__(cfg, tensors, quantize=quantize, progress=progress)
+    def __init__(self, cfg, tensors, vision: VisionConfig, quantize=None, progress=None, activations="f32"):
+        super().__init__(cfg, tensors, quantize=quantize, progress=progress, activations=activations)
         if vision.out_hidden_size != cfg.hidden_size:
             raise SparrowError(
                 f"the vision tower outputs {vision.out_hidden_size} features, the text model takes {cfg.hidden_size}"

@@ -219,6 +219,8 @@ def create_app(state: ServerState) -> FastAPI:
                     "created": state.created,
                     "owned_by": "sparrow",
                     "max_model_len": llm.ctx,
+                    "activations": llm.model.activations,
+                    "activations_why": llm.activations_why,
                 }
             ],
         }
@@ -415,7 +417,7 @@ def load_options(args) -> dict:
         threads=args.threads,
         quantize=args.quantize,
         ctx=args.ctx,
-        activations=getattr(args, "activations", "f32"),
+        activations=getattr(args, "activations", None),
         mmproj=getattr(args, "mmproj", None),
     )
 
@@ -468,7 +470,7 @@ def serve(args) -> None:
             kv = format_size(state.engine.pool.budget)
             print(
                 f"sparrow: {llm.name} loaded in {llm.load_seconds:.1f} s ({llm.threads} threads, ctx {llm.ctx}, "
-                f"KV budget {kv})",
+                f"KV budget {kv}, activations {llm.model.activations}: {llm.activations_why})",
                 file=sys.stderr,
                 flush=True,
             )

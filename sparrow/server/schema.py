@@ -313,6 +313,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int
+    activations: Literal["f32", "q8"]  # sparrow's: the activations mode the model runs
+    activations_why: str
 
 
 class ModelList(BaseModel):

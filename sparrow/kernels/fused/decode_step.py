@@ -27,14 +27,12 @@ from numba.typed import List
 from sparrow.kernels.attention.decode import _group, importance_per_block
 from sparrow.kernels.attention.select import reserve_importance_nb
 from sparrow.kernels.elementwise import _quant_rows, _rms_rows, _rope, _silu_mul
-from sparrow.kernels.formats import KQ_FIRST, X8_FIRST
+from sparrow.kernels.formats import X8_FIRST
 from sparrow.kernels.fused.sync import barrier, f16_bits
-from sparrow.kernels.matmul.kquants import _rows as _kq_rows
-from sparrow.kernels.matmul.kquants import _x_block_sums as _kq_x_block_sums
 from sparrow.kernels.matmul.q8.groups import GROUP
 from sparrow.kernels.matmul.q8.quantized import quantize as _q8_quantize
 from sparrow.kernels.matmul.q8.quantized import rows_q8 as _rows_q8
-from sparrow.kernels.matmul.widen import _rows_blocks, _x_block_sums
+from sparrow.kernels.matmul.widen import exact_sums, rows_exact
 from sparrow.kernels.native_call import address, call_native
 from sparrow.kernels.options import KW
 
@@ -70,10 +68,8 @@ def _matvec(w, kind, x, y, tid, nt, q8):
         if q8 is not None:
             xq, dx, sx = _q8_quantize(x)
             _rows_q8(w, kind, xq, dx, sx, y, a, b)
-        elif kind >= KQ_FIRST:  # q5_0 / q5_1 / K-quants
-            _kq_rows(w, kind, x, _kq_x_block_sums(x), y, a, b)
-        else:
-            _rows_blocks(w, kind, x, _x_block_sums(x), y, a, b)
+        else:  # the staged path's exact row loop, for every block format (kq: True)
+            rows_exact(w, kind, x, exact_sums(x, kind, True), y, a, b, True)
 
 
 @njit(**KW)

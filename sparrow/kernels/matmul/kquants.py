@@ -5,7 +5,8 @@ q6_k (super-blocks of 256); layouts in sparrow.quant's docstring.
   same f32 operations in the same order: (d * sc) * q - dmin * m, no fma). widen.widen_row
   hands these kinds here, so the prefill GEMM (gemm.py packs panels with widen_row) and the
   MoE expert kernels run them unchanged.
-- matvec_kq: small T (decode). Each row is dotted with f32 x straight from its blocks by a
+- rows_kq / rows_chunked: small T (decode; widen.py's matvec and the fused step run them).
+  Each row is dotted with f32 x straight from its blocks by a
   rowdot written as LLVM vector IR (numba promotes small integers to int64, halving the SIMD
   width of the unpacking; see widen's block row dots). Per sub-block of 32 values
   (q6_k: per 16), t = q . x in 16 lanes, then acc = fma(t, d * sc, acc), two vector
@@ -14,7 +15,6 @@ q6_k (super-blocks of 256); layouts in sparrow.quant's docstring.
   with sum(x) over each 32 values taken sequentially. At the end the two accumulators are
   added and summed by a fixed pairwise tree, then the scalar one is added. Every row's order
   depends only on its length: bit-identical whatever T, the row's batch or the thread count.
-  rows_kq(data, kind, x, sx, y, o0, o1) is the entry point for other kernels (e.g. a fused decode step).
 Both are generated from one description of each layout (_emit_block), so the row dots and
 the widening decode the same codes and scales. q4_k / q5_k's 6-bit scales and mins are
 unpacked 8 lanes at a time (scales_mins8; the scalar unpack was ~40% of the row dot's
@@ -25,15 +25,14 @@ cache directory is keyed on every kernel source, so an edit here recompiles thei
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange
+from numba import njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from sparrow.kernels.formats import BY_NAME, KQ_KIND, Q4_K, Q5_0, Q5_K, Q6_K
 from sparrow.kernels.ir import F32, I8, I32, V16F, V16I32, c64, hsum16, make_rows, row_step, splat16, zeroed
 from sparrow.kernels.ir import fma as _fma
-from sparrow.kernels.options import KW, PARALLEL_MIN_MACS
-from sparrow.kernels.options import ROWS as _ROWS
+from sparrow.kernels.options import KW
 
 # ---------------------------------------------------------------- vector IR: block decoding, row dots, widening
 
@@ -295,8 +294,8 @@ def rows_kq(data, kind, x, sx, y, o0, o1):
 
 
 @njit(**KW)
-def _x_block_sums(x):
-    # sums of x over each 32 values, one sequential loop (no fastmath: a fixed order)
+def sums(x):
+    """x's sums over each 32 values [T, K / 32], one sequential loop (no fastmath: a fixed order)."""
     sx = np.empty((x.shape[0], x.shape[1] // 32), np.float32)  # [T, K / 32]
     for t in range(x.shape[0]):
         for b in range(sx.shape[1]):
@@ -308,29 +307,9 @@ def _x_block_sums(x):
 
 
 @njit(**KW)
-def _rows(data, kind, x, sx, y, o0, o1):
+def rows_chunked(data, kind, x, sx, y, o0, o1):
+    """rows_kq for every x row (sx: sums(x)), rows in chunks so a batch reads each from cache."""
     step = row_step(o0, o1, x.shape[0])
     for c in range(o0, o1, step):
         for t in range(x.shape[0]):
             rows_kq(data, kind, x[t], sx[t], y[t], c, min(o1, c + step))
-
-
-@njit(parallel=True, **KW)
-def _mv(data, kind, x, y):
-    # parallel over output rows only, so each y[t, o] has one summation order
-    o_n = data.shape[0]
-    sx = _x_block_sums(x)
-    for c in prange((o_n + _ROWS - 1) // _ROWS):
-        _rows(data, kind, x, sx, y, c * _ROWS, min(o_n, (c + 1) * _ROWS))
-
-
-@njit(**KW)
-def _mv_serial(data, kind, x, y):
-    _rows(data, kind, x, _x_block_sums(x), y, 0, data.shape[0])
-
-
-def matvec_kq(x, w, out):
-    """out [T, out] = x @ W.T for small T, W of a KQ_KIND type (batch and thread invariant)."""
-    small = x.shape[0] * w.data.shape[0] * x.shape[1] < PARALLEL_MIN_MACS
-    (_mv_serial if small else _mv)(w.data, KQ_KIND[w.qtype], x, out)
-    return out

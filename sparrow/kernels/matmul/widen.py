@@ -18,10 +18,12 @@ from llvmlite import ir
 from numba import njit, prange
 from numba.core import cgutils
 
-from sparrow.kernels.formats import BF16, FP16, FP32, KIND, KQ_FIRST, KQ_KIND, Q4_0, Q4_1, Q8_0
+from sparrow.kernels.formats import BF16, BY_NAME, FP16, FP32, KQ_FIRST, Q4_0, Q4_1, Q8_0
 from sparrow.kernels.ir import F32, I8, I32, I64, V16F, V16I32, hsum16, make_rows, row_step, splat16, zeroed
 from sparrow.kernels.ir import fma as _fma
-from sparrow.kernels.matmul.kquants import matvec_kq, widen_kq
+from sparrow.kernels.matmul.kquants import rows_chunked as kq_rows
+from sparrow.kernels.matmul.kquants import sums as kq_sums
+from sparrow.kernels.matmul.kquants import widen_kq
 from sparrow.kernels.options import KW, PARALLEL_MIN_MACS
 from sparrow.kernels.options import ROWS as _ROWS
 
@@ -217,20 +219,41 @@ def _rows_blocks(data, kind, x, sx, y, o0, o1):
                 rows_q8_0(data, c, e, x[t], sx[t], y[t])
 
 
-@njit(parallel=True, **KW)
-def _mv_blocks(data, kind, x, y):
-    # q8_0 / q4_0 / q4_1 rows dotted with f32 x; parallel over output rows only, so each
-    # y[t, o] has one summation order whatever T and the thread count.
-    o_n = data.shape[0]
-    sx = _x_block_sums(x)
-    for c in prange((o_n + _ROWS - 1) // _ROWS):
-        _rows_blocks(data, kind, x, sx, y, c * _ROWS, min(o_n, (c + 1) * _ROWS))
+@njit(**KW)
+def exact_sums(x, kind, kq):
+    """x's 32-value sums [T, K / 32] in the order kind's row dots take them: the block row dots'
+    (lanes, fastmath) or, where kq is not None and kind is kquants', its sequential one. kq is a
+    type, as in widen_row: None prunes the K-quant branch before typing."""
+    if kq is not None and kind >= KQ_FIRST:
+        return kq_sums(x)
+    return _x_block_sums(x)
 
 
 @njit(**KW)
-def _mv_blocks_serial(data, kind, x, y):
+def rows_exact(data, kind, x, sx, y, o0, o1, kq):
+    """y[t, o] = stored row o . x[t] for o0 <= o < o1 and every x row, in the exact row dots'
+    order (the block row dots here, kquants' for KQ_KIND kinds where kq is not None); sx from
+    exact_sums. The one row loop of the exact decode: the staged matvec and the fused step."""
+    if kq is not None and kind >= KQ_FIRST:
+        kq_rows(data, kind, x, sx, y, o0, o1)
+    else:
+        _rows_blocks(data, kind, x, sx, y, o0, o1)
+
+
+@njit(parallel=True, **KW)
+def _mv_rows(data, kind, x, y, kq):
+    # parallel over output rows only, so each y[t, o] has one summation order whatever T and
+    # the thread count
+    o_n = data.shape[0]
+    sx = exact_sums(x, kind, kq)
+    for c in prange((o_n + _ROWS - 1) // _ROWS):
+        rows_exact(data, kind, x, sx, y, c * _ROWS, min(o_n, (c + 1) * _ROWS), kq)
+
+
+@njit(**KW)
+def _mv_rows_serial(data, kind, x, y, kq):
     # the same rows without the thread pool: a parallel launch costs ~50-180 us here
-    _rows_blocks(data, kind, x, _x_block_sums(x), y, 0, data.shape[0])
+    rows_exact(data, kind, x, exact_sums(x, kind, kq), y, 0, data.shape[0], kq)
 
 
 @njit(parallel=True, **KW)
@@ -251,13 +274,13 @@ def _mv_stored(data, kind, lut, x, y):
 
 def matvec_widened(x, w, out):
     """out [T, out] = x @ W.T for small T and every format (batch and thread invariant)."""
-    if w.qtype == "f32":
+    fmt = BY_NAME[w.qtype]
+    if fmt.kind == FP32:
         _mv_f32(w.data, x, out)
-    elif w.qtype in KQ_KIND:
-        matvec_kq(x, w, out)
-    elif KIND[w.qtype] <= Q4_1:  # q8_0, q4_0, q4_1
+    elif fmt.row_dot == "widened":  # f16, bf16
+        call_slp(_mv_stored, w.data, fmt.kind, F16_LUT, x, out)
+    else:  # the block row dots here or kquants'
         small = x.shape[0] * w.data.shape[0] * x.shape[1] < PARALLEL_MIN_MACS
-        (_mv_blocks_serial if small else _mv_blocks)(w.data, KIND[w.qtype], x, out)
-    else:
-        call_slp(_mv_stored, w.data, KIND[w.qtype], F16_LUT, x, out)
+        kq = True if fmt.row_dot == "kquants" else None
+        (_mv_rows_serial if small else _mv_rows)(w.data, fmt.kind, x, out, kq)
     return out

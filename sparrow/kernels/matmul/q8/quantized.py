@@ -9,8 +9,8 @@ as rows interleaved in groups of 8, built once per weight (one core, q4_0 in cac
 GMAC/s against 13.5 exact, q4_k 31 against 19 row at a time); q8.groups and q8.kquant_groups document the
 order, q8.ir holds the IR pieces they share, this module quantises x and dispatches. It is
 not exact: on SmolLM2-135M (Q4_1) its decode logits differ from the f32 path by KL 3.1e-3 on
-average and agree on the top token at 98% of 400 positions, which is why it is a mode and
-never the default.
+average and agree on the top token at 98% of 400 positions, which is why it is a mode, the
+default only where exact decode would trail llama.cpp's (models/activations.py).
 
 Per x row and block b (32 values): a = max |x|, dx = a / 127, codes q = rint(x * 127 / a)
 (all 0 when a == 0), sx = dx * sum(q). Integer sums are exact, so every CPU path (AVX2's
@@ -29,9 +29,6 @@ from numba import njit, prange
 
 from sparrow.kernels.cpu import FEATURES as CPU_FEATURES
 from sparrow.kernels.formats import (
-    BLOCK_KINDS,
-    KIND,
-    PREFILL_FORMATS,
     X8_FIRST,
     X8_KIND,
     X8_Q4_0,
@@ -68,8 +65,8 @@ from sparrow.kernels.matmul.widen import call_slp
 from sparrow.kernels.options import KW, PARALLEL_MIN_MACS
 from sparrow.kernels.options import ROWS as _ROWS
 
-# BLOCK_KINDS (formats.py): q8_0, q4_0, q4_1, q5_0, q5_1 in _x8; q4_k, q5_k, q6_k in q8.kquant_groups
-__all__ = ["AVX2", "CPU_FEATURES", "matvec_q8", "q8_rows", "quantize", "rows_q8", "supports"]
+# formats.py's X8_KIND: q8_0, q4_0, q4_1, q5_0, q5_1 in q8.groups; q4_k, q5_k, q6_k in q8.kquant_groups
+__all__ = ["AVX2", "CPU_FEATURES", "Q8Weight", "matmul_amx", "matvec_q8", "quantize", "rows_q8"]
 
 
 @njit(**KW)
@@ -222,7 +219,7 @@ def rows_q8_xs(data, kind, xq, dx, sx, xs, y, o0, o1):
     """rows_q8 with x_sums(kind, xq) given: a parallel matvec computes them once, not once a
     chunk of rows (a 512-row prefill's q4_0 sums, recomputed for each of a 6144 x 2048
     matrix's 48 chunks, took half its time: 67 against 134 GMAC/s on one Zen 4 core)."""
-    if kind < X8_FIRST:  # every q8 format is read interleaved (q8_rows)
+    if kind < X8_FIRST:  # every q8 format is read interleaved (Q8Weight)
         raise ValueError("rows_q8: weights not in the q8 mode's groups")
     x8_rows(data, kind, xq, dx, sx, xs, y, o0, o1)
 
@@ -242,38 +239,38 @@ def _mv_q8_serial(data, kind, x, y):
     rows_q8(data, kind, xq, dx, sx, y, 0, data.shape[0])
 
 
-def supports(w) -> bool:
-    return KIND.get(w.qtype, -1) in BLOCK_KINDS
+class Q8Weight:
+    """A weight prepared for the q8 mode (kernels.linear.prepare, once, by whoever builds the
+    model in that mode): its rows interleaved in groups of 8 (q8.groups.interleave, ~1 GB/s),
+    which every q8 kernel reads, and the stored weight, which the paths the mode leaves exact
+    still read (the prefill of a format without q8 prefill tiles: formats.py's q8_prefill).
+    Once the copy exists the stored rows' file pages leave the resident set (drop_mapped_pages).
+    Model code sees qtype and shape, as for a Weight."""
+
+    __slots__ = ("stored", "rows", "kind", "qtype", "shape")
+
+    def __init__(self, w):
+        if w.qtype not in X8_KIND:
+            raise ValueError(f"the q8 mode has no kernel for {w.qtype} weights")
+        rows = interleave(w.data, w.qtype)
+        rows.flags.writeable = False  # the same array type as the stored (read-only) rows
+        drop_mapped_pages(w.data)
+        self.stored, self.rows, self.kind = w, rows, X8_KIND[w.qtype]
+        self.qtype, self.shape = w.qtype, w.shape
+
+    @property
+    def nbytes(self):
+        return self.rows.nbytes
+
+    def __repr__(self):
+        return f"Q8Weight({self.qtype}, shape={self.shape})"
 
 
 # Formats whose prefill (T > linear.SMALL_T) also runs on the interleaved groups in the q8
-# mode, tiles of 4 x rows sharing each unpacked chunk, or AMX tiles (kernels/matmul/q8/amx.py) where
-# the CPU has them; the same bits either way, and the same as a decode step's. On 512 x rows
-# of a 6144 x 2048 matrix, two cores of a Zen 3 EPYC (AVX2): q4_k 114-119 GMAC/s against
-# 83-89 for the f32 GEMM (which widens every row first), q4_0 92-117 vs 88, q8_0 95-112 vs
-# 72-81, q4_1 82-114 vs 49-76; q6_k 76 vs 83-90, kept for AMX's 126 (and bits that match
-# decode). On an AMX Xeon: q8_0 / q4_x / q4_k 218-352, q6_k 126. On two Zen 4 cores (q8.pair_tiles's
-# zmm pair tiles), 512 x rows: q4_0 254, q5_0 205 GMAC/s (6144 x 2048), q6_k 154-163 (2048 x
-# 6144; 87-93 on the ymm tiles, 89-96 f32), q5_0 175 vs 50-78 f32 on SmolLM2's 3072 x 576.
-# q5_k keeps the f32 GEMM (it ran even on the ymm tiles, and has neither AMX nor zmm tiles).
-# PREFILL_FORMATS (formats.py): q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q6_k
-
-
-def prefills(w) -> bool:
-    return w.qtype in PREFILL_FORMATS
-
-
-def q8_rows(w):
-    """(rows, kind) the q8 mode reads for a Weight of a BLOCK_KINDS format: q8_0 / q4_0 / q4_1
-    interleaved in groups of 8 (q8.groups.interleave: a copy, made at the first call and kept on
-    the weight), the others as stored."""
-    if w.qtype not in X8_KIND:
-        return w.data, KIND[w.qtype]
-    if w.x8 is None:
-        w.x8 = interleave(w.data, w.qtype)
-        w.x8.flags.writeable = False  # the same array type as the stored (read-only) rows
-        drop_mapped_pages(w.data)
-    return w.x8, X8_KIND[w.qtype]
+# mode (formats.py's q8_prefill), tiles of 4 x rows sharing each unpacked chunk, or AMX tiles
+# (kernels/matmul/q8/amx.py) where the CPU has them; the same bits either way, and the same as
+# a decode step's. q5_k keeps the f32 GEMM: it ran slower even on the ymm tiles, and has
+# neither AMX nor zmm tiles. Speeds per format: docs/kernels.md.
 
 
 def _mapping(a):
@@ -317,16 +314,13 @@ def quantize_padded(x, rows):
     return xq, dx, sx
 
 
-# From this many x rows a prefill over an q8.amx format runs on AMX tiles where the CPU has
-# them (the same bits; 16-row tiles, so fewer rows would mostly multiply padding).
-AMX_MIN_T = 16
+def matmul_amx(x, w, out):
+    """out [T, out] = q8(x) @ W.T on AMX tiles for a Q8Weight of an amx.FORMATS format."""
+    return amx.matmul(*quantize_padded(x, amx.TILE), w.rows, w.qtype, out)
 
 
 def matvec_q8(x, w, out):
-    """out [T, out] = q8(x) @ W.T for a Weight of a BLOCK_KINDS format."""
-    data, kind = q8_rows(w)
-    if amx.AMX and x.shape[0] >= AMX_MIN_T and w.qtype in amx.FORMATS:
-        return amx.matmul(*quantize_padded(x, amx.TILE), data, w.qtype, out)
+    """out [T, out] = q8(x) @ W.T for a Q8Weight, on the ymm / zmm group tiles."""
     small = x.shape[0] * w.shape[0] * x.shape[1] < PARALLEL_MIN_MACS
-    call_slp(_mv_q8_serial if small else _mv_q8, data, kind, x, out)
+    call_slp(_mv_q8_serial if small else _mv_q8, w.rows, w.kind, x, out)
     return out

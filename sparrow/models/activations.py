@@ -1,0 +1,65 @@
+"""Which activations mode a model runs when the user does not say: the one place that decides it.
+
+The rule (measured, docs/benchmarks/zen4-epyc.md#the-default-activations-mode-2026-12-03): exact f32
+activations, unless the model's exact decode would trail llama.cpp's by more than 10%, where
+the q8 mode (llama.cpp's own int8-activation arithmetic) runs instead. The exact row dots widen
+every weight to f32 in vector lanes, which costs more instructions a byte for 4- to 6-bit
+formats than for q8_0; on small models per-token overheads hide that, on larger ones it
+decides the speed. Measured on an AMD EPYC Zen 4 (2 threads, decode after 512 tokens, every
+KV storage and exact / sparse; `sparrow bench speed --shape ... --compare llama-cpp`):
+
+| weights | exact / llama.cpp | q8 / llama.cpp |
+|---|---|---|
+| SmolLM2-135M Q4_1 (default model) | 1.32-1.55x | 2.00-2.07x |
+| SmolLM2-135M Q4_K_M | 1.06-1.16x | 1.76-1.88x |
+| Qwen3-0.6B shape Q8_0 | 0.94-1.21x | 1.19-1.35x |
+| Qwen3-0.6B shape Q4_0 | 0.66-0.93x | 1.50-1.53x |
+| Qwen3-0.6B shape Q4_K_M | 0.73-0.86x | 1.27x |
+| Qwen3-1.7B shape Q8_0 | 1.18-1.37x | 1.63-2.08x |
+| Qwen3-1.7B shape Q4_0 | 0.68-0.77x | 1.33-1.46x |
+| Qwen3-1.7B shape Q4_K_M | 0.49-0.54x | 0.99-1.39x |
+
+So: q8 where most of the bytes the q8 mode would read are in formats of TRAILS and those bytes
+reach Q8_FROM_BYTES; exact everywhere else (q8_0, f16 / bf16 / f32 files, small models).
+MoE experts never count: they stay exact in both modes (models/qwen3_moe.py).
+`--activations f32|q8` (load(activations=...)) overrides the rule either way.
+"""
+
+from __future__ import annotations
+
+from ..kernels.formats import X8_KIND
+
+# Formats whose exact row dots trail llama.cpp's decode by more than 10% on the CPUs measured
+# (q4_0, q4_k measured; q4_1 / q5_0 / q5_1 / q5_k / q6_k share their arithmetic per byte:
+# nibbles or 5 / 6-bit codes widened to f32, where q8_0's bytes widen in one step).
+TRAILS = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+# From this many bytes of such weights exact decode trails: between the 135M model's ~80 MB,
+# where exact leads, and the 0.6B shape's ~330-370 MB, where it trails.
+Q8_FROM_BYTES = 256 << 20
+
+
+def _format(t) -> str:
+    return t.ggml_type.name.lower() if t.dtype == "gguf" else t.dtype
+
+
+def default_activations(tensors, quantize: str | None = None) -> tuple[str, str]:
+    """(mode, why) for a checkpoint's tensors ({name: StoredTensor}) loaded with `quantize`."""
+    by_format: dict[str, int] = {}
+    for name, t in tensors.items():
+        if len(t.shape) != 2 or ".experts." in name:
+            continue  # norms and biases; MoE experts (always exact)
+        if name.endswith("embed_tokens.weight") and "lm_head.weight" in tensors:
+            continue  # embedding rows are looked up; a tied model multiplies them as its head
+        fmt = quantize if quantize and t.dtype in ("f32", "f16", "bf16") else _format(t)
+        if fmt in X8_KIND:
+            by_format[fmt] = by_format.get(fmt, 0) + t.data.nbytes
+    if not by_format:
+        return "f32", "no weights the q8 mode runs"
+    trails = sum(n for f, n in by_format.items() if f in TRAILS)
+    names = "/".join(sorted(f for f in by_format if f in TRAILS))
+    if 2 * trails <= sum(by_format.values()):
+        fmt = max(by_format, key=lambda f: (by_format[f], f))
+        return "f32", f"mostly {fmt} weights: exact decode keeps pace with llama.cpp"
+    if trails < Q8_FROM_BYTES:
+        return "f32", f"{names} weights, few enough that exact decode keeps pace with llama.cpp"
+    return "q8", f"exact decode of this many {names} weights trails llama.cpp's; --activations f32 keeps it exact"
