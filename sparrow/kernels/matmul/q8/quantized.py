@@ -15,9 +15,7 @@ default only where exact decode would trail llama.cpp's (models/activations.py).
 Per x row and block b (32 values): a = max |x|, dx = a / 127, codes q = rint(x * 127 / a)
 (all 0 when a == 0), sx = dx * sum(q). Integer sums are exact, so every CPU path (AVX2's
 pmaddubsw, VNNI's vpdpbusd or the generic vector code numba emits elsewhere) gives the same
-bits, whatever T, batch or thread count. (q5_0 / q5_1 ran one row at a time here until
-2026-12: lane sums and two accumulators, another order; on the interleaved groups their
-decode matvec and prefill take the q4 formats' order, which changed their q8 bits.)
+bits, whatever T, batch or thread count.
 """
 
 import ctypes
