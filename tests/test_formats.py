@@ -62,6 +62,8 @@ def test_each_chain_takes_exactly_the_formats_claiming_it(f):
     assert isinstance(w8, Q8Weight) == (f.x8 is not None)
     assert choose(w8, 1) == (Q8_ROWS if f.x8 is not None else EXACT_ROWS)
     assert (choose(w8, SMALL_T + 1) in (Q8_ROWS, Q8_AMX)) == f.q8_prefill
+    if f.x8 is not None:  # the stored rows stay only for a prefill the q8 mode leaves exact
+        assert (w8.stored is None) == f.q8_prefill
     assert choose(w, 1) == EXACT_ROWS and choose(w, SMALL_T + 1) == EXACT_GEMM  # stored: the exact mode
     assert (f.name in _amx.FORMATS) == f.amx
     if f.x8 is not None:

@@ -50,8 +50,13 @@ def prepare(w, mode: str):
 
 
 def stored(w):
-    """The stored Weight behind a prepared weight (the exact paths read it)."""
-    return w.stored if isinstance(w, Q8Weight) else w
+    """The stored Weight an exact path reads: w itself, or a Q8Weight's (kept only for formats
+    the q8 mode leaves exact in prefill; choose() sends no other Q8Weight to an exact path)."""
+    if not isinstance(w, Q8Weight):
+        return w
+    if w.stored is None:
+        raise ValueError(f"{w!r} keeps no stored rows for an exact path")
+    return w.stored
 
 
 # linear()'s implementations, chosen by choose()

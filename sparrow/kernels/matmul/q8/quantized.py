@@ -27,6 +27,7 @@ from numba import njit, prange
 
 from sparrow.kernels.cpu import FEATURES as CPU_FEATURES
 from sparrow.kernels.formats import (
+    BY_NAME,
     X8_FIRST,
     X8_KIND,
     X8_Q4_0,
@@ -239,10 +240,11 @@ def _mv_q8_serial(data, kind, x, y):
 
 class Q8Weight:
     """A weight prepared for the q8 mode (kernels.linear.prepare, once, by whoever builds the
-    model in that mode): its rows interleaved in groups of 8 (q8.groups.interleave, ~1 GB/s),
-    which every q8 kernel reads, and the stored weight, which the paths the mode leaves exact
-    still read (the prefill of a format without q8 prefill tiles: formats.py's q8_prefill).
-    Once the copy exists the stored rows' file pages leave the resident set (drop_mapped_pages).
+    model in that mode): its rows interleaved in groups of 8 (q8.groups.interleave), which
+    every q8 kernel reads. The stored weight is kept only where the mode leaves a path exact (the
+    prefill of a format without q8 prefill tiles, formats.py's q8_prefill: q5_k); otherwise
+    `stored` is None, so no second copy stays resident: a weight concatenated at load (q/k/v,
+    gate/up) is freed, and a file-mapped one's pages leave the resident set (drop_mapped_pages).
     Model code sees qtype and shape, as for a Weight."""
 
     __slots__ = ("stored", "rows", "kind", "qtype", "shape")
@@ -253,7 +255,8 @@ class Q8Weight:
         rows = interleave(w.data, w.qtype)
         rows.flags.writeable = False  # the same array type as the stored (read-only) rows
         drop_mapped_pages(w.data)
-        self.stored, self.rows, self.kind = w, rows, X8_KIND[w.qtype]
+        self.stored = None if BY_NAME[w.qtype].q8_prefill else w
+        self.rows, self.kind = rows, X8_KIND[w.qtype]
         self.qtype, self.shape = w.qtype, w.shape
 
     @property
