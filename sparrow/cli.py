@@ -93,17 +93,20 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _compile_notice() -> None:
+def _compile_notice(cold: bool | None = None, activations: str = "f32") -> None:
     """The compile notice and progress lines on stderr (kernels.announce_compiles), so a first
-    run's pause does not look like a hang. serve() does the same."""
-    from .kernels import announce_compiles
+    run's pause does not look like a hang; cold: the cache's state before a load that may have
+    compiled (the q8 mode's interleaving). serve() does the same."""
+    from .kernels import COMPILE_NOTICE, COMPILE_NOTICE_Q8, announce_compiles
 
-    announce_compiles(_stderr)
+    announce_compiles(_stderr, notice=COMPILE_NOTICE_Q8 if activations == "q8" else COMPILE_NOTICE, cold=cold)
 
 
 def _load(a):
     from .api import load
+    from .kernels import cache_is_cold
 
+    cold = cache_is_cold()
     llm = load(
         a.model,
         kv_dtype=a.kv_dtype,
@@ -114,7 +117,7 @@ def _load(a):
         activations=a.activations,
         mmproj=getattr(a, "mmproj", None),
     )
-    _compile_notice()  # after the load: a model that fails to load compiles nothing
+    _compile_notice(cold, llm.model.activations)  # after the load: a model that fails to load compiles nothing
     if getattr(a, "timings", False):
         print(
             f"[LOAD] {llm.name}: {llm.load_seconds:.2f} s, {llm.config.architecture}, {llm.threads} threads, "

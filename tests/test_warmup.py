@@ -117,3 +117,15 @@ def test_compile_progress_listens_once_per_process():
     K.announce_compiles(second.append)
     ours = [lst for lst in event._registered["numba:compile"] if lst is K._progress]
     assert len(ours) == 1 and K._progress.write == second.append
+
+
+def test_the_cli_names_the_compile_a_cold_cache_faces(capsys):
+    """The notice follows the cache's state before the load (a q8-mode load compiles its
+    interleaving, so after it the cache is no longer cold) and the mode's own estimate."""
+    import sparrow.kernels as K
+    from sparrow.cli import _compile_notice
+
+    _compile_notice(cold=True, activations="q8")
+    _compile_notice(cold=True, activations="f32")
+    _compile_notice(cold=False, activations="q8")
+    assert capsys.readouterr().err.splitlines() == [K.COMPILE_NOTICE_Q8, K.COMPILE_NOTICE]

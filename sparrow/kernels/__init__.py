@@ -64,6 +64,11 @@ if not os.environ.get("NUMBA_CACHE_DIR"):
 
 # The estimate is measured: 37 s of CPU for a cold `sparrow generate` on 2 Zen 4 cores (DEVELOPMENT.md).
 COMPILE_NOTICE = "sparrow: compiling kernels for this CPU (first run only: about 40 s on 2 cores)."
+# A model in the q8 mode compiles its integer tiles as well: 104 s of CPU for a cold
+# `sparrow generate` of the Qwen3-0.6B Q4_0 shape on the same cores (docs/benchmarks/zen4-epyc.md).
+COMPILE_NOTICE_Q8 = (
+    "sparrow: compiling kernels for this CPU (first run only: about 100 s on 2 cores for the q8 activations mode)."
+)
 
 # What the kernels that take a second or more to compile do, for the progress lines
 KERNEL_ROLES = {
@@ -85,18 +90,19 @@ KERNEL_ROLES = {
 _progress = None  # the numba listener announce_compiles registered (one a process)
 
 
-def announce_compiles(write, min_seconds: float = 1.0) -> None:
-    """write(COMPILE_NOTICE) when the kernel cache is cold, then, from now on, write(line) after
-    each kernel compile (outermost only) that took at least min_seconds: what it was and how
-    long it took, so a first run shows its progress (any run may still compile a path it has
-    not used before). A second call only replaces write."""
+def announce_compiles(write, min_seconds: float = 1.0, notice: str = COMPILE_NOTICE, cold: bool | None = None) -> None:
+    """write(notice) when the kernel cache is cold (or `cold`: taken by a caller before work
+    that compiles, such as a q8-mode load), then, from now on, write(line) after each kernel
+    compile (outermost only) that took at least min_seconds: what it was and how long it took,
+    so a first run shows its progress (any run may still compile a path it has not used
+    before). A second call only replaces write."""
     global _progress
     import time
 
     from numba.core import event
 
-    if cache_is_cold():
-        write(COMPILE_NOTICE)
+    if cache_is_cold() if cold is None else cold:
+        write(notice)
 
     class _Progress(event.Listener):
         def __init__(self):
