@@ -287,7 +287,7 @@ class FusedDecode:
         )  # fmt: skip
         # types to the kernel: each activation mode compiles only its own matvecs, and exact
         # requests no block selection
-        mode, select = (True if q8 else None), (True if sp is not None else None)
+        mode, select = (_ds.q8_rows_address() if q8 else None), (True if sp is not None else None)
         nt = numba.get_num_threads()
         self.sync[:3] = 0
         t0 = time.perf_counter()

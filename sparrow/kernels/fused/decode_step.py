@@ -18,6 +18,7 @@ what one row or head computes. Block formats run here: q8_0, q4_0, q4_1, and q5_
 the K-quants (q4_k, q5_k, q6_k) through kernels/matmul/kquants.py's row dots.
 """
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -31,7 +32,8 @@ from sparrow.kernels.formats import X8_FIRST
 from sparrow.kernels.fused.sync import barrier, f16_bits
 from sparrow.kernels.matmul.q8.groups import GROUP
 from sparrow.kernels.matmul.q8.quantized import quantize as _q8_quantize
-from sparrow.kernels.matmul.q8.quantized import rows_q8 as _rows_q8
+from sparrow.kernels.matmul.q8.quantized import rows_address as _q8_rows_address
+from sparrow.kernels.matmul.q8.quantized import x_sums as _q8_x_sums
 from sparrow.kernels.matmul.widen import exact_sums, rows_exact
 from sparrow.kernels.native_call import address, call_native
 from sparrow.kernels.options import KW
@@ -60,14 +62,16 @@ def _share(n, tid, nt):
 @njit(**KW)
 def _matvec(w, kind, x, y, tid, nt, q8):
     """y[0, o] = row o of w . x[0] for this worker's rows (the staged path's row dots: exact
-    when q8 is None, else with x quantised to 8 bits, the activations="q8" mode). q8 is a
-    type, not a value: numba prunes the branch a None never takes before typing it, so the
-    exact step never compiles the q8 kernels (~90 s of a cold start) and the reverse."""
+    when q8 is None, else with x quantised to 8 bits, the activations="q8" mode). q8 is None
+    or the address of q8.quantized.rows_q8_xs (q8_rows_address): numba prunes the branch a
+    None never takes before typing it, so the exact step never compiles the q8 kernels, and
+    the q8 step calls their tiles through that address instead of compiling them again."""
     a, b = _share(w.shape[0], tid, nt)
     if b > a:
         if q8 is not None:
             xq, dx, sx = _q8_quantize(x)
-            _rows_q8(w, kind, xq, dx, sx, y, a, b)
+            xs = _q8_x_sums(kind, xq)
+            call_native(q8, (w, np.int64(kind), xq, dx, sx, xs, y, np.int64(a), np.int64(b)))
         else:  # the staged path's exact row loop, for every block format (kq: True)
             rows_exact(w, kind, x, exact_sums(x, kind, True), y, a, b, True)
 
@@ -190,7 +194,7 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select):
     residual stream, updated in place). model, cache, attn and scratch are the records above
     (StepModel, StepCache, StepAttention, StepScratch), built by models/fused.py. Two types
     choose what is compiled (numba prunes the branches a None never takes before typing
-    them): q8, None for exact activations or True for the q8 mode (see _matvec); select,
+    them): q8, None for exact activations or the q8 row kernel's address (see _matvec); select,
     None for exact attention (no selection code) or True where attn's settings may select."""
     # by name, so the records' field order is nobody's concern
     wq0, wq1, wq2, wo, wg0, wg1, wdown = model.wq0, model.wq1, model.wq2, model.wo, model.wg0, model.wg1, model.wdown
@@ -323,6 +327,15 @@ def decode_token(addr, nt, sync, x, pos, model, cache, attn, scratch, q8, select
     for tid in prange(nt):
         # prange's index is unsigned inside the parallel region: worker takes it signed
         call_native(addr, (np.int64(tid), nt, sync, x, pos, model, cache, attn, scratch, q8, select))
+
+
+@functools.cache
+def q8_rows_address() -> int:
+    """What the q8 step passes as q8: the address of q8.quantized.rows_q8_xs for the types
+    _matvec calls it with (read-only C rows, an output row slice, whose layout is "A")."""
+    rows = np.zeros((1, 1), np.uint8)
+    rows.flags.writeable = False
+    return _q8_rows_address(rows)
 
 
 def step_entry(args, kernel=worker) -> tuple[int, object]:

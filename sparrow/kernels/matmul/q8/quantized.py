@@ -61,6 +61,7 @@ from sparrow.kernels.matmul.q8.pair_tiles import (
     pairs_q6_k,
 )
 from sparrow.kernels.matmul.widen import call_slp
+from sparrow.kernels.native_call import address_for, call_native
 from sparrow.kernels.options import KW, PARALLEL_MIN_MACS
 from sparrow.kernels.options import ROWS as _ROWS
 
@@ -224,18 +225,51 @@ def rows_q8_xs(data, kind, xq, dx, sx, xs, y, o0, o1):
 
 
 @njit(parallel=True, **KW)
-def _mv_q8(data, kind, x, y):
+def _mv_q8(addr, data, kind, x, y):
+    # addr: rows_q8_xs's machine code for these types (rows_address), called through it so
+    # that its tiles compile once, not again here nor in the fused step (kernels/native_call.py);
+    # y is taken as a column slice, the layout the fused step's outputs have, so one compile
+    # serves both
     xq, dx, sx = quantize(x)
     xs = x_sums(kind, xq)
+    ya = y[:, 0 : y.shape[1]]
     o_n = data.shape[0]
     for c in prange((o_n + _ROWS - 1) // _ROWS):
-        rows_q8_xs(data, kind, xq, dx, sx, xs, y, c * _ROWS, min(o_n, (c + 1) * _ROWS))
+        o0, o1 = np.int64(c * _ROWS), np.int64(min(o_n, (c + 1) * _ROWS))
+        call_native(addr, (data, np.int64(kind), xq, dx, sx, xs, ya, o0, o1))
+
+
+# arrays of the types the q8 kernels give quantize's results and x_sums' (C-contiguous, writable)
+_XQ, _DX, _XS = np.zeros((1, 32), np.int8), np.zeros((1, 1), np.float32), np.zeros((1, 0), np.int32)
+
+
+_Y = np.zeros((2, 4), np.float32)[:, 1:3]  # an output row slice: layout "A", as the kernels pass y
+
+
+def rows_address(rows) -> int:
+    """The address of rows_q8_xs compiled for interleaved rows like `rows` (read-only), a
+    column slice of an output (_Y) and the quantised x the q8 kernels make: the one compile
+    of the q8 tiles that the matvecs here and the fused decode step call."""
+    return address_for(rows_q8_xs, (rows, np.int64(0), _XQ, _DX, _DX, _XS, _Y, np.int64(0), np.int64(0)), slp=True)
 
 
 @njit(**KW)
-def _mv_q8_serial(data, kind, x, y):
+def _mv_q8_serial(addr, data, kind, x, y):
     xq, dx, sx = quantize(x)
-    rows_q8(data, kind, xq, dx, sx, y, 0, data.shape[0])
+    call_native(
+        addr,
+        (
+            data,
+            np.int64(kind),
+            xq,
+            dx,
+            sx,
+            x_sums(kind, xq),
+            y[:, 0 : y.shape[1]],
+            np.int64(0),
+            np.int64(data.shape[0]),
+        ),
+    )
 
 
 class Q8Weight:
@@ -323,5 +357,5 @@ def matmul_amx(x, w, out):
 def matvec_q8(x, w, out):
     """out [T, out] = q8(x) @ W.T for a Q8Weight, on the ymm / zmm group tiles."""
     small = x.shape[0] * w.shape[0] * x.shape[1] < PARALLEL_MIN_MACS
-    call_slp(_mv_q8_serial if small else _mv_q8, w.rows, w.kind, x, out)
+    call_slp(_mv_q8_serial if small else _mv_q8, rows_address(w.rows), w.rows, w.kind, x, out)
     return out
