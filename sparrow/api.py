@@ -62,11 +62,9 @@ class LLM:
         """This checkpoint as an LLM whose model runs activations mode `mode` (a model's mode is
         fixed when it is built: its weights are prepared for it); self when it already does.
         The memory-mapped stored weights are shared; the q8 mode's interleaved copies are not."""
-        from .kernels.linear import ACTIVATIONS
         from .models import build_model
 
-        if mode not in ACTIVATIONS:
-            raise SparrowError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {mode!r}")
+        _check_activations(mode)
         if mode == self.model.activations:
             return self
         t0 = time.perf_counter()
@@ -293,6 +291,13 @@ def _is_token_ids(prompt) -> bool:
     )
 
 
+def _check_activations(mode) -> None:
+    from .kernels.linear import ACTIVATIONS
+
+    if mode not in ACTIVATIONS:
+        raise SparrowError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {mode!r}")
+
+
 def load(
     path: str | None = None,
     kv_dtype: str = "f32",
@@ -310,14 +315,13 @@ def load(
     (the default) takes the rule of models/activations.py: exact, unless exact decode of this
     model's weights would trail llama.cpp's by more than 10%; llm.activations_why says why.
     mmproj: llama.cpp's Qwen3-VL vision projector GGUF, with a qwen3vl text GGUF as path."""
-    from .kernels.linear import ACTIVATIONS
     from .models import build_model
     from .models.activations import default_activations
 
     # Settings are checked before the (slow) load, so a typo costs nothing.
     check_kv_dtype(kv_dtype)
-    if activations is not None and activations not in ACTIVATIONS:
-        raise SparrowError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+    if activations is not None:
+        _check_activations(activations)
     if quantize not in QUANTIZE:
         raise SparrowError(f"quantize must be 'q8_0' or None, got {quantize!r}")
     if ctx is not None and (isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 1):
