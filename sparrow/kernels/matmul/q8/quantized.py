@@ -239,11 +239,10 @@ def _mv_q8(addr, data, kind, x, y):
         call_native(addr, (data, np.int64(kind), xq, dx, sx, xs, ya, o0, o1))
 
 
-# arrays of the types the q8 kernels give quantize's results and x_sums' (C-contiguous, writable)
+# arrays of the types the q8 kernels give quantize's results and x_sums' (C-contiguous, writable),
+# and an output's column slice (layout "A"), as they pass y
 _XQ, _DX, _XS = np.zeros((1, 32), np.int8), np.zeros((1, 1), np.float32), np.zeros((1, 0), np.int32)
-
-
-_Y = np.zeros((2, 4), np.float32)[:, 1:3]  # an output row slice: layout "A", as the kernels pass y
+_Y = np.zeros((2, 4), np.float32)[:, 1:3]
 
 
 def rows_address(rows) -> int:
@@ -256,20 +255,8 @@ def rows_address(rows) -> int:
 @njit(**KW)
 def _mv_q8_serial(addr, data, kind, x, y):
     xq, dx, sx = quantize(x)
-    call_native(
-        addr,
-        (
-            data,
-            np.int64(kind),
-            xq,
-            dx,
-            sx,
-            x_sums(kind, xq),
-            y[:, 0 : y.shape[1]],
-            np.int64(0),
-            np.int64(data.shape[0]),
-        ),
-    )
+    xs, ya = x_sums(kind, xq), y[:, 0 : y.shape[1]]  # ya: the layout _mv_q8 passes (rows_address)
+    call_native(addr, (data, np.int64(kind), xq, dx, sx, xs, ya, np.int64(0), np.int64(data.shape[0])))
 
 
 class Q8Weight:
