@@ -228,8 +228,8 @@ def test_row_range_into_a_strided_output():
     exactly their rows, into a column slice of a wider output (the fused step writes q/k/v
     pieces so), with the reference's bits; the exact path's row loops (_widen, _kquants)
     likewise. Row ranges of the q8 mode's q4_0 / q8_0 count groups: rows 8 g0 .. 8 g1."""
-    from sparrow.kernels.formats import KIND
-    from sparrow.kernels.matmul.widen import exact_sums, rows_exact
+    from sparrow.kernels.formats import KIND, KQ_KIND
+    from sparrow.kernels.matmul.widen import exact_sums, kq_rows_address, rows_exact
 
     for q, t in (("q4_0", 1), ("q5_0", 3), ("q8_0", 2), ("q4_k", 1), ("q4_0", 6)):
         k = 256
@@ -252,7 +252,8 @@ def test_row_range_into_a_strided_output():
                     if grouped:
                         o0, o1 = min(8 * o0, 37), min(8 * o1, 37)
                 else:
-                    rows_exact(w.data, KIND[q], x, exact_sums(x, KIND[q], True), y, o0, o1, True)
+                    kq = kq_rows_address(w.data) if q in KQ_KIND else 0
+                    rows_exact(w.data, KIND[q], x, exact_sums(x, KIND[q], True), y, o0, o1, kq)
                 ref = want if exact else want_q8
                 assert np.array_equal(bits(y[:, o0:o1]), bits(ref[:, o0:o1])), (q, t, o0, o1, exact)
                 untouched = np.ones(50, bool)

@@ -46,13 +46,14 @@ ROOT = "sparrow"
 # lower ones). The concerns of sub-tier 1 (matmul, attention) never import each other.
 KERNEL_TIERS = [
     # 0: what every kernel shares: the target CPU, the weight formats, compile options, LLVM IR
-    #    helpers, calls through a compiled function's address
+    #    helpers, calls through a compiled function's address, the one parallel launcher
     (
         "sparrow.kernels.cpu",
         "sparrow.kernels.formats",
         "sparrow.kernels.options",
         "sparrow.kernels.ir",
         "sparrow.kernels.native_call",
+        "sparrow.kernels.parallel",
     ),
     # 1: kernels by concern: products with stored weights (exact rows, GEMM, the q8 mode),
     #    attention, elementwise ops, the vision tower's ops, the fused step's barrier

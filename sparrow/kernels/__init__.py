@@ -63,7 +63,7 @@ if not os.environ.get("NUMBA_CACHE_DIR"):
         numba.config.CACHE_DIR = _dir
 
 # The estimate is measured: 37 s of CPU for a cold `sparrow generate` on 2 Zen 4 cores (DEVELOPMENT.md).
-COMPILE_NOTICE = "sparrow: compiling kernels for this CPU (first run only: about 40 s on 2 cores)."
+COMPILE_NOTICE = "sparrow: compiling kernels for this CPU (first run only: about 30 s on 2 cores)."
 # A model in the q8 mode compiles its integer tiles as well: 56 s of CPU for a cold
 # `sparrow generate` of the Qwen3-0.6B Q4_0 shape on the same cores (README).
 COMPILE_NOTICE_Q8 = (
@@ -72,20 +72,21 @@ COMPILE_NOTICE_Q8 = (
 
 # What the kernels that take a second or more to compile do, for the progress lines
 KERNEL_ROLES = {
-    "decode_token": "fused decode step (threads)",
     "worker": "fused decode step",
+    "_launch": "thread launcher",
     "_gemm_panels": "prefill matmul",
-    "gemm_stored": "prefill matmul (threads)",
-    "_pair_items": "prefill attention",
-    "prefill_kernel": "prefill attention (threads)",
+    "_pack_stored": "prefill matmul (packing)",
+    "_sweep": "prefill matmul (tiles)",
+    "_item": "prefill attention",
     "sparse_prefill_kernel": "sparse prefill attention",
     "decode_kernel": "decode attention",
     "_mv_rows": "matvec",
+    "rows_exact": "exact row dots",
+    "_group": "decode attention (fused step, sparse)",
+    "_attend_group": "decode attention (fused step)",
     "rows_q8_xs": "q8 matvec",
-    "_mv_q8": "q8 matvec (threads)",
     "_mv_rows_serial": "matvec",
     "_mv_stored": "matvec (f16/bf16)",
-    "_silu_mul_rows": "SiLU gate",
 }
 
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from sparrow.kernels.options import KW as _KW
+from sparrow.kernels.parallel import run_parallel
 
 
 @njit(fastmath={"reassoc", "contract"}, **_KW)
@@ -109,16 +110,19 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray)
 PAR_ROWS = 16  # rows a parallel item of a prefill's element kernels covers
 
 
-@njit(parallel=True, **_KW)
-def _silu_mul_rows(gu, f, out):
-    for c in prange((gu.shape[0] + PAR_ROWS - 1) // PAR_ROWS):
-        _silu_mul(gu[c * PAR_ROWS : (c + 1) * PAR_ROWS], f, out[c * PAR_ROWS : (c + 1) * PAR_ROWS])
+@njit(**_KW)
+def _silu_chunk(c, gu, f, out):
+    # rows [c PAR_ROWS, (c + 1) PAR_ROWS) of silu_mul, one launch each (kernels/parallel.py)
+    _silu_mul(gu[c * PAR_ROWS : (c + 1) * PAR_ROWS], f, out[c * PAR_ROWS : (c + 1) * PAR_ROWS])
 
 
 def silu_mul(gu: np.ndarray, f: int) -> np.ndarray:
     """gu [T, 2F] = [gate | up] -> silu(gate) * up [T, F]."""
     h = np.empty((gu.shape[0], f), np.float32)
-    (_silu_mul_rows if gu.shape[0] > PAR_ROWS else _silu_mul)(gu, f, h)
+    if gu.shape[0] > PAR_ROWS:
+        run_parallel((gu.shape[0] + PAR_ROWS - 1) // PAR_ROWS, _silu_chunk, (gu, f, h))
+    else:
+        _silu_mul(gu, f, h)
     return h
 
 

@@ -1,15 +1,21 @@
-"""Calling a compiled kernel through its address, so that a parallel region does not compile it
-again.
+"""Calling a compiled kernel through its address, so that its callers do not compile it again.
 
-numba links the whole IR of every jitted callee into its caller and optimises the result again,
-and a `parallel=True` kernel compiles its loop body as a gufunc of its own that is linked into
-the kernel: a helper called from a prange loop is optimised three times (its own library, the
-gufunc's, the kernel's). For the fused decode step that was about 6 s each of a cold start
-(`NUMBA_LLVM_PASS_TIMINGS=1`). Here the parallel region holds only an indirect call: the helper
-is compiled once, on its own, and each thread calls its machine code through the address
-`address()` gives, in numba's own calling convention. Same code, same bits; the addresses are
-found at run time, so the kernels that take them stay cacheable on disk.
+numba links the whole IR of every jitted callee into its caller, optimises the result again and
+emits its machine code again: a helper three calls deep is optimised three times (its own
+library, and each caller's), and a `parallel=True` kernel adds its gufunc's. For the fused decode
+step that was about 6 s of a cold start per level (`NUMBA_LLVM_PASS_TIMINGS=1`). Here the caller
+holds only an indirect call: the callee is compiled once, on its own, and called through the
+address `address()` gives, in numba's own calling convention. Same code, same bits; the
+addresses are found at run time, so the kernels that take them stay cacheable on disk.
+
+The caller must pass exactly the argument types the address was compiled for. Where those are
+the caller's own argument types (kernels/parallel.py) or fixed ones (C-contiguous x from
+np.ascontiguousarray, a column slice y[:, a:b]), call_native; where they are derived outside
+numba (views of typed-list items), call_checked, which compares a key of the types its call site
+compiled with against the key given with the address and calls only if they match.
 """
+
+import hashlib
 
 import numba
 import numpy as np
@@ -37,6 +43,42 @@ def call_native(typingctx, addr, args):
     return sig, codegen
 
 
+def type_key(argtypes) -> int:
+    """A stable 63-bit key of a signature (numba types; literals count as their plain types)."""
+    text = ",".join(str(types.unliteral(t)) for t in argtypes)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+@intrinsic
+def call_checked(typingctx, addr, key, args):
+    """call_checked(addr, key, (a, b, ...)) -> whether it called: call_native for a callee whose
+    argument types are derived outside numba (address_checked), where a mismatch would be
+    undefined behaviour. The call's own types (literals as their plain types) are fixed when
+    the caller compiles, and their type_key is a constant of its code: it calls only where the
+    key given at run time is that one, and otherwise returns False for the caller to report."""
+    argtys = tuple(types.unliteral(t) for t in args.types)
+    want = type_key(argtys)
+    sig = types.boolean(addr, key, args)
+
+    def codegen(context, builder, signature, llargs):
+        vals = cgutils.unpack_tuple(builder, llargs[2], len(argtys))
+        vals = [context.cast(builder, v, t, u) for v, t, u in zip(vals, args.types, argtys)]
+        got = context.cast(builder, llargs[1], key, types.int64)
+        ok = builder.icmp_signed("==", got, context.get_constant(types.int64, want))
+        with builder.if_then(ok):
+            fnty = context.call_conv.get_function_type(types.none, argtys)
+            fptr = builder.inttoptr(llargs[0], fnty.as_pointer())
+            context.call_conv.call_function(builder, fptr, types.none, argtys, vals)
+        return ok
+
+    return sig, codegen
+
+
+def address_checked(dispatcher, argtypes: tuple) -> tuple[int, int]:
+    """(address(dispatcher, argtypes), type_key(argtypes)): what call_checked takes."""
+    return address(dispatcher, argtypes), type_key(argtypes)
+
+
 def address(dispatcher, argtypes: tuple, slp: bool = False) -> int:
     """The address of dispatcher's machine code for argtypes (numba types), compiling it (or
     loading it from the disk cache) on first use; slp: compile with LLVM's SLP vectoriser on
@@ -60,12 +102,16 @@ _addresses = {}  # (dispatcher, argument keys) -> address
 
 def _key(a):
     """What decides numba's type of a (array: dtype, dimensions, layout, read-only, aligned;
-    scalars and None: their Python type), without typing it; _UNKEYED for anything else."""
+    scalars and None: their Python type; a tuple: its items'), without typing it; _UNKEYED
+    for anything else."""
     if isinstance(a, np.ndarray):
         f = a.flags
         return (a.dtype, a.ndim, f.c_contiguous, f.f_contiguous, f.writeable, f.aligned)
     if a is None or isinstance(a, (bool, int, float, np.generic)):
         return type(a)
+    if isinstance(a, tuple):
+        keys = tuple(_key(v) for v in a)
+        return _UNKEYED if any(k is _UNKEYED for k in keys) else (tuple, keys)
     return _UNKEYED
 
 

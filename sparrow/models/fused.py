@@ -19,11 +19,12 @@ import numpy as np
 from numba.typed import List
 
 from ..errors import SparrowError
-from ..kernels.formats import FORMATS, KIND
+from ..kernels.formats import FORMATS, KIND, KQ_FIRST, X8_FIRST
 from ..kernels.fused import decode_step as _ds
 from ..kernels.fused import sync
 from ..kernels.linear import Q8Weight
 from ..kernels.matmul.widen import F16_LUT
+from ..kernels.parallel import launcher
 from .layers import MLP
 
 BLOCK_FORMATS = tuple(f.name for f in FORMATS if f.row_dot != "widened")  # names; formats.BLOCK_KINDS are ids
@@ -132,6 +133,7 @@ class FusedDecode:
             [[_n(w) for w, _ in q] + [_n(w) for w, _ in g] for q, g in zip(self._qkv, self._gu)], np.int64
         )  # [L, 5]: output rows of each piece
         self._weights = None  # the weight tuple the fused step reads (weights)
+        self.kquants = False  # whether any of them takes kquants' row dots (set by weights)
         self.in_norm = np.stack([lay.input_norm for lay in layers]).astype(np.float32)  # [L, E]
         self.post_norm = np.stack([lay.post_norm for lay in layers]).astype(np.float32)  # [L, E]
         L, QKV = len(layers), (self.H + 2 * self.KV) * self.D
@@ -157,7 +159,7 @@ class FusedDecode:
         self.gu = np.empty((1, 2 * self.F), np.float32)
         self.y = np.empty((1, self.E), np.float32)
         self.logits_shape = (1, V)
-        self.sync = np.zeros(4, np.int64)  # barrier: arrivals, generation, long waits, spin rounds
+        self.sync = np.zeros(5, np.int64)  # barrier: arrivals, generation, long waits, spin rounds; a failed call
         self.sync[3] = sync.spin_rounds()
         self.backoff = 0  # staged steps left before the fused step is tried again
         self.staged_s = None  # seconds of the latest staged step taken while backing off
@@ -200,7 +202,14 @@ class FusedDecode:
                 head_w, head_kind = _rows_kind(head)
             else:
                 head_w, head_kind = _readonly(np.zeros((1, 1), np.uint8)), -1  # the head runs staged
+            rows_t = numba.typeof(_EMPTY)  # the rows' type the row kernels' addresses are for
+            if any(numba.typeof(ws).item_type != rows_t for ws in (*wqkv, wo, *wgu, wdown)) or (
+                numba.typeof(head_w) != rows_t
+            ):
+                raise SparrowError("fused decode: weight rows are not read-only C arrays of bytes")
             got = self._weights = (*wqkv, wo, *wgu, wdown, kinds, head_w, head_kind)
+            every = np.append(kinds.ravel(), head_kind)
+            self.kquants = bool(((every >= KQ_FIRST) & (every < X8_FIRST)).any())  # K-quant row dots
         return got
 
     # ------------------------------------------------------------------ per cache
@@ -212,7 +221,7 @@ class FusedDecode:
             layers, states = cache.layers, cache.sparse
             K, V = _typed(lc.k for lc in layers), _typed(lc.v for lc in layers)
             KS, VS = _typed(lc.k_scale for lc in layers), _typed(lc.v_scale for lc in layers)
-            IMP = _typed(st.importance for st in states)
+            IMP = _typed(st.importance.reshape(1, -1) for st in states)  # [1, C]: the type of KS's items
             if probe_key is None:  # nothing is probed: K stands in for the copy, never read
                 P, PS, per_block = K, KS, 1
             else:
@@ -222,24 +231,30 @@ class FusedDecode:
         return got
 
     def _run(self, cache, args) -> None:
-        """`worker` (args: its arguments) on every thread, or on this one alone. On several,
-        decode_token runs through its compiled entry point and calls worker by address
-        (kernels/fused/decode_step.step_entry), both memoised in the cache: the argument types
-        are fixed by the cache's arrays, the activations mode, the selection switch, the probe
-        copies and the RoPE tables' layout, which make the key (typing the arguments costs
-        ~0.3 ms, numba's dispatch ~0.17 ms a step)."""
-        if args[1] == 1:
-            _ds.worker(*args)
-            return
+        """`worker` on every thread (kernels/parallel.py's launcher), or on this one alone; args:
+        its arguments but `calls`, which are the exact row dots' addresses (0 in the q8 mode)
+        and the attention's address and type key (decode_step.attention_call). The
+        addresses and the launcher are memoised in the cache: the argument types are fixed by
+        the cache's arrays, the activations mode, the selection switch, the probe copies and
+        the RoPE tables' layout, which make the key (typing the arguments costs ~0.3 ms,
+        numba's dispatch ~0.17 ms a step)."""
         model_t, cache_t, mode, select = args[5], args[6], args[9], args[10]
         cos, sin = model_t.cos, model_t.sin
         key = (id(self), mode, select, id(cache_t.P), cos.flags.c_contiguous, sin.flags.c_contiguous)
         memo = cache.__dict__.setdefault("_fused_entries", {})
         got = memo.get(key)
         if got is None:
-            got = memo[key] = _ds.step_entry(args)
-        addr, entry = got
-        entry(addr, *args[1:])
+            exact = _ds.exact_rows_address(self.kquants) if mode is None else (0, 0)
+            got = memo[key] = [(*exact, *_ds.attention_call(args)), None]
+        calls, nt = got[0], args[1]
+        if nt == 1:
+            _ds.worker(*args, calls)
+        else:
+            if got[1] is None:
+                got[1] = launcher(_ds.worker, (*args[1:], calls))
+            got[1](nt, (*args[1:], calls))
+        if self.sync[4]:
+            raise SparrowError("fused decode: the attention kernel's argument types do not match its address")
 
     def __call__(self, seg) -> np.ndarray:
         """Decodes seg (one token at seg.start over its cache) -> logits [1, V]."""
@@ -289,7 +304,7 @@ class FusedDecode:
         # requests no block selection
         mode, select = (_ds.q8_rows_address() if q8 else None), (True if sp is not None else None)
         nt = numba.get_num_threads()
-        self.sync[:3] = 0
+        self.sync[:3] = self.sync[4] = 0
         t0 = time.perf_counter()
         self._run(cache, (0, nt, self.sync, x, pos, model_t, cache_t, attn_t, scratch, mode, select))
         cache.length = seq_len

@@ -22,11 +22,12 @@ are the same for any thread count, work split or prefill chunking.
 """
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from sparrow.kernels.attention.rows import exp_shifted, max_at, sum_f32
 from sparrow.kernels.attention.tile import mm_add
 from sparrow.kernels.native_call import address_for, call_native
+from sparrow.kernels.parallel import run_parallel
 
 QT = 8  # queries per work item: a key block read from memory serves QT * group rows
 BK = 64  # keys per step (SmolLM2 at 2K: 64 ms a layer vs 72 with 32; 128 overflows L1)
@@ -110,35 +111,24 @@ def _item(qa, KT, V, start, group, t0, t1, out, prow, want_p):
                 mm_add(fT[b : b + 1], keep[b], prow2[b : b + 1], R)
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def prefill_kernel(addr, qa, KT, V, start, group, out, pacc, want_p):
-    """Exact causal attention of qa [T, H, D] (q * scale, positions start..start+T-1) -> out
-    [T, H, D]. KT: keys [KVH, nblk, D, BK], block b transposed, zero past the last key
-    (key_blocks); V: values [KVH, >= start+T, D]; pacc: zeros [items, nblk * BK] (items =
-    ceil(T / QT)), or [1, 1] without importance. Item j and its mirror items-1-j run together:
-    their key counts add up to the same total, so any split of the pairs is balanced. addr:
-    _pair_items' machine code for these types, called through it so that it is compiled once
-    (kernels/native_call.py)."""
-    T = qa.shape[0]
-    n = (T + QT - 1) // QT
-    for j in prange((n + 1) // 2):
-        # prange's index is unsigned in the parallel region: _pair_items takes it signed
-        call_native(addr, (np.int64(j), n, qa, KT, V, start, group, out, pacc, want_p))
-
-
 @njit(cache=True, nogil=True)
-def _pair_items(i, n, qa, KT, V, start, group, out, pacc, want_p):
-    """Query item i of n and its mirror n-1-i (the middle item of an odd count runs once)."""
-    _pair_item(qa, KT, V, start, group, out, pacc, want_p, i)
-    if n - 1 - i != i:
-        _pair_item(qa, KT, V, start, group, out, pacc, want_p, n - 1 - i)
-
-
-@njit(cache=True, nogil=True)
-def _pair_item(qa, KT, V, start, group, out, pacc, want_p, it):
+def _pair(j, n, addr, qa, KT, V, start, group, out, pacc, want_p):
+    """Query item j of n and its mirror n-1-j (the middle item of an odd count runs once):
+    their key counts add up to the same total, so any split of the pairs between threads is
+    balanced. addr: _item's machine code for these types (item_address), called through it
+    so that it compiles once, not again here (kernels/native_call.py)."""
     T = qa.shape[0]
-    prow = pacc[it] if want_p else pacc[0]
-    _item(qa, KT, V, start, group, it * QT, min(T, it * QT + QT), out, prow, want_p)
+    for k in range(1 if n - 1 - j == j else 2):
+        it = j if k == 0 else n - 1 - j
+        prow = pacc[it] if want_p else pacc[0]
+        t0, t1 = np.int64(it * QT), np.int64(min(T, it * QT + QT))
+        call_native(addr, (qa, KT, V, start, group, t0, t1, out, prow, want_p))
+
+
+def item_address(qa, KT, V, start, group, out, pacc, want_p) -> int:
+    """The address of _item for the types _pair calls it with (its own arguments', and a row
+    of pacc)."""
+    return address_for(_item, (qa, KT, V, start, group, 0, 0, out, pacc[0], want_p))
 
 
 def key_blocks(K, S):
@@ -160,6 +150,6 @@ def prefill_attention(qa, K, V, start, group, want_p):
     out = np.empty((T, H, D), np.float32)
     pacc = np.zeros(((T + QT - 1) // QT, KT.shape[1] * BK) if want_p else (1, 1), np.float32)
     args = (np.ascontiguousarray(qa, np.float32), KT, V, int(start), int(group), out, pacc, bool(want_p))
-    addr = address_for(_pair_items, (0, (T + QT - 1) // QT) + args)
-    prefill_kernel(addr, *args)
+    n = (T + QT - 1) // QT  # query items of QT rows, run in pairs
+    run_parallel((n + 1) // 2, _pair, (n, item_address(*args), *args))
     return out, (pacc.sum(axis=0)[:S] if want_p else None)

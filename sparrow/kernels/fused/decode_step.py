@@ -13,7 +13,8 @@ workers meet at a spin barrier (sync.barrier, ~0.2 us) between dependent phases:
 
 Bit-identical to the staged path: every value is computed by the same compiled helpers on
 arrays of the same types (rows by rowdot_*, norms by _rms_rows, RoPE by _rope, silu by
-_silu_mul, attention by _group), and splitting rows or heads between workers never changes
+_silu_mul, attention by _group or, for exact requests, its kernel _attend_group on every
+block, as _group gives it), and splitting rows or heads between workers never changes
 what one row or head computes. Block formats run here: q8_0, q4_0, q4_1, and q5_0, q5_1 and
 the K-quants (q4_k, q5_k, q6_k) through kernels/matmul/kquants.py's row dots.
 """
@@ -22,10 +23,10 @@ import functools
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit, prange, typeof, types
+from numba import njit, typeof, types
 from numba.typed import List
 
-from sparrow.kernels.attention.decode import _group, importance_per_block
+from sparrow.kernels.attention.decode import _attend_group, _group, importance_per_block
 from sparrow.kernels.attention.select import reserve_importance_nb
 from sparrow.kernels.elementwise import _quant_rows, _rms_rows, _rope, _silu_mul
 from sparrow.kernels.formats import X8_FIRST
@@ -34,8 +35,10 @@ from sparrow.kernels.matmul.q8.groups import GROUP
 from sparrow.kernels.matmul.q8.quantized import quantize as _q8_quantize
 from sparrow.kernels.matmul.q8.quantized import rows_address as _q8_rows_address
 from sparrow.kernels.matmul.q8.quantized import x_sums as _q8_x_sums
-from sparrow.kernels.matmul.widen import exact_sums, rows_exact
-from sparrow.kernels.native_call import address, call_native
+from sparrow.kernels.matmul.widen import exact_rows_address as _exact_rows_address
+from sparrow.kernels.matmul.widen import exact_sums
+from sparrow.kernels.matmul.widen import kq_rows_address as _kq_rows_address
+from sparrow.kernels.native_call import address_checked, call_checked, call_native
 from sparrow.kernels.options import KW
 
 KV_F32, KV_F16, KV_INT8 = 0, 1, 2  # storage kinds of the KV cache arrays
@@ -60,29 +63,33 @@ def _share(n, tid, nt):
 
 
 @njit(**KW)
-def _matvec(w, kind, x, y, tid, nt, q8):
+def _matvec(w, kind, x, y, tid, nt, q8, exact):
     """y[0, o] = row o of w . x[0] for this worker's rows (the staged path's row dots: exact
     when q8 is None, else with x quantised to 8 bits, the activations="q8" mode). q8 is None
     or the address of q8.quantized.rows_q8_xs (q8_rows_address): numba prunes the branch a
     None never takes before typing it, so the exact step never compiles the q8 kernels, and
-    the q8 step calls their tiles through that address instead of compiling them again."""
+    the q8 step calls their tiles through that address instead of compiling them again.
+    exact: (the address of widen.rows_exact, its kq: exact_rows_address), called the same
+    way: the exact row dots compile once, for the staged matvecs and this step."""
     a, b = _share(w.shape[0], tid, nt)
     if b > a:
         if q8 is not None:
             xq, dx, sx = _q8_quantize(x)
             xs = _q8_x_sums(kind, xq)
             call_native(q8, (w, np.int64(kind), xq, dx, sx, xs, y, np.int64(a), np.int64(b)))
-        else:  # the staged path's exact row loop, for every block format (kq: True)
-            rows_exact(w, kind, x, exact_sums(x, kind, True), y, a, b, True)
+        else:  # the staged path's exact row loop, for every block format
+            xc = np.ascontiguousarray(x)  # the type exact_rows_address compiled for (x is C: a no-op)
+            sx = exact_sums(xc, kind, True)
+            call_native(exact[0], (w, np.int64(kind), xc, sx, y, np.int64(a), np.int64(b), exact[1]))
 
 
 @njit(**KW)
-def _matvec_at(w, kind, x, y, off, n, tid, nt, q8):
+def _matvec_at(w, kind, x, y, off, n, tid, nt, q8, exact):
     """_matvec into y[0, off : off + n], n the rows of w's output (a piece of a group whose
     formats differ, as q/k/v in Q4_K_M files); nothing for a piece with no rows. Every matvec
     of the step goes through here, so _matvec compiles for one layout of y, not two."""
     if n > 0:
-        _matvec(w, kind, x, y[:, off : off + n], tid, nt, q8)
+        _matvec(w, kind, x, y[:, off : off + n], tid, nt, q8, exact)
 
 
 @njit(**KW)
@@ -154,7 +161,7 @@ class StepCache(NamedTuple):
     V: object
     KS: object  # int8 scales (unused for f32 / f16)
     VS: object
-    IMP: object  # prefill importance per position
+    IMP: object  # prefill importance per position, [1, C] each (the scales' list type: one list type fewer)
     P: object  # probe copies (K when nothing is probed)
     PS: object
     n_copied: np.ndarray  # [L] blocks of P already copied
@@ -189,13 +196,17 @@ class StepScratch(NamedTuple):
 
 
 @njit(**KW)
-def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select):
+def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, calls):
     """Worker tid of nt: decodes the token at position pos, x [1, E] being its embedding (the
     residual stream, updated in place). model, cache, attn and scratch are the records above
     (StepModel, StepCache, StepAttention, StepScratch), built by models/fused.py. Two types
     choose what is compiled (numba prunes the branches a None never takes before typing
     them): q8, None for exact activations or the q8 row kernel's address (see _matvec); select,
-    None for exact attention (no selection code) or True where attn's settings may select."""
+    None for exact attention (no selection code) or True where attn's settings may select.
+    calls: (the exact row dots' address and their kq (exact_rows_address), used where q8 is
+    None; the address and type key of the attention for these types (attention_call)): called
+    through them, the row dots and the attention compile once on their own, not again into
+    this function (kernels/native_call.py). sync[4] is set where the key does not match."""
     # by name, so the records' field order is nobody's concern
     wq0, wq1, wq2, wo, wg0, wg1, wdown = model.wq0, model.wq1, model.wq2, model.wo, model.wg0, model.wg1, model.wdown
     kinds, offs, rows, bias, q_norm, k_norm = (
@@ -215,6 +226,7 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select):
     flags, dense, lut = attn.flags, attn.dense, attn.lut
     qkv, att, att_flat, qd, qa, qs = scratch.qkv, scratch.att, scratch.att_flat, scratch.qd, scratch.qa, scratch.qs
     gu, y, logits = scratch.gu, scratch.y, scratch.logits
+    exact = (calls[0], calls[1])
     E = x.shape[1]
     G = H // KV
     QO, KO = H * D, H * D + KV * D
@@ -239,9 +251,9 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select):
     has_norm = q_norm.shape[1] > 0
     for layer in range(len(wo)):
         _rms_rows(x, in_norm[layer], eps, h)
-        _matvec_at(wq0[layer], kinds[layer, 0], h, qkv, offs[layer, 0], rows[layer, 0], tid, nt, q8)
-        _matvec_at(wq1[layer], kinds[layer, 1], h, qkv, offs[layer, 1], rows[layer, 1], tid, nt, q8)
-        _matvec_at(wq2[layer], kinds[layer, 2], h, qkv, offs[layer, 2], rows[layer, 2], tid, nt, q8)
+        _matvec_at(wq0[layer], kinds[layer, 0], h, qkv, offs[layer, 0], rows[layer, 0], tid, nt, q8, exact)
+        _matvec_at(wq1[layer], kinds[layer, 1], h, qkv, offs[layer, 1], rows[layer, 1], tid, nt, q8, exact)
+        _matvec_at(wq2[layer], kinds[layer, 2], h, qkv, offs[layer, 2], rows[layer, 2], tid, nt, q8, exact)
         barrier(sync, nt)
         # q heads: bias, q norm, RoPE, then the form the attention kernel takes
         for hh in range(h0, h1):
@@ -284,7 +296,7 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select):
         # `dense` layers exact)
         sparse = sparse_on and layer >= dense
         if select is not None and sparse and not flags:
-            reserved = reserve_importance_nb(importance_per_block(IMP[layer], seq_len, bs), k_blocks, nb)
+            reserved = reserve_importance_nb(importance_per_block(IMP[layer][0], seq_len, bs), k_blocks, nb)
         else:
             reserved = np.full(nb, -1, dtype=np.int8)
         nc = min(n_copied[layer], seq_len // bs)
@@ -293,40 +305,39 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select):
             kh = hh // G
             n = min(h1, (kh + 1) * G) - hh
             Kl, Vl, KSl, VSl, Pl, PSl = K[layer], V[layer], KS[layer], VS[layer], P[layer], PS[layer]
-            _group(qd, qa, qs, Kl[kh], Vl[kh], KSl[kh], VSl[kh], kv_kind == KV_INT8, hh, n, seq_len, scale, sparse,
-                   reserved, k_blocks, bs, n_probe, Pl[kh], PSl[kh], per_block, nc, att, sel, stages, nsel, False,
-                   pdummy, flags, lut, select)  # fmt: skip
+            int8 = kv_kind == KV_INT8
+            if select is not None:  # block selection, then attention (attention.decode._group)
+                called = call_checked(calls[2], calls[3], (qd, qa, qs, Kl[kh], Vl[kh], KSl[kh], VSl[kh], int8, hh,
+                                      n, seq_len, scale, sparse, reserved, k_blocks, bs, n_probe, Pl[kh], PSl[kh],
+                                      per_block, nc, att, sel, stages, nsel, False, pdummy, flags, lut,
+                                      select))  # fmt: skip
+            else:  # every block, as _group marks them when nothing selects, straight to the kernel
+                mark = np.ones((n, nb), np.bool_)
+                ntok = np.full(n, seq_len, np.int64)
+                called = call_checked(calls[2], calls[3], (qa, qs, Kl[kh], Vl[kh], KSl[kh], VSl[kh], int8, hh, n,
+                                      seq_len, scale, bs, mark, ntok, att, False, pdummy))  # fmt: skip
+            if not called:
+                sync[4] = 1  # the caller raises
             hh += n
         barrier(sync, nt)
-        _matvec_at(wo[layer], kinds[layer, 3], att_flat, y, np.int64(0), E, tid, nt, q8)
+        _matvec_at(wo[layer], kinds[layer, 3], att_flat, y, np.int64(0), E, tid, nt, q8, exact)
         a, b = _own_rows(wo[layer], kinds[layer, 3], E, tid, nt)
         for o in range(a, b):
             x[0, o] = x[0, o] + y[0, o]
         barrier(sync, nt)
         _rms_rows(x, post_norm[layer], eps, h)
-        _matvec_at(wg0[layer], kinds[layer, 4], h, gu, offs[layer, 3], rows[layer, 3], tid, nt, q8)
-        _matvec_at(wg1[layer], kinds[layer, 5], h, gu, offs[layer, 4], rows[layer, 4], tid, nt, q8)
+        _matvec_at(wg0[layer], kinds[layer, 4], h, gu, offs[layer, 3], rows[layer, 3], tid, nt, q8, exact)
+        _matvec_at(wg1[layer], kinds[layer, 5], h, gu, offs[layer, 4], rows[layer, 4], tid, nt, q8, exact)
         barrier(sync, nt)
         _silu_mul(gu, F, act)
-        _matvec_at(wdown[layer], kinds[layer, 6], act, y, np.int64(0), E, tid, nt, q8)
+        _matvec_at(wdown[layer], kinds[layer, 6], act, y, np.int64(0), E, tid, nt, q8, exact)
         a, b = _own_rows(wdown[layer], kinds[layer, 6], E, tid, nt)
         for o in range(a, b):
             x[0, o] = x[0, o] + y[0, o]
         barrier(sync, nt)
     if head_kind >= 0:
         _rms_rows(x, head_norm, eps, h)
-        _matvec_at(head_w, head_kind, h, logits, np.int64(0), logits.shape[1], tid, nt, q8)
-
-
-@njit(parallel=True, **KW)
-def decode_token(addr, nt, sync, x, pos, model, cache, attn, scratch, q8, select):
-    """`worker` on nt threads at once (numba's workqueue hands each prange index to its own
-    thread, so all nt workers run together and can wait for each other). addr: worker's
-    machine code for these arguments' types (worker_address); called through it, worker is
-    compiled once instead of again inside this parallel region (kernels/native_call.py)."""
-    for tid in prange(nt):
-        # prange's index is unsigned inside the parallel region: worker takes it signed
-        call_native(addr, (np.int64(tid), nt, sync, x, pos, model, cache, attn, scratch, q8, select))
+        _matvec_at(head_w, head_kind, h, logits, np.int64(0), logits.shape[1], tid, nt, q8, exact)
 
 
 @functools.cache
@@ -338,13 +349,45 @@ def q8_rows_address() -> int:
     return _q8_rows_address(rows)
 
 
-def step_entry(args, kernel=worker) -> tuple[int, object]:
-    """(the address of `worker` compiled for args, decode_token's compiled entry point for the
-    same types), args being worker's own arguments, tid first. Calling the entry point skips
-    numba's dispatch, which types the records' typed lists in Python on every call (~0.17 ms a
-    token); the caller must keep the argument types those of args (models/fused.py memoises
-    this per KV cache on what decides them)."""
-    sig = (types.int64,) + tuple(typeof(a) for a in args[1:])  # tid; decode_token's addr
-    addr = address(kernel, sig)
-    decode_token.compile(sig)  # or load it from the disk cache
-    return addr, decode_token.overloads[sig].entry_point
+def exact_rows_address(kquants: bool) -> tuple[int, int]:
+    """What the step's _matvec takes as exact: the addresses of widen.rows_exact and of its
+    K-quant row loop (0 where the model has no K-quant rows: kquants False), for read-only C
+    rows (the weights the step reads, models/fused.py) and the types _matvec passes."""
+    return _exact_rows_addresses(bool(kquants))
+
+
+@functools.cache
+def _exact_rows_addresses(kquants: bool) -> tuple[int, int]:
+    rows = np.zeros((1, 1), np.uint8)
+    rows.flags.writeable = False
+    return _exact_rows_address(rows), (_kq_rows_address(rows) if kquants else 0)
+
+
+def attention_call(args) -> tuple[int, int]:
+    """(address, type key) of the attention worker calls, for the argument types it calls it
+    with, args being worker's: attention.decode._group where the request may select blocks,
+    else its kernel, _attend_group (call_checked verifies the types when worker compiles: a
+    mismatch sets sync[4] instead of calling)."""
+    rec = {n: dict(zip(typeof(a).fields, typeof(a).types)) for n, a in zip(("cache", "attn", "scratch"), args[6:9])}
+    cache, attn, scratch = rec["cache"], rec["attn"], rec["scratch"]
+    i64, f32, b = types.int64, types.float32, types.boolean
+
+    def head(lst):  # lst[layer][kh]: an integer index on the left keeps C order, else "A"
+        a = lst.item_type
+        return a.copy(ndim=a.ndim - 1, layout="C" if a.layout == "C" else "A")
+
+    def arr(dtype, nd):
+        return types.Array(dtype, nd, "C")
+
+    kv = (head(cache["K"]), head(cache["V"]), head(cache["KS"]), head(cache["VS"]), b, i64, i64, i64)
+    scale, select = typeof(args[5].scale), typeof(args[10])
+    if args[10] is None:
+        sig = (scratch["qa"], scratch["qs"], *kv, scale, attn["block"], arr(b, 2), arr(i64, 1), scratch["att"], b,
+               arr(f32, 2))  # fmt: skip
+        return address_checked(_attend_group, sig)
+    sig = (
+        scratch["qd"], scratch["qa"], scratch["qs"], *kv, scale, b, arr(types.int8, 1), attn["k_blocks"],
+        attn["block"], attn["n_probe"], head(cache["P"]), head(cache["PS"]), cache["per_block"], i64, scratch["att"],
+        arr(i64, 2), arr(types.int8, 2), arr(i64, 1), b, arr(f32, 2), attn["flags"], attn["lut"], select,
+    )  # fmt: skip
+    return address_checked(_group, sig)

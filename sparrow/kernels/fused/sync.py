@@ -118,7 +118,7 @@ def spin_rounds(seconds: float = SPIN_SECONDS) -> int:
 
 @njit(cache=True, nogil=True)
 def barrier(sync, n):
-    """All n workers wait here until every one has arrived. sync: int64 [4] (arrivals,
+    """All n workers wait here until every one has arrived. sync: int64 [>= 4] (arrivals,
     generation, waits that had to yield the CPU, pause rounds before yielding), the first
     three zero before the parallel region; n == 1 returns at once."""
     if n <= 1:

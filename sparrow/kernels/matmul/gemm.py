@@ -34,7 +34,7 @@ import threading
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange
+from numba import njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
@@ -45,6 +45,7 @@ from sparrow.kernels.ir import F32, I8, I32, V16F
 from sparrow.kernels.matmul.widen import F16_LUT, call_slp, widen_row
 from sparrow.kernels.native_call import address_for, call_native
 from sparrow.kernels.options import KW
+from sparrow.kernels.parallel import run_parallel
 
 NR = 48  # weight rows per panel (a multiple of NK, the columns of one micro-kernel call)
 
@@ -319,32 +320,18 @@ def _pack_stored(data, kind, lut, o0, n, tmp, bp, kq):
     _transpose_into(tmp, n, bp)
 
 
-# One prange iteration per thread, each claiming panels from a shared counter until none
-# are left: the cores are shared with other processes, and with numba's static split a
-# thread that loses its core for a while holds up the whole call. Which thread computes a
-# panel never changes its bits.
-
-
-@njit(parallel=True, **KW)
-def gemm_stored(addr, data, kind, lut, x, y, xp, bps, tmps, kq):
-    """y [T, O] = x [T, K] @ W.T for stored rows data [O, *] of format kind (formats.KIND;
-    f32 rows come as their uint32 bits, widened by a copy). Scratch (contents ignored):
-    xp [ceil(T / MR), K MR] for packed x; per thread bps [P, NS K, NK] for a packed panel,
-    tmps [P, NR, K] for its rows widened; P threads at most. kq: None unless kind is a
-    K-quant or q5 format (see widen.widen_row). addr: _gemm_panels' machine code for these
-    types, called through it so that it is compiled once (kernels/native_call.py)."""
-    n_p = (data.shape[0] + NR - 1) // NR
-    nxt = np.zeros(1, np.int64)
-    _pack_x(x, xp)
-    for i in prange(min(n_p, bps.shape[0])):
-        # prange's index is unsigned in the parallel region: _gemm_panels takes it signed
-        call_native(addr, (np.int64(i), data, kind, lut, y, xp, bps, tmps, nxt, n_p, kq))
+# One launch per thread (kernels/parallel.py), each claiming panels from a shared counter until
+# none are left: the cores are shared with other processes, and with a static split a thread
+# that loses its core for a while holds up the whole call. Which thread computes a panel never
+# changes its bits.
 
 
 @njit(**KW)
-def _gemm_panels(i, data, kind, lut, y, xp, bps, tmps, nxt, n_p, kq):
-    """Thread i of gemm_stored: claims panels from the counter nxt until none of n_p are left,
-    packing each into its own scratch bps[i] / tmps[i] and sweeping x over it."""
+def _gemm_panels(i, data, kind, lut, y, xp, bps, tmps, nxt, n_p, kq, calls):
+    """Thread i of matmul_widened: claims panels from the counter nxt until none of n_p are
+    left, packing each into its own scratch bps[i] / tmps[i] and sweeping x over it. calls:
+    the addresses of _pack_stored and _sweep (panel_addresses), called through them so that
+    each compiles once, not again here (kernels/native_call.py)."""
     bp, tmp = bps[i], tmps[i]
     o_n = data.shape[0]
     p = _claim(nxt)
@@ -353,16 +340,15 @@ def _gemm_panels(i, data, kind, lut, y, xp, bps, tmps, nxt, n_p, kq):
         n = min(NR, o_n - o0)
         if n < NR:
             bp[:] = 0
-        _pack_stored(data, kind, lut, o0, n, tmp, bp, kq)
-        _sweep(bp, xp, y, o0, n)
+        call_native(calls[0], (data, kind, lut, np.int64(o0), np.int64(n), tmp, bp, kq))  # _pack_stored
+        call_native(calls[1], (bp, xp, y, np.int64(o0), np.int64(n)))  # _sweep
         p = _claim(nxt)
 
 
-# Scratch for gemm_stored, kept per calling thread and grown as needed: fresh arrays on
+# Scratch for matmul_widened, kept per calling thread and grown as needed: fresh arrays on
 # every call cost page faults (~60k of them in one 512-token SmolLM2 prefill, ~15% of its
 # GEMM time).
 _scratch = threading.local()
-_COUNTER = np.zeros(1, np.int64)  # stands in for gemm_stored's panel counter when typing
 
 
 def _scratch_arrays(*shapes):
@@ -379,14 +365,28 @@ def _scratch_arrays(*shapes):
     return out
 
 
+def panel_addresses(data, kind, y, xp, bps, tmps, kq) -> tuple[int, int]:
+    """The addresses of _pack_stored and _sweep for the types _gemm_panels calls them with
+    (a thread's scratch is bps[i] / tmps[i], a C row of each), compiled with SLP as the
+    rest of the GEMM: each compiles once, not again into _gemm_panels."""
+    pack = address_for(_pack_stored, (data, kind, F16_LUT, 0, 0, tmps[0], bps[0], kq), slp=True)
+    return pack, address_for(_sweep, (bps[0], xp, y, 0, 0), slp=True)
+
+
 def matmul_widened(x, w, out):
-    """out [T, out] = x @ W.T for large T (prefill): packed f32 panels, outer-product GEMM."""
+    """out [T, out] = x @ W.T for large T (prefill): packed f32 panels, outer-product GEMM.
+    Rows data [O, *] of format kind (formats.KIND; f32 rows come as their uint32 bits,
+    widened by a copy); scratch (contents ignored): xp [ceil(T / MR), K MR] for packed x, and
+    per thread bps [P, NS K, NK] for a packed panel, tmps [P, NR, K] for its rows widened; P
+    threads at most. kq: None unless kind is a K-quant or q5 format (see widen.widen_row)."""
     data = w.data.view(np.uint32) if w.qtype == "f32" else w.data  # f32 rows as their bits
     t_n, k = x.shape
     p_n = max(1, min((w.shape[0] + NR - 1) // NR, numba.get_num_threads()))
     xp, bps, tmps = _scratch_arrays(((t_n + MR - 1) // MR, k * MR), (p_n, NS * k, NK), (p_n, NR, k))
     kq = True if w.qtype in KQ_KIND else None
     kind, n_p = KIND[w.qtype], (w.shape[0] + NR - 1) // NR
-    panels = (0, data, kind, F16_LUT, out, xp, bps, tmps, _COUNTER, n_p, kq)  # _gemm_panels' argument types
-    call_slp(gemm_stored, address_for(_gemm_panels, panels, slp=True), data, kind, F16_LUT, x, out, xp, bps, tmps, kq)
+    call_slp(_pack_x, x, xp)
+    calls = panel_addresses(data, kind, out, xp, bps, tmps, kq)
+    nxt = np.zeros(1, np.int64)  # the panel counter
+    run_parallel(p_n, _gemm_panels, (data, kind, F16_LUT, out, xp, bps, tmps, nxt, n_p, kq, calls), slp=True)
     return out

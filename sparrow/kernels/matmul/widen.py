@@ -24,8 +24,10 @@ from sparrow.kernels.ir import fma as _fma
 from sparrow.kernels.matmul.kquants import rows_chunked as kq_rows
 from sparrow.kernels.matmul.kquants import sums as kq_sums
 from sparrow.kernels.matmul.kquants import widen_kq
+from sparrow.kernels.native_call import address_for, call_native
 from sparrow.kernels.options import KW, PARALLEL_MIN_MACS
 from sparrow.kernels.options import ROWS as _ROWS
+from sparrow.kernels.parallel import run_parallel
 
 FM = {"reassoc", "contract"}  # lets LLVM use vector lanes + FMA in the dot products
 
@@ -232,28 +234,60 @@ def exact_sums(x, kind, kq):
 @njit(**KW)
 def rows_exact(data, kind, x, sx, y, o0, o1, kq):
     """y[t, o] = stored row o . x[t] for o0 <= o < o1 and every x row, in the exact row dots'
-    order (the block row dots here, kquants' for KQ_KIND kinds where kq is not None); sx from
-    exact_sums. The one row loop of the exact decode: the staged matvec and the fused step."""
-    if kq is not None and kind >= KQ_FIRST:
-        kq_rows(data, kind, x, sx, y, o0, o1)
+    order (the block row dots here, kquants' for KQ_KIND kinds); sx from exact_sums. kq: the
+    address of kquants' row loop for these types (kq_rows_address), or 0 where no K-quant
+    row comes: called through it, the K-quant kernels compile only for models that have
+    them. The one row loop of the exact decode: the staged matvec and the fused step call it
+    through exact_rows_address."""
+    if kind >= KQ_FIRST:
+        if kq == 0:
+            raise ValueError("rows_exact: K-quant rows without their row loop's address")
+        xc, sxc, ya = np.ascontiguousarray(x), np.ascontiguousarray(sx), y[:, 0 : y.shape[1]]  # the address's types
+        call_native(kq, (data, np.int64(kind), xc, sxc, ya, np.int64(o0), np.int64(o1)))
     else:
         _rows_blocks(data, kind, x, sx, y, o0, o1)
 
 
-@njit(parallel=True, **KW)
-def _mv_rows(data, kind, x, y, kq):
-    # parallel over output rows only, so each y[t, o] has one summation order whatever T and
-    # the thread count
-    o_n = data.shape[0]
-    sx = exact_sums(x, kind, kq)
-    for c in prange((o_n + _ROWS - 1) // _ROWS):
-        rows_exact(data, kind, x, sx, y, c * _ROWS, min(o_n, (c + 1) * _ROWS), kq)
+_X = np.zeros((1, 32), np.float32)  # the types the row loops' addresses are for: x and its sums,
+_Y = np.zeros((2, 4), np.float32)[:, 1:3]  # and an output column slice (layout "A": two rows, strided)
+
+
+def exact_rows_address(data) -> int:
+    """The address of rows_exact compiled for rows like data (its dtype, layout and flags), f32
+    x and sums [T, n] (C order), an output column slice and kq an int64: the one compile of
+    the exact row dots that the staged matvecs here and the fused decode step call through
+    kernels/native_call.py, rather than each compiling them into its own code. Callers pass
+    exactly these types: x as np.ascontiguousarray types it, y sliced as y[:, a:b]."""
+    return address_for(rows_exact, (data, np.int64(0), _X, _X, _Y, np.int64(0), np.int64(0), np.int64(0)))
+
+
+def kq_rows_address(data) -> int:
+    """rows_exact's kq for rows like data: the address of kquants' row loop for its types."""
+    return address_for(kq_rows, (data, np.int64(0), _X, _X, _Y, np.int64(0), np.int64(0)))
 
 
 @njit(**KW)
-def _mv_rows_serial(data, kind, x, y, kq):
+def _rows_chunk(c, addrs, data, kind, x, sx, y):
+    # rows [c ROWS, (c + 1) ROWS) of _mv_rows, through rows_exact's address (addrs: it and its kq)
+    xc, ya = np.ascontiguousarray(x), y[:, 0 : y.shape[1]]  # the types exact_rows_address compiled for
+    o0, o1 = np.int64(c * _ROWS), np.int64(min(data.shape[0], (c + 1) * _ROWS))
+    call_native(addrs[0], (data, np.int64(kind), xc, sx, ya, o0, o1, addrs[1]))
+
+
+def _mv_rows(addrs, data, kind, x, y, kq):
+    """y = x @ data.T on every thread, in chunks of ROWS output rows (parallel over output rows
+    only, so each y[t, o] has one summation order whatever T and the thread count); addrs:
+    (rows_exact's address, its kq), kq: which sums it takes (exact_sums)."""
+    sx = exact_sums(x, kind, kq)
+    run_parallel((data.shape[0] + _ROWS - 1) // _ROWS, _rows_chunk, (addrs, data, kind, x, sx, y))
+
+
+@njit(**KW)
+def _mv_rows_serial(addrs, data, kind, x, y, kq):
     # the same rows without the thread pool: a parallel launch costs ~50-180 us here
-    rows_exact(data, kind, x, exact_sums(x, kind, kq), y, 0, data.shape[0], kq)
+    xc, ya = np.ascontiguousarray(x), y[:, 0 : y.shape[1]]
+    call_native(addrs[0], (data, np.int64(kind), xc, exact_sums(xc, kind, kq), ya, np.int64(0),
+                           np.int64(data.shape[0]), addrs[1]))  # fmt: skip
 
 
 @njit(parallel=True, **KW)
@@ -282,5 +316,6 @@ def matvec_widened(x, w, out):
     else:  # the block row dots here or kquants'
         small = x.shape[0] * w.data.shape[0] * x.shape[1] < PARALLEL_MIN_MACS
         kq = True if fmt.row_dot == "kquants" else None
-        (_mv_rows_serial if small else _mv_rows)(w.data, fmt.kind, x, out, kq)
+        addrs = (exact_rows_address(w.data), kq_rows_address(w.data) if kq else 0)
+        (_mv_rows_serial if small else _mv_rows)(addrs, w.data, fmt.kind, x, out, kq)
     return out

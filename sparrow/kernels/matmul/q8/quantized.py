@@ -23,7 +23,7 @@ import mmap
 import sys
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from sparrow.kernels.cpu import FEATURES as CPU_FEATURES
 from sparrow.kernels.formats import (
@@ -64,6 +64,7 @@ from sparrow.kernels.matmul.widen import call_slp
 from sparrow.kernels.native_call import address_for, call_native
 from sparrow.kernels.options import KW, PARALLEL_MIN_MACS
 from sparrow.kernels.options import ROWS as _ROWS
+from sparrow.kernels.parallel import run_parallel
 
 # formats.py's X8_KIND: q8_0, q4_0, q4_1, q5_0, q5_1 in q8.groups; q4_k, q5_k, q6_k in q8.kquant_groups
 __all__ = ["AVX2", "CPU_FEATURES", "Q8Weight", "matmul_amx", "matvec_q8", "quantize", "rows_q8"]
@@ -87,13 +88,13 @@ def quantize_rows(x, xq, dx, sx):
             sx[t, b] = dx[t, b] * np.float32(tot)
 
 
-@njit(parallel=True, **KW)
-def _quantize_par(x, xq, dx, sx):
-    """quantize_rows on chunks of 16 rows across the threads (a prefill's x: serial, it was
-    0.36 of a 5.5 s 512-token q8 prefill of the Qwen3-1.7B shape); the same bits a row."""
-    for c in prange((x.shape[0] + 15) // 16):
-        r = slice(16 * c, 16 * c + 16)
-        quantize_rows(x[r], xq[r], dx[r], sx[r])
+@njit(**KW)
+def _quantize_chunk(c, x, xq, dx, sx):
+    # rows [16 c, 16 c + 16) of quantize_padded's x, one launch each (kernels/parallel.py): a
+    # prefill's x quantised serially was 0.36 of a 5.5 s 512-token q8 prefill of the
+    # Qwen3-1.7B shape; the same bits a row
+    r = slice(16 * c, 16 * c + 16)
+    quantize_rows(x[r], xq[r], dx[r], sx[r])
 
 
 @njit(**KW)
@@ -224,19 +225,15 @@ def rows_q8_xs(data, kind, xq, dx, sx, xs, y, o0, o1):
     x8_rows(data, kind, xq, dx, sx, xs, y, o0, o1)
 
 
-@njit(parallel=True, **KW)
-def _mv_q8(addr, data, kind, x, y):
-    # addr: rows_q8_xs's machine code for these types (rows_address), called through it so
-    # that its tiles compile once, not again here nor in the fused step (kernels/native_call.py);
-    # y is taken as a column slice, the layout the fused step's outputs have, so one compile
-    # serves both
-    xq, dx, sx = quantize(x)
-    xs = x_sums(kind, xq)
+@njit(**KW)
+def _q8_chunk(c, addr, data, kind, xq, dx, sx, xs, y):
+    # rows [c ROWS, (c + 1) ROWS) of matvec_q8 through addr, rows_q8_xs's machine code for
+    # these types (rows_address), so that its tiles compile once, not again here nor in the
+    # fused step (kernels/native_call.py); y is taken as a column slice, the layout the fused
+    # step's outputs have, so one compile serves both
     ya = y[:, 0 : y.shape[1]]
-    o_n = data.shape[0]
-    for c in prange((o_n + _ROWS - 1) // _ROWS):
-        o0, o1 = np.int64(c * _ROWS), np.int64(min(o_n, (c + 1) * _ROWS))
-        call_native(addr, (data, np.int64(kind), xq, dx, sx, xs, ya, o0, o1))
+    o0, o1 = np.int64(c * _ROWS), np.int64(min(data.shape[0], (c + 1) * _ROWS))
+    call_native(addr, (data, np.int64(kind), xq, dx, sx, xs, ya, o0, o1))
 
 
 # arrays of the types the q8 kernels give quantize's results and x_sums' (C-contiguous, writable),
@@ -255,7 +252,7 @@ def rows_address(rows) -> int:
 @njit(**KW)
 def _mv_q8_serial(addr, data, kind, x, y):
     xq, dx, sx = quantize(x)
-    xs, ya = x_sums(kind, xq), y[:, 0 : y.shape[1]]  # ya: the layout _mv_q8 passes (rows_address)
+    xs, ya = x_sums(kind, xq), y[:, 0 : y.shape[1]]  # ya: the layout _q8_chunk passes (rows_address)
     call_native(addr, (data, np.int64(kind), xq, dx, sx, xs, ya, np.int64(0), np.int64(data.shape[0])))
 
 
@@ -332,7 +329,7 @@ def quantize_padded(x, rows):
     t_n, k = x.shape
     tp = -(-t_n // rows) * rows
     xq, dx, sx = np.zeros((tp, k), np.int8), np.zeros((tp, k // 32), np.float32), np.zeros((tp, k // 32), np.float32)
-    _quantize_par(x, xq[:t_n], dx[:t_n], sx[:t_n])
+    run_parallel((t_n + 15) // 16, _quantize_chunk, (x, xq[:t_n], dx[:t_n], sx[:t_n]))
     return xq, dx, sx
 
 
@@ -344,5 +341,11 @@ def matmul_amx(x, w, out):
 def matvec_q8(x, w, out):
     """out [T, out] = q8(x) @ W.T for a Q8Weight, on the ymm / zmm group tiles."""
     small = x.shape[0] * w.shape[0] * x.shape[1] < PARALLEL_MIN_MACS
-    call_slp(_mv_q8_serial if small else _mv_q8, rows_address(w.rows), w.rows, w.kind, x, out)
+    if small:
+        call_slp(_mv_q8_serial, rows_address(w.rows), w.rows, w.kind, x, out)
+    else:  # x quantised once, then the rows in chunks on every thread
+        xq, dx, sx = quantize(x)
+        xs = x_sums(w.kind, xq)
+        args = (rows_address(w.rows), w.rows, w.kind, xq, dx, sx, xs, out)
+        run_parallel((w.rows.shape[0] + _ROWS - 1) // _ROWS, _q8_chunk, args, slp=True)
     return out
