@@ -43,6 +43,35 @@ def call_native(typingctx, addr, args):
     return sig, codegen
 
 
+@intrinsic
+def view(typingctx, addr, shape, like):
+    """view(addr, (n0, n1, ...), like): the C-ordered array at the int address addr with this
+    shape, of like's dtype and read-only flag (like: an array used for its type only). It
+    owns nothing: whoever gave the address keeps the memory alive while the view is used.
+    This lets a kernel take many arrays as one table of addresses and sizes instead of
+    numba typed lists, which compile their own code for each item type."""
+    nd = len(shape)
+    aryty = types.Array(like.dtype, nd, "C", readonly=not like.mutable)
+    sig = aryty(addr, shape, like)
+
+    def codegen(context, builder, signature, llargs):
+        from numba.np.arrayobj import make_array, populate_array
+
+        intp = types.intp
+        ary = make_array(aryty)(context, builder)
+        itemsize = context.get_abi_sizeof(context.get_data_type(aryty.dtype))
+        dims = [context.cast(builder, v, t, intp) for v, t in zip(cgutils.unpack_tuple(builder, llargs[1], nd), shape)]
+        strides, step = [], context.get_constant(intp, itemsize)
+        for d in reversed(dims):
+            strides.insert(0, step)
+            step = builder.mul(step, d)
+        data = builder.inttoptr(context.cast(builder, llargs[0], addr, types.int64), ary.data.type)
+        populate_array(ary, data=data, shape=dims, strides=strides, itemsize=itemsize, meminfo=None)
+        return ary._getvalue()
+
+    return sig, codegen
+
+
 def type_key(argtypes) -> int:
     """A stable 63-bit key of a signature (numba types; literals count as their plain types)."""
     text = ",".join(str(types.unliteral(t)) for t in argtypes)

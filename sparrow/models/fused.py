@@ -16,7 +16,6 @@ import time
 
 import numba
 import numpy as np
-from numba.typed import List
 
 from ..errors import SparrowError
 from ..kernels.formats import FORMATS, KIND, KQ_FIRST, X8_FIRST
@@ -42,15 +41,14 @@ CONTENDED = 8
 BACKOFF_STEPS = 64
 
 
-def _typed(arrays) -> List:
-    """The arrays as a numba typed List (its item type the first array's)."""
-    arrays = tuple(arrays)
-    if len({numba.typeof(a) for a in arrays}) == 1:
-        return _ds.typed_list(arrays)  # compiled once per list type, cached on disk
-    out = List()  # mixed layouts or flags: List.append casts each to the first one's type
-    for a in arrays:
-        out.append(a)
-    return out
+def _entry(a, n=2) -> list:
+    """A table entry for a C-contiguous array of at most n dimensions: its address and its
+    dimensions, padded to n with 0 (a piece with no rows: all zero)."""
+    if a.size == 0:
+        return [0] * (n + 1)
+    if not a.flags.c_contiguous or a.ndim > n:
+        raise SparrowError(f"fused decode: an array of shape {a.shape} is not C-contiguous of <= {n} dimensions")
+    return [a.ctypes.data, *a.shape, *[0] * (n - a.ndim)]
 
 
 def _block_weight(w) -> bool:
@@ -174,60 +172,55 @@ class FusedDecode:
         return logits
 
     def weights(self):
-        """(q/k/v rows x 3, o, gate/up rows x 2, down, kinds [L, 7], lm_head rows, its kind or
-        -1), built once: the rows the model's weights were prepared with for its activations
-        mode (stored, or the q8 mode's interleaved groups)."""
+        """(wtab [L, 7, 3], kinds [L, 7], lm_head rows, its kind or -1), built once: the rows the
+        model's weights were prepared with for its activations mode (stored, or the q8 mode's
+        interleaved groups) as a table of (address, rows, bytes a row) for the q/k/v pieces, o,
+        the gate/up pieces and down (decode_step.StepModel); self._rows keeps them alive."""
         got = self._weights
         if got is None:
             layers = self.model.layers
-
-            def typed(ws):
-                return _typed(_rows_kind(w)[0] for w in ws)
-
-            def kinds(ws):
-                return [_rows_kind(w)[1] for w in ws]
-
-            wqkv = tuple(typed(ps[i][0] for ps in self._qkv) for i in range(3))  # [rows, bytes] each
-            wgu = tuple(typed(ps[i][0] for ps in self._gu) for i in range(2))
-            wo, wdown = typed(lay.attn.o for lay in layers), typed(lay.mlp.down for lay in layers)
-            kinds = np.array(
-                [
-                    kinds(w for w, _ in q) + kinds([lay.attn.o]) + kinds(w for w, _ in g) + kinds([lay.mlp.down])
-                    for q, g, lay in zip(self._qkv, self._gu, layers)
-                ],
-                np.int64,
-            )  # [L, 7]: q/k/v pieces, o, gate/up pieces, down
+            pieces = [
+                [w for w, _ in q] + [lay.attn.o] + [w for w, _ in g] + [lay.mlp.down]
+                for q, g, lay in zip(self._qkv, self._gu, layers)
+            ]  # [L][7]
+            self._rows = [[_rows_kind(w) for w in ws] for ws in pieces]
+            kinds = np.array([[k for _, k in rs] for rs in self._rows], np.int64)  # [L, 7]
+            wtab = np.array([[_entry(r) for r, _ in rs] for rs in self._rows], np.int64)  # [L, 7, 3]
             head = self.model.lm_head
             if head.qtype in BLOCK_FORMATS:
                 head_w, head_kind = _rows_kind(head)
             else:
                 head_w, head_kind = _readonly(np.zeros((1, 1), np.uint8)), -1  # the head runs staged
-            rows_t = numba.typeof(_EMPTY)  # the rows' type the row kernels' addresses are for
-            if any(numba.typeof(ws).item_type != rows_t for ws in (*wqkv, wo, *wgu, wdown)) or (
-                numba.typeof(head_w) != rows_t
-            ):
-                raise SparrowError("fused decode: weight rows are not read-only C arrays of bytes")
-            got = self._weights = (*wqkv, wo, *wgu, wdown, kinds, head_w, head_kind)
+            if numba.typeof(head_w) != numba.typeof(_EMPTY):  # the type the row kernels' addresses are for
+                raise SparrowError("fused decode: the head's rows are not a read-only C array of bytes")
+            got = self._weights = (wtab, kinds, head_w, head_kind)
             every = np.append(kinds.ravel(), head_kind)
             self.kquants = bool(((every >= KQ_FIRST) & (every < X8_FIRST)).any())  # K-quant row dots
         return got
 
     # ------------------------------------------------------------------ per cache
     def _arrays(self, cache, probe_key):
-        """The cache's per-layer arrays as typed lists (built once per cache and probe setting)."""
+        """The cache's per-layer arrays as (address, dimensions) tables, with arrays of their
+        types and the arrays themselves, which the memo keeps alive (built once per cache and
+        probe setting; KVCache.resize drops the memo)."""
         memo = cache.__dict__.setdefault("_fused_lists", {})
         got = memo.get(probe_key)
         if got is None:
             layers, states = cache.layers, cache.sparse
-            K, V = _typed(lc.k for lc in layers), _typed(lc.v for lc in layers)
-            KS, VS = _typed(lc.k_scale for lc in layers), _typed(lc.v_scale for lc in layers)
-            IMP = _typed(st.importance.reshape(1, -1) for st in states)  # [1, C]: the type of KS's items
+            kv = [(lc.k, lc.v) for lc in layers]
+            sc = [(lc.k_scale, lc.v_scale, st.importance.reshape(1, -1)) for lc, st in zip(layers, states)]
             if probe_key is None:  # nothing is probed: K stands in for the copy, never read
-                P, PS, per_block = K, KS, 1
+                pr, per_block = [(lc.k, lc.k_scale) for lc in layers], 1
             else:
                 copies = [st._probes[probe_key] for st in states]
-                P, PS, per_block = _typed(p.rows for p in copies), _typed(p.scale for p in copies), copies[0].per_block
-            got = memo[probe_key] = (K, V, KS, VS, IMP, P, PS, per_block)
+                pr, per_block = [(p.rows, p.scale) for p in copies], copies[0].per_block
+            kvtab = np.array([[_entry(a, 3) for a in row] for row in kv], np.int64)  # [L, 2, 4]
+            stab = np.array([[_entry(a) for a in row] for row in sc], np.int64)  # [L, 3, 3]
+            ptab = np.array([[_entry(p, 3), _entry(ps, 3)] for p, ps in pr], np.int64)  # [L, 2, 4]
+            likes = tuple(np.zeros((0,) * nd, a.dtype) for a, nd in ((kv[0][0], 3), (pr[0][0], 3), (sc[0][0], 2)))
+            if {a.dtype for row in kv for a in row} != {likes[0].dtype} or {p.dtype for p, _ in pr} != {likes[1].dtype}:
+                raise SparrowError("fused decode: the cache's layers differ in dtype")
+            got = memo[probe_key] = (kvtab, stab, ptab, *likes, per_block, (kv, sc, pr))
         return got
 
     def _run(self, cache, args) -> None:
@@ -235,12 +228,12 @@ class FusedDecode:
         its arguments but `calls`, which are the exact row dots' addresses (0 in the q8 mode)
         and the attention's address and type key (decode_step.attention_call). The
         addresses and the launcher are memoised in the cache: the argument types are fixed by
-        the cache's arrays, the activations mode, the selection switch, the probe copies and
-        the RoPE tables' layout, which make the key (typing the arguments costs ~0.3 ms,
+        the cache's dtypes, the activations mode, the selection switch, the probe copies' dtype
+        and the RoPE tables' layout, which make the key (typing the arguments costs ~0.3 ms,
         numba's dispatch ~0.17 ms a step)."""
         model_t, cache_t, mode, select = args[5], args[6], args[9], args[10]
         cos, sin = model_t.cos, model_t.sin
-        key = (id(self), mode, select, id(cache_t.P), cos.flags.c_contiguous, sin.flags.c_contiguous)
+        key = (id(self), mode, select, cache_t.p_like.dtype, cos.flags.c_contiguous, sin.flags.c_contiguous)
         memo = cache.__dict__.setdefault("_fused_entries", {})
         got = memo.get(key)
         if got is None:
@@ -271,21 +264,21 @@ class FusedDecode:
             st.rewritten(pos, seq_len)  # what KVCache.append does for the staged path
             if probed:  # the full blocks already in the cache; a block this token completes is read in K
                 _, n_copied[i] = st.copy_for(cache.layers[i], sp, pos)
-        K, V, KS, VS, IMP, P, PS, per_block = self._arrays(cache, sp.copy_key if probed else None)
+        kvtab, stab, ptab, kv_like, p_like, s_like, per_block, _ = self._arrays(cache, sp.copy_key if probed else None)
         cos, sin = model.rope.shifted(seg.rope_delta, seq_len)  # [>= seq_len, D/2]: row p = rope position p + delta
         x = np.array(model.embed.rows(seg.tokens), dtype=np.float32)  # [1, E], a private copy
         logits = np.empty(self.logits_shape, np.float32)  # [1, V]
         q8 = model.activations == "q8"
-        wq0, wq1, wq2, wo, wg0, wg1, wdown, kinds, head_w, head_kind = self.weights()
+        wtab, kinds, head_w, head_kind = self.weights()
         model_t = _ds.StepModel(
-            wq0=wq0, wq1=wq1, wq2=wq2, wo=wo, wg0=wg0, wg1=wg1, wdown=wdown, kinds=kinds, offs=self.offs,
+            wtab=wtab, kinds=kinds, offs=self.offs,
             rows=self.rows, in_norm=self.in_norm, post_norm=self.post_norm, eps=self.eps, bias=self.bias,
             q_norm=self.q_norm, k_norm=self.k_norm, cos=cos, sin=sin, H=self.H, KV=self.KV, D=self.D, F=self.F,
             scale=self.scale, head_norm=self.head_norm, head_w=head_w, head_kind=head_kind,
         )  # fmt: skip
         cache_t = _ds.StepCache(
-            K=K, V=V, KS=KS, VS=VS, IMP=IMP, P=P, PS=PS, n_copied=n_copied, per_block=per_block,
-            kv_kind=_KV_KIND[cache.dtype],
+            kvtab=kvtab, stab=stab, ptab=ptab, kv_like=kv_like, p_like=p_like, s_like=s_like, n_copied=n_copied,
+            per_block=per_block, kv_kind=_KV_KIND[cache.dtype],
         )  # fmt: skip
         if sp is not None:  # plain ints: the kernel's types must not depend on how sp was built
             attn_t = _ds.StepAttention(

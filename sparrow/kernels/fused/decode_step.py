@@ -24,7 +24,6 @@ from typing import NamedTuple
 
 import numpy as np
 from numba import njit, typeof, types
-from numba.typed import List
 
 from sparrow.kernels.attention.decode import _attend_group, _group, importance_per_block
 from sparrow.kernels.attention.select import reserve_importance_nb
@@ -38,22 +37,12 @@ from sparrow.kernels.matmul.q8.quantized import x_sums as _q8_x_sums
 from sparrow.kernels.matmul.widen import exact_rows_address as _exact_rows_address
 from sparrow.kernels.matmul.widen import exact_sums
 from sparrow.kernels.matmul.widen import kq_rows_address as _kq_rows_address
-from sparrow.kernels.native_call import address_checked, call_checked, call_native
+from sparrow.kernels.native_call import address_checked, call_checked, call_native, view
 from sparrow.kernels.options import KW
 
 KV_F32, KV_F16, KV_INT8 = 0, 1, 2  # storage kinds of the KV cache arrays
-
-
-@njit(**KW)
-def typed_list(arrays):
-    """A numba typed List of a tuple of same-typed arrays (the fused step's per-layer
-    weights and caches). Built here, compiled and cached once per list type: numba compiles
-    typed.List's own append on first use in every process (~0.2 s a list type, 1.5 s of a
-    warm start)."""
-    out = List()
-    for a in arrays:
-        out.append(a)
-    return out
+_ROWS_LIKE = np.zeros((0, 0), np.uint8)  # the weight rows' type (read-only bytes), for view()
+_ROWS_LIKE.flags.writeable = False
 
 
 @njit(**KW)
@@ -126,14 +115,9 @@ def _store_kv(X, XS, kv_kind, kh, pos, row, one, codes, sc):
 class StepModel(NamedTuple):
     """The model's side of a fused step (built once per activations mode by models/fused.py)."""
 
-    wq0: object  # typed List [L] of weight rows: q/k/v as one piece, or q (then wq1: k, wq2: v)
-    wq1: object
-    wq2: object
-    wo: object
-    wg0: object  # gate/up as one piece, or gate (then wg1: up)
-    wg1: object
-    wdown: object
-    kinds: np.ndarray  # [L, 7] formats.KIND (or X8_KIND in the q8 mode) of wq0 wq1 wq2 wo wg0 wg1 wdown
+    wtab: np.ndarray  # [L, 7, 3] (address, rows, bytes a row) of each layer's weight rows (rows):
+    # q/k/v as one piece (then two empty pieces) or q, k, v; o; gate/up as one piece or gate, up; down
+    kinds: np.ndarray  # [L, 7] formats.KIND (or X8_KIND in the q8 mode) of those pieces
     offs: np.ndarray  # [L, 5] output offsets of the q/k/v and gate/up pieces
     rows: np.ndarray  # [L, 5] their output rows (0: no piece)
     in_norm: np.ndarray  # [L, E]
@@ -155,15 +139,16 @@ class StepModel(NamedTuple):
 
 
 class StepCache(NamedTuple):
-    """One sequence's KV cache as the step reads and appends it (typed Lists [L] of arrays)."""
+    """One sequence's KV cache as the step reads and appends it: per layer, the (address,
+    dimensions) of its arrays, which view() turns into arrays of the *_like arrays' types."""
 
-    K: object
-    V: object
-    KS: object  # int8 scales (unused for f32 / f16)
-    VS: object
-    IMP: object  # prefill importance per position, [1, C] each (the scales' list type: one list type fewer)
-    P: object  # probe copies (K when nothing is probed)
-    PS: object
+    kvtab: np.ndarray  # [L, 2, 4]: K, V [KVH, C, D]
+    stab: np.ndarray  # [L, 3, 3]: the int8 scales KS, VS [KVH, C | 1] (unused for f32 / f16), and
+    # the prefill importance per position [1, C]
+    ptab: np.ndarray  # [L, 2, 4]: probe copies P [KVH, n, D | 2D] (K when nothing is probed), their scales PS
+    kv_like: np.ndarray  # [0, 0, 0] of K's and V's dtype
+    p_like: np.ndarray  # [0, 0, 0] of P's dtype
+    s_like: np.ndarray  # [0, 0] float32
     n_copied: np.ndarray  # [L] blocks of P already copied
     per_block: int
     kv_kind: int  # KV_F32, KV_F16, KV_INT8
@@ -196,6 +181,24 @@ class StepScratch(NamedTuple):
 
 
 @njit(**KW)
+def _at3(tab, i, j, like):
+    """The 3-d array tab[i, j] describes (address, dimensions), of like's type (native_call.view)."""
+    return view(tab[i, j, 0], (tab[i, j, 1], tab[i, j, 2], tab[i, j, 3]), like)
+
+
+@njit(**KW)
+def _at2(tab, i, j, like):
+    """The 2-d array tab[i, j] describes."""
+    return view(tab[i, j, 0], (tab[i, j, 1], tab[i, j, 2]), like)
+
+
+@njit(**KW)
+def _w(wtab, i, j):
+    """Piece j of layer i's weight rows (StepModel.wtab), read-only bytes."""
+    return view(wtab[i, j, 0], (wtab[i, j, 1], wtab[i, j, 2]), _ROWS_LIKE)
+
+
+@njit(**KW)
 def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, calls):
     """Worker tid of nt: decodes the token at position pos, x [1, E] being its embedding (the
     residual stream, updated in place). model, cache, attn and scratch are the records above
@@ -208,7 +211,7 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, calls
     through them, the row dots and the attention compile once on their own, not again into
     this function (kernels/native_call.py). sync[4] is set where the key does not match."""
     # by name, so the records' field order is nobody's concern
-    wq0, wq1, wq2, wo, wg0, wg1, wdown = model.wq0, model.wq1, model.wq2, model.wo, model.wg0, model.wg1, model.wdown
+    wtab = model.wtab
     kinds, offs, rows, bias, q_norm, k_norm = (
         model.kinds,
         model.offs,
@@ -220,7 +223,8 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, calls
     in_norm, post_norm, eps, cos, sin = model.in_norm, model.post_norm, model.eps, model.cos, model.sin
     H, KV, D, F, scale = model.H, model.KV, model.D, model.F, model.scale
     head_norm, head_w, head_kind = model.head_norm, model.head_w, model.head_kind
-    K, V, KS, VS, IMP, P, PS = cache.K, cache.V, cache.KS, cache.VS, cache.IMP, cache.P, cache.PS
+    kvtab, stab, ptab = cache.kvtab, cache.stab, cache.ptab
+    kv_like, p_like, s_like = cache.kv_like, cache.p_like, cache.s_like
     n_copied, per_block, kv_kind = cache.n_copied, cache.per_block, cache.kv_kind
     sparse_on, k_blocks, bs, n_probe = attn.sparse_on, attn.k_blocks, attn.block, attn.n_probe
     flags, dense, lut = attn.flags, attn.dense, attn.lut
@@ -249,11 +253,11 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, calls
     k0, k1 = _share(KV, tid, nt)  # and KV heads
     has_bias = bias.shape[1] > 0
     has_norm = q_norm.shape[1] > 0
-    for layer in range(len(wo)):
+    for layer in range(wtab.shape[0]):
         _rms_rows(x, in_norm[layer], eps, h)
-        _matvec_at(wq0[layer], kinds[layer, 0], h, qkv, offs[layer, 0], rows[layer, 0], tid, nt, q8, exact)
-        _matvec_at(wq1[layer], kinds[layer, 1], h, qkv, offs[layer, 1], rows[layer, 1], tid, nt, q8, exact)
-        _matvec_at(wq2[layer], kinds[layer, 2], h, qkv, offs[layer, 2], rows[layer, 2], tid, nt, q8, exact)
+        _matvec_at(_w(wtab, layer, 0), kinds[layer, 0], h, qkv, offs[layer, 0], rows[layer, 0], tid, nt, q8, exact)
+        _matvec_at(_w(wtab, layer, 1), kinds[layer, 1], h, qkv, offs[layer, 1], rows[layer, 1], tid, nt, q8, exact)
+        _matvec_at(_w(wtab, layer, 2), kinds[layer, 2], h, qkv, offs[layer, 2], rows[layer, 2], tid, nt, q8, exact)
         barrier(sync, nt)
         # q heads: bias, q norm, RoPE, then the form the attention kernel takes
         for hh in range(h0, h1):
@@ -286,25 +290,30 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, calls
                 for d in range(D):
                     src[0, 0, d] = normed[0, d]
             _rope(src, cos, sin, positions, rot)
-            _store_kv(K[layer], KS[layer], kv_kind, kh, pos, rot[0, 0], one, codes, sc)
+            _store_kv(_at3(kvtab, layer, 0, kv_like), _at2(stab, layer, 0, s_like), kv_kind, kh, pos, rot[0, 0], one,
+                      codes, sc)  # fmt: skip
             for d in range(D):
                 v = qkv[0, KO + kh * D + d]
                 one[0, d] = v + bias[layer, KO + kh * D + d] if has_bias else v
-            _store_kv(V[layer], VS[layer], kv_kind, kh, pos, one[0].copy(), one, codes, sc)
+            _store_kv(_at3(kvtab, layer, 1, kv_like), _at2(stab, layer, 1, s_like), kv_kind, kh, pos, one[0].copy(),
+                      one, codes, sc)  # fmt: skip
         barrier(sync, nt)
         # attention of this worker's query heads, in runs that share a KV head (v2: the first
         # `dense` layers exact)
         sparse = sparse_on and layer >= dense
         if select is not None and sparse and not flags:
-            reserved = reserve_importance_nb(importance_per_block(IMP[layer][0], seq_len, bs), k_blocks, nb)
+            imp = _at2(stab, layer, 2, s_like)[0]
+            reserved = reserve_importance_nb(importance_per_block(imp, seq_len, bs), k_blocks, nb)
         else:
             reserved = np.full(nb, -1, dtype=np.int8)
         nc = min(n_copied[layer], seq_len // bs)
+        Kl, Vl = _at3(kvtab, layer, 0, kv_like), _at3(kvtab, layer, 1, kv_like)
+        KSl, VSl = _at2(stab, layer, 0, s_like), _at2(stab, layer, 1, s_like)
+        Pl, PSl = _at3(ptab, layer, 0, p_like), _at2(ptab, layer, 1, s_like)
         hh = h0
         while hh < h1:
             kh = hh // G
             n = min(h1, (kh + 1) * G) - hh
-            Kl, Vl, KSl, VSl, Pl, PSl = K[layer], V[layer], KS[layer], VS[layer], P[layer], PS[layer]
             int8 = kv_kind == KV_INT8
             if select is not None:  # block selection, then attention (attention.decode._group)
                 called = call_checked(calls[2], calls[3], (qd, qa, qs, Kl[kh], Vl[kh], KSl[kh], VSl[kh], int8, hh,
@@ -320,18 +329,18 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, calls
                 sync[4] = 1  # the caller raises
             hh += n
         barrier(sync, nt)
-        _matvec_at(wo[layer], kinds[layer, 3], att_flat, y, np.int64(0), E, tid, nt, q8, exact)
-        a, b = _own_rows(wo[layer], kinds[layer, 3], E, tid, nt)
+        _matvec_at(_w(wtab, layer, 3), kinds[layer, 3], att_flat, y, np.int64(0), E, tid, nt, q8, exact)
+        a, b = _own_rows(_w(wtab, layer, 3), kinds[layer, 3], E, tid, nt)
         for o in range(a, b):
             x[0, o] = x[0, o] + y[0, o]
         barrier(sync, nt)
         _rms_rows(x, post_norm[layer], eps, h)
-        _matvec_at(wg0[layer], kinds[layer, 4], h, gu, offs[layer, 3], rows[layer, 3], tid, nt, q8, exact)
-        _matvec_at(wg1[layer], kinds[layer, 5], h, gu, offs[layer, 4], rows[layer, 4], tid, nt, q8, exact)
+        _matvec_at(_w(wtab, layer, 4), kinds[layer, 4], h, gu, offs[layer, 3], rows[layer, 3], tid, nt, q8, exact)
+        _matvec_at(_w(wtab, layer, 5), kinds[layer, 5], h, gu, offs[layer, 4], rows[layer, 4], tid, nt, q8, exact)
         barrier(sync, nt)
         _silu_mul(gu, F, act)
-        _matvec_at(wdown[layer], kinds[layer, 6], act, y, np.int64(0), E, tid, nt, q8, exact)
-        a, b = _own_rows(wdown[layer], kinds[layer, 6], E, tid, nt)
+        _matvec_at(_w(wtab, layer, 6), kinds[layer, 6], act, y, np.int64(0), E, tid, nt, q8, exact)
+        a, b = _own_rows(_w(wtab, layer, 6), kinds[layer, 6], E, tid, nt)
         for o in range(a, b):
             x[0, o] = x[0, o] + y[0, o]
         barrier(sync, nt)
@@ -372,14 +381,14 @@ def attention_call(args) -> tuple[int, int]:
     cache, attn, scratch = rec["cache"], rec["attn"], rec["scratch"]
     i64, f32, b = types.int64, types.float32, types.boolean
 
-    def head(lst):  # lst[layer][kh]: an integer index on the left keeps C order, else "A"
-        a = lst.item_type
-        return a.copy(ndim=a.ndim - 1, layout="C" if a.layout == "C" else "A")
+    def head(like):  # view(..., like)[kh]: a C array of like's dtype, one dimension fewer
+        return types.Array(like.dtype, like.ndim - 1, "C", readonly=not like.mutable)
 
     def arr(dtype, nd):
         return types.Array(dtype, nd, "C")
 
-    kv = (head(cache["K"]), head(cache["V"]), head(cache["KS"]), head(cache["VS"]), b, i64, i64, i64)
+    K, S, P = head(cache["kv_like"]), head(cache["s_like"]), head(cache["p_like"])
+    kv = (K, K, S, S, b, i64, i64, i64)
     scale, select = typeof(args[5].scale), typeof(args[10])
     if args[10] is None:
         sig = (scratch["qa"], scratch["qs"], *kv, scale, attn["block"], arr(b, 2), arr(i64, 1), scratch["att"], b,
@@ -387,7 +396,7 @@ def attention_call(args) -> tuple[int, int]:
         return address_checked(_attend_group, sig)
     sig = (
         scratch["qd"], scratch["qa"], scratch["qs"], *kv, scale, b, arr(types.int8, 1), attn["k_blocks"],
-        attn["block"], attn["n_probe"], head(cache["P"]), head(cache["PS"]), cache["per_block"], i64, scratch["att"],
+        attn["block"], attn["n_probe"], P, S, cache["per_block"], i64, scratch["att"],
         arr(i64, 2), arr(types.int8, 2), arr(i64, 1), b, arr(f32, 2), attn["flags"], attn["lut"], select,
     )  # fmt: skip
     return address_checked(_group, sig)
