@@ -11,7 +11,7 @@ addresses are found at run time, so the kernels that take them stay cacheable on
 The caller must pass exactly the argument types the address was compiled for. Where those are
 the caller's own argument types (kernels/parallel.py) or fixed ones (C-contiguous x from
 np.ascontiguousarray, a column slice y[:, a:b]), call_native; where they are derived outside
-numba (views of typed-list items), call_checked, which compares a key of the types its call site
+numba (the fused step's views of its tables' arrays), call_checked, which compares a key of the types its call site
 compiled with against the key given with the address and calls only if they match.
 """
 

@@ -353,23 +353,15 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, calls
 def q8_rows_address() -> int:
     """What the q8 step passes as q8: the address of q8.quantized.rows_q8_xs for the types
     _matvec calls it with (read-only C rows, an output row slice, whose layout is "A")."""
-    rows = np.zeros((1, 1), np.uint8)
-    rows.flags.writeable = False
-    return _q8_rows_address(rows)
+    return _q8_rows_address(_ROWS_LIKE)
 
 
+@functools.cache
 def exact_rows_address(kquants: bool) -> tuple[int, int]:
     """What the step's _matvec takes as exact: the addresses of widen.rows_exact and of its
     K-quant row loop (0 where the model has no K-quant rows: kquants False), for read-only C
     rows (the weights the step reads, models/fused.py) and the types _matvec passes."""
-    return _exact_rows_addresses(bool(kquants))
-
-
-@functools.cache
-def _exact_rows_addresses(kquants: bool) -> tuple[int, int]:
-    rows = np.zeros((1, 1), np.uint8)
-    rows.flags.writeable = False
-    return _exact_rows_address(rows), (_kq_rows_address(rows) if kquants else 0)
+    return _exact_rows_address(_ROWS_LIKE), (_kq_rows_address(_ROWS_LIKE) if kquants else 0)
 
 
 def attention_call(args) -> tuple[int, int]:
