@@ -64,8 +64,8 @@ if not os.environ.get("NUMBA_CACHE_DIR"):
 
 # The estimate is measured: 37 s of CPU for a cold `sparrow generate` on 2 Zen 4 cores (DEVELOPMENT.md).
 COMPILE_NOTICE = "sparrow: compiling kernels for this CPU (first run only: about 30 s on 2 cores)."
-# A model in the q8 mode compiles its integer tiles as well: 42.5 s of CPU for a cold
-# `sparrow generate` of the Qwen3-0.6B Q4_0 shape on the same cores (README).
+# A model in the q8 mode compiles its integer tiles as well (the measured cold starts behind both
+# estimates: DEVELOPMENT.md).
 COMPILE_NOTICE_Q8 = (
     "sparrow: compiling kernels for this CPU (first run only: about 45 s on 2 cores for the q8 activations mode)."
 )
