@@ -241,6 +241,63 @@ class LLM:
             if key is not None:
                 self.prefix.insert(key, seq.slot.prompt, seq.slot.cache, seq.slot.snapshots)
 
+    # ------------------------------------------------------------------ prompt cache files
+    def save_prefix(
+        self, prompt, path: str, *, kv_dtype: str | None = None, sparse: SparseParams | None = None, **prompt_options
+    ) -> int:
+        """Prefills prompt (token ids, text or chat messages, as stream() takes them; reusing
+        whatever the prefix cache holds) and writes its KV to `path` (the disk cache's format,
+        engine/disk_cache.py) for load_prefix, in this process or another. Only whole prefill
+        chunks are kept, as in the prefix cache: those are what a later prompt reuses with the
+        same bits. Returns how many positions the file holds."""
+        from .engine.disk_cache import identity_for, write_entry
+
+        kv = check_kv_dtype(kv_dtype or self.kv_dtype)
+        ids = prompt if _is_token_ids(prompt) else self.prompt_ids(prompt, **prompt_options)
+        ids = np.asarray(ids, np.int64)
+        key = prefix_key(kv, sparse)
+        chunk = self.runner.prefill_chunk
+        if len(ids) < chunk:
+            raise SparrowError(
+                f"save_prefix: the prompt has {len(ids)} tokens; a saved prefix holds whole {chunk}-token chunks"
+            )
+        for _ in self.stream(ids, max_tokens=1, temperature=0.0, kv_dtype=kv, sparse=sparse):
+            pass
+        hit = self.prefix.lookup(key, np.append(ids, -1))  # -1: never a token, so all of ids may match
+        try:
+            if hit.tokens < len(ids) - len(ids) % chunk:
+                raise SparrowError("save_prefix: the prompt's KV did not stay in memory (see llm.prefix)")
+            e, n = hit.entry, hit.tokens
+            meta = dict(identity_for(self.checkpoint, self.model, chunk), key=key, kv_dtype=kv)
+            meta = {k: str(v) for k, v in meta.items()}
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder):
+                raise SparrowError(f"save_prefix: no folder {folder}")
+            write_entry(path, meta, e.tokens[:n], e.cache, e.snapshots)
+        finally:
+            self.prefix.unpin(hit, False)
+        return n
+
+    def load_prefix(self, path: str) -> int:
+        """Loads a file that save_prefix (or a --prompt-cache folder) wrote into the prefix
+        cache, so the next prompt starting with its tokens skips their prefill. Returns how many
+        positions it holds; SparrowError names why a file cannot be used (another model, KV
+        dtype, sparrow version, or damage)."""
+        from .engine.disk_cache import EntryError, identity_for, read_chunks, read_header
+
+        expect = {k: str(v) for k, v in identity_for(self.checkpoint, self.model, self.runner.prefill_chunk).items()}
+        try:
+            f = read_header(path, expect)
+            kv = f.header["__metadata__"]["kv_dtype"]
+            cache = self.model.new_cache(len(f.tokens), kv)
+            snapshots = read_chunks(path, f, len(f.tokens), cache)
+        except EntryError as e:
+            raise SparrowError(f"{path}: {e}") from None
+        if not self.prefix.pool.charge_new(cache):
+            raise SparrowError(f"{path}: its KV does not fit in the prefix cache's budget")
+        self.prefix.add(f.key, f.tokens, cache, snapshots)
+        return len(f.tokens)
+
     @property
     def tool_format(self) -> ToolFormat:
         """How this model writes tool calls (hermes or llama3_json), read from its chat template."""
@@ -307,6 +364,8 @@ def load(
     progress: bool = False,
     activations: str | None = None,
     mmproj: str | None = None,
+    prompt_cache: str | None = None,
+    prompt_cache_size: int | str | None = None,
 ) -> LLM:
     """Loads a HF folder, a .gguf file, or (path None) the default SmolLM2-135M-Instruct GGUF.
 
@@ -314,7 +373,10 @@ def load(
     quantise activations to 8 bits as llama.cpp does (not exact; README, "Activations"). None
     (the default) takes the rule of models/activations.py: exact, unless exact decode of this
     model's weights would trail llama.cpp's by more than 10%; llm.activations_why says why.
-    mmproj: llama.cpp's Qwen3-VL vision projector GGUF, with a qwen3vl text GGUF as path."""
+    mmproj: llama.cpp's Qwen3-VL vision projector GGUF, with a qwen3vl text GGUF as path.
+    prompt_cache: a folder where prompts' KV is kept across processes (engine/disk_cache.py):
+    stream() reuses what an earlier run left there, bit-identically; prompt_cache_size bounds it
+    (bytes, or a size such as "20G"; default 20 GiB), least recently used first out."""
     from .models import build_model
     from .models.activations import default_activations
 
@@ -341,4 +403,19 @@ def load(
     model = build_model(ckpt, quantize=quantize, progress=progress, activations=activations)
     llm = LLM(ckpt, model, kv_dtype, threads, ctx or ckpt.config.max_position_embeddings, time.perf_counter() - t0)
     llm.activations_why = why
+    if prompt_cache is not None:
+        llm.prefix.disk = open_disk_cache(llm, prompt_cache, prompt_cache_size)
     return llm
+
+
+def open_disk_cache(llm: LLM, folder: str, size: int | str | None = None, chunk: int | None = None):
+    """The disk prefix cache in `folder` for llm's model (engine/disk_cache.py), for a runner
+    whose prefill chunk is `chunk` (default llm.runner's)."""
+    from .engine.disk_cache import DEFAULT_SIZE, DiskCache, identity_for
+    from .engine.kv_budget import parse_size
+
+    max_bytes = (
+        DEFAULT_SIZE if size is None else parse_size(size, "prompt_cache_size") if isinstance(size, str) else int(size)
+    )
+    identity = identity_for(llm.checkpoint, llm.model, chunk or llm.runner.prefill_chunk)
+    return DiskCache(folder, max_bytes, identity, llm.runner.model.new_cache)

@@ -316,7 +316,7 @@ def cmd_bench(a) -> None:
 
     if not {"-h", "--help"} & set(a.bench_args):
         _compile_notice()
-    mod = importlib.import_module(f".bench.{a.bench}", __package__)
+    mod = importlib.import_module(f".bench.{a.bench.replace('-', '_')}", __package__)
     mod.main(a.bench_args)
 
 
@@ -388,6 +388,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-timeout", type=float, default=30.0, metavar="S", help="SIGTERM: grace for in-flight work")
     s.add_argument("--no-prefix-cache", action="store_true", help="never reuse KV between requests")
     s.add_argument(
+        "--prompt-cache",
+        default=None,
+        metavar="DIR",
+        help="also keep prompts' KV in DIR, reused after a restart and by other servers sharing DIR",
+    )
+    s.add_argument(
+        "--prompt-cache-size", default=None, metavar="SIZE", help="most bytes DIR holds, LRU out (default 20G)"
+    )
+    s.add_argument(
         "--allowed-local-media-path", default=None, metavar="DIR", help="serve file:// image URLs from under DIR"
     )
     s.add_argument("--max-images-per-request", type=_positive_int, default=None, help="most images in one request")
@@ -408,8 +417,10 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(k)
     k.set_defaults(func=cmd_compile)
 
-    b = sub.add_parser("bench", help="benchmarks: attention, speed, needle, fidelity, serve, activations")
-    b.add_argument("bench", choices=["attention", "speed", "needle", "fidelity", "serve", "activations"])
+    b = sub.add_parser("bench", help="benchmarks: attention, speed, needle, fidelity, serve, activations, prompt-cache")
+    b.add_argument(
+        "bench", choices=["attention", "speed", "needle", "fidelity", "serve", "activations", "prompt-cache"]
+    )
     b.add_argument(
         "bench_args", nargs=argparse.REMAINDER, help="options of that benchmark (see sparrow bench NAME --help)"
     )

@@ -79,12 +79,13 @@ class Engine:
         max_queue: int | None = None,
         prefix_cache: bool = True,
         timeout: float | None = None,
+        disk_cache=None,
     ):
         self.llm = llm
         self.runner = runner or llm.runner
         self.scheduler = Scheduler(max_batch)
         self.metrics = metrics
-        self.kv = KVManager(llm, self.runner, self.scheduler, kv_budget, prefix_cache)
+        self.kv = KVManager(llm, self.runner, self.scheduler, kv_budget, prefix_cache, disk_cache)
         self.pool, self.prefix = self.kv.pool, self.kv.prefix
         self.max_queue = max_queue
         self.timeout = timeout  # seconds per request unless it says otherwise
@@ -237,6 +238,7 @@ class Engine:
                 cached_tokens=st.cached_tokens,
                 prefix_evictions=st.evictions,
                 preemptions=self.preemptions,
+                **(self.prefix.disk.metrics() if self.prefix.disk is not None else {}),
             )
 
     def _expire(self) -> None:

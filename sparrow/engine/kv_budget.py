@@ -33,14 +33,14 @@ DEFAULT_FRACTION = 0.5  # of MemAvailable when the server starts (docs/serving.m
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
-def parse_size(text) -> int:
+def parse_size(text, what: str = "KV budget") -> int:
     """'512M', '4G', '1.5G', '300000' (bytes; K/M/G/T are powers of 1024) -> bytes."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
     if not m:
-        raise SparrowError(f"KV budget must be a size such as 512M or 4G, got {text!r}")
+        raise SparrowError(f"{what} must be a size such as 512M or 4G, got {text!r}")
     n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
     if n < 1:
-        raise SparrowError(f"KV budget must be positive, got {text!r}")
+        raise SparrowError(f"{what} must be positive, got {text!r}")
     return n
 
 

@@ -25,10 +25,14 @@ log = logging.getLogger("sparrow.engine")
 class KVManager:
     """Works on the engine's Request objects (engine.py) and its scheduler's queues."""
 
-    def __init__(self, llm, runner, scheduler, kv_budget: int | None = None, prefix_cache: bool = True):
+    def __init__(
+        self, llm, runner, scheduler, kv_budget: int | None = None, prefix_cache: bool = True, disk_cache=None
+    ):
         self.llm, self.runner, self.scheduler = llm, runner, scheduler
         self.pool = KVPool(kv_budget or default_budget())
-        self.prefix = PrefixCache(self.pool, runner.prefill_chunk, prefix_cache)
+        if disk_cache is not None and not prefix_cache:
+            raise SparrowError("--prompt-cache keeps the prefix cache's entries: it cannot go with --no-prefix-cache")
+        self.prefix = PrefixCache(self.pool, runner.prefill_chunk, prefix_cache, disk=disk_cache)
         self.pool.evictor = self.prefix.evict_one
         self.preemptions = 0
         self._templates: dict = {}  # kv dtype -> a 1-position cache that prices capacities

@@ -20,6 +20,12 @@ copying the whole cache into new memory (2.1-2.5 s for 4K positions of a Qwen3-1
 f32 KV on an AMD EPYC Zen 4 under KVM), which stalled each long request's end and, in the
 server, every other stream with it; a short prompt with a large max_tokens is still shrunk,
 where the copy is small and the memory saved large.
+
+With a disk cache (disk_cache.py) every entry is also written to disk when it is made, and a
+lookup that finds a longer prefix on disk than in memory loads it as a new entry first: after
+a restart, in another process, or once memory evicted it. Positions an entry covers are never
+rewritten (a request that takes an entry over only appends past it), which lets the disk
+writer read them on its own thread.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ KEEP_SLACK = 4  # an entry keeps its request's storage while at most 1/4 of its 
 
 @dataclass(eq=False)
 class Entry:
-    key: tuple
+    key: str  # prefix_key
     tokens: np.ndarray  # [B] int64: the prefix whose K/V `cache` holds (B = its last boundary)
     cache: object  # KVCache, length B
     snapshots: dict  # boundary b -> [L, b] float32 prefill importance when the prefill stood at b
@@ -55,6 +61,7 @@ class PrefixStats:
     cached_tokens: int = 0
     evictions: int = 0
     entries: int = 0
+    disk_hits: int = 0  # entries loaded from the disk cache
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -63,18 +70,20 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return n if eq.all() else int(np.argmin(eq))
 
 
-def prefix_key(kv_dtype: str, sparse, salt=None, has_images: bool = False):
+def prefix_key(kv_dtype: str, sparse, salt=None, has_images: bool = False) -> str | None:
     """What besides the tokens must match for KV to be shared, or None (never share): the KV
     dtype, the sparse prefill settings (decode-only settings leave prefill's K/V alone), and the
-    salt naming non-token inputs. Images without a salt are never matched on token ids alone."""
+    salt naming non-token inputs. Images without a salt are never matched on token ids alone.
+    A string (the repr of those), so that the disk cache stores it as it is."""
     if has_images and salt is None:
         return None
-    return (kv_dtype, sparse if sparse is not None and sparse.prefill else None, salt)
+    return repr((kv_dtype, sparse if sparse is not None and sparse.prefill else None, salt))
 
 
 class PrefixCache:
-    def __init__(self, pool, chunk: int, enabled: bool = True, max_entries: int | None = None):
+    def __init__(self, pool, chunk: int, enabled: bool = True, max_entries: int | None = None, disk=None):
         self.pool = pool
+        self.disk = disk  # disk_cache.DiskCache, or None
         self.chunk = chunk
         self.enabled = enabled
         self.max_entries = max_entries  # None: as many as the budget holds
@@ -89,24 +98,61 @@ class PrefixCache:
     def nbytes(self) -> int:
         return sum(getattr(e.cache, "charged", 0) for e in self._entries.values())
 
-    def lookup(self, key: tuple, prompt: np.ndarray) -> Hit:
+    def lookup(self, key: str, prompt: np.ndarray) -> Hit:
         """The entry sharing the longest reusable prefix with prompt, pinned (call unpin after
         copying). At least one prompt token is always left to run: its logits start decoding."""
         if not self.enabled:
             return Hit()
+        if self.disk is not None:
+            self._load_from_disk(key, prompt)
         with self._lock:
-            best = Hit()
-            for e in self._entries.values():
-                if e.key != key:
-                    continue
-                n = min(common_prefix(e.tokens, prompt), len(prompt) - 1)
-                n = max((b for b in e.snapshots if b <= n), default=0)
-                if n > best.tokens:
-                    best = Hit(e, n)
+            best = self._longest(key, prompt)
             if best.entry is not None:
                 best.entry.pins += 1
                 self._entries.move_to_end(id(best.entry))
             return best
+
+    def _longest(self, key, prompt) -> Hit:
+        best = Hit()
+        for e in self._entries.values():
+            if e.key != key:
+                continue
+            n = min(common_prefix(e.tokens, prompt), len(prompt) - 1)
+            n = max((b for b in e.snapshots if b <= n), default=0)
+            if n > best.tokens:
+                best = Hit(e, n)
+        return best
+
+    def _load_from_disk(self, key, prompt) -> None:
+        """Adds the disk's entry for prompt when it reaches further than memory's."""
+        with self._lock:
+            have = self._longest(key, prompt).tokens
+        f, n = self.disk.best(key, prompt, self.chunk, have)
+        if f is not None and self._load_file(f, n):
+            self.stats.disk_hits += 1
+
+    def _load_file(self, f, n: int) -> bool:
+        """Adds positions 0..n-1 of disk file f (disk_cache.FileEntry) as an entry; False
+        (logged by the disk cache) when the budget or the file does not allow it."""
+        cache = self.disk.new_cache(n, f.header["__metadata__"]["kv_dtype"])
+        if not self.pool.charge_new(cache):
+            return False
+        snapshots = self.disk.load(f, n, cache)
+        if snapshots is None:
+            self.pool.release(cache)
+            return False
+        self.add(f.key, f.tokens[:n], cache, snapshots)
+        return True
+
+    def add(self, key: str, tokens: np.ndarray, cache, snapshots: dict) -> None:
+        """Adds a loaded entry (cache charged to the pool, length len(tokens), a chunk multiple)
+        as the most recently used."""
+        entry = Entry(key, np.asarray(tokens, np.int64).copy(), cache, snapshots)
+        with self._lock:
+            self._entries[id(entry)] = entry
+            self.stats.entries = len(self._entries)
+        while self.max_entries is not None and len(self._entries) > self.max_entries and self.evict_one():
+            pass
 
     def seed(self, key, slot) -> int:
         """Copies the longest reusable prefix of slot's prompt into its (empty, allocated) cache;
@@ -149,7 +195,7 @@ class PrefixCache:
                 self.stats.hits += 1
                 self.stats.cached_tokens += hit.tokens
 
-    def insert(self, key: tuple, prompt: np.ndarray, cache, snapshots: dict) -> None:
+    def insert(self, key: str, prompt: np.ndarray, cache, snapshots: dict) -> None:
         """Takes over a finished request's cache: keeps its longest snapshotted prefix (shrinking
         the cache to it) unless another entry already covers it; otherwise refunds it."""
         b = max((b for b in snapshots if b <= cache.length), default=0)
@@ -169,6 +215,8 @@ class PrefixCache:
                 if n == len(e.tokens) and e.pins == 0:  # the new entry covers this one
                     self._drop(e)
         cache.truncate(b)
+        if self.disk is not None:
+            self.disk.save(key, tokens, cache, snapshots)
         # Shrinking the storage to b positions copies the whole cache (KVCache.resize), on the
         # thread that serves every stream; keep it when what that would free is small beside it.
         capacity = cache.capacity if cache.capacity - b <= b // KEEP_SLACK else b

@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
+from ..engine.disk_cache import prepare_folder
 from ..engine.engine import Engine, EngineBusy
 from ..engine.kv_budget import format_size, parse_size
 from ..engine.sequence import check_context
@@ -48,6 +49,8 @@ from .protocol import (
 )
 from .schema import (
     ERRORS,
+    CacheCleared,
+    CacheSaved,
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
@@ -61,7 +64,17 @@ from .schema import (
 )
 from .streaming import Accumulator, SSEResponse, collect, stream
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize")
+ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/v1/cache/save",
+    "/v1/cache",
+    "/health",
+    "/metrics",
+    "/tokenize",
+    "/detokenize",
+)
 
 
 class ServerState:
@@ -71,11 +84,21 @@ class ServerState:
         max_batch: int = 16,
         allowed_local_media_path: str | None = None,
         max_images_per_request: int | None = None,
+        prompt_cache: str | None = None,
+        prompt_cache_size: int | None = None,
         **engine_options,
     ):
         """engine_options: Engine's kv_budget, max_queue, prefix_cache, timeout. Images: file://
         URLs only under allowed_local_media_path; at most max_images_per_request (None: the
-        API's default) per request."""
+        API's default) per request. prompt_cache: a folder that keeps prompts' KV across restarts
+        (engine/disk_cache.py), at most prompt_cache_size bytes (None: its default)."""
+        self.prompt_cache, self.prompt_cache_size = prompt_cache, prompt_cache_size
+        if prompt_cache is not None:  # a bad setting fails at start, not after the model loads
+            if engine_options.get("prefix_cache") is False:
+                raise SparrowError(
+                    "--prompt-cache keeps the prefix cache's entries: it cannot go with --no-prefix-cache"
+                )
+            prepare_folder(prompt_cache)
         self.allowed_local_media_path = allowed_local_media_path
         self.max_images_per_request = max_images_per_request
         self.api_key = api_key
@@ -93,7 +116,15 @@ class ServerState:
         self.llm = llm
         self.aliases = {llm.name, os.path.splitext(llm.name)[0]}
         self.created = now()
-        self.engine = Engine(llm, max_batch=self.max_batch, metrics=self.metrics, **self.engine_options)
+        disk = None
+        if self.prompt_cache is not None:
+            from ..api import open_disk_cache
+
+            runner = self.engine_options.get("runner") or llm.runner  # the chunk its entries are cut at
+            disk = open_disk_cache(llm, self.prompt_cache, self.prompt_cache_size, runner.prefill_chunk)
+        self.engine = Engine(
+            llm, max_batch=self.max_batch, metrics=self.metrics, disk_cache=disk, **self.engine_options
+        )
         self.engine.start(warmup=warmup, on_ready=self._ready, on_warm=on_warm)
 
     def _ready(self) -> None:
@@ -327,9 +358,54 @@ def create_app(state: ServerState) -> FastAPI:
             max_images=state.max_images_per_request,
         )
 
-    async def _generate(request: Request, body, chat: bool):
-        req, ids, splitter, constraint, images = await _prepare(body, chat)
-        llm, engine = state.llm, state.engine
+    @app.post("/v1/cache/save", dependencies=[Depends(ready)], responses={200: {"model": CacheSaved}, **ERRORS})
+    async def cache_save(request: Request):
+        """Prefills a prompt (a completions body's `prompt`) or a conversation (a chat body's
+        `messages`, with its `tools` and `chat_template_kwargs`) and waits until its KV is in
+        the --prompt-cache folder; the body's kv_dtype and sparse_prefill settings pick the
+        entry as they would for a request. Only whole 512-token chunks are kept (their reuse
+        is bit-identical)."""
+        disk = state.engine.prefix.disk
+        if disk is None:
+            raise APIError(400, "this server keeps no prompt cache on disk (start it with --prompt-cache DIR)")
+        try:
+            data = await request.json()
+        except ValueError:
+            raise APIError(400, "the request body is not valid JSON") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        chat = "messages" in data
+        data = {**data, "max_tokens": 1, "temperature": 0.0, "stream": False}
+        body = validate(ChatCompletionRequest if chat else CompletionRequest, data)
+        req, ids, _, _, images = await _prepare(body, chat)
+        handle, queue = _submit(req, ids, None, images)
+        if queue is None:
+            return handle
+        try:
+            while True:
+                kind, payload = await queue.get()
+                if kind != "token":
+                    raise APIError(500 if kind == "error" else 504, str(payload), type="server_error")
+                if payload.finish_reason:
+                    break
+        finally:
+            state.engine.cancel(handle)
+        await run_in_threadpool(disk.flush)
+        chunk = state.engine.runner.prefill_chunk
+        return {"object": "cache.save", "prompt_tokens": len(ids), "saved_tokens": len(ids) // chunk * chunk}
+
+    @app.delete("/v1/cache", dependencies=[Depends(ready)], responses={200: {"model": CacheCleared}, **ERRORS})
+    async def cache_clear(request: Request):
+        """Drops every prefix-cache entry: those in memory and this model's files in the
+        --prompt-cache folder."""
+        prefix = state.engine.prefix
+        entries = len(prefix)
+        await run_in_threadpool(prefix.clear)
+        files = await run_in_threadpool(prefix.disk.clear) if prefix.disk is not None else 0
+        return {"object": "cache.cleared", "entries": entries, "files": files}
+
+    def _submit(req, ids, constraint, images):
+        """(handle, queue) of a request given to the engine, or (the 503 response, None)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -338,17 +414,26 @@ def create_app(state: ServerState) -> FastAPI:
 
         try:
             salt = image_salt(images)  # the prefix cache shares KV only between prompts with the same images
-            handle = engine.submit(
+            handle = state.engine.submit(
                 ids, req.params, req.sparse, emit, req.kv_dtype, constraint, images=images, cache_salt=salt
             )
         except EngineBusy as e:  # OpenAI clients retry a 503 after Retry-After
-            return JSONResponse(
+            busy = JSONResponse(
                 error_body(str(e), "server_error", code="server_busy"),
                 status_code=503,
                 headers={"Retry-After": str(e.retry_after)},
             )
+            return busy, None
         except SparrowError as e:  # prompt + max_tokens exceed the whole KV budget
             raise APIError(400, str(e), param="max_tokens", code="kv_budget_exceeded") from None
+        return handle, queue
+
+    async def _generate(request: Request, body, chat: bool):
+        req, ids, splitter, constraint, images = await _prepare(body, chat)
+        llm, engine = state.llm, state.engine
+        handle, queue = _submit(req, ids, constraint, images)
+        if queue is None:
+            return handle
         acc = Accumulator(
             llm, splitter, req.logprobs, req.params.stop_token_ids, req.structured.parser(llm.tool_format)
         )
@@ -406,6 +491,10 @@ def state_from_args(args) -> ServerState:
         timeout=getattr(args, "request_timeout", None),
         allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
         max_images_per_request=getattr(args, "max_images_per_request", None),
+        prompt_cache=getattr(args, "prompt_cache", None),
+        prompt_cache_size=parse_size(size, "--prompt-cache-size")
+        if (size := getattr(args, "prompt_cache_size", None))
+        else None,
     )
 
 

@@ -169,6 +169,22 @@ _KV_METRICS = (  # (metric name, kind, set_kv key, help)
     ("prefix_cache_hit_tokens_total", "counter", "cached_tokens", "prompt tokens whose KV came from the prefix cache"),
     ("prefix_cache_evictions_total", "counter", "prefix_evictions", "prefix cache entries evicted for room"),
     ("preemptions_total", "counter", "preemptions", "sequences preempted because the KV budget was full"),
+    ("prompt_cache_disk_hits_total", "counter", "disk_hits", "prefixes loaded from the --prompt-cache folder"),
+    (
+        "prompt_cache_disk_hit_tokens_total",
+        "counter",
+        "disk_hit_tokens",
+        "positions loaded from the --prompt-cache folder",
+    ),
+    ("prompt_cache_disk_writes_total", "counter", "disk_writes", "entries written to the --prompt-cache folder"),
+    (
+        "prompt_cache_disk_write_bytes_total",
+        "counter",
+        "disk_write_bytes",
+        "bytes written to the --prompt-cache folder",
+    ),
+    ("prompt_cache_disk_rejected_total", "counter", "disk_rejected", "damaged entry files ignored (logged)"),
+    ("prompt_cache_disk_evictions_total", "counter", "disk_evictions", "entry files deleted to keep the folder's size"),
 )
 
 

@@ -46,6 +46,8 @@ SERVE_DEFAULTS = dict(
     max_queue=None,
     request_timeout=None,
     no_prefix_cache=False,
+    prompt_cache=None,
+    prompt_cache_size=None,
     allowed_local_media_path=None,
     max_images_per_request=None,
 )

@@ -231,6 +231,18 @@ class DetokenizeRequest(_Model):
 
 
 # ---------------------------------------------------------------------- responses (documentation)
+class CacheSaved(BaseModel):
+    object: Literal["cache.save"] = "cache.save"
+    prompt_tokens: int
+    saved_tokens: int = Field(description="positions now in the --prompt-cache folder: whole 512-token chunks")
+
+
+class CacheCleared(BaseModel):
+    object: Literal["cache.cleared"] = "cache.cleared"
+    entries: int = Field(description="prefix-cache entries dropped from memory")
+    files: int = Field(description="this model's files deleted from the --prompt-cache folder")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
