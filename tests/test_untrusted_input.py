@@ -214,6 +214,8 @@ def test_key_is_checked_before_the_body_is_read(bare):
             assert _error(r, 401)["code"] == "invalid_api_key"
     r = httpx.post(base + "/v1/chat/completions", content=b'{"messages": [', headers=AUTH, timeout=HANG)
     assert _error(r, 400)["code"] == "invalid_json"
+    r = httpx.post(base + "/v1/chat/completions", content=b'{"messages": [', headers={"authorization": "bearer " + KEY})
+    assert _error(r, 400)["code"] == "invalid_json"  # the scheme's case does not matter
     # A 9 MiB body announced, none sent: the 401 comes without waiting for it (the old server
     # read the announced body before anything else).
     with socket.create_connection(("127.0.0.1", port)) as sock:

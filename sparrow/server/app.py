@@ -137,9 +137,9 @@ class ServerState:
         """headers: an ASGI scope's (name, value) byte pairs."""
         if self.api_key is None:
             return True
-        header = next((v for k, v in headers if k == b"authorization"), b"").decode("latin-1")
-        token = header[7:] if header[:7].lower() == "bearer " else ""
-        return hmac.compare_digest(token.encode(), self.api_key.encode())
+        header = next((v for k, v in headers if k == b"authorization"), b"")
+        token = header[7:] if header[:7].lower() == b"bearer " else b""
+        return hmac.compare_digest(token, self.api_key.encode())  # bytes as sent: a non-ASCII key matches too
 
 
 class _Auth:
