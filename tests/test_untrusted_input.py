@@ -205,6 +205,29 @@ def test_empty_api_key_is_refused_at_start():
     assert p.returncode == 1 and "error: --api-key is empty" in p.stderr, p.stderr
 
 
+def test_serve_flags_reach_the_server_state():
+    """`sparrow serve`'s flags (and a Ray replica's options, the same names) set the limits; 0
+    turns a limit off."""
+    import argparse
+
+    from sparrow.cli import build_parser
+    from sparrow.server.app import state_from_args
+    from sparrow.server.limits import BODY_TIMEOUT, HEADER_TIMEOUT
+    from sparrow.server.ray_serve import SERVE_DEFAULTS
+
+    args = build_parser().parse_args(["serve"])
+    assert args.header_timeout == HEADER_TIMEOUT
+    for state in (state_from_args(args), state_from_args(argparse.Namespace(**SERVE_DEFAULTS))):
+        assert (state.metrics_public, state.special_tokens_in_content) == (False, False)
+        assert (state.body_timeout, state.max_pixels_per_request) == (BODY_TIMEOUT, media.MAX_PIXELS_PER_REQUEST)
+        assert state.max_image_bytes is None  # media.MAX_IMAGE_BYTES
+    flags = "--metrics-public --allow-special-tokens-in-content --body-timeout 0 --max-pixels-per-request 0"
+    args = build_parser().parse_args(["serve", *flags.split(), "--max-image-file-size", "1M"])
+    state = state_from_args(args)
+    assert (state.metrics_public, state.special_tokens_in_content) == (True, True)
+    assert (state.body_timeout, state.max_pixels_per_request, state.max_image_bytes) == (None, None, 1 << 20)
+
+
 def test_key_is_checked_before_the_body_is_read(bare):
     _, port = bare
     base = f"http://127.0.0.1:{port}"
