@@ -98,6 +98,11 @@ def test_directory_and_device_are_refused(folder):
         media.image_from_url(f"file://{inside}", allowed_local_path=str(inside.parent))
     with pytest.raises(SparrowError, match="it is a device"):
         media.image_from_url("file:///dev/null", allowed_local_path="/dev")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(inside / "sock.png"))
+        s.listen()  # a listening socket file: open() fails at once (ENXIO), a 400 all the same
+        with pytest.raises(SparrowError, match="cannot read image .*sock.png"):
+            media.image_from_url(f"file://{inside}/sock.png", allowed_local_path=str(inside))
 
 
 def test_symlink_flipped_after_the_check_cannot_read_outside(folder, monkeypatch):
