@@ -33,7 +33,8 @@ from .params import (
     options_to_params,
 )
 from .structured import Structured, ToolFormat, tool_format
-from .vision.media import DEFAULT_MAX_IMAGES
+from .tokenizer import SpecialText
+from .vision.media import DEFAULT_MAX_IMAGES, MAX_PIXELS_PER_REQUEST
 from .vision.messages import expand_pads, has_images, split_images
 from .vision.preprocess import preprocess
 
@@ -57,6 +58,7 @@ class LLM:
         self.vision = getattr(checkpoint, "vision", None)  # VisionConfig of an image model, else None
         self.activations_why = "asked for"  # why the model runs its activations mode (load)
         self.max_images = DEFAULT_MAX_IMAGES  # per prompt
+        self.special_tokens_in_content = False  # True: chat content may write special tokens (trusted callers)
 
     def with_activations(self, mode: str) -> LLM:
         """This checkpoint as an LLM whose model runs activations mode `mode` (a model's mode is
@@ -100,13 +102,28 @@ class LLM:
         allowed_local_path: str | None = None,
         local_files: bool = True,
         max_images: int | None = None,
+        max_image_bytes: int | None = None,
+        max_pixels: int | None = MAX_PIXELS_PER_REQUEST,
+        special_tokens_in_content: bool | None = None,
     ) -> tuple[list[int], list]:
         """prompt_ids() plus the prompt's preprocessed images (vision.preprocess.PixelImage, in
-        order). The server passes local_files=False and its --allowed-local-media-path."""
+        order). The server passes local_files=False and its --allowed-local-media-path.
+        max_image_bytes: a local image file's size limit (None: vision.media.MAX_IMAGE_BYTES);
+        max_pixels: the images' pixels together (None: no limit).
+
+        Special-token text in the caller's strings (messages, system, tools, template kwargs,
+        assistant_prefix) is encoded as text: special tokens come only from the chat template
+        (tokenizer.SpecialText). special_tokens_in_content=True (None: this LLM's attribute of
+        that name, False unless set) encodes it as the special tokens, for trusted callers."""
         tok = self.tokenizer
         if isinstance(prompt, str) and not chat:
             return tok.encode(prompt, add_special_tokens=True), []
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        if special_tokens_in_content is None:
+            special_tokens_in_content = self.special_tokens_in_content
+        callers = (messages, system, tools, chat_template_kwargs, assistant_prefix)
+        escaper = SpecialText(tok, () if special_tokens_in_content else callers, tok.chat_template)
+        messages, system, tools, chat_template_kwargs, assistant_prefix = escaper.escape(callers)
         images = []
         if has_images(messages):
             messages, images = split_images(
@@ -115,14 +132,16 @@ class LLM:
                 max_images if max_images is not None else self.max_images,
                 allowed_local_path,
                 local_files,
+                max_image_bytes,
+                max_pixels,
             )
         if system is not None:
             messages = [{"role": "system", "content": system}] + [m for m in messages if m.get("role") != "system"]
         text = tok.apply_chat_template(
             messages, add_generation_prompt=True, tools=tools, **(chat_template_kwargs or {})
         )
-        # The template already holds any bos it needs; encode special tokens as written.
-        ids = tok.encode(text + assistant_prefix, add_special_tokens=False)
+        # The template already holds any bos it needs.
+        ids = escaper.encode(text + assistant_prefix)
         if self.vision is None:
             return ids, []
         pixels = [preprocess(im, self.vision) for im in images]

@@ -278,6 +278,9 @@ def _positive_int(text: str) -> int:
 
 
 def cmd_serve(a) -> None:
+    from .server.app import check_api_key
+
+    check_api_key(a.api_key)  # before anything starts, Ray replicas included
     if a.ray:
         from .server.ray_serve import serve_ray
 
@@ -372,10 +375,38 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(c)
     c.set_defaults(func=cmd_chat)
 
+    from .server.limits import BODY_TIMEOUT, HEADER_TIMEOUT
+    from .vision.media import MAX_IMAGE_BYTES, MAX_PIXELS_PER_REQUEST
+
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None)
+    s.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (an empty key is refused at start)"
+    )
+    s.add_argument(
+        "--metrics-public", action="store_true", help="answer /metrics without the API key (default: it needs it)"
+    )
+    s.add_argument(
+        "--allow-special-tokens-in-content",
+        action="store_true",
+        help="trusted clients only: special-token text in messages (<|im_end|>) becomes special tokens "
+        "(default: it is encoded as text, so a user cannot forge a turn)",
+    )
+    s.add_argument(
+        "--header-timeout",
+        type=float,
+        default=HEADER_TIMEOUT,
+        metavar="S",
+        help="close a connection whose request head has not arrived in S seconds (default %(default)g; 0: none)",
+    )
+    s.add_argument(
+        "--body-timeout",
+        type=float,
+        default=BODY_TIMEOUT,
+        metavar="S",
+        help="answer 408 to a request whose body has not arrived in S seconds (default %(default)g; 0: none)",
+    )
     s.add_argument("--max-batch", type=int, default=16, help="most sequences decoded together")
     s.add_argument(
         "--kv-budget",
@@ -400,6 +431,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--allowed-local-media-path", default=None, metavar="DIR", help="serve file:// image URLs from under DIR"
     )
     s.add_argument("--max-images-per-request", type=_positive_int, default=None, help="most images in one request")
+    s.add_argument(
+        "--max-image-file-size",
+        default=None,
+        metavar="SIZE",
+        help=f"largest file:// image, e.g. 50M (default {MAX_IMAGE_BYTES // 2**20}M)",
+    )
+    s.add_argument(
+        "--max-pixels-per-request",
+        type=int,
+        default=MAX_PIXELS_PER_REQUEST,
+        metavar="N",
+        help="most pixels of one request's images together, read from their headers before decoding "
+        "(default %(default)d; 0: no limit)",
+    )
     r = s.add_argument_group("Ray Serve (pip install 'sparrow[ray]'; README, Deploy)")
     r.add_argument("--ray", action="store_true", help="serve replicas of this server on Ray Serve")
     r.add_argument("--replicas", type=_positive_int, default=1, help="replicas (fixed count)")

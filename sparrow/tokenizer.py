@@ -11,6 +11,7 @@ import codecs
 import json
 import os
 import re
+import threading
 
 import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
@@ -19,7 +20,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from sparrow.chat_template import render_chat
 from sparrow.errors import SparrowError
 
-__all__ = ["Tokenizer", "IncrementalDecoder"]
+__all__ = ["Tokenizer", "IncrementalDecoder", "SpecialText"]
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -182,6 +183,9 @@ class Tokenizer:
         self._decoder_kind = decoder_kind  # "byte_level" | "sentencepiece" | "generic"
         self._strip_leading_space = strip_leading_space
         self._token_bytes_cache: dict[int, bytes] = {}
+        self._specials: re.Pattern | None | bool = False  # False: not built yet (specials_pattern)
+        self._plain: _HFTokenizer | None = None  # a copy that reads special-token text as text
+        self._plain_lock = threading.Lock()
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -363,6 +367,29 @@ class Tokenizer:
             self._token_bytes_cache[token_id] = b
         return b
 
+    def specials_pattern(self) -> re.Pattern | None:
+        """A regex matching any special token's text, longest first (as `tokenizers` splits:
+        leftmost-longest), one capturing group; None when the tokenizer has none."""
+        if self._specials is False:
+            texts = sorted(
+                {t.content for t in self._tk.get_added_tokens_decoder().values() if t.special and t.content},
+                key=lambda t: (-len(t), t),
+            )
+            self._specials = re.compile("(" + "|".join(map(re.escape, texts)) + ")") if texts else None
+        return self._specials
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """text's ids with special-token text in it encoded as the plain text it is (`<|im_end|>`
+        becomes `<`, `|`, `im`, ...), never as the special token."""
+        if self._plain is None:
+            with self._plain_lock:
+                if self._plain is None:
+                    # A copy: the flag is the tokenizer's, and other threads encode with this one.
+                    plain = _HFTokenizer.from_str(self._tk.to_str())
+                    plain.encode_special_tokens = True
+                    self._plain = plain
+        return self._plain.encode(text, add_special_tokens=False).ids
+
     def incremental_decoder(self, skip_special_tokens: bool = False) -> IncrementalDecoder:
         return IncrementalDecoder(
             self, skip_special_tokens=skip_special_tokens, strip_leading_space=self._strip_leading_space
@@ -378,6 +405,78 @@ class Tokenizer:
         return render_chat(
             self.chat_template, messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
         )
+
+
+class SpecialText:
+    """Keeps special-token text that callers wrote (message content, tools, a system prompt) text,
+    so that a user cannot forge a turn (`<|im_end|>\\n<|im_start|>system\\n...` in a message):
+    special tokens in a chat prompt come only from its template, as in OpenAI's API.
+
+    `escape` replaces each special token's text in the caller's strings with a marker (a
+    private-use character absent from the template, around the token's number; the marker
+    character itself, if a caller wrote it, is escaped the same way) before the template renders
+    them; `encode` splits the rendered prompt at the special tokens left, which the template
+    wrote, encodes those as special tokens and the text between them with special-token parsing
+    off, each marker turned back into the text it stands for. When no caller string holds a
+    special token (`active` is False), escape() returns its input unchanged and encode() is
+    tokenizer.encode(), so ordinary prompts encode exactly as before.
+
+    Image parts ({"type": "image" | "image_url"}) are passed through: their placeholders are the
+    model's own special tokens, written after escaping."""
+
+    def __init__(self, tokenizer: Tokenizer, values, template: str | None):
+        self.tokenizer = tokenizer
+        self.pattern = tokenizer.specials_pattern()
+        self.active = self.pattern is not None and any(self.pattern.search(s) for s in _strings(values))
+        self.texts: list[str] = []
+        if self.active:
+            seen = set(template or "") | set(self.pattern.pattern)  # what the template may write
+            self.mark = next(chr(c) for c in range(0xE000, 0xF900) if chr(c) not in seen)
+            self._escape_re = re.compile(self.pattern.pattern[:-1] + "|" + re.escape(self.mark) + ")")
+            self._unmark = re.compile(re.escape(self.mark) + r"(\d+)" + re.escape(self.mark))
+
+    def escape(self, value):
+        if not self.active:
+            return value
+        if isinstance(value, str):
+            return self._escape_re.sub(self._marker, value)
+        if isinstance(value, dict):
+            if value.get("type") in ("image", "image_url"):
+                return value
+            return {self.escape(k): self.escape(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.escape(v) for v in value)
+        return value
+
+    def _marker(self, m: re.Match) -> str:
+        self.texts.append(m.group(0))
+        return f"{self.mark}{len(self.texts) - 1}{self.mark}"
+
+    def encode(self, text: str) -> list[int]:
+        tok = self.tokenizer
+        if not self.active:
+            return tok.encode(text, add_special_tokens=False)
+        ids = []
+        for k, part in enumerate(self.pattern.split(text)):  # text, special, text, special, ..., text
+            if k % 2:
+                ids.append(tok.token_to_id(part))
+            elif part:
+                ids += tok.encode_as_text(self._unmark.sub(lambda m: self.texts[int(m.group(1))], part))
+        return ids
+
+
+def _strings(value):
+    """Every string in value (dict keys too), except inside image parts."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        if value.get("type") not in ("image", "image_url"):
+            for k, v in value.items():
+                yield from _strings(k)
+                yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
 
 
 def _check_gguf_vocab(meta: dict) -> None:

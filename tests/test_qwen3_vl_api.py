@@ -162,8 +162,10 @@ def test_too_many_images_and_pad_mismatch(vl_llm):
             vl_llm.prompt_ids(_user(im, im, im))
     finally:
         vl_llm.max_images = 16
+    typed = [{"role": "user", "content": "look: <|image_pad|>"}]
+    assert vr.PAD not in vl_llm.prompt_ids(typed)  # a user's text is text, not an image placeholder
     with pytest.raises(SparrowError, match="1 image placeholders but 0 images"):
-        vl_llm.prompt_ids([{"role": "user", "content": "look: <|image_pad|>"}])
+        vl_llm.prompt_and_images(typed, special_tokens_in_content=True)
     ids = vl_llm.prompt_ids(_user(im))
     with pytest.raises(SparrowError, match="image placeholders but 0 images"):
         list(vl_llm.stream(ids, max_tokens=1))  # token ids with pads, no images

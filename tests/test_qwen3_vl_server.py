@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 
 import httpx
 import numpy as np
@@ -17,6 +18,8 @@ from PIL import Image
 
 import sparrow
 from sparrow.server.app import ServerState
+
+MAX_FILE = 1 << 20  # the served --max-image-file-size
 
 
 def _png(seed: int, w=100, h=70) -> bytes:
@@ -42,7 +45,15 @@ def served(tmp_path_factory, tokenizer_dir):
     vr.build_tiny_vl(folder, tokenizer_dir)
     media = tmp_path_factory.mktemp("media")
     (media / "a.png").write_bytes(_png(1))
-    state = ServerState(allowed_local_media_path=str(media), max_images_per_request=2)
+    os.mkfifo(media / "pipe.png")  # opening it for reading used to wait for a writer, for good
+    with open(media / "big.png", "wb") as f:
+        f.truncate(2 * MAX_FILE)  # sparse
+    state = ServerState(
+        allowed_local_media_path=str(media),
+        max_images_per_request=2,
+        max_image_bytes=MAX_FILE,
+        max_pixels_per_request=20_000,
+    )
     llm = sparrow.load(folder)
     with serving(state, llm) as base:
         yield base, llm, media
@@ -75,17 +86,30 @@ def test_allowed_local_file_url(served):
 
 
 @pytest.mark.parametrize(
-    "urls, match",
+    "urls, match, part",
     [
-        (["https://example.com/cat.png"], "not fetched"),
-        (["file:///etc/passwd"], "outside the allowed media path"),
-        ([_url(_png(4))] * 3, "too many images: at most 2"),
-        (["data:image/png;base64," + base64.b64encode(b"not a png").decode()], "not an image"),
-        ([_url(_png(5)[:150])], "cannot decode image"),
+        (["https://example.com/cat.png"], "not fetched", 0),
+        (["file:///etc/passwd"], "outside the allowed media path", 0),
+        ([_url(_png(4))] * 3, "too many images: at most 2", 2),
+        (["data:image/png;base64," + base64.b64encode(b"not a png").decode()], "not an image", 0),
+        ([_url(_png(5)[:150])], "cannot decode image", 0),
+        (["file://{media}/pipe.png"], "not a regular file (it is a FIFO)", 0),
+        (["file://{media}"], "not a regular file (it is a directory)", 0),
+        (["file://{media}/big.png"], f"over the limit of {MAX_FILE}", 0),
+        (["file://{media}/a%00.png"], "NUL", 0),
+        ([_url(_png(6, 120, 90)), _url(_png(7, 120, 90))], "over the limit of 20000 per request", 1),
     ],
 )
-def test_bad_images_are_400(served, urls, match):
-    r = _chat(served[0], _msgs(*urls))
+def test_bad_images_are_400(served, urls, match, part):
+    """Each a 400 naming the image part, answered at once (a FIFO used to block a worker thread
+    for good, a big file was read whole, many large images were all decoded)."""
+    r = _chat(served[0], _msgs(*(u.format(media=served[2]) for u in urls)))
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert match in err["message"] and err["param"] == "messages" and "\n" not in err["message"]
+    assert match in err["message"] and err["param"] == f"messages[0].content[{part}]" and "\n" not in err["message"]
+
+
+def test_nul_in_an_image_url_is_400_naming_it(served):
+    r = _chat(served[0], _msgs(f"file://{served[2]}/a\x00.png"))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages[0].content[0].image_url.url"

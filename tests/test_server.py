@@ -201,7 +201,8 @@ def _ref_text(ref, prompt, **kw):
 
 
 def _metrics(server) -> dict:
-    return parse_prometheus(httpx.get(server["base"] + "/metrics", timeout=30).text)
+    r = httpx.get(server["base"] + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    return parse_prometheus(r.text)  # with --api-key, /metrics needs it (unless --metrics-public)
 
 
 def _post(server, path, body=None, content=None, key=KEY, **kw):

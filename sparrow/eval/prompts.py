@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import SparrowError
+from ..tokenizer import SpecialText
 
 TOWNS = [
     "Oakton",
@@ -177,9 +178,12 @@ def parse_length(s) -> int:
 
 
 def chat_ids(tokenizer, messages, assistant_prefix: str = "") -> list[int]:
-    """Token ids exactly as LLM.prompt_ids builds them for chat messages."""
+    """Token ids exactly as LLM.prompt_ids builds them for chat messages (special-token text in
+    them encoded as text)."""
+    escaper = SpecialText(tokenizer, (messages, assistant_prefix), tokenizer.chat_template)
+    messages, assistant_prefix = escaper.escape((messages, assistant_prefix))
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return tokenizer.encode(text + assistant_prefix, add_special_tokens=False)
+    return escaper.encode(text + assistant_prefix)
 
 
 def filler_sentences(rng: random.Random, n: int) -> list[str]:

@@ -29,8 +29,9 @@ from ..engine.kv_budget import format_size, parse_size
 from ..engine.sequence import check_context
 from ..errors import ContextLengthError, SparrowError
 from ..structured import StructuredError
+from ..vision.media import MAX_PIXELS_PER_REQUEST
 from ..vision.preprocess import image_salt
-from .limits import BodyLimit
+from .limits import BODY_TIMEOUT, HEADER_TIMEOUT, BodyLimit, http_protocol
 from .metrics import Metrics
 from .protocol import (
     DEFAULT_MAX_TOKENS,
@@ -75,6 +76,14 @@ ENDPOINTS = (
     "/tokenize",
     "/detokenize",
 )
+PUBLIC = ("/health", "/docs", "/docs/oauth2-redirect", "/openapi.json")  # answered without the API key
+LOADING_RETRY_AFTER = 5  # seconds: what a 503 while the model loads asks clients to wait
+
+
+def check_api_key(api_key: str | None) -> None:
+    """An empty key would compare equal to a missing Authorization header's empty token."""
+    if api_key is not None and not api_key.strip():
+        raise SparrowError("--api-key is empty: give a key, or leave the option out to serve without one")
 
 
 class ServerState:
@@ -84,14 +93,25 @@ class ServerState:
         max_batch: int = 16,
         allowed_local_media_path: str | None = None,
         max_images_per_request: int | None = None,
+        max_image_bytes: int | None = None,
+        max_pixels_per_request: int | None = MAX_PIXELS_PER_REQUEST,
+        metrics_public: bool = False,
+        special_tokens_in_content: bool = False,
+        body_timeout: float | None = BODY_TIMEOUT,
         prompt_cache: str | None = None,
         prompt_cache_size: int | None = None,
         **engine_options,
     ):
         """engine_options: Engine's kv_budget, max_queue, prefix_cache, timeout. Images: file://
-        URLs only under allowed_local_media_path; at most max_images_per_request (None: the
-        API's default) per request. prompt_cache: a folder that keeps prompts' KV across restarts
-        (engine/disk_cache.py), at most prompt_cache_size bytes (None: its default)."""
+        URLs only under allowed_local_media_path, each file at most max_image_bytes (None:
+        vision.media's default); at most max_images_per_request (None: the API's default) per
+        request, holding at most max_pixels_per_request pixels together (None: no limit).
+        metrics_public: /metrics answers without the API key. special_tokens_in_content: chat
+        content may write special tokens (trusted clients only). body_timeout: seconds for a
+        request body to arrive (None: no limit). prompt_cache: a folder that keeps prompts' KV
+        across restarts (engine/disk_cache.py), at most prompt_cache_size bytes (None: its
+        default)."""
+        check_api_key(api_key)
         self.prompt_cache, self.prompt_cache_size = prompt_cache, prompt_cache_size
         if prompt_cache is not None:  # a bad setting fails at start, not after the model loads
             if engine_options.get("prefix_cache") is False:
@@ -101,6 +121,11 @@ class ServerState:
             prepare_folder(prompt_cache)
         self.allowed_local_media_path = allowed_local_media_path
         self.max_images_per_request = max_images_per_request
+        self.max_image_bytes = max_image_bytes
+        self.max_pixels_per_request = max_pixels_per_request
+        self.metrics_public = metrics_public
+        self.special_tokens_in_content = special_tokens_in_content
+        self.body_timeout = body_timeout
         self.api_key = api_key
         self.max_batch = max_batch
         self.engine_options = engine_options
@@ -133,8 +158,45 @@ class ServerState:
     def require_ready(self) -> None:
         if not self.ready:
             raise APIError(
-                503, self.load_error or "the model is still loading", type="server_error", code="model_not_ready"
+                503,
+                self.load_error or "the model is still loading",
+                type="server_error",
+                code="model_not_ready",
+                headers={"Retry-After": str(LOADING_RETRY_AFTER)},
             )
+
+    def authorized(self, headers) -> bool:
+        """headers: an ASGI scope's (name, value) byte pairs."""
+        if self.api_key is None:
+            return True
+        header = next((v for k, v in headers if k == b"authorization"), b"")
+        token = header[7:] if header[:7].lower() == b"bearer " else b""
+        return hmac.compare_digest(token, self.api_key.encode())  # bytes as sent: a non-ASCII key matches too
+
+
+class _Auth:
+    """The API key, checked before anything reads the body: a client without the key gets 401
+    whatever it sends (a malformed or oversized body included), and costs no body read. Pure
+    ASGI, outside BodyLimit."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or self._public(scope["path"]) or self.state.authorized(scope["headers"]):
+            return await self.app(scope, receive, send)
+        message = "invalid or missing API key (send 'Authorization: Bearer KEY')"
+        body = json.dumps(error_body(message, code="invalid_api_key")).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"www-authenticate", b"Bearer"),
+        ]
+        await send({"type": "http.response.start", "status": 401, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    def _public(self, path: str) -> bool:
+        return path in PUBLIC or (path == "/metrics" and self.state.metrics_public)
 
 
 class _Guard:
@@ -183,12 +245,14 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.sparrow = state
     metrics = state.metrics
 
-    app.add_middleware(BodyLimit)  # inside _Guard, which counts its 413s
+    # outermost last: _Guard (counts every answer), _Auth (the key before any body is read), BodyLimit
+    app.add_middleware(BodyLimit, timeout=state.body_timeout)
+    app.add_middleware(_Auth, state=state)
     app.add_middleware(_Guard, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
@@ -199,14 +263,6 @@ def create_app(state: ServerState) -> FastAPI:
     async def _http_error(request, e):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
-
-    def auth(request: Request) -> None:
-        if state.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(token.encode(), state.api_key.encode()):
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
 
     def check_model(name) -> None:
         if name is not None and not isinstance(name, str):
@@ -223,22 +279,23 @@ def create_app(state: ServerState) -> FastAPI:
     async def health():
         if not state.ready:
             return JSONResponse(
-                {"status": "error" if state.load_error else "loading", "error": state.load_error}, status_code=503
+                {"status": "error" if state.load_error else "loading", "error": state.load_error},
+                status_code=503,
+                headers={"Retry-After": str(LOADING_RETRY_AFTER)},
             )
         return {"status": "ok", "model": state.llm.name}
 
-    @app.get("/metrics")
+    @app.get("/metrics")  # needs the API key unless --metrics-public (_Auth)
     async def get_metrics():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
     def ready(request: Request) -> None:
-        """Key, then readiness: run before FastAPI validates a body (a malformed JSON body comes first)."""
-        auth(request)
+        """Readiness (the key was checked by _Auth): run before FastAPI validates a body (a
+        malformed JSON body comes first)."""
         state.require_ready()
 
     @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **ERRORS})
     async def models(request: Request):
-        auth(request)
         state.require_ready()
         llm = state.llm
         return {
@@ -271,7 +328,7 @@ def create_app(state: ServerState) -> FastAPI:
             else:
                 raise APIError(400, "send 'prompt' (a string) or 'messages'", param="prompt")
         except SparrowError as e:
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), param=getattr(e, "param", None)) from None
         out = {"count": len(ids), "max_model_len": llm.ctx, "tokens": ids}
         if body.return_token_strs:
             out["token_strs"] = [llm.tokenizer.id_to_token(i) for i in ids]
@@ -330,7 +387,7 @@ def create_app(state: ServerState) -> FastAPI:
         except ContextLengthError as e:
             raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         except SparrowError as e:
-            raise APIError(400, str(e), param=param) from None
+            raise APIError(400, str(e), param=getattr(e, "param", None) or param) from None
         splitter = None
         # Constrained output is the answer from its first token: nothing of it is reasoning.
         if chat and llm.tokenizer.token_to_id(ReasoningSplitter.CLOSE) is not None and not req.structured.constrained:
@@ -356,6 +413,9 @@ def create_app(state: ServerState) -> FastAPI:
             allowed_local_path=state.allowed_local_media_path,
             local_files=False,
             max_images=state.max_images_per_request,
+            max_image_bytes=state.max_image_bytes,
+            max_pixels=state.max_pixels_per_request,
+            special_tokens_in_content=state.special_tokens_in_content,
         )
 
     @app.post("/v1/cache/save", dependencies=[Depends(ready)], responses={200: {"model": CacheSaved}, **ERRORS})
@@ -491,11 +551,21 @@ def state_from_args(args) -> ServerState:
         timeout=getattr(args, "request_timeout", None),
         allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
         max_images_per_request=getattr(args, "max_images_per_request", None),
+        max_image_bytes=parse_size(args.max_image_file_size) if getattr(args, "max_image_file_size", None) else None,
+        max_pixels_per_request=_limit(getattr(args, "max_pixels_per_request", MAX_PIXELS_PER_REQUEST)),
+        metrics_public=getattr(args, "metrics_public", False),
+        special_tokens_in_content=getattr(args, "allow_special_tokens_in_content", False),
+        body_timeout=_limit(getattr(args, "body_timeout", BODY_TIMEOUT)),
         prompt_cache=getattr(args, "prompt_cache", None),
         prompt_cache_size=parse_size(size, "--prompt-cache-size")
         if (size := getattr(args, "prompt_cache_size", None))
         else None,
     )
+
+
+def _limit(value):
+    """A limit from the command line: 0 means none."""
+    return None if value == 0 else value
 
 
 def load_options(args) -> dict:
@@ -548,7 +618,13 @@ def serve(args) -> None:
 
     server = Server(
         uvicorn.Config(
-            app, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_graceful_shutdown=3
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=3,
+            http=http_protocol(_limit(getattr(args, "header_timeout", HEADER_TIMEOUT))),
         )
     )
 

@@ -27,7 +27,9 @@ import sys
 import time
 
 from ..errors import SparrowError
+from ..vision.media import MAX_PIXELS_PER_REQUEST
 from .app import create_app, load_options, state_from_args
+from .limits import BODY_TIMEOUT
 
 _REPLICA: dict = {}  # this process's ServerState (Ray runs each replica in its own actor process)
 READY_TIMEOUT_S = 900.0  # model load + kernel compile on a cold cache (a few minutes at worst)
@@ -50,6 +52,11 @@ SERVE_DEFAULTS = dict(
     prompt_cache_size=None,
     allowed_local_media_path=None,
     max_images_per_request=None,
+    max_image_file_size=None,
+    max_pixels_per_request=MAX_PIXELS_PER_REQUEST,
+    metrics_public=False,
+    allow_special_tokens_in_content=False,
+    body_timeout=BODY_TIMEOUT,
 )
 
 
@@ -124,11 +131,12 @@ def app_builder(args: dict):
             raise SparrowError(f"unknown sparrow replica option {k!r} (known: {', '.join(SERVE_DEFAULTS)})")
         default = SERVE_DEFAULTS[k]
         options[k] = v in ("1", "true", "True") if isinstance(default, bool) else v
-    for k in ("ctx", "max_batch", "max_queue", "max_images_per_request"):
+    for k in ("ctx", "max_batch", "max_queue", "max_images_per_request", "max_pixels_per_request"):
         if options.get(k) is not None:
             options[k] = int(options[k])
-    if options.get("request_timeout") is not None:
-        options["request_timeout"] = float(options["request_timeout"])
+    for k in ("request_timeout", "body_timeout"):
+        if options.get(k) is not None:
+            options[k] = float(options[k])
     return deployment(options, replicas, cpus, auto)
 
 

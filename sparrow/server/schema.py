@@ -9,9 +9,10 @@ compile) are made where the request is turned into a GenRequest (protocol.py, sp
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, NonNegativeInt, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, NonNegativeInt, Tag, field_validator, model_validator
 
 from ..params import KV_DTYPES, REPETITION_PENALTY, SELECTORS
 
@@ -27,6 +28,32 @@ def _integral(v):
     return [_integral(x) for x in v] if isinstance(v, list) else v
 
 
+INT_LIMIT = 2**63  # integers are int64 from here on (numba, numpy); a larger one is a 400, not a 500
+
+
+def _check_values(v) -> None:
+    """Raises ValueError for what no field may hold, however deep in lists and free-form objects:
+    a lone UTF-16 surrogate (JSON "\\ud800" decodes to one; it has no UTF-8 form, so the
+    tokenizer and the JSON encoder would fail on it) and an integer outside int64. Models nested
+    in v were checked by their own validators, so their errors name their own fields."""
+    if isinstance(v, str):
+        if _SURROGATE.search(v):
+            raise ValueError("text may not hold a lone UTF-16 surrogate (U+D800-U+DFFF)")
+    elif isinstance(v, int) and not isinstance(v, bool):
+        if not -INT_LIMIT <= v < INT_LIMIT:
+            raise ValueError("integer out of range: must fit in 64 bits (-2^63 to 2^63-1)")
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            _check_values(x)
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            _check_values(k)
+            _check_values(x)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
@@ -34,6 +61,17 @@ class _Model(BaseModel):
     @classmethod
     def _integral(cls, v):
         return _integral(v)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _representable(cls, v):
+        _check_values(v)
+        return v
+
+    @model_validator(mode="after")
+    def _extras_representable(self):
+        _check_values(self.__pydantic_extra__ or {})  # the extra keys an _Open model keeps
+        return self
 
 
 class _Open(_Model):
@@ -51,6 +89,13 @@ class TextPart(_Model):
 class ImageURL(_Open):
     url: str = Field(description="a data: URL of the image (base64); file:// where the server allows a local path")
     detail: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _no_nul(cls, v: str) -> str:
+        if "\x00" in v:  # no path can hold one (the OS would refuse it with an error of its own)
+            raise ValueError("the URL may not hold a NUL character")
+        return v
 
 
 class ImageURLPart(_Model):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import SparrowError
-from .media import DEFAULT_MAX_IMAGES, image_from_url, load_image
+from .media import DEFAULT_MAX_IMAGES, MAX_PIXELS_PER_REQUEST, PixelBudget, image_from_url, load_image
 
 IMAGE_TYPES = ("image", "image_url")
 
@@ -31,10 +31,15 @@ def split_images(
     max_images: int | None = DEFAULT_MAX_IMAGES,
     allowed_local_path: str | None = None,
     local_files: bool = True,
+    max_bytes: int | None = None,
+    max_pixels: int | None = MAX_PIXELS_PER_REQUEST,
 ) -> tuple[list[dict], list]:
     """-> (messages with image parts replaced by `placeholder` text, PIL images in order).
-    placeholder None: the model takes no images (an error if any is given)."""
+    placeholder None: the model takes no images (an error if any is given). max_bytes: a local
+    file's size limit (None: media.MAX_IMAGE_BYTES); max_pixels: all images together, from their
+    headers (None: no limit). An image's error carries the part it is about in `param`."""
     out, images = [], []
+    budget = PixelBudget(max_pixels)
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
         if not isinstance(content, list) or not any(
@@ -54,22 +59,26 @@ def split_images(
                 raise SparrowError(
                     f"messages[{i}].content[{j}]: unsupported part type {kind!r} (text, image_url, image)"
                 )
-            if max_images is not None and len(images) >= max_images:
-                raise SparrowError(f"too many images: at most {max_images} per request")
-            images.append(_image(part, allowed_local_path, local_files))
+            try:
+                if max_images is not None and len(images) >= max_images:
+                    raise SparrowError(f"too many images: at most {max_images} per request")
+                images.append(_image(part, allowed_local_path, local_files, max_bytes, budget))
+            except SparrowError as e:
+                e.param = f"messages[{i}].content[{j}]"
+                raise
             pieces.append(placeholder)
         out.append({**m, "content": "".join(pieces)})
     return out, images
 
 
-def _image(part: dict, allowed_local_path, local_files):
+def _image(part: dict, allowed_local_path, local_files, max_bytes, budget):
     if part["type"] == "image_url":
         ref = part.get("image_url")
         url = ref.get("url") if isinstance(ref, dict) else ref
-        return image_from_url(url, allowed_local_path, local_files)
+        return image_from_url(url, allowed_local_path, local_files, max_bytes, budget)
     if "image" not in part:
         raise SparrowError("an image part needs an 'image' (path, bytes or PIL image)")
-    return load_image(part["image"], allowed_local_path, local_files)
+    return load_image(part["image"], allowed_local_path, local_files, max_bytes, budget)
 
 
 def expand_pads(ids: list[int], pad_id: int, counts: list[int]) -> list[int]:
