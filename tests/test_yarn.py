@@ -247,6 +247,9 @@ def test_api_override_matches_config(yarn_tiny, plain_folder, ids, yarn_logits):
     # the older "type" spelling; "default" turns the model's own scaling off
     older = {"type": "yarn", "factor": 8, "original_max_position_embeddings": 64}
     assert sparrow.load(plain_folder, ctx=CTX, rope_scaling=older).logits(ids).tobytes() == yarn_logits.tobytes()
+    # without an original length (--yarn-orig-ctx): the model's max_position_embeddings
+    got = sparrow.load(plain_folder, rope_scaling={"rope_type": "yarn", "factor": 2.0}).config.rope_scaling
+    assert got == {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": MAX_POS}
     off = sparrow.load(yarn_tiny.folder, ctx=CTX, rope_scaling={"rope_type": "default"}).logits(ids)
     assert off.tobytes() == sparrow.load(plain_folder, ctx=CTX).logits(ids).tobytes()
 
