@@ -385,6 +385,7 @@ def load(
     mmproj: str | None = None,
     prompt_cache: str | None = None,
     prompt_cache_size: int | str | None = None,
+    rope_scaling: dict | None = None,
 ) -> LLM:
     """Loads a HF folder, a .gguf file, or (path None) the default SmolLM2-135M-Instruct GGUF.
 
@@ -395,7 +396,12 @@ def load(
     mmproj: llama.cpp's Qwen3-VL vision projector GGUF, with a qwen3vl text GGUF as path.
     prompt_cache: a folder where prompts' KV is kept across processes (engine/disk_cache.py):
     stream() reuses what an earlier run left there, bit-identically; prompt_cache_size bounds it
-    (bytes, or a size such as "20G"; default 20 GiB), least recently used first out."""
+    (bytes, or a size such as "20G"; default 20 GiB), least recently used first out.
+    rope_scaling: replaces the model's own, as if its config said so, e.g. YaRN past a Qwen3's
+    native 32K: {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768};
+    {"rope_type": "default"} turns the model's scaling off. ctx still defaults to the model's
+    max_position_embeddings (as in transformers and llama.cpp): pass ctx up to the scaled length."""
+    from .config import check_rope_override
     from .models import build_model
     from .models.activations import default_activations
 
@@ -407,6 +413,8 @@ def load(
         raise SparrowError(f"quantize must be 'q8_0' or None, got {quantize!r}")
     if ctx is not None and (isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 1):
         raise SparrowError(f"ctx must be a positive integer, got {ctx!r}")
+    if rope_scaling is not None:
+        check_rope_override(rope_scaling)
     threads = set_threads(threads)
     try:
         from threadpoolctl import threadpool_limits
@@ -416,6 +424,7 @@ def load(
         pass
     t0 = time.perf_counter()
     ckpt = open_checkpoint(os.path.expanduser(path) if path else None, os.path.expanduser(mmproj) if mmproj else None)
+    ckpt.config = ckpt.config.with_rope_scaling(rope_scaling)
     why = "asked for"
     if activations is None:
         activations, why = default_activations(ckpt.tensors, quantize)

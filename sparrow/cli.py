@@ -24,6 +24,21 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--mmproj", default=None, metavar="GGUF", help="Qwen3-VL mmproj (with a .gguf model)")
     g.add_argument("--ctx", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument(
+        "--rope-scaling",
+        default=None,
+        choices=["none", "linear", "yarn"],
+        help="replace the model's rope scaling (llama.cpp's flags; none: turn it off), e.g. "
+        "--rope-scaling yarn --rope-scale 4 --yarn-orig-ctx 32768 --ctx 131072 (README, Long context)",
+    )
+    g.add_argument("--rope-scale", type=float, default=None, metavar="F", help="context multiple of --rope-scaling")
+    g.add_argument(
+        "--yarn-orig-ctx",
+        type=int,
+        default=None,
+        metavar="N",
+        help="YaRN: the model's native context (default: its max_position_embeddings)",
+    )
     g.add_argument("--kv-dtype", default="f32", choices=KV_DTYPES, help="KV cache storage")
     g.add_argument("--threads", "-t", type=int, default=None, help="compute threads (default: all cores)")
     g.add_argument(
@@ -104,8 +119,10 @@ def _compile_notice(cold: bool | None = None, activations: str = "f32") -> None:
 
 def _load(a):
     from .api import load
+    from .config import rope_scaling_from_flags
     from .kernels import cache_is_cold
 
+    rope_scaling = rope_scaling_from_flags(a.rope_scaling, a.rope_scale, a.yarn_orig_ctx)  # before the load
     cold = cache_is_cold()
     llm = load(
         a.model,
@@ -116,6 +133,7 @@ def _load(a):
         progress=sys.stderr.isatty(),
         activations=a.activations,
         mmproj=getattr(a, "mmproj", None),
+        rope_scaling=rope_scaling,
     )
     _compile_notice(cold, llm.model.activations)  # after the load: a model that fails to load compiles nothing
     if getattr(a, "timings", False):

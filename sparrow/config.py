@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from .errors import SparrowError
@@ -17,6 +19,23 @@ _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe
 _GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen3vl": "qwen3"}
 SUPPORTED = "llama, qwen2, qwen3, qwen3_moe"
 
+# Rope scalings sparrow runs, and the keys each takes in an HF config / a sparrow.load override.
+ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")
+_ROPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    ),
+}
+
 
 @dataclass
 class ModelConfig:
@@ -30,7 +49,9 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", ...} or None
+    # {"rope_type": "linear"|"llama3"|"yarn", ...} (HF's keys; yarn's factor and original length
+    # always set) or None for plain RoPE
+    rope_scaling: dict | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v biases (Qwen2)
@@ -54,6 +75,15 @@ class ModelConfig:
         """Whether layer i uses the MoE block (transformers' Qwen3-MoE rule)."""
         return self.is_moe and i not in self.mlp_only_layers and (i + 1) % max(1, self.decoder_sparse_step) == 0
 
+    def with_rope_scaling(self, override: dict | None) -> ModelConfig:
+        """This config with its rope scaling replaced, as if config.json said `override` (a
+        sparrow.load / --rope-scaling override, checked by check_rope_override); None keeps it,
+        {"rope_type": "default"} turns scaling off."""
+        if override is None:
+            return self
+        scaling = _check_rope_scaling(check_rope_override(override), self.max_position_embeddings)
+        return dataclasses.replace(self, rope_scaling=scaling)
+
     # ------------------------------------------------------------------ builders
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
@@ -65,6 +95,7 @@ class ModelConfig:
         scaling = cfg.get("rope_scaling")
         if scaling is None and rope.get("rope_type", "default") != "default":
             scaling = dict(rope)
+        max_positions = int(cfg.get("max_position_embeddings", 4096))
         num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 0)) if arch == "qwen3_moe" else 0
         return cls(
             architecture=arch,
@@ -77,8 +108,8 @@ class ModelConfig:
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
-            rope_scaling=_check_rope_scaling(scaling),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rope_scaling=_check_rope_scaling(scaling, max_positions, cfg.get("original_max_position_embeddings")),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
             qk_norm=arch in ("qwen3", "qwen3_moe"),
@@ -114,6 +145,9 @@ class ModelConfig:
         stype = get("rope.scaling.type")
         if stype and stype != "none":
             scaling = {"rope_type": stype, "factor": float(get("rope.scaling.factor", 1.0))}
+            if stype == "yarn":
+                scaling.update(_gguf_yarn(get, scaling["factor"]))
+        max_positions = int(get("context_length", 4096))
         return cls(
             architecture=arch,
             vocab_size=vocab_size,
@@ -125,8 +159,8 @@ class ModelConfig:
             head_dim=int(get("attention.key_length", hidden // heads)),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(get("rope.freq_base", 10000.0)),
-            rope_scaling=_check_rope_scaling(scaling),
-            max_position_embeddings=int(get("context_length", 4096)),
+            rope_scaling=_check_rope_scaling(scaling, max_positions),
+            max_position_embeddings=max_positions,
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             qk_norm=arch in ("qwen3", "qwen3_moe"),
@@ -159,12 +193,152 @@ def _mrope_section(rope: dict | None) -> tuple[int, ...]:
     return tuple(int(s) for s in sec)
 
 
-def _check_rope_scaling(scaling: dict | None) -> dict | None:
+def _check_rope_scaling(scaling: dict | None, max_positions: int, top_level_orig=None) -> dict | None:
+    """A config's rope scaling as the Rope class takes it: rope_type set ("type" is the older
+    spelling), None for plain RoPE; yarn's factor and original length filled in as transformers
+    does. top_level_orig: config.json's own original_max_position_embeddings, which transformers
+    prefers to the one in rope_scaling (Phi-3 configs)."""
     if not scaling:
         return None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return None
-    if kind not in ("linear", "llama3"):
-        raise SparrowError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
-    return dict(scaling, rope_type=kind)
+    if kind not in ROPE_SCALINGS:
+        raise SparrowError(f"unsupported rope scaling {kind!r}; supported: {', '.join(ROPE_SCALINGS)}")
+    out = {k: v for k, v in scaling.items() if k != "type"}
+    out["rope_type"] = kind
+    if kind != "yarn":
+        return out
+    # transformers: the original length defaults to max_position_embeddings, a missing factor to
+    # their ratio (DeepSeek-V3's configs); llama.cpp's n_ctx_orig_yarn falls back the same way.
+    orig = top_level_orig if top_level_orig is not None else out.get("original_max_position_embeddings")
+    orig = _positive_int(max_positions if orig is None else orig, "yarn original_max_position_embeddings")
+    factor = out.get("factor")
+    out["original_max_position_embeddings"] = orig
+    out["factor"] = _number(max_positions / orig if factor is None else factor, "yarn factor", 1.0, ">=")
+    for key in ("attention_factor", "beta_fast", "beta_slow"):
+        if out.get(key) is not None:  # transformers reads beta 0 / None as its default (32, 1)
+            out[key] = _number(out[key], f"yarn {key}", 0.0, ">=" if key.startswith("beta") else ">")
+    for key in ("mscale", "mscale_all_dim"):
+        if out.get(key) is not None:
+            out[key] = _number(out[key], f"yarn {key}", -math.inf, ">")
+    if not isinstance(out.get("truncate", True), bool):
+        raise SparrowError(f"yarn truncate must be true or false, got {out['truncate']!r}")
+    return out
+
+
+def check_rope_override(scaling) -> dict:
+    """sparrow.load's rope_scaling, checked before anything loads: an HF rope_scaling dict such
+    as {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, which
+    replaces the model's own; {"rope_type": "default"} (or "none") turns scaling off. Stricter
+    than a config: a typo in a key or a factor that scales nothing is an error."""
+    if not isinstance(scaling, dict):
+        raise SparrowError(
+            f"rope_scaling must be a dict such as {{'rope_type': 'yarn', 'factor': 4.0}}, got {scaling!r}"
+        )
+    kind = scaling.get("rope_type", scaling.get("type"))
+    supported = "none, " + ", ".join(ROPE_SCALINGS)
+    if kind is None:
+        raise SparrowError(f"rope_scaling needs a rope_type; supported: {supported}")
+    if kind in ("none", "default"):
+        extra = sorted(set(scaling) - {"rope_type", "type"})
+        if extra:
+            raise SparrowError(f"rope_scaling {kind!r} takes no other keys, got {', '.join(extra)}")
+        return {"rope_type": "default"}
+    if kind not in ROPE_SCALINGS:
+        raise SparrowError(f"unsupported rope scaling {kind!r}; supported: {supported}")
+    unknown = sorted(set(scaling) - {"rope_type", "type", *_ROPE_KEYS[kind]})
+    if unknown:
+        raise SparrowError(f"unknown {kind} rope_scaling key {unknown[0]!r}; known: {', '.join(_ROPE_KEYS[kind])}")
+    if "factor" not in scaling:
+        raise SparrowError(f"{kind} rope_scaling needs a factor (the context multiple, e.g. 4.0)")
+    _number(scaling["factor"], "rope_scaling factor", 1.0, ">")
+    if scaling.get("original_max_position_embeddings") is not None:
+        _positive_int(scaling["original_max_position_embeddings"], "rope_scaling original_max_position_embeddings")
+    return {k: v for k, v in scaling.items() if k != "type"} | {"rope_type": kind}
+
+
+def rope_scaling_from_flags(kind: str | None, scale: float | None, orig_ctx: int | None) -> dict | None:
+    """The override of the llama.cpp-style flags `--rope-scaling none|linear|yarn --rope-scale F
+    --yarn-orig-ctx N` (CLI, serve), or None when none is given. Without --yarn-orig-ctx, YaRN's
+    original length is the model's max_position_embeddings (llama.cpp's and transformers' rule)."""
+    if kind is None:
+        if scale is not None or orig_ctx is not None:
+            raise SparrowError("--rope-scale and --yarn-orig-ctx go with --rope-scaling linear or yarn")
+        return None
+    if kind == "none":
+        if scale is not None or orig_ctx is not None:
+            raise SparrowError("--rope-scaling none takes no --rope-scale or --yarn-orig-ctx")
+        return {"rope_type": "default"}
+    if kind not in ("linear", "yarn"):
+        raise SparrowError(f"unsupported --rope-scaling {kind!r}; supported: none, linear, yarn")
+    if scale is None:
+        raise SparrowError(f"--rope-scaling {kind} needs --rope-scale (the context multiple, e.g. 4)")
+    _number(scale, "--rope-scale", 1.0, ">")
+    out = {"rope_type": kind, "factor": float(scale)}
+    if orig_ctx is not None:
+        if kind != "yarn":
+            raise SparrowError("--yarn-orig-ctx goes with --rope-scaling yarn")
+        out["original_max_position_embeddings"] = _positive_int(orig_ctx, "--yarn-orig-ctx")
+    return out
+
+
+def yarn_attention_factor(scaling: dict) -> float:
+    """transformers' YaRN attention factor (_compute_yarn_parameters), by which cos and sin are
+    scaled: attention_factor if set, else 0.1 ln(factor) + 1, or with mscale and mscale_all_dim
+    the ratio of those two terms (DeepSeek's)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(factor: float, m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if m and m_all:
+        return float(mscale(factor, m) / mscale(factor, m_all))
+    return mscale(factor)
+
+
+def _gguf_yarn(get, factor: float) -> dict:
+    """YaRN's keys from llama.cpp's GGUF metadata, as HF rope_scaling keys. llama.cpp's converter
+    writes HF's beta_fast, beta_slow and attention_factor as yarn_beta_fast, yarn_beta_slow and
+    yarn_attn_factor; rope.scaling.attn_factor multiplies the attention factor (llama.cpp's
+    hparams.rope_attn_factor). A missing original length falls back to context_length."""
+    out = {}
+    orig = get("rope.scaling.original_context_length")
+    if orig is not None:
+        out["original_max_position_embeddings"] = orig
+    for key, name in (
+        ("yarn_beta_fast", "beta_fast"),
+        ("yarn_beta_slow", "beta_slow"),
+        ("yarn_attn_factor", "attention_factor"),
+    ):
+        if get("rope.scaling." + key) is not None:
+            out[name] = float(get("rope.scaling." + key))
+    ext = get("rope.scaling.yarn_ext_factor")
+    if ext is not None and float(ext) != 1.0:  # transformers' YaRN has no such knob (it is 1.0 there)
+        raise SparrowError(f"unsupported YaRN yarn_ext_factor {ext} in GGUF; supported: 1.0")
+    if get("rope.scaling.yarn_log_multiplier"):  # DeepSeek's mscale_all_dim; not a Qwen/Llama key
+        raise SparrowError("unsupported YaRN yarn_log_multiplier in GGUF (DeepSeek's mscale_all_dim)")
+    attn = get("rope.scaling.attn_factor")
+    if attn is not None and float(attn) != 1.0:
+        base = out.get("attention_factor", yarn_attention_factor({"factor": factor}))
+        out["attention_factor"] = base * float(attn)
+    return out
+
+
+def _number(value, what: str, bound: float, op: str) -> float:
+    """value as a float, checked finite and `op` bound (">" or ">="): one line naming `what` otherwise."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or not (value > bound if op == ">" else value >= bound):
+        limit = "" if bound == -math.inf else f" {op} {bound:g}"
+        raise SparrowError(f"{what} must be a number{limit}, got {value!r}")
+    return float(value)
+
+
+def _positive_int(value, what: str) -> int:
+    """value as an int (an integral float, as JSON may write it, too), checked > 0."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value != int(value) or value < 1:
+        raise SparrowError(f"{what} must be a positive integer, got {value!r}")
+    return int(value)

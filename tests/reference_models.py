@@ -59,9 +59,10 @@ def save_default_tokenizer(out_dir: str) -> None:
     tok.save_pretrained(out_dir)
 
 
-def build_tiny(arch: str, out_dir: str, tokenizer_dir: str, dtype=None, max_shard_size=None):
+def build_tiny(arch: str, out_dir: str, tokenizer_dir: str, dtype=None, max_shard_size=None, config=None):
     """Builds the seeded tiny model, saves it (safetensors, optionally bf16 or sharded) with the
-    tokenizer into out_dir; returns the transformers model in f32 (eval mode)."""
+    tokenizer into out_dir; returns the transformers model in f32 (eval mode). config: settings
+    that replace TINY_SPECS' (e.g. rope_parameters); the weights depend only on the seed and sizes."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -72,7 +73,7 @@ def build_tiny(arch: str, out_dir: str, tokenizer_dir: str, dtype=None, max_shar
     }
     cfg_cls, model_cls = classes[arch]
     torch.manual_seed(SEEDS[arch])
-    model = model_cls(cfg_cls(**TINY_SPECS[arch])).float().eval()
+    model = model_cls(cfg_cls(**{**TINY_SPECS[arch], **(config or {})})).float().eval()
     if arch == "qwen2":
         # transformers initialises biases to zero; random ones make the bias path observable.
         with torch.no_grad():

@@ -3,8 +3,11 @@ kernels live in sparrow.kernels.elementwise)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
+from ..config import yarn_attention_factor
 from ..kernels.elementwise import rms_norm, rope, silu_mul
 from ..kernels.linear import linear, prepare
 from ..quant import Weight
@@ -13,7 +16,8 @@ __all__ = ["rms_norm", "Rope", "RowRope", "FusedLinear", "MLP", "silu"]
 
 
 class Rope:
-    """Rotate-half rotary embedding, cos/sin cached per position in f32 like transformers."""
+    """Rotate-half rotary embedding, cos/sin cached per position in f32 like transformers (YaRN's
+    attention factor included: transformers scales cos and sin by it, not the scores)."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, mrope_section=()):
         self.mrope_section = tuple(mrope_section)
@@ -21,7 +25,12 @@ class Rope:
         # transformers: inv_freq = 1 / theta ** (arange(0, d, 2) / d) computed in f32
         exps = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
         inv = (1.0 / (np.float32(theta) ** exps)).astype(np.float32)  # [D/2]
-        self.inv_freq = _scale_inv_freq(inv, scaling)
+        self.attention_factor = 1.0
+        if scaling and scaling["rope_type"] == "yarn":
+            self.inv_freq = _yarn_inv_freq(exps, scaling, head_dim, theta)
+            self.attention_factor = yarn_attention_factor(scaling)
+        else:
+            self.inv_freq = _scale_inv_freq(inv, scaling)
         self.cos = np.zeros((0, head_dim // 2), np.float32)
         self.sin = np.zeros((0, head_dim // 2), np.float32)
 
@@ -29,8 +38,14 @@ class Rope:
         n = max(n, 2 * len(self.cos), 256)
         pos = np.arange(n, dtype=np.float32)
         freqs = pos[:, None] * self.inv_freq[None, :]  # [n, D/2] f32 product, as torch does
-        self.cos = np.cos(freqs).astype(np.float32)
-        self.sin = np.sin(freqs).astype(np.float32)
+        self.cos, self.sin = self._cos_sin(freqs)
+
+    def _cos_sin(self, freqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        cos, sin = np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+        if self.attention_factor != 1.0:  # f32 times the factor rounded to f32, as torch multiplies
+            cos *= np.float32(self.attention_factor)
+            sin *= np.float32(self.attention_factor)
+        return cos, sin
 
     def ensure(self, n: int) -> None:
         """cos/sin rows exist for positions 0..n-1."""
@@ -51,7 +66,7 @@ class Rope:
             for axis in (1, 2):
                 idx = slice(axis, 3 * self.mrope_section[axis], 3)
                 freqs[:, idx] = pos3[axis].astype(np.float32)[:, None] * self.inv_freq[None, idx]
-        return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)
+        return self._cos_sin(freqs)
 
     def shifted(self, delta: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """cos, sin tables whose row p holds position p + delta, for p < n (a decode step after
@@ -98,6 +113,37 @@ def _scale_inv_freq(inv: np.ndarray, scaling: dict | None) -> np.ndarray:
     mid = (1 - smooth) * scaled / factor + smooth * scaled
     is_mid = (wavelen >= old / hi) & (wavelen <= old / lo)
     return np.where(is_mid, mid, scaled).astype(np.float32)
+
+
+def _yarn_inv_freq(exps: np.ndarray, scaling: dict, dim: int, theta: float) -> np.ndarray:
+    """transformers' _compute_yarn_parameters, op for op in f32: frequencies that turn fewer than
+    beta_slow times over the original context are interpolated (divided by factor), those that
+    turn more than beta_fast times kept, a linear ramp over the dimensions in between.
+    exps: the f32 exponents arange(0, dim, 2) / dim."""
+    factor = float(scaling["factor"])
+    orig = scaling["original_max_position_embeddings"]
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers: avoids dividing by zero
+    ramp = (np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low)
+    extrapolated = (np.float32(1) - np.clip(ramp, 0, 1)).astype(np.float32)  # [D/2], 1 = kept
+    # theta ** exps rounded from f64: torch's f32 power is off by one ulp from that for ~1% of
+    # frequencies, numpy's f32 power for ~20% (measured over head sizes 32-256, five thetas). The
+    # plain Rope keeps its f32 power, so plain models' logits do not move.
+    pos_freqs = (np.float64(theta) ** exps.astype(np.float64)).astype(np.float32)  # [D/2]
+    kept = (np.float32(1) / pos_freqs).astype(np.float32)
+    interpolated = (np.float32(1) / (np.float32(factor) * pos_freqs)).astype(np.float32)
+    out = interpolated * (np.float32(1) - extrapolated) + kept * extrapolated
+    return out.astype(np.float32)
 
 
 def silu(x: np.ndarray) -> np.ndarray:

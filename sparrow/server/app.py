@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
+from ..config import rope_scaling_from_flags
 from ..engine.disk_cache import prepare_folder
 from ..engine.engine import Engine, EngineBusy
 from ..engine.kv_budget import format_size, parse_size
@@ -578,6 +579,9 @@ def load_options(args) -> dict:
         ctx=args.ctx,
         activations=getattr(args, "activations", None),
         mmproj=getattr(args, "mmproj", None),
+        rope_scaling=rope_scaling_from_flags(
+            getattr(args, "rope_scaling", None), getattr(args, "rope_scale", None), getattr(args, "yarn_orig_ctx", None)
+        ),
     )
 
 
@@ -591,6 +595,7 @@ def serve(args) -> None:
 
     from .. import api
 
+    options = load_options(args)  # its flags checked before the port is bound
     state = state_from_args(args)
     app = create_app(state)
     grace = getattr(args, "drain_timeout", 30.0)
@@ -630,7 +635,7 @@ def serve(args) -> None:
 
     def load():
         try:
-            llm = api.load(**load_options(args))
+            llm = api.load(**options)
             state.attach(llm, on_warm=_warm_line)
             kv = format_size(state.engine.pool.budget)
             print(

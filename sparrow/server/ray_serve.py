@@ -26,6 +26,7 @@ import os
 import sys
 import time
 
+from ..config import rope_scaling_from_flags
 from ..errors import SparrowError
 from ..vision.media import MAX_PIXELS_PER_REQUEST
 from .app import create_app, load_options, state_from_args
@@ -39,6 +40,9 @@ SERVE_DEFAULTS = dict(
     model=None,
     mmproj=None,
     ctx=None,
+    rope_scaling=None,
+    rope_scale=None,
+    yarn_orig_ctx=None,
     kv_dtype="f32",
     quantize=None,
     activations=None,
@@ -131,10 +135,10 @@ def app_builder(args: dict):
             raise SparrowError(f"unknown sparrow replica option {k!r} (known: {', '.join(SERVE_DEFAULTS)})")
         default = SERVE_DEFAULTS[k]
         options[k] = v in ("1", "true", "True") if isinstance(default, bool) else v
-    for k in ("ctx", "max_batch", "max_queue", "max_images_per_request", "max_pixels_per_request"):
+    for k in ("ctx", "yarn_orig_ctx", "max_batch", "max_queue", "max_images_per_request", "max_pixels_per_request"):
         if options.get(k) is not None:
             options[k] = int(options[k])
-    for k in ("request_timeout", "body_timeout"):
+    for k in ("request_timeout", "body_timeout", "rope_scale"):
         if options.get(k) is not None:
             options[k] = float(options[k])
     return deployment(options, replicas, cpus, auto)
@@ -149,6 +153,9 @@ def serve_ray(args) -> None:
     except ImportError:
         raise SparrowError("--ray needs Ray Serve: pip install 'sparrow[ray]'") from None
     options = {k: getattr(args, k, d) for k, d in SERVE_DEFAULTS.items()}
+    rope_scaling_from_flags(
+        options["rope_scaling"], options["rope_scale"], options["yarn_orig_ctx"]
+    )  # before Ray starts
     auto = _autoscaling(args.min_replicas, args.max_replicas, args.target_ongoing_requests)
     ray.init(address=args.ray_address, include_dashboard=False, logging_level="warning")
     serve.start(http_options={"host": args.host, "port": args.port})
