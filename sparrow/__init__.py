@@ -10,6 +10,6 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 from .api import LLM, load
 from .errors import SparrowError
+from .version import __version__
 
-__all__ = ["LLM", "load", "SparrowError"]
-__version__ = "0.1.0"
+__all__ = ["LLM", "load", "SparrowError", "__version__"]

@@ -16,7 +16,7 @@ from pathlib import Path
 # "pkg.*" is the package pkg and every module in it.
 TIERS = [
     # 0: definitions everything shares: errors, model config, weight storage, option objects
-    ("sparrow.errors", "sparrow.config", "sparrow.quant", "sparrow.params"),
+    ("sparrow.errors", "sparrow.config", "sparrow.quant", "sparrow.params", "sparrow.version"),
     # 1: leaf machinery on plain arrays and files: numba kernels, checkpoint readers (which
     #    build the tokenizer), tokenizer and chat template, structured output (tool specs,
     #    llguidance grammars and masks, tool-call parsers), images (decoding, preprocessing and

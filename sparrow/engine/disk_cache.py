@@ -55,6 +55,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..errors import SparrowError
+from ..version import __version__
 from .prefix_cache import common_prefix
 
 log = logging.getLogger("sparrow.prompt_cache")
@@ -86,8 +87,7 @@ def _code_hash() -> str:
 
 
 def sparrow_version() -> str:
-    from .. import __version__
-
+    """The release and a hash of the sources."""
     return f"{__version__}+{_code_hash()}"
 
 
