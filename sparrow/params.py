@@ -122,7 +122,7 @@ SPARSE_OPTIONS = ("sparse_attn", "sparse_k", "sparse_block", "sparse_probe", "sp
 class SamplingParams:
     max_tokens: int = 256
     temperature: float = 0.0
-    top_p: float = 1.0
+    top_p: float = 1.0  # 0: greedy, as OpenAI's minimum reads (the smallest set of tokens is the best one)
     top_k: int = 0  # 0 = off
     min_p: float = 0.0
     repetition_penalty: float = 1.0  # HF/llama.cpp style: divides positive logits, multiplies negative ones
@@ -151,8 +151,8 @@ class SamplingParams:
             bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not (0.0 <= self.temperature <= 100.0):
             bad(f"temperature must be in [0, 100], got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.top_p <= 1.0):
+            bad(f"top_p must be in [0, 1], got {self.top_p}")
         if self.top_k < 0:
             bad(f"top_k must be >= 0, got {self.top_k}")
         if not (0.0 <= self.min_p <= 1.0):

@@ -1,7 +1,7 @@
 """Sampling: penalties, temperature, top-k, top-p, min-p, and a per-request RNG.
 
 Each request owns a `Sampler` seeded from its `seed`, so its tokens never depend on other
-requests or on thread timing. Greedy (temperature 0) never touches the RNG. A grammar's mask
+requests or on thread timing. Greedy (temperature 0 or top_p 0) never touches the RNG. A grammar's mask
 (structured output) comes with each call and depends only on the request's own tokens.
 """
 
@@ -51,7 +51,7 @@ class Sampler:
             allowed = allowed[: len(x)]
             n_allowed = int(np.count_nonzero(allowed))
             x[~allowed] = -np.inf  # after the penalties, before every filter: they only see allowed tokens
-        if p.temperature == 0.0:
+        if p.temperature == 0.0 or p.top_p == 0.0:
             return int(np.argmax(x))  # ties -> lowest id, deterministic
         x = x.astype(np.float64) / p.temperature
         order = np.argsort(-x, kind="stable")  # [V] best first, ties by id

@@ -21,7 +21,8 @@ from .schema import ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
 _OTHER = (TokenizeRequest, DetokenizeRequest)
 
 _TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "tools", "template", "self"}  # set by the server
-DEFAULT_MAX_TOKENS = 2048  # when the request names none: the KV cache is sized to prompt + this
+DEFAULT_MAX_TOKENS = 2048  # chat, when the request names none: the KV cache is sized to prompt + this
+COMPLETION_MAX_TOKENS = 16  # completions, when the request names none: OpenAI's documented default
 
 
 class APIError(Exception):
@@ -146,7 +147,9 @@ class GenRequest:
     model: str | None
     params: SamplingParams
     sparse: SparseParams | None
-    max_tokens: int | None  # None: fill to DEFAULT_MAX_TOKENS / the context once the prompt is known
+    # None: DEFAULT_MAX_TOKENS (chat) or COMPLETION_MAX_TOKENS, capped by the context once the prompt is
+    # known; 0 (completions only): answer with no tokens, nothing generated
+    max_tokens: int | None
     messages: list[dict] | None = None
     prompt: str | list[int] | None = None
     stream: bool = False
@@ -165,7 +168,7 @@ def _common(r, chat: bool, defaults: dict | None) -> GenRequest:
         v = getattr(r, name)
         return d.get(name, fallback) if v is None else v
 
-    max_tokens = getattr(r, "max_completion_tokens", None) or r.max_tokens
+    max_tokens = r.max_tokens if getattr(r, "max_completion_tokens", None) is None else r.max_completion_tokens
     if chat:
         want_lp = bool(r.logprobs)
         if r.top_logprobs is not None and not want_lp:
@@ -329,13 +332,13 @@ def token_entry(tokenizer, token_id: int, logprob: float) -> dict:
 
 
 def chat_logprobs(tokenizer, outs) -> dict:
-    """outs: StepOutputs with logprobs -> chat `logprobs` {"content": [...]}."""
+    """outs: StepOutputs with logprobs -> chat `logprobs` {"content": [...], "refusal": None}."""
     content = []
     for o in outs:
         e = token_entry(tokenizer, o.token_id, o.logprob)
         e["top_logprobs"] = [token_entry(tokenizer, t, lp) for t, lp in (o.top_logprobs or [])]
         content.append(e)
-    return {"content": content}
+    return {"content": content, "refusal": None}  # OpenAI's schema requires refusal (null: sparrow never refuses)
 
 
 def completion_logprobs(tokenizer, outs, offset: int = 0) -> dict:

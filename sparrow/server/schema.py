@@ -219,7 +219,7 @@ class _Sampling(_Model):
     max_tokens: int | None = Field(None, ge=1)
     seed: int | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0, description="0: greedy")
     top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY[0], le=REPETITION_PENALTY[1])
@@ -254,6 +254,9 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="a string or token ids (a batch of one is accepted)"
+    )
+    max_tokens: int | None = Field(
+        None, ge=0, description="default 16 (OpenAI's); 0 answers an empty text, finish_reason length"
     )
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = Field(None, description="not supported")
@@ -306,6 +309,7 @@ class TokenLogprob(TopLogprob):
 
 class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
+    refusal: None = Field(None, description="always null: sparrow never refuses")
 
 
 class AssistantToolCall(BaseModel):
@@ -317,6 +321,7 @@ class AssistantToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
+    refusal: None = Field(None, description="always null: sparrow never refuses")
     reasoning_content: str | None = None
     tool_calls: list[AssistantToolCall] | None = None
 

