@@ -222,6 +222,7 @@ class LLM:
         tokens to the grammar."""
         set_threads(self.threads)
         sampling, sparse = _params(sampling, sparse, options)
+        sampling.check_vocab(self.config.vocab_size)
         kv = check_kv_dtype(kv_dtype or self.kv_dtype)
         structured = Structured.parse(tools, tool_choice, response_format, parallel_tool_calls)
         ids, images = (

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from test_fuzz_files import tiny_gguf  # noqa: F401 - the fixture, shared
@@ -91,3 +92,76 @@ def test_top_p_0_is_greedy(served, path, body):  # noqa: F811
     greedy = text(temperature=0)
     assert all(text(temperature=1.5, top_p=0, seed=s) == greedy for s in (1, 2, 3))
     assert any(text(temperature=1.5, seed=s) != greedy for s in (1, 2, 3))  # the sampling was real
+
+
+# ---------------------------------------------------------------------- logit_bias
+def _ids(base: str, text: str) -> list[int]:
+    return post(base, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+
+def _completion(base: str, **kw) -> dict:
+    r = post(base, COMPLETIONS, {"prompt": "the heat", "max_tokens": 8, "ignore_eos": True, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_logit_bias_bans_and_forces_tokens(served):  # noqa: F811
+    greedy = _completion(served, temperature=0, logprobs=0)
+    # a token of the greedy answer that is whole text (some are single bytes of a UTF-8 character)
+    token = next(t for t in greedy["logprobs"]["tokens"] if "\ufffd" not in t and len(_ids(served, t)) == 1)
+    [token_id] = _ids(served, token)
+    banned = _completion(served, temperature=0, logprobs=0, logit_bias={str(token_id): -100})
+    assert token not in banned["logprobs"]["tokens"] and banned["text"] != greedy["text"]
+    # sampled or greedy, chat or completions: +100 makes one token all but certain
+    [e_id] = _ids(served, "e")
+    assert _completion(served, temperature=1.0, seed=5, logit_bias={str(e_id): 100})["text"] == "e" * 8
+    r = post(served, CHAT_PATH, {"messages": CHAT, "max_tokens": 4, "ignore_eos": True, "logit_bias": {e_id: 100}})
+    assert r.json()["choices"][0]["message"]["content"] == "e" * 4
+    # a bias of 0 changes nothing
+    assert _completion(served, temperature=0, logit_bias={str(token_id): 0})["text"] == greedy["text"]
+
+
+def test_logit_bias_is_deterministic_alone_and_batched(served):  # noqa: F811
+    from concurrent.futures import ThreadPoolExecutor
+
+    [e_id], [t_id] = _ids(served, "e"), _ids(served, "t")
+    kw = {"temperature": 1.0, "seed": 11, "logprobs": 1, "logit_bias": {str(e_id): 3.5, str(t_id): -2.25}}
+    alone = [_completion(served, **kw) for _ in range(2)]
+    with ThreadPoolExecutor(4) as pool:  # the engine batches their decode steps
+        batched = list(pool.map(lambda s: _completion(served, **{**kw, "seed": s}), [11, 12, 11, 13]))
+    assert alone[0] == alone[1] == batched[0] == batched[2]  # text and logprobs, to the bit
+    assert _completion(served, **{**kw, "logit_bias": {}})["text"] != alone[0]["text"]  # the bias did something
+
+
+@pytest.mark.parametrize(
+    "bias",
+    [{"abc": 1}, {"-1": 1}, {"1.5": 1}, {"384": 1}, {"99999999999": 1}, {"5": 101}, {"5": -100.5}, {"5": "x"},
+     {"5": None}, [5]],
+)  # fmt: skip
+def test_logit_bias_is_checked(served, bias):  # noqa: F811
+    for path, body in ((CHAT_PATH, {"messages": CHAT}), (COMPLETIONS, {"prompt": "x"})):
+        assert error(post(served, path, {**body, "max_tokens": 1, "logit_bias": bias}))["param"] == "logit_bias"
+
+
+def test_logit_bias_in_the_python_api(tiny_gguf, tmp_path):  # noqa: F811
+    import sparrow
+    from sparrow.engine.sampling import Sampler
+    from sparrow.errors import SparrowError
+    from sparrow.params import SamplingParams
+
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(tiny_gguf)
+    llm = sparrow.load(str(path))
+    kw = dict(max_tokens=6, ignore_eos=True)
+    greedy = [o.token_id for o in llm.stream("the heat", **kw)]
+    banned = [o.token_id for o in llm.stream("the heat", logit_bias={greedy[0]: -100}, **kw)]
+    assert banned[0] != greedy[0]
+    as_json = SamplingParams(logit_bias={str(greedy[0]): -100}, **kw)
+    same = [o.token_id for o in llm.stream("the heat", sampling=as_json)]
+    assert same == banned  # "42" keys, as JSON gives them, are token 42
+    for bad in ({-1: 1}, {"x": 1}, {1: 100.5}, {1: float("nan")}, {384: 1}):
+        with pytest.raises(SparrowError, match="logit_bias"):
+            list(llm.stream("the heat", logit_bias=bad, **kw))
+    logits = np.zeros(384, np.float32)
+    logits[7] = 50.0
+    assert Sampler(SamplingParams(logit_bias={7: -100, 9: 0.5}), 384)(logits) == 9

@@ -405,6 +405,10 @@ def create_app(state: ServerState) -> FastAPI:
             req.params.max_tokens = max(1, max_tokens)  # 0 is answered without generating (_generate)
             check_context(len(ids), max_tokens, llm.ctx)
             req.params.validate()
+            try:
+                req.params.check_vocab(llm.config.vocab_size)
+            except SparrowError as e:
+                raise APIError(400, str(e), param="logit_bias") from None
         except ContextLengthError as e:
             raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         except SparrowError as e:

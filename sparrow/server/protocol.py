@@ -180,6 +180,10 @@ def _common(r, chat: bool, defaults: dict | None) -> GenRequest:
     stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
     if len(stop) > 16:
         raise _bad("stop", "at most 16 stop strings are supported")
+    bias = r.logit_bias or {}
+    bad_key = next((k for k in bias if not (k.isascii() and k.isdigit())), None)
+    if bad_key is not None:
+        raise _bad("logit_bias", f"logit_bias keys must be token ids (decimal integers), got {bad_key!r:.40}")
     params = SamplingParams(
         max_tokens=max_tokens or 1,
         temperature=float(pick("temperature", 1.0)),
@@ -194,6 +198,7 @@ def _common(r, chat: bool, defaults: dict | None) -> GenRequest:
         ignore_eos=bool(r.ignore_eos),
         stop_token_ids=list(r.stop_token_ids or []),
         logprobs=logprobs,
+        logit_bias={int(k): v for k, v in bias.items()},
     )
     sparse = None
     if r.sparse_attn:

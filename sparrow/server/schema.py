@@ -224,6 +224,9 @@ class _Sampling(_Model):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY[0], le=REPETITION_PENALTY[1])
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="token id (a decimal string) -> a bias in [-100, 100] added to its logit"
+    )
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     stop: str | list[str] | None = Field(None, description="at most 16 stop strings")
     ignore_eos: bool | None = None
