@@ -165,3 +165,65 @@ def test_logit_bias_in_the_python_api(tiny_gguf, tmp_path):  # noqa: F811
     logits = np.zeros(384, np.float32)
     logits[7] = 50.0
     assert Sampler(SamplingParams(logit_bias={7: -100, 9: 0.5}), 384)(logits) == 9
+
+
+# ---------------------------------------------------------------------- fields sparrow does not apply
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    "path,field,value",
+    [
+        (CHAT_PATH, "functions", [TOOL["function"]]),
+        (CHAT_PATH, "function_call", "auto"),
+        (CHAT_PATH, "function_call", {"name": "get_weather"}),
+        (CHAT_PATH, "audio", {"voice": "alloy", "format": "wav"}),
+        (CHAT_PATH, "modalities", ["text", "audio"]),
+        (CHAT_PATH, "reasoning_effort", "low"),
+        (CHAT_PATH, "verbosity", "low"),
+        (CHAT_PATH, "web_search_options", {}),
+        (CHAT_PATH, "store", True),
+        (COMPLETIONS, "best_of", 2),
+        (COMPLETIONS, "best_of", True),
+        (COMPLETIONS, "suffix", " the end"),
+        (COMPLETIONS, "echo", True),
+    ],
+)
+def test_fields_not_applied_are_refused(served, path, field, value):  # noqa: F811
+    body = {"messages": CHAT} if path == CHAT_PATH else {"prompt": "the heat"}
+    err = error(post(served, path, {**body, "max_tokens": 1, field: value}))
+    assert (err["param"], err["type"]) == (field, "invalid_request_error")
+
+
+@pytest.mark.parametrize(
+    "path,extra",
+    [
+        (CHAT_PATH, {"functions": None, "function_call": None, "modalities": ["text"], "store": False,
+                     "metadata": {"k": "v"}, "service_tier": "auto", "user": "u", "safety_identifier": "s",
+                     "prompt_cache_key": "k", "prediction": {"type": "content", "content": "x"}}),
+        (COMPLETIONS, {"best_of": 1, "suffix": None, "echo": False, "user": "u"}),
+        (COMPLETIONS, {"suffix": ""}),
+    ],
+)  # fmt: skip
+def test_values_that_ask_for_nothing_are_accepted(served, path, extra):  # noqa: F811
+    body = {"messages": CHAT} if path == CHAT_PATH else {"prompt": "the heat"}
+    r = post(served, path, {**body, "max_tokens": 2, "temperature": 0, **extra})
+    assert r.status_code == 200, r.text
+
+
+def test_refused_and_ignored_fields_are_documented(served):  # noqa: F811
+    """/openapi.json names every field of OpenAI's requests, refused ones as such; docs/serving.md lists them."""
+    from pathlib import Path
+
+    from sparrow.server.protocol import REFUSED_CHAT, REFUSED_COMPLETION
+
+    models = httpx.get(served + "/openapi.json").json()["components"]["schemas"]
+    docs = (Path(__file__).parent.parent / "docs" / "serving.md").read_text()
+    for model, refused in (("ChatCompletionRequest", REFUSED_CHAT), ("CompletionRequest", REFUSED_COMPLETION)):
+        props = models[model]["properties"]
+        for name in refused:
+            assert props[name]["description"].startswith("not supported"), name
+            assert f"`{name}`" in docs, name
+        for name, p in props.items():
+            if p.get("description", "").startswith("accepted, no effect"):
+                assert f"`{name}`" in docs, name

@@ -149,7 +149,7 @@ def test_unknown_fields_are_ignored(served):
 
     # a tool's own extra keys reach the chat template as given (the tools prompt is too long for ctx 256)
     assert parse_chat({**body, "tools": [tool]}).structured.template_tools == [tool]
-    assert post(served, "/v1/completions", {"prompt": "the", "max_tokens": 1, "suffix": "x"}).status_code == 200
+    assert post(served, "/v1/completions", {"prompt": "the", "max_tokens": 1, "user": "x"}).status_code == 200
 
 
 def test_curl_form_content_type_is_read_as_json(served):

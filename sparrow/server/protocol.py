@@ -140,6 +140,34 @@ def _models_in(tp):
         yield from _models_in(arg)
 
 
+# ---------------------------------------------------------------------- fields sparrow does not apply
+# OpenAI's request fields that would change the answer but are not applied here: each is a 400
+# naming it, unless it holds a value that asks for nothing (schema.py documents them as refused).
+REFUSED_CHAT = {
+    "functions": ((None,), "deprecated 'functions' is not supported; use 'tools'"),
+    "function_call": ((None,), "deprecated 'function_call' is not supported; use 'tool_choice'"),
+    "audio": ((None,), "audio output is not supported"),
+    "modalities": ((None, ["text"]), "only the text modality is supported"),
+    "reasoning_effort": ((None,), "'reasoning_effort' is not supported (Qwen3: chat_template_kwargs.enable_thinking)"),
+    "verbosity": ((None,), "'verbosity' is not supported"),
+    "web_search_options": ((None,), "web search is not supported (the server has no network)"),
+    "moderation": ((None, False), "moderation is not supported"),
+    "store": ((None, False), "'store' is not supported: sparrow stores no completions"),
+}
+REFUSED_COMPLETION = {
+    "best_of": ((None, 1), "'best_of' other than 1 is not supported"),
+    "suffix": ((None, ""), "'suffix' (insertion) is not supported"),
+    "echo": ((None, False), "'echo' is not supported"),
+}
+
+
+def _refuse(r, table: dict) -> None:
+    for name, (allowed, why) in table.items():
+        v = getattr(r, name)
+        if not any(v == a and type(v) is type(a) for a in allowed):  # type: 1 is not True, [] is not None
+            raise _bad(name, why)
+
+
 # ---------------------------------------------------------------------- requests -> GenRequest
 @dataclass
 class GenRequest:
@@ -271,6 +299,7 @@ def _structured(r, parallel: bool) -> Structured:
 
 def chat_request(r: ChatCompletionRequest, defaults: dict | None = None, images: bool = False) -> GenRequest:
     """images: the model takes image parts (else a non-text part is a 400, as for a text model)."""
+    _refuse(r, REFUSED_CHAT)
     req = _common(r, chat=True, defaults=defaults)
     req.messages = _messages(r.messages, images)
     req.structured = _structured(r, r.parallel_tool_calls is not False)
@@ -283,6 +312,7 @@ def chat_request(r: ChatCompletionRequest, defaults: dict | None = None, images:
 
 
 def completion_request(r: CompletionRequest, defaults: dict | None = None) -> GenRequest:
+    _refuse(r, REFUSED_COMPLETION)
     req = _common(r, chat=False, defaults=defaults)
     p = r.prompt
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
@@ -293,8 +323,6 @@ def completion_request(r: CompletionRequest, defaults: dict | None = None) -> Ge
         raise _bad("prompt", "batched prompts are not supported; send one prompt per request")
     else:
         raise _bad("prompt", "'prompt' must be a string or a list of token ids")
-    if r.echo:
-        raise _bad("echo", "'echo' is not supported")
     return req
 
 
