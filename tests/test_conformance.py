@@ -3,7 +3,7 @@ response fields, the fields sparrow applies or refuses, completions' defaults, `
 `logit_bias`, tool calls and schemas that admit no answer.
 
 The server runs in this process on the tiny GGUF of test_fuzz_files (test_openapi's fixture): a
-256-token context and a 384-token vocabulary, so any request finishes in well under a second.
+1024-token context and a 384-token vocabulary, so any request finishes in well under a second.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from test_fuzz_files import tiny_gguf  # noqa: F401 - the fixture, shared
 from test_openapi import CHAT, error, post, served  # noqa: F401 - served: the fixture, shared
 
 CHAT_PATH, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CTX = 1024  # the served model's context (test_openapi's fixture reads it): room for a tools prompt
 
 
 def events(base: str, path: str, body: dict) -> list[dict]:
@@ -77,7 +78,7 @@ def test_completions_max_tokens_0_is_an_empty_answer(served):  # noqa: F811
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]] == ["length"]
     assert chunks[-1]["usage"]["completion_tokens"] == 0
     # the prompt is still checked, and chat keeps its minimum of 1
-    assert error(post(served, COMPLETIONS, {"prompt": "x" * 600, "max_tokens": 0}))["param"] == "prompt"
+    assert error(post(served, COMPLETIONS, {"prompt": "x" * 1500, "max_tokens": 0}))["param"] == "prompt"
     assert error(post(served, CHAT_PATH, {"messages": CHAT, "max_tokens": 0}))["param"] == "max_tokens"
 
 
@@ -227,3 +228,94 @@ def test_refused_and_ignored_fields_are_documented(served):  # noqa: F811
         for name, p in props.items():
             if p.get("description", "").startswith("accepted, no effect"):
                 assert f"`{name}`" in docs, name
+
+
+# ---------------------------------------------------------------------- tools and schemas
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _call(base: str, **kw) -> dict:
+    body = {"messages": ASK, "tools": [WEATHER], "tool_choice": NAMED, "max_tokens": 120, "temperature": 0, **kw}
+    r = post(base, CHAT_PATH, body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_named_tool_choice_gives_one_call(served):  # noqa: F811
+    """The grammar lets a second call follow only when parallel_tool_calls asks for it: a bias
+    towards the newline that would start one shows the difference."""
+    [newline] = _ids(served, "\n")
+    more = {"logit_bias": {str(newline): 30}}
+    one = _call(served, **more)
+    assert one["finish_reason"] == "tool_calls" and len(one["message"]["tool_calls"]) == 1
+    assert json.loads(one["message"]["tool_calls"][0]["function"]["arguments"]).keys() == {"city"}
+    several = _call(served, parallel_tool_calls=True, **more)["message"]["tool_calls"]
+    assert several and len(several) > 1  # the bias does open a second call where one is allowed
+    assert len(_call(served, parallel_tool_calls=False, **more)["message"]["tool_calls"]) == 1
+
+
+def test_tool_call_cut_by_max_tokens_reports_its_arguments_only(served):  # noqa: F811
+    whole = _call(served)
+    args = whole["message"]["tool_calls"][0]["function"]["arguments"]
+    n = post(served, CHAT_PATH, {"messages": ASK, "tools": [WEATHER], "tool_choice": NAMED, "max_tokens": 120,
+                                 "temperature": 0}).json()["usage"]["completion_tokens"]  # fmt: skip
+    for cut in range(n - 8, n):  # inside the closing `}\n</tool_call>`, after the arguments ended
+        c = _call(served, max_tokens=cut)
+        got = c["message"]["tool_calls"][0]["function"]["arguments"]
+        assert c["finish_reason"] == "length" and got == args, (cut, got)
+        streamed = [
+            d["function"].get("arguments", "")
+            for e in events(served, CHAT_PATH, {"messages": ASK, "tools": [WEATHER], "tool_choice": NAMED,
+                                                "max_tokens": cut, "temperature": 0})
+            for ch in e["choices"]
+            for d in ch["delta"].get("tool_calls", [])
+        ]  # fmt: skip
+        assert "".join(streamed) == args, cut
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$ref": "#"},
+        {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+        {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]},
+        {"$defs": {"a": {"type": "array", "items": {"$ref": "#/$defs/b"}, "minItems": 1},
+                   "b": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "required": ["a"]}},
+         "$ref": "#/$defs/a"},
+    ],
+)  # fmt: skip
+def test_schema_with_no_finite_value_is_refused(served, schema):  # noqa: F811
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    err = error(post(served, CHAT_PATH, {"messages": CHAT, "max_tokens": 4, "response_format": fmt}))
+    assert err["param"] == "response_format.json_schema.schema" and "no finite value" in err["message"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": schema}, "required": ["x"], **({"$defs": schema["$defs"]} if "$defs" in schema else {})}}}  # fmt: skip
+    if schema.get("$ref") != "#":  # a reference to the parameters' root is refused anyway (README)
+        err = error(post(served, CHAT_PATH, {"messages": CHAT, "max_tokens": 4, "tools": [tool]}))
+        assert err["param"] == "tools[0].function.parameters", err
+
+
+def test_recursive_schema_that_can_end_still_works(served):  # noqa: F811
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+            "required": ["kids"], "additionalProperties": False}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "tree", "schema": tree}}
+    r = post(served, CHAT_PATH, {"messages": CHAT, "max_tokens": 200, "temperature": 0, "response_format": fmt})
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    if c["finish_reason"] == "stop":
+        assert "kids" in json.loads(c["message"]["content"])
+    else:
+        assert c["message"]["content"].startswith('{"kids": [')

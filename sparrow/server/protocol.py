@@ -285,7 +285,7 @@ def _messages(msgs, images: bool) -> list[dict]:
     return out
 
 
-def _structured(r, parallel: bool) -> Structured:
+def _structured(r, parallel: bool | None) -> Structured:
     def raw(v):
         if isinstance(v, list):
             return [raw(x) for x in v]
@@ -302,7 +302,7 @@ def chat_request(r: ChatCompletionRequest, defaults: dict | None = None, images:
     _refuse(r, REFUSED_CHAT)
     req = _common(r, chat=True, defaults=defaults)
     req.messages = _messages(r.messages, images)
-    req.structured = _structured(r, r.parallel_tool_calls is not False)
+    req.structured = _structured(r, r.parallel_tool_calls)
     kwargs = r.chat_template_kwargs or {}
     clash = sorted(set(kwargs) & _TEMPLATE_RESERVED)
     if clash:
