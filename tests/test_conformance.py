@@ -319,3 +319,111 @@ def test_recursive_schema_that_can_end_still_works(served):  # noqa: F811
         assert "kids" in json.loads(c["message"]["content"])
     else:
         assert c["message"]["content"].startswith('{"kids": [')
+
+
+# ---------------------------------------------------------------------- OpenAI's response schemas
+SPEC = json.loads((__import__("pathlib").Path(__file__).parent / "data" / "openai_responses_2.3.0.json").read_text())
+
+
+def check(obj, name: str) -> None:
+    """Raises jsonschema's ValidationError (with the path of the first problem) unless obj is a `name`."""
+    import jsonschema
+
+    jsonschema.Draft202012Validator({"$ref": f"#/$defs/{name}", "$defs": SPEC["$defs"]}).validate(obj)
+
+
+def test_the_schema_data_rejects_what_it_should():
+    """The hand-written schemas are not vacuous: each misses what the spec requires."""
+    import jsonschema
+
+    for obj, name in [
+        ({"role": "assistant", "content": "hi"}, "ChatCompletionResponseMessage"),  # no refusal (issue 38)
+        ({"content": []}, "ChatChoiceLogprobs"),
+        ({"error": {"message": "m", "type": "t", "param": None}}, "ErrorResponse"),
+        ({"id": "m", "object": "model", "created": 1}, "Model"),
+        ({"id": "x", "object": "text_completion", "created": 1, "model": "m",
+          "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": None}]}, "CreateCompletionResponse"),
+        ({"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+          "choices": [{"index": 0, "delta": {"tool_calls": [{"id": "c"}]}, "finish_reason": None}]},
+         "CreateChatCompletionStreamResponse"),
+    ]:  # fmt: skip
+        with pytest.raises(jsonschema.ValidationError):
+            check(obj, name)
+
+
+CHAT_MODES = {
+    "plain": {"messages": CHAT, "max_tokens": 4},
+    "logprobs": {"messages": CHAT, "max_tokens": 4, "logprobs": True, "top_logprobs": 2},
+    "length": {"messages": CHAT, "max_tokens": 3, "ignore_eos": True, "logit_bias": {"101": 5}},
+    "tool call": {
+        "messages": ASK,
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": 120,
+    },
+    "tool call cut": {"messages": ASK, "tools": [WEATHER], "tool_choice": NAMED, "max_tokens": 50},
+    "json": {"messages": CHAT, "response_format": {"type": "json_object"}, "max_tokens": 20},
+}
+COMPLETION_MODES = {
+    "plain": {"prompt": "the heat"},
+    "logprobs": {"prompt": "the heat", "max_tokens": 5, "logprobs": 3},
+    "token ids": {"prompt": [101, 104], "max_tokens": 3},
+    "max_tokens 0": {"prompt": "the heat", "max_tokens": 0, "logprobs": 1},
+}
+
+
+@pytest.mark.parametrize("mode", CHAT_MODES)
+def test_chat_answers_validate(served, mode):  # noqa: F811
+    body = {"temperature": 0, **CHAT_MODES[mode]}
+    r = post(served, CHAT_PATH, body)
+    assert r.status_code == 200, r.text
+    check(r.json(), "CreateChatCompletionResponse")
+    chunks = events(served, CHAT_PATH, {**body, "stream_options": {"include_usage": True}})
+    for c in chunks:
+        check(c, "CreateChatCompletionStreamResponse")
+    if "tools" in body:  # the modes do show the shapes they are named after
+        assert r.json()["choices"][0]["message"]["tool_calls"]
+        assert r.json()["choices"][0]["finish_reason"] == ("length" if "cut" in mode else "tool_calls")
+        assert any("tool_calls" in ch["delta"] for c in chunks for ch in c["choices"])
+    if "logprobs" in body:
+        assert any(ch["logprobs"] for c in chunks for ch in c["choices"])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
+    for c in events(served, CHAT_PATH, body):
+        check(c, "CreateChatCompletionStreamResponse")
+        assert "usage" not in c
+
+
+@pytest.mark.parametrize("mode", COMPLETION_MODES)
+def test_completion_answers_validate(served, mode):  # noqa: F811
+    body = {"temperature": 0, **COMPLETION_MODES[mode]}
+    r = post(served, COMPLETIONS, body)
+    assert r.status_code == 200, r.text
+    check(r.json(), "CreateCompletionResponse")
+    chunks = events(served, COMPLETIONS, {**body, "stream_options": {"include_usage": True}})
+    for c in chunks:
+        check(c, "CreateCompletionStreamEvent")
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] in ("stop", "length")
+    assert chunks[-1]["choices"] == [] and "completion_tokens" in chunks[-1]["usage"]
+    for c in events(served, COMPLETIONS, body):
+        check(c, "CreateCompletionStreamEvent")
+
+
+def test_models_and_errors_validate(served, client):  # noqa: F811
+    check(httpx.get(served + "/v1/models").json(), "ListModelsResponse")
+    name = client.models.list().data[0].id
+    check(httpx.get(f"{served}/v1/models/{name}").json(), "Model")
+    errors = [
+        httpx.get(served + "/v1/models/nope"),
+        httpx.get(served + "/v1/nothing-here"),
+        post(served, CHAT_PATH, {"messages": CHAT, "model": "nope"}),
+        post(served, CHAT_PATH, {"messages": []}),
+        post(served, CHAT_PATH, content=b'{"messages": ['),
+        post(served, CHAT_PATH, {"messages": CHAT, "functions": []}),
+        post(served, COMPLETIONS, {"prompt": "x", "logit_bias": {"x": 1}}),
+        post(served, COMPLETIONS, {"prompt": "x" * 1500}),
+        post(served, COMPLETIONS, content=b"x" * (9 << 20)),
+    ]
+    assert sorted({r.status_code for r in errors}) == [400, 404, 413]
+    for r in errors:
+        check(r.json(), "ErrorResponse")
