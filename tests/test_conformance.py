@@ -57,6 +57,8 @@ def test_models_retrieve(served, client):  # noqa: F811
     assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
     err = error(httpx.get(served + "/v1/models/org/no-such-model"), 404)
     assert err["param"] == "model" and "org/no-such-model" in err["message"]
+    metrics = httpx.get(served + "/metrics").text  # one label for the route, never a client's model id
+    assert 'endpoint="/v1/models/{model}"' in metrics and "no-such-model" not in metrics
 
 
 # ---------------------------------------------------------------------- completions' limits
