@@ -206,7 +206,7 @@ class LLM:
         tools: list[dict] | None = None,
         tool_choice=None,
         response_format: dict | None = None,
-        parallel_tool_calls: bool = True,
+        parallel_tool_calls: bool | None = None,
         **options,
     ) -> Iterator[StepOutput]:
         """Like generate() but yields StepOutput (token id, text delta, logprobs, finish reason).
@@ -222,6 +222,7 @@ class LLM:
         tokens to the grammar."""
         set_threads(self.threads)
         sampling, sparse = _params(sampling, sparse, options)
+        sampling.check_vocab(self.config.vocab_size)
         kv = check_kv_dtype(kv_dtype or self.kv_dtype)
         structured = Structured.parse(tools, tool_choice, response_format, parallel_tool_calls)
         ids, images = (
@@ -323,7 +324,7 @@ class LLM:
         return tool_format(self.tokenizer.chat_template)
 
     def chat(
-        self, messages, *, tools=None, tool_choice=None, response_format=None, parallel_tool_calls=True, **kwargs
+        self, messages, *, tools=None, tool_choice=None, response_format=None, parallel_tool_calls=None, **kwargs
     ) -> dict:
         """One whole chat answer, parsed: {"content", "tool_calls" (OpenAI shape, or None),
         "finish_reason"} ("tool_calls" when calls were made). Accepts the options of stream()."""

@@ -122,7 +122,7 @@ SPARSE_OPTIONS = ("sparse_attn", "sparse_k", "sparse_block", "sparse_probe", "sp
 class SamplingParams:
     max_tokens: int = 256
     temperature: float = 0.0
-    top_p: float = 1.0
+    top_p: float = 1.0  # 0: greedy, as OpenAI's minimum reads (the smallest set of tokens is the best one)
     top_k: int = 0  # 0 = off
     min_p: float = 0.0
     repetition_penalty: float = 1.0  # HF/llama.cpp style: divides positive logits, multiplies negative ones
@@ -133,8 +133,14 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to report (0 = only the chosen token)
+    # OpenAI's logit_bias: token id -> a value in [-100, 100] added to that token's logit before any
+    # filter or greedy pick (after the penalties); -100 all but bans it. Keys may be ints or the
+    # decimal strings JSON gives; the ids are checked against the model's vocabulary where it is known.
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self):
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         if isinstance(self.stop, str):  # one stop string, as OpenAI and the CLI allow
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -151,8 +157,8 @@ class SamplingParams:
             bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not (0.0 <= self.temperature <= 100.0):
             bad(f"temperature must be in [0, 100], got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.top_p <= 1.0):
+            bad(f"top_p must be in [0, 1], got {self.top_p}")
         if self.top_k < 0:
             bad(f"top_k must be >= 0, got {self.top_k}")
         if not (0.0 <= self.min_p <= 1.0):
@@ -166,7 +172,28 @@ class SamplingParams:
                 bad(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             bad(f"top_logprobs must be in [0, 20], got {self.logprobs}")
+        if not isinstance(self.logit_bias, dict):
+            bad(f"logit_bias must map token ids to numbers, got {type(self.logit_bias).__name__}")
+        for k, v in self.logit_bias.items():
+            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                bad(f"logit_bias keys must be token ids (integers >= 0), got {k!r}"[:200])
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                bad(f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {k}"[:200])
         return self
+
+    def check_vocab(self, vocab_size: int) -> SamplingParams:
+        """Raises SparrowError when a token id this request names is not in the model's vocabulary."""
+        bad = sorted(k for k in self.logit_bias if k >= vocab_size)
+        if bad:
+            raise SparrowError(f"logit_bias names token {bad[0]}, outside the vocabulary [0, {vocab_size})")
+        return self
+
+
+def _token_key(k):
+    # "42" -> 42 (JSON object keys are strings); anything else is left for validate() to refuse
+    if isinstance(k, str) and k.isascii() and k.isdigit():
+        return int(k)
+    return k
 
 
 REPETITION_PENALTY = (1e-6, 1e6)  # its allowed range (SamplingParams.validate, the server schema)

@@ -87,7 +87,7 @@ def test_openapi_and_docs_are_published(served):
         ("/v1/chat/completions", {"messages": CHAT, "tool_choice": 7}, "tool_choice"),
         ("/v1/chat/completions", {"messages": CHAT, "temperature": 2.5}, "temperature"),
         ("/v1/chat/completions", {"messages": CHAT, "temperature": "0.5"}, "temperature"),
-        ("/v1/chat/completions", {"messages": CHAT, "top_p": 0}, "top_p"),
+        ("/v1/chat/completions", {"messages": CHAT, "top_p": -0.1}, "top_p"),
         ("/v1/chat/completions", {"messages": CHAT, "repetition_penalty": 1e-320}, "repetition_penalty"),
         ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, "max_tokens"),
         ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 1.5}, "max_completion_tokens"),
@@ -103,6 +103,7 @@ def test_openapi_and_docs_are_published(served):
         ("/v1/completions", {"prompt": 5}, "prompt"),
         ("/v1/completions", {"prompt": [[1, 2], "a"]}, "prompt"),
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
         ("/tokenize", {"prompt": 5}, "prompt"),
         ("/tokenize", {"messages": []}, "messages"),
@@ -148,7 +149,7 @@ def test_unknown_fields_are_ignored(served):
 
     # a tool's own extra keys reach the chat template as given (the tools prompt is too long for ctx 256)
     assert parse_chat({**body, "tools": [tool]}).structured.template_tools == [tool]
-    assert post(served, "/v1/completions", {"prompt": "the", "max_tokens": 1, "suffix": "x"}).status_code == 200
+    assert post(served, "/v1/completions", {"prompt": "the", "max_tokens": 1, "user": "x"}).status_code == 200
 
 
 def test_curl_form_content_type_is_read_as_json(served):

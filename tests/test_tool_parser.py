@@ -116,6 +116,34 @@ def test_hermes_unfinished_call():
     assert "".join(o[0] for o in outs) == "Hi" and p.calls[0]["function"]["arguments"] == '{"city": "Pa'
 
 
+def test_hermes_call_cut_anywhere_keeps_only_its_arguments():
+    """A forced call cut by max_tokens (incremental parser): whole or streamed, its arguments are as
+    far as they got and never hold the wrapper's `}`, newline or part of `</tool_call>` (issue 38:
+    '{"city": "Paris"}}\n</tool_call' came back as arguments)."""
+    args = '{"city": "Paris", "unit": "c"}'
+    start = CALL_A.index(args)
+    for cut in range(start + 1, len(CALL_A)):
+        text = CALL_A[:cut]
+        for pieces in ([text], list(text) + [""]):
+            p = HermesParser(incremental=True)
+            content, deltas, _ = run_raw(p, pieces)
+            got = p.calls[0]["function"]["arguments"]
+            assert content == "" and args.startswith(got), (cut, got)
+            assert reassemble(deltas)[0]["arguments"] == got
+            if cut >= start + len(args):
+                assert got == args, cut
+
+
+def run_raw(parser, pieces):
+    """run() without parsing the calls' arguments (a cut call's do not parse)."""
+    content, deltas = [], []
+    for i, piece in enumerate(pieces):
+        c, d = parser.push(piece, final=i == len(pieces) - 1)
+        content.append(c)
+        deltas += d
+    return "".join(content), deltas, parser.calls
+
+
 def test_llama3_json():
     one = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
     two = one + '; {"name": "lookup", "parameters": {"q": "x"}}'

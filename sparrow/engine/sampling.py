@@ -1,7 +1,7 @@
-"""Sampling: penalties, temperature, top-k, top-p, min-p, and a per-request RNG.
+"""Sampling: penalties, logit bias, temperature, top-k, top-p, min-p, and a per-request RNG.
 
 Each request owns a `Sampler` seeded from its `seed`, so its tokens never depend on other
-requests or on thread timing. Greedy (temperature 0) never touches the RNG. A grammar's mask
+requests or on thread timing. Greedy (temperature 0 or top_p 0) never touches the RNG. A grammar's mask
 (structured output) comes with each call and depends only on the request's own tokens.
 """
 
@@ -28,6 +28,10 @@ class Sampler:
         self.counts = np.zeros(vocab_size, np.int32)  # occurrences in the output so far
         self.seen = np.zeros(vocab_size, bool)  # prompt or output: what repetition_penalty acts on
         self.vocab_size = vocab_size
+        # logit_bias as two arrays, applied with one indexed add (ids were checked against the vocabulary)
+        bias = sorted(params.logit_bias.items())
+        self.bias_ids = np.array([k for k, _ in bias], np.int64)
+        self.bias_values = np.array([v for _, v in bias], np.float32)
 
     def observe_prompt(self, token_ids) -> None:
         self.seen[np.asarray(token_ids, dtype=np.int64)] = True
@@ -46,12 +50,14 @@ class Sampler:
             x[self.seen] = np.where(xs > 0, xs / p.repetition_penalty, xs * p.repetition_penalty)
         if p.presence_penalty or p.frequency_penalty:
             x -= p.presence_penalty * (self.counts > 0) + p.frequency_penalty * self.counts
+        if len(self.bias_ids):
+            x[self.bias_ids] += self.bias_values  # after the penalties, as OpenAI adds it "prior to sampling"
         n_allowed = len(x)
         if allowed is not None:
             allowed = allowed[: len(x)]
             n_allowed = int(np.count_nonzero(allowed))
             x[~allowed] = -np.inf  # after the penalties, before every filter: they only see allowed tokens
-        if p.temperature == 0.0:
+        if p.temperature == 0.0 or p.top_p == 0.0:
             return int(np.argmax(x))  # ties -> lowest id, deterministic
         x = x.astype(np.float64) / p.temperature
         order = np.argsort(-x, kind="stable")  # [V] best first, ties by id

@@ -35,6 +35,7 @@ from ..vision.preprocess import image_salt
 from .limits import BODY_TIMEOUT, HEADER_TIMEOUT, BodyLimit, http_protocol
 from .metrics import Metrics
 from .protocol import (
+    COMPLETION_MAX_TOKENS,
     DEFAULT_MAX_TOKENS,
     APIError,
     ReasoningSplitter,
@@ -46,6 +47,7 @@ from .protocol import (
     new_id,
     now,
     starts_in_reasoning,
+    usage,
     validate,
     validation_error,
 )
@@ -59,17 +61,19 @@ from .schema import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
     openapi,
 )
-from .streaming import Accumulator, SSEResponse, collect, stream
+from .streaming import Accumulator, SSEResponse, collect, sse, stream
 
 ENDPOINTS = (
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/models",
+    "/v1/models/{model}",
     "/v1/cache/save",
     "/v1/cache",
     "/health",
@@ -79,6 +83,13 @@ ENDPOINTS = (
 )
 PUBLIC = ("/health", "/docs", "/docs/oauth2-redirect", "/openapi.json")  # answered without the API key
 LOADING_RETRY_AFTER = 5  # seconds: what a 503 while the model loads asks clients to wait
+
+
+def _endpoint(path: str) -> str:
+    """The metrics label of a request path: a route, never the model id a client wrote."""
+    if path in ENDPOINTS:
+        return path
+    return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 
 def check_api_key(api_key: str | None) -> None:
@@ -237,7 +248,7 @@ class _Guard:
                 await send({"type": "http.response.body", "body": body})
         finally:
             path = scope.get("path", "")
-            self.metrics.request(path if path in ENDPOINTS else "other", status[0] or 500)
+            self.metrics.request(_endpoint(path), status[0] or 500)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -295,24 +306,30 @@ def create_app(state: ServerState) -> FastAPI:
         malformed JSON body comes first)."""
         state.require_ready()
 
+    def model_card() -> dict:
+        llm = state.llm
+        return {
+            "id": llm.name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "sparrow",
+            "max_model_len": llm.ctx,
+            "activations": llm.model.activations,
+            "activations_why": llm.activations_why,
+        }
+
     @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}, **ERRORS})
     async def models(request: Request):
         state.require_ready()
-        llm = state.llm
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": llm.name,
-                    "object": "model",
-                    "created": state.created,
-                    "owned_by": "sparrow",
-                    "max_model_len": llm.ctx,
-                    "activations": llm.model.activations,
-                    "activations_why": llm.activations_why,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    # `:path`: a model id may hold a slash (org/name), as OpenAI's and Hugging Face's do
+    @app.get("/v1/models/{model:path}", response_model=None, responses={200: {"model": ModelCard}, **ERRORS})
+    async def model(request: Request, model: str):
+        """One model (the client's `models.retrieve`): this server's, by its name or file stem."""
+        state.require_ready()
+        check_model(model)
+        return model_card()
 
     @app.post("/tokenize", dependencies=[Depends(ready)], responses={200: {"model": TokenizeResponse}, **ERRORS})
     async def tokenize(request: Request, body: TokenizeRequest):
@@ -381,10 +398,17 @@ def create_app(state: ServerState) -> FastAPI:
                     raise APIError(400, f"token ids must be in [0, {llm.config.vocab_size})", param="prompt")
             if not ids:
                 raise APIError(400, "the prompt is empty", param=param)
-            max_tokens = req.max_tokens or max(1, min(DEFAULT_MAX_TOKENS, llm.ctx - len(ids)))
-            req.params.max_tokens = max_tokens
+            max_tokens = req.max_tokens
+            if max_tokens is None:
+                max_tokens = max(1, min(DEFAULT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS, llm.ctx - len(ids)))
+                req.max_tokens = max_tokens
+            req.params.max_tokens = max(1, max_tokens)  # 0 is answered without generating (_generate)
             check_context(len(ids), max_tokens, llm.ctx)
             req.params.validate()
+            try:
+                req.params.check_vocab(llm.config.vocab_size)
+            except SparrowError as e:
+                raise APIError(400, str(e), param="logit_bias") from None
         except ContextLengthError as e:
             raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         except SparrowError as e:
@@ -492,6 +516,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def _generate(request: Request, body, chat: bool):
         req, ids, splitter, constraint, images = await _prepare(body, chat)
         llm, engine = state.llm, state.engine
+        if req.max_tokens == 0:  # completions' minimum: the prompt was checked, nothing is generated
+            return _no_tokens(req, ids, llm)
         handle, queue = _submit(req, ids, constraint, images)
         if queue is None:
             return handle
@@ -519,7 +545,7 @@ def create_app(state: ServerState) -> FastAPI:
         reasoning, content, lps, finish = result
         lp = lp_fmt(lps) if req.logprobs else None
         if chat:
-            msg = {"role": "assistant", "content": content}
+            msg = {"role": "assistant", "content": content, "refusal": None}  # refusal: required by OpenAI's schema
             if splitter is not None and reasoning:
                 msg["reasoning_content"] = reasoning
             if acc.tool_calls:
@@ -536,6 +562,25 @@ def create_app(state: ServerState) -> FastAPI:
             "choices": [choice],
             "usage": acc.usage(len(ids)),
         }
+
+    def _no_tokens(req, ids, llm):
+        """A completion of max_tokens 0: empty text, finish_reason "length", whole or streamed."""
+        rid, created = new_id("cmpl"), now()
+        lp = completion_logprobs(llm.tokenizer, []) if req.logprobs else None
+        choice = {"index": 0, "text": "", "logprobs": lp, "finish_reason": "length"}
+        counts = {**usage(len(ids), 0), "prompt_tokens_details": {"cached_tokens": 0}}
+        base = {"id": rid, "object": "text_completion", "created": created, "model": llm.name}
+        if not req.stream:
+            return {**base, "choices": [choice], "usage": counts}
+
+        async def events():
+            extra = {"usage": None} if req.include_usage else {}
+            yield sse({**base, "choices": [choice], **extra})
+            if req.include_usage:
+                yield sse({**base, "choices": [], "usage": counts})
+            yield "data: [DONE]\n\n"
+
+        return SSEResponse(events(), lambda: None)
 
     return app
 

@@ -21,7 +21,8 @@ from .schema import ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
 _OTHER = (TokenizeRequest, DetokenizeRequest)
 
 _TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "tools", "template", "self"}  # set by the server
-DEFAULT_MAX_TOKENS = 2048  # when the request names none: the KV cache is sized to prompt + this
+DEFAULT_MAX_TOKENS = 2048  # chat, when the request names none: the KV cache is sized to prompt + this
+COMPLETION_MAX_TOKENS = 16  # completions, when the request names none: OpenAI's documented default
 
 
 class APIError(Exception):
@@ -139,6 +140,34 @@ def _models_in(tp):
         yield from _models_in(arg)
 
 
+# ---------------------------------------------------------------------- fields sparrow does not apply
+# OpenAI's request fields that would change the answer but are not applied here: each is a 400
+# naming it, unless it holds a value that asks for nothing (schema.py documents them as refused).
+REFUSED_CHAT = {
+    "functions": ((None,), "deprecated 'functions' is not supported; use 'tools'"),
+    "function_call": ((None,), "deprecated 'function_call' is not supported; use 'tool_choice'"),
+    "audio": ((None,), "audio output is not supported"),
+    "modalities": ((None, ["text"]), "only the text modality is supported"),
+    "reasoning_effort": ((None,), "'reasoning_effort' is not supported (Qwen3: chat_template_kwargs.enable_thinking)"),
+    "verbosity": ((None,), "'verbosity' is not supported"),
+    "web_search_options": ((None,), "web search is not supported (the server has no network)"),
+    "moderation": ((None, False), "moderation is not supported"),
+    "store": ((None, False), "'store' is not supported: sparrow stores no completions"),
+}
+REFUSED_COMPLETION = {
+    "best_of": ((None, 1), "'best_of' other than 1 is not supported"),
+    "suffix": ((None, ""), "'suffix' (insertion) is not supported"),
+    "echo": ((None, False), "'echo' is not supported"),
+}
+
+
+def _refuse(r, table: dict) -> None:
+    for name, (allowed, why) in table.items():
+        v = getattr(r, name)
+        if not any(v == a and type(v) is type(a) for a in allowed):  # type: 1 is not True, [] is not None
+            raise _bad(name, why)
+
+
 # ---------------------------------------------------------------------- requests -> GenRequest
 @dataclass
 class GenRequest:
@@ -146,7 +175,9 @@ class GenRequest:
     model: str | None
     params: SamplingParams
     sparse: SparseParams | None
-    max_tokens: int | None  # None: fill to DEFAULT_MAX_TOKENS / the context once the prompt is known
+    # None: DEFAULT_MAX_TOKENS (chat) or COMPLETION_MAX_TOKENS, capped by the context once the prompt is
+    # known; 0 (completions only): answer with no tokens, nothing generated
+    max_tokens: int | None
     messages: list[dict] | None = None
     prompt: str | list[int] | None = None
     stream: bool = False
@@ -165,7 +196,7 @@ def _common(r, chat: bool, defaults: dict | None) -> GenRequest:
         v = getattr(r, name)
         return d.get(name, fallback) if v is None else v
 
-    max_tokens = getattr(r, "max_completion_tokens", None) or r.max_tokens
+    max_tokens = r.max_tokens if getattr(r, "max_completion_tokens", None) is None else r.max_completion_tokens
     if chat:
         want_lp = bool(r.logprobs)
         if r.top_logprobs is not None and not want_lp:
@@ -177,6 +208,10 @@ def _common(r, chat: bool, defaults: dict | None) -> GenRequest:
     stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
     if len(stop) > 16:
         raise _bad("stop", "at most 16 stop strings are supported")
+    bias = r.logit_bias or {}
+    bad_key = next((k for k in bias if not (k.isascii() and k.isdigit())), None)
+    if bad_key is not None:
+        raise _bad("logit_bias", f"logit_bias keys must be token ids (decimal integers), got {bad_key!r:.40}")
     params = SamplingParams(
         max_tokens=max_tokens or 1,
         temperature=float(pick("temperature", 1.0)),
@@ -191,6 +226,7 @@ def _common(r, chat: bool, defaults: dict | None) -> GenRequest:
         ignore_eos=bool(r.ignore_eos),
         stop_token_ids=list(r.stop_token_ids or []),
         logprobs=logprobs,
+        logit_bias={int(k): v for k, v in bias.items()},
     )
     sparse = None
     if r.sparse_attn:
@@ -249,7 +285,7 @@ def _messages(msgs, images: bool) -> list[dict]:
     return out
 
 
-def _structured(r, parallel: bool) -> Structured:
+def _structured(r, parallel: bool | None) -> Structured:
     def raw(v):
         if isinstance(v, list):
             return [raw(x) for x in v]
@@ -263,9 +299,10 @@ def _structured(r, parallel: bool) -> Structured:
 
 def chat_request(r: ChatCompletionRequest, defaults: dict | None = None, images: bool = False) -> GenRequest:
     """images: the model takes image parts (else a non-text part is a 400, as for a text model)."""
+    _refuse(r, REFUSED_CHAT)
     req = _common(r, chat=True, defaults=defaults)
     req.messages = _messages(r.messages, images)
-    req.structured = _structured(r, r.parallel_tool_calls is not False)
+    req.structured = _structured(r, r.parallel_tool_calls)
     kwargs = r.chat_template_kwargs or {}
     clash = sorted(set(kwargs) & _TEMPLATE_RESERVED)
     if clash:
@@ -275,6 +312,7 @@ def chat_request(r: ChatCompletionRequest, defaults: dict | None = None, images:
 
 
 def completion_request(r: CompletionRequest, defaults: dict | None = None) -> GenRequest:
+    _refuse(r, REFUSED_COMPLETION)
     req = _common(r, chat=False, defaults=defaults)
     p = r.prompt
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
@@ -285,8 +323,6 @@ def completion_request(r: CompletionRequest, defaults: dict | None = None) -> Ge
         raise _bad("prompt", "batched prompts are not supported; send one prompt per request")
     else:
         raise _bad("prompt", "'prompt' must be a string or a list of token ids")
-    if r.echo:
-        raise _bad("echo", "'echo' is not supported")
     return req
 
 
@@ -329,13 +365,13 @@ def token_entry(tokenizer, token_id: int, logprob: float) -> dict:
 
 
 def chat_logprobs(tokenizer, outs) -> dict:
-    """outs: StepOutputs with logprobs -> chat `logprobs` {"content": [...]}."""
+    """outs: StepOutputs with logprobs -> chat `logprobs` {"content": [...], "refusal": None}."""
     content = []
     for o in outs:
         e = token_entry(tokenizer, o.token_id, o.logprob)
         e["top_logprobs"] = [token_entry(tokenizer, t, lp) for t, lp in (o.top_logprobs or [])]
         content.append(e)
-    return {"content": content}
+    return {"content": content, "refusal": None}  # OpenAI's schema requires refusal (null: sparrow never refuses)
 
 
 def completion_logprobs(tokenizer, outs, offset: int = 0) -> dict:

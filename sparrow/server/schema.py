@@ -210,6 +210,17 @@ class StreamOptions(_Model):
 
 
 # ---------------------------------------------------------------------- requests
+def _refused(when: str):
+    """A field of OpenAI's request that sparrow does not apply: declared so that sending it is a 400
+    naming it (protocol.py, REFUSED), never a 200 that silently ignored it."""
+    return Field(None, description=f"not supported: 400 {when}")
+
+
+def _no_effect(what: str):
+    """A field of OpenAI's request that cannot change the answer here: accepted and ignored."""
+    return Field(None, description=f"accepted, no effect ({what})")
+
+
 class _Sampling(_Model):
     """Fields shared by chat and text completions. None means the model's generation_config value
     (temperature, top_p, top_k, min_p, repetition_penalty), else OpenAI's default."""
@@ -219,11 +230,14 @@ class _Sampling(_Model):
     max_tokens: int | None = Field(None, ge=1)
     seed: int | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0, description="0: greedy")
     top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY[0], le=REPETITION_PENALTY[1])
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="token id (a decimal string) -> a bias in [-100, 100] added to its logit"
+    )
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     stop: str | list[str] | None = Field(None, description="at most 16 stop strings")
     ignore_eos: bool | None = None
@@ -237,6 +251,7 @@ class _Sampling(_Model):
     kv_dtype: KVDType | None = Field(None, description="KV cache type for this request (default: the server's)")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    user: Any = _no_effect("an end-user id for OpenAI's abuse monitoring")
 
 
 class ChatCompletionRequest(_Sampling):
@@ -249,14 +264,35 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
+    functions: Any = _refused("unless null (deprecated: use tools)")
+    function_call: Any = _refused("unless null (deprecated: use tool_choice)")
+    audio: Any = _refused("unless null (text models)")
+    modalities: Any = _refused('unless null or ["text"]')
+    reasoning_effort: Any = _refused("unless null (Qwen3: chat_template_kwargs enable_thinking)")
+    verbosity: Any = _refused("unless null")
+    web_search_options: Any = _refused("unless null (no network)")
+    moderation: Any = _refused("unless null or false")
+    store: Any = _refused("unless null or false (nothing is stored)")
+    metadata: Any = _no_effect("tags for stored completions")
+    service_tier: Any = _no_effect("one tier here")
+    prediction: Any = _no_effect("a latency hint; the answer is the same without it")
+    prompt_cache_key: Any = _no_effect("the prefix cache matches prompts by their tokens")
+    prompt_cache_retention: Any = _no_effect("the prefix cache keeps entries by LRU")
+    prompt_cache_options: Any = _no_effect("the prefix cache keeps entries by LRU")
+    safety_identifier: Any = _no_effect("an end-user id for OpenAI's abuse monitoring")
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="a string or token ids (a batch of one is accepted)"
     )
+    max_tokens: int | None = Field(
+        None, ge=0, description="default 16 (OpenAI's); 0 answers an empty text, finish_reason length"
+    )
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool | None = Field(None, description="not supported")
+    echo: bool | None = Field(None, description="not supported: 400 unless false")
+    best_of: Any = _refused("unless null or 1")
+    suffix: Any = _refused('unless null or ""')
 
 
 class TokenizeRequest(_Model):
@@ -306,6 +342,7 @@ class TokenLogprob(TopLogprob):
 
 class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
+    refusal: None = Field(None, description="always null: sparrow never refuses")
 
 
 class AssistantToolCall(BaseModel):
@@ -317,6 +354,7 @@ class AssistantToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
+    refusal: None = Field(None, description="always null: sparrow never refuses")
     reasoning_content: str | None = None
     tool_calls: list[AssistantToolCall] | None = None
 

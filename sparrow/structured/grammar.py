@@ -76,7 +76,104 @@ def _check(grammar: str, param: str, what: str) -> str:
     return grammar
 
 
+def admits_finite_value(schema) -> bool:
+    """Whether some finite JSON value can satisfy schema, as far as `$ref` cycles decide it: false
+    for `{"$ref": "#"}` or an object that requires a property of its own type, whose only values
+    would nest without end (llguidance compiles them; the matcher then allows no first token, or
+    only an opening brace forever). Other keywords count as satisfiable: llguidance checks them.
+
+    A least fixpoint over the `$ref` targets: each starts unsatisfiable and becomes satisfiable
+    when its schema is, given the targets known so far; a pass costs one walk of each target."""
+    targets: dict[str, object] = {}  # pointer -> the schema it names
+
+    def collect(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref not in targets:
+                target = _resolve(schema, ref)
+                if target is not _UNRESOLVED:
+                    targets[ref] = target
+                    collect(target)
+            for v in node.values():
+                collect(v)
+        elif isinstance(node, list):
+            for v in node:
+                collect(v)
+
+    collect(schema)
+    known = dict.fromkeys(targets, False)
+    changed = True
+    while changed:
+        changed = False
+        for ref, target in targets.items():
+            if not known[ref] and _satisfiable(target, known):
+                known[ref] = changed = True
+    return _satisfiable(schema, known)
+
+
+_UNRESOLVED = object()
+
+
+def _resolve(root, ref: str):
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return _UNRESOLVED  # another document: llguidance refuses it
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return _UNRESOLVED
+    return node
+
+
+def _satisfiable(node, known: dict) -> bool:
+    if node is False:
+        return False
+    if not isinstance(node, dict):
+        return True
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref in known and not known[ref]:
+        return False
+    for key in ("anyOf", "oneOf"):
+        alts = node.get(key)
+        if isinstance(alts, list) and alts and not any(_satisfiable(a, known) for a in alts):
+            return False
+    all_of = node.get("allOf")
+    if isinstance(all_of, list) and not all(_satisfiable(a, known) for a in all_of):
+        return False
+    types = node.get("type")
+    types = [types] if isinstance(types, str) else types if isinstance(types, list) else None
+    if types is None or any(t not in ("object", "array") for t in types):
+        return True  # a scalar type (or any type) ends at once
+    return ("object" in types and _object_ok(node, known)) or ("array" in types and _array_ok(node, known))
+
+
+def _object_ok(node: dict, known: dict) -> bool:
+    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    return all(_satisfiable(props[name], known) for name in required if isinstance(name, str) and name in props)
+
+
+def _array_ok(node: dict, known: dict) -> bool:
+    n = node.get("minItems", 0)
+    if not isinstance(n, int) or n <= 0:
+        return True
+    prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+    if not all(_satisfiable(p, known) for p in prefix[:n]):
+        return False
+    return n <= len(prefix) or _satisfiable(node.get("items", True), known)
+
+
 def schema_grammar(schema: dict, param: str = "response_format.json_schema.schema") -> str:
+    if not admits_finite_value(schema):
+        raise StructuredError(
+            param, "the JSON schema admits no finite value: its $ref recursion never ends (nothing could be generated)"
+        )
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(_styled(schema))
     except (ValueError, TypeError) as e:
@@ -140,13 +237,18 @@ class Constraint:
     mask over the model's vocabulary) and `advance(token)` after it; once the grammar is
     complete only end-of-turn tokens are allowed, so the sequence finishes with "stop"."""
 
-    def __init__(self, index: TokenIndex, grammar: str):
+    def __init__(self, index: TokenIndex, grammar: str, param: str = "response_format"):
         self.matcher = llguidance.LLMatcher(index.ll, grammar, log_level=0)
         if self.matcher.is_error():
-            raise StructuredError("response_format", f"grammar error: {self.matcher.get_error()}"[:500])
+            raise StructuredError(param, f"grammar error: {self.matcher.get_error()}"[:500])
         self.vocab_size = index.vocab_size
         self.eos_ids = index.eos_ids
         self._bits = np.full((index.vocab_size + 31) // 32, -1, np.int32)
+        # The first mask, once, here: a grammar that allows no first token (an empty language) is the
+        # request's error, not an empty answer that finished with "stop" (allowed()'s fallback).
+        self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        if self.matcher.is_error() or not self._bits.any():
+            raise StructuredError(param, "the grammar admits no output: nothing could be generated")
         self.seconds = 0.0  # time spent in mask computation and token consumption (for measurements)
 
     def allowed(self) -> np.ndarray:

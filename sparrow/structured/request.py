@@ -18,15 +18,18 @@ class Structured:
     parallel: bool = True  # parallel_tool_calls: a forced answer may hold several calls
 
     @classmethod
-    def parse(cls, tools=None, tool_choice=None, response_format=None, parallel_tool_calls=True) -> Structured:
-        """Validates everything (raising StructuredError with the field's name), schemas included."""
+    def parse(cls, tools=None, tool_choice=None, response_format=None, parallel_tool_calls=None) -> Structured:
+        """Validates everything (raising StructuredError with the field's name), schemas included.
+        parallel_tool_calls None (unset): several calls may come, except where tool_choice names
+        one function, which is a request for that one call (as OpenAI answers it)."""
         parsed = parse_tools(tools)
         check_tools(parsed)
         choice = parse_tool_choice(tool_choice, parsed)
         response = parse_response_format(response_format)
         if response.kind == "json_schema":
             schema_grammar(response.schema)  # a bad or unsupported schema fails here, before any work
-        return cls(parsed, choice, response, bool(parallel_tool_calls))
+        parallel = choice.mode != "function" if parallel_tool_calls is None else bool(parallel_tool_calls)
+        return cls(parsed, choice, response, parallel)
 
     @property
     def template_tools(self) -> list[dict] | None:
@@ -46,7 +49,8 @@ class Structured:
         if not self.constrained:
             return None
         index = TokenIndex.of(tokenizer, vocab_size)
-        return Constraint(index, request_grammar(index, self.tools, self.choice, fmt, self.response, self.parallel))
+        grammar = request_grammar(index, self.tools, self.choice, fmt, self.response, self.parallel)
+        return Constraint(index, grammar, "tools" if self.forced_call else "response_format")
 
     def parser(self, fmt: ToolFormat):
         """A tool-call parser for the output, or None when tool calls are not expected."""

@@ -68,6 +68,17 @@ def _held_prefix(text: str, tag: str) -> int:
     return 0
 
 
+def _arguments_part(rest: str) -> str:
+    """The text of a cut call after `"arguments": ` that belongs to the arguments: all of it while
+    they are unfinished, else the complete JSON value alone, never the wrapper's own `}`, newline
+    or part of the closing tag that came after it."""
+    try:
+        _, end = json.JSONDecoder().raw_decode(rest)
+    except ValueError:
+        return rest
+    return rest[:end]
+
+
 # The head of a call written name first, as the grammar writes it: the name can be sent at once.
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
 
@@ -168,8 +179,7 @@ class HermesParser:
             return ("" if self.calls and not buf.strip() else buf), []
         self.in_call = False
         if self._head is not None:  # cut off by max_tokens: the arguments stay as far as they got
-            rest = buf[self._head.end() :]
-            return "", self._args(rest[self._sent :])
+            return "", self._args(_arguments_part(buf[self._head.end() :])[self._sent :])
         return self.fmt.open + buf, []
 
 
