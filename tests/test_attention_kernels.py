@@ -401,3 +401,23 @@ def test_tile_product_matches_float64(rows, inner, cols, n):
     want = C.astype(np.float64) + A[:, :n].astype(np.float64) @ B[:n].astype(np.float64)
     run(A, B, C, n)
     np.testing.assert_allclose(C, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "int8"])
+def test_exact_prefill_widens_stored_kv_to_the_layer_float32_values(dtype):
+    """The exact prefill kernel reads f16 bits and int8 codes itself: its output and importance
+    equal, bit for bit, the float32 kernel's over the values keys_f32 / values_f32 give (what
+    it was handed before it widened them), here over a partial last key block."""
+    from sparrow.kernels.attention.prefill import BK
+    from sparrow.kernels.attention.prefill import prefill_attention as kernel
+    from sparrow.kernels.matmul.widen import F16_LUT
+
+    cache, q, _, _ = make(dtype, seed=5)
+    layer, start, n = cache.layers[0], 70, S
+    assert n % BK
+    qa = q[start:n] * np.float32(SCALE)  # [T, H, D]
+    out, imp = kernel(qa, layer.k, layer.v, start, G, True, layer.k_scale, layer.v_scale, layer.scaled, F16_LUT)
+    K = np.stack([layer.keys_f32(kh, n) for kh in range(KVH)])  # [KVH, n, D]
+    V = np.stack([layer.values_f32(kh, n) for kh in range(KVH)])  # [KVH, n, D]
+    ref, ref_imp = kernel(qa, K, V, start, G, True)
+    assert out.tobytes() == ref.tobytes() and imp.tobytes() == ref_imp.tobytes()

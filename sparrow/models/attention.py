@@ -171,12 +171,18 @@ def prefill_attention(q, layer, state, start, scale, sparse=None, record_importa
 
 def _exact_prefill(q, layer, state, start, scale, group, record_importance):
     S = start + q.shape[0]
-    if layer.kind == "f32":
-        K, V = layer.k, layer.v  # [KVH, C, D]
-    else:  # f16 / int8 storage: the kernel takes float32 rows
-        K = np.stack([layer.keys_f32(kh, S) for kh in range(layer.n_kv_heads)])  # [KVH, S, D]
-        V = np.stack([layer.values_f32(kh, S) for kh in range(layer.n_kv_heads)])  # [KVH, S, D]
-    out, imp = exact_prefill_kernel(q * scale, K, V, start, group, record_importance)  # [T, H, D], [S]
+    out, imp = exact_prefill_kernel(  # [T, H, D], [S]; f16 / int8 storage is widened by the kernel
+        q * scale,
+        layer.k,
+        layer.v,
+        start,
+        group,
+        record_importance,
+        layer.k_scale,
+        layer.v_scale,
+        layer.scaled,
+        F16_LUT,
+    )
     if imp is not None:
         state.importance[:S] += imp
     return out
