@@ -54,6 +54,15 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _prompt_cache_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--prompt-cache",
+        default=None,
+        metavar="DIR",
+        help="keep prompts' KV in DIR and start later runs from it (whole 512-token chunks, same bits)",
+    )
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", "-n", type=int, default=256)
@@ -134,6 +143,7 @@ def _load(a):
         activations=a.activations,
         mmproj=getattr(a, "mmproj", None),
         rope_scaling=rope_scaling,
+        prompt_cache=getattr(a, "prompt_cache", None),
     )
     _compile_notice(cold, llm.model.activations)  # after the load: a model that fails to load compiles nothing
     if getattr(a, "timings", False):
@@ -161,7 +171,7 @@ def _run(llm, prompt, a, **extra) -> str:
             text.append(out.text)
             if a.timings and out.timing:
                 if "prefill_ms" in out.timing:
-                    t_first = out.timing
+                    t_first = dict(out.timing, cached=out.cached_tokens or 0)
                 else:
                     n_dec += 1
                     dec_s += out.timing["total"] / 1e3
@@ -201,8 +211,9 @@ def _run(llm, prompt, a, **extra) -> str:
             )
         n = t_first["prefill_tokens"]
         ms = t_first["prefill_ms"]
+        cached = f" ({t_first['cached']} more from the prefix cache)" if t_first["cached"] else ""
         print(
-            f"[TIMINGS] prefill {n} tokens in {ms:.1f} ms ({n / max(ms, 1e-9) * 1e3:.1f} tok/s); "
+            f"[TIMINGS] prefill {n} tokens in {ms:.1f} ms ({n / max(ms, 1e-9) * 1e3:.1f} tok/s){cached}; "
             f"decode {n_dec} tokens in {dec_s * 1e3:.1f} ms ({n_dec / max(dec_s, 1e-9):.1f} tok/s); "
             f"wall {time.perf_counter() - t0:.2f} s",
             file=sys.stderr,
@@ -226,6 +237,8 @@ def cmd_generate(a) -> None:
     if a.chat:
         extra = dict(chat=True, system=a.system, chat_template_kwargs=_think_kwargs(a))
     _run(llm, prompt, a, **extra)
+    if llm.prefix.disk is not None:  # the prompt's entry is on disk when the command returns
+        llm.prefix.disk.flush()
 
 
 def _text(s: str) -> dict:
@@ -383,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--image", action="append", default=None, metavar="PATH", help="image file (repeatable; implies --chat)"
     )
     _model_args(g)
+    _prompt_cache_arg(g)
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -390,6 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None)
     c.add_argument("--no-think", action="store_true", help="Qwen3: enable_thinking=False in the chat template")
     _model_args(c)
+    _prompt_cache_arg(c)
     _sampling_args(c)
     c.set_defaults(func=cmd_chat)
 

@@ -335,3 +335,19 @@ def test_server_save_restart_reuse_and_clear(tmp_path, tiny_gguf, default_llm): 
         assert err.status_code == 400 and "--prompt-cache" in err.json()["error"]["message"]
     with pytest.raises(SparrowError, match="no-prefix-cache"):
         ServerState(prompt_cache=str(folder), prefix_cache=False)
+
+
+def test_generate_starts_a_later_run_from_the_folder(tmp_path, capsys):
+    """`sparrow generate --prompt-cache DIR`: the second run of a long prompt prefills only the
+    tail and prints the same text."""
+    from sparrow.cli import main
+
+    prompt = " ".join(f"item{i} is {i * 7 % 13}" for i in range(200))
+    argv = ["generate", "-p", prompt, "-n", "4", "--timings", "--prompt-cache", str(tmp_path)]
+    runs = []
+    for _ in range(2):
+        main(argv)
+        runs.append(capsys.readouterr())
+    assert "more from the prefix cache" not in runs[0].err
+    assert "(1024 more from the prefix cache)" in runs[1].err, runs[1].err  # 1,335 prompt tokens
+    assert runs[0].out == runs[1].out and runs[0].out.strip()
