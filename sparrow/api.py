@@ -281,19 +281,20 @@ class LLM:
             raise SparrowError(
                 f"save_prefix: the prompt has {len(ids)} tokens; a saved prefix holds whole {chunk}-token chunks"
             )
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):  # before the prefill, which a bad path would waste
+            raise SparrowError(f"save_prefix: no folder {folder}")
         for _ in self.stream(ids, max_tokens=1, temperature=0.0, kv_dtype=kv, sparse=sparse):
             pass
         hit = self.prefix.lookup(key, np.append(ids, -1))  # -1: never a token, so all of ids may match
         try:
             if hit.tokens < len(ids) - len(ids) % chunk:
                 raise SparrowError("save_prefix: the prompt's KV did not stay in memory (see llm.prefix)")
-            e, n = hit.entry, hit.tokens
+            entry, n = hit.entry, hit.tokens
             meta = dict(identity_for(self.checkpoint, self.model, chunk), key=key, kv_dtype=kv)
-            meta = {k: str(v) for k, v in meta.items()}
-            folder = os.path.dirname(os.path.abspath(path))
-            if not os.path.isdir(folder):
-                raise SparrowError(f"save_prefix: no folder {folder}")
-            write_entry(path, meta, e.tokens[:n], e.cache, e.snapshots)
+            write_entry(path, meta, entry.tokens[:n], entry.cache, entry.snapshots)
+        except OSError as e:
+            raise SparrowError(f"save_prefix: cannot write {path} ({e.strerror or e})") from None
         finally:
             self.prefix.unpin(hit, False)
         return n
@@ -305,9 +306,8 @@ class LLM:
         dtype, sparrow version, or damage)."""
         from .engine.disk_cache import EntryError, identity_for, read_chunks, read_header
 
-        expect = {k: str(v) for k, v in identity_for(self.checkpoint, self.model, self.runner.prefill_chunk).items()}
         try:
-            f = read_header(path, expect)
+            f = read_header(path, identity_for(self.checkpoint, self.model, self.runner.prefill_chunk))
             kv = f.header["__metadata__"]["kv_dtype"]
             cache = self.model.new_cache(len(f.tokens), kv)
             snapshots = read_chunks(path, f, len(f.tokens), cache)

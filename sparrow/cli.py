@@ -54,12 +54,16 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _prompt_cache_arg(p: argparse.ArgumentParser) -> None:
+def _prompt_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prompt-cache",
         default=None,
         metavar="DIR",
-        help="keep prompts' KV in DIR and start later runs from it (whole 512-token chunks, same bits)",
+        help="also keep prompts' KV in DIR: later runs, and other processes sharing DIR, start from it "
+        "(whole 512-token chunks, same bits)",
+    )
+    p.add_argument(
+        "--prompt-cache-size", default=None, metavar="SIZE", help="most bytes DIR holds, LRU out (default 20G)"
     )
 
 
@@ -144,6 +148,7 @@ def _load(a):
         mmproj=getattr(a, "mmproj", None),
         rope_scaling=rope_scaling,
         prompt_cache=getattr(a, "prompt_cache", None),
+        prompt_cache_size=getattr(a, "prompt_cache_size", None),
     )
     _compile_notice(cold, llm.model.activations)  # after the load: a model that fails to load compiles nothing
     if getattr(a, "timings", False):
@@ -396,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--image", action="append", default=None, metavar="PATH", help="image file (repeatable; implies --chat)"
     )
     _model_args(g)
-    _prompt_cache_arg(g)
+    _prompt_cache_args(g)
     _sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -404,7 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None)
     c.add_argument("--no-think", action="store_true", help="Qwen3: enable_thinking=False in the chat template")
     _model_args(c)
-    _prompt_cache_arg(c)
+    _prompt_cache_args(c)
     _sampling_args(c)
     c.set_defaults(func=cmd_chat)
 
@@ -451,15 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--request-timeout", type=float, default=None, metavar="S", help="fail requests running longer")
     s.add_argument("--drain-timeout", type=float, default=30.0, metavar="S", help="SIGTERM: grace for in-flight work")
     s.add_argument("--no-prefix-cache", action="store_true", help="never reuse KV between requests")
-    s.add_argument(
-        "--prompt-cache",
-        default=None,
-        metavar="DIR",
-        help="also keep prompts' KV in DIR, reused after a restart and by other servers sharing DIR",
-    )
-    s.add_argument(
-        "--prompt-cache-size", default=None, metavar="SIZE", help="most bytes DIR holds, LRU out (default 20G)"
-    )
+    _prompt_cache_args(s)
     s.add_argument(
         "--allowed-local-media-path", default=None, metavar="DIR", help="serve file:// image URLs from under DIR"
     )

@@ -273,6 +273,11 @@ def test_save_prefix_and_load_prefix(llm, tmp_path):
     llm.prefix.clear()
     with pytest.raises(SparrowError, match="512-token chunks"):
         llm.save_prefix(ids[:100], str(tmp_path / "short.safetensors"))
+    with pytest.raises(SparrowError, match="no folder"):
+        llm.save_prefix(ids, str(tmp_path / "missing" / "doc.safetensors"))
+    (tmp_path / "a-folder.safetensors").mkdir()  # the rename onto a folder fails: one line, no traceback
+    with pytest.raises(SparrowError, match="cannot write"):
+        llm.save_prefix(ids, str(tmp_path / "a-folder.safetensors"))
     assert llm.load_prefix(path) == 512
     kw = dict(max_tokens=3, temperature=0.0, logprobs=2)
     loaded = list(llm.stream(ids + [42], **kw))

@@ -185,17 +185,12 @@ def write_entry(path: str, meta: dict, tokens: np.ndarray, cache, snapshots: dic
     c = int(meta["chunk"])
     B = len(tokens)
     tokens = np.ascontiguousarray(tokens, np.int64)
-    tensors, sources, crcs, offset = (
-        {"tokens": {"dtype": "I64", "shape": [B], "data_offsets": [0, tokens.nbytes]}},
-        [],
-        [],
-        tokens.nbytes,
-    )
-    sources.append([tokens])
+    tensors = {"tokens": {"dtype": "I64", "shape": [B], "data_offsets": [0, tokens.nbytes]}}
+    sources, crcs, offset = [[tokens]], [], tokens.nbytes
     for j in range(B // c):
-        crc = 0
+        crc, shapes = 0, _shapes(meta, j)
         for part, dtype, rows in _chunk_parts(cache, j, c, snapshots[(j + 1) * c]):
-            shape = _shapes(meta, j)[part]
+            shape = shapes[part]
             nbytes = int(np.prod(shape)) * np.dtype(_ST_DTYPES[dtype]).itemsize
             if sum(r.nbytes for r in rows) != nbytes:
                 raise SparrowError(f"prompt cache: chunk {j} {part} holds the wrong number of bytes")
@@ -299,7 +294,7 @@ def read_chunks(path: str, entry: FileEntry, n: int, cache) -> dict:
                         raise EntryError(f"chunk {j}: truncated")
                     crc = zlib.crc32(a.view(np.uint8).reshape(-1), crc)
                     if part == "importance":
-                        snapshots[(j + 1) * c] = a.astype(np.float32, copy=False)
+                        snapshots[(j + 1) * c] = a
                         continue
                     for lc, rows in zip(cache.layers, a):  # rows [KVH, c, ...]
                         getattr(lc, part)[:, j * c : (j + 1) * c] = rows
@@ -333,15 +328,15 @@ def prepare_folder(folder: str) -> str:
 class DiskCache:
     """The entry files in one folder that belong to this model and this process's settings.
 
-    identity: the metadata fields an entry must match (format, sparrow, model, machine, chunk
-    and the cache dimensions); new_cache(capacity, kv_dtype) makes a KVCache."""
+    identity: the metadata fields an entry must match (identity_for); new_cache(capacity,
+    kv_dtype) makes a KVCache."""
 
     def __init__(self, folder: str, max_bytes: int, identity: dict, new_cache):
         folder = prepare_folder(folder)
         if max_bytes < 1:
             raise SparrowError(f"--prompt-cache-size must be positive, got {max_bytes}")
         self.folder, self.max_bytes = folder, int(max_bytes)
-        self.identity = {k: str(v) for k, v in identity.items()}
+        self.identity = identity
         self.new_cache = new_cache
         self.stats = {"hits": 0, "hit_tokens": 0, "writes": 0, "write_bytes": 0, "rejected": 0, "evicted": 0}
         self._index: dict[str, FileEntry] = {}  # ours, by file name
@@ -396,7 +391,7 @@ class DiskCache:
             for e in self._index.values():
                 if e.key != key:
                     continue
-                n = min(common_prefix(e.tokens, prompt), len(prompt) - 1, len(e.tokens))
+                n = min(common_prefix(e.tokens, prompt), len(prompt) - 1)
                 n -= n % chunk
                 if n > n_best:
                     best, n_best = e, n
@@ -458,8 +453,7 @@ class DiskCache:
         while True:
             item = self._queue.get()
             try:
-                if item is not None:
-                    self._write(*item)
+                self._write(*item)
             except Exception:  # a failed write costs only a future prefill
                 log.exception("prompt cache: writing an entry failed")
             finally:
@@ -551,18 +545,6 @@ class DiskCache:
             "disk_evictions": s["evicted"],
         }
 
-    @property
-    def nbytes(self) -> int:
-        with self._lock:
-            names = list(self._index)
-        total = 0
-        for n in names:
-            try:
-                total += os.path.getsize(self._path(n))
-            except OSError:
-                pass
-        return total
-
     def _remove_stale_temporaries(self) -> None:
         """Temporary files this host's dead processes left (a kill mid-write)."""
         host = socket.gethostname()
@@ -581,10 +563,11 @@ class DiskCache:
                 continue
 
 
-def identity_for(llm_checkpoint, model, chunk: int) -> dict:
-    """The metadata an entry of this model must carry (DiskCache's identity)."""
+def identity_for(llm_checkpoint, model, chunk: int) -> dict[str, str]:
+    """The metadata an entry of this model must carry (DiskCache's identity), as the strings a
+    safetensors header holds."""
     c = model.config
-    return {
+    identity = {
         "format": FORMAT,
         "sparrow": sparrow_version(),
         "model": model_identity(llm_checkpoint, model),
@@ -594,3 +577,4 @@ def identity_for(llm_checkpoint, model, chunk: int) -> dict:
         "kv_heads": c.num_key_value_heads,
         "head_dim": c.head_dim,
     }
+    return {k: str(v) for k, v in identity.items()}

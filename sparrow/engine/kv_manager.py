@@ -16,7 +16,7 @@ import logging
 from ..errors import SparrowError
 from ..params import SparseParams
 from .kv_budget import GROW_FRACTION, KVPool, default_budget, format_size, pages, probe_of
-from .prefix_cache import Hit, PrefixCache, prefix_key
+from .prefix_cache import Hit, PrefixCache, check_disk_setting, prefix_key
 from .sequence import Sequence
 
 log = logging.getLogger("sparrow.engine")
@@ -30,8 +30,7 @@ class KVManager:
     ):
         self.llm, self.runner, self.scheduler = llm, runner, scheduler
         self.pool = KVPool(kv_budget or default_budget())
-        if disk_cache is not None and not prefix_cache:
-            raise SparrowError("--prompt-cache keeps the prefix cache's entries: it cannot go with --no-prefix-cache")
+        check_disk_setting(prefix_cache, disk_cache is not None)
         self.prefix = PrefixCache(self.pool, runner.prefill_chunk, prefix_cache, disk=disk_cache)
         self.pool.evictor = self.prefix.evict_one
         self.preemptions = 0

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import SparrowError
+
 KEEP_SLACK = 4  # an entry keeps its request's storage while at most 1/4 of its prefix is unused beyond it
 
 
@@ -61,7 +63,6 @@ class PrefixStats:
     cached_tokens: int = 0
     evictions: int = 0
     entries: int = 0
-    disk_hits: int = 0  # entries loaded from the disk cache
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -78,6 +79,12 @@ def prefix_key(kv_dtype: str, sparse, salt=None, has_images: bool = False) -> st
     if has_images and salt is None:
         return None
     return repr((kv_dtype, sparse if sparse is not None and sparse.prefill else None, salt))
+
+
+def check_disk_setting(prefix_cache: bool, disk: bool) -> None:
+    """A disk cache stores the prefix cache's entries: it needs the prefix cache on."""
+    if disk and not prefix_cache:
+        raise SparrowError("--prompt-cache keeps the prefix cache's entries: it cannot go with --no-prefix-cache")
 
 
 class PrefixCache:
@@ -124,25 +131,21 @@ class PrefixCache:
         return best
 
     def _load_from_disk(self, key, prompt) -> None:
-        """Adds the disk's entry for prompt when it reaches further than memory's."""
+        """Adds the disk's entry for prompt when it reaches further than memory's (nothing when
+        the budget or the file does not allow it; the disk cache logs a bad file)."""
         with self._lock:
             have = self._longest(key, prompt).tokens
         f, n = self.disk.best(key, prompt, self.chunk, have)
-        if f is not None and self._load_file(f, n):
-            self.stats.disk_hits += 1
-
-    def _load_file(self, f, n: int) -> bool:
-        """Adds positions 0..n-1 of disk file f (disk_cache.FileEntry) as an entry; False
-        (logged by the disk cache) when the budget or the file does not allow it."""
+        if f is None:
+            return
         cache = self.disk.new_cache(n, f.header["__metadata__"]["kv_dtype"])
         if not self.pool.charge_new(cache):
-            return False
+            return
         snapshots = self.disk.load(f, n, cache)
         if snapshots is None:
             self.pool.release(cache)
-            return False
+            return
         self.add(f.key, f.tokens[:n], cache, snapshots)
-        return True
 
     def add(self, key: str, tokens: np.ndarray, cache, snapshots: dict) -> None:
         """Adds a loaded entry (cache charged to the pool, length len(tokens), a chunk multiple)

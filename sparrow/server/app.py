@@ -27,6 +27,7 @@ from ..config import rope_scaling_from_flags
 from ..engine.disk_cache import prepare_folder
 from ..engine.engine import Engine, EngineBusy
 from ..engine.kv_budget import format_size, parse_size
+from ..engine.prefix_cache import check_disk_setting
 from ..engine.sequence import check_context
 from ..errors import ContextLengthError, SparrowError
 from ..structured import StructuredError
@@ -126,10 +127,7 @@ class ServerState:
         check_api_key(api_key)
         self.prompt_cache, self.prompt_cache_size = prompt_cache, prompt_cache_size
         if prompt_cache is not None:  # a bad setting fails at start, not after the model loads
-            if engine_options.get("prefix_cache") is False:
-                raise SparrowError(
-                    "--prompt-cache keeps the prefix cache's entries: it cannot go with --no-prefix-cache"
-                )
+            check_disk_setting(engine_options.get("prefix_cache", True), True)
             prepare_folder(prompt_cache)
         self.allowed_local_media_path = allowed_local_media_path
         self.max_images_per_request = max_images_per_request
