@@ -296,7 +296,7 @@ def test_save_prefix_and_load_prefix(llm, tmp_path):
 
 
 # ---------------------------------------------------------------------- the server
-def test_server_save_restart_reuse_and_clear(tmp_path, tiny_gguf, default_llm):  # noqa: F811
+def test_server_save_restart_reuse_and_clear(tmp_path, tiny_gguf, default_llm, monkeypatch):  # noqa: F811
     from inprocess_server import serving
 
     folder = tmp_path / "cache"
@@ -320,6 +320,10 @@ def test_server_save_restart_reuse_and_clear(tmp_path, tiny_gguf, default_llm): 
         r = httpx.post(base + "/v1/cache/save", json=chat, timeout=120)  # a conversation, its own KV dtype
         assert r.status_code == 200 and r.json()["saved_tokens"] >= 16, r.text
         assert len(os.listdir(folder)) == 2
+        with monkeypatch.context() as m:  # a write that fails is not reported as saved
+            m.setattr(dc, "write_entry", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+            r = httpx.post(base + "/v1/cache/save", json={"prompt": list(range(100, 140))}, timeout=120)
+            assert r.status_code == 200 and r.json()["saved_tokens"] == 0, r.text
     with serving(state(), llm) as base:  # a restart: memory empty, the file on disk
         r = httpx.post(base + "/v1/completions", json=body, timeout=120).json()
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 32

@@ -16,6 +16,7 @@ import sys
 import threading
 import traceback
 
+import numpy as np
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -27,7 +28,7 @@ from ..config import rope_scaling_from_flags
 from ..engine.disk_cache import prepare_folder
 from ..engine.engine import Engine, EngineBusy
 from ..engine.kv_budget import format_size, parse_size
-from ..engine.prefix_cache import check_disk_setting
+from ..engine.prefix_cache import check_disk_setting, prefix_key
 from ..engine.sequence import check_context
 from ..errors import ContextLengthError, SparrowError
 from ..structured import StructuredError
@@ -474,8 +475,13 @@ def create_app(state: ServerState) -> FastAPI:
         finally:
             state.engine.cancel(handle)
         await run_in_threadpool(disk.flush)
+        # What the folder holds for the prompt now (0 when the write failed: the log says why).
+        key = prefix_key(req.kv_dtype or state.llm.kv_dtype, req.sparse, image_salt(images), bool(images))
         chunk = state.engine.runner.prefill_chunk
-        return {"object": "cache.save", "prompt_tokens": len(ids), "saved_tokens": len(ids) // chunk * chunk}
+        saved = 0
+        if key is not None:
+            _, saved = await run_in_threadpool(disk.best, key, np.append(ids, -1), chunk)
+        return {"object": "cache.save", "prompt_tokens": len(ids), "saved_tokens": saved}
 
     @app.delete("/v1/cache", dependencies=[Depends(ready)], responses={200: {"model": CacheCleared}, **ERRORS})
     async def cache_clear(request: Request):
