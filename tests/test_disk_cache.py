@@ -360,3 +360,16 @@ def test_generate_starts_a_later_run_from_the_folder(tmp_path, capsys):
     assert "more from the prefix cache" not in runs[0].err
     assert "(1024 more from the prefix cache)" in runs[1].err, runs[1].err  # 1,335 prompt tokens
     assert runs[0].out == runs[1].out and runs[0].out.strip()
+
+
+def test_bad_folder_and_size_are_one_line_errors(llm, tmp_path):
+    from sparrow.server.app import ServerState
+
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    with pytest.raises(SparrowError, match="cannot create the folder|not a writable folder"):
+        ServerState(prompt_cache=str(afile / "cache"))  # at start, before any model loads
+    with pytest.raises(SparrowError, match="prompt_cache_size must be a size"):
+        open_disk_cache(llm, str(tmp_path / "c"), "lots")
+    with pytest.raises(SparrowError, match="must be positive"):
+        open_disk_cache(llm, str(tmp_path / "c"), 0)
