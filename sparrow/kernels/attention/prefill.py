@@ -172,9 +172,10 @@ def _widen_block(i, K, V, ks, vs, scaled, lut, S, KT, Vf):
 
 def widened_blocks(K, V, ks, vs, scaled, lut, S):
     """(key blocks as key_blocks gives them, values [KVH, S, D] float32) from f16 (uint16 bits)
-    or int8 storage, in one parallel pass: numpy's float16 conversion ran at ~0.25 G values/s
-    and, with the stacking and transposing, cost 9 s of a 16K-position chunk on a Qwen3-1.7B
-    shape, every chunk."""
+    or int8 storage, in one parallel pass. Every chunk widens the whole prefix, so this pass is
+    a prefill's only cost that grows with the square of its length besides the attention
+    itself; numpy's float16 conversion made it most of a short chunk's time over a long cache
+    (docs/benchmarks/zen4-epyc.md, "Prefill over a long cache")."""
     KVH, _, D = K.shape
     nblk = (S + BK - 1) // BK
     KT = np.empty((KVH, nblk, D, BK), np.float32)
