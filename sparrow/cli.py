@@ -492,9 +492,12 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(k)
     k.set_defaults(func=cmd_compile)
 
-    b = sub.add_parser("bench", help="benchmarks: attention, speed, needle, fidelity, serve, activations, prompt-cache")
+    b = sub.add_parser(
+        "bench", help="benchmarks: attention, speed, long-context, needle, fidelity, serve, activations, prompt-cache"
+    )
     b.add_argument(
-        "bench", choices=["attention", "speed", "needle", "fidelity", "serve", "activations", "prompt-cache"]
+        "bench",
+        choices=["attention", "speed", "long-context", "needle", "fidelity", "serve", "activations", "prompt-cache"],
     )
     b.add_argument(
         "bench_args", nargs=argparse.REMAINDER, help="options of that benchmark (see sparrow bench NAME --help)"
