@@ -351,10 +351,11 @@ def run(a) -> dict:
     sparrow = Child("sparrow", path, a)
     children = [sparrow]
     try:
+        # the prompt, the feed and the warm-up (a synthesised-only run still warms up on a short prompt)
+        start = sparrow.ask("start", length=contexts[-1] if contexts else 2 * CHUNK, n_decode=a.decode)
+        prompt, feed = start.pop("prompt"), start.pop("feed")
+        rec["sparrow_start"] = start
         if contexts:
-            start = sparrow.ask("start", length=contexts[-1], n_decode=a.decode)
-            prompt, feed = start.pop("prompt"), start.pop("feed")
-            rec["sparrow_start"] = start
             if compare:
                 for role in LLAMA:
                     c = Child(role, path, a)

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import SparrowError
 from ..kernels import linear as _linear
-from ..kv_cache import KVCache
+from ..kv_cache import KVCache, thin_snapshots
 from ..models.decoder import Segment
 from ..params import SparseParams
 
@@ -100,6 +100,7 @@ class Runner:
         logits = self.model.forward([seg])[0]  # [V]
         if stop % self.prefill_chunk == 0:  # a boundary the prefix cache may reuse from
             slot.snapshots[stop] = slot.cache.importance_snapshot()  # [L, stop]
+            thin_snapshots(slot.snapshots, self.prefill_chunk)
         return logits
 
     def prefill(self, slot: Slot, end: int | None = None) -> np.ndarray | None:
