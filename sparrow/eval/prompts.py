@@ -298,7 +298,7 @@ def _cwe_words(rng: random.Random, n: int) -> list[str]:
     return rng.sample(sorted(words), n)
 
 
-def _cwe_prompt(tokenizer, length: int, rng: random.Random, answer_prefix: bool) -> Prompt:
+def _cwe_prompt(tokenizer, length: int, rng: random.Random, answer_prefix: bool, seed: int) -> Prompt:
     """RULER's common-words extraction (cwe), an aggregation task: a numbered list in which
     CWE_COMMON words appear CWE_FREQ_COMMON times each (fewer in short prompts) and the others
     CWE_FREQ_RARE times; the
@@ -341,7 +341,7 @@ def _cwe_prompt(tokenizer, length: int, rng: random.Random, answer_prefix: bool)
         length,
         [],
         [],
-        {"facts": [], "rare_words": lo, "freq_common": freq},
+        {"facts": [], "rare_words": lo, "freq_common": freq, "seed": seed},
     )
 
 
@@ -359,7 +359,7 @@ def make_prompt(
         raise SparrowError(f"depth must be in [0, 1], got {depth}")
     rng = random.Random(f"{task}:{seed}")
     if task == "cwe":
-        return _cwe_prompt(tokenizer, length, rng, answer_prefix)
+        return _cwe_prompt(tokenizer, length, rng, answer_prefix, seed)
     filler, intro, meta = filler_sentences, "", {}
     if task == "needle":
         name, food = (NAMES[0], FOODS[0]) if seed == 0 else (rng.choice(NAMES), rng.choice(FOODS))
