@@ -200,7 +200,7 @@ class LLM:
         from .engine.sampling import prompt_logprobs
 
         set_threads(self.threads)
-        ids = np.asarray(prompt if _is_token_ids(prompt) else self.prompt_ids(prompt), np.int64)
+        ids = np.asarray(self.prompt_ids(prompt) if isinstance(prompt, str) else prompt, np.int64)
         if ids.ndim != 1 or len(ids) == 0:
             raise SparrowError("the prompt must be a non-empty text or 1-D list of token ids")
         if len(ids) > self.ctx:

@@ -171,7 +171,8 @@ class Engine:
         with self._cv:
             if self._draining or self._stop:
                 raise EngineBusy("the server is shutting down", retry_after=5)
-            if self.max_queue is not None and len(self._incoming) + self._waiting + n > self.max_queue:
+            queued = sum(r.n for r in self._incoming) + self._waiting
+            if self.max_queue is not None and queued + n > self.max_queue:
                 raise EngineBusy(f"the request queue is full ({self.max_queue} waiting); retry shortly")
             self._incoming.append(req)
             self._cv.notify()
@@ -259,7 +260,8 @@ class Engine:
 
     def _publish(self) -> None:
         s = self.scheduler
-        self._waiting = len(s.waiting)
+        # queued choices as of this step (read by submit): a request counts its n until it forks
+        self._waiting = sum(1 if r.seq is not None and r.seq.output else r.n for r in s.waiting)
         if self.metrics is not None:
             self.metrics.set_queue(len(s.running), len(s.waiting) + len(self._incoming))
             st = self.prefix.stats
