@@ -310,6 +310,23 @@ def test_echo_logprobs_score_the_prompt(server, llm):
     assert streamed == lp["token_logprobs"]
 
 
+def test_echo_logprobs_report_the_stop_token(server, llm):
+    """A completion that ends on a stop token still reports that token's entry (its text is
+    left out of `text`), as vLLM does: a harness that scores with echo + max_tokens 1 drops the
+    last entry as the sampled token (lm-evaluation-harness: token_logprobs[ctxlen:-1])."""
+    base, _ = server
+    ids = llm.tokenizer.encode("the heat of the sun")
+    [eos] = llm.tokenizer.eos_token_ids[:1]
+    body = {"prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 1, "logit_bias": {str(eos): 100}}
+    c = post(base, COMPLETIONS, body)["choices"][0]
+    assert (c["finish_reason"], c["text"]) == ("stop", llm.tokenizer.decode(ids))
+    lp = c["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 1 and lp["tokens"][-1] == llm.tokenizer.decode([eos])
+    assert lp["token_logprobs"][:-1] == [e[1] for e in llm.prompt_logprobs(ids)]
+    chat = post(base, CHAT_PATH, {"messages": CHAT, "max_tokens": 3, "logprobs": True, "logit_bias": {str(eos): 100}})
+    assert chat["choices"][0]["logprobs"]["content"] == []  # chat's entries spell its content: no end of turn
+
+
 def test_prompt_logprobs_across_prefill_chunks(server, llm):
     """A prompt of two 512-token chunks: the server's logprobs are the in-process API's to the
     bit, and within float tolerance of one forward over the whole prompt; the prefix cache

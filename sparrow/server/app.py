@@ -583,6 +583,7 @@ def create_app(state: ServerState) -> FastAPI:
                 req.logprobs,
                 req.params.stop_token_ids,
                 tool_parser(llm.tool_format),
+                chat,
             )
             for _ in range(len(prompts) * req.n)
         ]

@@ -34,8 +34,15 @@ class Accumulator:
     The whole answer and the stream feed the same pieces to the same tool parser, so a streamed
     call reassembles to the call the whole answer returns."""
 
-    def __init__(self, llm, splitter: ReasoningSplitter | None, want_lp: bool, stop_ids=(), tool_parser=None):
-        self.tok, self.splitter, self.want_lp = llm.tokenizer, splitter, want_lp
+    def __init__(
+        self, llm, splitter: ReasoningSplitter | None, want_lp: bool, stop_ids=(), tool_parser=None, chat: bool = True
+    ):
+        """chat: a token that ends the answer by being a stop token (end of turn, stop_token_ids)
+        gets no logprobs entry, as in OpenAI's chat API, where the entries spell the content;
+        completions report it (text still omits it), as vLLM and OpenAI's legacy API do: the
+        last entry is then the token sampled, which harnesses that score with echo + logprobs
+        drop (lm-evaluation-harness takes token_logprobs[ctxlen:-1])."""
+        self.tok, self.splitter, self.want_lp, self.chat = llm.tokenizer, splitter, want_lp, chat
         self.eos = set(llm.tokenizer.eos_token_ids) | set(stop_ids)
         self.tokens = 0
         self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
@@ -63,7 +70,7 @@ class Accumulator:
             reasoning, content = "", out.text
         if self.parser is not None:
             content, self.tool_deltas = self.parser.push(content, final)
-        hidden = out.finish_reason == "stop" and out.token_id in self.eos  # end-of-turn / stop token: no text
+        hidden = self.chat and out.finish_reason == "stop" and out.token_id in self.eos  # end of turn
         lps = [out] if self.want_lp and out.logprob is not None and not hidden else []
         return reasoning, content, lps
 
