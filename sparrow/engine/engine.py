@@ -331,8 +331,8 @@ class Engine:
             slot = seq.slot
             t0, n0 = time.perf_counter(), slot.cache.length
             scoring = req.prompt_logprobs is not None and not seq.output
-            rows = [] if scoring else None
-            logits = self.runner.prefill_step(slot, rows=rows)  # [V]
+            rows: list = []
+            logits = self.runner.prefill_step(slot, rows=rows) if scoring else self.runner.prefill_step(slot)  # [V]
             if self.metrics is not None:
                 self.metrics.prefill(slot.cache.length - n0, time.perf_counter() - t0)
             if scoring:
