@@ -489,7 +489,7 @@ def test_errors(server, client, model_id, ref):
     assert _err(_post(server, "/v1/chat/completions", {**ok, "temperature": "hot"}), 400)["param"] == "temperature"
     assert _err(_post(server, "/v1/chat/completions", {**ok, "messages": [{"role": "wizard", "content": "hi"}]}), 400)
     assert _err(_post(server, "/v1/chat/completions", {**ok, "messages": "hi"}), 400)["param"] == "messages"
-    assert _err(_post(server, "/v1/chat/completions", {**ok, "n": 3}), 400)["param"] == "n"
+    assert _err(_post(server, "/v1/chat/completions", {**ok, "n": 129}), 400)["param"] == "n"
     assert _err(_post(server, "/v1/completions", {"model": model_id, "prompt": 5}), 400)["param"] == "prompt"
     n_prompt = len(ref.prompt_ids(CHAT, chat=True))
     err = _err(_post(server, "/v1/chat/completions", {**ok, "max_tokens": 9000}), 400)
