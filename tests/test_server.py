@@ -119,6 +119,9 @@ def test_parse_validation():
         with pytest.raises(APIError) as e:
             parse_completion({"prompt": prompt})
         assert e.value.param == "prompt", prompt
+    with pytest.raises(APIError) as e:
+        parse_completion({"prompt": ["a"] * 17, "n": 128})  # 2176 sequences
+    assert e.value.param == "n"
 
 
 # ---------------------------------------------------------------------- server fixtures

@@ -25,6 +25,7 @@ DEFAULT_MAX_TOKENS = 2048  # chat, when the request names none: the KV cache is 
 COMPLETION_MAX_TOKENS = 16  # completions, when the request names none: OpenAI's documented default
 MAX_N = 128  # choices per prompt (OpenAI's limit)
 MAX_PROMPTS = 2048  # prompts in one batched completions request
+MAX_CHOICES = 2048  # prompts * n: each choice is a sequence of the engine
 
 
 class APIError(Exception):
@@ -327,6 +328,8 @@ def completion_request(r: CompletionRequest, defaults: dict | None = None) -> Ge
         raise _bad("prompt", "'prompt' must be a string, token ids, or a non-empty list of those")
     if len(req.prompts) > MAX_PROMPTS:
         raise _bad("prompt", f"at most {MAX_PROMPTS} prompts in one request, got {len(req.prompts)}")
+    if len(req.prompts) * req.n > MAX_CHOICES:
+        raise _bad("n", f"{len(req.prompts)} prompts * n={req.n} choices exceed {MAX_CHOICES} in one request")
     req.echo = bool(r.echo)
     return req
 
