@@ -165,18 +165,22 @@ def test_n_with_stop_strings_and_tools(server):
 def test_n_cancelled_stream_stops_every_choice(server):
     base, state = server
     body = {"prompt": "the heat", "max_tokens": 900, "ignore_eos": True, "n": 4, "stream": True, "temperature": 1}
+    before = state.metrics.snapshot()["cancelled"]
     with httpx.stream("POST", base + COMPLETIONS, json=body, timeout=120) as r:
+        assert r.status_code == 200
         seen = set()
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 seen |= {c["index"] for c in json.loads(line[6:])["choices"]}
                 if len(seen) == 4:
                     break
+    assert len(seen) == 4
     deadline = time.time() + 60
     while not state.engine.idle:
         assert time.time() < deadline, "choices still running after the client left"
         time.sleep(0.05)
     assert state.engine.pool.used == state.engine.prefix.nbytes  # only what the prefix cache keeps
+    assert state.metrics.snapshot()["cancelled"] - before == 4  # each choice cancelled, none ran to its end
 
 
 def test_n_limits(server, llm):
