@@ -306,6 +306,9 @@ def test_echo_logprobs_score_the_prompt(server, llm):
     zero = post(base, COMPLETIONS, {**body, "echo": True, "max_tokens": 0})
     assert zero["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][:n]
     assert zero["usage"]["completion_tokens"] == 0 and zero["choices"][0]["finish_reason"] == "length"
+    full = {**body, "prompt": [5] * 1024, "echo": True, "max_tokens": 0}  # the whole context: no room to run
+    r = httpx.post(base + COMPLETIONS, json=full, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     chunks = events(base, COMPLETIONS, {**body, "echo": True})
     first = chunks[0]["choices"][0]
     assert first["text"] == llm.tokenizer.decode(ids)

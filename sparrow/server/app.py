@@ -409,7 +409,9 @@ def create_app(state: ServerState) -> FastAPI:
                 max_tokens = req.max_tokens
                 if max_tokens is None:
                     max_tokens = max(1, min(DEFAULT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS, llm.ctx - len(ids)))
-                check_context(len(ids), max_tokens, llm.ctx)
+                # scoring a prompt (echo + logprobs) with max_tokens 0 still runs it in the engine,
+                # whose sequences hold at least one position past the prompt
+                check_context(len(ids), max(1, max_tokens) if req.echo and req.logprobs else max_tokens, llm.ctx)
                 # 0 generates nothing (_generate); SamplingParams keeps its minimum of 1
                 params.append(replace(req.params, max_tokens=max(1, max_tokens)).validate())
             try:
