@@ -189,6 +189,34 @@ class LLM:
         vision = slot.mm.segment(0, len(ids)) if slot.mm is not None else None
         return self.model.forward([Segment(ids, slot.cache, 0, sparse, vision=vision)], all_logits=True)
 
+    def prompt_logprobs(
+        self, prompt, top: int = 0, kv_dtype: str | None = None, sparse: SparseParams | None = None
+    ) -> list[tuple[int, float | None, list | None]]:
+        """Each prompt token's logprob given the tokens before it: [(token id, logprob, top
+        alternatives [(id, logprob)] best first, or None when top is 0)], the first token's
+        logprob None. prompt: token ids or a raw completion prompt (text). The prompt is
+        prefilled as the server prefills it (the runner's chunks), with every position's logits,
+        so these are the bits the server's completions `echo` + `logprobs` report."""
+        from .engine.sampling import prompt_logprobs
+
+        set_threads(self.threads)
+        ids = np.asarray(self.prompt_ids(prompt) if isinstance(prompt, str) else prompt, np.int64)
+        if ids.ndim != 1 or len(ids) == 0:
+            raise SparrowError("the prompt must be a non-empty text or 1-D list of token ids")
+        if len(ids) > self.ctx:
+            raise SparrowError(f"{len(ids)} tokens exceed the context length {self.ctx}")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise SparrowError(f"token id out of range [0, {self.config.vocab_size})")
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+            raise SparrowError(f"top must be an integer in [0, 20], got {top!r}")
+        slot = self.runner.new_slot(ids, len(ids), check_kv_dtype(kv_dtype or self.kv_dtype), sparse)
+        out = []
+        while True:
+            start, rows = slot.cache.length, []
+            if self.runner.prefill_step(slot, rows=rows) is None:
+                return out
+            out += prompt_logprobs(ids, start, rows[0], top)
+
     # ------------------------------------------------------------------ generation
     def stream(
         self,

@@ -93,15 +93,12 @@ class KVManager:
         seq, slot = req.seq, req.seq.slot
         if slot.cache is not None:
             return True
-        n_prompt, n_out = len(slot.prompt), len(seq.output)
-        # The first growth step is taken now, while the prefill is still to run: growing later
-        # copies the whole cache on the engine thread, between two decode steps of every stream
-        # (3.4 s at token 34 of a 4K prompt on a Qwen3-1.7B shape, f32 KV, against 134-ms steps).
-        # Positions past the prompt are untouched pages until decode writes them.
-        need = n_prompt + max(1, n_out)
-        capacity = min(n_prompt + req.params.max_tokens, pages(need + need // GROW_FRACTION))
+        n_out = len(seq.output)
+        capacity = self._first_capacity(req, n_out)
         key = self.key(req)
-        for use_prefix in (True, False):  # a pinned entry may be what is in the way: retry without it
+        # Scoring the prompt needs the logits of every position: none of it may come from the cache.
+        scoring = getattr(req, "prompt_logprobs", None) is not None and n_out == 0
+        for use_prefix in (not scoring, False):  # a pinned entry may be what is in the way: retry without it
             hit = self.prefix.lookup(key, slot.prompt) if use_prefix and key is not None else Hit()
             snapshots = hit.entry.snapshots if hit.entry is not None else {}
             cache = self.prefix.take(hit)
@@ -132,6 +129,29 @@ class KVManager:
             if hit.entry is None:
                 return False
         return False
+
+    def _first_capacity(self, req, n_out: int) -> int:
+        # The first growth step is taken now, while the prefill is still to run: growing later
+        # copies the whole cache on the engine thread, between two decode steps of every stream
+        # (3.4 s at token 34 of a 4K prompt on a Qwen3-1.7B shape, f32 KV, against 134-ms steps).
+        # Positions past the prompt are untouched pages until decode writes them.
+        n_prompt = len(req.seq.slot.prompt)
+        need = n_prompt + max(1, n_out)
+        return min(n_prompt + req.params.max_tokens, pages(need + need // GROW_FRACTION))
+
+    def fork(self, parent, child) -> bool:
+        """Gives child (another choice of parent's prompt, child.seq made by Sequence.fork with
+        no cache) a copy of parent's prompt KV, right after parent's prefill: the prompt is
+        prefilled once for all n choices. False (child keeps no cache, to be prefilled again
+        like a preempted request) when the budget has no room."""
+        src = parent.seq.slot.cache
+        cache = self.runner.model.new_cache(1, child.kv_dtype or self.llm.kv_dtype)
+        if not self.pool.resize(cache, self._first_capacity(child, 0), probe_of(child.sparse)):
+            return False
+        n = src.length
+        cache.copy_prefix(src, n, src.importance_snapshot())
+        child.seq.slot.cache = cache
+        return True
 
     def admitted_head(self) -> object | None:
         """The waiting head if it holds KV (part-way through its prefill)."""

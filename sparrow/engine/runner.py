@@ -85,11 +85,13 @@ class Runner:
         cache = None if capacity is None else self.model.new_cache(capacity, kv_dtype)  # None: the engine's budget
         return Slot(prompt, cache, sparse, [] if trace else None, mm)
 
-    def prefill_step(self, slot: Slot, end: int | None = None) -> np.ndarray | None:
+    def prefill_step(self, slot: Slot, end: int | None = None, rows: list | None = None) -> np.ndarray | None:
         """Runs the next chunk of the prompt (up to position `end`, default the whole prompt).
 
         Returns the logits [V] of the chunk's last position, or None when there was nothing to
-        run."""
+        run. rows: a list that receives the logits [T, V] of every position of the chunk (prompt
+        logprobs); only then does the head run over all of them, so other prefills pay nothing.
+        The returned last position's logits have the same bits either way."""
         end = len(slot.prompt) if end is None else min(end, len(slot.prompt))
         start = slot.cache.length
         if start >= end:
@@ -97,7 +99,12 @@ class Runner:
         stop = min(end, start + self.prefill_chunk)
         vision = slot.mm.segment(start, stop) if slot.mm is not None else None
         seg = Segment(slot.prompt[start:stop], slot.cache, start, slot.sparse, vision=vision)
-        logits = self.model.forward([seg])[0]  # [V]
+        if rows is None:
+            logits = self.model.forward([seg])[0]  # [V]
+        else:
+            every, last = self.model.forward([seg], all_logits=True, with_last=True)  # [T, V], [1, V]
+            rows.append(every)
+            logits = last[0]
         if stop % self.prefill_chunk == 0:  # a boundary the prefix cache may reuse from
             slot.snapshots[stop] = slot.cache.importance_snapshot()  # [L, stop]
             thin_snapshots(slot.snapshots, self.prefill_chunk)

@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import traceback
+from dataclasses import replace
 
 import numpy as np
 from fastapi import Depends, FastAPI, Request
@@ -69,7 +70,7 @@ from .schema import (
     TokenizeResponse,
     openapi,
 )
-from .streaming import Accumulator, SSEResponse, collect, sse, stream
+from .streaming import Accumulator, Choices, SSEResponse, collect, sse, stream
 
 ENDPOINTS = (
     "/v1/chat/completions",
@@ -379,6 +380,9 @@ def create_app(state: ServerState) -> FastAPI:
         return await _generate(request, body, chat=False)
 
     async def _prepare(body, chat: bool):
+        """The request checked and tokenized: (req, prompts [token ids each], their sampling
+        params, the choices' reasoning splitter start (None: no splitter), the grammar states
+        (per prompt, one per choice, or None), images)."""
         llm = state.llm
         defaults = llm.checkpoint.generation_defaults
         takes_images = llm.vision is not None
@@ -389,21 +393,27 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             if chat:
                 ids, images = await run_in_threadpool(chat_prompt, llm, req)
-            elif isinstance(req.prompt, str):
-                ids = await run_in_threadpool(llm.prompt_ids, req.prompt)
+                prompts = [ids]
             else:
-                ids = req.prompt
-                if any(not 0 <= i < llm.config.vocab_size for i in ids):
-                    raise APIError(400, f"token ids must be in [0, {llm.config.vocab_size})", param="prompt")
-            if not ids:
-                raise APIError(400, "the prompt is empty", param=param)
-            max_tokens = req.max_tokens
-            if max_tokens is None:
-                max_tokens = max(1, min(DEFAULT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS, llm.ctx - len(ids)))
-                req.max_tokens = max_tokens
-            req.params.max_tokens = max(1, max_tokens)  # 0 is answered without generating (_generate)
-            check_context(len(ids), max_tokens, llm.ctx)
-            req.params.validate()
+                prompts = []
+                for p in req.prompts:
+                    if isinstance(p, str):
+                        p = await run_in_threadpool(llm.prompt_ids, p)
+                    elif any(not 0 <= i < llm.config.vocab_size for i in p):
+                        raise APIError(400, f"token ids must be in [0, {llm.config.vocab_size})", param="prompt")
+                    prompts.append(p)
+            params = []
+            for ids in prompts:
+                if not ids:
+                    raise APIError(400, "the prompt is empty", param=param)
+                max_tokens = req.max_tokens
+                if max_tokens is None:
+                    max_tokens = max(1, min(DEFAULT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS, llm.ctx - len(ids)))
+                # scoring a prompt (echo + logprobs) with max_tokens 0 still runs it in the engine,
+                # whose sequences hold at least one position past the prompt
+                check_context(len(ids), max(1, max_tokens) if req.echo and req.logprobs else max_tokens, llm.ctx)
+                # 0 generates nothing (_generate); SamplingParams keeps its minimum of 1
+                params.append(replace(req.params, max_tokens=max(1, max_tokens)).validate())
             try:
                 req.params.check_vocab(llm.config.vocab_size)
             except SparrowError as e:
@@ -412,17 +422,24 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         except SparrowError as e:
             raise APIError(400, str(e), param=getattr(e, "param", None) or param) from None
-        splitter = None
+        in_reasoning = None
         # Constrained output is the answer from its first token: nothing of it is reasoning.
         if chat and llm.tokenizer.token_to_id(ReasoningSplitter.CLOSE) is not None and not req.structured.constrained:
-            splitter = ReasoningSplitter(starts_in_reasoning(llm.tokenizer.decode(ids[-16:])))
+            in_reasoning = starts_in_reasoning(llm.tokenizer.decode(prompts[0][-16:]))
+
+        def grammars():  # one state per choice
+            make = req.structured.constraint
+            first = make(llm.tokenizer, llm.config.vocab_size, llm.tool_format)
+            if first is None:
+                return None
+            rest = [make(llm.tokenizer, llm.config.vocab_size, llm.tool_format) for _ in range(req.n - 1)]
+            return [first, *rest]
+
         try:  # compiling a grammar takes ~1.4 ms; the first for a tokenizer also indexes it (0.35-1.3 s)
-            constraint = await run_in_threadpool(
-                req.structured.constraint, llm.tokenizer, llm.config.vocab_size, llm.tool_format
-            )
+            constraints = await run_in_threadpool(grammars)
         except StructuredError as e:
             raise APIError(400, str(e), param=e.param) from None
-        return req, ids, splitter, constraint, images
+        return req, prompts, params, in_reasoning, constraints, images
 
     def chat_prompt(llm, req):
         """(ids with image pads expanded, preprocessed images) under the server's media rules."""
@@ -461,19 +478,19 @@ def create_app(state: ServerState) -> FastAPI:
         chat = "messages" in data
         data = {**data, "max_tokens": 1, "temperature": 0.0, "stream": False}
         body = validate(ChatCompletionRequest if chat else CompletionRequest, data)
-        req, ids, _, _, images = await _prepare(body, chat)
-        handle, queue = _submit(req, ids, None, images)
+        req, [ids], [params], _, _, images = await _prepare(body, chat)
+        handle, queue = _submit(req, [ids], [params], None, images)
         if queue is None:
             return handle
         try:
             while True:
-                kind, payload = await queue.get()
+                _, kind, payload = await queue.get()
                 if kind != "token":
                     raise APIError(500 if kind == "error" else 504, str(payload), type="server_error")
                 if payload.finish_reason:
                     break
         finally:
-            state.engine.cancel(handle)
+            state.engine.cancel(handle[0])
         await run_in_threadpool(disk.flush)
         # What the folder holds for the prompt now (0 when the write failed: the log says why).
         key = prefix_key(req.kv_dtype or state.llm.kv_dtype, req.sparse, image_salt(images), bool(images))
@@ -493,93 +510,142 @@ def create_app(state: ServerState) -> FastAPI:
         files = await run_in_threadpool(prefix.disk.clear) if prefix.disk is not None else 0
         return {"object": "cache.cleared", "entries": entries, "files": files}
 
-    def _submit(req, ids, constraint, images):
-        """(handle, queue) of a request given to the engine, or (the 503 response, None)."""
+    def _submit(req, prompts, params, constraints, images, scoring: bool = False):
+        """(the engine's handles, one per prompt, and the queue of their outputs: (prompt index,
+        kind, payload)), or (the 503 response, None)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
-        def emit(kind, payload):  # engine thread
-            loop.call_soon_threadsafe(queue.put_nowait, (kind, payload))
+        def emitter(p):
+            def emit(kind, payload):  # engine thread
+                loop.call_soon_threadsafe(queue.put_nowait, (p, kind, payload))
 
+            return emit
+
+        salt = image_salt(images)  # the prefix cache shares KV only between prompts with the same images
+        top = req.params.logprobs or 0
+        handles = []
         try:
-            salt = image_salt(images)  # the prefix cache shares KV only between prompts with the same images
-            handle = state.engine.submit(
-                ids, req.params, req.sparse, emit, req.kv_dtype, constraint, images=images, cache_salt=salt
-            )
+            for p, (ids, sampling) in enumerate(zip(prompts, params)):
+                handles.append(
+                    state.engine.submit(
+                        ids,
+                        sampling,
+                        req.sparse,
+                        emitter(p),
+                        req.kv_dtype,
+                        constraints if constraints is None or req.n > 1 else constraints[0],
+                        images=images,
+                        cache_salt=salt,
+                        n=req.n,
+                        prompt_logprobs=top if scoring else None,
+                        score_only=req.max_tokens == 0,
+                    )
+                )
         except EngineBusy as e:  # OpenAI clients retry a 503 after Retry-After
+            for h in handles:
+                state.engine.cancel(h)
             busy = JSONResponse(
                 error_body(str(e), "server_error", code="server_busy"),
                 status_code=503,
                 headers={"Retry-After": str(e.retry_after)},
             )
             return busy, None
-        except SparrowError as e:  # prompt + max_tokens exceed the whole KV budget
-            raise APIError(400, str(e), param="max_tokens", code="kv_budget_exceeded") from None
-        return handle, queue
+        except SparrowError as e:  # prompt + max_tokens exceed the whole KV budget; n over the queue
+            for h in handles:
+                state.engine.cancel(h)
+            param = getattr(e, "param", None) or "max_tokens"
+            code = "kv_budget_exceeded" if param == "max_tokens" else None
+            raise APIError(400, str(e), param=param, code=code) from None
+        return handles, queue
 
     async def _generate(request: Request, body, chat: bool):
-        req, ids, splitter, constraint, images = await _prepare(body, chat)
+        req, prompts, params, in_reasoning, constraints, images = await _prepare(body, chat)
         llm, engine = state.llm, state.engine
-        if req.max_tokens == 0:  # completions' minimum: the prompt was checked, nothing is generated
-            return _no_tokens(req, ids, llm)
-        handle, queue = _submit(req, ids, constraint, images)
+        tok = llm.tokenizer
+        echo = [p if isinstance(p, str) else tok.decode(p) for p in req.prompts] if req.echo else None
+        scoring = req.echo and req.logprobs  # the prompt tokens' logprobs, from a prefill of every position
+        if req.max_tokens == 0 and not scoring:  # the prompt was checked; nothing to run
+            return _no_tokens(req, prompts, echo)
+        if len(prompts) > 1 and constraints is not None:  # completions take no grammar; kept general
+            raise APIError(400, "a grammar applies to one prompt", param="prompt")
+        handles, queue = _submit(req, prompts, params, constraints, images, scoring)
         if queue is None:
-            return handle
-        acc = Accumulator(
-            llm, splitter, req.logprobs, req.params.stop_token_ids, req.structured.parser(llm.tool_format)
-        )
+            return handles
+
+        def cancel():
+            for h in handles:
+                engine.cancel(h)  # no-op once finished
+
+        tool_parser = req.structured.parser
+        accs = [
+            Accumulator(
+                llm,
+                None if in_reasoning is None else ReasoningSplitter(in_reasoning),
+                req.logprobs,
+                req.params.stop_token_ids,
+                tool_parser(llm.tool_format),
+                chat,
+            )
+            for _ in range(len(prompts) * req.n)
+        ]
+        choices = Choices(accs, req.n, [len(ids) for ids in prompts])
         rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
         obj = "chat.completion" if chat else "text_completion"
         lp_fmt = (
-            (lambda outs, offset=0: chat_logprobs(llm.tokenizer, outs))
+            (lambda outs, offset=0, prompt=(): chat_logprobs(tok, outs))
             if chat
-            else (lambda outs, offset=0: completion_logprobs(llm.tokenizer, outs, offset))
+            else (lambda outs, offset=0, prompt=(): completion_logprobs(tok, outs, offset, prompt))
         )
 
         if req.stream:
-            return SSEResponse(
-                stream(req, ids, queue, acc, rid, created, chat, lp_fmt, llm.name), lambda: engine.cancel(handle)
-            )
+            return SSEResponse(stream(req, choices, queue, rid, created, chat, lp_fmt, llm.name, echo), cancel)
         try:
-            result = await collect(request, queue, acc)
+            results = await collect(request, queue, choices)
         finally:
-            engine.cancel(handle)  # no-op once finished
-        if result is None:
+            cancel()
+        if results is None:
             return JSONResponse(error_body("client disconnected"), status_code=499)
-        reasoning, content, lps, finish = result
-        lp = lp_fmt(lps) if req.logprobs else None
-        if chat:
-            msg = {"role": "assistant", "content": content, "refusal": None}  # refusal: required by OpenAI's schema
-            if splitter is not None and reasoning:
-                msg["reasoning_content"] = reasoning
-            if acc.tool_calls:
-                msg["content"] = content or None
-                msg["tool_calls"] = acc.tool_calls
-            choice = {"index": 0, "message": msg, "logprobs": lp, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": content, "logprobs": lp, "finish_reason": finish}
-        return {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": llm.name,
-            "choices": [choice],
-            "usage": acc.usage(len(ids)),
-        }
+        out = []
+        for i, (reasoning, content, lps, finish) in enumerate(results):
+            acc = accs[i]
+            if chat:
+                lp = lp_fmt(lps) if req.logprobs else None
+                msg = {"role": "assistant", "content": content, "refusal": None}  # refusal: required by OpenAI
+                if in_reasoning is not None and reasoning:
+                    msg["reasoning_content"] = reasoning
+                if acc.tool_calls:
+                    msg["content"] = content or None
+                    msg["tool_calls"] = acc.tool_calls
+                out.append({"index": i, "message": msg, "logprobs": lp, "finish_reason": finish})
+            else:
+                p = i // req.n
+                prefix = echo[p] if echo is not None else ""
+                prompt_lps = (choices.prompt_logprobs[p] or ()) if scoring else ()
+                lp = lp_fmt(lps, 0, prompt_lps) if req.logprobs else None
+                out.append({"index": i, "text": prefix + content, "logprobs": lp, "finish_reason": finish})
+        return {"id": rid, "object": obj, "created": created, "model": llm.name, "choices": out,
+                "usage": choices.usage()}  # fmt: skip
 
-    def _no_tokens(req, ids, llm):
-        """A completion of max_tokens 0: empty text, finish_reason "length", whole or streamed."""
+    def _no_tokens(req, prompts, echo):
+        """A completion of max_tokens 0 (not scoring its prompt): each choice's text is empty (or
+        its echoed prompt), finish_reason "length", whole or streamed."""
         rid, created = new_id("cmpl"), now()
-        lp = completion_logprobs(llm.tokenizer, []) if req.logprobs else None
-        choice = {"index": 0, "text": "", "logprobs": lp, "finish_reason": "length"}
-        counts = {**usage(len(ids), 0), "prompt_tokens_details": {"cached_tokens": 0}}
-        base = {"id": rid, "object": "text_completion", "created": created, "model": llm.name}
+        tok = state.llm.tokenizer
+        choices = []
+        for i in range(len(prompts) * req.n):
+            text = echo[i // req.n] if echo is not None else ""
+            lp = completion_logprobs(tok, []) if req.logprobs else None
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": "length"})
+        counts = {**usage(sum(len(ids) for ids in prompts), 0), "prompt_tokens_details": {"cached_tokens": 0}}
+        base = {"id": rid, "object": "text_completion", "created": created, "model": state.llm.name}
         if not req.stream:
-            return {**base, "choices": [choice], "usage": counts}
+            return {**base, "choices": choices, "usage": counts}
 
         async def events():
             extra = {"usage": None} if req.include_usage else {}
-            yield sse({**base, "choices": [choice], **extra})
+            for choice in choices:
+                yield sse({**base, "choices": [choice], **extra})
             if req.include_usage:
                 yield sse({**base, "choices": [], "usage": counts})
             yield "data: [DONE]\n\n"

@@ -3,7 +3,7 @@
 FastAPI validates request bodies against these models and publishes them at /openapi.json and
 /docs. Types are strict (no "1" -> 1 or true -> 1 coercion, no NaN) so a wrong type is a 400
 naming the field; unknown fields are ignored, as permissive OpenAI-compatible servers do. Checks
-that need more than a type (n > 1, a tool name that matches no tool, a JSON schema sparrow cannot
+that need more than a type (a tool name that matches no tool, a JSON schema sparrow cannot
 compile) are made where the request is turned into a GenRequest (protocol.py, sparrow.structured).
 """
 
@@ -226,7 +226,12 @@ class _Sampling(_Model):
     (temperature, top_p, top_k, min_p, repetition_penalty), else OpenAI's default."""
 
     model: str | None = None
-    n: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
+    n: int | None = Field(
+        None,
+        ge=1,
+        le=128,
+        description="choices per prompt, sharing its prefill; with a seed, choice i samples with seed + i",
+    )
     max_tokens: int | None = Field(None, ge=1)
     seed: int | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -284,13 +289,15 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        description="a string or token ids (a batch of one is accepted)"
+        description="a string or token ids, or a batch of either: choice index = prompt index * n + choice"
     )
     max_tokens: int | None = Field(
         None, ge=0, description="default 16 (OpenAI's); 0 answers an empty text, finish_reason length"
     )
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool | None = Field(None, description="not supported: 400 unless false")
+    echo: bool | None = Field(
+        None, description="each choice's text starts with its prompt; with logprobs, the prompt tokens' first"
+    )
     best_of: Any = _refused("unless null or 1")
     suffix: Any = _refused('unless null or ""')
 
@@ -379,8 +386,8 @@ class ChatCompletion(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None] = Field(description="null for the first token of an echoed prompt")
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
