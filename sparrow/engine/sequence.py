@@ -27,6 +27,7 @@ class StepOutput:
     finish_reason: str | None = None  # "stop" | "length" | None while running
     timing: dict | None = None  # per-step times in ms when requested
     cached_tokens: int | None = None  # first output only: prompt tokens whose KV came from the prefix cache
+    speculative: dict | None = None  # last output of a speculative run: {"drafted_tokens", "accepted_tokens"}
 
 
 @dataclass
