@@ -39,10 +39,11 @@ from ..errors import SparrowError
 from ..params import SpeculativeParams
 from .runner import Runner, Slot
 
-# Adaptive K: a verification whose drafts were all rejected halves K; after BACKOFF_AFTER such
-# verifications in a row the sequence decodes plainly for PAUSE steps, then tries one token again.
-BACKOFF_AFTER = 2
-PAUSE = 16
+# Adaptive K: a verification whose drafts were all rejected halves K and pauses drafting for
+# PAUSE plain steps, twice as many after each such verification in a row (up to MAX_PAUSE), so
+# useless drafts cost a few rows per hundreds of tokens; a kept draft resets the pause.
+PAUSE = 8
+MAX_PAUSE = 512
 
 
 class Drafter:
@@ -154,7 +155,7 @@ class Speculator:
     def __init__(self, params: SpeculativeParams, drafter: Drafter):
         self.params, self.drafter = params, drafter
         self.k = params.tokens
-        self.rejected_runs = 0  # verifications in a row that kept no drafted token
+        self.next_pause = PAUSE  # the pause after the next verification that keeps nothing
         self.pause = 0  # plain steps left before drafting again
         self.drafted = self.accepted = 0
 
@@ -171,10 +172,7 @@ class Speculator:
 
     def propose(self, seq, n: int) -> list[int]:
         if n < 1:
-            if self.pause > 0:
-                self.pause -= 1
-                if self.pause == 0:
-                    self.k = 1
+            self.pause = max(0, self.pause - 1)
             return []
         return self.drafter.propose(seq, n)[:n]
 
@@ -189,15 +187,12 @@ class Speculator:
         self.accepted += kept
         if not self.params.adaptive:
             return
-        if kept == len(draft):
-            self.k, self.rejected_runs = min(self.params.tokens, self.k + 1), 0
-        elif kept == 0:
-            self.rejected_runs += 1
+        if kept == 0:
             self.k = max(1, self.k // 2)
-            if self.rejected_runs >= BACKOFF_AFTER:
-                self.pause, self.rejected_runs = PAUSE, 0
-        else:
-            self.k, self.rejected_runs = max(1, kept + 1), 0
+            self.pause, self.next_pause = self.next_pause, min(MAX_PAUSE, 2 * self.next_pause)
+            return
+        self.next_pause = PAUSE
+        self.k = min(self.params.tokens, self.k + 1) if kept == len(draft) else max(1, kept + 1)
 
     def release(self) -> None:
         self.drafter.release()

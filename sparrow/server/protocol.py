@@ -186,6 +186,7 @@ class GenRequest:
     chat_template_kwargs: dict = field(default_factory=dict)
     kv_dtype: str | None = None  # None: the server's --kv-dtype
     structured: Structured = field(default_factory=Structured)  # tools, tool_choice, response_format
+    speculative: dict | None = None  # the request's speculative options (None: the server's default)
 
 
 def _common(r, chat: bool, defaults: dict | None) -> GenRequest:
@@ -250,7 +251,21 @@ def _common(r, chat: bool, defaults: dict | None) -> GenRequest:
         include_usage=bool(r.stream_options and r.stream_options.include_usage),
         logprobs=want_lp,
         kv_dtype=r.kv_dtype,
+        speculative=_speculative_options(r),
     )
+
+
+SPEC_FIELDS = ("spec_tokens", "spec_ngram", "spec_sparse_k", "spec_sparse_select")
+
+
+def _speculative_options(r) -> dict | None:
+    """The speculative options a request gives: None when it gives none (the server's default)."""
+    given = {k: getattr(r, k) for k in SPEC_FIELDS if getattr(r, k) is not None}
+    if r.speculative is None and not given:
+        return None
+    if r.speculative in (None, "none") and given:
+        raise _bad(next(iter(given)), f"'{next(iter(given))}' needs 'speculative' (ngram, draft or sparse)")
+    return {"speculative": r.speculative, **given}
 
 
 def _content(content, p: str, images: bool):

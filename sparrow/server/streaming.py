@@ -39,6 +39,7 @@ class Accumulator:
         self.eos = set(llm.tokenizer.eos_token_ids) | set(stop_ids)
         self.tokens = 0
         self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
+        self.speculative: dict | None = None  # the last output's drafted / accepted counts
         self.parser = tool_parser
         self.tool_deltas: list[dict] = []  # of the latest add()
 
@@ -50,12 +51,18 @@ class Accumulator:
         return "tool_calls" if finish == "stop" and self.tool_calls else finish
 
     def usage(self, prompt_tokens: int) -> dict:
-        return {**usage(prompt_tokens, self.tokens), "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        out = {**usage(prompt_tokens, self.tokens), "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if self.speculative is not None:  # OpenAI's names for predicted tokens kept and not
+            a, d = self.speculative["accepted_tokens"], self.speculative["drafted_tokens"]
+            out["completion_tokens_details"] = {"accepted_prediction_tokens": a, "rejected_prediction_tokens": d - a}
+        return out
 
     def add(self, out):
         self.tokens += 1
         if out.cached_tokens is not None:
             self.cached_tokens = out.cached_tokens
+        if out.speculative is not None:
+            self.speculative = out.speculative
         final = out.finish_reason is not None
         if self.splitter is not None:
             reasoning, content = self.splitter.push(out.text, final)
