@@ -539,9 +539,12 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(k)
     k.set_defaults(func=cmd_compile)
 
-    b = sub.add_parser("bench", help="benchmarks: attention, speed, needle, fidelity, serve, activations, prompt-cache")
+    b = sub.add_parser(
+        "bench", help="benchmarks: attention, speed, needle, fidelity, serve, activations, prompt-cache, speculative"
+    )
     b.add_argument(
-        "bench", choices=["attention", "speed", "needle", "fidelity", "serve", "activations", "prompt-cache"]
+        "bench",
+        choices=["attention", "speed", "needle", "fidelity", "serve", "activations", "prompt-cache", "speculative"],
     )
     b.add_argument(
         "bench_args", nargs=argparse.REMAINDER, help="options of that benchmark (see sparrow bench NAME --help)"

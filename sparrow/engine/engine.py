@@ -358,28 +358,29 @@ class Engine:
         through Runner.verify in forwards of at most SMALL_T rows, and each samples along its
         rows (speculative.py). The rows are plain decode rows, so requests that do not
         speculate, and those that do, get plain decoding's bits."""
-        items = []  # (req, draft, start, live)
+        items = []  # (req, draft, start, live, the token at start)
         for r in reqs:
             try:
                 seq = r.seq
-                live, start, draft = seq.caught_up, seq.slot.cache.length, []
+                # read before drafting: the sparse drafter moves the cache's length on
+                live, start, first, draft = seq.caught_up, seq.slot.cache.length, seq.next_input, []
                 if live and r.speculative is not None:
                     if r.spec is None:
                         r.spec = make_speculator(self.llm, self.runner, r.speculative, seq, seq.slot.cache.dtype)
                     n = self.kv.room_for(r, r.spec.budget(seq))
                     draft = r.spec.propose(seq, n)
-                items.append((r, draft, start, live))
+                items.append((r, draft, start, live, first))
             except Exception as e:
                 self._internal_error([r], e)
         produced = drafted = accepted = forwards = 0
         for group in _row_groups(items, self.runner.decode_groups):
             batch = [it[0] for it in group]
             try:
-                tokens = [[r.seq.next_input, *d] for r, d, _, _ in group]
-                logits = self.runner.verify([r.seq.slot for r in batch], tokens, [st for _, _, st, _ in group])
+                tokens = [[first, *d] for _, d, _, _, first in group]
+                logits = self.runner.verify([r.seq.slot for r in batch], tokens, [it[2] for it in group])
                 forwards += len(self.runner.decode_groups(sum(map(len, tokens))))
                 done = []
-                for (r, draft, _, live), lg in zip(group, logits):
+                for (r, draft, _, live, _), lg in zip(group, logits):
                     if not live:
                         continue
                     outs, kept = accept_drafts(r.seq, draft, lg)

@@ -142,9 +142,9 @@ class DraftModelDrafter(Drafter):
 
 def check_draft_model(target, draft) -> None:
     """A draft model must share the target's tokenizer: the same ids for the same text."""
-    probe = "Speculative decoding, 2026: ü 你好 <|im_end|> def f(x):\n    return x"
+    probe = "Speculative decoding, 2026: ü 你好 def f(x):\n    return x"
     a, b = target.tokenizer, draft.tokenizer
-    if a.encode(probe) != b.encode(probe) or set(a.eos_token_ids) != set(b.eos_token_ids):
+    if a.encode(probe) != b.encode(probe):
         raise SparrowError(f"the draft model {draft.name} does not share the tokenizer of {target.name}")
 
 
