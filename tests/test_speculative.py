@@ -185,8 +185,9 @@ def test_threads_one_and_two(default_llm):
 
 
 def test_adaptive_k_backs_off_when_drafts_fail(default_llm):
-    """A drafter that is always wrong: each failed verification halves K and pauses drafting for
-    twice as many plain steps as the last, so useless drafts cost few rows; the output is unchanged."""
+    """A drafter that is always wrong: drafting starts at 2 tokens, and each failed verification
+    halves K and pauses drafting for twice as many plain steps as the last, so useless drafts
+    cost few rows; the output is unchanged."""
 
     class Wrong(NgramDrafter):
         def propose(self, seq, n):
@@ -200,15 +201,17 @@ def test_adaptive_k_backs_off_when_drafts_fail(default_llm):
     spec = Speculator(SpeculativeParams("ngram", 8), Wrong(3))
     toks = [o.token_id for o in generate_step(llm.runner, seq, spec=spec)]
     assert toks == plain[0]
-    assert spec.accepted == 0 and spec.drafted == 8 + 4 + 2  # 8, pause 8, 4, pause 16, 2, pause 32
+    assert spec.accepted == 0 and spec.drafted == 2 + 1 + 1  # 2, pause 8, 1, pause 16, 1, pause 32
     _assert_same_cache(seq.slot.cache, plain[2])
 
 
 def test_lookup_finds_the_latest_longest_match():
-    ctx = np.array([5, 6, 7, 8, 1, 5, 6, 9, 2, 5, 6], np.int64)
-    assert lookup(ctx, 3, 2) == [9, 2]  # suffix [5, 6]: latest earlier occurrence at 5
-    assert lookup(ctx, 1, 4) == [5, 6, 9, 2]  # n=1: suffix [6]: at 6, followed by 9 2 5 6
-    assert lookup(np.array([1, 2, 3], np.int64), 3, 4) == []
+    ctx = np.array([1, 2, 3, 9, 2, 3, 4, 1, 2, 3], np.int64)
+    assert lookup(ctx, 3, 4) == [9, 2, 3, 4]  # [1, 2, 3] occurred at 0
+    assert lookup(ctx, 2, 4) == [4, 1, 2, 3]  # [2, 3]: its latest earlier occurrence, at 4
+    assert lookup(ctx, 3, 2) == [9, 2]
+    assert lookup(np.array([5, 6, 7, 5], np.int64), 3, 8) == [6, 7, 5]  # up to the end
+    assert lookup(np.array([1, 2, 3], np.int64), 3, 4) == []  # nothing repeats
 
 
 def test_api_keywords_and_usage(default_llm):
