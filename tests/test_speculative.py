@@ -351,7 +351,13 @@ def test_server_speculative_options_usage_and_metrics(default_llm):
     state = ServerState(speculative=SpeculativeParams("ngram", 3), kv_budget=1 << 28)
     with serving(state, llm) as url:
         body = {"messages": [{"role": "user", "content": text}], "max_tokens": 24, "temperature": 0}
-        for extra in ({}, {"speculative": "ngram", "spec_tokens": 5}, {"speculative": "none"}):
+        # spec_tokens alone tunes the server's default (ngram); spec_sparse_k is ignored by ngram
+        for extra in (
+            {},
+            {"speculative": "ngram", "spec_tokens": 5},
+            {"spec_tokens": 2, "spec_sparse_k": 4},
+            {"speculative": "none"},
+        ):
             r = httpx.post(url + "/v1/chat/completions", json={**body, **extra}, timeout=300).json()
             assert r["choices"][0]["message"]["content"] == ref
             details = r["usage"].get("completion_tokens_details")
@@ -362,9 +368,8 @@ def test_server_speculative_options_usage_and_metrics(default_llm):
         for bad, param in (
             ({"speculative": "draft"}, "speculative"),  # no --draft-model
             ({"speculative": "medusa"}, "speculative"),
-            ({"spec_tokens": 3}, "spec_tokens"),  # without speculative
             ({"speculative": "ngram", "spec_tokens": 99}, "spec_tokens"),
-            ({"speculative": "ngram", "spec_sparse_k": 4}, "speculative"),
+            ({"speculative": "sparse", "spec_sparse_k": 0}, "spec_sparse_k"),
         ):
             r = httpx.post(url + "/v1/chat/completions", json={**body, **bad}, timeout=60)
             assert r.status_code == 400, (bad, r.text)

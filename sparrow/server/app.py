@@ -501,18 +501,19 @@ def create_app(state: ServerState) -> FastAPI:
         return {"object": "cache.cleared", "entries": entries, "files": files}
 
     def _speculative(req) -> SpeculativeParams | None:
-        """The request's speculative settings: its own options, else the server's default."""
-        o = req.speculative
+        """The request's speculative settings: its own options over the server's default. A
+        spec_* setting the method does not use is ignored, as sparse_k is without sparse_attn."""
+        o, default = req.speculative, state.speculative
         if o is None:
-            return state.speculative
-        if o["speculative"] == "none":
+            return default
+        method = o["speculative"] or (default.method if default is not None else None)
+        if method in (None, "none"):
             return None
-        method = o["speculative"]
         if method == "draft" and state.draft_model is None:
             raise APIError(
                 400, "this server has no draft model (start it with --draft-model PATH)", param="speculative"
             )
-        base = state.speculative if state.speculative is not None and state.speculative.method == method else None
+        base = default if default is not None and default.method == method else None
         sparse = base.sparse if base is not None else None
         try:
             return SpeculativeParams.from_options(
@@ -520,8 +521,8 @@ def create_app(state: ServerState) -> FastAPI:
                 o.get("spec_tokens", base.tokens if base else 4),
                 o.get("spec_ngram", base.ngram if base else 3),
                 state.draft_model if method == "draft" else None,
-                o.get("spec_sparse_k", sparse.k if sparse else None),
-                o.get("spec_sparse_select", sparse.select if sparse else None),
+                o.get("spec_sparse_k", sparse.k if sparse else None) if method == "sparse" else None,
+                o.get("spec_sparse_select", sparse.select if sparse else None) if method == "sparse" else None,
             )
         except SparrowError as e:
             raise APIError(400, str(e), param="speculative") from None

@@ -259,12 +259,12 @@ SPEC_FIELDS = ("spec_tokens", "spec_ngram", "spec_sparse_k", "spec_sparse_select
 
 
 def _speculative_options(r) -> dict | None:
-    """The speculative options a request gives: None when it gives none (the server's default)."""
+    """The speculative options a request gives: None when it gives none (the server's default).
+    spec_* without `speculative` tune the server's default method (none: they do nothing, as
+    sparse_k does without sparse_attn)."""
     given = {k: getattr(r, k) for k in SPEC_FIELDS if getattr(r, k) is not None}
     if r.speculative is None and not given:
         return None
-    if r.speculative in (None, "none") and given:
-        raise _bad(next(iter(given)), f"'{next(iter(given))}' needs 'speculative' (ngram, draft or sparse)")
     return {"speculative": r.speculative, **given}
 
 
