@@ -176,6 +176,12 @@ class SparseState:
         self.importance[n:] = 0.0
         self._forget_blocks_from(n)
 
+    def clear_copies_past(self):
+        """Zeroes each copy's rows past its valid blocks (KVCache.rollback)."""
+        for p in self._probes.values():
+            p.rows[:, p.blocks * p.per_block :] = 0
+            p.scale[:, p.blocks * p.per_block :] = 0
+
     def _forget_blocks_from(self, pos):
         for p in self._probes.values():
             p.blocks = min(p.blocks, pos // p.block)
@@ -378,6 +384,24 @@ class KVCache:
         self.length = n
         for st in self.sparse:
             st.truncate(n)
+
+    def rollback(self, n):
+        """Drops positions >= n as truncate does and zeroes their K/V rows (and scales), so that
+        after a speculative step's rejected positions the cache holds exactly what plain
+        decoding's holds: the copies sparse decode keeps are cut back to the full blocks below
+        n and cleared past them (they are rebuilt from K on their next use)."""
+        n = max(0, min(int(n), self.length))
+        end = self.length
+        self.truncate(n)
+        if end > n:
+            for layer in self.layers:
+                layer.k[:, n:end] = 0
+                layer.v[:, n:end] = 0
+                if layer.scaled:
+                    layer.k_scale[:, n:end] = 0
+                    layer.v_scale[:, n:end] = 0
+            for st in self.sparse:
+                st.clear_copies_past()
 
     def resize(self, capacity):
         """Moves the cache into storage of `capacity` positions (at least 1), keeping positions

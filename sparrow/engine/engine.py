@@ -27,12 +27,13 @@ import numpy as np
 
 from ..errors import SparrowError
 from ..kernels import set_threads
-from ..params import SamplingParams, SparseParams
+from ..params import SamplingParams, SparseParams, SpeculativeParams
 from .kv_manager import KVManager
 from .runner import Runner
 from .sampling import prompt_logprobs
 from .scheduler import Scheduler
 from .sequence import Sequence, StepOutput
+from .speculative import Speculator, accept_drafts, make_speculator
 from .warmup import SERVER_PATHS, warm
 
 log = logging.getLogger("sparrow.engine")
@@ -55,6 +56,8 @@ class Request:
     cache_salt: str | None = None
     cacheable: bool = True
     images: list | None = None  # the prompt's preprocessed images (vision.preprocess.PixelImage)
+    speculative: SpeculativeParams | None = None  # None: plain decoding
+    spec: Speculator | None = None  # its drafter and counts, made at its first decode step
     id: int = field(default_factory=lambda: next(_ids))
     seq: Sequence | None = None
     cancelled: bool = False  # set by the client side; the engine drops it before its next step
@@ -141,6 +144,7 @@ class Engine:
         n: int = 1,
         prompt_logprobs: int | None = None,
         score_only: bool = False,
+        speculative: SpeculativeParams | None = None,
     ) -> Request:
         """Queues a request. Raises EngineBusy when the queue is full or the engine is draining,
         SparrowError when prompt + max_tokens cannot fit in the whole KV budget.
@@ -168,6 +172,7 @@ class Engine:
         req.images = images or None
         req.n, req.fork_constraints, req.family = n, constraints[1:], [req]
         req.prompt_logprobs, req.score_only = prompt_logprobs, score_only
+        req.speculative = speculative
         with self._cv:
             if self._draining or self._stop:
                 raise EngineBusy("the server is shutting down", retry_after=5)
@@ -288,7 +293,7 @@ class Engine:
     def _drop_cancelled(self) -> None:
         gone = self.scheduler.drop_cancelled()
         for r in gone:
-            self.kv.free(r)  # frees its KV cache now (or hands it to the prefix cache)
+            self._free(r)  # frees its KV cache now (or hands it to the prefix cache)
             r.finished = True
             if r.timed_out:
                 self._emit(r, "timeout", "the request timed out (the server's --request-timeout)")
@@ -303,9 +308,14 @@ class Engine:
             log.exception("request %d: delivering its %s failed; cancelling it", req.id, kind)
             req.cancelled = True
 
+    def _free(self, req: Request) -> None:
+        if req.spec is not None:
+            req.spec.release()
+        self.kv.free(req)
+
     def _fail(self, req: Request, message: str) -> None:
         req.finished = True
-        self.kv.free(req)
+        self._free(req)
         self._emit(req, "error", message)
 
     def _deliver(self, req: Request, out: StepOutput) -> None:
@@ -318,7 +328,7 @@ class Engine:
             req.finished = True
         self._emit(req, "token", out)
         if req.finished:
-            self.kv.free(req)
+            self._free(req)
 
     def _prefill(self, req: Request) -> bool:
         """One prefill chunk of req; False when it waits for KV (nothing ran)."""
@@ -395,6 +405,7 @@ class Engine:
                 images=req.images,
                 index=i,
                 family=req.family,
+                speculative=req.speculative,
             )
             req.family.append(child)
             child.cancelled = req.cancelled  # after joining the family: cancel() sees it or this does
@@ -417,6 +428,8 @@ class Engine:
             self._internal_error(reqs, e)
             self.scheduler.retire()
             return
+        if any(r.speculative is not None for r in reqs):
+            return self._decode_speculative(reqs, t0)
         groups = self.runner.decode_groups(len(reqs))
         produced = 0
         for g in groups:  # one forward each; a failure fails only its own forward's requests
@@ -436,6 +449,56 @@ class Engine:
             self.metrics.decode(produced, time.perf_counter() - t0, len(groups))
         self.scheduler.retire()
 
+    def _decode_speculative(self, reqs: list[Request], t0: float) -> None:
+        """A decode step in which some requests speculate: each drafts (its budget capped by
+        the KV it can grow into without preempting anyone), then every request's rows go
+        through Runner.verify in forwards of at most SMALL_T rows, and each samples along its
+        rows (speculative.py). The rows are plain decode rows, so requests that do not
+        speculate, and those that do, get plain decoding's bits."""
+        items = []  # (req, draft, start, live, the token at start)
+        for r in reqs:
+            try:
+                seq = r.seq
+                # read before drafting: the sparse drafter moves the cache's length on
+                live, start, first, draft = seq.caught_up, seq.slot.cache.length, seq.next_input, []
+                if live and r.speculative is not None:
+                    if r.spec is None:
+                        r.spec = make_speculator(self.llm, self.runner, r.speculative, seq, seq.slot.cache.dtype)
+                    n = self.kv.room_for(r, r.spec.budget(seq))
+                    draft = r.spec.propose(seq, n)
+                items.append((r, draft, start, live, first))
+            except Exception as e:
+                self._internal_error([r], e)
+        produced = drafted = accepted = forwards = 0
+        for group in _row_groups(items, self.runner.decode_groups):
+            batch = [it[0] for it in group]
+            try:
+                tokens = [[first, *d] for _, d, _, _, first in group]
+                logits = self.runner.verify([r.seq.slot for r in batch], tokens, [it[2] for it in group])
+                forwards += len(self.runner.decode_groups(sum(map(len, tokens))))
+                done = []
+                for (r, draft, _, live, _), lg in zip(group, logits):
+                    if not live:
+                        continue
+                    outs, kept = accept_drafts(r.seq, draft, lg)
+                    if r.spec is not None and draft:
+                        r.spec.settle(r.seq, draft, kept)
+                        drafted, accepted = drafted + len(draft), accepted + kept
+                    done.append((r, outs))
+            except Exception as e:
+                self._internal_error(batch, e)
+                continue
+            for r, outs in done:
+                produced += len(outs)
+                for out in outs:
+                    if out.finish_reason and r.spec is not None:
+                        out.speculative = r.spec.counts
+                    self._deliver(r, out)
+        if self.metrics is not None:
+            self.metrics.decode(produced, time.perf_counter() - t0, forwards)
+            self.metrics.add(spec_drafted_tokens=drafted, spec_accepted_tokens=accepted)
+        self.scheduler.retire()
+
     def _internal_error(self, reqs: list[Request], e: Exception) -> None:
         if isinstance(e, SparrowError):
             msg = str(e)
@@ -444,3 +507,20 @@ class Engine:
             msg = f"internal error: {type(e).__name__}: {e}"
         for r in reqs:
             self._fail(r, msg)
+
+
+def _row_groups(items: list, decode_groups) -> list[list]:
+    """Consecutive runs of items (req, draft, ...) whose rows (1 + len(draft) each) fill one
+    forward (decode_groups(rows) is a single range) where they can; a larger item goes alone,
+    Runner.verify cutting its rows into several forwards."""
+    groups, cur, rows = [], [], 0
+    for it in items:
+        n = 1 + len(it[1])
+        if cur and len(decode_groups(rows + n)) > 1:
+            groups.append(cur)
+            cur, rows = [], 0
+        cur.append(it)
+        rows += n
+    if cur:
+        groups.append(cur)
+    return groups

@@ -170,6 +170,16 @@ class KVManager:
         self.preemptions += 1
         log.info("request %d preempted (KV budget full); it resumes later", req.id)
 
+    def room_for(self, req, n: int) -> int:
+        """How many of n drafted tokens req may verify in its next step: its cache grows to
+        hold them where the budget allows without preempting anyone (speculation is never
+        worth another request's KV)."""
+        cache = req.seq.slot.cache
+        ceiling = len(req.seq.slot.prompt) + req.params.max_tokens
+        while n > 0 and not self.pool.grow(cache, cache.length + 1 + n, ceiling, probe_of(req.sparse)):
+            n = min(n - 1, cache.capacity - cache.length - 1)
+        return max(0, n)
+
     def make_room(self, reqs: list) -> list:
         """Grows each cache (oldest request first) by the position its next step writes; a cache
         that cannot grow preempts the newest holder of KV: a head in prefill, then the newest

@@ -144,3 +144,32 @@ class Runner:
             ]
             out.append(self.model.forward(segs))  # [len(g), V]
         return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def verify(self, slots: list[Slot], tokens: list, starts: list[int]) -> list[np.ndarray]:
+        """Feeds tokens[i] (a list) to slots[i] at positions starts[i], starts[i] + 1, ...,
+        each as its own single-token decode row -> logits [len(tokens[i]), V] per slot.
+
+        A row's logits are the bits a decode step at that position gives (speculative.py): rows
+        of one sequence go in position order, so each attends over what the rows before it
+        wrote, and a forward holds at most SMALL_T rows, so each row is computed as alone."""
+        rows = [(i, j) for i, toks in enumerate(tokens) for j in range(len(toks))]
+        out: list = [[None] * len(t) for t in tokens]
+        for g in self.decode_groups(len(rows)):
+            segs = []
+            for i, j in (rows[r] for r in g):
+                s = slots[i]
+                segs.append(
+                    Segment(
+                        np.asarray(tokens[i][j : j + 1], np.int64),
+                        s.cache,
+                        starts[i] + j,
+                        s.sparse,
+                        decode=True,
+                        trace=s.trace,
+                        rope_delta=s.mm.rope_delta if s.mm is not None else 0,
+                    )
+                )
+            logits = self.model.forward(segs)  # [len(g), V]
+            for (i, j), row in zip((rows[r] for r in g), logits):
+                out[i][j] = row
+        return [np.stack(o) for o in out]

@@ -31,6 +31,7 @@ class StepOutput:
     # first output of choice 0 only, when asked: each prompt position's (token id, logprob or None for
     # the first, top alternatives or None), the logprob as decoding would report the same token
     prompt_logprobs: list | None = None
+    speculative: dict | None = None  # last output of a speculative run: {"drafted_tokens", "accepted_tokens"}
 
 
 @dataclass

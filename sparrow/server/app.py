@@ -32,6 +32,7 @@ from ..engine.kv_budget import format_size, parse_size
 from ..engine.prefix_cache import check_disk_setting, prefix_key
 from ..engine.sequence import check_context
 from ..errors import ContextLengthError, SparrowError
+from ..params import SpeculativeParams
 from ..structured import StructuredError
 from ..vision.media import MAX_PIXELS_PER_REQUEST
 from ..vision.preprocess import image_salt
@@ -115,6 +116,8 @@ class ServerState:
         body_timeout: float | None = BODY_TIMEOUT,
         prompt_cache: str | None = None,
         prompt_cache_size: int | None = None,
+        speculative: SpeculativeParams | None = None,
+        draft_model: str | None = None,
         **engine_options,
     ):
         """engine_options: Engine's kv_budget, max_queue, prefix_cache, timeout. Images: file://
@@ -125,8 +128,10 @@ class ServerState:
         content may write special tokens (trusted clients only). body_timeout: seconds for a
         request body to arrive (None: no limit). prompt_cache: a folder that keeps prompts' KV
         across restarts (engine/disk_cache.py), at most prompt_cache_size bytes (None: its
-        default)."""
+        default). speculative: the speculative decoding of requests that do not say;
+        draft_model: the draft model requests may ask for (speculative 'draft')."""
         check_api_key(api_key)
+        self.speculative, self.draft_model = speculative, draft_model
         self.prompt_cache, self.prompt_cache_size = prompt_cache, prompt_cache_size
         if prompt_cache is not None:  # a bad setting fails at start, not after the model loads
             check_disk_setting(engine_options.get("prefix_cache", True), True)
@@ -151,6 +156,8 @@ class ServerState:
         """Starts the engine on a loaded model; ready once its warm-up (engine/warmup.py) has
         run. on_warm(name, i, n, seconds) follows each warmed path."""
         self.llm = llm
+        if self.draft_model is not None:  # loaded now: no request waits for it, a bad path fails the start
+            llm.draft_llm(self.draft_model)
         self.aliases = {llm.name, os.path.splitext(llm.name)[0]}
         self.created = now()
         disk = None
@@ -510,6 +517,33 @@ def create_app(state: ServerState) -> FastAPI:
         files = await run_in_threadpool(prefix.disk.clear) if prefix.disk is not None else 0
         return {"object": "cache.cleared", "entries": entries, "files": files}
 
+    def _speculative(req) -> SpeculativeParams | None:
+        """The request's speculative settings: its own options over the server's default. A
+        spec_* setting the method does not use is ignored, as sparse_k is without sparse_attn."""
+        o, default = req.speculative, state.speculative
+        if o is None:
+            return default
+        method = o["speculative"] or (default.method if default is not None else None)
+        if method in (None, "none"):
+            return None
+        if method == "draft" and state.draft_model is None:
+            raise APIError(
+                400, "this server has no draft model (start it with --draft-model PATH)", param="speculative"
+            )
+        base = default if default is not None and default.method == method else None
+        sparse = base.sparse if base is not None else None
+        try:
+            return SpeculativeParams.from_options(
+                method,
+                o.get("spec_tokens", base.tokens if base else 4),
+                o.get("spec_ngram", base.ngram if base else 3),
+                state.draft_model if method == "draft" else None,
+                o.get("spec_sparse_k", sparse.k if sparse else None) if method == "sparse" else None,
+                o.get("spec_sparse_select", sparse.select if sparse else None) if method == "sparse" else None,
+            )
+        except SparrowError as e:
+            raise APIError(400, str(e), param="speculative") from None
+
     def _submit(req, prompts, params, constraints, images, scoring: bool = False):
         """(the engine's handles, one per prompt, and the queue of their outputs: (prompt index,
         kind, payload)), or (the 503 response, None)."""
@@ -525,6 +559,7 @@ def create_app(state: ServerState) -> FastAPI:
         salt = image_salt(images)  # the prefix cache shares KV only between prompts with the same images
         top = req.params.logprobs or 0
         handles = []
+        spec = _speculative(req)  # a bad setting is a 400 before anything is queued
         try:
             for p, (ids, sampling) in enumerate(zip(prompts, params)):
                 handles.append(
@@ -540,6 +575,7 @@ def create_app(state: ServerState) -> FastAPI:
                         n=req.n,
                         prompt_logprobs=top if scoring else None,
                         score_only=req.max_tokens == 0,
+                        speculative=spec,
                     )
                 )
         except EngineBusy as e:  # OpenAI clients retry a 503 after Retry-After
@@ -673,9 +709,29 @@ def state_from_args(args) -> ServerState:
         special_tokens_in_content=getattr(args, "allow_special_tokens_in_content", False),
         body_timeout=_limit(getattr(args, "body_timeout", BODY_TIMEOUT)),
         prompt_cache=getattr(args, "prompt_cache", None),
+        speculative=_default_speculative(args),
+        draft_model=getattr(args, "draft_model", None),
         prompt_cache_size=parse_size(size, "--prompt-cache-size")
         if (size := getattr(args, "prompt_cache_size", None))
         else None,
+    )
+
+
+def _default_speculative(args) -> SpeculativeParams | None:
+    """`sparrow serve --speculative ...`: the default of requests that do not say. The
+    --draft-model is loaded whatever the default, for requests that ask for 'draft'."""
+    method = getattr(args, "speculative", None)
+    return (
+        SpeculativeParams.from_options(
+            method,
+            args.spec_tokens,
+            args.spec_ngram,
+            args.draft_model if method == "draft" else None,
+            args.spec_sparse_k,
+            args.spec_sparse_select,
+        )
+        if method is not None
+        else None
     )
 
 

@@ -190,6 +190,7 @@ class GenRequest:
     chat_template_kwargs: dict = field(default_factory=dict)
     kv_dtype: str | None = None  # None: the server's --kv-dtype
     structured: Structured = field(default_factory=Structured)  # tools, tool_choice, response_format
+    speculative: dict | None = None  # the request's speculative options (None: the server's default)
 
 
 def _common(r, chat: bool, defaults: dict | None) -> GenRequest:
@@ -255,7 +256,21 @@ def _common(r, chat: bool, defaults: dict | None) -> GenRequest:
         include_usage=bool(r.stream_options and r.stream_options.include_usage),
         logprobs=want_lp,
         kv_dtype=r.kv_dtype,
+        speculative=_speculative_options(r),
     )
+
+
+SPEC_FIELDS = ("spec_tokens", "spec_ngram", "spec_sparse_k", "spec_sparse_select")
+
+
+def _speculative_options(r) -> dict | None:
+    """The speculative options a request gives: None when it gives none (the server's default).
+    spec_* without `speculative` tune the server's default method (none: they do nothing, as
+    sparse_k does without sparse_attn)."""
+    given = {k: getattr(r, k) for k in SPEC_FIELDS if getattr(r, k) is not None}
+    if r.speculative is None and not given:
+        return None
+    return {"speculative": r.speculative, **given}
 
 
 def _content(content, p: str, images: bool):

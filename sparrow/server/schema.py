@@ -14,10 +14,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, NonNegativeInt, Tag, field_validator, model_validator
 
-from ..params import KV_DTYPES, REPETITION_PENALTY, SELECTORS
+from ..params import KV_DTYPES, MAX_SPEC_TOKENS, REPETITION_PENALTY, SELECTORS, SPECULATIVE_METHODS
 
 KVDType = Literal[KV_DTYPES]  # type: ignore[valid-type]
 Selector = Literal[SELECTORS]  # type: ignore[valid-type]
+SpecMethod = Literal[(*SPECULATIVE_METHODS, "none")]  # type: ignore[valid-type]
 
 
 def _integral(v):
@@ -254,6 +255,15 @@ class _Sampling(_Model):
     sparse_prefill: bool | None = None
     sparse_select: Selector | None = Field(None, description="block selector: seed (default) or v2")
     kv_dtype: KVDType | None = Field(None, description="KV cache type for this request (default: the server's)")
+    speculative: SpecMethod | None = Field(
+        None,
+        description="speculative decoding (same tokens and logits as without it): ngram, draft (the server's "
+        "--draft-model), sparse, or none; default: the server's --speculative",
+    )
+    spec_tokens: int | None = Field(None, ge=1, le=MAX_SPEC_TOKENS, description="most tokens drafted per step")
+    spec_ngram: int | None = Field(None, ge=1, le=64, description="ngram: longest suffix looked up")
+    spec_sparse_k: int | None = Field(None, ge=1, description="sparse drafting: blocks per head (default 8)")
+    spec_sparse_select: Selector | None = Field(None, description="sparse drafting: block selector")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: Any = _no_effect("an end-user id for OpenAI's abuse monitoring")
@@ -331,10 +341,18 @@ class CacheCleared(BaseModel):
     files: int = Field(description="this model's files deleted from the --prompt-cache folder")
 
 
+class CompletionTokensDetails(BaseModel):
+    accepted_prediction_tokens: int = Field(description="speculative decoding: drafted tokens the model sampled too")
+    rejected_prediction_tokens: int = Field(description="speculative decoding: drafted tokens it did not")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        None, description="with speculative decoding only"
+    )
 
 
 class TopLogprob(BaseModel):

@@ -46,6 +46,7 @@ class Accumulator:
         self.eos = set(llm.tokenizer.eos_token_ids) | set(stop_ids)
         self.tokens = 0
         self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
+        self.speculative: dict | None = None  # the last output's drafted / accepted counts
         self.parser = tool_parser
         self.tool_deltas: list[dict] = []  # of the latest add()
 
@@ -63,6 +64,8 @@ class Accumulator:
         if out.token_id is None:  # nothing generated (max_tokens 0)
             return "", "", []
         self.tokens += 1
+        if out.speculative is not None:
+            self.speculative = out.speculative
         final = out.finish_reason is not None
         if self.splitter is not None:
             reasoning, content = self.splitter.push(out.text, final)
@@ -95,7 +98,12 @@ class Choices:
         """Each prompt counted once, the choices' tokens summed; cached: each prompt's first choice's."""
         cached = sum(self.accs[p * self.n].cached_tokens for p in range(len(self.prompt_lengths)))
         completion = sum(a.tokens for a in self.accs)
-        return {**usage(sum(self.prompt_lengths), completion), "prompt_tokens_details": {"cached_tokens": cached}}
+        out = {**usage(sum(self.prompt_lengths), completion), "prompt_tokens_details": {"cached_tokens": cached}}
+        spec = [a.speculative for a in self.accs if a.speculative is not None]
+        if spec:  # OpenAI's names for predicted tokens kept and not, summed over the choices
+            a, d = sum(x["accepted_tokens"] for x in spec), sum(x["drafted_tokens"] for x in spec)
+            out["completion_tokens_details"] = {"accepted_prediction_tokens": a, "rejected_prediction_tokens": d - a}
+        return out
 
 
 def _failure(kind: str, payload) -> APIError | None:
