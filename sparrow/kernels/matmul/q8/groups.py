@@ -15,11 +15,12 @@ up in int16 (16 products of |15 * 127| each, <= 30480), so one pmaddwd a block (
 One core, Qwen3-1.7B's lm_head in cache: q4_0 51.6 vs 20.5 GMAC/s for a row-at-a-time
 kernel; streaming from memory 14.9 vs 10.8 GB/s.
 CPUs with AVX-VNNI or AVX512-VNNI take vpdpbusd instead (pmaddubsw + pmaddwd + paddd in one
-instruction, the same integers), in two accumulator chains a block since each vpdpbusd waits
-for the last. On a 2-core Intel Xeon with AVX512-VNNI, a 6144 x 2048 matrix, best of 3 runs
-against the AVX2 sequence: prefill (T = 512) q4_0 86 vs 67 GMAC/s, q8_0 81 vs 58; decode
-(T = 1, from L3) q4_0 43 vs 34. The K-quant groups (q8.kquant_groups) gained nothing from it (q4_k 72 vs
-75, q6_k 20 vs 21 GMAC/s) and keep pmaddubsw.
+instruction, the same integers), aarch64 CPUs with dotprod sdot (q8.ir.DOT4), in two
+accumulator chains a block since each dot waits for the last. On a 2-core Intel Xeon with
+AVX512-VNNI, a 6144 x 2048 matrix, best of 3 runs against the AVX2 sequence: prefill
+(T = 512) q4_0 86 vs 67 GMAC/s, q8_0 81 vs 58; decode (T = 1, from L3) q4_0 43 vs 34. The
+K-quant groups (q8.kquant_groups) gained nothing from it (q4_k 72 vs 75, q6_k 20 vs 21
+GMAC/s) and keep pmaddubsw.
 
 The order (the documented one of activations="q8" for these formats; x quantised as
 q8.quantized.quantize does), per row and block b:
@@ -45,10 +46,10 @@ from numba.extending import intrinsic
 from sparrow.kernels.ir import F32, I8, I32, c64, fma, shuffle, splat16, zeroed
 from sparrow.kernels.matmul.q8.ir import (
     AVX2,
+    DOT4,
     V8F,
     V8I32,
     V32I8,
-    VNNI,
     absb,
     bcast4,
     dpbssd,
@@ -193,8 +194,8 @@ def _block_dots(qtype, b, p, xbs):
     at = CODES_AT[qtype]
     qh = load(b, p, QH_AT[qtype], V32I8) if qtype in QH_AT else None
     tots = [None] * len(xbs)
-    if VNNI:  # vpdpbusd into int32 lanes (AVX2: int16 sums, then pmaddwd); low and high
-        his = [None] * len(xbs)  # nibbles in two chains, each vpdpbusd waiting on the last
+    if DOT4:  # vpdpbusd / sdot into int32 lanes (AVX2: int16 sums, then pmaddwd); low and high
+        his = [None] * len(xbs)  # nibbles in two chains, each dot waiting on the last
         for c in range(4):
             v = load(b, p, at + 32 * c, V32I8)
             lo, hi = codes5(b, v, qh, c, 0), codes5(b, v, qh, c, 1)
