@@ -130,17 +130,23 @@ def _q8_tile_module(qtype, mr):
     return m
 
 
+def _set_q8_flags(monkeypatch, avx2=False, vnni=False, dotprod=False, i8mm=False):
+    """The q8 IR builders emit for a CPU with these features (the flags kernels/cpu.py reads
+    from the target CPU, as the modules that emit took them)."""
+    for mod in (q8ir, groups):
+        monkeypatch.setattr(mod, "AVX2", avx2)
+    monkeypatch.setattr(q8ir, "VNNI", vnni)
+    monkeypatch.setattr(q8ir, "DOTPROD", dotprod)
+    monkeypatch.setattr(groups, "DOT4", vnni or dotprod)
+    monkeypatch.setattr(groups, "I8MM", i8mm)
+
+
 @pytest.fixture
 def aarch64_flags(monkeypatch):
-    """set(dotprod): the q8 IR builders emit for an aarch64 CPU with or without dotprod (the
-    flags kernels/cpu.py reads from the target CPU, as the modules that emit took them)."""
+    """set(dotprod, i8mm=False): _set_q8_flags for an aarch64 CPU."""
 
-    def set_(dotprod):
-        for mod in (q8ir, groups):
-            monkeypatch.setattr(mod, "AVX2", False)
-        monkeypatch.setattr(q8ir, "VNNI", False)
-        monkeypatch.setattr(q8ir, "DOTPROD", dotprod)
-        monkeypatch.setattr(groups, "DOT4", dotprod)
+    def set_(dotprod, i8mm=False):
+        _set_q8_flags(monkeypatch, dotprod=dotprod, i8mm=i8mm)
 
     return set_
 
@@ -156,6 +162,21 @@ def test_q8_dots_compile_to_sdot_with_dotprod(aarch64_flags, target, qtype):
     # per block: q8_0 8 chunks, q4 / q5 4 chunks of low and high nibbles; 2 halves, 2 x rows
     assert asm.count("sdot\tv") == 32, asm.count("sdot")
     assert "smull" not in asm  # no widening multiplies left: every product is in an sdot
+
+
+@pytest.mark.parametrize("qtype", Q8_GROUP_FORMATS)
+def test_q8_prefill_tiles_compile_to_smmla_with_i8mm(aarch64_flags, qtype):
+    aarch64_flags(True, i8mm=True)
+    tm = _target_machine(AARCH64, "neoverse-n2")
+    # 4 x rows: 2 pairs x 4 row pairs x 4 runs of 8 elements a block, all smmla
+    asm = _assembly(_q8_tile_module(qtype, 4), tm)
+    assert asm.count("smmla\tv") == 32 and "sdot" not in asm and "smull" not in asm
+    # 3 x rows: a pair on smmla, the third on sdot (2 halves x 8 runs of 4 elements)
+    asm = _assembly(_q8_tile_module(qtype, 3), tm)
+    assert asm.count("smmla\tv") == 16 and asm.count("sdot\tv") == 16
+    # 1 x row (decode): sdot only
+    asm = _assembly(_q8_tile_module(qtype, 1), tm)
+    assert "smmla" not in asm and asm.count("sdot\tv") == 16
 
 
 @pytest.mark.parametrize("qtype", Q8_GROUP_FORMATS)
@@ -223,3 +244,107 @@ def test_default_threads_one_per_fast_core(tmp_path, monkeypatch):
     assert default_threads(_sysfs(tmp_path / "even", cpu_capacity=[1024] * 8)) == 8
     monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 2)  # the user's cap wins
     assert default_threads(_sysfs(tmp_path / "cap", cpu_capacity=RK3588)) == 2
+
+
+# ------------------------------------------------------------ the paths run here, bit for bit
+
+_ARMV8 = "+neon,+fp-armv8,+crc,+lse,+rdm,+fullfp16,+rcpc"
+# path -> (flags, target machine CPU and features), per host architecture
+RUN_PATHS = {
+    "aarch64": {
+        "generic": ({}, "generic", "+neon,+fp-armv8"),
+        "sdot": (dict(dotprod=True), "cortex-a76", _ARMV8 + ",+dotprod"),
+        "smmla": (dict(dotprod=True, i8mm=True), "neoverse-n2", _ARMV8 + ",+dotprod,+i8mm"),
+    },
+    "x86_64": {
+        "generic": ({}, "ivybridge", "+avx,+f16c,+sse4.2,+popcnt,-avx2,-avx512f"),
+        "pmaddubsw": (dict(avx2=True), "haswell", "+avx,+avx2,+f16c,+fma,+sse4.2,+popcnt,+bmi2,-avx512f"),
+        # AVX-VNNI's VEX form; a CPU with AVX512-VNNI only (Zen 4) runs the EVEX one (vpdpbusd512)
+        "vpdpbusd": (dict(avx2=True, vnni=True), "haswell", "+avx,+avx2,+f16c,+fma,+sse4.2,+popcnt,+bmi2,+avxvnni"),
+        "vpdpbusd512": (
+            dict(avx2=True, vnni=True),
+            "haswell",
+            "+avx,+avx2,+f16c,+fma,+sse4.2,+popcnt,+bmi2,+avx512f,+avx512bw,+avx512vl,+avx512vnni",
+        ),
+    },
+}
+# /proc/cpuinfo's flags a path needs
+NEEDS = {
+    "sdot": {"asimddp"},
+    "smmla": {"i8mm"},
+    "pmaddubsw": {"avx2"},
+    "vpdpbusd": {"avx_vnni"},
+    "vpdpbusd512": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+}
+
+
+def _runnable(path):
+    """Whether this CPU runs path's instructions: /proc/cpuinfo says so, or SPARROW_ALL_CPU_PATHS=1
+    (scripts/arm64_qemu.sh: qemu's CPU has them all, while its /proc/cpuinfo is the host's)."""
+    import os
+
+    if path not in NEEDS or os.environ.get("SPARROW_ALL_CPU_PATHS") == "1":
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            words = set(f.read().split())
+    except OSError:
+        return False
+    return NEEDS[path] <= words
+
+
+def _run_tile(monkeypatch, qtype, mr, path, arch, args):
+    import ctypes
+
+    flags, name, feats = RUN_PATHS[arch][path]
+    with monkeypatch.context() as m:
+        _set_q8_flags(m, **flags)
+        module = _q8_tile_module(qtype, mr)
+    triple = ll.get_process_triple()
+    module.triple = triple
+    tm = _target_machine(triple, name, feats)
+    mod = ll.parse_assembly(str(module))
+    mod.triple, mod.data_layout = tm.triple, str(tm.target_data)
+    pb = ll.create_pass_builder(tm, ll.create_pipeline_tuning_options(speed_level=3))
+    pb.getModulePassManager().run(mod, pb)
+    engine = ll.create_mcjit_compiler(mod, tm)
+    engine.finalize_object()
+    fn = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * (len(args) - 1) + [ctypes.c_int64]))(
+        engine.get_function_address("tile")
+    )
+    out = args[-2]
+    out[:] = np.nan
+    fn(*[a.ctypes.data for a in args[:-1]], args[-1])
+    return out.copy(), engine  # the engine owns the code: kept alive until the call is done
+
+
+@pytest.mark.parametrize("mr", [1, 2, 3, 4])
+@pytest.mark.parametrize("qtype", Q8_GROUP_FORMATS)
+def test_q8_tile_paths_give_the_same_bits_here(monkeypatch, qtype, mr):
+    """One group of 8 rows against mr x rows, each CPU path this host runs (the generic vector
+    IR and, on aarch64, sdot and smmla; on x86, pmaddubsw and vpdpbusd) compiled by llvmlite
+    here and run on the same bytes: the same f32 bits (the integer sums are exact)."""
+    import platform
+
+    arch = {"arm64": "aarch64", "amd64": "x86_64"}.get(platform.machine().lower(), platform.machine().lower())
+    if arch not in RUN_PATHS:
+        pytest.skip(f"no CPU paths listed for {arch}")
+    rng = np.random.default_rng(mr * 31 + len(qtype))
+    nb = 3
+    gb = groups.GROUP_BYTES[qtype]
+    data = rng.integers(0, 256, (nb, gb), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.02, (nb, 16)).astype(np.float16)  # d (and m): finite f16
+    data[:, :32] = scales.view(np.uint8)
+    args = [data]
+    for _ in range(mr):
+        xq = rng.integers(-127, 128, nb * 32, dtype=np.int8)
+        args += [xq, rng.uniform(0.01, 0.1, nb).astype(np.float32), rng.standard_normal(nb).astype(np.float32)]
+        args += [(8 * xq.reshape(nb, 32).astype(np.int32).sum(1)).astype(np.int32)]
+    args += [np.empty(8 * mr, np.float32), np.int64(nb)]
+    paths = [p for p in RUN_PATHS[arch] if _runnable(p)]
+    assert "generic" in paths and len(paths) >= 2, paths  # something to compare
+    want, _ = _run_tile(monkeypatch, qtype, mr, "generic", arch, args)
+    assert np.isfinite(want).all()
+    for path in paths[1:]:
+        got, _ = _run_tile(monkeypatch, qtype, mr, path, arch, args)
+        assert np.array_equal(_bits(got), _bits(want)), (path, got, want)

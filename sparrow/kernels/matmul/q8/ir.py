@@ -9,7 +9,7 @@ the other paths for other CPUs and compare; tests/test_arm64.py checks the aarch
 from llvmlite import ir
 from numba.core import cgutils
 
-from sparrow.kernels.cpu import AVX2, DOTPROD, VNNI, VNNI512  # noqa: F401 (this module's face: which IR it emits)
+from sparrow.kernels.cpu import AVX2, DOTPROD, I8MM, VNNI, VNNI512  # noqa: F401 (this module's face: which IR it emits)
 from sparrow.kernels.ir import F32, I8, I16, I32, V16I32, shuffle
 
 V8F = ir.VectorType(F32, 8)
@@ -131,3 +131,11 @@ def sdot(b, acc, w, s):
             call(b, "llvm.aarch64.neon.sdot.v4i32.v16i8", V4I32, [a, shuffle(b, w, w, h), shuffle(b, s, s, h)])
         )
     return shuffle(b, halves[0], halves[1], range(8))
+
+
+def smmla(b, acc, w, x):
+    """aarch64's smmla (i8mm): acc (<4 x i32>, or None for 0) + the 2 x 2 products of w's two
+    rows of 8 s8 (bytes 0-7, 8-15 of a <16 x i8>) with x's two rows of 8: lanes (w0 x0, w0 x1,
+    w1 x0, w1 x1), exact int32 sums."""
+    acc = ir.Constant(V4I32, None) if acc is None else acc
+    return call(b, "llvm.aarch64.neon.smmla.v4i32.v16i8", V4I32, [acc, w, x])
