@@ -80,10 +80,11 @@ unmount() {
 }
 
 # run CMD... in the root: the venv first on PATH, this checkout on PYTHONPATH, extra VAR=value
-# words first (env's syntax)
+# words first (env's syntax); SPARROW_ALL_CPU_PATHS=1 tells tests/test_arm64.py that this CPU
+# (qemu's) runs sdot and smmla, which the host's /proc/cpuinfo seen in here does not say
 inroot() {
     chroot "$ROOT" /usr/bin/env -i HOME=/root LANG=C.UTF-8 PATH=/opt/venv/bin:/usr/bin:/bin \
-        PYTHONPATH=/src/sparrow HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false "$@"
+        PYTHONPATH=/src/sparrow HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false SPARROW_ALL_CPU_PATHS=1 "$@"
 }
 
 install_venv() {
