@@ -11,6 +11,7 @@ import llvmlite.binding as ll
 import numpy as np
 import pytest
 from llvmlite import ir
+from numba import njit
 
 from sparrow.kernels import cpu, default_threads
 from sparrow.kernels.fused import sync
@@ -104,7 +105,9 @@ def test_spin_calibration_times_the_barriers_loop():
     and measured, not ~0 s)."""
     n = sync.spin_rounds(1.0)
     assert n == sync.spin_rounds(1.0)  # measured once per process
-    irs = "".join(sync._pause_rounds.inspect_llvm().values())
+    fresh = njit(sync._pause_rounds.py_func)  # uncached: numba cannot inspect cached code
+    fresh(np.zeros(4, np.int64), 1)
+    irs = "".join(fresh.inspect_llvm().values())
     assert "load atomic" in irs
     assert 1 <= sync.spin_rounds(1e-3) < n
 
