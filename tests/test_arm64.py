@@ -189,9 +189,15 @@ def test_q8_dots_without_dotprod_compile_for_generic_aarch64(aarch64_flags, qtyp
     assert "sdot" not in asm and "mull" in asm  # widening multiplies, the plain vector IR
 
 
-def test_paths_line_names_sdot():
-    d = dict(cpu.describe(), name="cortex-a76", avx2=False, vnni=False, vnni512=False, dotprod=True, amx=False)
-    assert "q8 integer dots by sdot (dotprod)" in cpu.paths_line(d)
+def test_paths_line_names_the_aarch64_paths():
+    a76 = dict(cpu.describe(), name="cortex-a76", arch="aarch64", avx2=False, vnni=False, vnni512=False)
+    a76.update(dotprod=True, i8mm=False, amx=False)
+    line = cpu.paths_line(a76)
+    assert "q8 integer dots by sdot (dotprod)" in line and "q8 prefill on 8-lane vector tiles [" in line
+    n2 = cpu.paths_line(dict(a76, name="neoverse-n2", i8mm=True))
+    assert "q8 prefill on smmla tiles (i8mm) [" in n2
+    generic = cpu.paths_line(dict(a76, name="generic", dotprod=False))
+    assert "by generic vector IR" in generic and "on 8-lane vector tiles" in generic
 
 
 # ------------------------------------------------------------ big.LITTLE: threads and placement

@@ -129,11 +129,17 @@ def paths_line(d: dict | None = None) -> str:
         dots = "sdot (dotprod)"
     else:
         dots = "vpdpbusd (VNNI)" if d["vnni"] else ("pmaddubsw (AVX2)" if d["avx2"] else "generic vector IR")
-    tiles = "zmm pair tiles (AVX512-VNNI)" if d["vnni512"] else "ymm tiles"
+    if d.get("i8mm"):
+        tiles = "smmla tiles (i8mm)"
+    elif d["vnni512"]:
+        tiles = "zmm pair tiles (AVX512-VNNI)"
+    else:  # 8 lanes a vector: one ymm register on x86, two of NEON's 128-bit ones on aarch64
+        tiles = "ymm tiles" if d.get("arch", "x86_64") in ("x86_64", "amd64") else "8-lane vector tiles"
     return (
         f"sparrow's code paths on this CPU (numba target {d['name']}): q8 integer dots by {dots} "
         "[of: vpdpbusd, pmaddubsw, sdot, generic]; q8 prefill on "
-        f"{'AMX tiles' if d['amx'] else tiles} [of: AMX tiles, zmm pair tiles, ymm tiles]; "
+        f"{'AMX tiles' if d['amx'] else tiles} [of: AMX tiles, zmm pair tiles, ymm tiles, smmla tiles, "
+        "8-lane vector tiles]; "
         f"prefill GEMM micro-tile {d['gemm_tile']} [of: 8x3x16 (AVX-512), 4x3x8]."
     )
 
@@ -142,6 +148,7 @@ def describe() -> dict:
     """The CPU and the code paths this process takes on it (`sparrow bench speed` prints it)."""
     return dict(
         name=NAME,
+        arch=platform.machine().lower(),
         avx2=AVX2,
         avx512f=AVX512F,
         vnni=VNNI,
