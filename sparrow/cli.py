@@ -40,7 +40,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         help="YaRN: the model's native context (default: its max_position_embeddings)",
     )
     g.add_argument("--kv-dtype", default="f32", choices=KV_DTYPES, help="KV cache storage")
-    g.add_argument("--threads", "-t", type=int, default=None, help="compute threads (default: all cores)")
+    g.add_argument(
+        "--threads",
+        "-t",
+        type=int,
+        default=None,
+        help="compute threads (default: one per core; on a big.LITTLE CPU one per big core)",
+    )
     g.add_argument(
         "--quantize", default=None, choices=[q for q in QUANTIZE if q], help="quantise f16/bf16/f32 weights at load"
     )
