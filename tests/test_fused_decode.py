@@ -163,7 +163,7 @@ def test_barrier_counts_only_waits_past_the_spin():
     def meet(sync, late_rounds):
         for tid in prange(2):
             if tid == 1:
-                _sync._pause_rounds(late_rounds)
+                _sync._pause_rounds(sync, late_rounds)  # reads sync[1]: harmless to the barrier
             _sync.barrier(sync, 2)
 
     set_threads(2)
