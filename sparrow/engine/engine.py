@@ -52,6 +52,7 @@ class Request:
     cache_salt: str | None = None
     cacheable: bool = True
     images: list | None = None  # the prompt's preprocessed images (vision.preprocess.PixelImage)
+    trace: bool = False  # sparse decode: each output carries its step's block selections (StepOutput.trace)
     id: int = field(default_factory=lambda: next(_ids))
     seq: Sequence | None = None
     cancelled: bool = False  # set by the client side; the engine drops it before its next step
@@ -126,14 +127,18 @@ class Engine:
         cache_salt: str | None = None,
         cacheable: bool = True,
         images: list | None = None,
+        trace: bool = False,
     ) -> Request:
         """Queues a request. Raises EngineBusy when the queue is full or the engine is draining,
-        SparrowError when prompt + max_tokens cannot fit in the whole KV budget."""
+        SparrowError when prompt + max_tokens cannot fit in the whole KV budget. trace: with
+        sparse, each decoded output carries the blocks its step read (StepOutput.trace; the
+        step takes the staged path, same bits)."""
         self.kv.check_fits(len(prompt_ids), params.max_tokens, kv_dtype, sparse)
         timeout = timeout if timeout is not None else self.timeout
         deadline = time.monotonic() + timeout if timeout else None
         req = Request(list(prompt_ids), params, sparse, emit, kv_dtype, constraint, deadline, cache_salt, cacheable)
         req.images = images or None
+        req.trace = bool(trace and sparse is not None)
         with self._cv:
             if self._draining or self._stop:
                 raise EngineBusy("the server is shutting down", retry_after=5)
@@ -330,6 +335,12 @@ class Engine:
                 tokens = [r.seq.next_input for r in batch]
                 logits = self.runner.decode([r.seq.slot for r in batch], tokens)  # [B, V]
                 outs = [(r, r.seq.accept(logits[j])) for j, r in enumerate(batch) if live[j]]
+                for r, out in outs:
+                    if r.trace:
+                        out.trace = list(r.seq.trace)
+                for r in batch:  # a replayed step's selections are dropped with it
+                    if r.trace:
+                        r.seq.trace.clear()
             except Exception as e:
                 self._internal_error(batch, e)
                 continue

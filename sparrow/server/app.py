@@ -34,6 +34,7 @@ from ..errors import ContextLengthError, SparrowError
 from ..structured import StructuredError
 from ..vision.media import MAX_PIXELS_PER_REQUEST
 from ..vision.preprocess import image_salt
+from . import web_ui
 from .limits import BODY_TIMEOUT, HEADER_TIMEOUT, BodyLimit, http_protocol
 from .metrics import Metrics
 from .protocol import (
@@ -69,6 +70,7 @@ from .schema import (
     TokenizeResponse,
     openapi,
 )
+from .sparse_trace import Tracer
 from .streaming import Accumulator, SSEResponse, collect, sse, stream
 
 ENDPOINTS = (
@@ -114,6 +116,7 @@ class ServerState:
         body_timeout: float | None = BODY_TIMEOUT,
         prompt_cache: str | None = None,
         prompt_cache_size: int | None = None,
+        web_ui: bool = True,
         **engine_options,
     ):
         """engine_options: Engine's kv_budget, max_queue, prefix_cache, timeout. Images: file://
@@ -124,7 +127,7 @@ class ServerState:
         content may write special tokens (trusted clients only). body_timeout: seconds for a
         request body to arrive (None: no limit). prompt_cache: a folder that keeps prompts' KV
         across restarts (engine/disk_cache.py), at most prompt_cache_size bytes (None: its
-        default)."""
+        default). web_ui: the chat page at / (web_ui.py)."""
         check_api_key(api_key)
         self.prompt_cache, self.prompt_cache_size = prompt_cache, prompt_cache_size
         if prompt_cache is not None:  # a bad setting fails at start, not after the model loads
@@ -135,6 +138,7 @@ class ServerState:
         self.max_image_bytes = max_image_bytes
         self.max_pixels_per_request = max_pixels_per_request
         self.metrics_public = metrics_public
+        self.web_ui = web_ui
         self.special_tokens_in_content = special_tokens_in_content
         self.body_timeout = body_timeout
         self.api_key = api_key
@@ -207,6 +211,8 @@ class _Auth:
         await send({"type": "http.response.body", "body": body})
 
     def _public(self, path: str) -> bool:
+        if self.state.web_ui and (path == web_ui.PAGE or path in web_ui.ASSETS):  # the page asks for the key
+            return True
         return path in PUBLIC or (path == "/metrics" and self.state.metrics_public)
 
 
@@ -285,6 +291,9 @@ def create_app(state: ServerState) -> FastAPI:
                 param="model",
                 code="model_not_found",
             )
+
+    if state.web_ui:
+        web_ui.add_routes(app)
 
     @app.get("/health")
     async def health():
@@ -504,7 +513,15 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             salt = image_salt(images)  # the prefix cache shares KV only between prompts with the same images
             handle = state.engine.submit(
-                ids, req.params, req.sparse, emit, req.kv_dtype, constraint, images=images, cache_salt=salt
+                ids,
+                req.params,
+                req.sparse,
+                emit,
+                req.kv_dtype,
+                constraint,
+                images=images,
+                cache_salt=salt,
+                trace=req.sparse_trace,
             )
         except EngineBusy as e:  # OpenAI clients retry a 503 after Retry-After
             busy = JSONResponse(
@@ -525,8 +542,9 @@ def create_app(state: ServerState) -> FastAPI:
         handle, queue = _submit(req, ids, constraint, images)
         if queue is None:
             return handle
+        tracer = Tracer(llm, req.sparse, ids) if req.sparse_trace else None
         acc = Accumulator(
-            llm, splitter, req.logprobs, req.params.stop_token_ids, req.structured.parser(llm.tool_format)
+            llm, splitter, req.logprobs, req.params.stop_token_ids, req.structured.parser(llm.tool_format), tracer
         )
         rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
         obj = "chat.completion" if chat else "text_completion"
@@ -558,6 +576,8 @@ def create_app(state: ServerState) -> FastAPI:
             choice = {"index": 0, "message": msg, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": content, "logprobs": lp, "finish_reason": finish}
+        if tracer is not None:
+            choice["sparse_trace"] = {**tracer.header, "steps": acc.trace_steps}
         return {
             "id": rid,
             "object": obj,
@@ -604,6 +624,7 @@ def state_from_args(args) -> ServerState:
         max_image_bytes=parse_size(args.max_image_file_size) if getattr(args, "max_image_file_size", None) else None,
         max_pixels_per_request=_limit(getattr(args, "max_pixels_per_request", MAX_PIXELS_PER_REQUEST)),
         metrics_public=getattr(args, "metrics_public", False),
+        web_ui=not getattr(args, "no_web_ui", False),
         special_tokens_in_content=getattr(args, "allow_special_tokens_in_content", False),
         body_timeout=_limit(getattr(args, "body_timeout", BODY_TIMEOUT)),
         prompt_cache=getattr(args, "prompt_cache", None),

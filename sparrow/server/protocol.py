@@ -185,6 +185,7 @@ class GenRequest:
     logprobs: bool = False
     chat_template_kwargs: dict = field(default_factory=dict)
     kv_dtype: str | None = None  # None: the server's --kv-dtype
+    sparse_trace: bool = False  # each token's block selections in the response (server/sparse_trace.py)
     structured: Structured = field(default_factory=Structured)  # tools, tool_choice, response_format
 
 
@@ -240,6 +241,8 @@ def _common(r, chat: bool, defaults: dict | None) -> GenRequest:
             )
         except SparrowError as e:
             raise _bad("sparse_attn", str(e)) from None
+    if r.sparse_trace and sparse is None:
+        raise _bad("sparse_trace", "'sparse_trace' traces sparse attention: it requires 'sparse_attn': true")
     return GenRequest(
         chat,
         r.model,
@@ -250,6 +253,7 @@ def _common(r, chat: bool, defaults: dict | None) -> GenRequest:
         include_usage=bool(r.stream_options and r.stream_options.include_usage),
         logprobs=want_lp,
         kv_dtype=r.kv_dtype,
+        sparse_trace=bool(r.sparse_trace),
     )
 
 

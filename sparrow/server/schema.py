@@ -249,6 +249,11 @@ class _Sampling(_Model):
     sparse_prefill: bool | None = None
     sparse_select: Selector | None = Field(None, description="block selector: seed (default) or v2")
     kv_dtype: KVDType | None = Field(None, description="KV cache type for this request (default: the server's)")
+    sparse_trace: bool | None = Field(
+        None,
+        description="with sparse_attn: return which KV blocks each layer and head read for each token "
+        "(choices[0].sparse_trace; README: Web UI)",
+    )
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: Any = _no_effect("an end-user id for OpenAI's abuse monitoring")

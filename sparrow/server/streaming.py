@@ -34,8 +34,13 @@ class Accumulator:
     The whole answer and the stream feed the same pieces to the same tool parser, so a streamed
     call reassembles to the call the whole answer returns."""
 
-    def __init__(self, llm, splitter: ReasoningSplitter | None, want_lp: bool, stop_ids=(), tool_parser=None):
+    def __init__(
+        self, llm, splitter: ReasoningSplitter | None, want_lp: bool, stop_ids=(), tool_parser=None, tracer=None
+    ):
+        """tracer: a sparse_trace.Tracer when the request asked for sparse_trace."""
         self.tok, self.splitter, self.want_lp = llm.tokenizer, splitter, want_lp
+        self.tracer = tracer
+        self.trace_step: dict | None = None  # of the latest add()
         self.eos = set(llm.tokenizer.eos_token_ids) | set(stop_ids)
         self.tokens = 0
         self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
@@ -54,6 +59,7 @@ class Accumulator:
 
     def add(self, out):
         self.tokens += 1
+        self.trace_step = self.tracer.step(out) if self.tracer is not None else None
         if out.cached_tokens is not None:
             self.cached_tokens = out.cached_tokens
         final = out.finish_reason is not None
@@ -78,6 +84,7 @@ async def collect(request, queue, acc):
 
     watch = asyncio.ensure_future(disconnected())
     reasoning, content, lps = [], [], []
+    steps = acc.trace_steps = []  # sparse_trace: each token's step
     try:
         while True:
             get = asyncio.ensure_future(queue.get())
@@ -94,6 +101,8 @@ async def collect(request, queue, acc):
             reasoning.append(r)
             content.append(c)
             lps += lp
+            if acc.trace_step is not None:
+                steps.append(acc.trace_step)
             if out.finish_reason:
                 return "".join(reasoning), "".join(content), lps, acc.finish_reason(out.finish_reason)
     finally:
@@ -111,31 +120,37 @@ async def stream(req, ids, queue, acc, rid, created, chat, lp_fmt, model_name):
     extra = {"usage": None} if req.include_usage else {}
     offset = 0  # characters streamed so far: completions' logprobs.text_offset
 
-    def chunk(delta_or_text, lps=None, finish=None):
+    def chunk(delta_or_text, lps=None, finish=None, trace=None):
         choice = {
             "index": 0,
             ("delta" if chat else "text"): delta_or_text,
             "logprobs": lp_fmt(lps, offset) if lps else None,
             "finish_reason": finish,
         }
+        if trace is not None:
+            choice["sparse_trace"] = trace
         return sse({**base, "choices": [choice], **extra})
 
+    header = acc.tracer.header if acc.tracer is not None else None  # sparse_trace: with the first chunk
     if chat:
-        yield chunk({"role": "assistant", "content": ""})
+        yield chunk({"role": "assistant", "content": ""}, trace=header)
+    elif header is not None:
+        yield chunk("", trace=header)
     while True:
         kind, out = await queue.get()
         if kind in ("error", "timeout"):
             yield sse(error_body(out, "server_error", code="timeout" if kind == "timeout" else None))
             break
         r, c, lps = acc.add(out)
+        tr = acc.trace_step  # every token's step goes out, with its text or in a chunk of its own
         if chat:
             delta = {k: v for k, v in (("reasoning_content", r), ("content", c)) if v}
-            if delta or lps:
-                yield chunk(delta, lps)
+            if delta or lps or tr:
+                yield chunk(delta, lps, trace=tr)
             for d in acc.tool_deltas:  # OpenAI's shape: one call's id and name first, then its arguments
                 yield chunk({"tool_calls": [d]})
-        elif c or lps:
-            yield chunk(c, lps)
+        elif c or lps or tr:
+            yield chunk(c, lps, trace=tr)
             offset += len(c)
         if out.finish_reason:
             yield chunk({} if chat else "", finish=acc.finish_reason(out.finish_reason))
