@@ -41,11 +41,11 @@ def add_routes(app: FastAPI) -> None:
     def answer(name: str) -> Response:
         return Response(files[name], media_type=f"{FILES[name]}; charset=utf-8", headers=headers)
 
-    @app.get(PAGE, include_in_schema=False)
+    @app.api_route(PAGE, methods=["GET", "HEAD"], include_in_schema=False)
     async def page():
         return answer("index.html")
 
-    @app.get("/ui/{name}", include_in_schema=False)
+    @app.api_route("/ui/{name}", methods=["GET", "HEAD"], include_in_schema=False)
     async def asset(name: str):
         if name not in FILES or name == "index.html":
             return Response(status_code=404)
