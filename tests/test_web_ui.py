@@ -51,14 +51,6 @@ def test_page_and_assets_served_without_key_and_off_with_no_web_ui():
     assert "http://" not in html and "https://" not in html and "//cdn" not in html
 
 
-def test_sparse_trace_needs_sparse_attn():
-    from sparrow.server.protocol import APIError, parse_chat
-
-    with pytest.raises(APIError) as e:
-        parse_chat({"messages": [{"role": "user", "content": "hi"}], "sparse_trace": True})
-    assert e.value.param == "sparse_trace"
-
-
 # ---------------------------------------------------------------------- the live server and browser
 def _free_port() -> int:
     with socket.socket() as s:
