@@ -359,7 +359,7 @@ def _grid_cell(browser, layer: int, head: int, block: int) -> list[int]:
     return browser.execute_script(
         "const c = document.getElementById('sv-grid'); const d = c.dataset;"
         "const H = arguments[1], w = +d.cellW, h = +d.rowH, g = +d.gap;"
-        "const x = arguments[3] * w + Math.floor(w / 2), y = arguments[0] * (H * h + g) + arguments[2] * h + 1;"
+        "const x = +d.x0 + arguments[3] * w + Math.floor(w / 2), y = arguments[0] * (H * h + g) + arguments[2] * h + 1;"
         "return Array.from(c.getContext('2d').getImageData(x, y, 1, 1).data.slice(0, 3));",
         layer,
         9,
@@ -443,6 +443,28 @@ def test_prompt_text_in_the_sparse_view_is_never_html(server, browser):
     assert 'onerror="window.__pwned=1"><b id="pwn">' in by_id(browser, "sv-block-text").get_attribute("textContent")
     assert browser.find_elements("css selector", "#sparse-view img, #pwn, #chat img") == []
     assert browser.execute_script("return window.__pwned") is None
+
+
+def test_image_is_sent_as_a_data_url(server, browser, tmp_path):
+    """An attached image goes out as an image_url part holding a data: URL; the default model is
+    text-only, so the server's 400 for that part comes back into the answer."""
+    from PIL import Image
+
+    open_page(browser, server)
+    new_chat(browser)
+    path = tmp_path / "red.png"
+    Image.new("RGB", (8, 8), (255, 0, 0)).save(path)
+    by_id(browser, "file").send_keys(str(path))
+    thumb = wait(browser, lambda: browser.find_elements("css selector", "#attachments img"))[0]
+    url = thumb.get_attribute("src")
+    assert url.startswith("data:image/png;base64,")
+    type_message(browser, "What colour is this?")
+    msg, finish = wait(browser, lambda: finished(browser))
+    assert finish == "error"
+    assert "must be a text part" in msg.find_element("css selector", ".error").text
+    sent = browser.find_elements("css selector", ".msg.user img")[-1]
+    assert sent.get_attribute("src") == url
+    assert browser.find_elements("css selector", "#attachments img") == []  # sent, so no longer waiting
 
 
 def test_narrow_width_and_keyboard_settings(server, browser):

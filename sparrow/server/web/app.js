@@ -319,7 +319,7 @@ function decodeStep(step, rows) {
 
 const sparseView = {
   header: null, steps: [], codes: [], cursor: { row: 0, block: 0 }, selected: null, matches: [],
-  cell: 6, rowH: 2, gap: 2, nMax: 1,
+  cell: 6, rowH: 2, gap: 2, nMax: 1, x0: 30, // x0: the gutter of layer labels
 
   open(header, steps) {
     this.header = header;
@@ -388,15 +388,21 @@ const sparseView = {
     const H = this.header.heads;
     const L = this.header.layers.length;
     const wrap = canvas.parentElement.clientWidth || 600;
-    this.cell = Math.max(2, Math.min(12, Math.floor(wrap / this.nMax)));
-    canvas.width = this.cell * this.nMax;
+    this.cell = Math.max(2, Math.min(12, Math.floor((wrap - this.x0) / this.nMax)));
+    canvas.width = this.x0 + this.cell * this.nMax;
     canvas.height = L * (H * this.rowH + this.gap);
+    canvas.dataset.x0 = this.x0;
     canvas.dataset.cellW = this.cell;
     canvas.dataset.rowH = this.rowH;
     canvas.dataset.gap = this.gap;
     const ctx = canvas.getContext("2d");
     ctx.fillStyle = OUTSIDE;
     ctx.fillRect(0, 0, canvas.width, canvas.height);
+    ctx.fillStyle = "#57534e";
+    ctx.font = "10px sans-serif";
+    ctx.textBaseline = "middle";
+    for (let l = 0; l < L; l += 5) ctx.fillText(`L${this.header.layers[l]}`, 2, l * (H * this.rowH + this.gap) + H * this.rowH / 2);
+    ctx.translate(this.x0, 0);
     const s = this.steps[this.index];
     const codes = this.stepCodes(this.index);
     const n = s.blocks || 0;
@@ -413,10 +419,16 @@ const sparseView = {
     for (const b of this.matches) {
       for (let l = 0; l < L; l++) ctx.fillRect(b * this.cell, l * (H * this.rowH + this.gap) + H * this.rowH, this.cell, this.gap);
     }
+    if (this.selected !== null) { // the block whose text is shown
+      ctx.strokeStyle = "#dc2626";
+      ctx.lineWidth = 1;
+      ctx.strokeRect(this.selected * this.cell + 0.5, 0.5, this.cell - 1, canvas.height - 1);
+    }
     const { row, block } = this.cursor; // keyboard cursor
     ctx.strokeStyle = "#111";
     ctx.lineWidth = 1;
     ctx.strokeRect(block * this.cell + 0.5, this.rowY(row) - 0.5, this.cell - 1, this.rowH + 1);
+    ctx.setTransform(1, 0, 0, 1, 0, 0);
   },
 
   rowY(r) {
@@ -429,7 +441,7 @@ const sparseView = {
     const band = H * this.rowH + this.gap;
     const l = Math.floor(y / band);
     const h = Math.floor((y - l * band) / this.rowH);
-    const b = Math.floor(x / this.cell);
+    const b = Math.floor((x - this.x0) / this.cell);
     if (l < 0 || l >= this.header.layers.length || h >= H || b < 0 || b >= this.nMax) return null;
     return { row: l * H + h, block: b };
   },
@@ -461,6 +473,7 @@ const sparseView = {
   },
 
   showBlock(b) {
+    const redraw = this.selected !== b;
     this.selected = b;
     const h = this.header;
     const s = this.steps[this.index];
@@ -485,6 +498,7 @@ const sparseView = {
       list.appendChild(li);
     });
     list.dataset.total = total;
+    if (redraw) this.draw();
   },
 
   find(text) {
