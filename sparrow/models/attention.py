@@ -38,8 +38,8 @@ _DEFAULT_BLOCK = 32
 
 class Trace(list):
     """Where sparse decode appends (layer, per-head selection records). mass=False leaves each
-    record's mass None: the share of softmax mass costs an exact pass over every head, most of
-    a traced step's extra time, and a live view of the selections does not need it."""
+    record's mass None: the share of softmax mass costs an exact pass over every head's keys,
+    which a live view of the selections (the server's sparse_trace) does not need."""
 
     def __init__(self, mass: bool = True):
         super().__init__()

@@ -41,6 +41,7 @@ class Accumulator:
         self.tok, self.splitter, self.want_lp = llm.tokenizer, splitter, want_lp
         self.tracer = tracer
         self.trace_step: dict | None = None  # of the latest add()
+        self.trace_steps: list[dict] = []  # every add()'s, for a whole answer
         self.eos = set(llm.tokenizer.eos_token_ids) | set(stop_ids)
         self.tokens = 0
         self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
@@ -84,7 +85,6 @@ async def collect(request, queue, acc):
 
     watch = asyncio.ensure_future(disconnected())
     reasoning, content, lps = [], [], []
-    steps = acc.trace_steps = []  # sparse_trace: each token's step
     try:
         while True:
             get = asyncio.ensure_future(queue.get())
@@ -102,7 +102,7 @@ async def collect(request, queue, acc):
             content.append(c)
             lps += lp
             if acc.trace_step is not None:
-                steps.append(acc.trace_step)
+                acc.trace_steps.append(acc.trace_step)
             if out.finish_reason:
                 return "".join(reasoning), "".join(content), lps, acc.finish_reason(out.finish_reason)
     finally:
