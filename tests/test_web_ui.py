@@ -46,6 +46,11 @@ def test_page_and_assets_served_without_key_and_off_with_no_web_ui():
     off = TestClient(create_app(ServerState(api_key=KEY, web_ui=False)))
     assert off.get("/").status_code == 401  # no page: / is an API path like any other
     assert TestClient(create_app(ServerState(web_ui=False))).get("/").status_code == 404
+    from sparrow.cli import build_parser
+    from sparrow.server.app import state_from_args
+
+    assert state_from_args(build_parser().parse_args(["serve"])).web_ui
+    assert not state_from_args(build_parser().parse_args(["serve", "--no-web-ui"])).web_ui
     # nothing in the page's files points outside the server
     html = page.text + client.get("/ui/app.js").text + client.get("/ui/style.css").text
     assert "http://" not in html and "https://" not in html and "//cdn" not in html
@@ -59,7 +64,17 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server():
+def chromium():
+    """Skips (before a server starts) where the browser is not installed, unless CI requires it."""
+    if not (CHROMIUM and CHROMEDRIVER):
+        if os.environ.get("SPARROW_REQUIRE_BROWSER"):
+            pytest.fail("SPARROW_REQUIRE_BROWSER is set but chromium or chromedriver is missing")
+        pytest.skip("chromium and chromium-driver are not installed (apt-get install chromium chromium-driver)")
+    pytest.importorskip("selenium")
+
+
+@pytest.fixture(scope="module")
+def server(chromium):
     port = _free_port()
     log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(
@@ -108,11 +123,6 @@ def chrome(width: int = 1280, height: int = 1000):
 
 @pytest.fixture(scope="module")
 def browser(server):
-    if not (CHROMIUM and CHROMEDRIVER):
-        if os.environ.get("SPARROW_REQUIRE_BROWSER"):
-            pytest.fail("SPARROW_REQUIRE_BROWSER is set but chromium or chromedriver is missing")
-        pytest.skip("chromium and chromium-driver are not installed (apt-get install chromium chromium-driver)")
-    pytest.importorskip("selenium")
     driver = chrome()
     driver.implicitly_wait(0)
     urls = []  # every URL the page requested, from the performance log

@@ -45,6 +45,7 @@ function askKey() {
       dialog.close();
       resolve();
     };
+    dialog.onclose = () => resolve(); // Escape closes it too: the request then fails with its 401
     dialog.showModal();
     input.focus();
   });
