@@ -20,6 +20,7 @@ from .engine.kv_budget import KVPool, default_budget
 from .engine.prefix_cache import PrefixCache, prefix_key
 from .engine.runner import Runner
 from .engine.sequence import Sequence, StepOutput
+from .engine.speculative import check_supported, make_speculator
 from .errors import SparrowError
 from .kernels import set_threads
 from .loaders import open_checkpoint
@@ -27,8 +28,10 @@ from .params import (
     QUANTIZE,
     SAMPLING_OPTIONS,
     SPARSE_OPTIONS,
+    SPECULATIVE_OPTIONS,
     SamplingParams,
     SparseParams,
+    SpeculativeParams,
     check_kv_dtype,
     options_to_params,
 )
@@ -59,6 +62,18 @@ class LLM:
         self.activations_why = "asked for"  # why the model runs its activations mode (load)
         self.max_images = DEFAULT_MAX_IMAGES  # per prompt
         self.special_tokens_in_content = False  # True: chat content may write special tokens (trusted callers)
+        self._drafts: dict[str, LLM] = {}  # speculative 'draft': path -> the draft model, loaded once
+
+    def draft_llm(self, path: str) -> LLM:
+        """The draft model at `path` for speculative decoding (loaded on first use with this
+        model's threads and KV storage; it must share this model's tokenizer)."""
+        from .engine.speculative import check_draft_model
+
+        if path not in self._drafts:
+            draft = load(path, kv_dtype=self.kv_dtype, threads=self.threads)
+            check_draft_model(self, draft)
+            self._drafts[path] = draft
+        return self._drafts[path]
 
     def with_activations(self, mode: str) -> LLM:
         """This checkpoint as an LLM whose model runs activations mode `mode` (a model's mode is
@@ -189,6 +204,34 @@ class LLM:
         vision = slot.mm.segment(0, len(ids)) if slot.mm is not None else None
         return self.model.forward([Segment(ids, slot.cache, 0, sparse, vision=vision)], all_logits=True)
 
+    def prompt_logprobs(
+        self, prompt, top: int = 0, kv_dtype: str | None = None, sparse: SparseParams | None = None
+    ) -> list[tuple[int, float | None, list | None]]:
+        """Each prompt token's logprob given the tokens before it: [(token id, logprob, top
+        alternatives [(id, logprob)] best first, or None when top is 0)], the first token's
+        logprob None. prompt: token ids or a raw completion prompt (text). The prompt is
+        prefilled as the server prefills it (the runner's chunks), with every position's logits,
+        so these are the bits the server's completions `echo` + `logprobs` report."""
+        from .engine.sampling import prompt_logprobs
+
+        set_threads(self.threads)
+        ids = np.asarray(self.prompt_ids(prompt) if isinstance(prompt, str) else prompt, np.int64)
+        if ids.ndim != 1 or len(ids) == 0:
+            raise SparrowError("the prompt must be a non-empty text or 1-D list of token ids")
+        if len(ids) > self.ctx:
+            raise SparrowError(f"{len(ids)} tokens exceed the context length {self.ctx}")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise SparrowError(f"token id out of range [0, {self.config.vocab_size})")
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+            raise SparrowError(f"top must be an integer in [0, 20], got {top!r}")
+        slot = self.runner.new_slot(ids, len(ids), check_kv_dtype(kv_dtype or self.kv_dtype), sparse)
+        out = []
+        while True:
+            start, rows = slot.cache.length, []
+            if self.runner.prefill_step(slot, rows=rows) is None:
+                return out
+            out += prompt_logprobs(ids, start, rows[0], top)
+
     # ------------------------------------------------------------------ generation
     def stream(
         self,
@@ -196,6 +239,7 @@ class LLM:
         *,
         sampling: SamplingParams | None = None,
         sparse: SparseParams | None = None,
+        speculative: SpeculativeParams | None = None,
         kv_dtype: str | None = None,
         chat: bool | None = None,
         system: str | None = None,
@@ -217,10 +261,16 @@ class LLM:
         sparse_probe, sparse_prefill, sparse_select. trace: a list that receives, per decoded token, the
         sparse selections [(layer, [(head, blocks, stages, mass)])].
 
+        speculative (or the keywords speculative="ngram" | "draft" | "sparse", spec_tokens=4,
+        spec_ngram, draft_model=PATH, spec_sparse_k, spec_sparse_select, spec_adaptive):
+        speculative decoding, which yields the same tokens and logits as without it; the last
+        output's `speculative` counts the drafted and accepted tokens.
+
         tools, tool_choice, response_format, parallel_tool_calls: as in OpenAI's chat API (see
         chat() for the parsed answer); a forced tool call or a JSON response_format constrains the
         tokens to the grammar."""
         set_threads(self.threads)
+        speculative = _speculative(speculative, options)
         sampling, sparse = _params(sampling, sparse, options)
         sampling.check_vocab(self.config.vocab_size)
         kv = check_kv_dtype(kv_dtype or self.kv_dtype)
@@ -245,10 +295,12 @@ class LLM:
             constraint,
             images,
         )
+        check_supported(seq, speculative)
+        spec = make_speculator(self, self.runner, speculative, seq, kv) if speculative is not None else None
         key = prefix_key(kv, sparse, has_images=getattr(seq.slot, "mm", None) is not None)
         cached = self.prefix.seed(key, seq.slot) if key is not None else 0
         try:
-            for out in generate_step(self.runner, seq, timings=timings):
+            for out in generate_step(self.runner, seq, timings=timings, spec=spec):
                 if cached is not None:
                     out.cached_tokens, cached = cached, None
                     if out.timing:
@@ -258,6 +310,8 @@ class LLM:
                     seq.trace.clear()
                 yield out
         finally:  # also when the caller stops early
+            if spec is not None:
+                spec.release()
             if key is not None:
                 self.prefix.insert(key, seq.slot.prompt, seq.slot.cache, seq.slot.snapshots)
 
@@ -360,6 +414,16 @@ def _params(sampling, sparse, options) -> tuple[SamplingParams, SparseParams | N
     if sparse is not None and any(k in SPARSE_OPTIONS for k in options):
         raise SparrowError("pass sparse settings as `sparse=SparseParams(...)` or as sparse_* keywords, not both")
     return (sampling or kw_sampling).validate(), sparse or kw_sparse
+
+
+def _speculative(speculative, options: dict) -> SpeculativeParams | None:
+    """The speculative settings from the object or the keywords (taken out of options)."""
+    kw = {k: options.pop(k) for k in list(options) if k in SPECULATIVE_OPTIONS}
+    if isinstance(speculative, SpeculativeParams) and kw:
+        raise SparrowError("pass speculative settings as `speculative=SpeculativeParams(...)` or as keywords, not both")
+    if isinstance(speculative, str):  # speculative="ngram" with the spec_* keywords
+        return SpeculativeParams.from_options(speculative, **kw)
+    return speculative if speculative is not None else SpeculativeParams.from_options(**kw)
 
 
 def _is_token_ids(prompt) -> bool:

@@ -12,7 +12,7 @@ import sys
 import time
 
 from .errors import SparrowError
-from .params import KV_DTYPES, QUANTIZE, SELECTORS, SamplingParams, SparseParams
+from .params import KV_DTYPES, QUANTIZE, SELECTORS, SPECULATIVE_METHODS, SamplingParams, SparseParams, SpeculativeParams
 
 DEMO_PROMPT = "In three sentences, why is the sky blue?"
 
@@ -40,7 +40,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         help="YaRN: the model's native context (default: its max_position_embeddings)",
     )
     g.add_argument("--kv-dtype", default="f32", choices=KV_DTYPES, help="KV cache storage")
-    g.add_argument("--threads", "-t", type=int, default=None, help="compute threads (default: all cores)")
+    g.add_argument(
+        "--threads",
+        "-t",
+        type=int,
+        default=None,
+        help="compute threads (default: one per core; on a big.LITTLE CPU one per big core)",
+    )
     g.add_argument(
         "--quantize", default=None, choices=[q for q in QUANTIZE if q], help="quantise f16/bf16/f32 weights at load"
     )
@@ -94,7 +100,38 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--sparse-trace", default=None, metavar="FILE", help="write selected blocks per token/layer/head as JSON lines"
     )
+    _speculative_args(p)
     p.add_argument("--timings", action="store_true", help="print load/prefill/decode speed and per-token times")
+
+
+def _speculative_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
+    g = p.add_argument_group("speculative decoding (same tokens and logits as without it)")
+    g.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_METHODS,
+        default=None,
+        help="draft tokens and check them in one forward: ngram (prompt lookup), draft (--draft-model), "
+        "sparse (this model with sparse attention)" + ("; the default of requests that do not say" if serve else ""),
+    )
+    g.add_argument("--spec-tokens", type=int, default=4, metavar="K", help="most tokens drafted per step")
+    g.add_argument("--spec-ngram", type=int, default=3, metavar="N", help="ngram: longest suffix looked up")
+    g.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="PATH",
+        help="a smaller model sharing the tokenizer"
+        + (" (requests may then ask for speculative 'draft')" if serve else " (with --speculative draft)"),
+    )
+    g.add_argument("--spec-sparse-k", type=int, default=None, metavar="K", help="sparse: blocks per head (default 8)")
+    g.add_argument("--spec-sparse-select", choices=SELECTORS, default=None, help="sparse: block selector (seed)")
+
+
+def speculative_from_args(a, serve: bool = False) -> SpeculativeParams | None:
+    """The --speculative settings; a server may hold a draft model that only some requests use."""
+    draft = a.draft_model if (a.speculative == "draft" or not serve) else None
+    return SpeculativeParams.from_options(
+        a.speculative, a.spec_tokens, a.spec_ngram, draft, a.spec_sparse_k, a.spec_sparse_select
+    )
 
 
 def _params(a) -> tuple[SamplingParams, SparseParams | None]:
@@ -114,6 +151,7 @@ def _params(a) -> tuple[SamplingParams, SparseParams | None]:
     sparse = SparseParams.from_options(
         a.sparse_attn, a.sparse_k, a.sparse_block, a.sparse_probe, a.sparse_prefill, a.sparse_select
     )
+    a.speculative_params = speculative_from_args(a)
     return sampling, sparse
 
 
@@ -169,7 +207,15 @@ def _run(llm, prompt, a, **extra) -> str:
     try:
         sampling, sparse = a.params
         for i, out in enumerate(
-            llm.stream(prompt, sampling=sampling, sparse=sparse, timings=a.timings, trace=trace, **extra)
+            llm.stream(
+                prompt,
+                sampling=sampling,
+                sparse=sparse,
+                speculative=a.speculative_params,
+                timings=a.timings,
+                trace=trace,
+                **extra,
+            )
         ):
             sys.stdout.write(out.text)
             sys.stdout.flush()
@@ -183,6 +229,12 @@ def _run(llm, prompt, a, **extra) -> str:
                     tm = out.timing
                     split = "" if tm["attn"] is None else f" attn={tm['attn']:.2f} ms mlp={tm['mlp']:.2f} ms"
                     dec_lines.append(f"[DEC-SINGLE] tok={i} total={tm['total']:.2f} ms{split}")
+                if out.speculative and out.speculative["drafted_tokens"]:
+                    sp = out.speculative
+                    dec_lines.append(
+                        f"[SPECULATIVE] drafted {sp['drafted_tokens']} tokens, accepted {sp['accepted_tokens']} "
+                        f"({sp['accepted_tokens'] / sp['drafted_tokens']:.0%})"
+                    )
             if trace_file is not None and trace:
                 for layer, heads in trace.pop():
                     for head, blocks, stages, mass in heads:
@@ -458,6 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-timeout", type=float, default=30.0, metavar="S", help="SIGTERM: grace for in-flight work")
     s.add_argument("--no-prefix-cache", action="store_true", help="never reuse KV between requests")
     _prompt_cache_args(s)
+    _speculative_args(s, serve=True)
     s.add_argument(
         "--allowed-local-media-path", default=None, metavar="DIR", help="serve file:// image URLs from under DIR"
     )
@@ -493,9 +546,24 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(k)
     k.set_defaults(func=cmd_compile)
 
-    b = sub.add_parser("bench", help="benchmarks: attention, speed, needle, fidelity, serve, activations, prompt-cache")
+    b = sub.add_parser(
+        "bench",
+        help="benchmarks: attention, speed, long-context, needle, fidelity, serve, activations, prompt-cache, "
+        "speculative",
+    )
     b.add_argument(
-        "bench", choices=["attention", "speed", "needle", "fidelity", "serve", "activations", "prompt-cache"]
+        "bench",
+        choices=[
+            "attention",
+            "speed",
+            "long-context",
+            "needle",
+            "fidelity",
+            "serve",
+            "activations",
+            "prompt-cache",
+            "speculative",
+        ],
     )
     b.add_argument(
         "bench_args", nargs=argparse.REMAINDER, help="options of that benchmark (see sparrow bench NAME --help)"

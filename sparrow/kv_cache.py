@@ -176,6 +176,12 @@ class SparseState:
         self.importance[n:] = 0.0
         self._forget_blocks_from(n)
 
+    def clear_copies_past(self):
+        """Zeroes each copy's rows past its valid blocks (KVCache.rollback)."""
+        for p in self._probes.values():
+            p.rows[:, p.blocks * p.per_block :] = 0
+            p.scale[:, p.blocks * p.per_block :] = 0
+
     def _forget_blocks_from(self, pos):
         for p in self._probes.values():
             p.blocks = min(p.blocks, pos // p.block)
@@ -324,6 +330,26 @@ class BlockSummaries:
         return out
 
 
+# Prefill importance snapshots (engine/runner.py takes one [L, b] copy at each chunk boundary b
+# so that the prefix cache can restore the importance a reused prefix had there, bit for bit).
+# One per boundary would grow with the square of the prompt: 1.9 GB for a 128K prompt of a
+# 28-layer model. thin_snapshots keeps the SNAPSHOT_RECENT newest boundaries, where reuse
+# happens (a chat's next turn, another question about the same document), and the boundaries at
+# powers of two chunks, so a prefix shared further back still reuses at least half of itself.
+# The kept copies sum to under SNAPSHOT_COPIES importance arrays of the cache's capacity.
+SNAPSHOT_RECENT = 8
+SNAPSHOT_COPIES = SNAPSHOT_RECENT + 2  # + the powers of two: 1 + 2 + 4 + ... < 2 arrays
+
+
+def thin_snapshots(snapshots: dict, chunk: int) -> None:
+    """Drops, in place, the boundaries of `snapshots` ({b: [L, b]}) that the rule above does not keep."""
+    recent = sorted(snapshots)[-SNAPSHOT_RECENT:]
+    for b in list(snapshots):
+        n = b // chunk
+        if b not in recent and n & (n - 1):
+            del snapshots[b]
+
+
 class KVCache:
     """All layers of one sequence: layers[i] (K/V storage) and sparse[i] (its SparseState).
     `length` is advanced by the model after each forward."""
@@ -359,6 +385,24 @@ class KVCache:
         for st in self.sparse:
             st.truncate(n)
 
+    def rollback(self, n):
+        """Drops positions >= n as truncate does and zeroes their K/V rows (and scales), so that
+        after a speculative step's rejected positions the cache holds exactly what plain
+        decoding's holds: the copies sparse decode keeps are cut back to the full blocks below
+        n and cleared past them (they are rebuilt from K on their next use)."""
+        n = max(0, min(int(n), self.length))
+        end = self.length
+        self.truncate(n)
+        if end > n:
+            for layer in self.layers:
+                layer.k[:, n:end] = 0
+                layer.v[:, n:end] = 0
+                if layer.scaled:
+                    layer.k_scale[:, n:end] = 0
+                    layer.v_scale[:, n:end] = 0
+            for st in self.sparse:
+                st.clear_copies_past()
+
     def resize(self, capacity):
         """Moves the cache into storage of `capacity` positions (at least 1), keeping positions
         below min(length, capacity) and their sparse state.
@@ -374,12 +418,13 @@ class KVCache:
         self.__dict__.pop("_fused_lists", None)  # models/fused.py's typed lists name the old arrays
 
     def bytes_at(self, capacity, probe=None):
-        """Bytes this cache takes at `capacity` positions: K/V storage and importance, plus the
-        copies sparse decode makes: the seed's probe keys when probe = (block, n_probe), v2's
-        block summaries when probe = (block, "v2")."""
+        """Bytes this cache takes at `capacity` positions: K/V storage and importance, the
+        importance snapshots kept for the prefix cache (at most SNAPSHOT_COPIES importance
+        arrays), plus the copies sparse decode makes: the seed's probe keys when probe = (block,
+        n_probe), v2's block summaries when probe = (block, "v2")."""
         kind = type(self.layers[0])
         kvh, d = self.layers[0].n_kv_heads, self.layers[0].head_dim
-        per_layer = kind.bytes_at(kvh, d, capacity) + 4 * capacity
+        per_layer = kind.bytes_at(kvh, d, capacity) + 4 * capacity * (1 + SNAPSHOT_COPIES)
         if probe is not None and probe[1] == "v2":
             per_layer += BlockSummaries.bytes_at(kvh, d, capacity, probe[0])
         elif probe is not None:

@@ -118,6 +118,81 @@ class SparseParams:
 SPARSE_OPTIONS = ("sparse_attn", "sparse_k", "sparse_block", "sparse_probe", "sparse_prefill", "sparse_select")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft", "sparse")
+MAX_SPEC_TOKENS = 32  # most tokens drafted per verification
+
+
+@dataclass
+class SpeculativeParams:
+    """Speculative decoding (None instead of this: plain decoding). A drafter proposes up to
+    `tokens` tokens, one forward of the target checks them all, and the tokens, logits and KV
+    cache are plain decoding's, bit for bit (engine/speculative.py says why)."""
+
+    method: str = "ngram"  # ngram: prompt lookup; draft: a smaller model; sparse: this model, sparse attention
+    tokens: int = 4  # K: most tokens drafted per verification
+    ngram: int = 3  # ngram: the longest suffix of the text so far looked up (then shorter ones, down to 1)
+    draft_model: str | None = None  # draft: the smaller model's path (sharing the target's tokenizer)
+    sparse: SparseParams | None = None  # sparse: the drafter's attention (None: seed selector, k=8)
+    adaptive: bool = True  # shorten the draft while drafts are rejected, down to none for a while
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise SparrowError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        for name, hi in (("tokens", MAX_SPEC_TOKENS), ("ngram", 64)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
+                raise SparrowError(f"spec_{name} must be an integer in [1, {hi}], got {v!r}")
+        if self.method == "draft" and not self.draft_model:
+            raise SparrowError("speculative 'draft' needs a draft model (--draft-model PATH)")
+        if self.method != "draft" and self.draft_model:
+            raise SparrowError("a draft model is only used with speculative 'draft'")
+        if self.method == "sparse" and self.sparse is None:
+            self.sparse = SparseParams(k=8)
+        if self.method != "sparse" and self.sparse is not None:
+            raise SparrowError("spec_sparse_* settings are only used with speculative 'sparse'")
+
+    @property
+    def label(self) -> str:
+        """Short name for tables and logs: ngram-K4, sparse-seed-k8-K4, draft-K4."""
+        mid = f"-{self.sparse.label}-k{self.sparse.k}" if self.sparse is not None else ""
+        return f"{self.method}{mid}-K{self.tokens}"
+
+    @classmethod
+    def from_options(
+        cls,
+        speculative: str | None = None,
+        spec_tokens: int = 4,
+        spec_ngram: int = 3,
+        draft_model: str | None = None,
+        spec_sparse_k: int | None = None,
+        spec_sparse_select: str | None = None,
+        spec_adaptive: bool = True,
+    ) -> SpeculativeParams | None:
+        """The flat option names the CLI, the HTTP API and `LLM` keywords use -> settings or
+        None (plain decoding)."""
+        if speculative is None:
+            if draft_model or spec_sparse_k is not None or spec_sparse_select is not None:
+                raise SparrowError("draft_model and spec_sparse_* need speculative ('draft' or 'sparse')")
+            return None
+        sparse = None
+        if speculative == "sparse":
+            sparse = SparseParams(k=8 if spec_sparse_k is None else spec_sparse_k, select=spec_sparse_select or "seed")
+        elif spec_sparse_k is not None or spec_sparse_select is not None:
+            raise SparrowError("spec_sparse_k and spec_sparse_select are only used with speculative 'sparse'")
+        return cls(speculative, spec_tokens, spec_ngram, draft_model, sparse, spec_adaptive)
+
+
+SPECULATIVE_OPTIONS = (
+    "speculative",
+    "spec_tokens",
+    "spec_ngram",
+    "draft_model",
+    "spec_sparse_k",
+    "spec_sparse_select",
+    "spec_adaptive",
+)
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 256

@@ -189,7 +189,6 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"
         (COMPLETIONS, "best_of", 2),
         (COMPLETIONS, "best_of", True),
         (COMPLETIONS, "suffix", " the end"),
-        (COMPLETIONS, "echo", True),
     ],
 )
 def test_fields_not_applied_are_refused(served, path, field, value):  # noqa: F811
@@ -366,12 +365,21 @@ CHAT_MODES = {
     },
     "tool call cut": {"messages": ASK, "tools": [WEATHER], "tool_choice": NAMED, "max_tokens": 50},
     "json": {"messages": CHAT, "response_format": {"type": "json_object"}, "max_tokens": 20},
+    "n": {"messages": CHAT, "max_tokens": 4, "n": 3, "temperature": 1.0, "seed": 1, "logprobs": True},
+    "n tool calls": {"messages": ASK, "tools": [WEATHER], "tool_choice": NAMED, "max_tokens": 120, "n": 2},
 }
 COMPLETION_MODES = {
     "plain": {"prompt": "the heat"},
     "logprobs": {"prompt": "the heat", "max_tokens": 5, "logprobs": 3},
     "token ids": {"prompt": [101, 104], "max_tokens": 3},
     "max_tokens 0": {"prompt": "the heat", "max_tokens": 0, "logprobs": 1},
+    "n": {"prompt": "the heat", "max_tokens": 4, "n": 3, "temperature": 1.0, "seed": 1},
+    "batched": {"prompt": ["the heat", "a rose"], "max_tokens": 3, "n": 2, "logprobs": 1},
+    "batched ids": {"prompt": [[101, 104], [105]], "max_tokens": 2},
+    "echo": {"prompt": "the heat", "max_tokens": 3, "echo": True},
+    "echo logprobs": {"prompt": "the heat", "max_tokens": 3, "echo": True, "logprobs": 2},
+    "echo logprobs max_tokens 0": {"prompt": [[116, 104, 101], [101]], "max_tokens": 0, "echo": True, "logprobs": 1},
+    "echo max_tokens 0": {"prompt": "the heat", "max_tokens": 0, "echo": True, "n": 2},
 }
 
 
@@ -390,7 +398,10 @@ def test_chat_answers_validate(served, mode):  # noqa: F811
         assert any("tool_calls" in ch["delta"] for c in chunks for ch in c["choices"])
     if "logprobs" in body:
         assert any(ch["logprobs"] for c in chunks for ch in c["choices"])
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
+    n = body.get("n", 1)
+    assert [c["index"] for c in r.json()["choices"]] == list(range(n))
+    assert sorted({ch["index"] for c in chunks for ch in c["choices"]}) == list(range(n))
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= n
     for c in events(served, CHAT_PATH, body):
         check(c, "CreateChatCompletionStreamResponse")
         assert "usage" not in c
@@ -405,7 +416,18 @@ def test_completion_answers_validate(served, mode):  # noqa: F811
     chunks = events(served, COMPLETIONS, {**body, "stream_options": {"include_usage": True}})
     for c in chunks:
         check(c, "CreateCompletionStreamEvent")
-    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] in ("stop", "length")
+    p = body["prompt"]
+    prompts = p if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]
+    total = len(prompts) * body.get("n", 1)
+    assert [c["index"] for c in r.json()["choices"]] == list(range(total))
+    finishes = {ch["index"]: ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]}
+    assert sorted(finishes) == list(range(total)) and set(finishes.values()) <= {"stop", "length"}
+    if body.get("echo"):
+        texts = [t if isinstance(t, str) else post(served, "/detokenize", {"tokens": t}).json()["prompt"]
+                 for t in prompts]  # fmt: skip
+        assert all(c["text"].startswith(texts[c["index"] // body.get("n", 1)]) for c in r.json()["choices"])
+        if "logprobs" in body:
+            assert all(c["logprobs"]["token_logprobs"][0] is None for c in r.json()["choices"])
     assert chunks[-1]["choices"] == [] and "completion_tokens" in chunks[-1]["usage"]
     for c in events(served, COMPLETIONS, body):
         check(c, "CreateCompletionStreamEvent")

@@ -32,9 +32,10 @@ HASWELL = (  # an AVX2-only x86 CPU (and no AVX-512, whatever the host has)
 )
 # The q8 mode's integer code paths other than the host's, for tests/test_q8act.py and
 # test_kquants_q8.py to compile in a child and compare bit for bit: name -> (CPU, features,
-# AVX2, VNNI). The host's own path (VNNI's vpdpbusd where it has AVX-VNNI or AVX512-VNNI)
-# runs in the tests' own process.
-Q8_PATHS = {
+# and the values the child's kernels/cpu.py must read, of the flags PATH_FLAGS names). The
+# host's own path (VNNI's vpdpbusd where it has AVX-VNNI or AVX512-VNNI) runs in the tests'
+# own process.
+X86_Q8_PATHS = {
     "generic": (  # Ivy Bridge: AVX and F16C (the kernels widen f16 scales with it), no AVX2
         "ivybridge",
         "+64bit,+avx,+cx16,+cx8,+f16c,+fxsr,+mmx,+popcnt,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,-avx2,-avx512f",
@@ -43,6 +44,17 @@ Q8_PATHS = {
     ),
     "avx2": ("haswell", HASWELL, True, False),  # pmaddubsw + pmaddwd, no vpdpbusd
 }
+_ARMV8 = "+neon,+fp-armv8,+crc,+lse,+rdm,+fullfp16,+rcpc"
+# aarch64 (the qemu script, scripts/arm64_qemu.sh, runs these: under qemu-user LLVM reads the
+# x86 host's /proc/cpuinfo and compiles the tests' own process for "generic")
+ARM_Q8_PATHS = {
+    "generic": ("generic", "+neon,+fp-armv8,-dotprod,-i8mm", False, False),  # plain vector IR
+    "cortex-a76": ("cortex-a76", _ARMV8 + ",+dotprod", True, False),  # sdot (RK3588, Raspberry Pi 5)
+    "neoverse-n2": ("neoverse-n2", _ARMV8 + ",+dotprod,+i8mm,+bf16,+sve,+sve2", True, True),  # sdot, i8mm, SVE2
+}
+ARM = platform.machine().lower() in ("aarch64", "arm64")
+Q8_PATHS = ARM_Q8_PATHS if ARM else X86_Q8_PATHS if platform.machine().lower() in ("x86_64", "amd64") else {}
+PATH_FLAGS = ("dotprod", "i8mm") if ARM else ("avx2", "vnni")
 FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(sparrow.__file__)))  # the children import this sparrow
 BLOCKS = ("q8_0", "q4_0", "q4_1")
@@ -182,11 +194,12 @@ def run_compiled_for(tmp_path, cpu, features, code, fresh=False):
 
 def q8_path_matches_here(tmp_path, path, code, compute):
     """The q8 mode's code path `path` (a Q8_PATHS name) in a child running `code`, which
-    prints INFO {avx2, vnni} and saves compute()'s arrays: it took that path, and its arrays
-    equal this process's compute() bit for bit (tests/test_q8act.py, test_kquants_q8.py)."""
-    cpu, feats, avx2, vnni = Q8_PATHS[path]
+    prints INFO {cpu: kernels.cpu.describe()} and saves compute()'s arrays: it took that path,
+    and its arrays equal this process's compute() bit for bit (tests/test_q8act.py,
+    test_kquants_q8.py)."""
+    cpu, feats, *flags = Q8_PATHS[path]
     info, child = run_compiled_for(tmp_path, cpu, feats, code)
-    assert (info["avx2"], info["vnni"]) == (avx2, vnni), info
+    assert tuple(info["cpu"][f] for f in PATH_FLAGS) == tuple(flags), info
     here_out = compute()
     assert set(child) == set(here_out)
     for name in child:

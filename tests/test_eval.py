@@ -88,6 +88,21 @@ def test_multi_fact_tasks(tok):
         assert abs(prompts.fact_token_depth(tok, mk, i) - d) < 0.03
 
 
+def test_cwe_counts(tok):
+    """RULER's common-words extraction: the answers are exactly the words listed most often."""
+    import collections
+
+    p = prompts.make_prompt(tok, "cwe", 2048, None, seed=3)
+    lines = [ln for ln in p.messages[0]["content"].split("\n") if ln[:1].isdigit()]
+    assert [int(ln.split(". ")[0]) for ln in lines] == list(range(1, len(lines) + 1))
+    counts = collections.Counter(ln.split(". ", 1)[1] for ln in lines)
+    assert {w: counts[w] for w in p.answers} == dict.fromkeys(p.answers, p.meta["freq_common"])
+    rare = set(counts) - set(p.answers)
+    assert len(rare) == p.meta["rare_words"] > 0 and p.meta["seed"] == 3  # the needle bench records it
+    assert {counts[w] for w in rare} == {prompts.CWE_FREQ_RARE} and p.meta["freq_common"] > prompts.CWE_FREQ_RARE
+    assert scoring.score("cwe", ", ".join(p.answers[:5]), p.answers) == 0.5
+
+
 def test_parse_length_and_errors(tok):
     assert prompts.parse_length("1K") == 1024 and prompts.parse_length("7k") == 7168
     assert prompts.parse_length("1500") == 1500

@@ -3,8 +3,6 @@ kernels/matmul/q8/groups.py, q4_k / q5_k / q6_k in kernels/matmul/q8/kquant_grou
 against numpy, on this CPU's path and on the generic one, on 1 and 2 threads, a row alone
 equal to that row in a batch, and fused decode equal to staged."""
 
-import platform
-
 import numba
 import numpy as np
 import pytest
@@ -206,20 +204,21 @@ GENERIC_CHILD = r"""
 import json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-from sparrow.kernels.matmul.q8 import ir as _q8ir
+from sparrow.kernels import cpu
 from test_kquants_q8 import compute
 
 out = compute()
 np.savez(sys.argv[2], **out)
-print("INFO " + json.dumps(dict(avx2=_q8ir.AVX2, vnni=_q8ir.VNNI)))
+print("INFO " + json.dumps(dict(cpu=cpu.describe())))
 """
 
 
-@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 CPU names")
+@pytest.mark.skipif(not Q8_PATHS, reason="CPU names of x86 and aarch64 only")
 @pytest.mark.parametrize("path", sorted(Q8_PATHS))
 def test_other_code_paths_give_the_same_bits(tmp_path, path):
-    """Compiled for an older CPU, the same bits: "generic" (no AVX2: plain vector IR instead of
-    pmaddubsw) and "avx2" (pmaddubsw + pmaddwd where a VNNI host takes vpdpbusd)."""
+    """Compiled for another CPU, the same bits: on x86 "generic" (no AVX2: plain vector IR
+    instead of pmaddubsw) and "avx2" (pmaddubsw + pmaddwd where a VNNI host takes vpdpbusd);
+    on aarch64 "generic", "cortex-a76" (sdot) and "neoverse-n2" (sdot, i8mm, SVE2)."""
     q8_path_matches_here(tmp_path, path, GENERIC_CHILD, compute)
 
 

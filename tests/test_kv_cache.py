@@ -11,7 +11,18 @@ import pytest
 
 from sparrow.engine.kv_budget import probe_of
 from sparrow.errors import SparrowError
-from sparrow.kv_cache import F16Layer, F32Layer, Int8Layer, KVCache, LayerCache, layer_cache, quantize_int8
+from sparrow.kv_cache import (
+    SNAPSHOT_COPIES,
+    SNAPSHOT_RECENT,
+    F16Layer,
+    F32Layer,
+    Int8Layer,
+    KVCache,
+    LayerCache,
+    layer_cache,
+    quantize_int8,
+    thin_snapshots,
+)
 from sparrow.models.attention import decode_attention
 from sparrow.params import KV_DTYPES, SparseParams
 
@@ -117,9 +128,24 @@ def test_budget_charge_is_what_sparse_decode_allocates(kind, select):
     for i in range(2):
         decode_attention(q, cache.layers[i], cache.sparse[i], 200, 0.25, sp)
     assert cache.probe_nbytes > 0
-    assert cache.nbytes + cache.probe_nbytes == cache.bytes_at(cache.capacity, probe_of(sp))
+    snapshots = SNAPSHOT_COPIES * 4 * cache.capacity * len(cache.layers)  # the prefix cache's importance copies
+    assert cache.nbytes + cache.probe_nbytes + snapshots == cache.bytes_at(cache.capacity, probe_of(sp))
     cache.truncate(100)
     assert all(p.blocks == 100 // 16 for st in cache.sparse for p in st._probes.values())
+
+
+def test_snapshots_kept_are_the_newest_and_powers_of_two():
+    """thin_snapshots keeps the SNAPSHOT_RECENT newest boundaries and those at 2^i chunks, so the
+    copies stay under SNAPSHOT_COPIES importance arrays of the prompt's length."""
+    c, snaps, total = 16, {}, []
+    for n in range(1, 41):
+        snaps[n * c] = np.zeros((2, n * c), np.float32)
+        thin_snapshots(snaps, c)
+        want = {b * c for b in range(1, n + 1) if b > n - SNAPSHOT_RECENT or b & (b - 1) == 0}
+        assert set(snaps) == want
+        total.append(sum(a.size for a in snaps.values()) / (2 * n * c))
+    assert max(total) < SNAPSHOT_COPIES
+    assert set(snaps) == {16, 32, 64, 128, 256, 512} | {b * c for b in range(33, 41)}
 
 
 def test_nbytes_counts_storage_and_importance():

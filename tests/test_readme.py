@@ -108,7 +108,7 @@ def test_readme_command_parses(argv, monkeypatch):
         pytest.fail(f"sparrow's parser rejects the README's command: {line}")
     if ns.cmd != "bench":
         return
-    module = importlib.import_module(f"sparrow.bench.{ns.bench}")
+    module = importlib.import_module(f"sparrow.bench.{ns.bench.replace('-', '_')}")
     parse_args = argparse.ArgumentParser.parse_args
 
     def parse_then_stop(self, args=None, namespace=None):

@@ -89,7 +89,8 @@ def test_parse_validation():
         2,
     )
     assert (r.sparse.k, r.sparse.block, r.sparse.select, r.params.stop_token_ids) == (4, 32, "v2", [5])
-    assert parse_completion({"prompt": [[1, 2, 3]]}).prompt == [1, 2, 3]
+    assert parse_completion({"prompt": [[1, 2, 3]]}).prompts == [[1, 2, 3]]
+    assert parse_completion({"prompt": ["a", "b"], "n": 2, "echo": True}).prompts == ["a", "b"]
     bad = [
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
@@ -101,7 +102,8 @@ def test_parse_validation():
         ({"messages": CHAT, "temperature": True}, "temperature"),
         ({"messages": CHAT, "temperature": float("nan")}, "temperature"),
         ({"messages": CHAT, "top_p": float("inf")}, "top_p"),
-        ({"messages": CHAT, "n": 2}, "n"),
+        ({"messages": CHAT, "n": 129}, "n"),
+        ({"messages": CHAT, "n": 0}, "n"),
         ({"messages": CHAT, "stop": [1]}, "stop"),
         ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
         ({"messages": CHAT, "sparse_attn": True, "sparse_k": 0}, "sparse_k"),
@@ -113,8 +115,13 @@ def test_parse_validation():
         with pytest.raises(APIError) as e:
             parse_chat(body)
         assert (e.value.status, e.value.param) == (400, param), body
-    with pytest.raises(APIError):
-        parse_completion({"prompt": ["a", "b"]})
+    for prompt in ([], [["a"]], ["a", [1]], ["a"] * 2049):
+        with pytest.raises(APIError) as e:
+            parse_completion({"prompt": prompt})
+        assert e.value.param == "prompt", prompt
+    with pytest.raises(APIError) as e:
+        parse_completion({"prompt": ["a"] * 17, "n": 128})  # 2176 sequences
+    assert e.value.param == "n"
 
 
 # ---------------------------------------------------------------------- server fixtures
@@ -485,7 +492,7 @@ def test_errors(server, client, model_id, ref):
     assert _err(_post(server, "/v1/chat/completions", {**ok, "temperature": "hot"}), 400)["param"] == "temperature"
     assert _err(_post(server, "/v1/chat/completions", {**ok, "messages": [{"role": "wizard", "content": "hi"}]}), 400)
     assert _err(_post(server, "/v1/chat/completions", {**ok, "messages": "hi"}), 400)["param"] == "messages"
-    assert _err(_post(server, "/v1/chat/completions", {**ok, "n": 3}), 400)["param"] == "n"
+    assert _err(_post(server, "/v1/chat/completions", {**ok, "n": 129}), 400)["param"] == "n"
     assert _err(_post(server, "/v1/completions", {"model": model_id, "prompt": 5}), 400)["param"] == "prompt"
     n_prompt = len(ref.prompt_ids(CHAT, chat=True))
     err = _err(_post(server, "/v1/chat/completions", {**ok, "max_tokens": 9000}), 400)

@@ -27,7 +27,8 @@ def add_common_args(p: argparse.ArgumentParser, lengths: str, depths: str, ks: s
     p.add_argument(
         "--tasks",
         default="needle",
-        help="comma list of needle, passkey, niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt",
+        help="comma list of needle, passkey, niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt, "
+        "cwe (RULER's common-words extraction)",
     )
     p.add_argument("--lengths", default=lengths, help="prompt lengths in tokens, e.g. 1K,2K,4K,7K (K = 1024)")
     p.add_argument("--depths", default=depths, help="needle depths in percent (multi-fact tasks: one seed each)")
@@ -37,8 +38,9 @@ def add_common_args(p: argparse.ArgumentParser, lengths: str, depths: str, ks: s
     p.add_argument(
         "--selectors",
         default="seed",
-        help="comma list of block selectors run at every k: seed, v2, and v2 ablations "
-        "(v2-nosink, v2-norecent, v2-dense<N>)",
+        help="comma list of block selectors run at every k: seed, v2, v2 ablations "
+        "(v2-nosink, v2-norecent, v2-dense<N>), and oracle (each head's k blocks of largest exact softmax "
+        "mass, v2's dense layers; a reference that reads every key, sparrow.eval.oracle)",
     )
     p.add_argument("--seed", type=int, default=0, help="prompt seed (0 = Zara/ramen)")
     p.add_argument("--max-tokens", type=int, default=tokens, help="greedy tokens generated per configuration")
@@ -66,6 +68,7 @@ def _ints(s: str, what: str) -> list[int]:
 
 
 def parse_grid(a) -> dict:
+    from ..eval.oracle import oracle_params
     from ..eval.prompts import TASKS, parse_length
     from ..params import SparseParams
 
@@ -82,9 +85,13 @@ def parse_grid(a) -> dict:
     selectors = [x.strip() for x in a.selectors.split(",") if x.strip()]
     if not selectors:
         raise SparrowError("--selectors is empty")
-    configs = [None] + [
-        SparseParams.from_label(sel, k=k, block=a.block, probe=a.probe) for sel in selectors for k in ks
-    ]
+
+    def params(sel, k):
+        if sel == "oracle":
+            return oracle_params(k=k, block=a.block, probe=a.probe)
+        return SparseParams.from_label(sel, k=k, block=a.block, probe=a.probe)
+
+    configs = [None] + [params(sel, k) for sel in selectors for k in ks]
     return {
         "tasks": tasks,
         "lengths": [parse_length(x) for x in a.lengths.split(",") if x.strip()],

@@ -29,6 +29,9 @@ share of that bandwidth reached, for both engines.
 --shape NAME --type q8_0|q4_0|q4_k_m benches a random-weight GGUF with a real model's exact tensor shapes
 (sparrow.bench.shapes; written once into the cache directory). --contention adds a separately
 labelled row: decode after the first context while one busy-looping process competes for the CPUs.
+
+This bench holds an f32 cache and its f16 and int8 copies at once; past ~16K on the Qwen3 shapes
+use `sparrow bench long-context` (one KV kind per run, each engine in its own process).
 """
 
 import argparse

@@ -4,7 +4,8 @@ the folder, with the same bits as a fresh prefill.
 
 What a file holds: one prefix-cache entry (prefix_cache.Entry), i.e. the KV of a prompt's first
 B positions, B a multiple of the prefill chunk, and the sparse prefill importance as it stood at
-each chunk boundary b <= B. Any boundary of it can be reused, exactly as in memory. The copies
+the chunk boundaries b <= B the prefix cache keeps snapshots of (kv_cache.thin_snapshots: the
+newest and those at powers of two chunks). Those boundaries can be reused, exactly as in memory. The copies
 sparse decode derives from K (the seed's probe keys, v2's block summaries) are not stored:
 they are rebuilt from the loaded K on first use, with the same bits.
 
@@ -14,7 +15,8 @@ tensors), so numpy can map it and any safetensors reader can inspect it:
     chunk.{j}.k       [L, KVH, c, D] positions j*c..(j+1)*c-1 of every layer's K (c = chunk;
     chunk.{j}.v       same            F32, F16 or I8 as the KV dtype stores them)
     chunk.{j}.k_scale F32 [L, KVH, c] (int8 KV only), chunk.{j}.v_scale likewise
-    chunk.{j}.importance F32 [L, (j+1)*c]: the prefill importance when the prefill stood at (j+1)*c
+    chunk.{j}.importance F32 [L, (j+1)*c]: the prefill importance when the prefill stood at (j+1)*c,
+                      for the boundaries listed in the metadata's `snapshots`
 Its `__metadata__` names what the bits depend on: the format, sparrow's version and a hash of
 its sources, the model (model_identity), the CPU architecture, the chunk size, and the entry's
 prefix-cache key (KV dtype, sparse prefill settings, input salt). A file that differs in any of
@@ -60,7 +62,7 @@ from .prefix_cache import common_prefix
 
 log = logging.getLogger("sparrow.prompt_cache")
 
-FORMAT = "sparrow-prompt-cache/1"
+FORMAT = "sparrow-prompt-cache/2"  # 2: importance only at the kept boundaries
 SUFFIX = ".safetensors"
 TMP_PREFIX = ".tmp-"
 DEFAULT_SIZE = 20 * 1024**3  # bytes: --prompt-cache-size's default
@@ -134,6 +136,11 @@ class FileEntry:
     header: dict  # the parsed safetensors header
     data_start: int  # offset of the data region
 
+    @property
+    def bounds(self) -> set[int]:
+        """The boundaries a hit may reuse: those whose importance the file holds."""
+        return _bounds(self.header["__metadata__"])
+
 
 class EntryError(Exception):
     """A file that cannot be used; the message is the one-line reason that is logged."""
@@ -155,7 +162,8 @@ def _dump_header(header: dict) -> bytes:
 
 def _chunk_parts(cache, j: int, c: int, snapshot) -> list[tuple[str, str, list]]:
     """(name suffix, safetensors dtype, per-row source arrays in C order) of chunk j: the rows
-    are [layer][head] slices of the cache, so no [L, KVH, c, D] copy is made."""
+    are [layer][head] slices of the cache, so no [L, KVH, c, D] copy is made; snapshot is the
+    importance at the chunk's end, or None where none is kept."""
     lo, hi = j * c, (j + 1) * c
     layers = cache.layers
     st = _STORAGE_ST[cache.dtype]
@@ -166,30 +174,44 @@ def _chunk_parts(cache, j: int, c: int, snapshot) -> list[tuple[str, str, list]]
     if layers[0].scaled:
         parts.append(("k_scale", "F32", [lc.k_scale[h, lo:hi] for lc in layers for h in range(lc.n_kv_heads)]))
         parts.append(("v_scale", "F32", [lc.v_scale[h, lo:hi] for lc in layers for h in range(lc.n_kv_heads)]))
-    parts.append(("importance", "F32", [np.ascontiguousarray(snapshot, np.float32)]))
+    if snapshot is not None:
+        parts.append(("importance", "F32", [np.ascontiguousarray(snapshot, np.float32)]))
     return parts
+
+
+def _bounds(meta: dict) -> set[int]:
+    """The boundaries whose importance the file holds."""
+    try:
+        return {int(b) for b in meta["snapshots"].split(",") if b}
+    except (KeyError, ValueError, AttributeError):
+        raise EntryError("malformed snapshots list") from None
 
 
 def _shapes(meta: dict, j: int) -> dict:
     """Expected shapes of chunk j's tensors, from the header's dimensions."""
     L, H, D, c = (int(meta[k]) for k in ("layers", "kv_heads", "head_dim", "chunk"))
-    out = {"k": [L, H, c, D], "v": [L, H, c, D], "importance": [L, (j + 1) * c]}
+    out = {"k": [L, H, c, D], "v": [L, H, c, D]}
+    if (j + 1) * c in _bounds(meta):
+        out["importance"] = [L, (j + 1) * c]
     if meta["kv_dtype"] == "int8":
         out["k_scale"] = out["v_scale"] = [L, H, c]
     return out
 
 
 def write_entry(path: str, meta: dict, tokens: np.ndarray, cache, snapshots: dict) -> int:
-    """Writes one entry (tokens [B], cache holding >= B positions, snapshots b -> [L, b]) to
-    `path` atomically: a temporary file in the same folder, fsync, rename. Returns its size."""
+    """Writes one entry (tokens [B], cache holding >= B positions, snapshots b -> [L, b] at some
+    chunk boundaries b <= B, B among them) to `path` atomically: a temporary file in the same
+    folder, fsync, rename. Returns its size."""
     c = int(meta["chunk"])
     B = len(tokens)
+    bounds = sorted(b for b in snapshots if b <= B and b % c == 0)
+    meta = dict(meta, snapshots=",".join(map(str, bounds)))
     tokens = np.ascontiguousarray(tokens, np.int64)
     tensors = {"tokens": {"dtype": "I64", "shape": [B], "data_offsets": [0, tokens.nbytes]}}
     sources, crcs, offset = [[tokens]], [], tokens.nbytes
     for j in range(B // c):
         crc, shapes = 0, _shapes(meta, j)
-        for part, dtype, rows in _chunk_parts(cache, j, c, snapshots[(j + 1) * c]):
+        for part, dtype, rows in _chunk_parts(cache, j, c, snapshots.get((j + 1) * c)):
             shape = shapes[part]
             nbytes = int(np.prod(shape)) * np.dtype(_ST_DTYPES[dtype]).itemsize
             if sum(r.nbytes for r in rows) != nbytes:
@@ -260,6 +282,10 @@ def read_header(path: str, expect: dict) -> FileEntry:
             last = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
             if 8 + n + last != size:
                 raise EntryError(f"size {size} bytes, the header describes {8 + n + last}")
+            bounds = _bounds(meta)
+            c = int(meta["chunk"])
+            if B not in bounds or any(b % c or not 0 < b <= B for b in bounds):
+                raise EntryError("malformed snapshots list")
             tokens = np.frombuffer(f.read(8 * B), np.int64)
             if len(tokens) != B or _hex(zlib.crc32(tokens.view(np.uint8))) != meta["tokens_crc"]:
                 raise EntryError("tokens checksum mismatch")
@@ -269,9 +295,10 @@ def read_header(path: str, expect: dict) -> FileEntry:
 
 
 def read_chunks(path: str, entry: FileEntry, n: int, cache) -> dict:
-    """Reads positions 0..n-1 (n a multiple of the chunk) of `entry` into `cache` (capacity >=
-    n, same dimensions and KV dtype), checking each chunk's CRC; returns the importance
-    snapshots {b: [L, b]} for b <= n. EntryError when a chunk is damaged or the file changed."""
+    """Reads positions 0..n-1 (n one of the file's snapshot boundaries) of `entry` into `cache`
+    (capacity >= n, same dimensions and KV dtype), checking each chunk's CRC; returns the
+    importance snapshots {b: [L, b]} for b <= n. EntryError when a chunk is damaged or the file
+    changed."""
     meta, header = entry.header["__metadata__"], entry.header
     c = int(meta["chunk"])
     crcs = meta["chunk_crcs"].split(",")
@@ -383,8 +410,8 @@ class DiskCache:
                         log.warning("prompt cache: ignoring %s: %s", n, e)
 
     def best(self, key: str, prompt: np.ndarray, chunk: int, at_least: int = 0) -> tuple[FileEntry | None, int]:
-        """The file sharing the longest reusable prefix with prompt (a chunk multiple, leaving
-        at least one prompt token to run), if it is longer than at_least."""
+        """The file sharing the longest reusable prefix with prompt (one of its snapshot
+        boundaries, leaving at least one prompt token to run), if it is longer than at_least."""
         self.scan()
         best, n_best = None, at_least
         with self._lock:
@@ -392,7 +419,7 @@ class DiskCache:
                 if e.key != key:
                     continue
                 n = min(common_prefix(e.tokens, prompt), len(prompt) - 1)
-                n -= n % chunk
+                n = max((b for b in e.bounds if b <= n), default=0)
                 if n > n_best:
                     best, n_best = e, n
         return best, (n_best if best is not None else 0)
@@ -428,11 +455,10 @@ class DiskCache:
     def save(self, key: str, tokens: np.ndarray, cache, snapshots: dict) -> None:
         """Queues an entry for writing unless a file of this key already covers its tokens."""
         tokens = np.asarray(tokens, np.int64).copy()
-        bounds = range(self.chunk, len(tokens) + 1, self.chunk)
-        if len(tokens) % self.chunk or any(b not in snapshots for b in bounds):
-            log.debug("prompt cache: an entry without every boundary's importance is not saved")
+        if len(tokens) % self.chunk or len(tokens) not in snapshots:
+            log.debug("prompt cache: an entry without its last boundary's importance is not saved")
             return
-        snaps = {b: snapshots[b] for b in bounds}
+        snaps = {b: v for b, v in snapshots.items() if b <= len(tokens) and b % self.chunk == 0}
         # The layers as they are now: a later resize moves the cache into new arrays, and these
         # keep the positions this entry covers (nothing rewrites them; prefix_cache.py).
         frozen = SimpleNamespace(layers=list(cache.layers), dtype=cache.dtype)

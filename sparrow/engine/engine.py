@@ -21,15 +21,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from ..errors import SparrowError
 from ..kernels import set_threads
-from ..params import SamplingParams, SparseParams
+from ..params import SamplingParams, SparseParams, SpeculativeParams
 from .kv_manager import KVManager
 from .runner import Runner
+from .sampling import prompt_logprobs
 from .scheduler import Scheduler
 from .sequence import Sequence, StepOutput
+from .speculative import Speculator, accept_drafts, make_speculator
 from .warmup import SERVER_PATHS, warm
 
 log = logging.getLogger("sparrow.engine")
@@ -52,6 +56,8 @@ class Request:
     cache_salt: str | None = None
     cacheable: bool = True
     images: list | None = None  # the prompt's preprocessed images (vision.preprocess.PixelImage)
+    speculative: SpeculativeParams | None = None  # None: plain decoding
+    spec: Speculator | None = None  # its drafter and counts, made at its first decode step
     trace: bool = False  # sparse decode: each output carries its step's block selections (StepOutput.trace)
     id: int = field(default_factory=lambda: next(_ids))
     seq: Sequence | None = None
@@ -59,6 +65,15 @@ class Request:
     timed_out: bool = False
     finished: bool = False
     cached_tokens: int = 0  # prompt positions whose KV came from the prefix cache
+    # n choices of one prompt: this request is choice 0 and prefills the prompt once; after the
+    # prefill it forks choices 1..n-1 (their own Requests, in `family`) from its KV (_fork).
+    n: int = 1
+    index: int = 0
+    fork_constraints: list | None = None  # the grammar states of choices 1..n-1
+    family: list = field(default_factory=list)  # every choice's Request, this one first
+    prompt_logprobs: int | None = None  # report each prompt token's logprob (with this many alternatives)
+    score_only: bool = False  # generate nothing: prefill (for prompt_logprobs) and finish
+    scored: list = field(default_factory=list)  # prompt logprobs so far (StepOutput.prompt_logprobs)
 
 
 class EngineBusy(SparrowError):
@@ -127,22 +142,47 @@ class Engine:
         cache_salt: str | None = None,
         cacheable: bool = True,
         images: list | None = None,
+        n: int = 1,
+        prompt_logprobs: int | None = None,
+        score_only: bool = False,
+        speculative: SpeculativeParams | None = None,
         trace: bool = False,
     ) -> Request:
         """Queues a request. Raises EngineBusy when the queue is full or the engine is draining,
-        SparrowError when prompt + max_tokens cannot fit in the whole KV budget. trace: with
-        sparse, each decoded output carries the blocks its step read (StepOutput.trace; the
-        step takes the staged path, same bits)."""
+        SparrowError when prompt + max_tokens cannot fit in the whole KV budget.
+
+        n: choices of the prompt, sharing its prefill; each choice's outputs carry its `index`.
+        Choice i samples with seed + i (vLLM's rule): each choice is the answer a request of
+        n=1 with that seed gets. constraint: with n > 1, a list of n grammar states (or None).
+        The queue limit counts the n choices as n requests. prompt_logprobs: the first output
+        carries each prompt token's logprob with that many alternatives (the prefix cache is not
+        used for such a prompt: every position's logits are needed). score_only: nothing is
+        generated; one output per choice, finish_reason "length", no token. trace: with sparse,
+        each decoded output carries the blocks its step read (StepOutput.trace; the step takes the
+        staged path, same bits)."""
         self.kv.check_fits(len(prompt_ids), params.max_tokens, kv_dtype, sparse)
+        if self.max_queue is not None and n > self.max_queue:
+            e = SparrowError(f"n={n} choices exceed the server's queue limit of {self.max_queue} (--max-queue)")
+            e.param = "n"
+            raise e
         timeout = timeout if timeout is not None else self.timeout
         deadline = time.monotonic() + timeout if timeout else None
-        req = Request(list(prompt_ids), params, sparse, emit, kv_dtype, constraint, deadline, cache_salt, cacheable)
+        constraints = constraint if n > 1 else [constraint]
+        if constraints is None:
+            constraints = [None] * n
+        if len(constraints) != n:
+            raise ValueError(f"{n} choices but {len(constraints)} grammar states")
+        req = Request(list(prompt_ids), params, sparse, emit, kv_dtype, constraints[0], deadline, cache_salt, cacheable)
         req.images = images or None
+        req.n, req.fork_constraints, req.family = n, constraints[1:], [req]
+        req.prompt_logprobs, req.score_only = prompt_logprobs, score_only
+        req.speculative = speculative
         req.trace = bool(trace and sparse is not None)
         with self._cv:
             if self._draining or self._stop:
                 raise EngineBusy("the server is shutting down", retry_after=5)
-            if self.max_queue is not None and len(self._incoming) + self._waiting >= self.max_queue:
+            queued = sum(r.n for r in self._incoming) + self._waiting
+            if self.max_queue is not None and queued + n > self.max_queue:
                 raise EngineBusy(f"the request queue is full ({self.max_queue} waiting); retry shortly")
             self._incoming.append(req)
             self._cv.notify()
@@ -169,10 +209,12 @@ class Engine:
         return self.idle
 
     def cancel(self, req: Request) -> None:
-        if not req.finished:
-            req.cancelled = True
-            with self._cv:
-                self._cv.notify()
+        """Cancels req and, for n > 1, every choice forked from it."""
+        for r in req.family or [req]:  # choices forked later copy req.cancelled
+            if not r.finished:
+                r.cancelled = True
+        with self._cv:
+            self._cv.notify()
 
     def alive(self) -> bool:
         """Whether the engine thread is running (a replica's health check)."""
@@ -228,7 +270,8 @@ class Engine:
 
     def _publish(self) -> None:
         s = self.scheduler
-        self._waiting = len(s.waiting)
+        # queued choices as of this step (read by submit): a request counts its n until it forks
+        self._waiting = sum(1 if r.seq is not None and r.seq.output else r.n for r in s.waiting)
         if self.metrics is not None:
             self.metrics.set_queue(len(s.running), len(s.waiting) + len(self._incoming))
             st = self.prefix.stats
@@ -255,7 +298,7 @@ class Engine:
     def _drop_cancelled(self) -> None:
         gone = self.scheduler.drop_cancelled()
         for r in gone:
-            self.kv.free(r)  # frees its KV cache now (or hands it to the prefix cache)
+            self._free(r)  # frees its KV cache now (or hands it to the prefix cache)
             r.finished = True
             if r.timed_out:
                 self._emit(r, "timeout", "the request timed out (the server's --request-timeout)")
@@ -270,21 +313,27 @@ class Engine:
             log.exception("request %d: delivering its %s failed; cancelling it", req.id, kind)
             req.cancelled = True
 
+    def _free(self, req: Request) -> None:
+        if req.spec is not None:
+            req.spec.release()
+        self.kv.free(req)
+
     def _fail(self, req: Request, message: str) -> None:
         req.finished = True
-        self.kv.free(req)
+        self._free(req)
         self._emit(req, "error", message)
 
     def _deliver(self, req: Request, out: StepOutput) -> None:
+        out.index = req.index
         if self.metrics is not None:
-            self.metrics.add(generation_tokens=1)
+            self.metrics.add(generation_tokens=int(out.token_id is not None))
             if out.finish_reason:
                 self.metrics.finish(out.finish_reason)
         if out.finish_reason:
             req.finished = True
         self._emit(req, "token", out)
         if req.finished:
-            self.kv.free(req)
+            self._free(req)
 
     def _prefill(self, req: Request) -> bool:
         """One prefill chunk of req; False when it waits for KV (nothing ran)."""
@@ -296,9 +345,13 @@ class Engine:
             seq = req.seq
             slot = seq.slot
             t0, n0 = time.perf_counter(), slot.cache.length
-            logits = self.runner.prefill_step(slot)  # [V]
+            scoring = req.prompt_logprobs is not None and not seq.output
+            rows: list = []
+            logits = self.runner.prefill_step(slot, rows=rows) if scoring else self.runner.prefill_step(slot)  # [V]
             if self.metrics is not None:
                 self.metrics.prefill(slot.cache.length - n0, time.perf_counter() - t0)
+            if scoring:
+                self._score(req, n0, rows[0])
             if not slot.prefill_done:
                 return True
             if seq.output:  # resumed after a preemption: decode steps feed back what it sampled
@@ -306,8 +359,14 @@ class Engine:
                 return True
             if self.metrics is not None:
                 self.metrics.add(prompt_tokens=len(slot.prompt))
-            out = seq.accept(logits)
+            if req.score_only:
+                outs = [StepOutput(None, "", finish_reason="length", index=i) for i in range(req.n)]
+            else:
+                outs = [seq.accept(logits)]
+            out = outs[0]
             out.cached_tokens = req.cached_tokens
+            if scoring:
+                out.prompt_logprobs, req.scored = req.scored, []
         except Exception as e:
             self.scheduler.prefill_failed(req)
             self._internal_error([req], e)
@@ -315,8 +374,56 @@ class Engine:
         if out.finish_reason:
             req.finished = True
         self.scheduler.prefill_done(req)
+        forked = self._fork(req, logits) if req.n > 1 and not req.score_only else []
         self._deliver(req, out)
+        for extra in outs[1:]:  # score_only: choices 1..n-1 finish as choice 0 does
+            self._emit(req, "token", extra)
+        for child, child_out in forked:
+            self._deliver(child, child_out)
         return True
+
+    def _score(self, req: Request, start: int, rows: np.ndarray) -> None:
+        """Adds the logprobs of the prompt tokens that follow positions start.. (rows [T, V])."""
+        if start == 0:  # (again, after a preemption part-way through the prefill)
+            req.scored = []
+        req.scored += prompt_logprobs(req.seq.slot.prompt, start, rows, req.prompt_logprobs)
+
+    def _fork(self, req: Request, logits) -> list[tuple[Request, StepOutput]]:
+        """Choices 1..n-1 of req, right after its prefill: each a Request of its own with a copy of
+        the prompt's KV, sampling its first token from the same logits. Choices that find no room
+        (the batch is full, or the KV budget) wait at the front of the queue without KV and are
+        prefilled again when room frees (the same bits: prefill depends only on the prompt)."""
+        sched, out = self.scheduler, []
+        waiting = 0
+        for i in range(1, req.n):
+            seed = None if req.params.seed is None else (req.params.seed + i) % 2**64
+            child = Request(
+                req.prompt_ids,
+                replace(req.params, seed=seed),
+                req.sparse,
+                req.emit,
+                req.kv_dtype,
+                req.fork_constraints[i - 1],
+                req.deadline,
+                req.cache_salt,
+                req.cacheable,
+                images=req.images,
+                index=i,
+                family=req.family,
+                speculative=req.speculative,
+            )
+            req.family.append(child)
+            child.cancelled = req.cancelled  # after joining the family: cancel() sees it or this does
+            child.seq = req.seq.fork(self.llm.tokenizer, child.params, child.constraint, None)
+            if len(sched.running) < sched.max_batch and not waiting and self.kv.fork(req, child):
+                child_out = child.seq.accept(logits)
+                if not child_out.finish_reason:
+                    sched.running.append(child)
+                out.append((child, child_out))
+            else:
+                sched.waiting.insert(waiting, child)
+                waiting += 1
+        return out
 
     def _decode(self, reqs: list[Request]) -> None:
         t0 = time.perf_counter()
@@ -326,6 +433,8 @@ class Engine:
             self._internal_error(reqs, e)
             self.scheduler.retire()
             return
+        if any(r.speculative is not None for r in reqs):
+            return self._decode_speculative(reqs, t0)
         groups = self.runner.decode_groups(len(reqs))
         produced = 0
         for g in groups:  # one forward each; a failure fails only its own forward's requests
@@ -351,6 +460,56 @@ class Engine:
             self.metrics.decode(produced, time.perf_counter() - t0, len(groups))
         self.scheduler.retire()
 
+    def _decode_speculative(self, reqs: list[Request], t0: float) -> None:
+        """A decode step in which some requests speculate: each drafts (its budget capped by
+        the KV it can grow into without preempting anyone), then every request's rows go
+        through Runner.verify in forwards of at most SMALL_T rows, and each samples along its
+        rows (speculative.py). The rows are plain decode rows, so requests that do not
+        speculate, and those that do, get plain decoding's bits."""
+        items = []  # (req, draft, start, live, the token at start)
+        for r in reqs:
+            try:
+                seq = r.seq
+                # read before drafting: the sparse drafter moves the cache's length on
+                live, start, first, draft = seq.caught_up, seq.slot.cache.length, seq.next_input, []
+                if live and r.speculative is not None:
+                    if r.spec is None:
+                        r.spec = make_speculator(self.llm, self.runner, r.speculative, seq, seq.slot.cache.dtype)
+                    n = self.kv.room_for(r, r.spec.budget(seq))
+                    draft = r.spec.propose(seq, n)
+                items.append((r, draft, start, live, first))
+            except Exception as e:
+                self._internal_error([r], e)
+        produced = drafted = accepted = forwards = 0
+        for group in _row_groups(items, self.runner.decode_groups):
+            batch = [it[0] for it in group]
+            try:
+                tokens = [[first, *d] for _, d, _, _, first in group]
+                logits = self.runner.verify([r.seq.slot for r in batch], tokens, [it[2] for it in group])
+                forwards += len(self.runner.decode_groups(sum(map(len, tokens))))
+                done = []
+                for (r, draft, _, live, _), lg in zip(group, logits):
+                    if not live:
+                        continue
+                    outs, kept = accept_drafts(r.seq, draft, lg)
+                    if r.spec is not None and draft:
+                        r.spec.settle(r.seq, draft, kept)
+                        drafted, accepted = drafted + len(draft), accepted + kept
+                    done.append((r, outs))
+            except Exception as e:
+                self._internal_error(batch, e)
+                continue
+            for r, outs in done:
+                produced += len(outs)
+                for out in outs:
+                    if out.finish_reason and r.spec is not None:
+                        out.speculative = r.spec.counts
+                    self._deliver(r, out)
+        if self.metrics is not None:
+            self.metrics.decode(produced, time.perf_counter() - t0, forwards)
+            self.metrics.add(spec_drafted_tokens=drafted, spec_accepted_tokens=accepted)
+        self.scheduler.retire()
+
     def _internal_error(self, reqs: list[Request], e: Exception) -> None:
         if isinstance(e, SparrowError):
             msg = str(e)
@@ -359,3 +518,20 @@ class Engine:
             msg = f"internal error: {type(e).__name__}: {e}"
         for r in reqs:
             self._fail(r, msg)
+
+
+def _row_groups(items: list, decode_groups) -> list[list]:
+    """Consecutive runs of items (req, draft, ...) whose rows (1 + len(draft) each) fill one
+    forward (decode_groups(rows) is a single range) where they can; a larger item goes alone,
+    Runner.verify cutting its rows into several forwards."""
+    groups, cur, rows = [], [], 0
+    for it in items:
+        n = 1 + len(it[1])
+        if cur and len(decode_groups(rows + n)) > 1:
+            groups.append(cur)
+            cur, rows = [], 0
+        cur.append(it)
+        rows += n
+    if cur:
+        groups.append(cur)
+    return groups

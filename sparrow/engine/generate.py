@@ -12,10 +12,15 @@ from collections.abc import Iterator
 from ..models.timing import Timer, timed
 from .runner import Runner
 from .sequence import Sequence, StepOutput
+from .speculative import speculative_step
 
 
-def generate_step(runner: Runner, seq: Sequence, timings: bool = False) -> Iterator[StepOutput]:
+def generate_step(runner: Runner, seq: Sequence, timings: bool = False, spec=None) -> Iterator[StepOutput]:
     """Yields one StepOutput per generated token until the sequence finishes.
+
+    spec: a speculative.Speculator; each step then drafts, verifies and yields every token it
+    settled (the same tokens and logits as without it). With timings each of a step's tokens
+    reports an equal share of the step's time, attn and mlp None.
 
     With timings, the first output's `timing` holds prefill stats and every later output its
     own decode step in ms: {"total", "attn", "mlp"}. A fused decode step (models/fused.py) is
@@ -31,6 +36,16 @@ def generate_step(runner: Runner, seq: Sequence, timings: bool = False) -> Itera
         if seq.slot.mm is not None:  # per image: {"ms", "tokens", "grid"} of its vision encoding
             out.timing["vision"] = seq.slot.mm.timings
     yield out
+    while not seq.done and spec is not None:
+        t0 = time.perf_counter()
+        outs = speculative_step(runner, seq, spec)
+        share = (time.perf_counter() - t0) * 1e3 / len(outs)
+        for out in outs:
+            if timings:
+                out.timing = {"total": share, "attn": None, "mlp": None}
+            if out.finish_reason:
+                out.speculative = spec.counts
+            yield out
     while not seq.done:
         if timings and _runs_fused(runner.model, seq.slot):
             t0 = time.perf_counter()

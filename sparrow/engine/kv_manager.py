@@ -95,15 +95,12 @@ class KVManager:
         seq, slot = req.seq, req.seq.slot
         if slot.cache is not None:
             return True
-        n_prompt, n_out = len(slot.prompt), len(seq.output)
-        # The first growth step is taken now, while the prefill is still to run: growing later
-        # copies the whole cache on the engine thread, between two decode steps of every stream
-        # (3.4 s at token 34 of a 4K prompt on a Qwen3-1.7B shape, f32 KV, against 134-ms steps).
-        # Positions past the prompt are untouched pages until decode writes them.
-        need = n_prompt + max(1, n_out)
-        capacity = min(n_prompt + req.params.max_tokens, pages(need + need // GROW_FRACTION))
+        n_out = len(seq.output)
+        capacity = self._first_capacity(req, n_out)
         key = self.key(req)
-        for use_prefix in (True, False):  # a pinned entry may be what is in the way: retry without it
+        # Scoring the prompt needs the logits of every position: none of it may come from the cache.
+        scoring = getattr(req, "prompt_logprobs", None) is not None and n_out == 0
+        for use_prefix in (not scoring, False):  # a pinned entry may be what is in the way: retry without it
             hit = self.prefix.lookup(key, slot.prompt) if use_prefix and key is not None else Hit()
             snapshots = hit.entry.snapshots if hit.entry is not None else {}
             cache = self.prefix.take(hit)
@@ -135,6 +132,29 @@ class KVManager:
                 return False
         return False
 
+    def _first_capacity(self, req, n_out: int) -> int:
+        # The first growth step is taken now, while the prefill is still to run: growing later
+        # copies the whole cache on the engine thread, between two decode steps of every stream
+        # (3.4 s at token 34 of a 4K prompt on a Qwen3-1.7B shape, f32 KV, against 134-ms steps).
+        # Positions past the prompt are untouched pages until decode writes them.
+        n_prompt = len(req.seq.slot.prompt)
+        need = n_prompt + max(1, n_out)
+        return min(n_prompt + req.params.max_tokens, pages(need + need // GROW_FRACTION))
+
+    def fork(self, parent, child) -> bool:
+        """Gives child (another choice of parent's prompt, child.seq made by Sequence.fork with
+        no cache) a copy of parent's prompt KV, right after parent's prefill: the prompt is
+        prefilled once for all n choices. False (child keeps no cache, to be prefilled again
+        like a preempted request) when the budget has no room."""
+        src = parent.seq.slot.cache
+        cache = self.runner.model.new_cache(1, child.kv_dtype or self.llm.kv_dtype)
+        if not self.pool.resize(cache, self._first_capacity(child, 0), probe_of(child.sparse)):
+            return False
+        n = src.length
+        cache.copy_prefix(src, n, src.importance_snapshot())
+        child.seq.slot.cache = cache
+        return True
+
     def admitted_head(self) -> object | None:
         """The waiting head if it holds KV (part-way through its prefill)."""
         w = self.scheduler.waiting
@@ -151,6 +171,16 @@ class KVManager:
         self.scheduler.preempt(req, behind_head=head is not None and head is not req)
         self.preemptions += 1
         log.info("request %d preempted (KV budget full); it resumes later", req.id)
+
+    def room_for(self, req, n: int) -> int:
+        """How many of n drafted tokens req may verify in its next step: its cache grows to
+        hold them where the budget allows without preempting anyone (speculation is never
+        worth another request's KV)."""
+        cache = req.seq.slot.cache
+        ceiling = len(req.seq.slot.prompt) + req.params.max_tokens
+        while n > 0 and not self.pool.grow(cache, cache.length + 1 + n, ceiling, probe_of(req.sparse)):
+            n = min(n - 1, cache.capacity - cache.length - 1)
+        return max(0, n)
 
     def make_room(self, reqs: list) -> list:
         """Grows each cache (oldest request first) by the position its next step writes; a cache

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import SparrowError
 from ..kernels import linear as _linear
-from ..kv_cache import KVCache
+from ..kv_cache import KVCache, thin_snapshots
 from ..models.attention import Trace
 from ..models.decoder import Segment
 from ..params import SparseParams
@@ -89,11 +89,13 @@ class Runner:
         cache = None if capacity is None else self.model.new_cache(capacity, kv_dtype)  # None: the engine's budget
         return Slot(prompt, cache, sparse, Trace(trace_mass) if trace else None, mm)
 
-    def prefill_step(self, slot: Slot, end: int | None = None) -> np.ndarray | None:
+    def prefill_step(self, slot: Slot, end: int | None = None, rows: list | None = None) -> np.ndarray | None:
         """Runs the next chunk of the prompt (up to position `end`, default the whole prompt).
 
         Returns the logits [V] of the chunk's last position, or None when there was nothing to
-        run."""
+        run. rows: a list that receives the logits [T, V] of every position of the chunk (prompt
+        logprobs); only then does the head run over all of them, so other prefills pay nothing.
+        The returned last position's logits have the same bits either way."""
         end = len(slot.prompt) if end is None else min(end, len(slot.prompt))
         start = slot.cache.length
         if start >= end:
@@ -101,9 +103,15 @@ class Runner:
         stop = min(end, start + self.prefill_chunk)
         vision = slot.mm.segment(start, stop) if slot.mm is not None else None
         seg = Segment(slot.prompt[start:stop], slot.cache, start, slot.sparse, vision=vision)
-        logits = self.model.forward([seg])[0]  # [V]
+        if rows is None:
+            logits = self.model.forward([seg])[0]  # [V]
+        else:
+            every, last = self.model.forward([seg], all_logits=True, with_last=True)  # [T, V], [1, V]
+            rows.append(every)
+            logits = last[0]
         if stop % self.prefill_chunk == 0:  # a boundary the prefix cache may reuse from
             slot.snapshots[stop] = slot.cache.importance_snapshot()  # [L, stop]
+            thin_snapshots(slot.snapshots, self.prefill_chunk)
         return logits
 
     def prefill(self, slot: Slot, end: int | None = None) -> np.ndarray | None:
@@ -140,3 +148,32 @@ class Runner:
             ]
             out.append(self.model.forward(segs))  # [len(g), V]
         return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def verify(self, slots: list[Slot], tokens: list, starts: list[int]) -> list[np.ndarray]:
+        """Feeds tokens[i] (a list) to slots[i] at positions starts[i], starts[i] + 1, ...,
+        each as its own single-token decode row -> logits [len(tokens[i]), V] per slot.
+
+        A row's logits are the bits a decode step at that position gives (speculative.py): rows
+        of one sequence go in position order, so each attends over what the rows before it
+        wrote, and a forward holds at most SMALL_T rows, so each row is computed as alone."""
+        rows = [(i, j) for i, toks in enumerate(tokens) for j in range(len(toks))]
+        out: list = [[None] * len(t) for t in tokens]
+        for g in self.decode_groups(len(rows)):
+            segs = []
+            for i, j in (rows[r] for r in g):
+                s = slots[i]
+                segs.append(
+                    Segment(
+                        np.asarray(tokens[i][j : j + 1], np.int64),
+                        s.cache,
+                        starts[i] + j,
+                        s.sparse,
+                        decode=True,
+                        trace=s.trace,
+                        rope_delta=s.mm.rope_delta if s.mm is not None else 0,
+                    )
+                )
+            logits = self.model.forward(segs)  # [len(g), V]
+            for (i, j), row in zip((rows[r] for r in g), logits):
+                out[i][j] = row
+        return [np.stack(o) for o in out]

@@ -20,6 +20,33 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return (x - m - math.log(np.exp(x - m).sum())).astype(np.float32)
 
 
+def top_tokens(ls: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The k best (token id, logprob) of log-probabilities ls [V], best first, ties by lower id
+    (a stable sort of all V, without sorting all V)."""
+    k = min(k, len(ls))
+    if k <= 0:
+        return []
+    neg = -ls
+    cut = np.partition(neg, k - 1)[k - 1]
+    cand = np.flatnonzero(neg <= cut)  # ascending ids: the stable sort below keeps ties by id
+    best = cand[np.argsort(neg[cand], kind="stable")[:k]]
+    return [(int(i), float(ls[i])) for i in best]
+
+
+def prompt_logprobs(prompt: np.ndarray, start: int, rows: np.ndarray, top: int) -> list[tuple]:
+    """The prompt tokens' logprobs that one prefill chunk gives: rows [T, V] are the logits of
+    prompt positions start..start+T-1, each scoring the token after it (the last row of the last
+    chunk scores nothing). Entries are (token id, logprob, its top alternatives or None when top
+    is 0), computed as Sequence.accept computes a sampled token's; the first token, which has no
+    context, gets (id, None, None)."""
+    out = [(int(prompt[0]), None, None)] if start == 0 else []
+    targets = prompt[start + 1 : start + len(rows) + 1]  # [T] or [T-1]
+    for row, t in zip(rows, targets):
+        ls = log_softmax(row)  # [V]
+        out.append((int(t), float(ls[t]), top_tokens(ls, top) if top > 0 else None))
+    return out
+
+
 class Sampler:
     def __init__(self, params: SamplingParams, vocab_size: int):
         self.p = params

@@ -13,20 +13,25 @@ import numpy as np
 from ..errors import ContextLengthError
 from ..params import SamplingParams, SparseParams
 from .runner import Runner, Slot
-from .sampling import Sampler, log_softmax
+from .sampling import Sampler, log_softmax, top_tokens
 
 
 @dataclass
 class StepOutput:
     """One generated token and the text it released."""
 
-    token_id: int
+    token_id: int | None  # None: a request that generates nothing (scoring its prompt) finished
     text: str  # text that became final with this token (may be "" while a stop string is pending)
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None  # [(token_id, logprob)] best first
     finish_reason: str | None = None  # "stop" | "length" | None while running
     timing: dict | None = None  # per-step times in ms when requested
     cached_tokens: int | None = None  # first output only: prompt tokens whose KV came from the prefix cache
+    index: int = 0  # which of a request's n choices it belongs to
+    # first output of choice 0 only, when asked: each prompt position's (token id, logprob or None for
+    # the first, top alternatives or None), the logprob as decoding would report the same token
+    prompt_logprobs: list | None = None
+    speculative: dict | None = None  # last output of a speculative run: {"drafted_tokens", "accepted_tokens"}
     trace: list | None = None  # the engine's traced requests: the sparse selections of the step that chose it
 
 
@@ -77,6 +82,23 @@ class Sequence:
             constraint=constraint,
         )
 
+    def fork(self, tokenizer, params: SamplingParams, constraint, cache) -> Sequence:
+        """Another choice for the same prompt, right after this one's prefill: its own sampler
+        (params: its seed), grammar state and text, over `cache` (a copy of the prompt's KV, or
+        None to prefill it again when the KV budget has room). Nothing sampled yet."""
+        src = self.slot
+        slot = Slot(src.prompt, cache, src.sparse, None, src.mm, dict(src.snapshots) if cache is not None else {})
+        sampler = Sampler(params, self.sampler.vocab_size)
+        sampler.observe_prompt(src.prompt)
+        return Sequence(
+            slot,
+            params,
+            sampler,
+            tokenizer.incremental_decoder(skip_special_tokens=True),
+            self.eos_ids,
+            constraint=constraint,
+        )
+
     @property
     def prompt(self) -> np.ndarray:
         return self.slot.prompt  # [P] int64
@@ -124,8 +146,7 @@ class Sequence:
             ls = log_softmax(logits)  # [V]
             lp = float(ls[tok])
             if p.logprobs > 0:
-                best = np.argsort(-ls, kind="stable")[: p.logprobs]
-                top = [(int(i), float(ls[i])) for i in best]
+                top = top_tokens(ls, p.logprobs)
         if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             self.finish_reason = "stop"
             text, self._pending = self._pending, ""  # no stop string came: release what was held

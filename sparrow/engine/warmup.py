@@ -20,7 +20,7 @@ from ..params import SparseParams
 
 # name -> what it compiles (in the order a server warms them)
 PATHS = {
-    "exact": "prefill and one sequence's decode, exact attention",
+    "exact": "prefill (also returning every position's logits: prompt logprobs) and one sequence's decode, exact",
     "batched": "decode of several sequences in one forward",
     "seed": "sparse decode with the seed selector, one sequence and several",
     "v2": "sparse decode with the v2 selector, one sequence and several",
@@ -50,6 +50,7 @@ def _run(runner, ids, kv_dtype, sparse, n_seqs):
 def _path(name: str, runner, ids, kv_dtype) -> None:
     if name == "exact":
         _run(runner, ids, kv_dtype, None, 1)
+        runner.prefill_step(runner.new_slot(ids, len(ids), kv_dtype), rows=[])  # the head over every row
     elif name == "batched":
         _run(runner, ids, kv_dtype, None, 2)
     elif name in ("seed", "v2"):

@@ -12,6 +12,7 @@ first leaves the exact text (earlier steps see identical prefixes).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import statistics
@@ -24,6 +25,7 @@ from ..engine.runner import Slot
 from ..kernels import set_threads
 from ..models.timing import timed
 from ..params import SparseParams
+from .oracle import OracleParams, oracle_attention
 
 
 # ---------------------------------------------------------------- metrics on logits
@@ -218,27 +220,34 @@ def run_prompt(
     exact = greedy(llm, pre, n_tokens, None, keep_logits=True)
     rows = []
     for sp in configs:
-        run = exact if sp is None else greedy(llm, pre, n_tokens, sp)
-        row = {
-            "config": config_label(sp),
-            "sparse": sp is not None,
-            "k": sp.k if sp else None,
-            "block": sp.block if sp else None,
-            "probe": sp.probe if sp else None,
-            "selector": sp.label if sp else None,
-            "tokens": run.tokens,
-            "text": llm.tokenizer.decode(run.tokens, skip_special_tokens=True),
-            "attn_ms": nan_to_none(ms_summary(run.attn_ms)),
-            "total_ms": nan_to_none(ms_summary(run.total_ms)),
-            "prefill_ms": pre.prefill_ms,
-            "n_prompt": pre.n_prompt,
-            "first_diff_free": first_divergence(exact.tokens, run.tokens) if sp else None,
-        }
-        if sp is None:
-            row.update({"kl_mean": 0.0, "kl_max": 0.0, "top1": 1.0, "first_diff": None, "steps": len(exact.logits)})
-        elif fidelity:
-            forced = teacher_forced(llm, pre, exact.tokens, sp, trace=True)
-            row.update(compare(exact, forced))
-            row["mass"] = mass_summary(forced.traces)
-        rows.append(row)
+        with oracle_attention(llm.model) if isinstance(sp, OracleParams) else contextlib.nullcontext():
+            rows.append(_config_row(llm, pre, exact, sp, n_tokens, fidelity))
     return rows
+
+
+def _config_row(llm, pre: Prefilled, exact: Decoded, sp, n_tokens: int, fidelity: bool) -> dict:
+    """One configuration's row: greedy text and timing, and with fidelity its teacher-forced
+    comparison against the exact continuation."""
+    run = exact if sp is None else greedy(llm, pre, n_tokens, sp)
+    row = {
+        "config": config_label(sp),
+        "sparse": sp is not None,
+        "k": sp.k if sp else None,
+        "block": sp.block if sp else None,
+        "probe": sp.probe if sp else None,
+        "selector": sp.label if sp else None,
+        "tokens": run.tokens,
+        "text": llm.tokenizer.decode(run.tokens, skip_special_tokens=True),
+        "attn_ms": nan_to_none(ms_summary(run.attn_ms)),
+        "total_ms": nan_to_none(ms_summary(run.total_ms)),
+        "prefill_ms": pre.prefill_ms,
+        "n_prompt": pre.n_prompt,
+        "first_diff_free": first_divergence(exact.tokens, run.tokens) if sp else None,
+    }
+    if sp is None:
+        row.update({"kl_mean": 0.0, "kl_max": 0.0, "top1": 1.0, "first_diff": None, "steps": len(exact.logits)})
+    elif fidelity:
+        forced = teacher_forced(llm, pre, exact.tokens, sp, trace=True)
+        row.update(compare(exact, forced))
+        row["mass"] = mass_summary(forced.traces)
+    return row

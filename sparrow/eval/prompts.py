@@ -144,7 +144,7 @@ PASSKEY_INTRO = (
 )
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
-TASKS = ("needle", "passkey", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt")
+TASKS = ("needle", "passkey", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe")
 
 
 @dataclass
@@ -286,6 +286,65 @@ def _keys(rng, n):
     return [f"{a}-{b}" for a, b in (rng.sample(KEY_WORDS, 2) for _ in range(n))]
 
 
+_SYLLABLES = ("ba", "ko", "mi", "ru", "te", "la", "no", "vi", "sa", "du", "pe", "ho", "ga", "fi", "zo", "ne")
+CWE_COMMON, CWE_FREQ_COMMON, CWE_FREQ_RARE = 10, 30, 3  # RULER's cwe defaults
+
+
+def _cwe_words(rng: random.Random, n: int) -> list[str]:
+    """n distinct made-up three-syllable words (the task counts words; their meaning is noise)."""
+    words = set()
+    while len(words) < n:
+        words.add("".join(rng.choice(_SYLLABLES) for _ in range(3)))
+    return rng.sample(sorted(words), n)
+
+
+def _cwe_prompt(tokenizer, length: int, rng: random.Random, answer_prefix: bool, seed: int) -> Prompt:
+    """RULER's common-words extraction (cwe), an aggregation task: a numbered list in which
+    CWE_COMMON words appear CWE_FREQ_COMMON times each (fewer in short prompts) and the others
+    CWE_FREQ_RARE times; the
+    answer is every common word. No single block holds the answer, which is where top-k block
+    selection is known to fail (MagicPIG, arXiv 2410.16179)."""
+    intro = (
+        "Below is a numbered list of words. In these words, some appear more often than others. "
+        "Memorize the ones that appear most often."
+    )
+    question = f"Question: What are the {CWE_COMMON} most common words in the above list?"
+    prefix = f"Answer: The top {CWE_COMMON} words that appear most often in the list are:"
+    pool = _cwe_words(rng, 2048)
+    common, rare_pool = pool[:CWE_COMMON], pool[CWE_COMMON:]
+    order_seed = rng.random()
+
+    # common words fill at most half the list (a line is ~8 tokens), so short prompts keep rare ones
+    freq = max(CWE_FREQ_RARE + 2, min(CWE_FREQ_COMMON, length // 16 // CWE_COMMON))
+
+    def build(n_rare):
+        words = common * freq + rare_pool[:n_rare] * CWE_FREQ_RARE
+        order = random.Random(f"cwe-order:{n_rare}:{order_seed}").sample(words, len(words))
+        listing = "\n".join(f"{i + 1}. {w}" for i, w in enumerate(order))
+        msgs = [{"role": "user", "content": f"{intro}\n{listing}\n{question}"}]
+        return msgs, chat_ids(tokenizer, msgs, prefix if answer_prefix else "")
+
+    lo, hi = 0, len(rare_pool)  # the number of rare words: the largest that stays within the length
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(build(mid)[1]) <= length:
+            lo = mid
+        else:
+            hi = mid - 1
+    msgs, ids = build(lo)
+    return Prompt(
+        "cwe",
+        msgs,
+        prefix if answer_prefix else "",
+        list(common),
+        ids,
+        length,
+        [],
+        [],
+        {"facts": [], "rare_words": lo, "freq_common": freq, "seed": seed},
+    )
+
+
 def make_prompt(
     tokenizer, task: str, length: int, depth: float | None = 0.5, seed: int = 0, answer_prefix: bool = True
 ) -> Prompt:
@@ -299,6 +358,8 @@ def make_prompt(
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise SparrowError(f"depth must be in [0, 1], got {depth}")
     rng = random.Random(f"{task}:{seed}")
+    if task == "cwe":
+        return _cwe_prompt(tokenizer, length, rng, answer_prefix, seed)
     filler, intro, meta = filler_sentences, "", {}
     if task == "needle":
         name, food = (NAMES[0], FOODS[0]) if seed == 0 else (rng.choice(NAMES), rng.choice(FOODS))

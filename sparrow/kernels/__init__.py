@@ -147,8 +147,9 @@ def pin_worker_threads() -> bool:
 
     Why: on this 2-CPU machine the scheduler often woke both workers on the same CPU after
     a serial phase, and a 2-thread prefill GEMM then ran at exactly 1-thread speed for tens
-    of milliseconds (~105 GFLOP/s inside the model against ~190 alone). Which thread runs
-    which part of a kernel never changes results."""
+    of milliseconds (~105 GFLOP/s inside the model against ~190 alone). The fastest cores
+    come first (cpu.fast_first: the big cores of a big.LITTLE CPU), so n threads run on the
+    n fastest. Which thread runs which part of a kernel never changes results."""
     global _pinned
     if _pinned is not None:
         return _pinned
@@ -162,10 +163,12 @@ def pin_worker_threads() -> bool:
         or parallel._is_initialized
     ):
         return False
+    from sparrow.kernels.cpu import fast_first
+
     before = set(os.listdir("/proc/self/task"))
     parallel._launch_threads()
     workers = sorted(int(t) for t in set(os.listdir("/proc/self/task")) - before)
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = fast_first(os.sched_getaffinity(0))  # numba gives n threads' work to workers 0 .. n-1
     if len(workers) < 2 or len(cpus) < 2:
         return False
     try:
@@ -177,11 +180,22 @@ def pin_worker_threads() -> bool:
     return True
 
 
+def default_threads(root: str | None = None) -> int:
+    """The thread count when the user gives none: one per fast core this process may run on
+    (cpu.fast_cores: every core, unless the cores are of unequal speed), at most
+    NUMBA_NUM_THREADS. The one place that decides it."""
+    from sparrow.kernels import cpu
+
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    fast = cpu.fast_cores(allowed, root or cpu.SYSFS_CPU)
+    return max(1, min(len(fast), numba.config.NUMBA_NUM_THREADS))
+
+
 def set_threads(n: int | None) -> int:
     """Sets numba's thread count for the calling thread (numba keeps it per thread, so every
-    thread that runs the model calls this) and returns it: n, or all of numba's threads when
-    n is None, capped at NUMBA_NUM_THREADS. Pins the workers first (pin_worker_threads)."""
-    n = max(1, min(n or numba.config.NUMBA_NUM_THREADS, numba.config.NUMBA_NUM_THREADS))
+    thread that runs the model calls this) and returns it: n, or default_threads() when n is
+    None, capped at NUMBA_NUM_THREADS. Pins the workers first (pin_worker_threads)."""
+    n = max(1, min(n or default_threads(), numba.config.NUMBA_NUM_THREADS))
     pin_worker_threads()
     numba.set_num_threads(n)
     return n

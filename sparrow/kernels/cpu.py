@@ -40,6 +40,10 @@ VNNI = AVX2 and ("+avxvnni" in _FEATS or {"+avx512vnni", "+avx512vl"} <= _FEATS)
 # vpdpbusd on zmm (AVX512-VNNI, with AVX512-BW for the byte and word lanes): 16 rows a vector
 # in the q8 mode's prefill tiles (kernels/matmul/q8/pair_tiles.py)
 VNNI512 = AVX2 and {"+avx512vnni", "+avx512bw"} <= _FEATS
+# aarch64's sdot (Armv8.2 dotprod: Cortex-A76 / A78 / X1, Neoverse N1 and later, Apple M1):
+# 4 s8 x s8 products summed into an int32 lane, the q8 mode's dots where x86 takes vpdpbusd
+DOTPROD = "+dotprod" in _FEATS
+I8MM = "+i8mm" in _FEATS  # aarch64's smmla (Armv8.6 i8mm: Neoverse N2 / V1, Cortex-A710, Apple M2)
 
 
 def micro_tile(features: str) -> tuple[int, int, int]:
@@ -56,6 +60,49 @@ def micro_tile(features: str) -> tuple[int, int, int]:
 
 
 GEMM_TILE = micro_tile(FEATURES)
+
+
+SYSFS_CPU = "/sys/devices/system/cpu"
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def core_speeds(cpus, root: str = SYSFS_CPU) -> dict[int, int]:
+    """{cpu: how fast its core is} for the CPU ids `cpus`, from the sysfs tree at root: the
+    scheduler's cpu_capacity (1024 for the fastest core; Arm big.LITTLE boards such as the
+    RK3588's 4 Cortex-A76 + 4 Cortex-A55 give 1024 and ~400), else cpufreq's
+    cpuinfo_max_freq; {} when a CPU has neither (every core counts as equal then)."""
+    for name in ("cpu_capacity", "cpufreq/cpuinfo_max_freq"):
+        speeds = {c: _read_int(os.path.join(root, f"cpu{c}", name)) for c in cpus}
+        if speeds and None not in speeds.values():
+            return speeds
+    return {}
+
+
+def fast_first(cpus, root: str = SYSFS_CPU) -> list[int]:
+    """The CPU ids `cpus` fastest core first (core_speeds; ties by id): where numba's workers
+    are pinned, so a thread count below the CPU count runs on the fast cores."""
+    speeds = core_speeds(cpus, root)
+    return sorted(cpus, key=lambda c: (-speeds.get(c, 0), c))
+
+
+def fast_cores(cpus, root: str = SYSFS_CPU) -> list[int]:
+    """The CPUs of `cpus` whose cores are of the fastest kind (all of them on a CPU whose cores
+    are equal): the default thread count. The fused decode step splits every matvec evenly
+    and meets at a barrier between phases, so one thread on a slow core makes every other
+    thread wait for it: on an RK3588, 4 threads on the A76 cores, not 8."""
+    speeds = core_speeds(cpus, root)
+    if not speeds:
+        return sorted(cpus)
+    top = max(speeds.values())
+    # cores within 10% of the fastest count as fast (boost clocks differ slightly per core)
+    return sorted(c for c, v in speeds.items() if v * 10 >= top * 9)
 
 
 def _amx_permitted() -> bool:
@@ -78,12 +125,21 @@ def paths_line(d: dict | None = None) -> str:
     """One sentence: every code path the kernels have, and the one this CPU takes (d: a
     describe() dict, this process's by default)."""
     d = d or describe()
-    dots = "vpdpbusd (VNNI)" if d["vnni"] else ("pmaddubsw (AVX2)" if d["avx2"] else "generic vector IR")
-    tiles = "zmm pair tiles (AVX512-VNNI)" if d["vnni512"] else "ymm tiles"
+    if d.get("dotprod"):
+        dots = "sdot (dotprod)"
+    else:
+        dots = "vpdpbusd (VNNI)" if d["vnni"] else ("pmaddubsw (AVX2)" if d["avx2"] else "generic vector IR")
+    if d.get("i8mm"):
+        tiles = "smmla tiles (i8mm)"
+    elif d["vnni512"]:
+        tiles = "zmm pair tiles (AVX512-VNNI)"
+    else:  # 8 lanes a vector: one ymm register on x86, two of NEON's 128-bit ones on aarch64
+        tiles = "ymm tiles" if d.get("arch", "x86_64") in ("x86_64", "amd64") else "8-lane vector tiles"
     return (
         f"sparrow's code paths on this CPU (numba target {d['name']}): q8 integer dots by {dots} "
-        "[of: vpdpbusd, pmaddubsw, generic]; q8 prefill on "
-        f"{'AMX tiles' if d['amx'] else tiles} [of: AMX tiles, zmm pair tiles, ymm tiles]; "
+        "[of: vpdpbusd, pmaddubsw, sdot, generic]; q8 prefill on "
+        f"{'AMX tiles' if d['amx'] else tiles} [of: AMX tiles, zmm pair tiles, ymm tiles, smmla tiles, "
+        "8-lane vector tiles]; "
         f"prefill GEMM micro-tile {d['gemm_tile']} [of: 8x3x16 (AVX-512), 4x3x8]."
     )
 
@@ -92,10 +148,13 @@ def describe() -> dict:
     """The CPU and the code paths this process takes on it (`sparrow bench speed` prints it)."""
     return dict(
         name=NAME,
+        arch=platform.machine().lower(),
         avx2=AVX2,
         avx512f=AVX512F,
         vnni=VNNI,
         vnni512=VNNI512,
+        dotprod=DOTPROD,
+        i8mm=I8MM,
         amx=AMX,
         gemm_tile="x".join(map(str, GEMM_TILE)),
     )

@@ -195,9 +195,12 @@ class Decoder:
         c = self.config
         return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, capacity, kv_dtype)
 
-    def forward(self, segments: list[Segment], all_logits: bool = False) -> np.ndarray:
+    def forward(self, segments: list[Segment], all_logits: bool = False, with_last: bool = False):
         """Runs the segments; returns logits [sum(T), V] if all_logits else [len(segments), V]
-        for each segment's last token. Advances each cache's length.
+        for each segment's last token. Advances each cache's length. with_last (with
+        all_logits): (every position's [sum(T), V], the last tokens' [len(segments), V] with
+        the bits the forward without all_logits gives: the head's summation order depends on
+        how many rows it takes).
 
         The stages are methods so that models.timing can time them from outside. A single
         sequence's decode step runs fused instead when the model allows it (same bits)."""
@@ -206,9 +209,9 @@ class Decoder:
                 return self._fused(segments[0])  # [1, V]
             if self._fused and self._fused.backoff > 0 and self.use_fused:
                 return self._fused.staged_step(self._staged, segments)  # [1, V], timed
-        return self._staged(segments, all_logits)
+        return self._staged(segments, all_logits, with_last)
 
-    def _staged(self, segments: list[Segment], all_logits: bool = False) -> np.ndarray:
+    def _staged(self, segments: list[Segment], all_logits: bool = False, with_last: bool = False):
         tokens = np.concatenate([s.tokens for s in segments]).astype(np.int64)  # [N]
         positions = np.concatenate([np.arange(s.start, s.start + len(s.tokens)) for s in segments])  # [N]
         bounds = np.cumsum([0] + [len(s.tokens) for s in segments])  # [B + 1]
@@ -231,9 +234,10 @@ class Decoder:
                 self._deepstack(layer.index, x, vis)
         for s in segments:
             s.cache.length = s.start + len(s.tokens)
+        last = x[bounds[1:] - 1]  # [B, E] last token of each segment
         if not all_logits:
-            x = x[bounds[1:] - 1]  # [B, E] last token of each segment
-        return self.head(x)  # [*, V]
+            return self.head(last)  # [B, V]
+        return (self.head(x), self.head(last)) if with_last else self.head(x)  # [N, V] (, [B, V])
 
     def _multimodal_inputs(self, segments, bounds, x, vis):
         """Image embeddings scattered over their pad tokens, and a per-token M-RoPE table:

@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import traceback
+from dataclasses import replace
 
 import numpy as np
 from fastapi import Depends, FastAPI, Request
@@ -31,6 +32,7 @@ from ..engine.kv_budget import format_size, parse_size
 from ..engine.prefix_cache import check_disk_setting, prefix_key
 from ..engine.sequence import check_context
 from ..errors import ContextLengthError, SparrowError
+from ..params import SpeculativeParams
 from ..structured import StructuredError
 from ..vision.media import MAX_PIXELS_PER_REQUEST
 from ..vision.preprocess import image_salt
@@ -71,7 +73,7 @@ from .schema import (
     openapi,
 )
 from .sparse_trace import Tracer
-from .streaming import Accumulator, SSEResponse, collect, sse, stream
+from .streaming import Accumulator, Choices, SSEResponse, collect, sse, stream
 
 ENDPOINTS = (
     "/v1/chat/completions",
@@ -117,6 +119,8 @@ class ServerState:
         prompt_cache: str | None = None,
         prompt_cache_size: int | None = None,
         web_ui: bool = True,
+        speculative: SpeculativeParams | None = None,
+        draft_model: str | None = None,
         **engine_options,
     ):
         """engine_options: Engine's kv_budget, max_queue, prefix_cache, timeout. Images: file://
@@ -127,8 +131,11 @@ class ServerState:
         content may write special tokens (trusted clients only). body_timeout: seconds for a
         request body to arrive (None: no limit). prompt_cache: a folder that keeps prompts' KV
         across restarts (engine/disk_cache.py), at most prompt_cache_size bytes (None: its
-        default). web_ui: the chat page at / (web_ui.py)."""
+        default). speculative: the speculative decoding of requests that do not say;
+        draft_model: the draft model requests may ask for (speculative 'draft'). web_ui: the chat
+        page at / (web_ui.py)."""
         check_api_key(api_key)
+        self.speculative, self.draft_model = speculative, draft_model
         self.prompt_cache, self.prompt_cache_size = prompt_cache, prompt_cache_size
         if prompt_cache is not None:  # a bad setting fails at start, not after the model loads
             check_disk_setting(engine_options.get("prefix_cache", True), True)
@@ -154,6 +161,8 @@ class ServerState:
         """Starts the engine on a loaded model; ready once its warm-up (engine/warmup.py) has
         run. on_warm(name, i, n, seconds) follows each warmed path."""
         self.llm = llm
+        if self.draft_model is not None:  # loaded now: no request waits for it, a bad path fails the start
+            llm.draft_llm(self.draft_model)
         self.aliases = {llm.name, os.path.splitext(llm.name)[0]}
         self.created = now()
         disk = None
@@ -388,6 +397,9 @@ def create_app(state: ServerState) -> FastAPI:
         return await _generate(request, body, chat=False)
 
     async def _prepare(body, chat: bool):
+        """The request checked and tokenized: (req, prompts [token ids each], their sampling
+        params, the choices' reasoning splitter start (None: no splitter), the grammar states
+        (per prompt, one per choice, or None), images)."""
         llm = state.llm
         defaults = llm.checkpoint.generation_defaults
         takes_images = llm.vision is not None
@@ -398,21 +410,27 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             if chat:
                 ids, images = await run_in_threadpool(chat_prompt, llm, req)
-            elif isinstance(req.prompt, str):
-                ids = await run_in_threadpool(llm.prompt_ids, req.prompt)
+                prompts = [ids]
             else:
-                ids = req.prompt
-                if any(not 0 <= i < llm.config.vocab_size for i in ids):
-                    raise APIError(400, f"token ids must be in [0, {llm.config.vocab_size})", param="prompt")
-            if not ids:
-                raise APIError(400, "the prompt is empty", param=param)
-            max_tokens = req.max_tokens
-            if max_tokens is None:
-                max_tokens = max(1, min(DEFAULT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS, llm.ctx - len(ids)))
-                req.max_tokens = max_tokens
-            req.params.max_tokens = max(1, max_tokens)  # 0 is answered without generating (_generate)
-            check_context(len(ids), max_tokens, llm.ctx)
-            req.params.validate()
+                prompts = []
+                for p in req.prompts:
+                    if isinstance(p, str):
+                        p = await run_in_threadpool(llm.prompt_ids, p)
+                    elif any(not 0 <= i < llm.config.vocab_size for i in p):
+                        raise APIError(400, f"token ids must be in [0, {llm.config.vocab_size})", param="prompt")
+                    prompts.append(p)
+            params = []
+            for ids in prompts:
+                if not ids:
+                    raise APIError(400, "the prompt is empty", param=param)
+                max_tokens = req.max_tokens
+                if max_tokens is None:
+                    max_tokens = max(1, min(DEFAULT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS, llm.ctx - len(ids)))
+                # scoring a prompt (echo + logprobs) with max_tokens 0 still runs it in the engine,
+                # whose sequences hold at least one position past the prompt
+                check_context(len(ids), max(1, max_tokens) if req.echo and req.logprobs else max_tokens, llm.ctx)
+                # 0 generates nothing (_generate); SamplingParams keeps its minimum of 1
+                params.append(replace(req.params, max_tokens=max(1, max_tokens)).validate())
             try:
                 req.params.check_vocab(llm.config.vocab_size)
             except SparrowError as e:
@@ -421,17 +439,24 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         except SparrowError as e:
             raise APIError(400, str(e), param=getattr(e, "param", None) or param) from None
-        splitter = None
+        in_reasoning = None
         # Constrained output is the answer from its first token: nothing of it is reasoning.
         if chat and llm.tokenizer.token_to_id(ReasoningSplitter.CLOSE) is not None and not req.structured.constrained:
-            splitter = ReasoningSplitter(starts_in_reasoning(llm.tokenizer.decode(ids[-16:])))
+            in_reasoning = starts_in_reasoning(llm.tokenizer.decode(prompts[0][-16:]))
+
+        def grammars():  # one state per choice
+            make = req.structured.constraint
+            first = make(llm.tokenizer, llm.config.vocab_size, llm.tool_format)
+            if first is None:
+                return None
+            rest = [make(llm.tokenizer, llm.config.vocab_size, llm.tool_format) for _ in range(req.n - 1)]
+            return [first, *rest]
+
         try:  # compiling a grammar takes ~1.4 ms; the first for a tokenizer also indexes it (0.35-1.3 s)
-            constraint = await run_in_threadpool(
-                req.structured.constraint, llm.tokenizer, llm.config.vocab_size, llm.tool_format
-            )
+            constraints = await run_in_threadpool(grammars)
         except StructuredError as e:
             raise APIError(400, str(e), param=e.param) from None
-        return req, ids, splitter, constraint, images
+        return req, prompts, params, in_reasoning, constraints, images
 
     def chat_prompt(llm, req):
         """(ids with image pads expanded, preprocessed images) under the server's media rules."""
@@ -470,19 +495,19 @@ def create_app(state: ServerState) -> FastAPI:
         chat = "messages" in data
         data = {**data, "max_tokens": 1, "temperature": 0.0, "stream": False}
         body = validate(ChatCompletionRequest if chat else CompletionRequest, data)
-        req, ids, _, _, images = await _prepare(body, chat)
-        handle, queue = _submit(req, ids, None, images)
+        req, [ids], [params], _, _, images = await _prepare(body, chat)
+        handle, queue = _submit(req, [ids], [params], None, images)
         if queue is None:
             return handle
         try:
             while True:
-                kind, payload = await queue.get()
+                _, kind, payload = await queue.get()
                 if kind != "token":
                     raise APIError(500 if kind == "error" else 504, str(payload), type="server_error")
                 if payload.finish_reason:
                     break
         finally:
-            state.engine.cancel(handle)
+            state.engine.cancel(handle[0])
         await run_in_threadpool(disk.flush)
         # What the folder holds for the prompt now (0 when the write failed: the log says why).
         key = prefix_key(req.kv_dtype or state.llm.kv_dtype, req.sparse, image_salt(images), bool(images))
@@ -502,104 +527,176 @@ def create_app(state: ServerState) -> FastAPI:
         files = await run_in_threadpool(prefix.disk.clear) if prefix.disk is not None else 0
         return {"object": "cache.cleared", "entries": entries, "files": files}
 
-    def _submit(req, ids, constraint, images):
-        """(handle, queue) of a request given to the engine, or (the 503 response, None)."""
+    def _speculative(req) -> SpeculativeParams | None:
+        """The request's speculative settings: its own options over the server's default. A
+        spec_* setting the method does not use is ignored, as sparse_k is without sparse_attn."""
+        o, default = req.speculative, state.speculative
+        if o is None:
+            return default
+        method = o["speculative"] or (default.method if default is not None else None)
+        if method in (None, "none"):
+            return None
+        if method == "draft" and state.draft_model is None:
+            raise APIError(
+                400, "this server has no draft model (start it with --draft-model PATH)", param="speculative"
+            )
+        base = default if default is not None and default.method == method else None
+        sparse = base.sparse if base is not None else None
+        try:
+            return SpeculativeParams.from_options(
+                method,
+                o.get("spec_tokens", base.tokens if base else 4),
+                o.get("spec_ngram", base.ngram if base else 3),
+                state.draft_model if method == "draft" else None,
+                o.get("spec_sparse_k", sparse.k if sparse else None) if method == "sparse" else None,
+                o.get("spec_sparse_select", sparse.select if sparse else None) if method == "sparse" else None,
+            )
+        except SparrowError as e:
+            raise APIError(400, str(e), param="speculative") from None
+
+    def _submit(req, prompts, params, constraints, images, scoring: bool = False):
+        """(the engine's handles, one per prompt, and the queue of their outputs: (prompt index,
+        kind, payload)), or (the 503 response, None)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
-        def emit(kind, payload):  # engine thread
-            loop.call_soon_threadsafe(queue.put_nowait, (kind, payload))
+        def emitter(p):
+            def emit(kind, payload):  # engine thread
+                loop.call_soon_threadsafe(queue.put_nowait, (p, kind, payload))
 
+            return emit
+
+        salt = image_salt(images)  # the prefix cache shares KV only between prompts with the same images
+        top = req.params.logprobs or 0
+        handles = []
+        # a bad setting is a 400 before anything is queued; a traced request decodes plainly
+        spec = None if req.sparse_trace else _speculative(req)
         try:
-            salt = image_salt(images)  # the prefix cache shares KV only between prompts with the same images
-            handle = state.engine.submit(
-                ids,
-                req.params,
-                req.sparse,
-                emit,
-                req.kv_dtype,
-                constraint,
-                images=images,
-                cache_salt=salt,
-                trace=req.sparse_trace,
-            )
+            for p, (ids, sampling) in enumerate(zip(prompts, params)):
+                handles.append(
+                    state.engine.submit(
+                        ids,
+                        sampling,
+                        req.sparse,
+                        emitter(p),
+                        req.kv_dtype,
+                        constraints if constraints is None or req.n > 1 else constraints[0],
+                        images=images,
+                        cache_salt=salt,
+                        n=req.n,
+                        prompt_logprobs=top if scoring else None,
+                        score_only=req.max_tokens == 0,
+                        speculative=spec,
+                        trace=req.sparse_trace,
+                    )
+                )
         except EngineBusy as e:  # OpenAI clients retry a 503 after Retry-After
+            for h in handles:
+                state.engine.cancel(h)
             busy = JSONResponse(
                 error_body(str(e), "server_error", code="server_busy"),
                 status_code=503,
                 headers={"Retry-After": str(e.retry_after)},
             )
             return busy, None
-        except SparrowError as e:  # prompt + max_tokens exceed the whole KV budget
-            raise APIError(400, str(e), param="max_tokens", code="kv_budget_exceeded") from None
-        return handle, queue
+        except SparrowError as e:  # prompt + max_tokens exceed the whole KV budget; n over the queue
+            for h in handles:
+                state.engine.cancel(h)
+            param = getattr(e, "param", None) or "max_tokens"
+            code = "kv_budget_exceeded" if param == "max_tokens" else None
+            raise APIError(400, str(e), param=param, code=code) from None
+        return handles, queue
 
     async def _generate(request: Request, body, chat: bool):
-        req, ids, splitter, constraint, images = await _prepare(body, chat)
+        req, prompts, params, in_reasoning, constraints, images = await _prepare(body, chat)
         llm, engine = state.llm, state.engine
-        if req.max_tokens == 0:  # completions' minimum: the prompt was checked, nothing is generated
-            return _no_tokens(req, ids, llm)
-        handle, queue = _submit(req, ids, constraint, images)
+        tok = llm.tokenizer
+        echo = [p if isinstance(p, str) else tok.decode(p) for p in req.prompts] if req.echo else None
+        scoring = req.echo and req.logprobs  # the prompt tokens' logprobs, from a prefill of every position
+        if req.max_tokens == 0 and not scoring:  # the prompt was checked; nothing to run
+            return _no_tokens(req, prompts, echo)
+        if len(prompts) > 1 and constraints is not None:  # completions take no grammar; kept general
+            raise APIError(400, "a grammar applies to one prompt", param="prompt")
+        handles, queue = _submit(req, prompts, params, constraints, images, scoring)
         if queue is None:
-            return handle
-        tracer = Tracer(llm, req.sparse, ids) if req.sparse_trace else None
-        acc = Accumulator(
-            llm, splitter, req.logprobs, req.params.stop_token_ids, req.structured.parser(llm.tool_format), tracer
-        )
+            return handles
+
+        def cancel():
+            for h in handles:
+                engine.cancel(h)  # no-op once finished
+
+        tool_parser = req.structured.parser
+        accs = [
+            Accumulator(
+                llm,
+                None if in_reasoning is None else ReasoningSplitter(in_reasoning),
+                req.logprobs,
+                req.params.stop_token_ids,
+                tool_parser(llm.tool_format),
+                chat,
+                Tracer(llm, req.sparse, prompts[0]) if req.sparse_trace and i == 0 else None,
+            )
+            for i in range(len(prompts) * req.n)
+        ]
+        choices = Choices(accs, req.n, [len(ids) for ids in prompts])
         rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
         obj = "chat.completion" if chat else "text_completion"
         lp_fmt = (
-            (lambda outs, offset=0: chat_logprobs(llm.tokenizer, outs))
+            (lambda outs, offset=0, prompt=(): chat_logprobs(tok, outs))
             if chat
-            else (lambda outs, offset=0: completion_logprobs(llm.tokenizer, outs, offset))
+            else (lambda outs, offset=0, prompt=(): completion_logprobs(tok, outs, offset, prompt))
         )
 
         if req.stream:
-            return SSEResponse(
-                stream(req, ids, queue, acc, rid, created, chat, lp_fmt, llm.name), lambda: engine.cancel(handle)
-            )
+            return SSEResponse(stream(req, choices, queue, rid, created, chat, lp_fmt, llm.name, echo), cancel)
         try:
-            result = await collect(request, queue, acc)
+            results = await collect(request, queue, choices)
         finally:
-            engine.cancel(handle)  # no-op once finished
-        if result is None:
+            cancel()
+        if results is None:
             return JSONResponse(error_body("client disconnected"), status_code=499)
-        reasoning, content, lps, finish = result
-        lp = lp_fmt(lps) if req.logprobs else None
-        if chat:
-            msg = {"role": "assistant", "content": content, "refusal": None}  # refusal: required by OpenAI's schema
-            if splitter is not None and reasoning:
-                msg["reasoning_content"] = reasoning
-            if acc.tool_calls:
-                msg["content"] = content or None
-                msg["tool_calls"] = acc.tool_calls
-            choice = {"index": 0, "message": msg, "logprobs": lp, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": content, "logprobs": lp, "finish_reason": finish}
-        if tracer is not None:
-            choice["sparse_trace"] = {**tracer.header, "steps": acc.trace_steps}
-        return {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": llm.name,
-            "choices": [choice],
-            "usage": acc.usage(len(ids)),
-        }
+        out = []
+        for i, (reasoning, content, lps, finish) in enumerate(results):
+            acc = accs[i]
+            if chat:
+                lp = lp_fmt(lps) if req.logprobs else None
+                msg = {"role": "assistant", "content": content, "refusal": None}  # refusal: required by OpenAI
+                if in_reasoning is not None and reasoning:
+                    msg["reasoning_content"] = reasoning
+                if acc.tool_calls:
+                    msg["content"] = content or None
+                    msg["tool_calls"] = acc.tool_calls
+                out.append({"index": i, "message": msg, "logprobs": lp, "finish_reason": finish})
+            else:
+                p = i // req.n
+                prefix = echo[p] if echo is not None else ""
+                prompt_lps = (choices.prompt_logprobs[p] or ()) if scoring else ()
+                lp = lp_fmt(lps, 0, prompt_lps) if req.logprobs else None
+                out.append({"index": i, "text": prefix + content, "logprobs": lp, "finish_reason": finish})
+            if acc.tracer is not None:
+                out[-1]["sparse_trace"] = {**acc.tracer.header, "steps": acc.trace_steps}
+        return {"id": rid, "object": obj, "created": created, "model": llm.name, "choices": out,
+                "usage": choices.usage()}  # fmt: skip
 
-    def _no_tokens(req, ids, llm):
-        """A completion of max_tokens 0: empty text, finish_reason "length", whole or streamed."""
+    def _no_tokens(req, prompts, echo):
+        """A completion of max_tokens 0 (not scoring its prompt): each choice's text is empty (or
+        its echoed prompt), finish_reason "length", whole or streamed."""
         rid, created = new_id("cmpl"), now()
-        lp = completion_logprobs(llm.tokenizer, []) if req.logprobs else None
-        choice = {"index": 0, "text": "", "logprobs": lp, "finish_reason": "length"}
-        counts = {**usage(len(ids), 0), "prompt_tokens_details": {"cached_tokens": 0}}
-        base = {"id": rid, "object": "text_completion", "created": created, "model": llm.name}
+        tok = state.llm.tokenizer
+        choices = []
+        for i in range(len(prompts) * req.n):
+            text = echo[i // req.n] if echo is not None else ""
+            lp = completion_logprobs(tok, []) if req.logprobs else None
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": "length"})
+        counts = {**usage(sum(len(ids) for ids in prompts), 0), "prompt_tokens_details": {"cached_tokens": 0}}
+        base = {"id": rid, "object": "text_completion", "created": created, "model": state.llm.name}
         if not req.stream:
-            return {**base, "choices": [choice], "usage": counts}
+            return {**base, "choices": choices, "usage": counts}
 
         async def events():
             extra = {"usage": None} if req.include_usage else {}
-            yield sse({**base, "choices": [choice], **extra})
+            for choice in choices:
+                yield sse({**base, "choices": [choice], **extra})
             if req.include_usage:
                 yield sse({**base, "choices": [], "usage": counts})
             yield "data: [DONE]\n\n"
@@ -628,9 +725,29 @@ def state_from_args(args) -> ServerState:
         special_tokens_in_content=getattr(args, "allow_special_tokens_in_content", False),
         body_timeout=_limit(getattr(args, "body_timeout", BODY_TIMEOUT)),
         prompt_cache=getattr(args, "prompt_cache", None),
+        speculative=_default_speculative(args),
+        draft_model=getattr(args, "draft_model", None),
         prompt_cache_size=parse_size(size, "--prompt-cache-size")
         if (size := getattr(args, "prompt_cache_size", None))
         else None,
+    )
+
+
+def _default_speculative(args) -> SpeculativeParams | None:
+    """`sparrow serve --speculative ...`: the default of requests that do not say. The
+    --draft-model is loaded whatever the default, for requests that ask for 'draft'."""
+    method = getattr(args, "speculative", None)
+    return (
+        SpeculativeParams.from_options(
+            method,
+            args.spec_tokens,
+            args.spec_ngram,
+            args.draft_model if method == "draft" else None,
+            args.spec_sparse_k,
+            args.spec_sparse_select,
+        )
+        if method is not None
+        else None
     )
 
 

@@ -25,6 +25,8 @@ class Metrics:
         self.decode_tokens = 0  # tokens produced by batched decode forwards, and their time
         self.decode_seconds = 0.0
         self.decode_forwards = 0
+        self.spec_drafted_tokens = 0  # speculative decoding: tokens drafted, and those the samples kept
+        self.spec_accepted_tokens = 0
         self.cancelled = 0  # requests dropped because their client went away
         self.finished: Counter = Counter()  # finish_reason -> count
         self.running = 0
@@ -83,6 +85,8 @@ class Metrics:
                 "running": self.running,
                 "waiting": self.waiting,
                 "timeouts": self.timeouts,
+                "spec_drafted_tokens": self.spec_drafted_tokens,
+                "spec_accepted_tokens": self.spec_accepted_tokens,
                 **{f"kv_{k}": v for k, v in self.kv.items()},
             }
 
@@ -138,6 +142,18 @@ class Metrics:
                 "counter",
                 "decode forwards (a step runs one per SMALL_T rows)",
                 [({}, self.decode_forwards)],
+            )
+            metric(
+                "spec_draft_tokens_total",
+                "counter",
+                "speculative decoding: tokens drafted and checked",
+                [({}, self.spec_drafted_tokens)],
+            )
+            metric(
+                "spec_accepted_tokens_total",
+                "counter",
+                "speculative decoding: drafted tokens the target sampled too",
+                [({}, self.spec_accepted_tokens)],
             )
             pf = self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
             dc = self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0

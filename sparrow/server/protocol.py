@@ -23,6 +23,9 @@ _OTHER = (TokenizeRequest, DetokenizeRequest)
 _TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "tools", "template", "self"}  # set by the server
 DEFAULT_MAX_TOKENS = 2048  # chat, when the request names none: the KV cache is sized to prompt + this
 COMPLETION_MAX_TOKENS = 16  # completions, when the request names none: OpenAI's documented default
+MAX_N = 128  # choices per prompt (OpenAI's limit)
+MAX_PROMPTS = 2048  # prompts in one batched completions request
+MAX_CHOICES = 2048  # prompts * n: each choice is a sequence of the engine
 
 
 class APIError(Exception):
@@ -157,7 +160,6 @@ REFUSED_CHAT = {
 REFUSED_COMPLETION = {
     "best_of": ((None, 1), "'best_of' other than 1 is not supported"),
     "suffix": ((None, ""), "'suffix' (insertion) is not supported"),
-    "echo": ((None, False), "'echo' is not supported"),
 }
 
 
@@ -179,7 +181,9 @@ class GenRequest:
     # known; 0 (completions only): answer with no tokens, nothing generated
     max_tokens: int | None
     messages: list[dict] | None = None
-    prompt: str | list[int] | None = None
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions: each a text or token ids
+    n: int = 1  # choices per prompt
+    echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt's
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
@@ -187,6 +191,7 @@ class GenRequest:
     kv_dtype: str | None = None  # None: the server's --kv-dtype
     sparse_trace: bool = False  # each token's block selections in the response (server/sparse_trace.py)
     structured: Structured = field(default_factory=Structured)  # tools, tool_choice, response_format
+    speculative: dict | None = None  # the request's speculative options (None: the server's default)
 
 
 def _common(r, chat: bool, defaults: dict | None) -> GenRequest:
@@ -243,18 +248,37 @@ def _common(r, chat: bool, defaults: dict | None) -> GenRequest:
             raise _bad("sparse_attn", str(e)) from None
     if r.sparse_trace and sparse is None:
         raise _bad("sparse_trace", "'sparse_trace' traces sparse attention: it requires 'sparse_attn': true")
+    if r.sparse_trace and (r.n or 1) > 1:
+        raise _bad("sparse_trace", "'sparse_trace' traces one choice: it requires 'n': 1")
+    if r.sparse_trace and r.speculative not in (None, "none"):
+        raise _bad("sparse_trace", "'sparse_trace' traces plain decoding: it cannot be combined with 'speculative'")
     return GenRequest(
         chat,
         r.model,
         params,
         sparse,
         max_tokens,
+        n=1 if r.n is None else r.n,
         stream=bool(r.stream),
         include_usage=bool(r.stream_options and r.stream_options.include_usage),
         logprobs=want_lp,
         kv_dtype=r.kv_dtype,
+        speculative=_speculative_options(r),
         sparse_trace=bool(r.sparse_trace),
     )
+
+
+SPEC_FIELDS = ("spec_tokens", "spec_ngram", "spec_sparse_k", "spec_sparse_select")
+
+
+def _speculative_options(r) -> dict | None:
+    """The speculative options a request gives: None when it gives none (the server's default).
+    spec_* without `speculative` tune the server's default method (none: they do nothing, as
+    sparse_k does without sparse_attn)."""
+    given = {k: getattr(r, k) for k in SPEC_FIELDS if getattr(r, k) is not None}
+    if r.speculative is None and not given:
+        return None
+    return {"speculative": r.speculative, **given}
 
 
 def _content(content, p: str, images: bool):
@@ -319,14 +343,19 @@ def completion_request(r: CompletionRequest, defaults: dict | None = None) -> Ge
     _refuse(r, REFUSED_COMPLETION)
     req = _common(r, chat=False, defaults=defaults)
     p = r.prompt
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # a batch of one
     if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
-        req.prompt = p
-    elif len(p) > 1:
-        raise _bad("prompt", "batched prompts are not supported; send one prompt per request")
+        req.prompts = [p]
+    elif p:  # a batch: strings or token-id lists (schema.py allows no mix)
+        req.prompts = list(p)
     else:
-        raise _bad("prompt", "'prompt' must be a string or a list of token ids")
+        raise _bad("prompt", "'prompt' must be a string, token ids, or a non-empty list of those")
+    if req.sparse_trace and len(req.prompts) > 1:
+        raise _bad("sparse_trace", "'sparse_trace' traces one prompt, not a batch")
+    if len(req.prompts) > MAX_PROMPTS:
+        raise _bad("prompt", f"at most {MAX_PROMPTS} prompts in one request, got {len(req.prompts)}")
+    if len(req.prompts) * req.n > MAX_CHOICES:
+        raise _bad("n", f"{len(req.prompts)} prompts * n={req.n} choices exceed {MAX_CHOICES} in one request")
+    req.echo = bool(r.echo)
     return req
 
 
@@ -378,14 +407,18 @@ def chat_logprobs(tokenizer, outs) -> dict:
     return {"content": content, "refusal": None}  # OpenAI's schema requires refusal (null: sparrow never refuses)
 
 
-def completion_logprobs(tokenizer, outs, offset: int = 0) -> dict:
-    """Legacy completions `logprobs`: tokens, token_logprobs, top_logprobs [{token: lp}], text_offset."""
+def completion_logprobs(tokenizer, outs, offset: int = 0, prompt=()) -> dict:
+    """Legacy completions `logprobs`: tokens, token_logprobs, top_logprobs [{token: lp}], text_offset.
+    prompt: the echoed prompt's entries (StepOutput.prompt_logprobs), before the outputs; the
+    first token has no logprob: null in token_logprobs and top_logprobs, as OpenAI and vLLM give."""
     tokens, lps, tops, offsets = [], [], [], []
-    for o in outs:
-        t = token_entry(tokenizer, o.token_id, o.logprob)["token"]
+    entries = [*prompt, *((o.token_id, o.logprob, o.top_logprobs) for o in outs)]
+    for token_id, logprob, top in entries:
+        t = token_entry(tokenizer, token_id, 0.0)["token"]
         tokens.append(t)
-        lps.append(_lp(o.logprob))
-        tops.append({token_entry(tokenizer, i, lp)["token"]: _lp(lp) for i, lp in (o.top_logprobs or [])})
+        lps.append(None if logprob is None else _lp(logprob))
+        alternatives = {token_entry(tokenizer, i, lp)["token"]: _lp(lp) for i, lp in top or ()}
+        tops.append(None if logprob is None else alternatives)
         offsets.append(offset)
         offset += len(t)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

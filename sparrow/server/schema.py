@@ -3,7 +3,7 @@
 FastAPI validates request bodies against these models and publishes them at /openapi.json and
 /docs. Types are strict (no "1" -> 1 or true -> 1 coercion, no NaN) so a wrong type is a 400
 naming the field; unknown fields are ignored, as permissive OpenAI-compatible servers do. Checks
-that need more than a type (n > 1, a tool name that matches no tool, a JSON schema sparrow cannot
+that need more than a type (a tool name that matches no tool, a JSON schema sparrow cannot
 compile) are made where the request is turned into a GenRequest (protocol.py, sparrow.structured).
 """
 
@@ -14,10 +14,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, NonNegativeInt, Tag, field_validator, model_validator
 
-from ..params import KV_DTYPES, REPETITION_PENALTY, SELECTORS
+from ..params import KV_DTYPES, MAX_SPEC_TOKENS, REPETITION_PENALTY, SELECTORS, SPECULATIVE_METHODS
 
 KVDType = Literal[KV_DTYPES]  # type: ignore[valid-type]
 Selector = Literal[SELECTORS]  # type: ignore[valid-type]
+SpecMethod = Literal[(*SPECULATIVE_METHODS, "none")]  # type: ignore[valid-type]
 
 
 def _integral(v):
@@ -226,7 +227,12 @@ class _Sampling(_Model):
     (temperature, top_p, top_k, min_p, repetition_penalty), else OpenAI's default."""
 
     model: str | None = None
-    n: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
+    n: int | None = Field(
+        None,
+        ge=1,
+        le=128,
+        description="choices per prompt, sharing its prefill; with a seed, choice i samples with seed + i",
+    )
     max_tokens: int | None = Field(None, ge=1)
     seed: int | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -249,6 +255,15 @@ class _Sampling(_Model):
     sparse_prefill: bool | None = None
     sparse_select: Selector | None = Field(None, description="block selector: seed (default) or v2")
     kv_dtype: KVDType | None = Field(None, description="KV cache type for this request (default: the server's)")
+    speculative: SpecMethod | None = Field(
+        None,
+        description="speculative decoding (same tokens and logits as without it): ngram, draft (the server's "
+        "--draft-model), sparse, or none; default: the server's --speculative",
+    )
+    spec_tokens: int | None = Field(None, ge=1, le=MAX_SPEC_TOKENS, description="most tokens drafted per step")
+    spec_ngram: int | None = Field(None, ge=1, le=64, description="ngram: longest suffix looked up")
+    spec_sparse_k: int | None = Field(None, ge=1, description="sparse drafting: blocks per head (default 8)")
+    spec_sparse_select: Selector | None = Field(None, description="sparse drafting: block selector")
     sparse_trace: bool | None = Field(
         None,
         description="with sparse_attn: return which KV blocks each layer and head read for each token "
@@ -289,13 +304,15 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        description="a string or token ids (a batch of one is accepted)"
+        description="a string or token ids, or a batch of either: choice index = prompt index * n + choice"
     )
     max_tokens: int | None = Field(
         None, ge=0, description="default 16 (OpenAI's); 0 answers an empty text, finish_reason length"
     )
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool | None = Field(None, description="not supported: 400 unless false")
+    echo: bool | None = Field(
+        None, description="each choice's text starts with its prompt; with logprobs, the prompt tokens' first"
+    )
     best_of: Any = _refused("unless null or 1")
     suffix: Any = _refused('unless null or ""')
 
@@ -329,10 +346,18 @@ class CacheCleared(BaseModel):
     files: int = Field(description="this model's files deleted from the --prompt-cache folder")
 
 
+class CompletionTokensDetails(BaseModel):
+    accepted_prediction_tokens: int = Field(description="speculative decoding: drafted tokens the model sampled too")
+    rejected_prediction_tokens: int = Field(description="speculative decoding: drafted tokens it did not")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        None, description="with speculative decoding only"
+    )
 
 
 class TopLogprob(BaseModel):
@@ -384,8 +409,8 @@ class ChatCompletion(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None] = Field(description="null for the first token of an echoed prompt")
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -6,7 +6,7 @@ barrier between dependent phases. A barrier costs well under a microsecond while
 workers run; a numba parallel launch costs ~100 us (workqueue), which is why the per-matvec
 launches of the staged path stay serial at decode sizes.
 
-A waiting worker spins with `pause` for about SPIN_SECONDS (sync[3] pause rounds, from
+A waiting worker spins with a pause hint (emit_pause) for about SPIN_SECONDS (sync[3] pause rounds, from
 spin_rounds), then also yields its CPU (sched_yield), so a worker whose partner was
 descheduled by another process does not burn the core the partner needs. The spin covers
 the workers' own imbalance: halves of one matvec differ by up to ~10% (~1 ms for the
@@ -16,6 +16,7 @@ contention at 38 of 168 barriers a token and sent every step to the slower stage
 
 import time
 
+import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
@@ -69,15 +70,26 @@ def atomic_store(typingctx, arr, idx, val):
     return types.void(arr, types.intp, types.int64), codegen
 
 
+def emit_pause(builder, triple: str) -> None:
+    """The spin-wait hint for the target `triple`: x86's `pause`; aarch64's `isb sy`, which
+    stalls for tens of cycles as pause does (its `yield` is a nop on most cores, and what Rust's
+    and Go's spin hints take too); nothing elsewhere."""
+    if "x86" in triple or "i686" in triple or triple == "":
+        fnty = ir.FunctionType(ir.VoidType(), [])
+        builder.call(builder.module.declare_intrinsic("llvm.x86.sse2.pause", fnty=fnty), [])
+    elif triple.startswith(("aarch64", "arm64")):
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(32)]), "llvm.aarch64.isb"
+        )
+        builder.call(fn, [ir.Constant(ir.IntType(32), 15)])  # 15: the full system (sy)
+
+
 @intrinsic
 def cpu_pause(typingctx):
-    """The spin-wait hint (x86 `pause`); a no-op elsewhere."""
+    """The spin-wait hint of the CPU compiled for (emit_pause)."""
 
     def codegen(context, builder, signature, args):
-        triple = builder.module.triple or ""
-        if "x86" in triple or "i686" in triple or triple == "":
-            fnty = ir.FunctionType(ir.VoidType(), [])
-            builder.call(builder.module.declare_intrinsic("llvm.x86.sse2.pause", fnty=fnty), [])
+        emit_pause(builder, builder.module.triple or "")
         return context.get_dummy_value()
 
     return types.void(), codegen
@@ -97,20 +109,27 @@ def sched_yield(typingctx):
 
 
 @njit(cache=True, nogil=True)
-def _pause_rounds(n):
+def _pause_rounds(sync, n):
+    """n rounds of the barrier's wait loop: an atomic load and a pause. The load keeps LLVM
+    from deleting the loop where the pause is no instruction (an empty loop timed ~0 s, and
+    the spin limit came out ~1000 times too long)."""
+    seen = 0
     for _ in range(n):
+        seen += atomic_load(sync, 1)
         cpu_pause()
+    return seen
 
 
 def spin_rounds(seconds: float = SPIN_SECONDS) -> int:
-    """How many `pause` rounds take about `seconds` on this CPU (a pause is ~10 cycles on
-    some CPUs, ~140 on others), measured once per process."""
+    """How many rounds of the barrier's wait loop take about `seconds` on this CPU (a pause is
+    ~10 cycles on some CPUs, ~140 on others), measured once per process."""
     if not _ROUNDS_PER_SECOND:
-        _pause_rounds(1)  # compile
+        sync = np.zeros(4, np.int64)
+        _pause_rounds(sync, 1)  # compile
         n, best = 100_000, float("inf")
         for _ in range(3):
             t0 = time.perf_counter()
-            _pause_rounds(n)
+            _pause_rounds(sync, n)
             best = min(best, time.perf_counter() - t0)
         _ROUNDS_PER_SECOND.append(n / max(best, 1e-9))
     return max(1, int(_ROUNDS_PER_SECOND[0] * seconds))

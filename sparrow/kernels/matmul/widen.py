@@ -31,8 +31,23 @@ from sparrow.kernels.parallel import run_parallel
 
 FM = {"reassoc", "contract"}  # lets LLVM use vector lanes + FMA in the dot products
 
-# f16 bit pattern -> f32 value; numba has no float16 on CPU.
-F16_LUT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+def f16_table() -> np.ndarray:
+    """f16 bit pattern -> f32 value (numba has no float16 on CPU), built from the bits: sign,
+    exponent rebased from 15 to 127, mantissa shifted up 13; subnormals as mantissa * 2^-24
+    (exact in f32). A NaN keeps its payload and its quiet bit: numpy's cast gives these bits on
+    x86, while aarch64's fcvt quiets signalling NaNs and raises the invalid flag (a
+    RuntimeWarning at every import), so the table is the same on every architecture."""
+    h = np.arange(65536, dtype=np.uint32)
+    sign, exp, man = (h & 0x8000) << 16, (h >> 10) & 0x1F, h & 0x3FF
+    bits = sign | ((exp + (127 - 15)) << 23) | (man << 13)  # normal numbers
+    bits = np.where(exp == 0x1F, sign | 0x7F800000 | (man << 13), bits)  # inf, NaN
+    sub = (man.astype(np.float32) * np.float32(2.0**-24)).view(np.uint32)  # zero, subnormals
+    bits = np.where(exp == 0, sign | sub, bits)
+    return bits.astype(np.uint32).view(np.float32)
+
+
+F16_LUT = f16_table()
 F16_LUT.flags.writeable = False
 
 

@@ -15,11 +15,12 @@ up in int16 (16 products of |15 * 127| each, <= 30480), so one pmaddwd a block (
 One core, Qwen3-1.7B's lm_head in cache: q4_0 51.6 vs 20.5 GMAC/s for a row-at-a-time
 kernel; streaming from memory 14.9 vs 10.8 GB/s.
 CPUs with AVX-VNNI or AVX512-VNNI take vpdpbusd instead (pmaddubsw + pmaddwd + paddd in one
-instruction, the same integers), in two accumulator chains a block since each vpdpbusd waits
-for the last. On a 2-core Intel Xeon with AVX512-VNNI, a 6144 x 2048 matrix, best of 3 runs
-against the AVX2 sequence: prefill (T = 512) q4_0 86 vs 67 GMAC/s, q8_0 81 vs 58; decode
-(T = 1, from L3) q4_0 43 vs 34. The K-quant groups (q8.kquant_groups) gained nothing from it (q4_k 72 vs
-75, q6_k 20 vs 21 GMAC/s) and keep pmaddubsw.
+instruction, the same integers), aarch64 CPUs with dotprod sdot (q8.ir.DOT4), in two
+accumulator chains a block since each dot waits for the last. On a 2-core Intel Xeon with
+AVX512-VNNI, a 6144 x 2048 matrix, best of 3 runs against the AVX2 sequence: prefill
+(T = 512) q4_0 86 vs 67 GMAC/s, q8_0 81 vs 58; decode (T = 1, from L3) q4_0 43 vs 34. The
+K-quant groups (q8.kquant_groups) gained nothing from it (q4_k 72 vs 75, q6_k 20 vs 21
+GMAC/s) and keep pmaddubsw.
 
 The order (the documented one of activations="q8" for these formats; x quantised as
 q8.quantized.quantize does), per row and block b:
@@ -45,16 +46,18 @@ from numba.extending import intrinsic
 from sparrow.kernels.ir import F32, I8, I32, c64, fma, shuffle, splat16, zeroed
 from sparrow.kernels.matmul.q8.ir import (
     AVX2,
+    DOT4,
+    I8MM,
     V8F,
     V8I32,
     V32I8,
-    VNNI,
     absb,
     bcast4,
     dpbssd,
     dpbusd,
     maddubs,
     maddwd,
+    smmla,
     splat,
 )
 from sparrow.quant import BLOCK_BYTES  # one row's block, as stored
@@ -179,7 +182,59 @@ def codes5(b, v, qh, c, high):
 def _block_dots(qtype, b, p, xbs):
     """[<8 x i32>] per x row: lane r = row r's sum of code_w * code_x over the block at p
     (i8*), that x row's codes at xbs[t] (q4 / q5 codes unsigned: before q4_0's -8 sum(code_x)
-    and q5_0's -16). The weight bytes are loaded and unpacked once for all x rows."""
+    and q5_0's -16). The weight bytes are loaded and unpacked once for all x rows. With i8mm,
+    pairs of x rows take smmla (_block_mmla), an odd last one sdot."""
+    if I8MM and len(xbs) >= 2:
+        n = len(xbs) // 2 * 2
+        return _block_mmla(qtype, b, p, xbs[:n]) + (_block_dots_dot(qtype, b, p, xbs[n:]) if n < len(xbs) else [])
+    return _block_dots_dot(qtype, b, p, xbs)
+
+
+def _code_chunks(qtype, b, p):
+    """A block's weight codes as 8 chunks (k, <32 x i8>): row r's elements k .. k + 3 at bytes
+    4 r .. 4 r + 3 (q4 / q5 unsigned, unpacked from the nibbles and qh)."""
+    if qtype == "q8_0":
+        return [(4 * c, load(b, p, 16 + 32 * c, V32I8)) for c in range(8)]
+    at = CODES_AT[qtype]
+    qh = load(b, p, QH_AT[qtype], V32I8) if qtype in QH_AT else None
+    out = []
+    for c in range(4):
+        v = load(b, p, at + 32 * c, V32I8)
+        out += [(4 * c, codes5(b, v, qh, c, 0)), (16 + 4 * c, codes5(b, v, qh, c, 1))]
+    return sorted(out, key=lambda kc: kc[0])
+
+
+def _block_mmla(qtype, b, p, xbs):
+    """_block_dots for an even count of x rows by smmla: chunks k and k + 4 give each row 8
+    consecutive elements; rows (r, r + 1) of them against x rows (t, t + 1)'s 8 bytes each
+    make one smmla, 2 x 2 exact sums (the integers of the sdot path, the same f32 after)."""
+    chunks = dict(_code_chunks(qtype, b, p))
+    pairs = len(xbs) // 2
+    acc = [[None] * 4 for _ in range(pairs)]  # [x pair][row pair]
+    for k in range(0, 32, 8):
+        lo, hi = chunks[k], chunks[k + 4]
+        xs = []
+        for t in range(pairs):
+            x0, x1 = (load(b, xbs[2 * t + i], k, ir.VectorType(I8, 8)) for i in (0, 1))
+            xs.append(shuffle(b, x0, x1, range(16)))
+        for rp in range(4):  # rows 2 rp, 2 rp + 1: their 4 bytes of chunk k, then of chunk k + 4
+            r0, r1 = 8 * rp, 8 * rp + 4
+            idx = [*range(r0, r0 + 4), *range(32 + r0, 32 + r0 + 4), *range(r1, r1 + 4), *range(32 + r1, 32 + r1 + 4)]
+            w = shuffle(b, lo, hi, idx)
+            for t in range(pairs):
+                acc[t][rp] = smmla(b, acc[t][rp], w, xs[t])
+    out = []
+    for t in range(pairs):  # lanes (w0 x0, w0 x1, w1 x0, w1 x1) -> row r's sum in lane r
+        a = acc[t]
+        for i in (0, 1):
+            lo4 = shuffle(b, a[0], a[1], [i, 2 + i, 4 + i, 6 + i])
+            hi4 = shuffle(b, a[2], a[3], [i, 2 + i, 4 + i, 6 + i])
+            out.append(shuffle(b, lo4, hi4, range(8)))
+    return out
+
+
+def _block_dots_dot(qtype, b, p, xbs):
+    """_block_dots by vpdpbusd / sdot (DOT4), pmaddubsw (AVX2) or the plain vector IR."""
     if qtype == "q8_0":
         tots = [None] * len(xbs)
         for c in range(8):
@@ -193,8 +248,8 @@ def _block_dots(qtype, b, p, xbs):
     at = CODES_AT[qtype]
     qh = load(b, p, QH_AT[qtype], V32I8) if qtype in QH_AT else None
     tots = [None] * len(xbs)
-    if VNNI:  # vpdpbusd into int32 lanes (AVX2: int16 sums, then pmaddwd); low and high
-        his = [None] * len(xbs)  # nibbles in two chains, each vpdpbusd waiting on the last
+    if DOT4:  # vpdpbusd / sdot into int32 lanes (AVX2: int16 sums, then pmaddwd); low and high
+        his = [None] * len(xbs)  # nibbles in two chains, each dot waiting on the last
         for c in range(4):
             v = load(b, p, at + 32 * c, V32I8)
             lo, hi = codes5(b, v, qh, c, 0), codes5(b, v, qh, c, 1)

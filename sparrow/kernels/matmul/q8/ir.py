@@ -1,15 +1,15 @@
 """LLVM IR pieces of the activations="q8" mode's integer dot products (q8.quantized, q8.groups, q8.kquant_groups).
 
 Every piece computes exact integers, so x86's vpdpbusd (AVX-VNNI / AVX512-VNNI), pmaddubsw /
-pmaddwd / psignb (AVX2) and the plain vector IR of the generic path give the same values: the
-q8 mode's bits never depend on which one a CPU takes (tests compile the AVX2 and the generic
-path for older CPUs and compare).
+pmaddwd / psignb (AVX2), aarch64's sdot (dotprod) and the plain vector IR of the generic path
+give the same values: the q8 mode's bits never depend on which one a CPU takes (tests compile
+the other paths for other CPUs and compare; tests/test_arm64.py checks the aarch64 assembly).
 """
 
 from llvmlite import ir
 from numba.core import cgutils
 
-from sparrow.kernels.cpu import AVX2, VNNI, VNNI512  # noqa: F401 (this module's face: which IR it emits)
+from sparrow.kernels.cpu import AVX2, DOTPROD, I8MM, VNNI, VNNI512  # noqa: F401 (this module's face: which IR it emits)
 from sparrow.kernels.ir import F32, I8, I16, I32, V16I32, shuffle
 
 V8F = ir.VectorType(F32, 8)
@@ -22,7 +22,10 @@ V32I8 = ir.VectorType(I8, 32)
 V32I16 = ir.VectorType(I16, 32)
 V32I32 = ir.VectorType(I32, 32)
 V64I8 = ir.VectorType(I8, 64)
+V4I32 = ir.VectorType(I32, 4)
 _FALSE = ir.Constant(ir.IntType(1), 0)
+# dpbusd / dpbssd in one instruction a 4-byte group: x86's vpdpbusd or aarch64's sdot
+DOT4 = VNNI or DOTPROD
 
 
 def call(builder, name, ret, args):
@@ -83,6 +86,8 @@ def dpbusd(b, acc, u, s):
     if VNNI:
         acc = ir.Constant(V8I32, None) if acc is None else acc
         return call(b, "llvm.x86.avx512.vpdpbusd.256", V8I32, [acc, b.bitcast(u, V8I32), b.bitcast(s, V8I32)])
+    if DOTPROD:  # every caller's u is below 128 (codes of 6 bits at most): the same as signed
+        return sdot(b, acc, u, s)
     s4 = maddwd(b, maddubs(b, u, s))
     return s4 if acc is None else b.add(acc, s4)
 
@@ -108,5 +113,29 @@ def dpbssd(b, acc, w, s, u=None):
     if VNNI:
         u = absb(b, w) if u is None else u
         return dpbusd(b, acc, u, call(b, "llvm.x86.avx2.psign.b", V32I8, [s, w]))
+    if DOTPROD:  # signed by signed: no sign transfer
+        return sdot(b, acc, w, s)
     s4 = maddwd(b, maddbs(b, w, s, u))
     return s4 if acc is None else b.add(acc, s4)
+
+
+def sdot(b, acc, w, s):
+    """acc (<8 x i32>, or None for 0) + lane j = sum of w[4j + i] s[4j + i], i < 4, <32 x i8>
+    w and s signed: aarch64's sdot on each 128-bit half (lanes 0-3 from bytes 0-15, 4-7 from
+    16-31). Exact int32 sums, the integers of dpbusd / dpbssd."""
+    halves = []
+    for k in (0, 1):
+        a = ir.Constant(V4I32, None) if acc is None else shuffle(b, acc, acc, range(4 * k, 4 * k + 4))
+        h = range(16 * k, 16 * k + 16)
+        halves.append(
+            call(b, "llvm.aarch64.neon.sdot.v4i32.v16i8", V4I32, [a, shuffle(b, w, w, h), shuffle(b, s, s, h)])
+        )
+    return shuffle(b, halves[0], halves[1], range(8))
+
+
+def smmla(b, acc, w, x):
+    """aarch64's smmla (i8mm): acc (<4 x i32>, or None for 0) + the 2 x 2 products of w's two
+    rows of 8 s8 (bytes 0-7, 8-15 of a <16 x i8>) with x's two rows of 8: lanes (w0 x0, w0 x1,
+    w1 x0, w1 x1), exact int32 sums."""
+    acc = ir.Constant(V4I32, None) if acc is None else acc
+    return call(b, "llvm.aarch64.neon.smmla.v4i32.v16i8", V4I32, [acc, w, x])

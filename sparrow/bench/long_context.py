@@ -1,0 +1,515 @@
+"""Long-context benchmark: time to first token, decode (exact and sparse with both selectors) and
+resident memory at 8K-32K beside llama.cpp with flash attention off and on; decode further out
+(64K, 128K) on a synthesised cache.
+
+`sparrow bench long-context [--model PATH | --shape qwen3-0.6b --type q8_0] [--kv f16]
+[--contexts 8192,16384,32768] [--synth 65536,131072] [--compare llama-cpp]`
+
+One KV kind per run (--kv): the cache is made in that kind and prefilled into directly, so a
+run holds one cache, never an f32 original beside its f16 and int8 copies (what `bench speed`
+does, which is why it stops fitting in memory near 32K). Each engine runs in a child process
+of its own, so its resident memory is its own: sparrow, llama.cpp with flash attention off
+(its Python bindings' default) and llama.cpp with flash attention on (the default of its CLI
+and server on CPU). They take turns: at each context every engine prefills the random prompt
+from the previous context to this one in 512-token chunks (the sum so far is the prefill of a
+C-token prompt, i.e. the time to first token), then --rounds rounds of decoding --decode fixed
+tokens (no sampling; the cache is rewound after each mode) alternate between the engines,
+their order flipped every round. sparrow decodes exact, then sparse top-k with the `seed` and
+the `v2` selectors. Ratios are medians of per-round pairs, against llama.cpp's faster setting
+in that round.
+
+--synth contexts are past what a 2-core prefill allows: sparrow alone (llama.cpp cannot be
+handed a comparable state) decodes over a cache of that length filled with random values of
+the KV kind and random prefill importance. Decode speed does not depend on the values; the
+table labels these rows as synthesised.
+
+Memory: each child reports its peak resident set per context (VmHWM, reset before each phase).
+sparrow's is checked against a stated bound: the resident set after loading and warming up
+(weights paged in, kernels compiled) plus the KV cache at its capacity (storage and prefill
+importance) plus both selectors' side copies (seed's probe keys, v2's block summaries) plus a
+fixed allowance for a prefill chunk's work buffers (WORK_MIB). The table prints each part.
+"""
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from sparrow.bench import bandwidth
+from sparrow.bench.host import MB, busy_threshold, cpu_busy, cpu_info, load_avg, versions
+from sparrow.engine.runner import PREFILL_CHUNK as CHUNK
+
+WORK_MIB = 256  # prefill chunk work buffers (scores, activations) the bound allows beyond the cache
+SPARROW_MODES = ("exact", "seed", "v2")
+LLAMA = {"llama_off": False, "llama_on": True}  # child role -> flash attention
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) for x in f if x.startswith(field + ":"))
+    except (OSError, StopIteration):
+        return None
+
+
+def memory() -> dict:
+    """This process's resident set now and at its peak since the last reset_peak(), MiB."""
+    now, peak = _status_kib("VmRSS"), _status_kib("VmHWM")
+    return {"rss_mib": now / 1024 if now else None, "peak_mib": peak / 1024 if peak else None}
+
+
+def reset_peak() -> None:
+    """Starts a new peak (Linux: writing 5 to clear_refs resets VmHWM to the current RSS)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# the engines, each in its own child process
+
+
+class SparrowEngine:
+    """sparrow's runner over one cache of the chosen KV kind."""
+
+    def __init__(self, path, threads, kv, sparse_k):
+        from sparrow.api import load
+        from sparrow.params import SparseParams
+
+        self.llm = load(path, threads=threads, activations="f32")
+        self.model = self.llm.model
+        self.kv = kv
+        self.sparse = {m: SparseParams(k=sparse_k, select=m) for m in SPARROW_MODES if m != "exact"}
+        self.cache = None
+        self.prompt = self.feed = None
+
+    def start(self, length, n_decode):
+        """Makes the random prompt and decode feed, warms up every mode on a small cache (kernels
+        compiled, weights paged in), then allocates the cache: capacity length + n_decode."""
+        from sparrow.bench.engines import random_ids
+
+        rng = np.random.default_rng(0)
+        self.prompt = random_ids(rng, self.model.config, length).astype(np.int64)
+        self.feed = random_ids(rng, self.model.config, n_decode).tolist()
+        warm = min(length, 2 * CHUNK)
+        self.cache = self.model.new_cache(warm + n_decode, self.kv)
+        self.prefill(0, warm)
+        for m in SPARROW_MODES:
+            self.decode(warm, m, 2)
+        self._allocate(length + n_decode)
+        return {"prompt": self.prompt.tolist(), "feed": self.feed, **self._memory()}
+
+    def _allocate(self, capacity):
+        self.cache = None
+        gc.collect()
+        self.base = memory()["rss_mib"]  # weights paged in, kernels compiled, no cache
+        self.cache = self.model.new_cache(capacity, self.kv)
+        reset_peak()
+
+    def _memory(self):
+        c = self.cache
+        side = {m: c.bytes_at(c.capacity, sp.copy_key) - c.bytes_at(c.capacity) for m, sp in self.sparse.items()}
+        kv = c.bytes_at(c.capacity) / MB
+        bound = self.base + kv + sum(side.values()) / MB + WORK_MIB
+        mem = memory()
+        return {
+            **mem,
+            "base_mib": self.base,
+            "kv_mib": kv,
+            "side_mib": {m: b / MB for m, b in side.items()},
+            "work_mib": WORK_MIB,
+            "bound_mib": bound,
+            "within_bound": mem["peak_mib"] is not None and mem["peak_mib"] <= bound,
+            "capacity": c.capacity,
+        }
+
+    def prefill(self, start, end):
+        """Seconds to prefill prompt[start:end] after `start` cached positions."""
+        from sparrow.engine.runner import Slot
+
+        self.cache.truncate(start)
+        t0 = time.perf_counter()
+        self.llm.runner.prefill(Slot(self.prompt[:end], self.cache))
+        return {"s": time.perf_counter() - t0}
+
+    def decode(self, start, mode, n=None):
+        """Per-token seconds of decoding the feed after `start` positions; the cache is rewound."""
+        from sparrow.engine.runner import Slot
+
+        slot = Slot(np.zeros(start, np.int64), self.cache, self.sparse.get(mode))
+        times = []
+        for tok in self.feed[: n or len(self.feed)]:
+            t0 = time.perf_counter()
+            self.llm.runner.decode([slot], [tok])
+            times.append(time.perf_counter() - t0)
+        self.cache.truncate(start)
+        return {"times": times}
+
+    def synth(self, length, n_decode):
+        """A fresh cache of `length` positions filled with random values of the KV kind and random
+        prefill importance, as if prefilled; the selectors' side copies are built by one warm-up
+        step per mode (they are filled on first use, as after a real prefill)."""
+        self._allocate(length + n_decode)
+        rng = np.random.default_rng(length)
+        for layer, st in zip(self.cache.layers, self.cache.sparse):
+            for arr in (layer.k, layer.v):
+                for h in range(arr.shape[0]):  # one head at a time: no full-size temporary
+                    if arr.dtype == np.int8:
+                        arr[h, :length] = rng.integers(-127, 128, (length, arr.shape[2]), dtype=np.int8)
+                    else:
+                        x = rng.standard_normal((length, arr.shape[2]), dtype=np.float32)
+                        arr[h, :length] = x.astype(np.float16).view(np.uint16) if arr.dtype == np.uint16 else x
+            if layer.scaled:
+                layer.k_scale[:, :length] = rng.uniform(0.01, 0.05, (layer.k_scale.shape[0], length))
+                layer.v_scale[:, :length] = rng.uniform(0.01, 0.05, (layer.v_scale.shape[0], length))
+            st.importance[:length] = rng.exponential(1.0, length)
+        self.cache.length = length
+        for m in SPARROW_MODES:
+            self.decode(length, m, 1)
+        return self._memory()
+
+    def memory(self):
+        return self._memory()
+
+
+class LlamaEngine:
+    """llama.cpp through llama-cpp-python at its defaults but the thread count and, when asked,
+    flash attention."""
+
+    def __init__(self, path, threads, flash_attn):
+        self.path, self.threads, self.flash_attn = path, threads, flash_attn
+        self.llm = None
+
+    def start(self, prompt, feed):
+        from llama_cpp import Llama
+
+        from sparrow.bench.engines import LlamaRunner
+
+        self.prompt, self.feed = prompt, feed
+        self.llm = Llama(
+            model_path=self.path,
+            n_ctx=len(prompt) + len(feed),
+            n_threads=self.threads,
+            n_threads_batch=self.threads,
+            n_batch=CHUNK,
+            flash_attn=self.flash_attn,
+            verbose=False,
+        )
+        self.llm.eval(prompt[:64])  # warm-up: page in the weights
+        self.llm.n_tokens = 0
+        reset_peak()
+        return {"settings": LlamaRunner.describe(self.llm), **memory()}
+
+    def prefill(self, start, end):
+        self.llm.n_tokens = start  # eval drops cache entries from n_tokens on
+        t0 = time.perf_counter()
+        self.llm.eval(self.prompt[start:end])
+        return {"s": time.perf_counter() - t0}
+
+    def decode(self, start, mode="exact", n=None):
+        self.llm.n_tokens = start
+        times = []
+        for tok in self.feed[: n or len(self.feed)]:
+            t0 = time.perf_counter()
+            self.llm.eval([tok])
+            times.append(time.perf_counter() - t0)
+        self.llm.n_tokens = start
+        return {"times": times}
+
+    def memory(self):
+        return memory()
+
+
+def _child_main(a) -> None:
+    """A child's loop: one JSON request a line on stdin, one JSON reply a line on the stdout it
+    was started with (everything else the engine prints goes to stderr)."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    if a._child == "sparrow":
+        engine = SparrowEngine(a.path, a.threads, a.kv, a.sparse_k)
+    else:
+        engine = LlamaEngine(a.path, a.threads, LLAMA[a._child])
+    for line in sys.stdin:
+        msg = json.loads(line)
+        try:
+            reply = getattr(engine, msg.pop("op"))(**msg)
+        except Exception as e:  # noqa: BLE001 - the parent reports it and stops
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        out.write(json.dumps(reply) + "\n")
+
+
+class Child:
+    """The parent's handle on one engine process."""
+
+    def __init__(self, role, path, a):
+        cmd = [sys.executable, "-m", "sparrow.bench.long_context", "--_child", role, "--path", path]
+        cmd += ["--threads", str(a.threads), "--kv", a.kv, "--sparse-k", str(a.sparse_k)]
+        self.role = role
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(self, op, **kw):
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.role} process ended (exit code {self.proc.wait()})")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"{self.role}: {reply['error']}")
+        return reply
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# the parent: turns, medians, the table
+
+
+def _modes(role):
+    return SPARROW_MODES if role == "sparrow" else ("exact",)
+
+
+def _decode_rounds(children, context, rounds):
+    """{role: {mode: [median ms per round]}}, engines alternating, order flipped each round."""
+    out = {c.role: {m: [] for m in _modes(c.role)} for c in children}
+    for i in range(rounds):
+        for c in children if i % 2 == 0 else children[::-1]:
+            for m in _modes(c.role):
+                times = c.ask("decode", start=context, mode=m)["times"]
+                out[c.role][m].append(statistics.median(times) * 1e3)
+        print(f"  {context}: decode round {i + 1} done (load {load_avg()})", file=sys.stderr)
+    return out
+
+
+def _summary(ms):
+    """tok/s (median over rounds) per role and mode, and each sparrow mode's median per-round
+    ratio to llama.cpp's faster setting in that round."""
+    tok = {role: {m: 1e3 / statistics.median(v) for m, v in modes.items()} for role, modes in ms.items()}
+    ratio = {}
+    llamas = [r for r in ms if r in LLAMA]
+    if llamas:
+        best = [min(ms[r]["exact"][i] for r in llamas) for i in range(len(ms["sparrow"]["exact"]))]
+        for m, v in ms["sparrow"].items():
+            ratio[m] = statistics.median(b / s for b, s in zip(best, v))
+    return tok, ratio
+
+
+def run(a) -> dict:
+    from sparrow.bench import shapes
+    from sparrow.eval import report
+    from sparrow.loaders import default_model_path
+
+    path = shapes.ensure(a.shape, a.type) if a.shape else (a.model or default_model_path())
+    contexts = sorted(int(c) for c in a.contexts.split(",") if c)
+    synth = sorted(int(c) for c in a.synth.split(",") if c) if a.synth else []
+    load_start, busy = load_avg(), cpu_busy()
+    cpu = cpu_info()
+    compare = a.compare == "llama-cpp"
+    if compare:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            print("llama-cpp-python is not importable: measuring sparrow only", file=sys.stderr)
+            compare = False
+    rec = {
+        "load_start": load_start,
+        "cpu_busy_start": busy,
+        "busy": (busy or 0) > 0.25 or load_start > busy_threshold(cpu["cpus"]),
+        "cpu": cpu,
+        "versions": versions(compare),
+        "file_mib": os.path.getsize(path) / MB if os.path.isfile(path) else None,
+        "config": {
+            "model": path,
+            "shape": a.shape,
+            "type": a.type if a.shape else None,
+            "kv": a.kv,
+            "threads": a.threads,
+            "contexts": contexts,
+            "synth": synth,
+            "rounds": a.rounds,
+            "decode": a.decode,
+            "sparse_k": a.sparse_k,
+            "compare": compare,
+        },
+        "contexts": {},
+        "synth": {},
+    }
+    if rec["busy"]:
+        print(f"warning: the machine is busy (load {load_start}): figures are unreliable", file=sys.stderr)
+    sparrow = Child("sparrow", path, a)
+    children = [sparrow]
+    try:
+        # the prompt, the feed and the warm-up (a synthesised-only run still warms up on a short prompt)
+        start = sparrow.ask("start", length=contexts[-1] if contexts else 2 * CHUNK, n_decode=a.decode)
+        prompt, feed = start.pop("prompt"), start.pop("feed")
+        rec["sparrow_start"] = start
+        if contexts:
+            if compare:
+                for role in LLAMA:
+                    c = Child(role, path, a)
+                    children.append(c)
+                    rec.setdefault("llama_settings", {})[role] = c.ask("start", prompt=prompt, feed=feed)["settings"]
+            rec["bandwidth"] = bandwidth.read_bandwidth(a.threads)
+            rec["weight_bytes"] = bandwidth.weight_bytes(path)
+            prefill = {c.role: 0.0 for c in children}
+            pos = 0
+            for i, ctx in enumerate(contexts):
+                row = {"load_start": load_avg()}
+                for c in children if i % 2 == 0 else children[::-1]:
+                    prefill[c.role] += c.ask("prefill", start=pos, end=ctx)["s"]
+                    print(f"  {ctx}: {c.role} prefilled (load {load_avg()})", file=sys.stderr)
+                row["ttft_s"] = dict(prefill)
+                ms = _decode_rounds(children, ctx, a.rounds)
+                row["decode_ms"] = ms
+                row["tok_s"], row["ratio"] = _summary(ms)
+                row["memory"] = {c.role: c.ask("memory") for c in children}
+                row["load_end"] = load_avg()
+                rec["contexts"][ctx] = row
+                pos = ctx
+                report.write_json(a.out, rec)
+        for c in children[1:]:
+            c.close()  # their caches are not needed past here
+        children = [sparrow]
+        for ctx in synth:
+            row = {"load_start": load_avg(), "synthesised": True}
+            mem = sparrow.ask("synth", length=ctx, n_decode=a.decode)
+            ms = _decode_rounds([sparrow], ctx, a.rounds)
+            row["decode_ms"] = ms
+            row["tok_s"], _ = _summary(ms)
+            row["memory"] = {"sparrow": sparrow.ask("memory"), "after_fill": mem}
+            row["load_end"] = load_avg()
+            rec["synth"][ctx] = row
+            report.write_json(a.out, rec)
+    finally:
+        for c in children:
+            c.close()
+    rec["load_end"] = load_avg()
+    report.write_json(a.out, rec)
+    return rec
+
+
+def markdown(rec) -> str:
+    cfg, cpu = rec["config"], rec["cpu"]
+    f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+    model = os.path.basename(cfg["model"])
+    if cfg.get("shape"):
+        model += f" (random weights, {cfg['shape']} shapes, {cfg['type']})"
+    k = cfg["sparse_k"]
+    names = {"exact": "exact", "seed": f"sparse seed k={k}", "v2": f"sparse v2 k={k}"}
+    lines = [
+        f"Model `{model}`, {cfg['kv']} KV, {cfg['threads']} threads each, {cfg['rounds']} decode rounds of "
+        f"{cfg['decode']} tokens.",
+        "",
+        f"CPU: {cpu.get('model', '?')} ({cpu.get('cpus')} CPUs). Load average (1 min): {rec['load_start']} at start, "
+        f"{rec.get('load_end', '-')} at end." + (" **Busy at the start: figures unreliable.**" if rec["busy"] else ""),
+        "",
+    ]
+    ls = rec.get("llama_settings")
+    if ls:
+        lines += [
+            "llama.cpp (llama-cpp-python "
+            + str(rec["versions"].get("llama_cpp_python", "?"))
+            + "): "
+            + "; ".join(
+                f"{'FA on' if LLAMA[r] else 'FA off'}: flash attention {s['flash_attn']}, "
+                f"{s['type_k']}/{s['type_v']} KV"
+                for r, s in ls.items()
+            )
+            + ". Ratios: sparrow over llama.cpp's faster setting in each round (median of rounds).",
+            "",
+        ]
+    lines += [
+        "| context | engine, mode | time to first token s (prefill tok/s) | decode tok/s | vs llama.cpp | "
+        "peak RSS MiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for ctx, row in rec["contexts"].items():
+        for role, modes in row["tok_s"].items():
+            mem = row["memory"][role]
+            ttft = row["ttft_s"][role]
+            for m, v in modes.items():
+                eng = names[m] if role == "sparrow" else f"llama.cpp, FA {'on' if LLAMA[role] else 'off'}"
+                lines.append(
+                    f"| {ctx} | {'sparrow, ' + eng if role == 'sparrow' else eng} | "
+                    f"{ttft:.1f} ({int(ctx) / ttft:.0f}) | {f(v)} | "
+                    f"{f(row['ratio'].get(m), 2) if role == 'sparrow' else ''} | {f(mem['peak_mib'], 0)} |"
+                )
+    for ctx, row in rec["synth"].items():
+        mem = row["memory"]["sparrow"]
+        for m, v in row["tok_s"]["sparrow"].items():
+            lines.append(
+                f"| {ctx} (synthesised cache) | sparrow, {names[m]} | - | {f(v)} | - | {f(mem['peak_mib'], 0)} |"
+            )
+    lines += [
+        "",
+        "sparrow's resident memory against its bound (MiB): peak = base + KV + side copies + work allowance",
+        "",
+    ]
+    lines += [
+        "| context | peak | bound | base (weights, code) | KV | side: seed / v2 | within |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, rows in (("", rec["contexts"]), (" (synth)", rec["synth"])):
+        for ctx, row in rows.items():
+            m = row["memory"]["sparrow"]
+            lines.append(
+                f"| {ctx}{label} | {f(m['peak_mib'], 0)} | {f(m['bound_mib'], 0)} | {f(m['base_mib'], 0)} | "
+                f"{f(m['kv_mib'], 0)} | {f(m['side_mib']['seed'], 0)} / {f(m['side_mib']['v2'], 0)} | "
+                f"{'yes' if m['within_bound'] else 'NO'} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    from sparrow.bench import shapes
+    from sparrow.params import KV_DTYPES
+
+    ap = argparse.ArgumentParser(prog="sparrow bench long-context", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="GGUF or HF folder (default: SmolLM2-135M-Instruct Q4_1)")
+    ap.add_argument("--shape", choices=[s for s in shapes.SHAPES if not shapes.SHAPES[s].get("vision")])
+    ap.add_argument("--type", default="q8_0", choices=shapes.TYPES, help="weight type of the --shape file")
+    ap.add_argument("--kv", default="f16", choices=KV_DTYPES, help="the KV kind of this run")
+    ap.add_argument("--contexts", default="8192,16384,32768", help="prefilled contexts, comma-separated")
+    ap.add_argument("--synth", default="", help="decode-only contexts on a synthesised cache (sparrow alone)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compare", choices=["llama-cpp"], help="also measure llama.cpp, flash attention off and on")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--decode", type=int, default=16, help="decoded tokens per context, mode and round")
+    ap.add_argument("--sparse-k", type=int, default=32)
+    ap.add_argument("--json", help="write the JSON record here (default runs/long-context-<timestamp>/...)")
+    ap.add_argument("--md", help="write the markdown table here")
+    ap.add_argument("--_child", choices=["sparrow", *LLAMA], help=argparse.SUPPRESS)
+    ap.add_argument("--path", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a._child:
+        return _child_main(a)
+    from sparrow.errors import SparrowError
+    from sparrow.eval import report
+
+    if a.shape and a.model:
+        raise SparrowError("give --model or --shape, not both")
+    a.out = report.record_path("long-context", a.json)
+    rec = run(a)
+    md = markdown(rec)
+    print(md)
+    print(f"wrote {a.out}", file=sys.stderr)
+    if a.md:
+        with open(a.md, "w") as fh:
+            fh.write(md + "\n")
+    return rec
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""Speculative decoding whose output is plain decoding's, bit for bit.
+
+A drafter proposes up to K tokens; one target forward checks them all; the sequence samples
+at each checked position in order, exactly as plain decoding would, and keeps going while its
+sample equals the drafted token. What makes this exact rather than "the same at temperature 0":
+
+- Verification feeds the drafted tokens as decode rows (Runner.verify): one single-token
+  decode segment per position, all in one forward. The linear kernels compute each of up to
+  kernels.linear.SMALL_T rows as they would alone, and the decode attention kernel reads only
+  positions up to its own, which the rows before it in the same forward have just written
+  (Decoder.attend appends and attends segment by segment, layer by layer). So row j's logits
+  are the bits plain decoding computes at that position. A prefill chunk over the same tokens
+  is not: its attention kernel (online softmax over 64-key steps) sums in another order,
+  and its sparse settings differ (prefill runs exact unless sparse.prefill).
+- Sampling: Sequence.accept runs on each row's logits in order, with the sequence's own RNG,
+  penalties, grammar state and stop handling, and stops at the first sample that differs
+  from the draft. Each accepted position takes one RNG draw, as in plain decoding, so seeded
+  sampling gives plain decoding's tokens for any K and drafter. This is stricter than
+  rejection sampling (which keeps the distribution, not the tokens): a draft is kept only when
+  it is the very token this draw picks. Drafters that have logits (draft, sparse) sample with a
+  copy of the sequence's sampler, the same draws, so they agree wherever their distribution
+  sends the draw to the same token.
+- Rollback: positions past the last checked token are dropped with KVCache.rollback, which
+  also clears their K/V rows and the sparse copies of blocks they touched, so the cache equals
+  plain decoding's bit for bit (importance is written by prefill only).
+
+Drafters: ngram (prompt lookup, no model), draft (a smaller model with its own cache) and
+sparse (this model and cache with block-sparse attention: its rows at the drafted positions
+are overwritten by the exact verification rows before anything reads them).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+from ..errors import SparrowError
+from ..params import SpeculativeParams
+from .runner import Runner, Slot
+
+# Adaptive K: a sequence starts drafting FIRST_K tokens; a draft kept whole doubles K (up to
+# the request's), a partly kept one sets it to what was kept plus one; a verification that kept
+# nothing halves K and pauses drafting for PAUSE plain steps, twice as many after each such
+# verification in a row (up to MAX_PAUSE). So a drafter that is always wrong costs 2 + 1 + 1 + ...
+# rows: about 5% more rows than plain decoding at 128 tokens, 1% at 1,000 (when a checked row
+# costs a decode step, as in the exact mode; less where rows share the weight reads).
+FIRST_K = 2
+PAUSE = 8
+MAX_PAUSE = 512
+
+
+class Drafter:
+    """Proposes tokens to follow a sequence's text. propose() gets the sequence caught up (its
+    cache holds every position before the last sampled token) and at most n; settle() hears
+    how many positions of the sequence's cache are final after the verification."""
+
+    def propose(self, seq, n: int) -> list[int]:
+        raise NotImplementedError
+
+    def settle(self, seq, length: int) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: the longest suffix of the text so far (n tokens, down to 1) that occurred
+    before, latest occurrence first; the tokens that followed it are the draft."""
+
+    def __init__(self, max_n: int):
+        self.max_n = max_n
+
+    def propose(self, seq, n: int) -> list[int]:
+        ctx = np.concatenate([seq.prompt, np.asarray(seq.output, np.int64)])  # [P + O]
+        return lookup(ctx, self.max_n, n)
+
+
+def lookup(ctx: np.ndarray, max_n: int, n: int) -> list[int]:
+    """Up to n tokens that followed the latest earlier occurrence of ctx's longest suffix
+    (max_n tokens down to 1) that has one."""
+    size = len(ctx)
+    for m in range(min(max_n, size - 1), 0, -1):
+        suffix = ctx[size - m :]
+        # starts i < size - m of earlier windows ctx[i:i+m] equal to the suffix
+        hits = np.flatnonzero(ctx[: size - m] == suffix[0])
+        for j in range(1, m):
+            hits = hits[ctx[hits + j] == suffix[j]]
+        if len(hits):
+            start = int(hits[-1]) + m
+            return ctx[start : start + n].tolist()
+    return []
+
+
+class SparseDrafter(Drafter):
+    """The target model itself, decoding with block-sparse attention over the sequence's own
+    cache. The positions it writes are rewritten by verification's exact rows."""
+
+    def __init__(self, runner: Runner, params: SpeculativeParams):
+        self.runner, self.sparse = runner, params.sparse
+
+    def propose(self, seq, n: int) -> list[int]:
+        s = seq.slot
+        view = Slot(s.prompt, s.cache, self.sparse, None, s.mm)  # the same cache, sparse settings
+        sampler = copy.deepcopy(seq.sampler)
+        tok, out = seq.last_token, []
+        for _ in range(n):
+            tok = sampler(self.runner.decode([view], [tok])[0])
+            sampler.observe(tok)
+            out.append(tok)
+        return out
+
+
+class DraftModelDrafter(Drafter):
+    """A smaller model sharing the tokenizer, with a cache of its own that follows the
+    sequence's text: it catches up with a prefill, drafts by decoding, and drops what the
+    verification rejected."""
+
+    def __init__(self, draft_llm, target_vocab: int, capacity: int, kv_dtype: str):
+        self.llm, self.runner, self.vocab = draft_llm, draft_llm.runner, target_vocab
+        self.slot = self.runner.new_slot(np.zeros(1, np.int64), capacity, kv_dtype)
+
+    def propose(self, seq, n: int) -> list[int]:
+        ctx = np.concatenate([seq.prompt, np.asarray(seq.output, np.int64)])  # [P + O]
+        L = len(ctx) - 1  # the target's cache length
+        n = min(n, self.slot.cache.capacity - L)
+        if n < 1:
+            return []
+        self.slot.prompt = ctx[:L]
+        self.runner.prefill(self.slot)
+        sampler = copy.deepcopy(seq.sampler)
+        tok, out = int(ctx[L]), []
+        for _ in range(n):
+            tok = sampler(self.runner.decode([self.slot], [tok])[0][: self.vocab])
+            sampler.observe(tok)
+            out.append(tok)
+        return out
+
+    def settle(self, seq, length: int) -> None:
+        self.slot.cache.truncate(min(self.slot.cache.length, length))
+
+    def release(self) -> None:
+        self.slot.cache = None
+
+
+def check_draft_model(target, draft) -> None:
+    """A draft model must share the target's tokenizer: the same ids for the same text."""
+    probe = "Speculative decoding, 2026: ü 你好 def f(x):\n    return x"
+    a, b = target.tokenizer, draft.tokenizer
+    if a.encode(probe) != b.encode(probe):
+        raise SparrowError(f"the draft model {draft.name} does not share the tokenizer of {target.name}")
+
+
+class Speculator:
+    """One sequence's speculation: its drafter, the draft length K (adaptive) and the counts
+    usage reports (drafted, accepted)."""
+
+    def __init__(self, params: SpeculativeParams, drafter: Drafter):
+        self.params, self.drafter = params, drafter
+        self.k = min(params.tokens, FIRST_K) if params.adaptive else params.tokens
+        self.next_pause = PAUSE  # the pause after the next verification that keeps nothing
+        self.pause = 0  # plain steps left before drafting again
+        self.drafted = self.accepted = 0
+
+    @property
+    def counts(self) -> dict:
+        return {"drafted_tokens": self.drafted, "accepted_tokens": self.accepted}
+
+    def budget(self, seq) -> int:
+        """How many tokens the next step may draft: K, no more than the sequence can still emit
+        after the token verification always gives, 0 while paused."""
+        if self.pause > 0:
+            return 0
+        return max(0, min(self.k, seq.params.max_tokens - len(seq.output) - 1))
+
+    def propose(self, seq, n: int) -> list[int]:
+        if n < 1:
+            self.pause = max(0, self.pause - 1)
+            return []
+        return self.drafter.propose(seq, n)[:n]
+
+    def settle(self, seq, draft: list[int], kept: int) -> None:
+        """kept: how many drafted tokens the sequence sampled too. Rolls its cache back to the
+        positions that are now final and adapts K."""
+        cache = seq.slot.cache
+        final = len(seq.prompt) + len(seq.output) - 1  # positions fed: all but the last sample
+        cache.rollback(final)
+        self.drafter.settle(seq, final)
+        self.drafted += len(draft)
+        self.accepted += kept
+        if not self.params.adaptive:
+            return
+        if kept == 0:
+            self.k = max(1, self.k // 2)
+            self.pause, self.next_pause = self.next_pause, min(MAX_PAUSE, 2 * self.next_pause)
+            return
+        self.next_pause = PAUSE
+        self.k = min(self.params.tokens, 2 * self.k) if kept == len(draft) else max(1, kept + 1)
+
+    def release(self) -> None:
+        self.drafter.release()
+
+
+def make_speculator(llm, runner: Runner, params: SpeculativeParams, seq, kv_dtype: str) -> Speculator:
+    """The speculator of one sequence; llm.draft_llm(path) gives a draft model (loaded once)."""
+    if params.method == "ngram":
+        drafter = NgramDrafter(params.ngram)
+    elif params.method == "sparse":
+        drafter = SparseDrafter(runner, params)
+    else:
+        draft = llm.draft_llm(params.draft_model)
+        capacity = len(seq.prompt) + seq.params.max_tokens + params.tokens
+        drafter = DraftModelDrafter(draft, runner.model.config.vocab_size, capacity, kv_dtype)
+    return Speculator(params, drafter)
+
+
+def check_supported(seq, params: SpeculativeParams | None) -> None:
+    """Speculation needs a text prompt and an untraced sequence (the trace records one
+    selection per decode step)."""
+    if params is None:
+        return
+    if seq.slot.trace is not None:
+        raise SparrowError("speculative decoding does not combine with a sparse trace")
+
+
+def accept_drafts(seq, draft: list[int], logits: np.ndarray) -> tuple[list, int]:
+    """Samples at each verified position in order (logits [len(draft) + 1, V]) until a sample
+    differs from the draft or the sequence ends -> (StepOutputs, drafted tokens kept)."""
+    outs = []
+    for j in range(len(draft) + 1):
+        out = seq.accept(logits[j])
+        outs.append(out)
+        if seq.done or j == len(draft) or out.token_id != draft[j]:
+            break
+    kept = sum(o.token_id == d for o, d in zip(outs, draft))
+    return outs, kept
+
+
+def speculative_step(runner: Runner, seq, spec: Speculator) -> list:
+    """One step of a single sequence: draft, verify in one forward, sample, roll back ->
+    the StepOutputs (at least one)."""
+    start = seq.slot.cache.length  # the sparse drafter writes past it; verification rewrites from here
+    draft = spec.propose(seq, spec.budget(seq))
+    if not draft:
+        return [seq.accept(runner.decode([seq.slot], [seq.last_token])[0])]
+    logits = runner.verify([seq.slot], [[seq.last_token, *draft]], [start])[0]  # [n + 1, V]
+    outs, kept = accept_drafts(seq, draft, logits)
+    spec.settle(seq, draft, kept)
+    return outs

@@ -1,0 +1,378 @@
+"""Speculative decoding gives plain decoding's tokens, logits bits and KV cache, bit for bit.
+
+The reference is always sparrow's own plain decoding of the same request (one decode step per
+token): speculation must change nothing but the number of forwards.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from sparrow.engine.generate import generate_step
+from sparrow.engine.sequence import Sequence
+from sparrow.engine.speculative import (
+    NgramDrafter,
+    Speculator,
+    lookup,
+    make_speculator,
+)
+from sparrow.errors import SparrowError
+from sparrow.loaders import default_model_path
+from sparrow.models.decoder import Segment
+from sparrow.params import SamplingParams, SparseParams, SpeculativeParams
+
+TEXT = (
+    "The committee met on Tuesday to review the budget. It agreed that the library would stay open "
+    "on Sundays, that the pool would close for repairs in March, and that the park would get new "
+    "benches. The committee met again on Friday to review the budget and agreed the same."
+)
+SEED, SPARSE = SparseParams(k=2, block=16), SparseParams(k=2, block=16, select="v2")
+
+
+def _prompt(llm, repeat: int = 3) -> list[int]:
+    msg = "Copy this text exactly, twice:\n\n" + " ".join([TEXT] * repeat)
+    return llm.prompt_ids([{"role": "user", "content": msg}], chat=True)
+
+
+def _with_threads(llm, n):
+    other = copy.copy(llm)
+    other.threads = n
+    return other
+
+
+def _run(llm, ids, sampling, kv="f32", sparse=None, spec=None, constraint=None):
+    """(tokens, logits [n, V] each position sampled from, the final cache, speculator)."""
+    from sparrow.api import set_threads
+
+    set_threads(llm.threads)
+    seq = Sequence.create(llm.runner, llm.tokenizer, ids, sampling, llm.ctx, kv, sparse, constraint=constraint)
+    seen = []
+    accept = seq.accept
+    seq.accept = lambda logits: (seen.append(np.array(logits)), accept(logits))[1]
+    speculator = make_speculator(llm, llm.runner, spec, seq, kv) if spec is not None else None
+    toks = [o.token_id for o in generate_step(llm.runner, seq, spec=speculator)]
+    return toks, np.stack(seen), seq.slot.cache, speculator
+
+
+def _assert_same_cache(a, b):
+    """K/V (and int8 scales) over the whole capacity and the prefill importance, bit for bit;
+    and the copies sparse decode keeps beside K (the seed's probe keys, v2's block summaries).
+
+    Those copies are built lazily from K, and how far depends on the path, not on speculation:
+    the fused single-sequence step copies the full blocks below its position in every layer,
+    the staged path those below seq_len in the sparse layers only. So each copy's valid blocks
+    must equal a fresh build from the final K (equal on both sides); rows past them are never read."""
+    assert a.length == b.length and a.capacity == b.capacity
+    for la, lb, sa, sb in zip(a.layers, b.layers, a.sparse, b.sparse):
+        assert np.array_equal(la.k, lb.k) and np.array_equal(la.v, lb.v)
+        assert np.array_equal(la.k_scale, lb.k_scale) and np.array_equal(la.v_scale, lb.v_scale)
+        assert np.array_equal(sa.importance.view(np.uint32), sb.importance.view(np.uint32))
+        for st in (sa, sb):
+            for key, have in st._probes.items():
+                fresh = type(have)(la, have.block) if key[1] == "v2" else type(have)(la, have.block, have.n_probe)
+                fresh.extend(la, have.blocks)
+                n = have.blocks * have.per_block
+                assert have.blocks <= a.length // have.block, key
+                assert np.array_equal(have.rows[:, :n], fresh.rows[:, :n]), key
+                assert np.array_equal(have.scale[:, :n], fresh.scale[:, :n]), key
+
+
+def _check(llm, ids, sampling, spec, kv="f32", sparse=None):
+    plain = _run(llm, ids, sampling, kv, sparse)
+    got = _run(llm, ids, sampling, kv, sparse, spec)
+    assert got[0] == plain[0]
+    assert np.array_equal(got[1].view(np.uint32), plain[1].view(np.uint32))
+    _assert_same_cache(got[2], plain[2])
+    return got[3]
+
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
+SEEDED = SamplingParams(max_tokens=40, temperature=0.7, top_p=0.9, seed=7)
+PENALISED = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=7, repetition_penalty=1.1)
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16", "int8"])
+@pytest.mark.parametrize("sparse", [None, SEED, SPARSE], ids=["exact", "seed", "v2"])
+def test_verify_rows_are_decode_steps(default_llm, kv, sparse):
+    """The premise: tokens fed as decode rows of one forward give the logits and cache of one
+    decode step each (the fused single-sequence step included)."""
+    llm = default_llm
+    ids = np.asarray(_prompt(llm, 1), np.int64)
+    extra = [int(t) for t in np.random.default_rng(0).integers(20, 40000, 6)]
+    runs = []
+    for verify in (False, True):
+        slot = llm.runner.new_slot(ids, len(ids) + 8, kv, sparse)
+        llm.runner.prefill(slot)
+        if verify:
+            logits = llm.runner.verify([slot], [extra], [slot.cache.length])[0]
+        else:
+            logits = np.stack([llm.runner.decode([slot], [t])[0] for t in extra])
+        runs.append((logits, slot.cache))
+    assert np.array_equal(runs[0][0].view(np.uint32), runs[1][0].view(np.uint32))
+    _assert_same_cache(runs[0][1], runs[1][1])
+
+
+def test_a_prefill_chunk_is_not_a_decode_step(default_llm):
+    """Why verification feeds decode rows: a prefill chunk over the same tokens runs another
+    attention kernel (online softmax in 64-key steps), whose bits differ."""
+    llm = default_llm
+    ids = np.asarray(_prompt(llm, 1), np.int64)
+    extra = np.random.default_rng(0).integers(20, 40000, 6)
+    slot = llm.runner.new_slot(ids, len(ids) + 8)
+    llm.runner.prefill(slot)
+    L = slot.cache.length
+    rows = llm.runner.verify([slot], [extra.tolist()], [L])[0]
+    chunk = llm.model.forward([Segment(extra, slot.cache, L)], all_logits=True)
+    assert not np.array_equal(rows, chunk)
+    assert np.abs(rows - chunk).max() < 1e-2  # the same function, summed in another order
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16", "int8"])
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_ngram_greedy_equals_plain(default_llm, kv, k):
+    spec = _check(default_llm, _prompt(default_llm), GREEDY, SpeculativeParams("ngram", k), kv)
+    assert spec.accepted > 0  # the answer quotes the prompt: drafts were kept
+
+
+@pytest.mark.parametrize("k", [2, 5])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_ngram_sparse_target_equals_plain(default_llm, k, sampling):
+    _check(default_llm, _prompt(default_llm), sampling, SpeculativeParams("ngram", k), "f16", SEED)
+    _check(default_llm, _prompt(default_llm), sampling, SpeculativeParams("ngram", k), "int8", SPARSE)
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16", "int8"])
+def test_seeded_sampling_equals_plain(default_llm, kv):
+    spec = _check(default_llm, _prompt(default_llm), SEEDED, SpeculativeParams("ngram", 4), kv)
+    assert spec.accepted > 0  # drafts kept where the draw picked the drafted token
+
+
+@pytest.mark.parametrize("kv", ["f32", "int8"])
+@pytest.mark.parametrize("drafter", [SEED, SPARSE], ids=["seed", "v2"])
+@pytest.mark.parametrize("k", [2, 5])
+def test_sparse_drafting_equals_plain(default_llm, kv, drafter, k):
+    spec = SpeculativeParams("sparse", k, sparse=drafter)
+    for sampling in (GREEDY, PENALISED):
+        s = _check(default_llm, _prompt(default_llm), sampling, spec, kv)
+        assert s.drafted > 0
+    _check(default_llm, _prompt(default_llm), GREEDY, spec, kv, SEED)  # a sparse target too
+
+
+@pytest.mark.parametrize("kv", ["f32", "int8"])
+def test_draft_model_equals_plain(default_llm, tiny_models, kv):
+    """The default model drafting for itself (its drafts are the target's tokens: all kept) and
+    a tiny random model sharing its tokenizer (drafts almost never kept): plain decoding's
+    output either way."""
+    ids = _prompt(default_llm)
+    same = _check(default_llm, ids, GREEDY, SpeculativeParams("draft", 4, draft_model=default_model_path()), kv)
+    assert same.accepted == same.drafted > 0
+    s = _check(default_llm, ids, SEEDED, SpeculativeParams("draft", 4, draft_model=default_model_path()), kv)
+    assert s.accepted > 0  # the drafter samples with the target's draws: it agrees where the logits do
+    tiny = SpeculativeParams("draft", 3, draft_model=tiny_models["qwen3"].folder)
+    _check(default_llm, ids, GREEDY, tiny, kv)
+
+
+def test_threads_one_and_two(default_llm):
+    ids = _prompt(default_llm)
+    for spec in (SpeculativeParams("ngram", 4), SpeculativeParams("sparse", 3, sparse=SEED)):
+        one = _run(_with_threads(default_llm, 1), ids, SEEDED, "f16", None, spec)
+        two = _run(_with_threads(default_llm, 2), ids, SEEDED, "f16", None, spec)
+        assert one[0] == two[0] and np.array_equal(one[1].view(np.uint32), two[1].view(np.uint32))
+        _assert_same_cache(one[2], two[2])
+
+
+def test_adaptive_k_backs_off_when_drafts_fail(default_llm):
+    """A drafter that is always wrong: drafting starts at 2 tokens, and each failed verification
+    halves K and pauses drafting for twice as many plain steps as the last, so useless drafts
+    cost few rows; the output is unchanged."""
+
+    class Wrong(NgramDrafter):
+        def propose(self, seq, n):
+            return [(seq.last_token + 1 + i) % 1000 + 20 for i in range(n)]
+
+    llm = default_llm
+    ids = _prompt(llm, 1)
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = _run(llm, ids, sampling)
+    seq = Sequence.create(llm.runner, llm.tokenizer, ids, sampling, llm.ctx)
+    spec = Speculator(SpeculativeParams("ngram", 8), Wrong(3))
+    toks = [o.token_id for o in generate_step(llm.runner, seq, spec=spec)]
+    assert toks == plain[0]
+    assert spec.accepted == 0 and spec.drafted == 2 + 1 + 1  # 2, pause 8, 1, pause 16, 1, pause 32
+    _assert_same_cache(seq.slot.cache, plain[2])
+
+
+def test_lookup_finds_the_latest_longest_match():
+    ctx = np.array([1, 2, 3, 9, 2, 3, 4, 1, 2, 3], np.int64)
+    assert lookup(ctx, 3, 4) == [9, 2, 3, 4]  # [1, 2, 3] occurred at 0
+    assert lookup(ctx, 2, 4) == [4, 1, 2, 3]  # [2, 3]: its latest earlier occurrence, at 4
+    assert lookup(ctx, 3, 2) == [9, 2]
+    assert lookup(np.array([5, 6, 7, 5], np.int64), 3, 8) == [6, 7, 5]  # up to the end
+    assert lookup(np.array([1, 2, 3], np.int64), 3, 4) == []  # nothing repeats
+
+
+def test_api_keywords_and_usage(default_llm):
+    ids = _prompt(default_llm, 1)
+    plain = [o.token_id for o in default_llm.stream(ids, max_tokens=24)]
+    outs = list(default_llm.stream(ids, max_tokens=24, speculative="ngram", spec_tokens=3))
+    assert [o.token_id for o in outs] == plain
+    assert set(outs[-1].speculative) == {"drafted_tokens", "accepted_tokens"}
+    with pytest.raises(SparrowError, match="speculative must be one of"):
+        list(default_llm.stream(ids, speculative="medusa"))
+    with pytest.raises(SparrowError, match="needs a draft model"):
+        list(default_llm.stream(ids, speculative="draft"))
+    with pytest.raises(SparrowError, match=r"spec_tokens must be an integer in \[1, 32\]"):
+        list(default_llm.stream(ids, speculative="ngram", spec_tokens=0))
+    with pytest.raises(SparrowError, match="only used with speculative 'sparse'"):
+        list(default_llm.stream(ids, speculative="ngram", spec_sparse_k=4))
+    with pytest.raises(SparrowError, match="does not share the tokenizer"):
+        from sparrow.engine.speculative import check_draft_model
+
+        other = copy.copy(default_llm)
+        other.tokenizer = type("T", (), {"encode": lambda self, s: [1], "eos_token_ids": [2]})()
+        check_draft_model(default_llm, other)
+
+
+def test_structured_output_with_speculation(default_llm):
+    """A grammar's mask applies at each verified position: a JSON answer equals plain decoding's
+    and parses."""
+    import json
+
+    fmt = {"type": "json_object"}
+    msgs = [{"role": "user", "content": "Give a JSON object with the keys a and b: " + TEXT}]
+    plain = "".join(o.text for o in default_llm.stream(msgs, chat=True, max_tokens=40, response_format=fmt))
+    got = "".join(
+        o.text for o in default_llm.stream(msgs, chat=True, max_tokens=40, response_format=fmt, speculative="ngram")
+    )
+    assert got == plain and got.lstrip().startswith("{")
+    try:
+        json.loads(got)
+    except json.JSONDecodeError:  # cut by max_tokens: a prefix of an object, which the grammar kept valid
+        assert len(default_llm.tokenizer.encode(got)) >= 35
+
+
+# ---------------------------------------------------------------------- the engine and the server
+def _engine_run(engine, jobs, timeout=600):
+    """Submits (ids, params, speculative, kv_dtype) jobs at once -> each one's StepOutputs."""
+    import threading
+
+    outs = [[] for _ in jobs]
+    errors = [None] * len(jobs)
+    done = threading.Semaphore(0)
+
+    def emit_for(i):
+        def emit(kind, out):
+            if kind == "token":
+                outs[i].append(out)
+                if out.finish_reason:
+                    done.release()
+            else:
+                errors[i] = out
+                done.release()
+
+        return emit
+
+    engine.start(warmup=False)
+    try:
+        for i, (ids, params, spec, kv) in enumerate(jobs):
+            engine.submit(ids, params, None, emit_for(i), kv, speculative=spec)
+        for _ in jobs:
+            assert done.acquire(timeout=timeout), "the engine stalled"
+    finally:
+        engine.stop()
+    assert errors == [None] * len(jobs)
+    return outs
+
+
+def _solo(llm, ids, params, kv):
+    return [(o.token_id, o.logprob, o.text) for o in llm.stream(ids, sampling=params, kv_dtype=kv)]
+
+
+def _jobs(llm):
+    ids = _prompt(llm, 2)
+    greedy = SamplingParams(max_tokens=30, logprobs=2)
+    seeded = SamplingParams(max_tokens=30, temperature=0.9, seed=11, logprobs=0)
+    stop = SamplingParams(max_tokens=30, stop=["library"])
+    return [
+        (ids, greedy, SpeculativeParams("ngram", 4), "f32"),
+        (ids, seeded, None, "f32"),
+        (ids, seeded, SpeculativeParams("sparse", 3, sparse=SEED), "f16"),
+        (ids, stop, SpeculativeParams("ngram", 6), "int8"),
+        (_prompt(llm, 1), seeded, SpeculativeParams("ngram", 2), "f32"),
+    ]
+
+
+def test_engine_batch_equals_solo_runs(default_llm):
+    """Speculating and plain requests decoded together (continuous batching, rows of several
+    sequences in one forward): each equals its plain solo run, logprobs and stop strings included."""
+    from sparrow.engine.engine import Engine
+    from sparrow.server.metrics import Metrics
+
+    llm, metrics = default_llm, Metrics()
+    jobs = _jobs(llm)
+    outs = _engine_run(Engine(llm, max_batch=8, metrics=metrics, kv_budget=1 << 28), jobs)
+    for (ids, params, spec, kv), got in zip(jobs, outs):
+        assert [(o.token_id, o.logprob, o.text) for o in got] == _solo(llm, ids, params, kv)
+        if spec is not None and len(got) > 1:
+            assert got[-1].speculative is not None
+    assert "library" not in "".join(o.text for o in outs[3]) and outs[3][-1].finish_reason == "stop"
+    snap = metrics.snapshot()
+    assert snap["spec_drafted_tokens"] >= snap["spec_accepted_tokens"] > 0
+
+
+def test_engine_tight_kv_budget(default_llm):
+    """A KV budget that preempts: speculation only drafts into KV it can grow into without
+    preempting, and every output still equals its solo run."""
+    from sparrow.engine.engine import Engine
+
+    llm = default_llm
+    jobs = _jobs(llm)[:4]
+    per_seq = llm.model.new_cache(1).bytes_at(len(jobs[0][0]) + 40)
+    engine = Engine(llm, max_batch=8, kv_budget=int(per_seq * 2.2), prefix_cache=False)
+    outs = _engine_run(engine, jobs)
+    for (ids, params, _spec, kv), got in zip(jobs, outs):
+        assert [(o.token_id, o.logprob, o.text) for o in got] == _solo(llm, ids, params, kv)
+    assert engine.pool.used == 0
+
+
+def test_server_speculative_options_usage_and_metrics(default_llm):
+    import httpx
+    from inprocess_server import serving
+
+    from sparrow.server.app import ServerState
+    from sparrow.server.metrics import parse_prometheus
+
+    llm = default_llm
+    text = "Copy this text exactly:\n\n" + TEXT
+    ref = "".join(o.text for o in llm.stream([{"role": "user", "content": text}], chat=True, max_tokens=24))
+    state = ServerState(speculative=SpeculativeParams("ngram", 3), kv_budget=1 << 28)
+    with serving(state, llm) as url:
+        body = {"messages": [{"role": "user", "content": text}], "max_tokens": 24, "temperature": 0}
+        # spec_tokens alone tunes the server's default (ngram); spec_sparse_k is ignored by ngram
+        for extra in (
+            {},
+            {"speculative": "ngram", "spec_tokens": 5},
+            {"spec_tokens": 2, "spec_sparse_k": 4},
+            {"speculative": "none"},
+        ):
+            r = httpx.post(url + "/v1/chat/completions", json={**body, **extra}, timeout=300).json()
+            assert r["choices"][0]["message"]["content"] == ref
+            details = r["usage"].get("completion_tokens_details")
+            if extra.get("speculative") == "none":
+                assert details is None
+            else:
+                assert details["accepted_prediction_tokens"] > 0 and details["rejected_prediction_tokens"] >= 0
+        for bad, param in (
+            ({"speculative": "draft"}, "speculative"),  # no --draft-model
+            ({"speculative": "medusa"}, "speculative"),
+            ({"speculative": "ngram", "spec_tokens": 99}, "spec_tokens"),
+            ({"speculative": "sparse", "spec_sparse_k": 0}, "spec_sparse_k"),
+        ):
+            r = httpx.post(url + "/v1/chat/completions", json={**body, **bad}, timeout=60)
+            assert r.status_code == 400, (bad, r.text)
+            assert r.json()["error"]["param"] == param, (bad, r.json())
+        m = parse_prometheus(httpx.get(url + "/metrics", timeout=60).text)
+        assert m["sparrow_spec_draft_tokens_total"] >= m["sparrow_spec_accepted_tokens_total"] > 0
