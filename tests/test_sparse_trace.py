@@ -156,3 +156,12 @@ def test_completions_and_errors(base):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "sparse_trace"
     bad = httpx.post(base + "/v1/chat/completions", json={"messages": MESSAGES, "sparse_trace": "maybe"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "sparse_trace"
+    # one choice of one prompt, decoded plainly: n > 1, a batch and speculation are refused
+    for extra, path in (
+        ({"n": 2}, "/v1/chat/completions"),
+        ({"speculative": "ngram"}, "/v1/chat/completions"),
+        ({"prompt": [FACTS, FACTS]}, "/v1/completions"),
+    ):
+        req = {"messages": MESSAGES} if path.endswith("chat/completions") else {}
+        bad = httpx.post(base + path, json={**req, "sparse_attn": True, "sparse_trace": True, **extra})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "sparse_trace", extra
