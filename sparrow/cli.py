@@ -477,6 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--metrics-public", action="store_true", help="answer /metrics without the API key (default: it needs it)"
     )
+    s.add_argument("--no-web-ui", action="store_true", help="serve no chat page at / (the API only)")
     s.add_argument(
         "--allow-special-tokens-in-content",
         action="store_true",

@@ -58,6 +58,7 @@ class Request:
     images: list | None = None  # the prompt's preprocessed images (vision.preprocess.PixelImage)
     speculative: SpeculativeParams | None = None  # None: plain decoding
     spec: Speculator | None = None  # its drafter and counts, made at its first decode step
+    trace: bool = False  # sparse decode: each output carries its step's block selections (StepOutput.trace)
     id: int = field(default_factory=lambda: next(_ids))
     seq: Sequence | None = None
     cancelled: bool = False  # set by the client side; the engine drops it before its next step
@@ -145,6 +146,7 @@ class Engine:
         prompt_logprobs: int | None = None,
         score_only: bool = False,
         speculative: SpeculativeParams | None = None,
+        trace: bool = False,
     ) -> Request:
         """Queues a request. Raises EngineBusy when the queue is full or the engine is draining,
         SparrowError when prompt + max_tokens cannot fit in the whole KV budget.
@@ -155,7 +157,9 @@ class Engine:
         The queue limit counts the n choices as n requests. prompt_logprobs: the first output
         carries each prompt token's logprob with that many alternatives (the prefix cache is not
         used for such a prompt: every position's logits are needed). score_only: nothing is
-        generated; one output per choice, finish_reason "length", no token."""
+        generated; one output per choice, finish_reason "length", no token. trace: with sparse,
+        each decoded output carries the blocks its step read (StepOutput.trace; the step takes the
+        staged path, same bits)."""
         self.kv.check_fits(len(prompt_ids), params.max_tokens, kv_dtype, sparse)
         if self.max_queue is not None and n > self.max_queue:
             e = SparrowError(f"n={n} choices exceed the server's queue limit of {self.max_queue} (--max-queue)")
@@ -173,6 +177,7 @@ class Engine:
         req.n, req.fork_constraints, req.family = n, constraints[1:], [req]
         req.prompt_logprobs, req.score_only = prompt_logprobs, score_only
         req.speculative = speculative
+        req.trace = bool(trace and sparse is not None)
         with self._cv:
             if self._draining or self._stop:
                 raise EngineBusy("the server is shutting down", retry_after=5)
@@ -439,6 +444,12 @@ class Engine:
                 tokens = [r.seq.next_input for r in batch]
                 logits = self.runner.decode([r.seq.slot for r in batch], tokens)  # [B, V]
                 outs = [(r, r.seq.accept(logits[j])) for j, r in enumerate(batch) if live[j]]
+                for r, out in outs:
+                    if r.trace:
+                        out.trace = list(r.seq.trace)
+                for r in batch:  # a replayed step's selections are dropped with it
+                    if r.trace:
+                        r.seq.trace.clear()
             except Exception as e:
                 self._internal_error(batch, e)
                 continue

@@ -89,6 +89,8 @@ class KVManager:
                 constraint=req.constraint,
                 allocate=False,
                 images=req.images,
+                trace=req.trace,
+                trace_mass=False,  # a live view needs the blocks only (models.attention.Trace)
             )
         seq, slot = req.seq, req.seq.slot
         if slot.cache is not None:

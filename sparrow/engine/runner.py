@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import SparrowError
 from ..kernels import linear as _linear
 from ..kv_cache import KVCache, thin_snapshots
+from ..models.attention import Trace
 from ..models.decoder import Segment
 from ..params import SparseParams
 
@@ -73,9 +74,12 @@ class Runner:
         sparse: SparseParams | None = None,
         trace: bool = False,
         images: list | None = None,
+        trace_mass: bool = True,
     ) -> Slot:
         """A slot with a fresh cache of `capacity` positions (prompt plus what it may generate).
-        images: preprocessed images (vision.preprocess) for the prompt's image pads, encoded here."""
+        images: preprocessed images (vision.preprocess) for the prompt's image pads, encoded here.
+        trace: sparse decode records its selections in slot.trace (with each head's softmax
+        mass inside them unless trace_mass is False)."""
         prompt = np.asarray(prompt, np.int64)
         mm = None
         if hasattr(self.model, "prepare"):  # an image model: pads and images must match
@@ -83,7 +87,7 @@ class Runner:
         elif images:
             raise SparrowError("this model is text-only: it does not take images")
         cache = None if capacity is None else self.model.new_cache(capacity, kv_dtype)  # None: the engine's budget
-        return Slot(prompt, cache, sparse, [] if trace else None, mm)
+        return Slot(prompt, cache, sparse, Trace(trace_mass) if trace else None, mm)
 
     def prefill_step(self, slot: Slot, end: int | None = None, rows: list | None = None) -> np.ndarray | None:
         """Runs the next chunk of the prompt (up to position `end`, default the whole prompt).

@@ -32,6 +32,7 @@ class StepOutput:
     # the first, top alternatives or None), the logprob as decoding would report the same token
     prompt_logprobs: list | None = None
     speculative: dict | None = None  # last output of a speculative run: {"drafted_tokens", "accepted_tokens"}
+    trace: list | None = None  # the engine's traced requests: the sparse selections of the step that chose it
 
 
 @dataclass
@@ -62,13 +63,14 @@ class Sequence:
         constraint=None,
         images: list | None = None,
         allocate: bool = True,
+        trace_mass: bool = True,
     ) -> Sequence:
         """Checks the request against the context and allocates exactly the KV it can use.
         `params` were validated where they were built (CLI, HTTP request, API keywords).
         images: the prompt's preprocessed images (Qwen3-VL), encoded into the slot here."""
         check_context(len(prompt_ids), params.max_tokens, ctx)
         capacity = len(prompt_ids) + params.max_tokens if allocate else None  # None: the engine's KV budget
-        slot = runner.new_slot(prompt_ids, capacity, kv_dtype, sparse, trace, images)
+        slot = runner.new_slot(prompt_ids, capacity, kv_dtype, sparse, trace, images, trace_mass)
         sampler = Sampler(params, runner.model.config.vocab_size)
         sampler.observe_prompt(prompt_ids)
         return cls(

@@ -36,21 +36,31 @@ from ..params import SparseParams  # noqa: F401  (type of the sparse argument)
 _DEFAULT_BLOCK = 32
 
 
+class Trace(list):
+    """Where sparse decode appends (layer, per-head selection records). mass=False leaves each
+    record's mass None: the share of softmax mass costs an exact pass over every head's keys,
+    which a live view of the selections (the server's sparse_trace) does not need."""
+
+    def __init__(self, mass: bool = True):
+        super().__init__()
+        self.mass = mass
+
+
 def _check_heads(H, layer):
     if H % layer.n_kv_heads:
         raise ValueError(f"{H} query heads are not a multiple of {layer.n_kv_heads} KV heads")
     return H // layer.n_kv_heads
 
 
-def decode_attention(q, layer, state, seq_len, scale, sparse=None, trace=None):
+def decode_attention(q, layer, state, seq_len, scale, sparse=None, trace=None, mass=True):
     """Attention of q [H, D] (position seq_len-1, already appended) over positions
     0..seq_len-1 of the layer cache -> [H, D].
 
     state: the layer's SparseState (importance state.importance[:seq_len], probe copies).
     sparse: SparseParams for block-sparse top-k, None for exact attention.
     trace: with sparse, appends (head, block ids ascending, stage names, mass) per query head,
-    mass being the share of the exact softmax mass inside the selected blocks; exact
-    attention records nothing.
+    mass being the share of the exact softmax mass inside the selected blocks (None unless
+    `mass`); exact attention records nothing.
     """
     q = np.ascontiguousarray(q, dtype=np.float32)  # [H, D]
     H, D = q.shape
@@ -101,8 +111,8 @@ def decode_attention(q, layer, state, seq_len, scale, sparse=None, trace=None):
         for h in range(H):
             n = nsel[h]
             blocks = sel[h, :n].tolist()
-            mass = _selected_mass(q[h], layer, h // group, seq_len, scale, bs, blocks)
-            trace.append((h, blocks, [STAGE_NAMES[c] for c in stages[h, :n]], mass))
+            share = _selected_mass(q[h], layer, h // group, seq_len, scale, bs, blocks) if mass else None
+            trace.append((h, blocks, [STAGE_NAMES[c] for c in stages[h, :n]], share))
     return out
 
 

@@ -277,7 +277,8 @@ class Decoder:
             sp = s.sparse.for_layer(layer.index) if s.sparse is not None else None  # v2: early layers exact
             if s.decode:
                 tr = [] if s.trace is not None else None
-                out[a] = decode_attention(q[a], kv, st, s.start + 1, layer.attn.scale, sp, tr)
+                mass = getattr(s.trace, "mass", True)  # a plain list (eval.fidelity) records the mass
+                out[a] = decode_attention(q[a], kv, st, s.start + 1, layer.attn.scale, sp, tr, mass)
                 if tr is not None and sp is not None:
                     s.trace.append((layer.index, tr))
             else:

@@ -36,6 +36,7 @@ from ..params import SpeculativeParams
 from ..structured import StructuredError
 from ..vision.media import MAX_PIXELS_PER_REQUEST
 from ..vision.preprocess import image_salt
+from . import web_ui
 from .limits import BODY_TIMEOUT, HEADER_TIMEOUT, BodyLimit, http_protocol
 from .metrics import Metrics
 from .protocol import (
@@ -71,6 +72,7 @@ from .schema import (
     TokenizeResponse,
     openapi,
 )
+from .sparse_trace import Tracer
 from .streaming import Accumulator, Choices, SSEResponse, collect, sse, stream
 
 ENDPOINTS = (
@@ -116,6 +118,7 @@ class ServerState:
         body_timeout: float | None = BODY_TIMEOUT,
         prompt_cache: str | None = None,
         prompt_cache_size: int | None = None,
+        web_ui: bool = True,
         speculative: SpeculativeParams | None = None,
         draft_model: str | None = None,
         **engine_options,
@@ -129,7 +132,8 @@ class ServerState:
         request body to arrive (None: no limit). prompt_cache: a folder that keeps prompts' KV
         across restarts (engine/disk_cache.py), at most prompt_cache_size bytes (None: its
         default). speculative: the speculative decoding of requests that do not say;
-        draft_model: the draft model requests may ask for (speculative 'draft')."""
+        draft_model: the draft model requests may ask for (speculative 'draft'). web_ui: the chat
+        page at / (web_ui.py)."""
         check_api_key(api_key)
         self.speculative, self.draft_model = speculative, draft_model
         self.prompt_cache, self.prompt_cache_size = prompt_cache, prompt_cache_size
@@ -141,6 +145,7 @@ class ServerState:
         self.max_image_bytes = max_image_bytes
         self.max_pixels_per_request = max_pixels_per_request
         self.metrics_public = metrics_public
+        self.web_ui = web_ui
         self.special_tokens_in_content = special_tokens_in_content
         self.body_timeout = body_timeout
         self.api_key = api_key
@@ -215,6 +220,8 @@ class _Auth:
         await send({"type": "http.response.body", "body": body})
 
     def _public(self, path: str) -> bool:
+        if self.state.web_ui and (path == web_ui.PAGE or path in web_ui.ASSETS):  # the page asks for the key
+            return True
         return path in PUBLIC or (path == "/metrics" and self.state.metrics_public)
 
 
@@ -293,6 +300,9 @@ def create_app(state: ServerState) -> FastAPI:
                 param="model",
                 code="model_not_found",
             )
+
+    if state.web_ui:
+        web_ui.add_routes(app)
 
     @app.get("/health")
     async def health():
@@ -559,7 +569,8 @@ def create_app(state: ServerState) -> FastAPI:
         salt = image_salt(images)  # the prefix cache shares KV only between prompts with the same images
         top = req.params.logprobs or 0
         handles = []
-        spec = _speculative(req)  # a bad setting is a 400 before anything is queued
+        # a bad setting is a 400 before anything is queued; a traced request decodes plainly
+        spec = None if req.sparse_trace else _speculative(req)
         try:
             for p, (ids, sampling) in enumerate(zip(prompts, params)):
                 handles.append(
@@ -576,6 +587,7 @@ def create_app(state: ServerState) -> FastAPI:
                         prompt_logprobs=top if scoring else None,
                         score_only=req.max_tokens == 0,
                         speculative=spec,
+                        trace=req.sparse_trace,
                     )
                 )
         except EngineBusy as e:  # OpenAI clients retry a 503 after Retry-After
@@ -622,8 +634,9 @@ def create_app(state: ServerState) -> FastAPI:
                 req.params.stop_token_ids,
                 tool_parser(llm.tool_format),
                 chat,
+                Tracer(llm, req.sparse, prompts[0]) if req.sparse_trace and i == 0 else None,
             )
-            for _ in range(len(prompts) * req.n)
+            for i in range(len(prompts) * req.n)
         ]
         choices = Choices(accs, req.n, [len(ids) for ids in prompts])
         rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
@@ -660,6 +673,8 @@ def create_app(state: ServerState) -> FastAPI:
                 prompt_lps = (choices.prompt_logprobs[p] or ()) if scoring else ()
                 lp = lp_fmt(lps, 0, prompt_lps) if req.logprobs else None
                 out.append({"index": i, "text": prefix + content, "logprobs": lp, "finish_reason": finish})
+            if acc.tracer is not None:
+                out[-1]["sparse_trace"] = {**acc.tracer.header, "steps": acc.trace_steps}
         return {"id": rid, "object": obj, "created": created, "model": llm.name, "choices": out,
                 "usage": choices.usage()}  # fmt: skip
 
@@ -706,6 +721,7 @@ def state_from_args(args) -> ServerState:
         max_image_bytes=parse_size(args.max_image_file_size) if getattr(args, "max_image_file_size", None) else None,
         max_pixels_per_request=_limit(getattr(args, "max_pixels_per_request", MAX_PIXELS_PER_REQUEST)),
         metrics_public=getattr(args, "metrics_public", False),
+        web_ui=not getattr(args, "no_web_ui", False),
         special_tokens_in_content=getattr(args, "allow_special_tokens_in_content", False),
         body_timeout=_limit(getattr(args, "body_timeout", BODY_TIMEOUT)),
         prompt_cache=getattr(args, "prompt_cache", None),

@@ -189,6 +189,7 @@ class GenRequest:
     logprobs: bool = False
     chat_template_kwargs: dict = field(default_factory=dict)
     kv_dtype: str | None = None  # None: the server's --kv-dtype
+    sparse_trace: bool = False  # each token's block selections in the response (server/sparse_trace.py)
     structured: Structured = field(default_factory=Structured)  # tools, tool_choice, response_format
     speculative: dict | None = None  # the request's speculative options (None: the server's default)
 
@@ -245,6 +246,12 @@ def _common(r, chat: bool, defaults: dict | None) -> GenRequest:
             )
         except SparrowError as e:
             raise _bad("sparse_attn", str(e)) from None
+    if r.sparse_trace and sparse is None:
+        raise _bad("sparse_trace", "'sparse_trace' traces sparse attention: it requires 'sparse_attn': true")
+    if r.sparse_trace and (r.n or 1) > 1:
+        raise _bad("sparse_trace", "'sparse_trace' traces one choice: it requires 'n': 1")
+    if r.sparse_trace and r.speculative not in (None, "none"):
+        raise _bad("sparse_trace", "'sparse_trace' traces plain decoding: it cannot be combined with 'speculative'")
     return GenRequest(
         chat,
         r.model,
@@ -257,6 +264,7 @@ def _common(r, chat: bool, defaults: dict | None) -> GenRequest:
         logprobs=want_lp,
         kv_dtype=r.kv_dtype,
         speculative=_speculative_options(r),
+        sparse_trace=bool(r.sparse_trace),
     )
 
 
@@ -341,6 +349,8 @@ def completion_request(r: CompletionRequest, defaults: dict | None = None) -> Ge
         req.prompts = list(p)
     else:
         raise _bad("prompt", "'prompt' must be a string, token ids, or a non-empty list of those")
+    if req.sparse_trace and len(req.prompts) > 1:
+        raise _bad("sparse_trace", "'sparse_trace' traces one prompt, not a batch")
     if len(req.prompts) > MAX_PROMPTS:
         raise _bad("prompt", f"at most {MAX_PROMPTS} prompts in one request, got {len(req.prompts)}")
     if len(req.prompts) * req.n > MAX_CHOICES:

@@ -59,6 +59,7 @@ SERVE_DEFAULTS = dict(
     max_image_file_size=None,
     max_pixels_per_request=MAX_PIXELS_PER_REQUEST,
     metrics_public=False,
+    no_web_ui=False,
     allow_special_tokens_in_content=False,
     body_timeout=BODY_TIMEOUT,
 )

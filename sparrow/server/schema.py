@@ -264,6 +264,11 @@ class _Sampling(_Model):
     spec_ngram: int | None = Field(None, ge=1, le=64, description="ngram: longest suffix looked up")
     spec_sparse_k: int | None = Field(None, ge=1, description="sparse drafting: blocks per head (default 8)")
     spec_sparse_select: Selector | None = Field(None, description="sparse drafting: block selector")
+    sparse_trace: bool | None = Field(
+        None,
+        description="with sparse_attn: return which KV blocks each layer and head read for each token "
+        "(choices[0].sparse_trace; README: Web UI)",
+    )
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: Any = _no_effect("an end-user id for OpenAI's abuse monitoring")

@@ -35,14 +35,25 @@ class Accumulator:
     call reassembles to the call the whole answer returns."""
 
     def __init__(
-        self, llm, splitter: ReasoningSplitter | None, want_lp: bool, stop_ids=(), tool_parser=None, chat: bool = True
+        self,
+        llm,
+        splitter: ReasoningSplitter | None,
+        want_lp: bool,
+        stop_ids=(),
+        tool_parser=None,
+        chat: bool = True,
+        tracer=None,
     ):
-        """chat: a token that ends the answer by being a stop token (end of turn, stop_token_ids)
-        gets no logprobs entry, as in OpenAI's chat API, where the entries spell the content;
-        completions report it (text still omits it), as vLLM and OpenAI's legacy API do: the
-        last entry is then the token sampled, which harnesses that score with echo + logprobs
-        drop (lm-evaluation-harness takes token_logprobs[ctxlen:-1])."""
+        """tracer: a sparse_trace.Tracer when the request asked for sparse_trace. chat: a token
+        that ends the answer by being a stop token (end of turn, stop_token_ids) gets no logprobs
+        entry, as in OpenAI's chat API, where the entries spell the content; completions report
+        it (text still omits it), as vLLM and OpenAI's legacy API do: the last entry is then the
+        token sampled, which harnesses that score with echo + logprobs drop
+        (lm-evaluation-harness takes token_logprobs[ctxlen:-1])."""
         self.tok, self.splitter, self.want_lp, self.chat = llm.tokenizer, splitter, want_lp, chat
+        self.tracer = tracer
+        self.trace_step: dict | None = None  # of the latest add()
+        self.trace_steps: list[dict] = []  # every add()'s, for a whole answer
         self.eos = set(llm.tokenizer.eos_token_ids) | set(stop_ids)
         self.tokens = 0
         self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
@@ -58,12 +69,14 @@ class Accumulator:
         return "tool_calls" if finish == "stop" and self.tool_calls else finish
 
     def add(self, out):
+        self.trace_step = None
         if out.cached_tokens is not None:
             self.cached_tokens = out.cached_tokens
         self.tool_deltas = []
         if out.token_id is None:  # nothing generated (max_tokens 0)
             return "", "", []
         self.tokens += 1
+        self.trace_step = self.tracer.step(out) if self.tracer is not None else None
         if out.speculative is not None:
             self.speculative = out.speculative
         final = out.finish_reason is not None
@@ -141,6 +154,8 @@ async def collect(request, queue, choices: Choices):
             reasoning.append(r)
             content.append(c)
             lps += lp
+            if acc.trace_step is not None:
+                acc.trace_steps.append(acc.trace_step)
             if out.finish_reason:
                 results[i] = "".join(reasoning), "".join(content), lps, acc.finish_reason(out.finish_reason)
                 choices.left -= 1
@@ -163,13 +178,19 @@ async def stream(req, choices: Choices, queue, rid, created, chat, lp_fmt, model
     offsets = [0] * len(choices.accs)  # characters streamed so far: completions' logprobs.text_offset
     started = [False] * len(choices.accs)
 
-    def chunk(i, delta_or_text, lp=None, finish=None):
+    def chunk(i, delta_or_text, lp=None, finish=None, trace=None):
         choice = {"index": i, ("delta" if chat else "text"): delta_or_text, "logprobs": lp, "finish_reason": finish}
+        if trace is not None:
+            choice["sparse_trace"] = trace
         return sse({**base, "choices": [choice], **extra})
 
+    tracer = choices.accs[0].tracer
+    header = tracer.header if tracer is not None else None  # sparse_trace: with the first chunk
     if chat:
         for i in range(len(choices.accs)):
-            yield chunk(i, {"role": "assistant", "content": ""})
+            yield chunk(i, {"role": "assistant", "content": ""}, trace=header if i == 0 else None)
+    elif header is not None:
+        yield chunk(0, "", trace=header)
     while choices.left:
         p, kind, out = await queue.get()
         if kind in ("error", "timeout"):
@@ -184,14 +205,15 @@ async def stream(req, choices: Choices, queue, rid, created, chat, lp_fmt, model
             yield chunk(i, text, lp)
             offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp and lp["tokens"] else len(text)
         started[i] = True
+        tr = acc.trace_step  # every token's step goes out, with its text or in a chunk of its own
         if chat:
             delta = {k: v for k, v in (("reasoning_content", r), ("content", c)) if v}
-            if delta or lps:
-                yield chunk(i, delta, lp_fmt(lps) if lps else None)
+            if delta or lps or tr:
+                yield chunk(i, delta, lp_fmt(lps) if lps else None, trace=tr)
             for d in acc.tool_deltas:  # OpenAI's shape: one call's id and name first, then its arguments
                 yield chunk(i, {"tool_calls": [d]})
-        elif c or lps:
-            yield chunk(i, c, lp_fmt(lps, offsets[i]) if lps else None)
+        elif c or lps or tr:
+            yield chunk(i, c, lp_fmt(lps, offsets[i]) if lps else None, trace=tr)
             offsets[i] += len(c)
         if out.finish_reason:
             yield chunk(i, {} if chat else "", finish=acc.finish_reason(out.finish_reason))
