@@ -3,6 +3,7 @@ resident memory, library versions (sparrow bench speed's header and its busy war
 
 import os
 import resource
+import sys
 import time
 
 import numpy as np
@@ -89,6 +90,16 @@ def cpu_info() -> dict:
         "l2_per_core": l2,
         "machine": platform.machine(),
     }
+
+
+def llama_cpp_importable() -> bool:
+    """Whether llama.cpp's bindings can be compared against (a note on stderr when not)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("llama-cpp-python is not importable: measuring sparrow only", file=sys.stderr)
+        return False
+    return True
 
 
 def cpu_busy(interval=1.0) -> float | None:

@@ -42,7 +42,7 @@ import time
 import numpy as np
 
 from sparrow.bench import bandwidth
-from sparrow.bench.host import MB, busy_threshold, cpu_busy, cpu_info, load_avg, versions
+from sparrow.bench.host import MB, busy_threshold, cpu_busy, cpu_info, llama_cpp_importable, load_avg, versions
 from sparrow.engine.runner import PREFILL_CHUNK as CHUNK
 
 WORK_MIB = 256  # prefill chunk work buffers (scores, activations) the bound allows beyond the cache
@@ -316,13 +316,7 @@ def run(a) -> dict:
     synth = sorted(int(c) for c in a.synth.split(",") if c) if a.synth else []
     load_start, busy = load_avg(), cpu_busy()
     cpu = cpu_info()
-    compare = a.compare == "llama-cpp"
-    if compare:
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError:
-            print("llama-cpp-python is not importable: measuring sparrow only", file=sys.stderr)
-            compare = False
+    compare = a.compare == "llama-cpp" and llama_cpp_importable()
     rec = {
         "load_start": load_start,
         "cpu_busy_start": busy,

@@ -50,6 +50,7 @@ from sparrow.bench.host import (
     busy_threshold,
     cpu_busy,
     cpu_info,
+    llama_cpp_importable,
     load_avg,
     versions,
 )
@@ -182,14 +183,8 @@ def main(argv=None):
     else:
         path = a.model or default_model_path()
     out = report.record_path("speed", a.json)
-    compare = a.compare == "llama-cpp"
-    if compare:
-        # llama.cpp as its users run it: OpenMP's default (spin-)wait, no OMP_WAIT_POLICY set here
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError:
-            print("llama-cpp-python is not importable: measuring sparrow only", file=sys.stderr)
-            compare = False
+    # llama.cpp as its users run it: OpenMP's default (spin-)wait, no OMP_WAIT_POLICY set here
+    compare = a.compare == "llama-cpp" and llama_cpp_importable()
     rec = {
         "load_start": load_start,
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
