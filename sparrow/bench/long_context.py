@@ -105,7 +105,7 @@ class SparrowEngine:
         for m in SPARROW_MODES:
             self.decode(warm, m, 2)
         self._allocate(length + n_decode)
-        return {"prompt": self.prompt.tolist(), "feed": self.feed, **self._memory()}
+        return {"prompt": self.prompt.tolist(), "feed": self.feed, **self.memory()}
 
     def _allocate(self, capacity):
         self.cache = None
@@ -114,7 +114,8 @@ class SparrowEngine:
         self.cache = self.model.new_cache(capacity, self.kv)
         reset_peak()
 
-    def _memory(self):
+    def memory(self):
+        """Resident memory now and at its peak, beside the bound and its parts."""
         c = self.cache
         side = {m: c.bytes_at(c.capacity, sp.copy_key) - c.bytes_at(c.capacity) for m, sp in self.sparse.items()}
         kv = c.bytes_at(c.capacity) / MB
@@ -174,10 +175,7 @@ class SparrowEngine:
         self.cache.length = length
         for m in SPARROW_MODES:
             self.decode(length, m, 1)
-        return self._memory()
-
-    def memory(self):
-        return self._memory()
+        return self.memory()
 
 
 class LlamaEngine:

@@ -136,9 +136,10 @@ class FileEntry:
     header: dict  # the parsed safetensors header
     data_start: int  # offset of the data region
 
-    @property
+    @functools.cached_property
     def bounds(self) -> set[int]:
-        """The boundaries a hit may reuse: those whose importance the file holds."""
+        """The boundaries a hit may reuse: those whose importance the file holds (parsed once:
+        every lookup reads them)."""
         return _bounds(self.header["__metadata__"])
 
 
@@ -187,11 +188,12 @@ def _bounds(meta: dict) -> set[int]:
         raise EntryError("malformed snapshots list") from None
 
 
-def _shapes(meta: dict, j: int) -> dict:
-    """Expected shapes of chunk j's tensors, from the header's dimensions."""
+def _shapes(meta: dict, j: int, bounds: set[int]) -> dict:
+    """Expected shapes of chunk j's tensors, from the header's dimensions and its snapshot
+    boundaries (_bounds)."""
     L, H, D, c = (int(meta[k]) for k in ("layers", "kv_heads", "head_dim", "chunk"))
     out = {"k": [L, H, c, D], "v": [L, H, c, D]}
-    if (j + 1) * c in _bounds(meta):
+    if (j + 1) * c in bounds:
         out["importance"] = [L, (j + 1) * c]
     if meta["kv_dtype"] == "int8":
         out["k_scale"] = out["v_scale"] = [L, H, c]
@@ -204,13 +206,13 @@ def write_entry(path: str, meta: dict, tokens: np.ndarray, cache, snapshots: dic
     folder, fsync, rename. Returns its size."""
     c = int(meta["chunk"])
     B = len(tokens)
-    bounds = sorted(b for b in snapshots if b <= B and b % c == 0)
-    meta = dict(meta, snapshots=",".join(map(str, bounds)))
+    bounds = {b for b in snapshots if b <= B and b % c == 0}
+    meta = dict(meta, snapshots=",".join(map(str, sorted(bounds))))
     tokens = np.ascontiguousarray(tokens, np.int64)
     tensors = {"tokens": {"dtype": "I64", "shape": [B], "data_offsets": [0, tokens.nbytes]}}
     sources, crcs, offset = [[tokens]], [], tokens.nbytes
     for j in range(B // c):
-        crc, shapes = 0, _shapes(meta, j)
+        crc, shapes = 0, _shapes(meta, j, bounds)
         for part, dtype, rows in _chunk_parts(cache, j, c, snapshots.get((j + 1) * c)):
             shape = shapes[part]
             nbytes = int(np.prod(shape)) * np.dtype(_ST_DTYPES[dtype]).itemsize
@@ -307,7 +309,7 @@ def read_chunks(path: str, entry: FileEntry, n: int, cache) -> dict:
         with open(path, "rb") as f:
             for j in range(n // c):
                 crc = 0
-                shapes = _shapes(meta, j)
+                shapes = _shapes(meta, j, entry.bounds)
                 for part in ("k", "v", "k_scale", "v_scale", "importance"):
                     if part not in shapes:
                         continue
