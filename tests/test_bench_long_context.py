@@ -33,3 +33,13 @@ def test_long_context_bench_memory_within_bound(tmp_path, capsys):
     # ... and stays within the stated bound: no second copy of the cache anywhere
     assert mem["within_bound"] and mem["peak_mib"] <= mem["bound_mib"]
     assert mem["bound_mib"] < mem["base_mib"] + 2 * mem["kv_mib"]
+
+
+def test_bad_contexts_are_one_line_errors():
+    import pytest
+
+    from sparrow.errors import SparrowError
+
+    for args in (["--contexts", "8K"], ["--contexts", "", "--synth", "0"], ["--shape", "qwen3-0.6b", "--model", "x"]):
+        with pytest.raises(SparrowError):
+            long_context.main(args)

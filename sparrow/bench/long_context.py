@@ -304,14 +304,24 @@ def _summary(ms):
     return tok, ratio
 
 
+def _contexts(text: str, what: str) -> list[int]:
+    """--contexts / --synth: positive token counts, ascending; empty gives none."""
+    from sparrow.bench.needle import _ints
+    from sparrow.errors import SparrowError
+
+    vals = sorted(_ints(text, what)) if text.strip() else []
+    if vals and vals[0] < 1:
+        raise SparrowError(f"--{what} takes positive token counts, got {text!r}")
+    return vals
+
+
 def run(a) -> dict:
     from sparrow.bench import shapes
     from sparrow.eval import report
     from sparrow.loaders import default_model_path
 
     path = shapes.ensure(a.shape, a.type) if a.shape else (a.model or default_model_path())
-    contexts = sorted(int(c) for c in a.contexts.split(",") if c)
-    synth = sorted(int(c) for c in a.synth.split(",") if c) if a.synth else []
+    contexts, synth = _contexts(a.contexts, "contexts"), _contexts(a.synth, "synth")
     load_start, busy = load_avg(), cpu_busy()
     cpu = cpu_info()
     compare = a.compare == "llama-cpp" and llama_cpp_importable()
