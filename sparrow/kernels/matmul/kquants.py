@@ -18,7 +18,10 @@ q6_k (super-blocks of 256); layouts in sparrow.quant's docstring.
 Both are generated from one description of each layout (_emit_block), so the row dots and
 the widening decode the same codes and scales. q4_k / q5_k's 6-bit scales and mins are
 unpacked 8 lanes at a time (scales_mins8; the scalar unpack was ~40% of the row dot's
-instructions), then d * sc and -(dmin * m) are the same f32 products per lane.
+instructions), then d * sc and -(dmin * m) are the same f32 products per lane, kept on the
+stack (_spilled) so each sub-block's scale is a broadcast load, not a lane shuffled out; 4-bit
+codes become floats in one vpermps (ir.nibbles_f32, with AVX-512). The row loop prefetches
+the next row (ir.make_rows).
 This module imports only ir and formats of the other kernel modules (widen imports it); the numba
 cache directory is keyed on every kernel source, so an edit here recompiles their kernels.
 """
@@ -30,7 +33,21 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from sparrow.kernels.formats import BY_NAME, KQ_KIND, Q4_K, Q5_0, Q5_K, Q6_K
-from sparrow.kernels.ir import F32, I8, I32, V16F, V16I32, c64, hsum16, make_rows, row_step, splat16, zeroed
+from sparrow.kernels.ir import (
+    F32,
+    I8,
+    I32,
+    V16F,
+    V16I32,
+    barrier,
+    c64,
+    hsum16,
+    make_rows,
+    nibbles_f32,
+    row_step,
+    splat16,
+    zeroed,
+)
 from sparrow.kernels.ir import fma as _fma
 from sparrow.kernels.options import KW
 
@@ -90,6 +107,28 @@ def scales_mins8(b, sb):
     return sc, m
 
 
+class _Nibbles:
+    """Codes in the low 4 bits of each lane of v (<16 x i32>; the bits above are not codes):
+    to_f32 converts them (ir.nibbles_f32: one vpermps with AVX-512)."""
+
+    def __init__(self, v):
+        self.v = v
+
+
+def to_f32(b, c):
+    """Codes -> <16 x float>: a <16 x i32> of signed codes, or _Nibbles."""
+    return nibbles_f32(b, c.v) if isinstance(c, _Nibbles) else b.sitofp(c, V16F)
+
+
+def _spilled(b, v):
+    """v's lanes in a stack slot (f32*), behind a compiler barrier: loads of them stay loads."""
+    slot = cgutils.alloca_once(b, v.type)
+    b.store(v, slot, align=4)
+    p = b.bitcast(slot, F32.as_pointer())
+    barrier(b, p)
+    return p
+
+
 def _emit_block(qtype, r, blk, step):
     """Emit the decoding of one block (q5_*: 32 values) or super-block (K types: 256) at index
     blk. For each unit of values with one scale, in order, step(codes, at, scale, offset) gets
@@ -133,23 +172,29 @@ def _emit_block(qtype, r, blk, step):
         scv, mv = scales_mins8(b, b.load(sbp, align=1))
         dsc = b.fmul(splat16(b, d, 8), b.uitofp(scv, _V8F))
         nml = b.fsub(ir.Constant(_V8F, [-0.0] * 8), b.fmul(splat16(b, dmin, 8), b.uitofp(mv, _V8F)))
+        # each sub-block's scale and offset are then loads a broadcast or an fma takes as its
+        # operand, not a lane extracted and broadcast by shuffles
+        dsc, nml = _spilled(b, dsc), _spilled(b, nml)
         for s in range(8):
-            lane = ir.Constant(I32, s)
             q0 = b.add(p, c64(qo + 32 * (s // 2)))
             codes = []
             for i, q in enumerate((r.bytes16(q0), r.bytes16(b.add(q0, c64(16))))):
-                v = b.and_(b.lshr(q, _vi32([4 * (s % 2)] * 16)), _vi32([15] * 16))
+                v = b.lshr(q, _vi32([4 * (s % 2)] * 16))
                 if qtype == "q5_k":
+                    v = b.and_(v, _vi32([15] * 16))
                     hb = b.and_(b.lshr(qh[i], _vi32([s] * 16)), _vi32([1] * 16))
                     v = b.or_(v, b.shl(hb, _vi32([4] * 16)))
+                else:
+                    v = _Nibbles(v)  # the low 4 bits of each lane: step converts them
                 codes.append(v)
-            offset = (b.extract_element(nml, lane), b.add(s0, c64(s)))
-            step(codes, b.add(x0, c64(32 * s)), b.extract_element(dsc, lane), offset)
+            offset = (b.load(b.gep(nml, [c64(s)])), b.add(s0, c64(s)))
+            step(codes, b.add(x0, c64(32 * s)), b.load(b.gep(dsc, [c64(s)])), offset)
         return
     # q6_k: units of 16 values, each its own int8 scale; no offset term
     d = r.half(b.add(p, c64(208)))
     scp = b.bitcast(b.gep(r.rp, [b.add(p, c64(192))]), _V16I8.as_pointer())
     dsc = b.fmul(splat16(b, d), b.sitofp(b.load(scp, align=1), V16F))  # d * sc of the 16 units, one lane each
+    dsc = _spilled(b, dsc)  # as for q4_k: each unit's scale a load
     for h in range(2):
         for s in range(4):
             for g in range(2):
@@ -159,7 +204,7 @@ def _emit_block(qtype, r, blk, step):
                 lo = b.and_(b.lshr(ql, _vi32([4 * (s >> 1)] * 16)), _vi32([15] * 16))
                 hi = b.shl(b.and_(b.lshr(qh, _vi32([2 * s] * 16)), _vi32([3] * 16)), _vi32([4] * 16))
                 q = b.sub(b.or_(lo, hi), _vi32([32] * 16))
-                sc = b.extract_element(dsc, ir.Constant(I32, 8 * h + 2 * s + g))
+                sc = b.load(b.gep(dsc, [c64(8 * h + 2 * s + g)]))
                 step((q,), b.add(x0, c64(128 * h + 32 * s + j)), sc, None)
 
 
@@ -192,7 +237,7 @@ def _emit_rowdot(qtype):
         turn = [0]  # units alternate between the two vector accumulators
 
         def step(codes, at, scale, offset):
-            q = [builder.sitofp(c, V16F) for c in codes]
+            q = [to_f32(builder, c) for c in codes]
             t = builder.fmul(q[0], r.x16(at))
             if len(q) == 2:
                 t = _fma(builder, q[1], r.x16(builder.add(at, c64(16))), t)
@@ -235,7 +280,7 @@ def _make_widen(qtype):
                 for i, c in enumerate(codes):
                     if qtype == "q5_0":
                         c = builder.sub(c, _vi32([16] * 16))
-                    v = builder.fmul(sv, builder.sitofp(c, V16F))
+                    v = builder.fmul(sv, to_f32(builder, c))
                     if offset is not None and qtype != "q5_0":
                         v = builder.fadd(v, splat16(builder, offset[0]))
                     dst = builder.gep(op, [builder.add(at, c64(16 * i))])

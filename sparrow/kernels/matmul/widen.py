@@ -19,7 +19,23 @@ from numba import njit, prange
 from numba.core import cgutils
 
 from sparrow.kernels.formats import BF16, BY_NAME, FP16, FP32, KQ_FIRST, Q4_0, Q4_1, Q8_0
-from sparrow.kernels.ir import F32, I8, I32, I64, V16F, V16I32, hsum16, make_rows, row_step, splat16, zeroed
+from sparrow.kernels.ir import (
+    F32,
+    I8,
+    I32,
+    I64,
+    V16F,
+    V16I32,
+    barrier,
+    c64,
+    hsum16,
+    make_rows,
+    nibbles_f32,
+    row_step,
+    shuffle,
+    splat16,
+    zeroed,
+)
 from sparrow.kernels.ir import fma as _fma
 from sparrow.kernels.matmul.kquants import rows_chunked as kq_rows
 from sparrow.kernels.matmul.kquants import sums as kq_sums
@@ -133,9 +149,18 @@ def _mv_f32(w, x, y):
 # (q4_1: m * sum(x), q4_0: -8 d * sum(x)) goes to a scalar accumulator in block order. At
 # the end acc_even + acc_odd is summed by a fixed pairwise tree. Each row's order depends
 # only on its length: bit-identical whatever T, the row's batch or the thread count.
+# What makes them fast without touching that order (sparrow bench rows measures them):
+# - make_rows prefetches the next row. Without it one core streamed Q4_0 rows from memory at
+#   ~5 GB/s, half of what it dots from cache: the hardware prefetcher ran too little ahead of
+#   a loop this slow a byte (Q8_0, twice the bytes a block, ran at 11).
+# - q4_0 / q4_1 widen the f16 scales of 16 blocks at once (_group_scales) and keep them on
+#   the stack, so each block's d is a broadcast load folded into its fma, and a nibble
+#   becomes a float in one vpermps (ir.nibbles_f32): ~10.5 instructions a block, was 15.5.
+#   The scalar constant-term fma (4 cycles of latency a block) is then the critical path.
 
 _F32, _I8, _I32, _I64, _V16F, _V16I32 = F32, I8, I32, I64, V16F, V16I32
 _BB = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+_GROUP = 16  # blocks whose scales are widened together
 
 
 def _half_at(builder, rp, off):
@@ -143,11 +168,33 @@ def _half_at(builder, rp, off):
     return builder.fpext(builder.load(ptr, align=1), _F32)
 
 
-def _block_terms(builder, qtype, rp, xp, sp, b):
-    """(vector q . x for block b, d, scalar constant term) as LLVM values."""
-    c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+def _group_scales(builder, qtype, rp, b0, dbuf, cbuf):
+    """The f16 scales of blocks b0 .. b0 + 15 as f32 into dbuf [16], and their constant
+    term's coefficient into cbuf [16] (q4_0: -8 d, q4_1: m): one load of the 16 blocks, a
+    shuffle that picks the f16 bytes, one conversion, in place of a scalar conversion and a
+    broadcast a block. The same f32 values as _half_at's."""
+    bb = _BB[qtype]
+    raw = builder.load(builder.bitcast(builder.gep(rp, [builder.mul(b0, c64(bb))]),
+                                       ir.VectorType(_I8, 16 * bb).as_pointer()), align=1)  # fmt: skip
+
+    def halves(off):
+        pick = shuffle(builder, raw, raw, [bb * i + off + j for i in range(_GROUP) for j in (0, 1)])
+        return builder.fpext(builder.bitcast(pick, ir.VectorType(ir.HalfType(), _GROUP)), _V16F)
+
+    d = halves(0)
+    builder.store(d, builder.bitcast(dbuf, _V16F.as_pointer()), align=4)
+    if qtype == "q4_0":
+        c = builder.fmul(d, ir.Constant(_V16F, [-8.0] * 16))
+        builder.store(c, builder.bitcast(cbuf, _V16F.as_pointer()), align=4)
+    elif qtype == "q4_1":
+        builder.store(halves(2), builder.bitcast(cbuf, _V16F.as_pointer()), align=4)
+
+
+def _block_terms(builder, qtype, rp, xp, sp, b, scales=None):
+    """(vector q . x for block b, d, scalar constant term) as LLVM values; scales: (d, its
+    constant coefficient) already widened (_group_scales), else read from the block."""
     p = builder.mul(b, c64(_BB[qtype]))
-    d = _half_at(builder, rp, p)
+    d = _half_at(builder, rp, p) if scales is None else scales[0]
     xo = builder.mul(b, c64(32))
     xl = builder.load(builder.bitcast(builder.gep(xp, [xo]), _V16F.as_pointer()), align=4)
     xh = builder.load(builder.bitcast(builder.gep(xp, [builder.add(xo, c64(16))]), _V16F.as_pointer()), align=4)
@@ -160,37 +207,55 @@ def _block_terms(builder, qtype, rp, xp, sp, b):
     off = 4 if qtype == "q4_1" else 2
     qp = builder.bitcast(builder.gep(rp, [builder.add(p, c64(off))]), ir.VectorType(_I8, 16).as_pointer())
     q = builder.zext(builder.load(qp, align=1), _V16I32)
-    lo = builder.uitofp(builder.and_(q, ir.Constant(_V16I32, [15] * 16)), _V16F)
-    hi = builder.uitofp(builder.lshr(q, ir.Constant(_V16I32, [4] * 16)), _V16F)
+    lo = nibbles_f32(builder, q)
+    hi = nibbles_f32(builder, builder.lshr(q, ir.Constant(_V16I32, [4] * 16)))
     t = _fma(builder, hi, xh, builder.fmul(lo, xl))
     sx = builder.load(builder.gep(sp, [b]))
+    if scales is not None:
+        return t, d, (scales[1], sx)
     if qtype == "q4_1":
         return t, d, (_half_at(builder, rp, builder.add(p, c64(2))), sx)
     return t, d, (builder.fmul(d, ir.Constant(_F32, -8.0)), sx)
 
 
 def _emit_rowdot(qtype):
-    """One row dotted with f32 x, as ir.make_rows calls it (inputs: x [nb * 32], sx [nb])."""
+    """One row dotted with f32 x, as ir.make_rows calls it (inputs: x [nb * 32], sx [nb]).
+    q4_0 / q4_1 blocks go in groups of 16 whose scales are widened together (_group_scales),
+    then the rest (q8_0: all) one by one; either way block b adds to accumulator b % 2 and
+    to accm in block order."""
 
     def emit(builder, rp, ptrs, lens):
         xp, sp = builder.bitcast(ptrs[0], _F32.as_pointer()), builder.bitcast(ptrs[1], _F32.as_pointer())
         nb = lens[1]
         accs = [zeroed(builder, _V16F) for _ in range(2)]
         accm = zeroed(builder, _F32)
+        bufs = [cgutils.alloca_once(builder, ir.ArrayType(_F32, _GROUP)) for _ in range(2)]
+        dbuf, cbuf = (builder.bitcast(a, _F32.as_pointer()) for a in bufs)
 
-        def block(b, acc):
-            t, d, const = _block_terms(builder, qtype, rp, xp, sp, b)
+        def block(b, acc, scales=None):
+            t, d, const = _block_terms(builder, qtype, rp, xp, sp, b, scales)
             dv = splat16(builder, d)
             builder.store(_fma(builder, t, dv, builder.load(acc)), acc)
             if const is not None:
                 builder.store(_fma(builder, const[0], const[1], builder.load(accm)), accm)
 
+        # q8_0 keeps a scale per block: its 34-byte blocks' shuffle cost more than it saved
+        groups = builder.udiv(nb, c64(_GROUP)) if qtype != "q8_0" else c64(0)
+        with cgutils.for_range(builder, groups) as loop:
+            b0 = builder.mul(loop.index, c64(_GROUP))
+            _group_scales(builder, qtype, rp, b0, dbuf, cbuf)
+            barrier(builder, dbuf, cbuf)  # each block's d is then a broadcast load, not a shuffle
+            for i in range(_GROUP):
+                at = ir.Constant(_I64, i)
+                scales = builder.load(builder.gep(dbuf, [at])), builder.load(builder.gep(cbuf, [at]))
+                block(builder.add(b0, at), accs[i % 2], scales)
         one = ir.Constant(_I64, 1)
-        with cgutils.for_range(builder, builder.lshr(nb, one)) as loop:
-            b0 = builder.shl(loop.index, one)
-            block(b0, accs[0])
-            block(builder.add(b0, one), accs[1])
-        with builder.if_then(builder.trunc(nb, ir.IntType(1))):
+        done = builder.mul(groups, c64(_GROUP))  # even: the rest keep block b's accumulator b % 2
+        with cgutils.for_range(builder, builder.lshr(builder.sub(nb, done), one)) as loop:
+            b1 = builder.add(done, builder.shl(loop.index, one))
+            block(b1, accs[0])
+            block(builder.add(b1, one), accs[1])
+        with builder.if_then(builder.trunc(builder.sub(nb, done), ir.IntType(1))):
             block(builder.sub(nb, one), accs[0])
         v = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
         return builder.fadd(hsum16(builder, v), builder.load(accm))
