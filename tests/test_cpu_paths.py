@@ -1,6 +1,6 @@
 """The kernels compiled for an AVX2-only x86 CPU (issue 11): a subprocess with
 NUMBA_CPU_NAME=haswell, its features without AVX-512 and a fresh numba cache runs the
-prefill GEMM (every storage format) and the decode matvec (q8_0 / q4_0 / q4_1), and its
+prefill GEMM (every storage format) and the decode matvec (q8_0 / q4_0 / q4_1; q5_x and K-quants too), and its
 results must equal, bit for bit, a float64 emulation of the documented summation order and
 the same calls in this process (whatever this CPU is).
 
@@ -21,9 +21,11 @@ import pytest
 from test_gemm import bits, fma32, fma_order_reference
 
 import sparrow
+from sparrow.bench.rows import random_rows
 from sparrow.kernels.linear import SMALL_T, linear
 from sparrow.kernels.matmul import gemm as gemm
 from sparrow.kernels.matmul import widen as _widen
+from sparrow.quant import Weight
 from weights import acts, make
 
 HASWELL = (  # an AVX2-only x86 CPU (and no AVX-512, whatever the host has)
@@ -64,6 +66,9 @@ GEMM_CASES = [(q, (gemm.NR + 7, k), 13) for q in FORMATS for k in (96, 608)] + [
     (q, (gemm.NR + 7, 50), 13) for q in ("f32", "f16", "bf16")
 ]
 DECODE_CASES = [(q, shape, t) for q in BLOCKS for shape in ((37, 96), (21, 608)) for t in (1, 3)]
+# the K-quant and 5-bit row dots (kernels/matmul/kquants.py): 4-bit codes take vpermps where
+# AVX-512 is, and-and-convert elsewhere; the same bits either way (their order: test_kquants.py)
+KQ_DECODE_CASES = [(q, (21, 512), t) for q in ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k") for t in (1, 3)]
 
 CHILD = r"""
 import json, sys
@@ -71,6 +76,7 @@ import numba, numpy as np
 sys.path.insert(0, sys.argv[1])
 import sparrow
 from sparrow.kernels.matmul import widen as _widen
+from sparrow.quant import Weight
 from sparrow.kernels.matmul import gemm as gemm
 from sparrow.kernels.linear import linear
 from test_cpu_paths import DECODE_CASES, GEMM_CASES, compute
@@ -97,6 +103,9 @@ def compute():
                 x = acts(t, shape[1], seed=5)
                 out[f"decode{i}_{n}"] = linear(x, make(q, shape, seed=6))
                 out[f"sx{i}"] = _widen._x_block_sums(x)
+            for i, (q, shape, t) in enumerate(KQ_DECODE_CASES):
+                w = Weight(q, random_rows(q, shape[0], shape[1], seed=8), shape)
+                out[f"kq{i}_{n}"] = linear(acts(t, shape[1], seed=7), w)
     finally:
         numba.set_num_threads(old)
     return out
