@@ -1,12 +1,16 @@
 """Golden bits: hashes of linear()'s outputs for every stored format, activations mode and
-T class (decode, a batch of rows, prefill), and of the fused decode step's logits, as they
-are today. Moving or renaming kernels (issue 33) must leave every hash as it is; a change of
+T class (decode, a batch of rows, prefill), of the fused decode step's logits, and of the
+default model's logits (a prefill and fused decode steps, tests/test_cpu_paths.py's
+model_logits), as they are today. Moving or renaming kernels (issue 33) must leave every hash as it is; a change of
 a documented numerical order is the only reason to regenerate them, in its own commit:
 `python tests/test_golden_bits.py` prints the table to paste below.
 
 The same bits hold on every CPU path (the AVX2, generic and AMX-off children of
 test_cpu_paths.py, test_q8act.py, test_kquants_q8.py and test_amx.py compare their outputs
-with this process's bit for bit), so one table serves every x86 machine.
+with this process's bit for bit), so one table serves every x86 machine. The orders outside
+the matmuls (RMSNorm, softmax sums, the RoPE table) are fixed too, so the default model's hash
+needs no torch and is meant to hold on aarch64 as well (docs/arm64.md: the emulated run checks
+it).
 """
 
 from __future__ import annotations
@@ -167,6 +171,16 @@ GOLDEN_FUSED = {
 }
 
 
+# the default model's logits (test_cpu_paths.model_logits): generated 2026-12-03 on an AMD EPYC Zen 4
+GOLDEN_MODEL = "25507c08e84c60f8"
+
+
+def model_hash() -> str:
+    from test_cpu_paths import model_logits
+
+    return _digest(model_logits()[0])
+
+
 @pytest.fixture
 def two_threads():
     old = numba.get_num_threads()
@@ -192,6 +206,10 @@ def test_fused_step_bits_are_the_golden_ones(tiny_models, monkeypatch):
     assert not changed, f"fused step bits changed: {changed}"
 
 
+def test_default_model_logits_are_the_golden_ones():
+    assert model_hash() == GOLDEN_MODEL, "the default model's logits changed"
+
+
 if __name__ == "__main__":  # prints the tables (a documented order changed: its own commit)
     import sys
     import tempfile
@@ -206,4 +224,5 @@ if __name__ == "__main__":  # prints the tables (a documented order changed: its
     rm.save_default_tokenizer(tok)
     rm.build_tiny("llama", d, tok)
     print("GOLDEN_FUSED =", fused_hashes(d))
+    print("GOLDEN_MODEL =", repr(model_hash()))
     sys.exit(0)
