@@ -1,19 +1,25 @@
-"""The kernels compiled for an AVX2-only x86 CPU (issue 11): a subprocess with
-NUMBA_CPU_NAME=haswell, its features without AVX-512 and a fresh numba cache runs the
-prefill GEMM (every storage format) and the decode matvec (q8_0 / q4_0 / q4_1; q5_x and K-quants too), and its
-results must equal, bit for bit, a float64 emulation of the documented summation order and
-the same calls in this process (whatever this CPU is).
+"""The kernels compiled for other CPUs than this one (issue 11, issue 40): a subprocess with
+NUMBA_CPU_NAME=haswell (its features without AVX-512) and one compiled for the generic x86
+path (Ivy Bridge: AVX without FMA or AVX2) run the prefill GEMM (every storage format), the
+decode matvecs (q8_0 / q4_0 / q4_1 row dots; q5_x and K-quants in the AVX2 child; f32 / f16 /
+bf16 rows), the f32 reductions
+outside the matmuls (RMSNorm, softmax sums), silu and exp, and the default model's logits
+(prefill and fused decode steps). Their results must equal, bit for bit, the same calls in
+this process (whatever this CPU is) and, where one is documented, a float64 emulation of the
+summation order.
 
 numba compiles for the host unless NUMBA_CPU_NAME / NUMBA_CPU_FEATURES say otherwise, and
-gemm picks its micro-kernel tile from the features numba compiles for, so the child takes the
-AVX2 tile (and AVX2 code: its assembly is checked for ymm and no zmm registers).
+gemm picks its micro-kernel tile from the features numba compiles for, so the AVX2 child takes
+the AVX2 tile (and AVX2 code: its assembly is checked for ymm and no zmm registers).
 """
 
 import json
+import math
 import os
 import platform
 import subprocess
 import sys
+from decimal import Decimal, localcontext
 
 import numba
 import numpy as np
@@ -22,6 +28,8 @@ from test_gemm import bits, fma32, fma_order_reference
 
 import sparrow
 from sparrow.bench.rows import random_rows
+from sparrow.kernels import elementwise as _el
+from sparrow.kernels.attention import rows as _rows
 from sparrow.kernels.linear import SMALL_T, linear
 from sparrow.kernels.matmul import gemm as gemm
 from sparrow.kernels.matmul import widen as _widen
@@ -69,6 +77,11 @@ DECODE_CASES = [(q, shape, t) for q in BLOCKS for shape in ((37, 96), (21, 608))
 # the K-quant and 5-bit row dots (kernels/matmul/kquants.py): 4-bit codes take vpermps where
 # AVX-512 is, and-and-convert elsewhere; the same bits either way (their order: test_kquants.py)
 KQ_DECODE_CASES = [(q, (21, 512), t) for q in ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k") for t in (1, 3)]
+# f32 / f16 / bf16 rows at decode: one lane_dot a row; K = 50 and 613 end in a partial chunk
+FLOAT_DECODE_CASES = [(q, (19, k), t) for q in ("f32", "f16", "bf16") for k in (50, 613) for t in (1, 3)]
+NORM_ROWS = (64, 2048)  # RMSNorm rows: 11% of these outputs differed between AVX-512 and AVX2 builds
+SUM_LENGTHS = (1, 15, 16, 17, 63, 64, 65, 200, 4099)  # softmax sums: partial chunks, 4-chunk groups
+MODEL_PROMPT, MODEL_DECODE = 12, 3  # tokens: the prompt passes the 8 rows where GEMM and prefill attention start
 
 CHILD = r"""
 import json, sys
@@ -79,19 +92,38 @@ from sparrow.kernels.matmul import widen as _widen
 from sparrow.quant import Weight
 from sparrow.kernels.matmul import gemm as gemm
 from sparrow.kernels.linear import linear
-from test_cpu_paths import DECODE_CASES, GEMM_CASES, compute
+from test_cpu_paths import DECODE_CASES, GEMM_CASES, compute, model_logits
+from weights import acts, make
 
 info = dict(cpu=gemm.CPU_NAME, avx512f="+avx512f" in gemm.CPU_FEATURES.split(","), tile=[gemm.MR, gemm.NW, gemm.LANES])
-out = compute()
-asm = "".join(gemm._sweep.inspect_asm().values()) + "".join(_widen._rows_blocks.inspect_asm().values())
-info.update(ymm="ymm" in asm, zmm="zmm" in asm, sparrow=sparrow.__file__)
+info.update(sparrow=sparrow.__file__)
+if sys.argv[3:] == ["asm"]:  # a fresh cache: the code compiled here, not loaded; one GEMM and one decode
+    for q, shape, t in (GEMM_CASES[0], DECODE_CASES[0]):
+        linear(acts(t, shape[1]), make(q, shape))
+    asm = "".join(gemm._sweep.inspect_asm().values()) + "".join(_widen._rows_blocks.inspect_asm().values())
+    info.update(ymm="ymm" in asm, zmm="zmm" in asm)
+    out = {}
+else:
+    out = compute()
+    out["model"], info["fused_steps"] = model_logits()
 np.savez(sys.argv[2], **out)
 print("INFO " + json.dumps(info))
 """
 
 
+def reduction_inputs():
+    """(RMSNorm rows, its weight, softmax scores, silu's [gate | up]): fixed random values."""
+    rng = np.random.default_rng(40)
+    x = rng.standard_normal(NORM_ROWS).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(NORM_ROWS[1])).astype(np.float32)
+    s = -np.abs(rng.standard_normal(max(SUM_LENGTHS)) * 8).astype(np.float32)  # exp(s - 0) in (0, 1]
+    gu = (rng.standard_normal((5, 2 * 300)) * 6).astype(np.float32)
+    return x, w, s, gu
+
+
 def compute():
-    """The GEMM and decode results of the cases ({name: array}), on 1 and on 2 threads."""
+    """The GEMM and decode results of the cases on 1 and on 2 threads, and reductions()
+    ({name: array})."""
     out = {}
     old = numba.get_num_threads()
     try:
@@ -108,7 +140,46 @@ def compute():
                 out[f"kq{i}_{n}"] = linear(acts(t, shape[1], seed=7), w)
     finally:
         numba.set_num_threads(old)
+    return out | reductions()
+
+
+def reductions():
+    """The f32 reductions outside the matmul tiles (f32 / f16 / bf16 row dots at decode,
+    RMSNorm, softmax sums) and the elementwise kernels with fmas of their own (exp, silu):
+    {name: array}."""
+    out = {}
+    for i, (q, shape, t) in enumerate(FLOAT_DECODE_CASES):
+        out[f"fdecode{i}"] = linear(acts(t, shape[1], seed=7), make(q, shape, seed=8))
+    x, w, s, gu = reduction_inputs()
+    out["rms"] = _el.rms_norm(x, w, 1e-6)
+    out["sums"] = np.array([_rows.sum_f32(s, n) for n in SUM_LENGTHS], np.float32)
+    e = s.copy()
+    _rows.exp_shifted(e, np.float32(0), len(e), np.empty(len(e), np.int32))
+    out["exp"] = e
+    out["silu"] = _el.silu_mul(gu, gu.shape[1] // 2)
     return out
+
+
+def model_logits():
+    """The default model's logits [MODEL_PROMPT + MODEL_DECODE, V] in the exact mode: a prefill
+    of MODEL_PROMPT fixed token ids (the GEMM, prefill attention), then MODEL_DECODE decode
+    steps (the fused step); and how many fused steps ran."""
+    from sparrow.models import fused
+    from sparrow.models.decoder import Segment
+
+    llm = sparrow.load(activations="f32", threads=2)
+    ids = np.random.default_rng(40).integers(17, 49152, MODEL_PROMPT + MODEL_DECODE)
+    plan = llm.model.fused_step()
+    plan.backoff, before = 0, plan.steps
+    old, fused.BACKOFF_STEPS = fused.BACKOFF_STEPS, 0  # a busy machine must not skip the fused step
+    try:
+        cache = llm.model.new_cache(len(ids), "f32")
+        rows = [llm.model.forward([Segment(ids[:MODEL_PROMPT], cache, 0)], all_logits=True)]
+        for i in range(MODEL_PROMPT, len(ids)):
+            rows.append(llm.model.forward([Segment(ids[i : i + 1], cache, i, decode=True)]))
+    finally:
+        fused.BACKOFF_STEPS = old
+    return np.concatenate(rows), plan.steps - before
 
 
 BB = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
@@ -166,6 +237,61 @@ def rowdot_reference(x, w, sx):
     return _f32(v[..., 0].astype(np.float64) + accm)
 
 
+def lane_fold_reference(a, b=None):
+    """The fixed lane order of the f32 reductions outside the matmuls (kernels/ir.py,
+    lane_fold) in float64-emulated f32: chunk c (values 16c..16c+15) into accumulator c % 4,
+    lane by lane (fma(a, b, acc) for a dot, acc + a for a sum); then (acc0 + acc1) + (acc2 +
+    acc3), the pairwise tree 16 -> 8 -> 4 -> 2 -> 1 (lane i + lane i + n/2), then the values
+    after the last whole chunk in order."""
+    a = np.asarray(a, np.float32)
+    n, nch = len(a), len(a) // 16
+    acc = np.zeros((4, 16), np.float32)
+    for c in range(nch):
+        sl = slice(16 * c, 16 * c + 16)
+        if b is None:
+            acc[c % 4] = _f32(acc[c % 4].astype(np.float64) + a[sl])
+        else:
+            acc[c % 4] = fma32(a[sl].astype(np.float64) * b[sl].astype(np.float64), acc[c % 4])
+    v = _f32(_f32(acc[0].astype(np.float64) + acc[1]).astype(np.float64) + _f32(acc[2].astype(np.float64) + acc[3]))
+    while len(v) > 1:
+        v = _f32(v[: len(v) // 2].astype(np.float64) + v[len(v) // 2 :])
+    s = v[0]
+    for i in range(16 * nch, n):
+        s = _f32(np.float64(s) + a[i]) if b is None else fma32(np.float64(a[i]) * np.float64(b[i]), s)
+    return np.float32(s)
+
+
+def rms_norm_reference(x, w, eps):
+    """RMSNorm's documented order: ssq = lane_fold of x * x; inv = 1 / sqrt(ssq / n + eps); out
+    = (x inv) w, every step one f32 rounding."""
+    out = np.empty(x.shape, np.float32)
+    n, eps = np.float32(x.shape[1]), np.float32(eps)
+    for t, row in enumerate(x):
+        ms = np.float32(np.float32(lane_fold_reference(row, row) / n) + eps)
+        inv = np.float32(1) / np.float32(math.sqrt(ms))
+        out[t] = (row * inv) * w
+    return out
+
+
+def float_rowdot_reference(x, w):
+    """f32 / f16 / bf16 rows at decode: each row widened to f32, lane_fold of row * x."""
+    wf = w.dequantize()
+    return np.array([[lane_fold_reference(r, xr) for r in wf] for xr in x], np.float32)
+
+
+def test_reductions_follow_the_lane_order():
+    # the emulated orders hold here (so a mismatch in a child points at its CPU path)
+    x, w, s, _ = reduction_inputs()
+    assert np.array_equal(bits(_el.rms_norm(x, w, 1e-6)), bits(rms_norm_reference(x, w, 1e-6)))
+    want = [lane_fold_reference(s[:n]) for n in SUM_LENGTHS]
+    assert np.array_equal(bits([_rows.sum_f32(s, n) for n in SUM_LENGTHS]), bits(want))
+    for q, shape, t in FLOAT_DECODE_CASES:
+        xa, wq = acts(t, shape[1], seed=7), make(q, shape, seed=8)
+        assert np.array_equal(bits(linear(xa, wq)), bits(float_rowdot_reference(xa, wq))), (q, shape, t)
+    view = np.random.default_rng(3).standard_normal((3, 50)).astype(np.float32)[:, 5:38]  # rows not contiguous
+    assert np.array_equal(bits(_el.rms_norm(view, w[:33], 1e-5)), bits(rms_norm_reference(view, w[:33], 1e-5)))
+
+
 def test_rowdot_reference_matches_this_process():
     # the emulated decode order holds here too (so a mismatch below points at the CPU path)
     for q, shape, t in DECODE_CASES:
@@ -176,21 +302,21 @@ def test_rowdot_reference_matches_this_process():
         assert np.array_equal(bits(linear(x, w)), bits(rowdot_reference(x, w, sx))), (q, shape, t)
 
 
-def run_compiled_for(tmp_path, cpu, features, code, fresh=False):
+def run_compiled_for(tmp_path, cpu, features, code, fresh=False, args=()):
     """Runs `code` (argv: the tests folder, an .npz path it writes) in a child process whose
     numba compiles for `cpu` / `features`; returns (the INFO json the child printed, its arrays).
     The children of one CPU path share sparrow's own kernel cache, whose folder is keyed on the
     kernel sources and the CPU the child compiles for (kernels/__init__.py; numba's index keys
     each entry on the target CPU too), so each kernel compiles once per path and source
     version, not once per test file or run; fresh=True gives the child an empty cache of its
-    own (code that inspects what it compiled)."""
+    own (code that inspects what it compiled); args: more arguments for `code`."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES=features)
     if fresh:
         env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
     env["PYTHONPATH"] = os.pathsep.join([ROOT, here] + [p for p in [env.get("PYTHONPATH")] if p])
     res = subprocess.run(
-        [sys.executable, "-c", code, here, str(tmp_path / "out.npz")],
+        [sys.executable, "-c", code, here, str(tmp_path / "out.npz"), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -215,18 +341,28 @@ def q8_path_matches_here(tmp_path, path, code, compute):
         assert np.array_equal(bits(child[name]), bits(here_out[name])), name
 
 
+def _same_as_here(child, info):
+    """The child's arrays equal this process's, bit for bit, and its fused steps ran."""
+    here_out = compute()
+    here_out["model"], steps = model_logits()
+    assert info["fused_steps"] == steps == MODEL_DECODE, info
+    assert set(child) == set(here_out)
+    for name in child:
+        assert np.array_equal(bits(child[name]), bits(here_out[name])), name
+
+
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 CPU names")
 def test_avx2_code_path_bit_for_bit(tmp_path):
-    info, child = run_compiled_for(tmp_path, "haswell", HASWELL, CHILD, fresh=True)  # inspects its asm
-    # the child compiled for AVX2: the narrow tile, ymm registers, no zmm
+    # the AVX2 code: the narrow tile, ymm registers, no zmm (a child with a fresh cache, which
+    # compiles what it inspects; the one below shares the AVX2 path's cache across runs)
+    info, _ = run_compiled_for(tmp_path, "haswell", HASWELL, CHILD, fresh=True, args=["asm"])
     assert info["cpu"] == "haswell" and not info["avx512f"], info
     assert info["tile"] == list(gemm.micro_tile(HASWELL)) and info["tile"][2] == 8, info
     assert info["ymm"] and not info["zmm"], info
     assert os.path.samefile(info["sparrow"], sparrow.__file__), info  # this checkout, not another install
-    here_out = compute()
-    assert set(child) == set(here_out)
-    for name in child:  # the AVX2 path equals this process's path, bit for bit
-        assert np.array_equal(bits(child[name]), bits(here_out[name])), name
+    info, child = run_compiled_for(tmp_path, "haswell", HASWELL, CHILD)
+    assert info["cpu"] == "haswell" and info["tile"][2] == 8, info
+    _same_as_here(child, info)  # the AVX2 path equals this process's path, bit for bit
     for i, (q, shape, t) in enumerate(GEMM_CASES):
         ref = fma_order_reference(acts(t, shape[1], seed=4), make(q, shape, seed=3).dequantize())
         for n in (1, 2)[: numba.config.NUMBA_NUM_THREADS]:
@@ -237,6 +373,58 @@ def test_avx2_code_path_bit_for_bit(tmp_path):
         ref = rowdot_reference(x, w, block_sums_reference(x))
         for n in (1, 2)[: numba.config.NUMBA_NUM_THREADS]:
             assert np.array_equal(bits(child[f"decode{i}_{n}"]), bits(ref)), (q, shape, t, n)
+    x, w, s, _ = reduction_inputs()
+    assert np.array_equal(bits(child["rms"]), bits(rms_norm_reference(x, w, 1e-6)))
+    assert np.array_equal(bits(child["sums"]), bits([lane_fold_reference(s[:n]) for n in SUM_LENGTHS]))
+
+
+WIDE_CHILD = r"""
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from sparrow.kernels import cpu
+from test_cpu_paths import reductions
+
+np.savez(sys.argv[2], **reductions())
+print("INFO " + json.dumps(dict(cpu=cpu.NAME)))
+"""
+
+
+# LLVM's tuning flags for the width it vectorises loops with: every x86 CPU numba names here
+# (haswell, the AVX-512 ones) prefers 256-bit vectors, so their builds of a reassociated loop
+# agreed; without that preference an AVX-512 build takes 512-bit vectors, and 128-bit ones are
+# NEON's width (RMSNorm's old loop: 10% and 29% of these outputs differed from this host's)
+VECTOR_WIDTHS = {"512-bit": "-prefer-256-bit", "128-bit": "+prefer-128-bit"}
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 tuning flags")
+@pytest.mark.parametrize("width", VECTOR_WIDTHS)
+def test_other_vector_widths_reductions_bit_for_bit(tmp_path, width):
+    """This CPU's features, compiled with LLVM's loop vectoriser at another width: the
+    reductions, which followed the vector width while they were reassociated loops, equal
+    this process's and their documented order bit for bit."""
+    if width == "512-bit" and "+avx512f" not in gemm.CPU_FEATURES.split(","):
+        pytest.skip("512-bit vectors need AVX-512")
+    feats = gemm.CPU_FEATURES + "," + VECTOR_WIDTHS[width]
+    info, child = run_compiled_for(tmp_path, gemm.CPU_NAME, feats, WIDE_CHILD)
+    assert info["cpu"] == gemm.CPU_NAME, info
+    here_out = reductions()
+    assert set(child) == set(here_out)
+    for name in child:
+        assert np.array_equal(bits(child[name]), bits(here_out[name])), name
+    x, w, s, _ = reduction_inputs()
+    assert np.array_equal(bits(child["rms"]), bits(rms_norm_reference(x, w, 1e-6)))
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 CPU names")
+def test_generic_code_path_bit_for_bit(tmp_path):
+    """The generic x86 path (the q8 suites' "generic" CPU: AVX without FMA, so every fma of the
+    documented orders is llvm.fma's exact one, a libm call, and no loop may contract a multiply
+    and an add on its own): the same cases and the default model's logits, bit for bit."""
+    cpu, feats, *_ = X86_Q8_PATHS["generic"]
+    info, child = run_compiled_for(tmp_path, cpu, feats, CHILD)
+    assert info["cpu"] == cpu and not info["avx512f"] and info["tile"][2] == 8, info
+    _same_as_here(child, info)
 
 
 WIDE = r"""
@@ -306,3 +494,35 @@ def test_one_cpu_description_names_the_paths_taken():
     assert "by generic vector IR" in cpu.paths_line(generic)
     amx = dict(haswell, name="sapphirerapids", vnni=True, vnni512=True, amx=True, gemm_tile="8x3x16")
     assert "by vpdpbusd (VNNI)" in cpu.paths_line(amx) and "prefill on AMX tiles" in cpu.paths_line(amx)
+
+
+# (theta, head_dim): SmolLM2 (its default model), Qwen3, Llama 3, the tiny models', a head size
+# that is not a power of two (its exponents 2i / d are rounded to f32, as transformers does)
+ROPE_CASES = [(1e5, 64), (1e6, 128), (5e5, 128), (1e4, 64), (1e6, 32), (1e6, 80)]
+
+
+@pytest.mark.parametrize("theta,head_dim", ROPE_CASES)
+def test_rope_frequencies_do_not_depend_on_the_cpu(theta, head_dim):
+    """RoPE's powers theta ** e_i (e_i = f32(2 i) / f32(d), as transformers computes them) are
+    rounded to f32 once, and each exact power lies far enough from the midpoints between f32
+    neighbours (2^-40 relative) that any float64 evaluation within 2^10 f64 ulps rounds to the
+    same f32; inv_freq is then 1 / power in f32 (IEEE): the table does not depend on the CPU's
+    or numpy's pow (numpy's f32 power, taken before, dispatched to SVML on AVX-512 and was 1 ulp
+    off for 5 of SmolLM2's 32 frequencies)."""
+    from sparrow.kernels.elementwise import rope_powers
+    from sparrow.models.layers import Rope
+
+    powers = rope_powers(theta, head_dim)
+    assert np.array_equal(Rope(head_dim, theta, None).inv_freq, np.float32(1) / powers)
+    exps = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    with localcontext() as ctx:
+        ctx.prec = 60
+        for i, e in enumerate(exps):
+            exact = Decimal(theta) ** Decimal(float(e))  # e is exact in f64
+            f = np.float32(float(exact))
+            near = [f, np.nextafter(f, np.float32(0)), np.nextafter(f, np.float32(np.inf))]
+            best = min(near, key=lambda c: abs(Decimal(float(c)) - exact))
+            assert powers[i] == best, (i, powers[i], best)
+            for other in near[1:]:  # the midpoints on both sides
+                mid = (Decimal(float(best)) + Decimal(float(other))) / 2
+                assert abs(exact - mid) / exact > Decimal(2) ** -40, (i, exact)

@@ -1,12 +1,16 @@
 """Golden bits: hashes of linear()'s outputs for every stored format, activations mode and
-T class (decode, a batch of rows, prefill), and of the fused decode step's logits, as they
-are today. Moving or renaming kernels (issue 33) must leave every hash as it is; a change of
+T class (decode, a batch of rows, prefill), of the fused decode step's logits, and of the
+default model's logits (a prefill and fused decode steps, tests/test_cpu_paths.py's
+model_logits), as they are today. Moving or renaming kernels (issue 33) must leave every hash as it is; a change of
 a documented numerical order is the only reason to regenerate them, in its own commit:
 `python tests/test_golden_bits.py` prints the table to paste below.
 
 The same bits hold on every CPU path (the AVX2, generic and AMX-off children of
 test_cpu_paths.py, test_q8act.py, test_kquants_q8.py and test_amx.py compare their outputs
-with this process's bit for bit), so one table serves every x86 machine.
+with this process's bit for bit), so one table serves every x86 machine. The orders outside
+the matmuls (RMSNorm, softmax sums, the RoPE table) are fixed too, so the default model's hash
+needs no torch and is meant to hold on aarch64 as well (docs/arm64.md: the emulated run checks
+it).
 """
 
 from __future__ import annotations
@@ -140,31 +144,41 @@ GOLDEN_LINEAR = {
     "q6_k/q8/decode": "9e5e170d5b8b24f1",
     "q6_k/q8/batch": "a2263b254a107871",
     "q6_k/q8/prefill": "3974e92df2593fe8",
-    "f16/f32/decode": "65cfa13ae3e8787c",
-    "f16/f32/batch": "8760a4a252f57b56",
+    "f16/f32/decode": "a1c71c22cd42a90d",
+    "f16/f32/batch": "6c0e9314578b9408",
     "f16/f32/prefill": "505b6162da6b2a48",
-    "bf16/f32/decode": "95a825d62c5031a0",
-    "bf16/f32/batch": "7b3dd6136ccb35f2",
+    "bf16/f32/decode": "5ff7f71ec04a64f8",
+    "bf16/f32/batch": "81f8af8e8b4d0fae",
     "bf16/f32/prefill": "5b65fb1470b44179",
-    "f32/f32/decode": "00d334c79b7192ce",
-    "f32/f32/batch": "afabea64769571ea",
+    "f32/f32/decode": "5bbde32f74c825f4",
+    "f32/f32/batch": "dc95603c73514258",
     "f32/f32/prefill": "dace14bda84c4d6a",
 }
 GOLDEN_FUSED = {
-    "f32/f32/exact": "746156f18b89c843",
-    "f32/f32/seed": "49429dd99bc19363",
-    "f32/f32/v2": "ec45afb2a3de478e",
-    "f32/q8/exact": "f343a51b33f6d67a",
-    "f32/q8/seed": "04fca112dac8f26d",
-    "f32/q8/v2": "d67f0dc856fb8646",
-    "f16/f32/exact": "445823c1b171275a",
-    "f16/f32/seed": "6224d26457730df2",
-    "f16/f32/v2": "c41981cca0d325d0",
-    "f16/q8/exact": "2aca9c549d0321e6",
-    "int8/f32/exact": "b04a327dbd8f41fd",
-    "int8/f32/seed": "85dc35cac220f1c6",
-    "int8/f32/v2": "dd2f4bfe4852ac8e",
+    "f32/f32/exact": "87599554eed9ee0a",
+    "f32/f32/seed": "b725f46785dffecc",
+    "f32/f32/v2": "f476fc4e1c459796",
+    "f32/q8/exact": "227866af14ca21b0",
+    "f32/q8/seed": "0f1d115f30cf3b24",
+    "f32/q8/v2": "44e879840ea923cd",
+    "f16/f32/exact": "2fead470fc9e6723",
+    "f16/f32/seed": "ca86ec594befa54b",
+    "f16/f32/v2": "e39c4125f086f5c9",
+    "f16/q8/exact": "5448bae68e6e6b42",
+    "int8/f32/exact": "8a20e6264b1be2ba",
+    "int8/f32/seed": "d41efae28035231d",
+    "int8/f32/v2": "c455318fc4208ef8",
 }
+
+
+# the default model's logits (test_cpu_paths.model_logits): generated 2026-12-03 on an AMD EPYC Zen 4
+GOLDEN_MODEL = "25507c08e84c60f8"
+
+
+def model_hash() -> str:
+    from test_cpu_paths import model_logits
+
+    return _digest(model_logits()[0])
 
 
 @pytest.fixture
@@ -192,16 +206,23 @@ def test_fused_step_bits_are_the_golden_ones(tiny_models, monkeypatch):
     assert not changed, f"fused step bits changed: {changed}"
 
 
+def test_default_model_logits_are_the_golden_ones():
+    assert model_hash() == GOLDEN_MODEL, "the default model's logits changed"
+
+
 if __name__ == "__main__":  # prints the tables (a documented order changed: its own commit)
     import sys
     import tempfile
 
     import reference_models as rm
+    from sparrow.models import fused
 
+    fused.BACKOFF_STEPS = 0  # as the test: a busy machine must not send steps to the staged path
     set_threads(2)
     print("GOLDEN_LINEAR =", linear_hashes())
     tok, d = tempfile.mkdtemp(), tempfile.mkdtemp()
     rm.save_default_tokenizer(tok)
     rm.build_tiny("llama", d, tok)
     print("GOLDEN_FUSED =", fused_hashes(d))
+    print("GOLDEN_MODEL =", repr(model_hash()))
     sys.exit(0)

@@ -1,5 +1,6 @@
-"""Row-wise element kernels of the decoder: RMSNorm, rotate-half RoPE, silu(gate) * up, and
-the int8 KV row quantisation.
+"""Row-wise element kernels of the decoder: RMSNorm, rotate-half RoPE (and its frequency
+table), silu(gate) * up, and the int8 KV row quantisation. Their sums and multiply-adds have one
+order on every CPU (RMSNorm's sum of squares in ir.lane_fold's lanes, exp's fmas explicit).
 
 At decode each is a few hundred floats, so one compiled call replaces several numpy calls
 (Python overhead dominated them). They work row by row, so a row's result never depends on
@@ -15,23 +16,18 @@ import math
 import numpy as np
 from numba import njit
 
+from sparrow.kernels.ir import fma32, lane_dot
 from sparrow.kernels.options import KW as _KW
 from sparrow.kernels.parallel import run_parallel
 
 
-@njit(fastmath={"reassoc", "contract"}, **_KW)
-def _ssq(r):
-    s = np.float32(0)
-    for i in range(r.shape[0]):
-        s += r[i] * r[i]
-    return s
-
-
 @njit(**_KW)
 def _rms_rows(x, w, eps, out):
+    # sum of squares in ir.lane_fold's order (lane_dot of the row with itself), so a norm has
+    # the same bits on every CPU; then one f32 rounding a step
     n = np.float32(x.shape[1])
     for t in range(x.shape[0]):
-        inv = np.float32(1) / np.float32(math.sqrt(_ssq(x[t]) / n + eps))
+        inv = np.float32(1) / np.float32(math.sqrt(lane_dot(x[t], x[t]) / n + eps))
         for i in range(x.shape[1]):
             out[t, i] = (x[t, i] * inv) * w[i]
 
@@ -64,29 +60,31 @@ _LN2_HI = np.float32(0.693359375)  # k * _LN2_HI is exact for |k| < 2**9
 _LN2_LO = np.float32(-2.12194440e-4)
 
 
-@njit(fastmath={"reassoc", "contract"}, **_KW)
+@njit(**_KW)
 def exp_parts(x):
     """(p, k) with exp(x) = p * 2**k for finite f32 x in [-87, 88], written so that LLVM
     vectorises loops calling it (libm expf is a scalar call): k = round(x / ln 2), p = e**r for
     |r| <= ln 2 / 2 by its degree-6 Taylor polynomial (relative error < 3e-7). The caller
-    builds 2**k in exponent bits: (int32(k) + 127) << 23."""
-    k = np.floor(x * _LOG2E + np.float32(0.5))
-    r = (x - k * _LN2_HI) - k * _LN2_LO
+    builds 2**k in exponent bits: (int32(k) + 127) << 23. Every multiply-add is an explicit
+    fma (ir.fma32), so the bits are the same with and without the CPU's FMA (no fastmath: a
+    contraction left to LLVM happens only where the target has FMA)."""
+    k = np.floor(fma32(x, _LOG2E, np.float32(0.5)))
+    r = fma32(-k, _LN2_LO, fma32(-k, _LN2_HI, x))  # k * _LN2_HI is exact: x - k ln 2 in two steps
     p = np.float32(1.0 / 720)
-    p = p * r + np.float32(1.0 / 120)
-    p = p * r + np.float32(1.0 / 24)
-    p = p * r + np.float32(1.0 / 6)
-    p = p * r + np.float32(0.5)
-    p = p * r + np.float32(1.0)
-    p = p * r + np.float32(1.0)
+    p = fma32(p, r, np.float32(1.0 / 120))
+    p = fma32(p, r, np.float32(1.0 / 24))
+    p = fma32(p, r, np.float32(1.0 / 6))
+    p = fma32(p, r, np.float32(0.5))
+    p = fma32(p, r, np.float32(1.0))
+    p = fma32(p, r, np.float32(1.0))
     return p, k
 
 
-@njit(fastmath={"reassoc", "contract"}, **_KW)
+@njit(**_KW)
 def _silu_mul(gu, f, out):
-    """out = silu(g) * u with g = gu[:, :f], u = gu[:, f:].
+    """out = silu(g) * u with g = gu[:, :f], u = gu[:, f:]: g / fma(p, 2**k, 1) * u.
 
-    exp(-g) by exp_parts (vectorised), the argument clamped to [-87, 88] (finite f32).
+    exp(-g) = p 2**k by exp_parts (vectorised), the argument clamped to [-87, 88] (finite f32).
     """
     ebits = np.empty(f, np.int32)
     fb = ebits.view(np.float32)
@@ -97,7 +95,20 @@ def _silu_mul(gu, f, out):
             o[i] = p
             ebits[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
         for i in range(f):
-            o[i] = gu[t, i] / (np.float32(1) + o[i] * fb[i]) * gu[t, f + i]
+            o[i] = gu[t, i] / fma32(o[i], fb[i], np.float32(1)) * gu[t, f + i]
+
+
+def rope_powers(theta: float, dim: int) -> np.ndarray:
+    """theta ** e [dim / 2] in f32 for RoPE's exponents e = f32(2 i) / f32(dim), as transformers
+    computes them: the power in float64 by the C library's pow (correctly rounded or within an
+    ulp of it, on x86 and aarch64 alike), rounded to f32 once. The callers take 1 / power in f32,
+    as transformers does (torch's f32 power agrees with this one for 99.6% of frequencies, 1640
+    measured). numpy's f32 power, used before, dispatches to SVML on AVX-512 (1 ulp off for 5 of
+    SmolLM2's 32 frequencies; its f64 power for ~7% of exponents), so the tables followed the
+    CPU; every power of the models tested lies far enough from f32's rounding points that this
+    table is the same on every CPU (tests/test_cpu_paths.py)."""
+    exps = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)  # [dim / 2]
+    return np.array([math.pow(float(theta), float(e)) for e in exps], np.float64).astype(np.float32)
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -1,7 +1,17 @@
-"""LLVM IR building blocks shared by the vector-IR kernels (widen, gemm, attention.rows).
+"""LLVM IR building blocks shared by the vector-IR kernels (widen, gemm, attention.rows), and
+the f32 reductions of the plain kernels in one fixed lane order (lane_dot, lane_sum; fma32).
 
 Plain Python run at compile time; what they emit is part of those kernels' machine code (the
 numba cache directory is keyed on every kernel source file, so editing this recompiles them).
+
+Why the reductions are IR: a numba loop compiled with fastmath reassociation is vectorised by
+LLVM at the target's own width (16 lanes on AVX-512, 8 on AVX2, 4 on NEON, interleaved by
+its cost model), so its summation order, and its bits, followed the CPU (RMSNorm: 11% of
+outputs differed between the same host's AVX-512 and AVX2 builds, 32% against aarch64). Here
+the lanes are explicit <16 x float> vectors, which every target computes lane by lane (one zmm,
+two ymm, four NEON q registers, or scalar code), so every CPU sums in the same order; and the
+multiply-adds are llvm.fma, fused on every target (a libm call where the CPU has no FMA),
+never left to the backend to contract where it can.
 """
 
 from llvmlite import ir
@@ -90,6 +100,142 @@ def prefetch_lines(builder, p, n):
 
 
 ROWS_AHEAD = 1  # make_rows prefetches the row this many ahead (0: none)
+LANE_ACCS = 4  # 16-lane accumulators of lane_fold (chunk c goes to c % 4: four independent fma chains)
+
+
+def lane_fold(builder, n, chunk, tail):
+    """The fixed order of an f32 reduction over n values (i64 n): chunk c (values 16c ..
+    16c+15) is folded into accumulator c % LANE_ACCS by chunk(acc, first index) -> acc, lane by
+    lane; then (acc0 + acc1) + (acc2 + acc3) lane by lane, the pairwise tree hsum16, and the
+    values after the last whole chunk one at a time, in order, by tail(s, index) -> s. The
+    order depends on n only: not on the CPU, the vector width or the caller."""
+    i64 = lambda v: ir.Constant(I64, v)  # noqa: E731
+    accs = [zeroed(builder, V16F) for _ in range(LANE_ACCS)]
+    nch = builder.lshr(n, i64(4))
+
+    def fold(j, c):
+        builder.store(chunk(builder.load(accs[j]), builder.shl(c, i64(4))), accs[j])
+
+    with cgutils.for_range(builder, builder.lshr(nch, i64(2))) as loop:
+        c0 = builder.shl(loop.index, i64(2))
+        for j in range(LANE_ACCS):
+            fold(j, builder.add(c0, i64(j)))
+    left = builder.and_(nch, i64(LANE_ACCS - 1))
+    c0 = builder.sub(nch, left)
+    for j in range(LANE_ACCS - 1):  # the last whole chunks, fewer than LANE_ACCS
+        with builder.if_then(builder.icmp_unsigned(">", left, i64(j))):
+            fold(j, builder.add(c0, i64(j)))
+    a = [builder.load(acc) for acc in accs]
+    tot = cgutils.alloca_once(builder, F32)
+    builder.store(hsum16(builder, builder.fadd(builder.fadd(a[0], a[1]), builder.fadd(a[2], a[3]))), tot)
+    with cgutils.for_range_slice(builder, builder.shl(nch, i64(4)), n, i64(1)) as (i, _):
+        builder.store(tail(builder.load(tot), i), tot)
+    return builder.load(tot)
+
+
+def _f32_vector(t):
+    return isinstance(t, types.Array) and t.ndim == 1 and t.dtype == types.float32
+
+
+class _Elements:
+    """Loads of a 1-D f32 array's elements: 16 at a time (a vector load where the array is
+    contiguous, else 16 strided loads into the same lanes) or one."""
+
+    def __init__(self, context, builder, ty, value):
+        arr = context.make_array(ty)(context, builder, value)
+        self.b, self.contiguous = builder, ty.layout == "C"
+        self.base = builder.bitcast(arr.data, I8.as_pointer())
+        self.stride = builder.extract_value(arr.strides, 0)
+        self.n = builder.extract_value(arr.shape, 0)
+
+    def at(self, i):
+        return self.b.bitcast(self.b.gep(self.base, [self.b.mul(i, self.stride)]), F32.as_pointer())
+
+    def load16(self, i, vector):
+        if vector:
+            return self.b.load(self.b.bitcast(self.at(i), V16F.as_pointer()), align=4)
+        v = ir.Constant(V16F, ir.Undefined)
+        for lane in range(16):
+            x = self.b.load(self.at(self.b.add(i, c64(lane))))
+            v = self.b.insert_element(v, x, ir.Constant(I32, lane))
+        return v
+
+    def load1(self, i):
+        return self.b.load(self.at(i))
+
+
+def _by_layout(builder, arrays, emit):
+    """emit(vector loads?) once where every array is contiguous by its type, else a run-time
+    choice between the two (rows of a strided view): the same lanes either way."""
+    if all(a.contiguous for a in arrays):
+        return emit(True)
+    ok = builder.icmp_signed("==", arrays[0].stride, c64(4))
+    for a in arrays[1:]:
+        ok = builder.and_(ok, builder.icmp_signed("==", a.stride, c64(4)))
+    out = cgutils.alloca_once(builder, F32)
+    with builder.if_else(ok) as (vec, strided):
+        with vec:
+            builder.store(emit(True), out)
+        with strided:
+            builder.store(emit(False), out)
+    return builder.load(out)
+
+
+@intrinsic
+def lane_dot(typingctx, a, b):
+    """sum of a[i] * b[i] over a's length (b at least as long), f32, in lane_fold's order:
+    acc = fma(a, b, acc) lane by lane, s = fma(a[i], b[i], s) for the tail."""
+    if not (_f32_vector(a) and _f32_vector(b)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        x, y = (_Elements(context, builder, t, v) for t, v in zip(signature.args, args))
+
+        def emit(vector):
+            return lane_fold(
+                builder,
+                x.n,
+                lambda acc, i: fma(builder, x.load16(i, vector), y.load16(i, vector), acc),
+                lambda s, i: fma(builder, x.load1(i), y.load1(i), s),
+            )
+
+        return _by_layout(builder, [x, y], emit)
+
+    return types.float32(a, b), codegen
+
+
+@intrinsic
+def lane_sum(typingctx, a, n):
+    """sum of a[:n] (n <= len(a)), f32, in lane_fold's order: acc + a lane by lane, then s + a[i]."""
+    if not (_f32_vector(a) and isinstance(n, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        x = _Elements(context, builder, signature.args[0], args[0])
+        cnt = context.cast(builder, args[1], signature.args[1], types.int64)
+
+        def emit(vector):
+            return lane_fold(
+                builder,
+                cnt,
+                lambda acc, i: builder.fadd(acc, x.load16(i, vector)),
+                lambda s, i: builder.fadd(s, x.load1(i)),
+            )
+
+        return _by_layout(builder, [x], emit)
+
+    return types.float32(a, n), codegen
+
+
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """fma(a, b, c) on f32 scalars, rounded once on every target (llvm.fma: a loop of them
+    vectorises; where the CPU has no FMA it is a libm call, never a separate multiply and add)."""
+    if not all(t == types.float32 for t in (a, b, c)):
+        return None
+    return types.float32(a, b, c), lambda context, builder, signature, args: fma(builder, *args)
+
+
 ROW_CHUNK = 16  # rows a batched block matvec does for each x row before the next rows
 
 

@@ -9,8 +9,8 @@ machine every parallel launch can wait a scheduler slice for its threads.
 expert_pairs: the SwiGLU experts for a list of (token, expert) pairs in two parallel launches
 (gate+up, then down) instead of three linear calls per expert; parallel over (expert, chunk
 of weight rows), so each output has one writer. Each stored row is widened to f32 once per
-expert and dotted with each of its pairs' f32 activation rows by one fixed loop, so a pair's
-output depends only on that pair (batch and thread invariant). The widening and dot helpers
+expert and dotted with each of its pairs' f32 activation rows in one fixed order
+(ir.lane_dot), so a pair's output depends only on that pair (batch and thread invariant). The widening and dot helpers
 are kernels/matmul/widen.py's (the numba cache directory is keyed on every kernel source, so an
 edit there recompiles these too).
 """

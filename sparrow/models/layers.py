@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from ..config import yarn_attention_factor
-from ..kernels.elementwise import rms_norm, rope, silu_mul
+from ..kernels.elementwise import rms_norm, rope, rope_powers, silu_mul
 from ..kernels.linear import linear, prepare
 from ..quant import Weight
 
@@ -22,12 +22,12 @@ class Rope:
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, mrope_section=()):
         self.mrope_section = tuple(mrope_section)
         self._shift = (None, None, None)  # (delta, table length, (cos, sin)) of the latest shifted()
-        # transformers: inv_freq = 1 / theta ** (arange(0, d, 2) / d) computed in f32
-        exps = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
-        inv = (1.0 / (np.float32(theta) ** exps)).astype(np.float32)  # [D/2]
+        # transformers: inv_freq = 1 / theta ** (arange(0, d, 2) / d) in f32 (the power rounded once from f64)
+        powers = rope_powers(theta, head_dim)  # [D/2]
+        inv = np.float32(1) / powers  # [D/2]
         self.attention_factor = 1.0
         if scaling and scaling["rope_type"] == "yarn":
-            self.inv_freq = _yarn_inv_freq(exps, scaling, head_dim, theta)
+            self.inv_freq = _yarn_inv_freq(powers, scaling, head_dim, theta)
             self.attention_factor = yarn_attention_factor(scaling)
         else:
             self.inv_freq = _scale_inv_freq(inv, scaling)
@@ -115,11 +115,11 @@ def _scale_inv_freq(inv: np.ndarray, scaling: dict | None) -> np.ndarray:
     return np.where(is_mid, mid, scaled).astype(np.float32)
 
 
-def _yarn_inv_freq(exps: np.ndarray, scaling: dict, dim: int, theta: float) -> np.ndarray:
-    """transformers' _compute_yarn_parameters, op for op in f32: frequencies that turn fewer than
-    beta_slow times over the original context are interpolated (divided by factor), those that
-    turn more than beta_fast times kept, a linear ramp over the dimensions in between.
-    exps: the f32 exponents arange(0, dim, 2) / dim."""
+def _yarn_inv_freq(powers: np.ndarray, scaling: dict, dim: int, theta: float) -> np.ndarray:
+    """transformers' _compute_yarn_parameters: frequencies that turn fewer than beta_slow times
+    over the original context are interpolated (divided by factor), those that turn more than
+    beta_fast times kept, a linear ramp over the dimensions in between; op for op in f32 after
+    powers, theta ** exps (rope_powers)."""
     factor = float(scaling["factor"])
     orig = scaling["original_max_position_embeddings"]
     beta_fast = scaling.get("beta_fast") or 32
@@ -136,12 +136,10 @@ def _yarn_inv_freq(exps: np.ndarray, scaling: dict, dim: int, theta: float) -> n
         high += 0.001  # transformers: avoids dividing by zero
     ramp = (np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low)
     extrapolated = (np.float32(1) - np.clip(ramp, 0, 1)).astype(np.float32)  # [D/2], 1 = kept
-    # theta ** exps rounded from f64: torch's f32 power is off by one ulp from that for ~1% of
-    # frequencies, numpy's f32 power for ~20% (measured over head sizes 32-256, five thetas). The
-    # plain Rope keeps its f32 power, so plain models' logits do not move.
-    pos_freqs = (np.float64(theta) ** exps.astype(np.float64)).astype(np.float32)  # [D/2]
-    kept = (np.float32(1) / pos_freqs).astype(np.float32)
-    interpolated = (np.float32(1) / (np.float32(factor) * pos_freqs)).astype(np.float32)
+    # torch's f32 power is off by one ulp from rope_powers' for ~1% of frequencies; the rest is
+    # IEEE f32 arithmetic, the same on every CPU
+    kept = (np.float32(1) / powers).astype(np.float32)
+    interpolated = (np.float32(1) / (np.float32(factor) * powers)).astype(np.float32)
     out = interpolated * (np.float32(1) - extrapolated) + kept * extrapolated
     return out.astype(np.float32)
 

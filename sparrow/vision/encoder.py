@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels.elementwise import rope
+from ..kernels.elementwise import rope, rope_powers
 from ..kernels.linear import linear
 from ..kernels.vision import gelu, layer_norm
 from ..loaders.tensor import StoredTensor
@@ -113,8 +113,7 @@ class VisionTower:
             for j in range(len(cfg.deepstack_visual_indexes))
         ]
         half = cfg.head_dim // 2  # rotary: half the head follows rows, half columns
-        exps = np.arange(0, half, 2, dtype=np.int64).astype(np.float32) / np.float32(half)
-        self.inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** exps)).astype(np.float32)  # [d/4]
+        self.inv_freq = np.float32(1) / rope_powers(cfg.rope_theta, half)  # [d/4]
 
     def tokens(self, grid: tuple[int, int, int]) -> int:
         """Merged tokens (image pads) of an image with patch grid (t, h, w)."""

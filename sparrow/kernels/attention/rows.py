@@ -3,7 +3,8 @@
 - dots(q, K2, t0, t1, step, s, off): s[off + j] = q . K2[t0 + j * step] for t0 + j * step < t1.
 - accum(w, off, V2, t0, t1, acc): acc[(off + j) % 4] += w[off + j] * V2[t0 + j] for t0 + j < t1.
 - prefetch(X2, t0, t1): hint rows t0..t1-1 into L2.
-- exp_shifted, sum_f32, max_at: vectorised exp(s - m), sum and max over packed scores.
+- exp_shifted, sum_f32, max_at: vectorised exp(s - m), sum and max over packed scores (the sum
+  in ir.lane_fold's order, the same on every CPU).
 
 K2 / V2 are one KV head's rows [C, D] stored as float32, IEEE half bits (uint16) or int8 codes;
 q, w and acc are float32. Rows are widened 16 lanes at a time; a head_dim that is not a
@@ -35,6 +36,7 @@ from sparrow.kernels.ir import I64 as _I64
 from sparrow.kernels.ir import V16F as _V16F
 from sparrow.kernels.ir import fma as _fma
 from sparrow.kernels.ir import hsum16 as _hsum
+from sparrow.kernels.ir import lane_sum
 from sparrow.kernels.ir import splat16 as _splat
 
 _ZERO = ir.Constant(_V16F, [0.0] * 16)
@@ -278,10 +280,8 @@ def accum(typingctx, w, off, V2, t0, t1, acc):
 
 # ---------------------------------------------------------------- softmax pieces
 
-_FM = {"reassoc", "contract"}  # vector lanes; the order is fixed per build
 
-
-@njit(fastmath=_FM, cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def exp_shifted(s, m, n, ebits):
     """s[:n] = exp(s[:n] - m) (all arguments <= 0), vectorised (libm expf is a scalar call).
 
@@ -301,18 +301,17 @@ def exp_shifted(s, m, n, ebits):
         s[i] = s[i] * fb[i]
 
 
-@njit(fastmath=_FM, cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def sum_f32(a, n):
-    # vector-lane sum; the order depends only on n (same for exact and all-blocks sparse)
-    t = np.float32(0.0)
-    for i in range(n):
-        t += a[i]
-    return t
+    # sum of a[:n] in ir.lane_fold's order: it depends on n only (the same for exact and
+    # all-blocks sparse attention) and is the same on every CPU
+    return lane_sum(a, n)
 
 
 @njit(fastmath=True, cache=True, nogil=True)
 def max_at(s, i, n):
-    # max is exact in any order, so the vector reduction fastmath allows changes no bits
+    # max is exact in any order, so the vector reduction fastmath allows changes no bits (a
+    # max of -0 and +0 may come out either way; exp(s - m) and the comparisons treat them alike)
     m = np.float32(-np.inf)
     for j in range(i, i + n):
         m = max(m, s[j])

@@ -4,9 +4,9 @@ kernels.matmul.gemm and kernels.moe; this module imports none of them).
 - widen_row: one stored row -> f32, bit-identical to Weight.dequantize() (same f32
   operations: d * q, then + m).
 - matvec_widened: small T. q8_0 / q4_0 / q4_1 rows are dotted with f32 x straight from
-  their blocks (rowdot_*: LLVM vector IR, see below); f16 / bf16 rows are widened once and
-  dotted by one compiled loop. Either way each row's summation order depends only on its
-  length (batch and thread invariant). Small matvecs skip the thread pool.
+  their blocks (rowdot_*: LLVM vector IR, see below); f32 / f16 / bf16 rows (f16 / bf16
+  widened once) are dotted by ir.lane_dot. Either way each row's summation order depends only
+  on its length (batch, thread and CPU invariant). Small matvecs skip the thread pool.
 Large T (prefill) is sparrow.kernels.matmul.gemm.matmul_widened, which packs rows with widen_row.
 Edits here reach every cached kernel that inlines these helpers: the numba cache directory
 is keyed on a hash of all kernel sources (kernels/__init__.py, _cache_dir).
@@ -29,6 +29,7 @@ from sparrow.kernels.ir import (
     barrier,
     c64,
     hsum16,
+    lane_dot,
     make_rows,
     nibbles_f32,
     row_step,
@@ -44,8 +45,6 @@ from sparrow.kernels.native_call import address_for, call_native
 from sparrow.kernels.options import KW, PARALLEL_MIN_MACS
 from sparrow.kernels.options import ROWS as _ROWS
 from sparrow.kernels.parallel import run_parallel
-
-FM = {"reassoc", "contract"}  # lets LLVM use vector lanes + FMA in the dot products
 
 
 def f16_table() -> np.ndarray:
@@ -83,14 +82,11 @@ def call_slp(kernel, *args):
         _nbconfig.SLP_VECTORIZE = old
 
 
-@njit(fastmath=FM, **KW)
+@njit(**KW)
 def dot(w, x):
-    # The lane split depends only on the length, so every (t, o) is summed in the same
-    # order whatever T and the thread count.
-    s = np.float32(0)
-    for i in range(w.shape[0]):
-        s += w[i] * x[i]
-    return s
+    # f32 row . x in ir.lane_fold's order (16 lanes, fma, fixed tree): it depends only on the
+    # length, so every (t, o) is summed in the same order whatever T, the thread count or the CPU
+    return lane_dot(w, x)
 
 
 @njit(**KW)
@@ -269,9 +265,10 @@ rows_q4_0 = make_rows(_emit_rowdot("q4_0"), 2)
 rows_q4_1 = make_rows(_emit_rowdot("q4_1"), 2)
 
 
-@njit(fastmath=FM, **KW)
+@njit(**KW)
 def _x_row_block_sums(xr, sxr):
-    # sxr[b] = sum of xr over block b; the order depends only on the block length
+    # sxr[b] = sum of xr over block b, one add at a time in order (no fastmath: LLVM may not
+    # reorder it, so every CPU sums alike; it vectorises across blocks)
     for b in range(sxr.shape[0]):
         a = np.float32(0)
         for j in range(32):
