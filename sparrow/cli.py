@@ -549,7 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "bench",
         help="benchmarks: attention, speed, long-context, needle, fidelity, serve, activations, prompt-cache, "
-        "speculative",
+        "speculative, sparse-trace",
     )
     b.add_argument(
         "bench",
@@ -563,6 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
             "activations",
             "prompt-cache",
             "speculative",
+            "sparse-trace",
         ],
     )
     b.add_argument(

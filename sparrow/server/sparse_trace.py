@@ -17,6 +17,12 @@ layer (in `layers` order) and every head 0..heads-1, row by row:
    block order: the index into `stages` of the rule that chose the block.
 
 So a step holds at most rows x (ceil(blocks / 8) + k / 2) bytes before base64 (4/3 after it).
+
+Cost: a traced step decodes as an untraced one does (the fused step when the request runs
+alone, the staged path beside others), and the kernels write its selections to arrays
+(models.attention.Selections) that `step` packs with numpy alone. The server's CPU time per
+token with the field, against without it (`sparrow bench sparse-trace`, side by side): within
+noise on a busy machine, to be re-measured quietly (docs/benchmarks/xeon-emerald-rapids.md).
 """
 
 from __future__ import annotations
