@@ -12,7 +12,9 @@ token: the engine thread's steps and the event loop's encoding of every chunk (w
 each step's selections), which run at the same time on different cores, so wall time hides
 part of the encoding. With --threads 1 (the default) no worker spins at a barrier, so CPU time
 is steady under other load; wall time per token is printed too. The overhead is the median of
-the traced rounds over the median of the plain ones, minus one (best over best beside it).
+the traced rounds over the median of the plain ones, minus one (best over best beside it), and
+split between the busiest thread (the engine's: decoding) and the others (HTTP and streaming,
+where a traced step's selections are packed), each thread's CPU time read from /proc too.
 """
 
 from __future__ import annotations
@@ -32,17 +34,30 @@ from .serve import _post, _start, _stop
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of process pid, all its threads (those that ended included)."""
-    with open(f"/proc/{pid}/stat") as f:
+def _cpu_seconds(stat: str) -> float:
+    """utime + stime from a /proc stat file: a process's (all its threads, those that ended
+    included) or one thread's."""
+    with open(stat) as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _TICK  # fields 14 and 15 of proc(5)
 
 
+def _threads(pid: int) -> dict[str, float]:
+    """CPU seconds of each live thread of pid."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out[tid] = _cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
+        except OSError:  # it ended meanwhile
+            pass
+    return out
+
+
 def _request(url: str, pid: int, body: dict) -> dict:
-    """One streamed completion: the server's CPU seconds and the wall seconds it took, the
-    tokens it generated and the characters of the trace steps' JSON."""
-    cpu0, t0 = _cpu_seconds(pid), time.perf_counter()
+    """One streamed completion: the server's CPU seconds (all of it, and its busiest thread's:
+    the engine thread, whose decode steps are most of it), the wall seconds it took, the tokens
+    it generated and the characters of the trace steps' JSON."""
+    cpu0, threads0, t0 = _cpu_seconds(f"/proc/{pid}/stat"), _threads(pid), time.perf_counter()
     tokens, steps, trace_chars = 0, 0, 0
     with _post(url + "/v1/completions", body) as r:
         for raw in r:
@@ -59,7 +74,9 @@ def _request(url: str, pid: int, body: dict) -> dict:
                 tokens = msg["usage"]["completion_tokens"]
     wall = time.perf_counter() - t0
     time.sleep(0.05)  # the server's last chunk is sent before its handler returns
-    return {"cpu": _cpu_seconds(pid) - cpu0, "wall": wall, "tokens": tokens, "steps": steps, "chars": trace_chars}
+    cpu, threads = _cpu_seconds(f"/proc/{pid}/stat") - cpu0, _threads(pid)
+    engine = max(threads[t] - threads0.get(t, 0.0) for t in threads)
+    return {"cpu": cpu, "engine": engine, "wall": wall, "tokens": tokens, "steps": steps, "chars": trace_chars}
 
 
 def main(argv=None) -> None:
@@ -105,19 +122,29 @@ def main(argv=None) -> None:
         f"sparse_trace cost: {len(ids)}-token needle prompt, k={a.k}, {a.kv_dtype} KV, {a.tokens} tokens a request, "
         f"server --threads {a.threads}, {a.rounds} interleaved rounds; load average {load0} -> {load1}"
     )
-    print(f"{'':8} {'CPU ms/token: median':>21} {'best':>6} {'wall ms/token: median':>22} {'best':>6}")
+    print(
+        f"{'':8} {'CPU ms/token: median':>21} {'best':>6} {'engine thread':>14} {'other threads':>14} "
+        f"{'wall ms/token: median':>22} {'best':>6}"
+    )
     per = {}
     for kind, rs in runs.items():
         cpu = [1e3 * x["cpu"] / x["tokens"] for x in rs]
+        engine = [1e3 * x["engine"] / x["tokens"] for x in rs]
+        other = [1e3 * (x["cpu"] - x["engine"]) / x["tokens"] for x in rs]
         wall = [1e3 * x["wall"] / x["tokens"] for x in rs]
-        per[kind] = (statistics.median(cpu), min(cpu), statistics.median(wall), min(wall))
-        print(f"{kind:8} {per[kind][0]:21.2f} {per[kind][1]:6.2f} {per[kind][2]:22.2f} {per[kind][3]:6.2f}")
+        m = statistics.median
+        per[kind] = (m(cpu), min(cpu), m(wall), min(wall), m(engine), m(other))
+        print(
+            f"{kind:8} {per[kind][0]:21.2f} {per[kind][1]:6.2f} {per[kind][4]:14.2f} {per[kind][5]:14.2f} "
+            f"{per[kind][2]:22.2f} {per[kind][3]:6.2f}"
+        )
     t = runs["traced"][-1]
     print(f"trace step: {t['chars'] / max(t['steps'], 1):,.0f} characters of JSON a token ({t['steps']} steps)")
     p, q = per["plain"], per["traced"]
     print(
         f"overhead: CPU {100 * (q[0] / p[0] - 1):+.1f}% (median), {100 * (q[1] / p[1] - 1):+.1f}% (best); "
-        f"wall {100 * (q[2] / p[2] - 1):+.1f}% (median)"
+        f"engine thread {100 * (q[4] / p[4] - 1):+.1f}%, other threads {q[5] - p[5]:+.2f} ms/token "
+        f"({100 * (q[5] - p[5]) / p[0]:+.1f}% of plain CPU); wall {100 * (q[2] / p[2] - 1):+.1f}% (median)"
     )
 
 

@@ -21,8 +21,9 @@ So a step holds at most rows x (ceil(blocks / 8) + k / 2) bytes before base64 (4
 Cost: a traced step decodes as an untraced one does (the fused step when the request runs
 alone, the staged path beside others), and the kernels write its selections to arrays
 (models.attention.Selections) that `step` packs with numpy alone. The server's CPU time per
-token with the field, against without it (`sparrow bench sparse-trace`, side by side): within
-noise on a busy machine, to be re-measured quietly (docs/benchmarks/xeon-emerald-rapids.md).
+token with the field, against without it (`sparrow bench sparse-trace`, side by side): a few
+percent on a busy machine, about 1% of it the streaming threads' packing; to be re-measured
+quietly (docs/benchmarks/xeon-emerald-rapids.md).
 """
 
 from __future__ import annotations
