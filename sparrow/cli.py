@@ -549,7 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "bench",
         help="benchmarks: attention, speed, long-context, needle, fidelity, serve, activations, prompt-cache, "
-        "speculative, rows",
+        "speculative, rows, sparse-trace",
     )
     b.add_argument(
         "bench",
@@ -564,6 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
             "prompt-cache",
             "speculative",
             "rows",
+            "sparse-trace",
         ],
     )
     b.add_argument(

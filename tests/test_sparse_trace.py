@@ -13,6 +13,10 @@ import numpy as np
 import pytest
 from inprocess_server import serving
 
+from sparrow.engine.runner import Runner
+from sparrow.kernels.attention.select import STAGE_NAMES
+from sparrow.models import fused as fused_mod
+from sparrow.params import SparseParams
 from sparrow.server.app import ServerState
 from sparrow.server.sparse_trace import decode
 
@@ -77,7 +81,8 @@ def test_prompt_is_long_enough_to_select(traced):
 
 def test_trace_changes_no_bits(base, traced):
     """Tokens and logprobs (floats as JSON gives them: every bit of a float32) are the same with the
-    trace and without it, whole and streamed; without it a single stream decodes fused, with it staged."""
+    trace and without it, whole and streamed (a single stream decodes fused either way; the
+    staged path's trace: test_selections_fused_and_staged_equal_the_records)."""
     plain = _whole(base, _body(None))["choices"][0]
     got = traced["choices"][0]
     assert got["message"]["content"] == plain["message"]["content"]
@@ -98,7 +103,7 @@ def test_trace_changes_no_bits(base, traced):
 def test_trace_matches_the_sparse_trace_records(default_llm, base, traced):
     """Every step decodes to the blocks and stages api.stream's trace (the CLI's --sparse-trace)
     records for the same prompt and settings."""
-    from sparrow.params import SamplingParams, SparseParams
+    from sparrow.params import SamplingParams
 
     tr = traced["choices"][0]["sparse_trace"]
     ids = httpx.post(base + "/tokenize", json={"messages": MESSAGES}).json()["tokens"]
@@ -165,3 +170,53 @@ def test_completions_and_errors(base):
         req = {"messages": MESSAGES} if path.endswith("chat/completions") else {}
         bad = httpx.post(base + path, json={**req, "sparse_attn": True, "sparse_trace": True, **extra})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "sparse_trace", extra
+
+
+@pytest.mark.parametrize(
+    "sp",
+    [
+        SparseParams(k=4),
+        SparseParams(k=3, block=16, select="v2", dense_layers=2),
+        SparseParams(k=64),  # more than the blocks: every block, stages as the selector reports them
+    ],
+    ids=["seed", "v2-dense2", "all-blocks"],
+)
+def test_selections_fused_and_staged_equal_the_records(default_llm, monkeypatch, sp):
+    """The server's trace arrays (models.attention.Selections), filled by the fused step alone and
+    by the staged path, hold the blocks and stages of the per-head records the CLI's trace makes
+    (decode_attention's, staged), for the layers that select; the logits are the same bits."""
+    monkeypatch.setattr(fused_mod, "BACKOFF_STEPS", 0)  # a busy machine must not move fused steps
+    model = default_llm.model
+    ids = np.asarray(default_llm.tokenizer.encode(FACTS)[:300], np.int64)
+    runner = Runner(model)
+
+    def run(mass, fused):
+        model.use_fused = fused
+        plan = model.fused_step()
+        plan.backoff, before = 0, plan.steps
+        try:
+            slot = runner.new_slot(ids[:-6], len(ids), "f32", sp, trace=True, trace_mass=mass)
+            runner.prefill(slot)
+            logits, steps = [], []
+            for t in ids[-6:]:
+                logits.append(runner.decode([slot], [t])[0])
+                steps.append(list(slot.trace) if mass else slot.trace.take())
+                if mass:
+                    slot.trace.clear()
+            assert plan.steps - before == (6 if fused and not mass else 0)  # the path meant ran
+            return np.stack(logits), steps
+        finally:
+            model.use_fused = True
+
+    want_logits, records = run(True, False)
+    layers = [i for i in range(model.config.num_hidden_layers) if sp.for_layer(i) is not None]
+    for fused in (True, False):
+        logits, steps = run(False, fused)
+        assert logits.tobytes() == want_logits.tobytes()
+        for rec, (sel, stages, nsel) in zip(records, steps):
+            assert [layer for layer, _ in rec] == layers
+            for layer, heads in rec:
+                for h, blocks, names, _ in heads:
+                    n = nsel[layer, h]
+                    assert sel[layer, h, :n].tolist() == blocks, (fused, layer, h)
+                    assert [STAGE_NAMES[c] for c in stages[layer, h, :n]] == names, (fused, layer, h)

@@ -30,7 +30,7 @@ def _overloads() -> dict[str, int]:
 
 
 def _run_together(eng, group):
-    """Submits every (ids, sparse) of group at once; returns when all have finished."""
+    """Submits every (ids, sparse[, trace]) of group at once; returns when all have finished."""
     done = [threading.Event() for _ in group]
     errors = []
 
@@ -43,15 +43,16 @@ def _run_together(eng, group):
 
         return f
 
-    for i, (ids, sp) in enumerate(group):
-        eng.submit(ids, SamplingParams(max_tokens=4), sp, emit(i))
+    for i, (ids, sp, *trace) in enumerate(group):
+        eng.submit(ids, SamplingParams(max_tokens=4), sp, emit(i), trace=bool(trace))
     assert all(d.wait(600) for d in done) and not errors, errors
 
 
 def test_no_request_compiles_after_the_servers_warm_up(default_llm):
     """After Engine.start's warm-up, a mix of every request kind (exact, a short prompt,
-    batched, both selectors, sparse prefill, alone and together) compiles or loads no kernel:
-    each would be a compile inside a request on a cold cache."""
+    batched, both selectors, sparse prefill, the sparse_trace field's traced decode, alone and
+    together) compiles or loads no kernel: each would be a compile inside a request on a cold
+    cache."""
     ready = threading.Event()
     warmed = []
     eng = Engine(default_llm, max_batch=4)
@@ -68,6 +69,8 @@ def test_no_request_compiles_after_the_servers_warm_up(default_llm):
             (long_ids, SparseParams(k=2, block=16, select="v2")),
             (long_ids, SparseParams(k=2, block=16, prefill=True)),
             (long_ids[:40], SparseParams(k=1, block=8, select="v2", prefill=True)),
+            (long_ids, SparseParams(k=2, block=16), "traced"),  # fused alone, staged beside others
+            (long_ids, SparseParams(k=2, block=16, select="v2"), "traced"),
         ]
         before = _overloads()
         for batch in ([k] for k in kinds), [kinds]:  # each alone, then all at once

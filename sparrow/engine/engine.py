@@ -158,8 +158,8 @@ class Engine:
         carries each prompt token's logprob with that many alternatives (the prefix cache is not
         used for such a prompt: every position's logits are needed). score_only: nothing is
         generated; one output per choice, finish_reason "length", no token. trace: with sparse,
-        each decoded output carries the blocks its step read (StepOutput.trace; the step takes the
-        staged path, same bits)."""
+        each decoded output carries the blocks its step read (StepOutput.trace: a
+        models.attention.Selections step; same bits)."""
         self.kv.check_fits(len(prompt_ids), params.max_tokens, kv_dtype, sparse)
         if self.max_queue is not None and n > self.max_queue:
             e = SparrowError(f"n={n} choices exceed the server's queue limit of {self.max_queue} (--max-queue)")
@@ -446,10 +446,10 @@ class Engine:
                 outs = [(r, r.seq.accept(logits[j])) for j, r in enumerate(batch) if live[j]]
                 for r, out in outs:
                     if r.trace:
-                        out.trace = list(r.seq.trace)
+                        out.trace = r.seq.trace.take()
                 for r in batch:  # a replayed step's selections are dropped with it
                     if r.trace:
-                        r.seq.trace.clear()
+                        r.seq.trace.take()
             except Exception as e:
                 self._internal_error(batch, e)
                 continue

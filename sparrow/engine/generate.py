@@ -64,7 +64,7 @@ def generate_step(runner: Runner, seq: Sequence, timings: bool = False, spec=Non
 
 def _runs_fused(model, slot) -> bool:
     """Whether a decode step of slot alone takes the fused path (Decoder.forward's rule)."""
-    return hasattr(model, "fuses") and model.fuses(slot.trace is not None)
+    return hasattr(model, "fuses") and model.fuses(slot.trace)
 
 
 def _split(timer: Timer) -> dict:

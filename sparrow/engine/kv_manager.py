@@ -90,7 +90,7 @@ class KVManager:
                 allocate=False,
                 images=req.images,
                 trace=req.trace,
-                trace_mass=False,  # a live view needs the blocks only (models.attention.Trace)
+                trace_mass=False,  # a live view needs the blocks only: arrays, on the fused path too
             )
         seq, slot = req.seq, req.seq.slot
         if slot.cache is not None:

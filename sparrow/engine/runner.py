@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import SparrowError
 from ..kernels import linear as _linear
 from ..kv_cache import KVCache, thin_snapshots
-from ..models.attention import Trace
+from ..models.attention import Selections
 from ..models.decoder import Segment
 from ..params import SparseParams
 
@@ -36,7 +36,9 @@ class Slot:
     prompt: np.ndarray  # [P] int64
     cache: KVCache | None  # None while the engine holds no KV for it (queued or preempted)
     sparse: SparseParams | None = None
-    trace: list | None = None  # sparse decode appends (layer, per-head selection records) here
+    # sparse decode appends (layer, per-head selection records with their mass) to a list, or
+    # writes each step's selections as arrays to a Selections (models.attention)
+    trace: list | Selections | None = None
     mm: object | None = None  # models.qwen3_vl.MultimodalPrompt when the prompt holds images
     snapshots: dict = field(default_factory=dict)  # prefill boundary -> [L, b] importance (prefix cache)
 
@@ -78,8 +80,9 @@ class Runner:
     ) -> Slot:
         """A slot with a fresh cache of `capacity` positions (prompt plus what it may generate).
         images: preprocessed images (vision.preprocess) for the prompt's image pads, encoded here.
-        trace: sparse decode records its selections in slot.trace (with each head's softmax
-        mass inside them unless trace_mass is False)."""
+        trace: sparse decode records its selections in slot.trace: per-head records with each
+        head's softmax mass inside them (a list), or with trace_mass False, as arrays without
+        it (a models.attention.Selections, which the fused step fills too)."""
         prompt = np.asarray(prompt, np.int64)
         mm = None
         if hasattr(self.model, "prepare"):  # an image model: pads and images must match
@@ -87,7 +90,8 @@ class Runner:
         elif images:
             raise SparrowError("this model is text-only: it does not take images")
         cache = None if capacity is None else self.model.new_cache(capacity, kv_dtype)  # None: the engine's budget
-        return Slot(prompt, cache, sparse, Trace(trace_mass) if trace else None, mm)
+        recorder = ([] if trace_mass else Selections()) if trace else None
+        return Slot(prompt, cache, sparse, recorder, mm)
 
     def prefill_step(self, slot: Slot, end: int | None = None, rows: list | None = None) -> np.ndarray | None:
         """Runs the next chunk of the prompt (up to position `end`, default the whole prompt).

@@ -32,7 +32,9 @@ class StepOutput:
     # the first, top alternatives or None), the logprob as decoding would report the same token
     prompt_logprobs: list | None = None
     speculative: dict | None = None  # last output of a speculative run: {"drafted_tokens", "accepted_tokens"}
-    trace: list | None = None  # the engine's traced requests: the sparse selections of the step that chose it
+    # the engine's traced requests: the sparse selections of the step that chose it, as
+    # models.attention.Selections' arrays (sel, stages, nsel)
+    trace: tuple | None = None
 
 
 @dataclass
@@ -104,7 +106,7 @@ class Sequence:
         return self.slot.prompt  # [P] int64
 
     @property
-    def trace(self) -> list | None:
+    def trace(self):  # Slot.trace
         return self.slot.trace
 
     @property

@@ -65,9 +65,9 @@ def oracle_attention(model):
 
     original = decoder.decode_attention
 
-    def decode_attention(q, layer, state, seq_len, scale, sparse=None, trace=None, mass=True):
+    def decode_attention(q, layer, state, seq_len, scale, sparse=None, trace=None, into=None):
         if sparse is None or sparse.k * sparse.block >= seq_len:
-            return original(q, layer, state, seq_len, scale, sparse, trace, mass)
+            return original(q, layer, state, seq_len, scale, sparse, trace, into)
         return attend(np.asarray(q, np.float32), layer, seq_len, scale, sparse.k, sparse.block, trace)
 
     fused = model.use_fused

@@ -36,14 +36,34 @@ from ..params import SparseParams  # noqa: F401  (type of the sparse argument)
 _DEFAULT_BLOCK = 32
 
 
-class Trace(list):
-    """Where sparse decode appends (layer, per-head selection records). mass=False leaves each
-    record's mass None: the share of softmax mass costs an exact pass over every head's keys,
-    which a live view of the selections (the server's sparse_trace) does not need."""
+class Selections:
+    """One decode step's block selections as arrays, where a trace needs no softmax mass (the
+    server's sparse_trace): the fused step (models/fused.py) and the staged path write them
+    straight from the attention kernel, so tracing adds no per-head work and keeps the fused
+    step. A trace with the mass (api.stream's, the CLI's --sparse-trace, eval.fidelity) is a
+    list of per-head records instead, on the staged path (decode_attention).
 
-    def __init__(self, mass: bool = True):
-        super().__init__()
-        self.mass = mass
+    step: (sel [L, H, nb] int64, stages [L, H, nb] int8, nsel [L, H] int64) of the latest
+    step, None before one: head h of layer l read blocks sel[l, h, :nsel[l, h]], ascending,
+    each chosen by the rule stages[l, h, j] (attention.select.STAGE_*). Rows of a layer that
+    does not select (v2's exact first layers: SparseParams.for_layer is None) are unspecified."""
+
+    def __init__(self):
+        self.step = None
+
+    def start(self, layers: int, heads: int, blocks: int) -> tuple:
+        """Fresh arrays for a step over `blocks` blocks; the kernels fill them."""
+        self.step = (
+            np.empty((layers, heads, blocks), np.int64),
+            np.empty((layers, heads, blocks), np.int8),
+            np.zeros((layers, heads), np.int64),
+        )
+        return self.step
+
+    def take(self) -> tuple | None:
+        """The latest step's arrays (None if no sparse step ran since the last take)."""
+        step, self.step = self.step, None
+        return step
 
 
 def _check_heads(H, layer):
@@ -52,15 +72,16 @@ def _check_heads(H, layer):
     return H // layer.n_kv_heads
 
 
-def decode_attention(q, layer, state, seq_len, scale, sparse=None, trace=None, mass=True):
+def decode_attention(q, layer, state, seq_len, scale, sparse=None, trace=None, into=None):
     """Attention of q [H, D] (position seq_len-1, already appended) over positions
     0..seq_len-1 of the layer cache -> [H, D].
 
     state: the layer's SparseState (importance state.importance[:seq_len], probe copies).
     sparse: SparseParams for block-sparse top-k, None for exact attention.
     trace: with sparse, appends (head, block ids ascending, stage names, mass) per query head,
-    mass being the share of the exact softmax mass inside the selected blocks (None unless
-    `mass`); exact attention records nothing.
+    mass being the share of the exact softmax mass inside the selected blocks; exact attention
+    records nothing. into: (sel [H, nb], stages [H, nb], nsel [H]), this layer's rows of a
+    Selections step, which the kernel writes the selection to.
     """
     q = np.ascontiguousarray(q, dtype=np.float32)  # [H, D]
     H, D = q.shape
@@ -70,9 +91,10 @@ def decode_attention(q, layer, state, seq_len, scale, sparse=None, trace=None, m
     qd, qa, qs = layer.query(q, scale)  # [H, D], [H, D], [H]
     bs = sparse.block if sparse is not None else _DEFAULT_BLOCK
     nb = (seq_len + bs - 1) // bs
-    sel = np.empty((H, nb), np.int64)
-    stages = np.empty((H, nb), np.int8)
-    nsel = np.empty(H, np.int64)
+    if into is None:
+        sel, stages, nsel = np.empty((H, nb), np.int64), np.empty((H, nb), np.int8), np.empty(H, np.int64)
+    else:
+        sel, stages, nsel = into
     out = np.empty((H, D), np.float32)
     if sparse is not None and sparse.k < nb:
         pk, n_copied = state.copy_for(layer, sparse, seq_len)  # seed: probe keys; v2: block summaries [n, 2D]
@@ -111,7 +133,7 @@ def decode_attention(q, layer, state, seq_len, scale, sparse=None, trace=None, m
         for h in range(H):
             n = nsel[h]
             blocks = sel[h, :n].tolist()
-            share = _selected_mass(q[h], layer, h // group, seq_len, scale, bs, blocks) if mass else None
+            share = _selected_mass(q[h], layer, h // group, seq_len, scale, bs, blocks)
             trace.append((h, blocks, [STAGE_NAMES[c] for c in stages[h, :n]], share))
     return out
 

@@ -20,7 +20,7 @@ from ..kv_cache import KVCache
 from ..loaders.tensor import StoredTensor
 from ..params import SparseParams
 from ..quant import Weight
-from .attention import decode_attention, prefill_attention
+from .attention import Selections, decode_attention, prefill_attention
 from .fused import FusedDecode
 from .layers import MLP, FusedLinear, Rope, RowRope, rms_norm
 
@@ -34,7 +34,9 @@ class Segment:
     start: int
     sparse: SparseParams | None = None
     decode: bool = False  # a single new token attending over its cache (decode kernel)
-    trace: list | None = None  # (layer, per-head selection records) appended here (decode only)
+    # decode only, with sparse: a list receives (layer, per-head selection records with their
+    # softmax mass), a Selections the step's selections as arrays (models.attention)
+    trace: list | Selections | None = None
     vision: object | None = None  # models.qwen3_vl.SegmentVision: M-RoPE positions, image embeddings
     rope_delta: int = 0  # rope position minus cache position (decode after an image prompt)
 
@@ -181,10 +183,16 @@ class Decoder:
         self.use_fused = os.environ.get("SPARROW_FUSED", "1") != "0"
         self._fused: FusedDecode | None | bool = False  # False: not planned yet
 
-    def fuses(self, traced: bool) -> bool:
-        """Whether a single sequence's decode step takes the fused path: not when traced, and
-        not while it backs off after contention (models/fused.py)."""
-        return not traced and self.use_fused and self.fused_step() is not None and self._fused.backoff == 0
+    def fuses(self, trace) -> bool:
+        """Whether a single sequence's decode step with this trace (Segment.trace) takes the fused
+        path: not for per-head records with their mass (a list), and not while it backs off
+        after contention (models/fused.py)."""
+        return (
+            not isinstance(trace, list)
+            and self.use_fused
+            and self.fused_step() is not None
+            and self._fused.backoff == 0
+        )
 
     def fused_step(self) -> FusedDecode | None:
         if self._fused is False:
@@ -205,7 +213,7 @@ class Decoder:
         The stages are methods so that models.timing can time them from outside. A single
         sequence's decode step runs fused instead when the model allows it (same bits)."""
         if len(segments) == 1 and segments[0].decode and not all_logits:
-            if self.fuses(segments[0].trace is not None):
+            if self.fuses(segments[0].trace):
                 return self._fused(segments[0])  # [1, V]
             if self._fused and self._fused.backoff > 0 and self.use_fused:
                 return self._fused.staged_step(self._staged, segments)  # [1, V], timed
@@ -224,6 +232,9 @@ class Decoder:
         vis = [(bounds[j], s.vision) for j, s in enumerate(segments) if s.vision is not None]
         if vis or any(s.rope_delta for s in segments):  # Qwen3-VL after images only
             x, rope, positions = self._multimodal_inputs(segments, bounds, x, vis)
+        for s in segments:
+            if s.decode and isinstance(s.trace, Selections) and s.sparse is not None:  # arrays attend fills
+                s.trace.start(len(self.layers), self.config.num_attention_heads, -(-(s.start + 1) // s.sparse.block))
         for layer in self.layers:
             h = rms_norm(x, layer.input_norm, layer.eps)  # [N, E]
             q, k, v = self.project_qkv(layer, h, positions, rope)  # [N, H, D] [N, KV, D] [N, KV, D]
@@ -276,9 +287,11 @@ class Decoder:
             kv, st = s.cache.layers[layer.index], s.cache.sparse[layer.index]
             sp = s.sparse.for_layer(layer.index) if s.sparse is not None else None  # v2: early layers exact
             if s.decode:
-                tr = [] if s.trace is not None else None
-                mass = getattr(s.trace, "mass", True)  # a plain list (eval.fidelity) records the mass
-                out[a] = decode_attention(q[a], kv, st, s.start + 1, layer.attn.scale, sp, tr, mass)
+                tr = [] if isinstance(s.trace, list) else None
+                into = None
+                if isinstance(s.trace, Selections) and sp is not None:
+                    into = tuple(rows[layer.index] for rows in s.trace.step)  # this layer's rows
+                out[a] = decode_attention(q[a], kv, st, s.start + 1, layer.attn.scale, sp, tr, into)
                 if tr is not None and sp is not None:
                     s.trace.append((layer.index, tr))
             else:

@@ -6,8 +6,9 @@ It applies to dense decoders (Llama, Qwen2, Qwen3) whose projections are stored 
 format (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k) with matching formats inside each
 fused group (q/k/v, gate/up).
 Not here: MoE layers, f16/bf16/f32 projections, batched decode (the server's steps of
-several sequences), sparse traces, and timing (models/timing.py times the staged path's
-stages, which this path does not have).
+several sequences), sparse traces with each head's softmax mass (a list of records; a trace
+without it, models.attention.Selections, is filled here), and timing (models/timing.py times
+the staged path's stages, which this path does not have).
 """
 
 from __future__ import annotations
@@ -157,6 +158,7 @@ class FusedDecode:
         self.qd = np.empty((self.H, self.D), np.float32)
         self.qa = np.empty((self.H, self.D), np.float32)
         self.qs = np.empty(self.H, np.float32)
+        self.nsel = np.empty((1, self.H), np.int64)
         self.gu = np.empty((1, 2 * self.F), np.float32)
         self.y = np.empty((1, self.E), np.float32)
         self.logits_shape = (1, V)
@@ -253,7 +255,8 @@ class FusedDecode:
             raise SparrowError("fused decode: the attention kernel's argument types do not match its address")
 
     def __call__(self, seg) -> np.ndarray:
-        """Decodes seg (one token at seg.start over its cache) -> logits [1, V]."""
+        """Decodes seg (one token at seg.start over its cache) -> logits [1, V]; with sparse
+        settings and a trace (a models.attention.Selections) writes its step's selections."""
         model, cache, pos, sp = self.model, seg.cache, int(seg.start), seg.sparse
         if pos + 1 > cache.capacity:
             raise SparrowError(f"sequence of {pos + 1} tokens exceeds the KV cache capacity {cache.capacity}")
@@ -292,9 +295,13 @@ class FusedDecode:
             attn_t = _ds.StepAttention(
                 sparse_on=False, k_blocks=int(nb), block=int(bs), n_probe=1, flags=0, dense=0, lut=F16_LUT
             )
+        if seg.trace is not None and sp is not None:  # traced: every layer's selection, kept
+            sel, stages, nsel = seg.trace.start(L, self.H, nb)
+        else:  # one layer's, reused (the same types: tracing compiles nothing more)
+            sel, stages, nsel = np.empty((1, self.H, nb), np.int64), np.empty((1, self.H, nb), np.int8), self.nsel
         scratch = _ds.StepScratch(
             qkv=self.qkv, att=self.att3[0], att_flat=self.att3.reshape(1, -1), qd=self.qd, qa=self.qa, qs=self.qs,
-            gu=self.gu, y=self.y, logits=logits,
+            gu=self.gu, y=self.y, logits=logits, sel=sel, stages=stages, nsel=nsel,
         )  # fmt: skip
         # types to the kernel: each activation mode compiles only its own matvecs, and exact
         # requests no block selection

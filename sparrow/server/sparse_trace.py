@@ -17,6 +17,13 @@ layer (in `layers` order) and every head 0..heads-1, row by row:
    block order: the index into `stages` of the rule that chose the block.
 
 So a step holds at most rows x (ceil(blocks / 8) + k / 2) bytes before base64 (4/3 after it).
+
+Cost: a traced step decodes as an untraced one does (the fused step when the request runs
+alone, the staged path beside others), and the kernels write its selections to arrays
+(models.attention.Selections) that `step` packs with numpy alone. The server's CPU time per
+token with the field, against without it (`sparrow bench sparse-trace`, side by side): a few
+percent on a busy machine, about 1% of it the streaming threads' packing; to be re-measured
+quietly (docs/benchmarks/xeon-emerald-rapids.md).
 """
 
 from __future__ import annotations
@@ -26,8 +33,6 @@ import base64
 import numpy as np
 
 from ..kernels.attention.select import STAGE_NAMES
-
-_CODE = {name: i for i, name in enumerate(STAGE_NAMES)}
 
 
 def header(llm, sparse, prompt_ids) -> dict:
@@ -49,22 +54,22 @@ def header(llm, sparse, prompt_ids) -> dict:
     }
 
 
-def step(tokenizer, out, position: int, layers: list[int], heads: int, block: int) -> dict:
+def step(tokenizer, out, position: int, layers: np.ndarray, block: int) -> dict:
     """One generated token's entry; out: a StepOutput whose trace holds its decode step's
-    selections [(layer, [(head, blocks, stages, mass)])] (None for the first token)."""
+    selections as models.attention.Selections' arrays (None for the first token)."""
     entry = {"token": tokenizer.decode([out.token_id])}
-    if not out.trace:
+    if out.trace is None:
         return entry
     n = -(-(position + 1) // block)
-    row = {layer: i for i, layer in enumerate(layers)}
-    codes = np.full((len(layers), heads, n), -1, np.int8)  # -1: not read
-    for layer, recs in out.trace:
-        for h, blocks, stages, _ in recs:
-            codes[row[layer], h, blocks] = [_CODE[s] for s in stages]
-    codes = codes.reshape(-1, n)  # [rows, n]
-    read = codes >= 0
+    sel, stages, nsel = (a[layers] for a in out.trace)  # [T, H, n], [T, H, n], [T, H]: the traced layers
+    if sel.shape[2] != n:
+        raise ValueError(f"a trace step of {sel.shape[2]} blocks at position {position} (block {block})")
+    taken = np.arange(n) < nsel[..., None]  # [T, H, n]: each row's first nsel entries
+    rows = np.broadcast_to(np.arange(nsel.size).reshape(nsel.shape + (1,)), taken.shape)
+    read = np.zeros((nsel.size, n), np.bool_)  # [rows, n]
+    read[rows[taken], sel[taken]] = True
     bitmaps = np.packbits(read, axis=1, bitorder="little")  # [rows, ceil(n / 8)]
-    nib = codes[read].astype(np.uint8)  # row-major: each row's read blocks in ascending order
+    nib = stages[taken].astype(np.uint8)  # row-major, each row's blocks ascending (as sel lists them)
     if len(nib) % 2:
         nib = np.append(nib, np.uint8(0))
     packed = nib[0::2] | (nib[1::2] << 4)
@@ -93,10 +98,10 @@ class Tracer:
     def __init__(self, llm, sparse, prompt_ids):
         self.header = header(llm, sparse, prompt_ids)
         self.tokenizer = llm.tokenizer
+        self.layers = np.asarray(self.header["layers"], np.int64)
         self.position = len(prompt_ids) - 1  # the query that chose the next token's blocks
 
     def step(self, out) -> dict:
-        h = self.header
-        entry = step(self.tokenizer, out, self.position, h["layers"], h["heads"], h["block"])
+        entry = step(self.tokenizer, out, self.position, self.layers, self.header["block"])
         self.position += 1
         return entry

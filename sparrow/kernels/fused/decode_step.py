@@ -178,6 +178,12 @@ class StepScratch(NamedTuple):
     gu: np.ndarray  # [1, 2F]
     y: np.ndarray  # [1, E]
     logits: np.ndarray  # [1, Vocab]
+    # each layer's block selection, as attention.decode._group writes it: [L, ...] when the
+    # step is traced (models.attention.Selections keeps every layer's), else [1, ...], one
+    # reused by every layer: the same types either way, so tracing compiles nothing more
+    sel: np.ndarray  # [L | 1, H, nb] int64: head h read blocks sel[., h, :nsel[., h]], ascending
+    stages: np.ndarray  # [L | 1, H, nb] int8: the rule that chose each (attention.select.STAGE_*)
+    nsel: np.ndarray  # [L | 1, H] int64
 
 
 @njit(**KW)
@@ -230,6 +236,7 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, calls
     flags, dense, lut = attn.flags, attn.dense, attn.lut
     qkv, att, att_flat, qd, qa, qs = scratch.qkv, scratch.att, scratch.att_flat, scratch.qd, scratch.qa, scratch.qs
     gu, y, logits = scratch.gu, scratch.y, scratch.logits
+    sel3, stages3, nsel2 = scratch.sel, scratch.stages, scratch.nsel
     exact = (calls[0], calls[1])
     E = x.shape[1]
     G = H // KV
@@ -245,9 +252,6 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, calls
     positions = np.full(1, pos, np.int64)
     seq_len = pos + 1
     nb = (seq_len + bs - 1) // bs
-    sel = np.empty((H, nb), np.int64)
-    stages = np.empty((H, nb), np.int8)
-    nsel = np.empty(H, np.int64)
     pdummy = np.zeros((1, 1), np.float32)
     h0, h1 = _share(H, tid, nt)  # this worker's query heads
     k0, k1 = _share(KV, tid, nt)  # and KV heads
@@ -310,6 +314,8 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, calls
         Kl, Vl = _at3(kvtab, layer, 0, kv_like), _at3(kvtab, layer, 1, kv_like)
         KSl, VSl = _at2(stab, layer, 0, s_like), _at2(stab, layer, 1, s_like)
         Pl, PSl = _at3(ptab, layer, 0, p_like), _at2(ptab, layer, 1, s_like)
+        t = min(layer, sel3.shape[0] - 1)  # where this layer's selection goes (StepScratch.sel)
+        sel, stages, nsel = sel3[t], stages3[t], nsel2[t]
         hh = h0
         while hh < h1:
             kh = hh // G
@@ -373,7 +379,7 @@ def attention_call(args) -> tuple[int, int]:
     cache, attn, scratch = rec["cache"], rec["attn"], rec["scratch"]
     i64, f32, b = types.int64, types.float32, types.boolean
 
-    def head(like):  # view(..., like)[kh]: a C array of like's dtype, one dimension fewer
+    def head(like):  # a[i] of a C array a typed like (view(..., like)[kh], scratch.sel[t]): one dimension fewer
         return types.Array(like.dtype, like.ndim - 1, "C", readonly=not like.mutable)
 
     def arr(dtype, nd):
@@ -389,6 +395,7 @@ def attention_call(args) -> tuple[int, int]:
     sig = (
         scratch["qd"], scratch["qa"], scratch["qs"], *kv, scale, b, arr(types.int8, 1), attn["k_blocks"],
         attn["block"], attn["n_probe"], P, S, cache["per_block"], i64, scratch["att"],
-        arr(i64, 2), arr(types.int8, 2), arr(i64, 1), b, arr(f32, 2), attn["flags"], attn["lut"], select,
+        head(scratch["sel"]), head(scratch["stages"]), head(scratch["nsel"]), b, arr(f32, 2), attn["flags"],
+        attn["lut"], select,
     )  # fmt: skip
     return address_checked(_group, sig)
