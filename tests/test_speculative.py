@@ -302,6 +302,24 @@ def test_api_keywords_and_usage(default_llm):
         check_draft_model(default_llm, other)
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_missing_draft_model_fails_before_the_target_loads(command, monkeypatch, capsys):
+    import sparrow.api
+    import sparrow.cli
+
+    def no_load(*a, **k):
+        raise AssertionError("the target model was loaded first")
+
+    monkeypatch.setattr(sparrow.api, "load", no_load)
+    monkeypatch.setattr(sparrow.cli, "_load", no_load)
+    args = [command, "--speculative", "draft", "--draft-model", "/nonexistent/draft.gguf"]
+    if command == "generate":
+        args += ["--prompt", "hi"]
+    assert sparrow.cli.main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --draft-model path not found: /nonexistent/draft.gguf"
+
+
 def test_structured_output_with_speculation(default_llm):
     """A grammar's mask applies at each verified position: a JSON answer equals plain decoding's
     and parses."""
@@ -402,6 +420,28 @@ def test_engine_tight_kv_budget(default_llm):
     for (ids, params, _spec, kv), got in zip(jobs, outs):
         assert [(o.token_id, o.logprob, o.text) for o in got] == _solo(llm, ids, params, kv)
     assert engine.pool.used == 0
+
+
+def test_engine_charges_a_draft_models_cache(default_llm, tiny_models):
+    """A draft model's cache is charged to the KV budget while its request lives; where the
+    budget cannot hold it the request decodes plainly (the same output, nothing drafted)."""
+    from sparrow.engine.engine import Engine
+
+    llm = default_llm
+    from sparrow.engine.kv_budget import pages
+
+    ids = _prompt(llm, 1)
+    params = SamplingParams(max_tokens=pages(len(ids) + 12) - len(ids))  # whole pages: check_fits charges pages
+    spec = SpeculativeParams("draft", 3, draft_model=tiny_models["qwen3"].folder)
+    target = llm.model.new_cache(1).bytes_at(len(ids) + params.max_tokens)
+    draft = llm.draft_llm(spec.draft_model).model.new_cache(1).bytes_at(len(ids) + params.max_tokens + spec.tokens)
+    want = _solo(llm, ids, params, "f32")
+    for budget, drafts in ((target + draft, True), (target + draft - 1, False)):
+        engine = Engine(llm, max_batch=8, kv_budget=budget, prefix_cache=False)
+        got = _engine_run(engine, [(ids, params, spec, "f32")])[0]
+        assert [(o.token_id, o.logprob, o.text) for o in got] == want
+        assert engine.pool.peak == (target + draft if drafts else target) and engine.pool.used == 0
+        assert (got[-1].speculative is not None) == drafts
 
 
 def test_server_speculative_options_usage_and_metrics(default_llm):

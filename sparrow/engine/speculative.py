@@ -64,6 +64,11 @@ class Drafter:
     def release(self) -> None:
         pass
 
+    @property
+    def own_cache(self):
+        """A KV cache the drafter keeps besides the sequence's (charged to the KV budget), or None."""
+        return None
+
 
 class NgramDrafter(Drafter):
     """Prompt lookup: the longest suffix of the text so far (n tokens, down to 1) that occurred
@@ -142,6 +147,10 @@ class DraftModelDrafter(Drafter):
 
     def release(self) -> None:
         self.slot.cache = None
+
+    @property
+    def own_cache(self):
+        return self.slot.cache
 
 
 def check_draft_model(target, draft) -> None:
