@@ -37,6 +37,8 @@ import numpy as np
 
 from sparrow.bench.host import cpu_info, load_avg
 
+SHORT = 32  # the position of the components that price everything but attention
+
 
 def _pairs(a) -> list[tuple[str, int]]:
     return [(s, int(k)) for s in a.selectors.split(",") for k in a.draft_k.split(",")]
@@ -112,7 +114,9 @@ def _timed(fn) -> float:
 
 
 def components(llm, ctx: int, a) -> dict:
-    """Median seconds over --rounds interleaved rounds: 'plain', ('draft', sel, k), ('old'|'new', R)."""
+    """Median seconds over --rounds interleaved rounds: 'plain' (a decode step), ('draft', sel, k),
+    ('old' | 'new', R) (verification of R rows), and 'short', ('short', R): a step and the
+    one-pass verification at position SHORT, i.e. what they cost besides reading the K/V."""
     from sparrow.bench.engines import random_ids
     from sparrow.bench.long_context import fill_random
     from sparrow.engine.runner import Slot
@@ -127,23 +131,30 @@ def components(llm, ctx: int, a) -> dict:
     exact = Slot(np.zeros(ctx, np.int64), cache)
     drafts = {(s, k): Slot(np.zeros(ctx, np.int64), cache, SparseParams(k=k, select=s)) for s, k in _pairs(a)}
 
-    def step(slot):
-        runner.decode([slot], feed[:1])
-        cache.truncate(ctx)
+    # the same forwards at position SHORT of a small cache: the weights' share, attention ~nothing
+    short = Slot(np.zeros(SHORT, np.int64), model.new_cache(SHORT + max(rows) + 1, a.kv_dtype))
+    fill_random(short.cache, SHORT)
 
-    def verify(n, one_pass):
+    def step(slot):
+        n = slot.cache.length
+        runner.decode([slot], feed[:1])
+        slot.cache.truncate(n)
+
+    def verify(slot, n, one_pass):
         model.verify_one_pass = one_pass
+        at = slot.cache.length
         try:
-            runner.verify([exact], [feed[:n]], [ctx])
+            runner.verify([slot], [feed[:n]], [at])
         finally:
             model.verify_one_pass = True
-            cache.truncate(ctx)
+            slot.cache.truncate(at)
 
-    jobs = {"plain": lambda: step(exact)}
+    jobs = {"plain": lambda: step(exact), "short": lambda: step(short)}
     jobs.update({("draft", s, k): (lambda sl=sl: step(sl)) for (s, k), sl in drafts.items()})
     for n in rows:
-        jobs[("new", n)] = lambda n=n: verify(n, True)
-        jobs[("old", n)] = lambda n=n: verify(n, False)
+        jobs[("new", n)] = lambda n=n: verify(exact, n, True)
+        jobs[("old", n)] = lambda n=n: verify(exact, n, False)
+        jobs[("short", n)] = lambda n=n: verify(short, n, True)
     for fn in jobs.values():  # warm-up: the selectors' copies are built on first use, kernels compiled
         fn()
     times = {key: [] for key in jobs}
@@ -255,6 +266,13 @@ def main(a) -> None:
                     f"| {ctx} | sparse {sel} k={k} | {K} | {e:.2f} | {c['plain'] * 1e3:.0f} | {t_d * 1e3:.0f} "
                     f"| {old * 1e3:.0f} | {new * 1e3:.0f} | {r_new:.2f}x | {r_old:.2f}x | {best:.2f}x | {worst:.2f}x |"
                 )
+        for n in sorted(key[1] for key in c if key[0] == "new"):
+            print(
+                f"# where the time goes at {ctx}: {n} rows verified {c[('new', n)] * 1e3:.0f} ms in one pass "
+                f"({c[('old', n)] * 1e3:.0f} row by row), {c[('short', n)] * 1e3:.0f} ms of it besides attention "
+                f"(the same rows at position {SHORT}); a plain step {c['plain'] * 1e3:.0f} ms, "
+                f"{c['short'] * 1e3:.0f} ms of it besides attention"
+            )
         if a.e2e_tokens > 0:
             for label, r in end_to_end(llm, ctx, a).items():
                 acc_txt = f", {r['accepted']}/{r['drafted']} drafts kept" if r["drafted"] else ""
