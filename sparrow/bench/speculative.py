@@ -155,7 +155,7 @@ def main(argv=None) -> None:
     ap.add_argument("--json", action="store_true", help="one JSON object per row instead of a table")
     g = ap.add_argument_group("the cost side at long context (bench/speculative_cost.py)")
     g.add_argument("--synth", default="", help="synthesised cache lengths, e.g. 16384,32768 (runs this instead)")
-    g.add_argument("--shape", default="qwen3-1.7b", help="model shape of the cost rows (bench/shapes.py)")
+    g.add_argument("--shape", default="qwen3-1.7b", help='model shape of the cost rows (bench/shapes.py; "": --model)')
     g.add_argument("--type", default="q4_0", help="its weight type")
     g.add_argument("--activations", default="f32", choices=["f32", "q8"], help="the shape's activations mode")
     g.add_argument("--acceptance-contexts", default="4096,8192", help="prompt tokens of the acceptance runs")

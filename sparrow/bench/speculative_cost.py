@@ -235,7 +235,7 @@ def main(a) -> None:
     print(f"# speculative decoding, the cost side: CPU {cpu.get('model', '?')}; load average at start {load_avg()}")
     acc = acceptance(a)
     gc.collect()
-    path = shapes.ensure(a.shape, a.type)
+    path = shapes.ensure(a.shape, a.type) if a.shape else a.model  # --shape "": the acceptance model
     llm = sparrow.load(path, threads=a.threads, kv_dtype=a.kv_dtype, activations=a.activations)
     print(f"# acceptance: {acc.pop('model')}, greedy, {a.max_tokens} tokens, fixed K (tokens per verification E)")
     print("| prompt tokens | drafter | K | E | drafted | accepted |")
@@ -243,9 +243,10 @@ def main(a) -> None:
     for (n, sel, k, K), r in acc.items():
         e = "-" if r["E"] is None else f"{r['E']:.2f}"
         print(f"| {n} | sparse {sel} k={k} | {K} | {e} | {r['drafted']} | {r['accepted']} |")
+    name = f"{a.shape} {a.type}" if a.shape else llm.name
     widest = max(n for n, *_ in acc)  # the acceptance the cost rows use: the longest context measured
     print(
-        f"\n# cost: {a.shape} {a.type}, KV {a.kv_dtype}, activations {llm.model.activations}, {a.threads} threads, "
+        f"\n# cost: {name}, KV {a.kv_dtype}, activations {llm.model.activations}, {a.threads} threads, "
         f"synthesised cache, median of {a.rounds} interleaved rounds; E from the {widest}-token prompt"
     )
     print(
