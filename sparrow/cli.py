@@ -126,8 +126,16 @@ def _speculative_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     g.add_argument("--spec-sparse-select", choices=SELECTORS, default=None, help="sparse: block selector (seed)")
 
 
+def check_draft_path(a) -> None:
+    """--draft-model must exist: checked before the target model loads, which may take minutes."""
+    path = getattr(a, "draft_model", None)
+    if path and not os.path.exists(path):
+        raise SparrowError(f"--draft-model path not found: {path}")
+
+
 def speculative_from_args(a, serve: bool = False) -> SpeculativeParams | None:
     """The --speculative settings; a server may hold a draft model that only some requests use."""
+    check_draft_path(a)
     draft = a.draft_model if (a.speculative == "draft" or not serve) else None
     return SpeculativeParams.from_options(
         a.speculative, a.spec_tokens, a.spec_ngram, draft, a.spec_sparse_k, a.spec_sparse_select
@@ -369,6 +377,7 @@ def cmd_serve(a) -> None:
     from .server.app import check_api_key
 
     check_api_key(a.api_key)  # before anything starts, Ray replicas included
+    check_draft_path(a)
     if a.ray:
         from .server.ray_serve import serve_ray
 

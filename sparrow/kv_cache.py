@@ -421,14 +421,17 @@ class KVCache:
         """Bytes this cache takes at `capacity` positions: K/V storage and importance, the
         importance snapshots kept for the prefix cache (at most SNAPSHOT_COPIES importance
         arrays), plus the copies sparse decode makes: the seed's probe keys when probe = (block,
-        n_probe), v2's block summaries when probe = (block, "v2")."""
+        n_probe), v2's block summaries when probe = (block, "v2"); probe may be a list of such
+        keys (a sparse target and its sparse drafter), each copy charged once."""
         kind = type(self.layers[0])
         kvh, d = self.layers[0].n_kv_heads, self.layers[0].head_dim
         per_layer = kind.bytes_at(kvh, d, capacity) + 4 * capacity * (1 + SNAPSHOT_COPIES)
-        if probe is not None and probe[1] == "v2":
-            per_layer += BlockSummaries.bytes_at(kvh, d, capacity, probe[0])
-        elif probe is not None:
-            per_layer += ProbeKeys.bytes_at(kind, kvh, d, capacity, *probe)
+        keys = probe if isinstance(probe, list) else [] if probe is None else [probe]
+        for key in dict.fromkeys(keys):  # SparseState keeps one copy per key
+            if key[1] == "v2":
+                per_layer += BlockSummaries.bytes_at(kvh, d, capacity, key[0])
+            else:
+                per_layer += ProbeKeys.bytes_at(kind, kvh, d, capacity, *key)
         return len(self.layers) * per_layer
 
     def copy_prefix(self, src, n, importance):

@@ -118,6 +118,29 @@ def test_sparse_state_truncates_with_the_cache():
 
 
 @pytest.mark.parametrize("kind", ["f32", "f16", "int8"])
+def test_budget_charges_a_sparse_drafters_copies(kind):
+    """Sparse drafting for an exact target makes the drafter's selector copy in the target's
+    cache: probe_of charges it (and a sparse target's own copy too, once where they coincide)."""
+    from sparrow.params import SpeculativeParams
+
+    cache, k, v = _sparse_cache(kind)
+    seed = SparseParams(k=2, block=16, probe=4)
+    v2 = SparseParams(k=2, block=16, select="v2")
+    spec = SpeculativeParams("sparse", 4, sparse=seed)
+    q = rows(2, 5).reshape(4, D)  # [H, D]
+    for i in range(2):  # what the drafter's steps make
+        decode_attention(q, cache.layers[i], cache.sparse[i], 200, 0.25, seed)
+    snapshots = SNAPSHOT_COPIES * 4 * cache.capacity * len(cache.layers)
+    assert probe_of(None, spec) == [seed.copy_key] and probe_of(None) == []
+    assert cache.nbytes + cache.probe_nbytes + snapshots == cache.bytes_at(cache.capacity, probe_of(None, spec))
+    assert cache.bytes_at(cache.capacity, probe_of(seed, spec)) == cache.bytes_at(cache.capacity, seed.copy_key)
+    for i in range(2):  # a v2 target drafted for by the seed: both copies
+        decode_attention(q, cache.layers[i], cache.sparse[i], 200, 0.25, v2)
+    assert cache.nbytes + cache.probe_nbytes + snapshots == cache.bytes_at(cache.capacity, probe_of(v2, spec))
+    assert probe_of(v2, SpeculativeParams("ngram", 4)) == [v2.copy_key]
+
+
+@pytest.mark.parametrize("kind", ["f32", "f16", "int8"])
 @pytest.mark.parametrize("select", ["seed", "v2"])
 def test_budget_charge_is_what_sparse_decode_allocates(kind, select):
     # the KV budget charges bytes_at(capacity, probe_of(sparse)): the seed's probe keys or v2's

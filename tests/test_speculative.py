@@ -115,6 +115,72 @@ def test_verify_rows_are_decode_steps(default_llm, kv, sparse):
     _assert_same_cache(runs[0][1], runs[1][1])
 
 
+def _counting(monkeypatch, name):
+    """Counts the calls Decoder.attend makes to models.attention's `name` (verify_attention:
+    one-pass verification; decode_attention: a row attended alone)."""
+    import sparrow.models.decoder as decoder
+
+    calls = []
+    inner = getattr(decoder, name)
+    monkeypatch.setattr(decoder, name, lambda *a, **k: (calls.append(1), inner(*a, **k))[1])
+    return calls
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16", "int8"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_pass_verification_equals_decode_steps(default_llm, monkeypatch, kv, threads):
+    """Exact verification rows of one sequence attend in one pass over its K/V
+    (attention.verify_attention). For K = 1..8 rows, their logits and the cache after a
+    rollback to any kept count equal plain decode steps' (the fused step), bit for bit; and the
+    one pass is what ran: no row of a verification attended alone."""
+    from sparrow.api import set_threads
+
+    llm = _with_threads(default_llm, threads)
+    set_threads(threads)
+    ids = np.asarray(_prompt(llm, 2), np.int64)
+    extra = [int(t) for t in np.random.default_rng(1).integers(20, 40000, 8)]
+    slot = llm.runner.new_slot(ids, len(ids) + 8, kv)
+    llm.runner.prefill(slot)
+    L = slot.cache.length
+    prefilled = copy.deepcopy(slot.cache)
+    plain, caches = [], [copy.deepcopy(slot.cache)]  # caches[r]: plain decoding after r tokens
+    for t in extra:
+        plain.append(llm.runner.decode([slot], [t])[0])
+        caches.append(copy.deepcopy(slot.cache))
+    plain = np.stack(plain)  # [8, V]
+    one_pass, alone = _counting(monkeypatch, "verify_attention"), _counting(monkeypatch, "decode_attention")
+    layers = len(llm.model.layers)
+    for K in range(1, 9):
+        slot.cache = copy.deepcopy(prefilled)
+        del one_pass[:], alone[:]
+        logits = llm.runner.verify([slot], [extra[:K]], [L])[0]  # [K, V]
+        assert np.array_equal(logits.view(np.uint32), plain[:K].view(np.uint32)), K
+        assert len(one_pass) == (layers if K > 1 else 0) and not alone, K  # K == 1: the fused step
+        keep = K // 2
+        slot.cache.rollback(L + keep)
+        _assert_same_cache(slot.cache, caches[keep])
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16", "int8"])
+def test_verify_attention_equals_decode_attention(kv):
+    """The kernel alone, on a random cache: rows at positions start..start+R-1, from the first
+    position on and across block edges, each equal decode_attention at its position."""
+    from sparrow.kv_cache import KVCache
+    from sparrow.models.attention import decode_attention, verify_attention
+
+    rng = np.random.default_rng(3)
+    H, KVH, D, C = 6, 2, 64, 120
+    cache = KVCache(1, KVH, D, C, kv)
+    cache.append(0, 0, rng.standard_normal((C, KVH, D), np.float32), rng.standard_normal((C, KVH, D), np.float32))
+    layer, state = cache.layers[0], cache.sparse[0]
+    for start, R in ((0, 5), (27, 8), (31, 2), (64, 9), (100, 20)):
+        q = rng.standard_normal((R, H, D), np.float32)
+        got = verify_attention(q, layer, start, 0.125)
+        for r in range(R):
+            want = decode_attention(q[r], layer, state, start + r + 1, 0.125)
+            assert np.array_equal(got[r].view(np.uint32), want.view(np.uint32)), (start, r)
+
+
 def test_a_prefill_chunk_is_not_a_decode_step(default_llm):
     """Why verification feeds decode rows: a prefill chunk over the same tokens runs another
     attention kernel (online softmax in 64-key steps), whose bits differ."""
@@ -236,6 +302,24 @@ def test_api_keywords_and_usage(default_llm):
         check_draft_model(default_llm, other)
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_missing_draft_model_fails_before_the_target_loads(command, monkeypatch, capsys):
+    import sparrow.api
+    import sparrow.cli
+
+    def no_load(*a, **k):
+        raise AssertionError("the target model was loaded first")
+
+    monkeypatch.setattr(sparrow.api, "load", no_load)
+    monkeypatch.setattr(sparrow.cli, "_load", no_load)
+    args = [command, "--speculative", "draft", "--draft-model", "/nonexistent/draft.gguf"]
+    if command == "generate":
+        args += ["--prompt", "hi"]
+    assert sparrow.cli.main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --draft-model path not found: /nonexistent/draft.gguf"
+
+
 def test_structured_output_with_speculation(default_llm):
     """A grammar's mask applies at each verified position: a JSON answer equals plain decoding's
     and parses."""
@@ -336,6 +420,28 @@ def test_engine_tight_kv_budget(default_llm):
     for (ids, params, _spec, kv), got in zip(jobs, outs):
         assert [(o.token_id, o.logprob, o.text) for o in got] == _solo(llm, ids, params, kv)
     assert engine.pool.used == 0
+
+
+def test_engine_charges_a_draft_models_cache(default_llm, tiny_models):
+    """A draft model's cache is charged to the KV budget while its request lives; where the
+    budget cannot hold it the request decodes plainly (the same output, nothing drafted)."""
+    from sparrow.engine.engine import Engine
+
+    llm = default_llm
+    from sparrow.engine.kv_budget import pages
+
+    ids = _prompt(llm, 1)
+    params = SamplingParams(max_tokens=pages(len(ids) + 12) - len(ids))  # whole pages: check_fits charges pages
+    spec = SpeculativeParams("draft", 3, draft_model=tiny_models["qwen3"].folder)
+    target = llm.model.new_cache(1).bytes_at(len(ids) + params.max_tokens)
+    draft = llm.draft_llm(spec.draft_model).model.new_cache(1).bytes_at(len(ids) + params.max_tokens + spec.tokens)
+    want = _solo(llm, ids, params, "f32")
+    for budget, drafts in ((target + draft, True), (target + draft - 1, False)):
+        engine = Engine(llm, max_batch=8, kv_budget=budget, prefix_cache=False)
+        got = _engine_run(engine, [(ids, params, spec, "f32")])[0]
+        assert [(o.token_id, o.logprob, o.text) for o in got] == want
+        assert engine.pool.peak == (target + draft if drafts else target) and engine.pool.used == 0
+        assert (got[-1].speculative is not None) == drafts
 
 
 def test_server_speculative_options_usage_and_metrics(default_llm):

@@ -159,23 +159,29 @@ class SparrowEngine:
         prefill importance, as if prefilled; the selectors' side copies are built by one warm-up
         step per mode (they are filled on first use, as after a real prefill)."""
         self._allocate(length + n_decode)
-        rng = np.random.default_rng(length)
-        for layer, st in zip(self.cache.layers, self.cache.sparse):
-            for arr in (layer.k, layer.v):
-                for h in range(arr.shape[0]):  # one head at a time: no full-size temporary
-                    if arr.dtype == np.int8:
-                        arr[h, :length] = rng.integers(-127, 128, (length, arr.shape[2]), dtype=np.int8)
-                    else:
-                        x = rng.standard_normal((length, arr.shape[2]), dtype=np.float32)
-                        arr[h, :length] = x.astype(np.float16).view(np.uint16) if arr.dtype == np.uint16 else x
-            if layer.scaled:
-                layer.k_scale[:, :length] = rng.uniform(0.01, 0.05, (layer.k_scale.shape[0], length))
-                layer.v_scale[:, :length] = rng.uniform(0.01, 0.05, (layer.v_scale.shape[0], length))
-            st.importance[:length] = rng.exponential(1.0, length)
-        self.cache.length = length
+        fill_random(self.cache, length)
         for m in SPARROW_MODES:
             self.decode(length, m, 1)
         return self.memory()
+
+
+def fill_random(cache, length: int) -> None:
+    """Fills positions 0..length-1 of cache with random values of its KV kind and random prefill
+    importance, as if prefilled (decode speed does not depend on the values), and sets its length."""
+    rng = np.random.default_rng(length)
+    for layer, st in zip(cache.layers, cache.sparse):
+        for arr in (layer.k, layer.v):
+            for h in range(arr.shape[0]):  # one head at a time: no full-size temporary
+                if arr.dtype == np.int8:
+                    arr[h, :length] = rng.integers(-127, 128, (length, arr.shape[2]), dtype=np.int8)
+                else:
+                    x = rng.standard_normal((length, arr.shape[2]), dtype=np.float32)
+                    arr[h, :length] = x.astype(np.float16).view(np.uint16) if arr.dtype == np.uint16 else x
+        if layer.scaled:
+            layer.k_scale[:, :length] = rng.uniform(0.01, 0.05, (layer.k_scale.shape[0], length))
+            layer.v_scale[:, :length] = rng.uniform(0.01, 0.05, (layer.v_scale.shape[0], length))
+        st.importance[:length] = rng.exponential(1.0, length)
+    cache.length = length
 
 
 class LlamaEngine:

@@ -14,6 +14,10 @@ Decode tok/s is generated tokens after the first over the time after the first t
 prefill is the same for both and is left out).
 
 `sparrow bench speculative [--model PATH] [--tokens 2,4,8] [--context 4096] [--max-tokens 128]`
+
+With --synth: the cost side of sparse drafting at long context on a model shape instead
+(bench/speculative_cost.py): `sparrow bench speculative --synth 16384,32768 --shape qwen3-1.7b
+--type q4_0 --kv-dtype f16`.
 """
 
 from __future__ import annotations
@@ -149,7 +153,22 @@ def main(argv=None) -> None:
     ap.add_argument("--kv-dtype", default="f32", choices=["f32", "f16", "int8"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="one JSON object per row instead of a table")
+    g = ap.add_argument_group("the cost side at long context (bench/speculative_cost.py)")
+    g.add_argument("--synth", default="", help="synthesised cache lengths, e.g. 16384,32768 (runs this instead)")
+    g.add_argument("--shape", default="qwen3-1.7b", help='model shape of the cost rows (bench/shapes.py; "": --model)')
+    g.add_argument("--type", default="q4_0", help="its weight type")
+    g.add_argument("--activations", default="f32", choices=["f32", "q8"], help="the shape's activations mode")
+    g.add_argument("--acceptance-contexts", default="4096,8192", help="prompt tokens of the acceptance runs")
+    g.add_argument("--selectors", default="seed,v2", help="drafting selectors")
+    g.add_argument("--draft-k", default="32,8", help="drafting blocks per head")
+    g.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the cost components")
+    g.add_argument("--e2e-tokens", type=int, default=16, help="tokens of the end-to-end run on the shape (0: none)")
     a = ap.parse_args(argv)
+    if a.synth:
+        from sparrow.bench import speculative_cost
+
+        speculative_cost.main(a)
+        return
     import sparrow
 
     llm = sparrow.load(a.model, threads=a.threads, kv_dtype=a.kv_dtype)

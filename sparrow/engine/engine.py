@@ -160,7 +160,7 @@ class Engine:
         generated; one output per choice, finish_reason "length", no token. trace: with sparse,
         each decoded output carries the blocks its step read (StepOutput.trace: a
         models.attention.Selections step; same bits)."""
-        self.kv.check_fits(len(prompt_ids), params.max_tokens, kv_dtype, sparse)
+        self.kv.check_fits(len(prompt_ids), params.max_tokens, kv_dtype, sparse, speculative)
         if self.max_queue is not None and n > self.max_queue:
             e = SparrowError(f"n={n} choices exceed the server's queue limit of {self.max_queue} (--max-queue)")
             e.param = "n"
@@ -315,6 +315,7 @@ class Engine:
 
     def _free(self, req: Request) -> None:
         if req.spec is not None:
+            self.kv.release_drafter(req)
             req.spec.release()
         self.kv.free(req)
 
@@ -472,9 +473,13 @@ class Engine:
                 seq = r.seq
                 # read before drafting: the sparse drafter moves the cache's length on
                 live, start, first, draft = seq.caught_up, seq.slot.cache.length, seq.next_input, []
+                if live and r.speculative is not None and r.spec is None:
+                    r.spec = make_speculator(self.llm, self.runner, r.speculative, seq, seq.slot.cache.dtype)
+                    if not self.kv.charge_drafter(r):  # no room for a draft model's cache: decode plainly
+                        log.info("request %d: no KV budget for its draft model's cache; not speculating", r.id)
+                        r.spec.release()
+                        r.spec, r.speculative = None, None
                 if live and r.speculative is not None:
-                    if r.spec is None:
-                        r.spec = make_speculator(self.llm, self.runner, r.speculative, seq, seq.slot.cache.dtype)
                     n = self.kv.room_for(r, r.spec.budget(seq))
                     draft = r.spec.propose(seq, n)
                 items.append((r, draft, start, live, first))

@@ -16,8 +16,10 @@ block table read by every kernel) would avoid the copies but change the kernels'
 which this keeps as they are.
 
 Charges are what the arrays take (KVCache.bytes_at): K/V, int8 scales, prefill importance and,
-for sparse requests, the probe-key copies sparse decode makes. When a charge does not fit, the
-pool first asks its evictor (the prefix cache) to free entries, least recently used first.
+for sparse requests and sparse drafting, the probe-key copies sparse decode makes; a draft
+model's own cache is charged on its own while the request lives (KVManager.charge_drafter).
+When a charge does not fit, the pool first asks its evictor (the prefix cache) to free
+entries, least recently used first.
 """
 
 from __future__ import annotations
@@ -74,10 +76,13 @@ def pages(n: int) -> int:
     return -(-int(n) // PAGE) * PAGE
 
 
-def probe_of(sparse):
-    """What a sparse request's decode copies beside its KV: (block, n_probe) for the seed's probe
-    keys, (block, "v2") for v2's block summaries; None for exact attention."""
-    return sparse.copy_key if sparse is not None else None
+def probe_of(sparse, speculative=None) -> list:
+    """What a request's decode copies beside its KV (KVCache.bytes_at's keys): (block, n_probe)
+    for the seed's probe keys, (block, "v2") for v2's block summaries, for its sparse attention
+    and for its sparse drafter (speculative 'sparse': the drafter's selector copies are made in
+    the same cache, an exact target's too); empty for exact attention without."""
+    drafter = speculative.sparse if speculative is not None and speculative.method == "sparse" else None
+    return [sp.copy_key for sp in (sparse, drafter) if sp is not None]
 
 
 class KVPool:

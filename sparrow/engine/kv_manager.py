@@ -22,6 +22,11 @@ from .sequence import Sequence
 log = logging.getLogger("sparrow.engine")
 
 
+def _copies(req) -> list:
+    """The selector copies a request's cache is charged for (kv_budget.probe_of)."""
+    return probe_of(req.sparse, req.speculative)
+
+
 class KVManager:
     """Works on the engine's Request objects (engine.py) and its scheduler's queues."""
 
@@ -36,17 +41,19 @@ class KVManager:
         self.preemptions = 0
         self._templates: dict = {}  # kv dtype -> a 1-position cache that prices capacities
 
-    def kv_bytes(self, positions: int, kv_dtype: str | None = None, sparse: SparseParams | None = None) -> int:
+    def kv_bytes(
+        self, positions: int, kv_dtype: str | None = None, sparse: SparseParams | None = None, speculative=None
+    ) -> int:
         """What a cache of `positions` (rounded up to pages) is charged."""
         dtype = kv_dtype or self.llm.kv_dtype
         t = self._templates.get(dtype)
         if t is None:
             t = self._templates[dtype] = self.runner.model.new_cache(1, dtype)
-        return t.bytes_at(pages(positions), probe_of(sparse))
+        return t.bytes_at(pages(positions), probe_of(sparse, speculative))
 
-    def check_fits(self, n_prompt: int, max_tokens: int, kv_dtype=None, sparse=None) -> None:
+    def check_fits(self, n_prompt: int, max_tokens: int, kv_dtype=None, sparse=None, speculative=None) -> None:
         """A request must fit in the budget alone, so that preemption can always make room for it."""
-        need = self.kv_bytes(n_prompt + max_tokens, kv_dtype, sparse)
+        need = self.kv_bytes(n_prompt + max_tokens, kv_dtype, sparse, speculative)
         if need > self.pool.budget:
             raise SparrowError(
                 f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) need {format_size(need)} of KV cache, "
@@ -108,7 +115,7 @@ class KVManager:
                 slot.snapshots = {b: v for b, v in snapshots.items() if b <= hit.tokens}
                 if n_out == 0:
                     req.cached_tokens = hit.tokens
-                if not self.pool.resize(cache, capacity, probe_of(req.sparse)):
+                if not self.pool.resize(cache, capacity, _copies(req)):
                     self.pool.release(cache)
                     slot.snapshots, req.cached_tokens = {}, 0
                     return False
@@ -116,7 +123,7 @@ class KVManager:
                 self.prefix.stats.lookups += 1
                 return True
             cache = self.runner.model.new_cache(1, req.kv_dtype or self.llm.kv_dtype)
-            ok = self.pool.resize(cache, capacity, probe_of(req.sparse))
+            ok = self.pool.resize(cache, capacity, _copies(req))
             if ok and hit.entry is not None:
                 e, n = hit.entry, hit.tokens
                 cache.copy_prefix(e.cache, n, e.snapshots[n])
@@ -148,7 +155,7 @@ class KVManager:
         like a preempted request) when the budget has no room."""
         src = parent.seq.slot.cache
         cache = self.runner.model.new_cache(1, child.kv_dtype or self.llm.kv_dtype)
-        if not self.pool.resize(cache, self._first_capacity(child, 0), probe_of(child.sparse)):
+        if not self.pool.resize(cache, self._first_capacity(child, 0), _copies(child)):
             return False
         n = src.length
         cache.copy_prefix(src, n, src.importance_snapshot())
@@ -172,13 +179,25 @@ class KVManager:
         self.preemptions += 1
         log.info("request %d preempted (KV budget full); it resumes later", req.id)
 
+    def charge_drafter(self, req) -> bool:
+        """Charges the KV cache req's drafter keeps of its own (a draft model's, made at its
+        capacity) for as long as req lives; False, nothing charged, when it does not fit
+        (speculation is never worth another request's KV)."""
+        cache = req.spec.drafter.own_cache
+        return cache is None or self.pool.charge_new(cache)
+
+    def release_drafter(self, req) -> None:
+        cache = req.spec.drafter.own_cache
+        if cache is not None:
+            self.pool.release(cache)
+
     def room_for(self, req, n: int) -> int:
         """How many of n drafted tokens req may verify in its next step: its cache grows to
         hold them where the budget allows without preempting anyone (speculation is never
         worth another request's KV)."""
         cache = req.seq.slot.cache
         ceiling = len(req.seq.slot.prompt) + req.params.max_tokens
-        while n > 0 and not self.pool.grow(cache, cache.length + 1 + n, ceiling, probe_of(req.sparse)):
+        while n > 0 and not self.pool.grow(cache, cache.length + 1 + n, ceiling, _copies(req)):
             n = min(n - 1, cache.capacity - cache.length - 1)
         return max(0, n)
 
@@ -191,7 +210,7 @@ class KVManager:
             if slot is None or slot.cache is None:
                 continue
             ceiling = len(slot.prompt) + r.params.max_tokens
-            while not self.pool.grow(slot.cache, slot.cache.length + 1, ceiling, probe_of(r.sparse)):
+            while not self.pool.grow(slot.cache, slot.cache.length + 1, ceiling, _copies(r)):
                 holders = [h for h in self.scheduler.running if h.seq.slot.cache is not None]
                 victim = self.admitted_head() or holders[-1]
                 if victim is r and len(holders) == 1:  # check_fits makes this unreachable

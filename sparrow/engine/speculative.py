@@ -6,10 +6,13 @@ sample equals the drafted token. What makes this exact rather than "the same at 
 
 - Verification feeds the drafted tokens as decode rows (Runner.verify): one single-token
   decode segment per position, all in one forward. The linear kernels compute each of up to
-  kernels.linear.SMALL_T rows as they would alone, and the decode attention kernel reads only
-  positions up to its own, which the rows before it in the same forward have just written
-  (Decoder.attend appends and attends segment by segment, layer by layer). So row j's logits
-  are the bits plain decoding computes at that position. A prefill chunk over the same tokens
+  kernels.linear.SMALL_T rows as they would alone, and each row's attention reads only
+  positions up to its own, which the rows before it in the same forward have just written. A
+  sequence's rows append their K/V together and attend in one pass over the cache where the
+  layer is exact (models.attention.verify_attention: each KV head reads its K/V once for all
+  rows, each row with its own length and the arithmetic of its own decode step); sparse layers
+  attend row by row, each selecting its own blocks. So row j's logits are the bits plain
+  decoding computes at that position. A prefill chunk over the same tokens
   is not: its attention kernel (online softmax over 64-key steps) sums in another order,
   and its sparse settings differ (prefill runs exact unless sparse.prefill).
 - Sampling: Sequence.accept runs on each row's logits in order, with the sequence's own RNG,
@@ -63,6 +66,11 @@ class Drafter:
 
     def release(self) -> None:
         pass
+
+    @property
+    def own_cache(self):
+        """A KV cache the drafter keeps besides the sequence's (charged to the KV budget), or None."""
+        return None
 
 
 class NgramDrafter(Drafter):
@@ -142,6 +150,10 @@ class DraftModelDrafter(Drafter):
 
     def release(self) -> None:
         self.slot.cache = None
+
+    @property
+    def own_cache(self):
+        return self.slot.cache
 
 
 def check_draft_model(target, draft) -> None:

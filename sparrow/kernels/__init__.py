@@ -84,6 +84,7 @@ KERNEL_ROLES = {
     "rows_exact": "exact row dots",
     "_group": "decode attention (fused step, sparse)",
     "_attend_group": "decode attention (fused step)",
+    "verify_head": "verification attention (speculative decoding)",
     "rows_q8_xs": "q8 matvec",
     "_mv_rows_serial": "matvec",
     "_mv_stored": "matvec (f16/bf16)",

@@ -27,10 +27,11 @@ every head per work item, scores in L1; f16/int8 keys and values are dequantised
 
 import numpy as np
 
-from ..kernels.attention.decode import decode_kernel, sparse_prefill_kernel
+from ..kernels.attention.decode import decode_kernel, sparse_prefill_kernel, verify_head
 from ..kernels.attention.prefill import prefill_attention as exact_prefill_kernel
 from ..kernels.attention.select import STAGE_NAMES
 from ..kernels.matmul.widen import F16_LUT
+from ..kernels.parallel import run_parallel
 from ..params import SparseParams  # noqa: F401  (type of the sparse argument)
 
 _DEFAULT_BLOCK = 32
@@ -135,6 +136,27 @@ def decode_attention(q, layer, state, seq_len, scale, sparse=None, trace=None, i
             blocks = sel[h, :n].tolist()
             share = _selected_mass(q[h], layer, h // group, seq_len, scale, bs, blocks)
             trace.append((h, blocks, [STAGE_NAMES[c] for c in stages[h, :n]], share))
+    return out
+
+
+def verify_attention(q, layer, start, scale):
+    """Exact attention of q [R, H, D] at positions start..start+R-1 of one sequence (their K/V
+    already appended), row r over positions 0..start+r -> [R, H, D], each row the bits
+    decode_attention gives at its position alone.
+
+    Verification of R drafted tokens (engine/speculative.py): R decode steps would read the
+    whole K/V R times; here each KV head reads it once for all R positions (kernel verify_head).
+    KV heads run in parallel, each serial, so the thread count never enters."""
+    q = np.ascontiguousarray(q, dtype=np.float32)  # [R, H, D]
+    R, H, D = q.shape
+    group = _check_heads(H, layer)
+    if start < 0 or start + R > layer.capacity:
+        raise ValueError(f"verify positions {start}..{start + R - 1} outside capacity {layer.capacity}")
+    _, qa, qs = layer.query(q, scale)  # [R, H, D], [R, H]
+    out = np.empty((R, H, D), np.float32)
+    args = (qa, qs, layer.k, layer.v, layer.k_scale, layer.v_scale, layer.scaled, int(start), np.float32(scale),
+            int(group), _DEFAULT_BLOCK, out)  # fmt: skip
+    run_parallel(layer.n_kv_heads, verify_head, args)
     return out
 
 

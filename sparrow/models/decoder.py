@@ -20,7 +20,7 @@ from ..kv_cache import KVCache
 from ..loaders.tensor import StoredTensor
 from ..params import SparseParams
 from ..quant import Weight
-from .attention import Selections, decode_attention, prefill_attention
+from .attention import Selections, decode_attention, prefill_attention, verify_attention
 from .fused import FusedDecode
 from .layers import MLP, FusedLinear, Rope, RowRope, rms_norm
 
@@ -39,6 +39,23 @@ class Segment:
     trace: list | Selections | None = None
     vision: object | None = None  # models.qwen3_vl.SegmentVision: M-RoPE positions, image embeddings
     rope_delta: int = 0  # rope position minus cache position (decode after an image prompt)
+
+
+def _verify_run(segments: list[Segment], j: int) -> int:
+    """How many segments from j on are single-token decode rows of one sequence at consecutive
+    positions, untraced (Runner.verify's rows). Their exact attention runs as one pass
+    (verify_attention): appending all their K/V first changes nothing a row reads, since row r
+    reads positions up to its own only, and the exact path keeps no state about positions."""
+    s = segments[j]
+    if not s.decode or s.trace is not None:
+        return 1
+    n = 1
+    for t in segments[j + 1 :]:
+        same = t.cache is s.cache and t.sparse is s.sparse and t.start == s.start + n
+        if not same or not t.decode or t.trace is not None:
+            break
+        n += 1
+    return n
 
 
 class Attention:
@@ -182,6 +199,9 @@ class Decoder:
         # (or SPARROW_FUSED=0) keeps every forward on the staged path, e.g. to time its stages.
         self.use_fused = os.environ.get("SPARROW_FUSED", "1") != "0"
         self._fused: FusedDecode | None | bool = False  # False: not planned yet
+        # Verification rows of one sequence attend in one pass over its K/V (_verify_run);
+        # False attends them one by one, as decode steps would (the benchmark's old path).
+        self.verify_one_pass = True
 
     def fuses(self, trace) -> bool:
         """Whether a single sequence's decode step with this trace (Segment.trace) takes the fused
@@ -281,11 +301,21 @@ class Decoder:
     def attend(self, layer: DecoderLayer, segments: list[Segment], bounds: np.ndarray, q, k, v) -> np.ndarray:
         """Appends each segment's k, v to its cache and attends its queries over it -> [N, H, D]."""
         out = np.empty_like(q)  # [N, H, D]
-        for j, s in enumerate(segments):
-            a, b = bounds[j], bounds[j + 1]
+        j = 0
+        while j < len(segments):
+            s = segments[j]
+            sp = s.sparse.for_layer(layer.index) if s.sparse is not None else None  # v2: early layers exact
+            run = _verify_run(segments, j) if sp is None and self.verify_one_pass else 1
+            if run > 1:  # one sequence's consecutive exact decode rows (verification): one read of its K/V
+                a, b = bounds[j], bounds[j + run]
+                s.cache.append(layer.index, s.start, k[a:b], v[a:b])
+                out[a:b] = verify_attention(q[a:b], s.cache.layers[layer.index], s.start, layer.attn.scale)
+                j += run
+                continue
+            j += 1
+            a, b = bounds[j - 1], bounds[j]
             s.cache.append(layer.index, s.start, k[a:b], v[a:b])
             kv, st = s.cache.layers[layer.index], s.cache.sparse[layer.index]
-            sp = s.sparse.for_layer(layer.index) if s.sparse is not None else None  # v2: early layers exact
             if s.decode:
                 tr = [] if isinstance(s.trace, list) else None
                 into = None

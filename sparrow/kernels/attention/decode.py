@@ -43,17 +43,29 @@ def _prefetch_jump(X2, b, nxt, nb, bs, seq_len):
 
 @njit(cache=True, nogil=True)
 def _attend_group(qa, qs, K2, V2, ks, vs, int8, h0, G, seq_len, scale, bs, mark, ntok, out, want_p, pacc):
-    """Softmax attention of query heads h0..h0+G-1 over their marked blocks (mark [G, nb]).
+    """Softmax attention of query heads h0..h0+G-1 over their marked blocks (mark [G, nb]) of
+    positions 0..seq_len-1: _attend_rows with every head seeing seq_len keys."""
+    lens = np.full(G, seq_len, dtype=np.int64)
+    _attend_rows(qa, qs, K2, V2, ks, vs, int8, h0, G, lens, scale, bs, mark, ntok, out, want_p, pacc)
+
+
+@njit(cache=True, nogil=True)
+def _attend_rows(qa, qs, K2, V2, ks, vs, int8, h0, G, lens, scale, bs, mark, ntok, out, want_p, pacc):
+    """Softmax attention of query rows h0..h0+G-1 over their marked blocks (mark [G, nb]), row
+    g over positions below lens[g] only (a marked block is cut at lens[g]).
 
     qa: queries pre-multiplied by `scale` (float caches), or int8 codes as float32 whose
     scores get (qs * ks[t]) then `scale`. Blocks are visited in ascending order and, inside
-    each, the group's heads in turn, so a block's rows come from memory once; each head's
-    scores are packed in ascending position order, its arithmetic the same as if alone."""
+    each, the rows in turn, so a block's rows come from memory once; each row's scores are
+    packed in ascending position order, its arithmetic the same as if alone. The rows are the
+    query heads of one KV group (decode), or those of several positions of one sequence
+    (verification: attention.verify_rows), each with its own length."""
     nb, D = mark.shape[1], K2.shape[1]
+    seq_len = lens.max()
     s = np.empty((G, max(1, ntok.max())), dtype=np.float32)  # packed scores, then weights
     m = np.full(G, -np.inf, dtype=np.float32)
     cnt = np.zeros(G, dtype=np.int64)
-    used = np.empty(nb + 1, dtype=np.int64)  # blocks any head marks, ascending, then nb
+    used = np.empty(nb + 1, dtype=np.int64)  # blocks any row marks, ascending, then nb
     nu = 0
     for b in range(nb):
         for g in range(G):
@@ -65,12 +77,12 @@ def _attend_group(qa, qs, K2, V2, ks, vs, int8, h0, G, seq_len, scale, bs, mark,
     for j in range(nu):
         b, nxt = used[j], used[j + 1]
         p0 = b * bs
-        p1 = min(p0 + bs, seq_len)
         _prefetch_jump(K2, b, nxt, nb, bs, seq_len)
         if nxt == nb and used[0] != 0:  # the value pass starts with a jump back
             prefetch(V2, used[0] * bs, min(used[0] * bs + bs, seq_len))
         for g in range(G):
             if mark[g, b]:
+                p1 = min(p0 + bs, lens[g])
                 i = cnt[g]
                 n = dots(qa[h0 + g], K2, p0, p1, 1, s[g], i)
                 if int8:
@@ -88,10 +100,10 @@ def _attend_group(qa, qs, K2, V2, ks, vs, int8, h0, G, seq_len, scale, bs, mark,
     for j in range(nu):
         b, nxt = used[j], used[j + 1]
         p0 = b * bs
-        p1 = min(p0 + bs, seq_len)
         _prefetch_jump(V2, b, nxt, nb, bs, seq_len)
         for g in range(G):
             if mark[g, b]:
+                p1 = min(p0 + bs, lens[g])
                 i = cnt[g]
                 if int8:  # fold each value row's scale into its weight
                     for j in range(p1 - p0):
@@ -107,6 +119,41 @@ def _attend_group(qa, qs, K2, V2, ks, vs, int8, h0, G, seq_len, scale, bs, mark,
         a = acc[g]
         for d in range(D):
             out[h0 + g, d] = ((a[0, d] + a[1, d]) + (a[2, d] + a[3, d])) * inv[g]
+
+
+@njit(cache=True, nogil=True)
+def verify_head(kh, qa, qs, K, V, ks, vs, int8, start, scale, G, bs, out):
+    """Exact attention of KV head kh's query heads at R consecutive positions of one sequence
+    (qa [R, H, D], qs [R, H]: positions start..start+R-1, whose K/V are in K, V already) ->
+    out [R, H, D]: row r over positions 0..start+r, the bits a decode step at start+r gives.
+
+    The R x G (position, head) rows go to _attend_rows as one group, so each block of K/V is
+    read from memory once for all of them rather than once per position; each row's marks,
+    length and key count are its own decode step's (exact: every block up to its position)."""
+    R, D = qa.shape[0], qa.shape[2]
+    RG = R * G
+    nb = (start + R + bs - 1) // bs
+    lens = np.empty(RG, dtype=np.int64)
+    mark = np.zeros((RG, nb), dtype=np.bool_)
+    rq = np.empty((RG, D), dtype=np.float32)  # row r * G + g: position start + r, head kh * G + g
+    rs = np.empty(RG, dtype=np.float32)
+    for r in range(R):
+        n = start + r + 1
+        for g in range(G):
+            row = r * G + g
+            lens[row] = n
+            for b in range((n + bs - 1) // bs):
+                mark[row, b] = True
+            for d in range(D):
+                rq[row, d] = qa[r, kh * G + g, d]
+            rs[row] = qs[r, kh * G + g]
+    ro = np.empty((RG, D), dtype=np.float32)
+    pdummy = np.zeros((1, 1), dtype=np.float32)
+    _attend_rows(rq, rs, K[kh], V[kh], ks[kh], vs[kh], int8, 0, RG, lens, scale, bs, mark, lens, ro, False, pdummy)
+    for r in range(R):
+        for g in range(G):
+            for d in range(D):
+                out[r, kh * G + g, d] = ro[r * G + g, d]
 
 
 @njit(cache=True, nogil=True)

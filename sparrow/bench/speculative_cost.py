@@ -1,0 +1,282 @@
+"""What sparse-drafted, exact-verified decoding costs at long context, and what it gains there.
+
+`sparrow bench speculative --synth 16384,32768 [--shape qwen3-1.7b --type q4_0] [--kv-dtype f16]`
+
+Random weights accept random drafts, so the gain is put together from two measured halves:
+
+1. Acceptance, on a real model (--model, default the default model) at --acceptance-contexts
+   (default 4096,8192): a document of that many tokens and a question, answered greedily with
+   sparse drafting at a fixed K (no adaptive K) for every selector in --selectors and every k in
+   --draft-k, each run checked to give plain decoding's tokens. E = tokens per verification
+   (kept drafts + 1), measured, not derived from a per-token rate.
+2. Cost, on the model shape (--shape / --type, random weights) over a synthesised cache of each
+   --synth length (decode speed does not depend on the values, bench/long_context.py): a plain
+   exact decode step, a sparse drafting step per selector and k, and the verification of R =
+   K + 1 rows (the last token and K drafts) both ways: one pass over the K/V (what runs) and
+   the rows attended one by one (Decoder.verify_one_pass off: what ran before). Runs are
+   interleaved, --rounds rounds, medians.
+
+The speed-up at acceptance E with draft length K:
+    E * t_plain / (K * t_draft + t_verify(K + 1))
+a verification cycle emits E tokens where plain decoding pays one step each. E is at most
+K + 1 (every draft kept): the "every draft kept" column is the most a K can give at the measured
+costs, whatever the drafter, so where it is below a target the target is out of reach. The worst case
+(every draft rejected) plays adaptive K (speculative.Speculator) over --max-tokens tokens with the
+measured costs. Then, where --e2e-tokens > 0, one real end-to-end run on the shape over the
+synthesised cache: plain decoding against sparse speculation (K = the largest --tokens), same
+tokens checked, at whatever acceptance random weights give (stated).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from sparrow.bench.host import cpu_info, load_avg
+
+SHORT = 32  # the position of the components that price everything but attention
+
+
+def _pairs(a) -> list[tuple[str, int]]:
+    return [(s, int(k)) for s in a.selectors.split(",") for k in a.draft_k.split(",")]
+
+
+# ---------------------------------------------------------------------------------- acceptance
+def acceptance(a) -> dict:
+    """{(context, selector, k, K): tokens per verification} on the real model, greedy."""
+    import sparrow
+    from sparrow.kernels import set_threads
+    from sparrow.params import SamplingParams, SparseParams, SpeculativeParams
+
+    llm = sparrow.load(a.model, threads=a.threads, kv_dtype=a.kv_dtype)
+    set_threads(llm.threads)
+    runner = llm.runner
+    sampling = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
+    out = {"model": llm.name}
+    for ctx in [int(c) for c in a.acceptance_contexts.split(",") if c.strip()]:
+        ids = _document_prompt(llm, min(ctx, llm.ctx - a.max_tokens - 64))
+        base = runner.new_slot(ids, len(ids), a.kv_dtype)
+        runner.prefill(base, len(ids) - 1)  # once per context: each run copies it and feeds the last token
+
+        ref = _run(llm, ids, base.cache, sampling, a.kv_dtype, None)[0]
+        for sel, k in _pairs(a):
+            for K in [int(t) for t in a.tokens.split(",")]:
+                p = SpeculativeParams("sparse", K, sparse=SparseParams(k=k, select=sel), adaptive=False)
+                toks, spec, cycles = _run(llm, ids, base.cache, sampling, a.kv_dtype, p)
+                assert toks == ref, f"sparse {sel} k={k} K={K} changed the output"
+                e = (len(toks) - 1) / cycles if cycles else None  # the first token comes from the prefill
+                out[(len(ids), sel, k, K)] = dict(E=e, drafted=spec.drafted, accepted=spec.accepted)
+    return out
+
+
+def _document_prompt(llm, tokens: int) -> list[int]:
+    """A chat prompt of about `tokens` tokens (at most): minutes of meetings and a question."""
+    from sparrow.bench.speculative import document
+
+    sentences = max(1, tokens // 40)
+    for _ in range(4):  # scale the document to the tokenizer's rate
+        msg = "\n\nWho met Hana last, and where? Then summarise the minutes."
+        ids = llm.prompt_ids([{"role": "user", "content": document(sentences, 2) + msg}], chat=True)
+        if len(ids) <= tokens and len(ids) > 0.95 * tokens:
+            break
+        sentences = max(1, int(sentences * 0.97 * tokens / len(ids)))
+    return ids
+
+
+def _run(llm, ids, prefilled, sampling, kv, spec_params) -> tuple:
+    """Greedy generation after ids with positions 0..P-2 copied from `prefilled` ->
+    (tokens, speculator or None, verifications run)."""
+    from sparrow.engine.generate import generate_step
+    from sparrow.engine.sequence import Sequence
+    from sparrow.engine.speculative import make_speculator
+
+    runner = llm.runner
+    seq = Sequence.create(runner, llm.tokenizer, ids, sampling, llm.ctx, kv)
+    seq.slot.cache.copy_prefix(prefilled, len(ids) - 1, prefilled.importance_snapshot())
+    spec = make_speculator(llm, runner, spec_params, seq, kv) if spec_params else None
+    verify, cycles = runner.verify, []
+    runner.verify = lambda *args: (cycles.append(1), verify(*args))[1]  # counts verifications
+    try:
+        toks = [o.token_id for o in generate_step(runner, seq, spec=spec)]
+    finally:
+        del runner.verify
+    return toks, spec, len(cycles)
+
+
+# ----------------------------------------------------------------------------------------- cost
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def components(llm, ctx: int, a) -> dict:
+    """Median seconds over --rounds interleaved rounds: 'plain' (a decode step), ('draft', sel, k),
+    ('old' | 'new', R) (verification of R rows), and 'short', ('short', R): a step and the
+    one-pass verification at position SHORT, i.e. what they cost besides reading the K/V."""
+    from sparrow.bench.engines import random_ids
+    from sparrow.bench.long_context import fill_random
+    from sparrow.engine.runner import Slot
+    from sparrow.params import SparseParams
+
+    model, runner = llm.model, llm.runner
+    Ks = [int(t) for t in a.tokens.split(",")]
+    rows = sorted({2, 3} | {K + 1 for K in Ks})  # 2 and 3: adaptive K backing off (worst_case)
+    cache = model.new_cache(ctx + max(rows) + 1, a.kv_dtype)
+    fill_random(cache, ctx)
+    feed = random_ids(np.random.default_rng(1), model.config, max(rows)).tolist()
+    exact = Slot(np.zeros(ctx, np.int64), cache)
+    drafts = {(s, k): Slot(np.zeros(ctx, np.int64), cache, SparseParams(k=k, select=s)) for s, k in _pairs(a)}
+
+    # the same forwards at position SHORT of a small cache: the weights' share, attention ~nothing
+    short = Slot(np.zeros(SHORT, np.int64), model.new_cache(SHORT + max(rows) + 1, a.kv_dtype))
+    fill_random(short.cache, SHORT)
+
+    def step(slot):
+        n = slot.cache.length
+        runner.decode([slot], feed[:1])
+        slot.cache.truncate(n)
+
+    def verify(slot, n, one_pass):
+        model.verify_one_pass = one_pass
+        at = slot.cache.length
+        try:
+            runner.verify([slot], [feed[:n]], [at])
+        finally:
+            model.verify_one_pass = True
+            slot.cache.truncate(at)
+
+    jobs = {"plain": lambda: step(exact), "short": lambda: step(short)}
+    jobs.update({("draft", s, k): (lambda sl=sl: step(sl)) for (s, k), sl in drafts.items()})
+    for n in rows:
+        jobs[("new", n)] = lambda n=n: verify(exact, n, True)
+        jobs[("old", n)] = lambda n=n: verify(exact, n, False)
+        jobs[("short", n)] = lambda n=n: verify(short, n, True)
+    for fn in jobs.values():  # warm-up: the selectors' copies are built on first use, kernels compiled
+        fn()
+    times = {key: [] for key in jobs}
+    for _ in range(a.rounds):
+        for key, fn in jobs.items():
+            times[key].append(_timed(fn))
+    return {key: statistics.median(v) for key, v in times.items()}
+
+
+def worst_case(c: dict, sel: str, k: int, K: int, n: int) -> float:
+    """Plain decoding's time over speculation's for n tokens when every draft is rejected: the
+    real Speculator's adaptive K and pauses, priced with the measured components."""
+    from sparrow.engine.speculative import Drafter, Speculator
+    from sparrow.params import SpeculativeParams
+
+    spec = Speculator(SpeculativeParams("sparse", K), Drafter())
+    cache = SimpleNamespace(rollback=lambda n: None)
+    seq = SimpleNamespace(params=SimpleNamespace(max_tokens=n), output=[], prompt=[], slot=SimpleNamespace(cache=cache))
+    cost = 0.0
+    while len(seq.output) < n:
+        m = spec.budget(seq)
+        if m > 0:
+            cost += m * c[("draft", sel, k)] + c[("new", m + 1)]
+            seq.output.append(0)
+            spec.settle(seq, [0] * m, 0)
+        else:
+            spec.propose(seq, 0)  # counts down the pause
+            cost += c["plain"]
+            seq.output.append(0)
+    return n * c["plain"] / cost
+
+
+def end_to_end(llm, ctx: int, a) -> dict:
+    """Greedy decoding of --e2e-tokens after a synthesised cache of ctx positions: plain against
+    sparse speculation (fixed K, first selector and k), same tokens; tok/s after the first."""
+    from sparrow.bench.engines import random_ids
+    from sparrow.bench.long_context import fill_random
+    from sparrow.engine.generate import generate_step
+    from sparrow.engine.sequence import Sequence
+    from sparrow.engine.speculative import make_speculator
+    from sparrow.params import SamplingParams, SparseParams, SpeculativeParams
+
+    runner, n = llm.runner, a.e2e_tokens
+    sel, k = _pairs(a)[0]
+    K = max(int(t) for t in a.tokens.split(","))
+    ids = random_ids(np.random.default_rng(2), llm.model.config, ctx + 1).tolist()
+    sampling = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    res, ref = {}, None
+    for label, p in (
+        ("plain", None),
+        (f"sparse {sel} k={k} K={K}", SpeculativeParams("sparse", K, sparse=SparseParams(k=k, select=sel))),
+    ):
+        room = max(llm.ctx, ctx + n + 1)
+        seq = Sequence.create(runner, llm.tokenizer, ids, sampling, room, a.kv_dtype, allocate=False)
+        seq.slot.cache = llm.model.new_cache(ctx + n + K + 1, a.kv_dtype)
+        fill_random(seq.slot.cache, ctx)  # the prefill then runs the last prompt token only
+        spec = make_speculator(llm, runner, p, seq, a.kv_dtype) if p else None
+        gen = generate_step(runner, seq, spec=spec)
+        toks = [next(gen).token_id]
+        t0 = time.perf_counter()
+        toks += [o.token_id for o in gen]
+        dt = time.perf_counter() - t0
+        ref = ref or toks
+        assert toks == ref, f"{label} changed the output"
+        res[label] = dict(tok_s=(len(toks) - 1) / dt, drafted=spec.drafted if spec else 0,
+                          accepted=spec.accepted if spec else 0)  # fmt: skip
+        seq.slot.cache = None
+    return res
+
+
+def main(a) -> None:
+    import gc
+
+    import sparrow
+    from sparrow.bench import shapes
+
+    cpu = cpu_info()
+    print(f"# speculative decoding, the cost side: CPU {cpu.get('model', '?')}; load average at start {load_avg()}")
+    acc = acceptance(a)
+    gc.collect()
+    path = shapes.ensure(a.shape, a.type) if a.shape else a.model  # --shape "": the acceptance model
+    llm = sparrow.load(path, threads=a.threads, kv_dtype=a.kv_dtype, activations=a.activations)
+    print(f"# acceptance: {acc.pop('model')}, greedy, {a.max_tokens} tokens, fixed K (tokens per verification E)")
+    print("| prompt tokens | drafter | K | E | drafted | accepted |")
+    print("|---|---|---|---|---|---|")
+    for (n, sel, k, K), r in acc.items():
+        e = "-" if r["E"] is None else f"{r['E']:.2f}"
+        print(f"| {n} | sparse {sel} k={k} | {K} | {e} | {r['drafted']} | {r['accepted']} |")
+    name = f"{a.shape} {a.type}" if a.shape else llm.name
+    widest = max(n for n, *_ in acc)  # the acceptance the cost rows use: the longest context measured
+    print(
+        f"\n# cost: {name}, KV {a.kv_dtype}, activations {llm.model.activations}, {a.threads} threads, "
+        f"synthesised cache, median of {a.rounds} interleaved rounds; E from the {widest}-token prompt"
+    )
+    print(
+        "| context | drafter | K | E | plain ms | draft ms | verify K+1 old ms | verify K+1 new ms "
+        "| tok/s vs plain, new | old | every draft kept, new | all rejected (adaptive) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for ctx in [int(c) for c in a.synth.split(",")]:
+        c = components(llm, ctx, a)
+        for sel, k in _pairs(a):
+            for K in [int(t) for t in a.tokens.split(",")]:
+                e = acc[(widest, sel, k, K)]["E"] or 1.0
+                t_d, old, new = c[("draft", sel, k)], c[("old", K + 1)], c[("new", K + 1)]
+                r_new, r_old = e * c["plain"] / (K * t_d + new), e * c["plain"] / (K * t_d + old)
+                best = (K + 1) * c["plain"] / (K * t_d + new)  # the most this K can give at these costs
+                worst = worst_case(c, sel, k, K, a.max_tokens)
+                print(
+                    f"| {ctx} | sparse {sel} k={k} | {K} | {e:.2f} | {c['plain'] * 1e3:.0f} | {t_d * 1e3:.0f} "
+                    f"| {old * 1e3:.0f} | {new * 1e3:.0f} | {r_new:.2f}x | {r_old:.2f}x | {best:.2f}x | {worst:.2f}x |"
+                )
+        for n in sorted(key[1] for key in c if key[0] == "new"):
+            print(
+                f"# where the time goes at {ctx}: {n} rows verified {c[('new', n)] * 1e3:.0f} ms in one pass "
+                f"({c[('old', n)] * 1e3:.0f} row by row), {c[('short', n)] * 1e3:.0f} ms of it besides attention "
+                f"(the same rows at position {SHORT}); a plain step {c['plain'] * 1e3:.0f} ms, "
+                f"{c['short'] * 1e3:.0f} ms of it besides attention"
+            )
+        if a.e2e_tokens > 0:
+            for label, r in end_to_end(llm, ctx, a).items():
+                acc_txt = f", {r['accepted']}/{r['drafted']} drafts kept" if r["drafted"] else ""
+                print(f"# end to end at {ctx}: {label}: {r['tok_s']:.2f} tok/s{acc_txt}")
+        gc.collect()
+    print(f"# load average at end {load_avg()}")
