@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import SparrowError
 from ..kernels import linear as _linear
 from ..kernels.linear import linear
-from ..kernels.moe import StackedExperts, expert_pairs, route
+from ..kernels.moe import expert_pairs, route, stack_experts
 from ..quant import Weight
 from .layers import MLP, silu
 
@@ -58,7 +58,7 @@ class MoEBlock:
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         try:
-            self.stacked = StackedExperts(experts)  # typed lists of views for the fused kernel
+            self.stacked = stack_experts(experts)  # the expert kernels' tables or typed lists of views
         except ValueError:  # experts of mixed formats: every expert through linear()
             self.stacked = None
 
@@ -129,3 +129,4 @@ def _expert_weight(get, prefix: str, proj: str, e: int) -> Weight:
     if get.quantize and w.qtype in ("f32", "f16", "bf16"):
         w = w.quantize(get.quantize)
     return w
+
