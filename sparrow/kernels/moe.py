@@ -14,7 +14,9 @@ K-quants, as GGUF files store them) are dotted with the pairs' f32 activation ro
 decode's row dots (widen.rows_exact, called through its address): a row's order is the one a
 dense matvec over the same format takes, and the rows are read straight from their blocks.
 They are reached through a table of addresses (ExpertTable: each expert's rows, a view of the
-file mapping). f16 / bf16 / f32 experts (HF folders) are widened to f32 once per expert and dotted by
+file mapping), and the helpers gate_up_rows / down_rows / combine_rows are shared with the
+fused decode step's MoE phase (kernels/fused/moe_phase.py), which therefore gives the same
+bits. f16 / bf16 / f32 experts (HF folders) are widened to f32 once per expert and dotted by
 one fixed loop (widen_row, dot), the order of linear()'s matvec over those formats.
 The widening and dot helpers are kernels/matmul/widen.py's (the numba cache directory is keyed
 on every kernel source, so an edit there recompiles these too).
