@@ -488,3 +488,19 @@ def test_weight_and_kv_bytes(tmp_path, monkeypatch):
     assert bandwidth.fraction(1e9, 5.0, 10.0) == 0.5 and bandwidth.fraction(None, 5.0, 10.0) is None
     bw = bandwidth.read_bandwidth(1, passes=2, nbytes=1 << 20)
     assert bw["gb_s"] > 0 and bw["threads"] == 1
+
+
+def test_moe_decode_bench_on_tiny_layers(tmp_path):
+    from sparrow.bench import moe_decode
+
+    real = {k: v for k, v in shapes.SHAPES[A3B].items() if k != "bpe_tokens"}
+    tiny = dict(real, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, vocab=512, experts=8, experts_used=2,
+                expert_ffn=256)  # fmt: skip
+    path = shapes.write_gguf(str(tmp_path / "tiny-moe.gguf"), tiny, "q4_k_m", name="tiny")
+    rows = moe_decode.run(path, threads=1, rounds=1, steps=2, prefill=4)
+    assert set(rows) == set(moe_decode.VARIANTS)
+    for v in ("widen+dot", "staged"):  # the staged variants have stages, the MoE block's parts inside
+        assert set(rows[v]) == {"step_ms", *moe_decode.STAGES, *moe_decode.MOE_PARTS.values()}
+        assert rows[v]["mlp_block"] >= rows[v]["moe: experts"] > 0
+    assert set(rows["fused"]) == {"step_ms"}  # one compiled call: nothing staged ran
+    assert "| **step (median)** |" in moe_decode.table(rows)
