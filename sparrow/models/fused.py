@@ -105,25 +105,27 @@ class FusedDecode:
 
     @classmethod
     def plan(cls, model) -> FusedDecode | None:
-        from .qwen3_moe import fused_moe_ok
+        from .qwen3_moe import fused_moe_ok, step_moe
 
         for layer in model.layers:
             a, m = layer.attn, layer.mlp
             dense = isinstance(m, MLP) and _group_ok(m.gate_up) and _block_weight(m.down)
             if not ((dense or fused_moe_ok(m)) and _group_ok(a.qkv_proj) and _block_weight(a.o)):
                 return None
-        return cls(model)
+        try:
+            moe = step_moe(model.layers)  # None for a dense model
+        except ValueError:  # MoE layers the step's one record cannot describe
+            return None
+        return cls(model, moe)
 
-    def __init__(self, model):
+    def __init__(self, model, moe=None):
         cfg, layers = model.config, model.layers
         a0 = layers[0].attn
         self.model = model
         self.H, self.KV, self.D = a0.n_heads, a0.n_kv, a0.head_dim
-        from .qwen3_moe import step_moe
-
         dense = [lay.mlp for lay in layers if isinstance(lay.mlp, MLP)]
         self.F = dense[0].gate_up.sizes[0] if dense else 0
-        self.moe = step_moe(layers)  # None for a dense model
+        self.moe = moe  # the MoE layers' record (kernels/fused/moe_phase.StepMoE), None for a dense model
         self.E = cfg.hidden_size
         self.eps = np.float32(cfg.rms_norm_eps)
         self.scale = np.float32(a0.scale)

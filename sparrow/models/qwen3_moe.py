@@ -139,8 +139,8 @@ def fused_moe_ok(mlp) -> bool:
 
 def step_moe(layers):
     """The fused step's record of a model's MoE layers (kernels/fused/moe_phase.StepMoE), or
-    None where no layer is sparse. Every MoE layer must pass fused_moe_ok, with the same
-    expert count, top-k and expert shapes."""
+    None where no layer is sparse. Every MoE layer must pass fused_moe_ok; ValueError where
+    they differ in expert count, top-k or expert shapes (the fused step then does not apply)."""
     from ..kernels.fused.moe_phase import StepMoE
 
     blocks = [lay.mlp if isinstance(lay.mlp, MoEBlock) else None for lay in layers]
@@ -155,7 +155,7 @@ def step_moe(layers):
         != (ne, k, e_n, f_n, first.norm_topk_prob)
         for b in blocks
     ):
-        raise SparrowError("fused decode: MoE layers differ in experts, top-k or shapes")
+        raise ValueError("fused decode: MoE layers differ in experts, top-k or shapes")
     L = len(layers)
     router = np.zeros((L, 3), np.int64)
     etab = np.zeros((L, 3, ne), np.int64)
