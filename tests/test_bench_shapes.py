@@ -504,3 +504,21 @@ def test_moe_decode_bench_on_tiny_layers(tmp_path):
         assert rows[v]["mlp_block"] >= rows[v]["moe: experts"] > 0
     assert set(rows["fused"]) == {"step_ms"}  # one compiled call: nothing staged ran
     assert "| **step (median)** |" in moe_decode.table(rows)
+
+
+def test_llama_no_repack_switches_only_inside(monkeypatch):
+    # llama-cpp-python reads llama_model_default_params() in Llama(); _extra_bufts(False) makes
+    # that say use_extra_bufts False while the model loads, and puts the function back after
+    import sys
+
+    from sparrow.bench import engines
+
+    lib = SimpleNamespace(llama_model_default_params=lambda: SimpleNamespace(use_extra_bufts=True))
+    monkeypatch.setitem(sys.modules, "llama_cpp", SimpleNamespace(llama_cpp=lib))
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_cpp", lib)
+    original = lib.llama_model_default_params
+    with engines._extra_bufts(True):
+        assert lib.llama_model_default_params().use_extra_bufts is True
+    with engines._extra_bufts(False):
+        assert lib.llama_model_default_params().use_extra_bufts is False
+    assert lib.llama_model_default_params is original and original().use_extra_bufts is True
