@@ -109,6 +109,101 @@ def test_q4_k_m_mix(name):
     assert params * 4.5 / 8 < shapes.file_bytes(name, "q4_k_m") < params * 6.5625 / 8
 
 
+# Qwen/Qwen3-30B-A3B config.json: hidden 2048, 48 layers, 32 / 4 heads, head_dim 128, 128 experts,
+# 8 routed, moe_intermediate_size 768, intermediate_size 6144, vocab 151936, untied; the model
+# card's 30.5B parameters, 29.9B of them non-embedding.
+A3B = "qwen3-30b-a3b"
+
+
+def test_qwen3_30b_a3b_plan_and_metadata():
+    s = shapes.SHAPES[A3B]
+    assert (s["hidden"], s["layers"], s["heads"], s["kv_heads"], s["head_dim"], s["ffn"], s["tied"]) == (
+        2048, 48, 32, 4, 128, 6144, False,
+    )  # fmt: skip
+    assert (s["experts"], s["experts_used"], s["expert_ffn"], s["vocab"], s["arch"]) == (
+        128,
+        8,
+        768,
+        151936,
+        "qwen3moe",
+    )
+    params = shapes.param_count(A3B)
+    assert params == 30_532_122_624
+    assert abs((params - 2 * 2048 * 151936) / 29.9e9 - 1) < 0.01
+    by_name = {n: (ne, t) for n, ne, t in shapes.plan(A3B, "q4_k_m")}
+    assert len(by_name) == 3 + 48 * 12
+    for i in range(48):
+        b = f"blk.{i}."
+        assert not any(n.startswith(b + "ffn_" + p + ".") for p in ("gate", "up", "down") for n in by_name)
+        assert by_name[b + "ffn_gate_inp.weight"] == ((2048, 128), "f32")  # llama.cpp never quantises it
+        assert by_name[b + "ffn_gate_exps.weight"] == ((2048, 768, 128), "q4_k")
+        assert by_name[b + "ffn_up_exps.weight"] == ((2048, 768, 128), "q4_k")
+        assert by_name[b + "attn_k.weight"] == ((2048, 512), "q4_k")
+        assert by_name[b + "attn_output.weight"] == ((4096, 2048), "q4_k")
+        # llama-quant's Q4_K_M: ffn_down (the stacked experts' too, layer from the name) and
+        # attn_v get q6_k in use_more_bits layers
+        more = i < 6 or i >= 42 or (i - 6) % 3 == 2
+        down = by_name[b + "ffn_down_exps.weight"]
+        assert down == ((768, 2048, 128), "q6_k" if more else "q4_k")
+        assert by_name[b + "attn_v.weight"][1] == down[1]
+    assert by_name["output.weight"] == ((2048, 151936), "q6_k")
+    assert by_name["token_embd.weight"] == ((2048, 151936), "q4_k")
+    assert 18.4e9 < shapes.file_bytes(A3B, "q4_k_m") < 18.7e9  # Qwen's own Q4_K_M file: 18.6 GB
+    assert shapes.metadata(A3B) == {
+        "qwen3moe.context_length": 40960,
+        "qwen3moe.embedding_length": 2048,
+        "qwen3moe.block_count": 48,
+        "qwen3moe.feed_forward_length": 6144,
+        "qwen3moe.attention.head_count": 32,
+        "qwen3moe.attention.head_count_kv": 4,
+        "qwen3moe.attention.key_length": 128,
+        "qwen3moe.attention.value_length": 128,
+        "qwen3moe.rope.freq_base": 1e6,
+        "qwen3moe.attention.layer_norm_rms_epsilon": 1e-6,
+        "qwen3moe.expert_count": 128,
+        "qwen3moe.expert_used_count": 8,
+        "qwen3moe.expert_feed_forward_length": 768,
+    }
+
+
+def test_tiny_moe_shape_writes_loads_and_decodes(tmp_path):
+    """The qwen3-30b-a3b layout with tiny layers: written, read back as llama.cpp names it,
+    loaded as Qwen3-MoE and decoded end to end (decode steps against the prefill's logits)."""
+    import sparrow
+    from sparrow.models.decoder import Segment
+    from sparrow.models.qwen3_moe import MoEBlock
+
+    real = {k: v for k, v in shapes.SHAPES[A3B].items() if k != "bpe_tokens"}  # 151643: a real vocabulary
+    tiny = dict(
+        real, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, vocab=512, context=256,
+        experts=8, experts_used=2, expert_ffn=256,
+    )  # fmt: skip
+    path = shapes.write_gguf(str(tmp_path / "tiny-moe.gguf"), tiny, "q4_k_m", name="tiny")
+    f = GGUFFile(path)
+    assert [(t.name, tuple(t.shape), t.tensor_type.name.lower()) for t in f.tensors] == shapes.plan(tiny, "q4_k_m")
+    assert f.meta["general.architecture"] == "qwen3moe"
+    for key, val in shapes.metadata(tiny).items():
+        assert f.meta[key] == pytest.approx(val)
+    router = np.asarray(next(t for t in f.tensors if t.name == "blk.0.ffn_gate_inp.weight").data)
+    assert 0.015 < router.std() < 0.025  # random: a router of ones would tie every expert
+    llm = sparrow.load(path, threads=1)
+    cfg = llm.model.config
+    assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
+        "qwen3_moe", 8, 2, 256,
+    )  # fmt: skip
+    assert all(isinstance(lay.mlp, MoEBlock) for lay in llm.model.layers)
+    ids = np.array([5, 17, 300, 42, 7, 99, 250, 3])
+    full = llm.logits(ids)  # [T, V]
+    assert np.isfinite(full).all() and 0.05 < full.std() < 1.0
+    cache = llm.model.new_cache(len(ids))
+    llm.model.forward([Segment(ids[:4], cache, 0)])
+    steps = [llm.model.forward([Segment(ids[i : i + 1], cache, i, decode=True)])[0] for i in range(4, len(ids))]
+    assert np.abs(np.stack(steps) - full[4:]).max() < 1e-4  # f32 rounding between the kernels
+    seen = {e for lay in llm.model.layers for e in lay.mlp.route(np.random.default_rng(0).standard_normal(
+        (16, 256)).astype(np.float32))[0].ravel().tolist()}  # fmt: skip
+    assert len(seen) > 2  # tokens route to different experts
+
+
 def test_metadata_keys():
     m = shapes.metadata("qwen3-1.7b")
     assert m == {
@@ -393,3 +488,37 @@ def test_weight_and_kv_bytes(tmp_path, monkeypatch):
     assert bandwidth.fraction(1e9, 5.0, 10.0) == 0.5 and bandwidth.fraction(None, 5.0, 10.0) is None
     bw = bandwidth.read_bandwidth(1, passes=2, nbytes=1 << 20)
     assert bw["gb_s"] > 0 and bw["threads"] == 1
+
+
+def test_moe_decode_bench_on_tiny_layers(tmp_path):
+    from sparrow.bench import moe_decode
+
+    real = {k: v for k, v in shapes.SHAPES[A3B].items() if k != "bpe_tokens"}
+    tiny = dict(real, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, vocab=512, experts=8, experts_used=2,
+                expert_ffn=256)  # fmt: skip
+    path = shapes.write_gguf(str(tmp_path / "tiny-moe.gguf"), tiny, "q4_k_m", name="tiny")
+    rows = moe_decode.run(path, threads=1, rounds=1, steps=2, prefill=4)
+    assert set(rows) == set(moe_decode.VARIANTS)
+    for v in ("widen+dot", "staged"):  # the staged variants have stages, the MoE block's parts inside
+        assert set(rows[v]) == {"step_ms", *moe_decode.STAGES, *moe_decode.MOE_PARTS.values()}
+        assert rows[v]["mlp_block"] >= rows[v]["moe: experts"] > 0
+    assert set(rows["fused"]) == {"step_ms"}  # one compiled call: nothing staged ran
+    assert "| **step (median)** |" in moe_decode.table(rows)
+
+
+def test_llama_no_repack_switches_only_inside(monkeypatch):
+    # llama-cpp-python reads llama_model_default_params() in Llama(); _extra_bufts(False) makes
+    # that say use_extra_bufts False while the model loads, and puts the function back after
+    import sys
+
+    from sparrow.bench import engines
+
+    lib = SimpleNamespace(llama_model_default_params=lambda: SimpleNamespace(use_extra_bufts=True))
+    monkeypatch.setitem(sys.modules, "llama_cpp", SimpleNamespace(llama_cpp=lib))
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_cpp", lib)
+    original = lib.llama_model_default_params
+    with engines._extra_bufts(True):
+        assert lib.llama_model_default_params().use_extra_bufts is True
+    with engines._extra_bufts(False):
+        assert lib.llama_model_default_params().use_extra_bufts is False
+    assert lib.llama_model_default_params is original and original().use_extra_bufts is True

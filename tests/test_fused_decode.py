@@ -206,3 +206,35 @@ def test_fused_runs_k_quant_files_with_mixed_groups(tmp_path):
             assert numba.get_num_threads() == threads
             fused = _decode(llm_m, ids, 16, None, fused=True)
             assert fused.tobytes() == _decode(llm_m, ids, 16, None, fused=False).tobytes(), (mode, threads)
+
+
+TINY_MOE = dict(
+    hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=768, vocab=512, tied=False, rope_theta=1e6,
+    rms_eps=1e-6, context=256, arch="qwen3moe", experts=8, experts_used=3, expert_ffn=256,
+)  # fmt: skip
+
+
+def test_fused_runs_moe_files(tmp_path):
+    """A qwen3moe file (the qwen3-30b-a3b shape's layout, small): the fused step runs its MoE
+    layers (kernels/fused/moe_phase.py) with the staged path's bits, on 1 and 2 threads, in
+    both activation modes, Q4_K_M (q4_k experts, q6_k down in one layer) and Q8_0."""
+    from sparrow.bench import shapes
+    from sparrow.kernels.moe import ExpertTable
+    from sparrow.models.qwen3_moe import MoEBlock
+
+    ids = np.random.default_rng(4).integers(0, 486, 24)
+    for qtype in ("q4_k_m", "q8_0"):
+        path = shapes.write_gguf(str(tmp_path / f"tiny-moe-{qtype}.gguf"), TINY_MOE, qtype, name="tiny")
+        llm = sparrow.load(path)
+        mlps = [lay.mlp for lay in llm.model.layers]
+        assert all(isinstance(m, MoEBlock) and isinstance(m.stacked, ExpertTable) for m in mlps)
+        if qtype == "q4_k_m":
+            assert [m.experts[0].down.qtype for m in mlps] == ["q4_k", "q6_k"]
+        assert llm.model.fused_step() is not None and llm.model.fused_step().moe is not None
+        for mode in ("f32", "q8"):
+            llm_m = llm.with_activations(mode)
+            for threads in (1, 2):
+                set_threads(threads)
+                fused = _decode(llm_m, ids, 16, None, fused=True)
+                staged = _decode(llm_m, ids, 16, None, fused=False)
+                assert fused.tobytes() == staged.tobytes(), (qtype, mode, threads)

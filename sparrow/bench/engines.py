@@ -5,6 +5,7 @@ every decode mode over the contexts."""
 import os
 import statistics
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -143,25 +144,52 @@ class SparrowRunner:
         }
 
 
+@contextmanager
+def _extra_bufts(on: bool):
+    """llama-cpp-python's Llama() takes its model parameters from llama_model_default_params()
+    and has no argument for use_extra_bufts: with on False, the defaults it reads say False."""
+    if on:
+        yield
+        return
+    import llama_cpp.llama_cpp as lib
+
+    default = lib.llama_model_default_params
+
+    def without():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    lib.llama_model_default_params = without
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = default
+
+
 class LlamaRunner:
     name = "llama.cpp"
 
-    def __init__(self, path, threads, capacity, flash_attn=False):
+    def __init__(self, path, threads, capacity, flash_attn=False, repack=True):
         from llama_cpp import Llama
 
         # the bindings' defaults except the thread count (their default is cpu_count // 2 for
         # decode); n_batch 512 is their default too. flash attention only when asked for.
+        # repack=False turns off ggml's CPU repack buffer (use_extra_bufts), which copies every
+        # matrix it has interleaved kernels for (q4_0, q4_k, ...) into memory of its own at load:
+        # without it llama.cpp reads the weights from its file mapping, as sparrow does.
         kw = {"flash_attn": True} if flash_attn else {}
-        self.llm = Llama(
-            model_path=path,
-            n_ctx=capacity,
-            n_threads=threads,
-            n_threads_batch=threads,
-            n_batch=CHUNK,
-            logits_all=False,
-            verbose=False,
-            **kw,
-        )
+        with _extra_bufts(repack):
+            self.llm = Llama(
+                model_path=path,
+                n_ctx=capacity,
+                n_threads=threads,
+                n_threads_batch=threads,
+                n_batch=CHUNK,
+                logits_all=False,
+                verbose=False,
+                **kw,
+            )
         self.settings = self.describe(self.llm)
 
     @staticmethod
@@ -191,6 +219,7 @@ class LlamaRunner:
             "n_threads": int(cp.n_threads),
             "n_threads_batch": int(cp.n_threads_batch),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "unset (OpenMP default)",
+            "repack": bool(llm.model_params.use_extra_bufts),
         }
 
     def prefill(self, tokens, start):

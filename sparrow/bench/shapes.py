@@ -14,6 +14,14 @@ rms eps 1e-6, context 40960, no biases, q/k RMSNorm over head_dim):
 | qwen3-1.7b | 2048   | 28     | 16    | 8        | 6144  | yes  | 1.721 B         | 1.409 B       |
 | qwen3-4b   | 2560   | 36     | 32    | 8        | 9728  | yes  | 4.022 B         | 3.633 B       |
 | qwen3-8b   | 4096   | 36     | 32    | 8        | 12288 | no   | 8.191 B         | 6.946 B       |
+| qwen3-30b-a3b | 2048 | 48     | 32    | 4        | 128 x 768, 8 routed | no | 30.532 B | 29.910 B |
+
+qwen3-30b-a3b is a `qwen3moe` file (Qwen/Qwen3-30B-A3B config.json; llama.cpp's names and keys):
+every layer sparse, `ffn_gate_inp` (the router, [E, hidden], f32 as llama.cpp keeps it, random
+so that tokens route to different experts) and the experts stacked as `ffn_{gate,up,down}_exps`
+(ggml ne = (in, out, expert)); `qwen3moe.expert_count` 128, `expert_used_count` 8,
+`expert_feed_forward_length` 768, `feed_forward_length` 6144 (config's intermediate_size, which
+no tensor uses). Its Q4_K_M is ~18.6 GB (17.3 GiB).
 
 Tensors use llama.cpp's qwen3 names (`token_embd`, `blk.N.attn_q` ... `ffn_down`, `output_norm`,
 `output` when untied) and ggml order (ne0 = input width). With q8_0 / q4_0 every matrix, the token
@@ -21,7 +29,9 @@ embedding included, is stored in that type (like `llama-quantize --pure`). q4_k_
 llama.cpp's Q4_K_M does: q6_k for the output matrix (the token embedding when tied) and for attn_v
 and ffn_down in the layers llama.cpp gives more bits (the first and last eighth, and every third
 in between), q4_k for the rest; a matrix whose input width is not a multiple of 256 falls back
-as llama.cpp's does (q4_k -> q5_0, q6_k -> q8_0). Norms are f32 ones.
+as llama.cpp's does (q4_k -> q5_0, q6_k -> q8_0). In MoE files the stacked experts follow the
+same rules (llama-quant reads the layer of `ffn_down_exps` from its name: q6_k in those layers),
+and the router is never quantised. Norms are f32 ones.
 Weights are random block bytes, scaled so the values have a standard deviation of about 0.02
 (random scale x 0.75..1.25 per block) around 0: uniform quants (q8_0: -127..127, q4_0: 1..15,
 i.e. -7..7 around the zero point; q5_0: 0..31 around 16, q6_k: 0..63 around 32, each block's
@@ -55,6 +65,21 @@ SHAPES: dict[str, dict] = {
     "qwen3-1.7b": dict(_QWEN3, hidden=2048, layers=28, heads=16, kv_heads=8, ffn=6144, tied=True),
     "qwen3-4b": dict(_QWEN3, hidden=2560, layers=36, heads=32, kv_heads=8, ffn=9728, tied=True),
     "qwen3-8b": dict(_QWEN3, hidden=4096, layers=36, heads=32, kv_heads=8, ffn=12288, tied=False),
+    # Qwen3-30B-A3B (a qwen3moe GGUF): every layer sparse, 128 experts of FFN 768, 8 routed a
+    # token; ffn is config.json's intermediate_size (6144), which no tensor uses.
+    "qwen3-30b-a3b": dict(
+        _QWEN3,
+        hidden=2048,
+        layers=48,
+        heads=32,
+        kv_heads=4,
+        ffn=6144,
+        tied=False,
+        arch="qwen3moe",
+        experts=128,
+        experts_used=8,
+        expert_ffn=768,
+    ),
     # Qwen3-VL-2B-Instruct's text model (a qwen3vl GGUF: rope theta 5e6, M-RoPE sections); its
     # vision tower goes in a separate random mmproj (bench/shapes_vl.py).
     "qwen3-vl-2b": dict(
@@ -169,10 +194,21 @@ def plan(shape, qtype: str = "q8_0") -> list[tuple[str, tuple[int, ...], str]]:
             (b + "attn_k_norm.weight", (hd,), "f32"),
             (b + "attn_output.weight", (q, h), mat((q, h))),
             (b + "ffn_norm.weight", (h,), "f32"),
-            (b + "ffn_gate.weight", (h, f), mat((h, f))),
-            (b + "ffn_up.weight", (h, f), mat((h, f))),
-            (b + "ffn_down.weight", (f, h), mat((f, h), more)),
         ]
+        if "experts" in s:  # stacked experts (ne2 = expert); the router stays f32, as llama.cpp keeps it
+            e, fe = s["experts"], s["expert_ffn"]
+            out += [
+                (b + "ffn_gate_inp.weight", (h, e), "f32"),
+                (b + "ffn_gate_exps.weight", (h, fe, e), mat((h, fe, e))),
+                (b + "ffn_up_exps.weight", (h, fe, e), mat((h, fe, e))),
+                (b + "ffn_down_exps.weight", (fe, h, e), mat((fe, h, e), more)),
+            ]
+        else:
+            out += [
+                (b + "ffn_gate.weight", (h, f), mat((h, f))),
+                (b + "ffn_up.weight", (h, f), mat((h, f))),
+                (b + "ffn_down.weight", (f, h), mat((f, h), more)),
+            ]
     return out
 
 
@@ -207,6 +243,10 @@ def metadata(shape) -> dict:
         f"{a}.rope.freq_base": s["rope_theta"],
         f"{a}.attention.layer_norm_rms_epsilon": s["rms_eps"],
     }
+    if "experts" in s:
+        keys[f"{a}.expert_count"] = s["experts"]
+        keys[f"{a}.expert_used_count"] = s["experts_used"]
+        keys[f"{a}.expert_feed_forward_length"] = s["expert_ffn"]
     if "mrope_section" in s:
         keys[f"{a}.rope.dimension_sections"] = [*s["mrope_section"], 0]
         keys[f"{a}.n_deepstack_layers"] = len(s["vision"]["deepstack"])
@@ -355,10 +395,12 @@ def write_gguf(path: str, shape, qtype: str, *, seed: int = 0, name: str | None 
         fout = w.fout[0]
         rng = np.random.default_rng(seed)
         t0, last, done, total = time.perf_counter(), 0.0, 0, sum(_nbytes(ne, t) for _, ne, t in tensors)
-        for _name, ne, t in tensors:
+        for tname, ne, t in tensors:
             # stream each tensor in row chunks (~16 MB), with GGUFWriter's alignment padding
             w.write_padding(fout, fout.tell())
-            if t == "f32":
+            if tname.endswith("ffn_gate_inp.weight"):  # a router of ones would tie every expert
+                (rng.standard_normal(ne[::-1], np.float32) * np.float32(_STD)).tofile(fout)
+            elif t == "f32":
                 np.ones(ne[::-1], np.float32).tofile(fout)
             else:
                 k, rows = ne[0], int(np.prod(ne[1:]))

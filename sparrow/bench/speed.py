@@ -27,7 +27,14 @@ gives the bytes a token reads (weights from the file's tensor table, KV rows by 
 share of that bandwidth reached, for both engines.
 
 --shape NAME --type q8_0|q4_0|q4_k_m benches a random-weight GGUF with a real model's exact tensor shapes
-(sparrow.bench.shapes; written once into the cache directory). --contention adds a separately
+(sparrow.bench.shapes; written once into the cache directory).
+
+Memory: both engines run in this one process. llama.cpp's CPU repack buffer copies every matrix it
+has interleaved kernels for (q4_0, q4_k, ...; the stacked experts too) into memory of its own at
+load, while sparrow reads the file mapping: on qwen3-30b-a3b Q4_K_M that is ~15 GB of copies beside
+an 18.6 GB file, more than a 24 GB machine holds, and the file's pages sparrow reads would be
+evicted and read again from disk. --llama-no-repack makes llama.cpp read its mapping too (the same
+page cache); the settings line says which ran. --contention adds a separately
 labelled row: decode after the first context while one busy-looping process competes for the CPUs.
 
 This bench holds an f32 cache and its f16 and int8 copies at once; past ~16K on the Qwen3 shapes
@@ -123,6 +130,12 @@ def main(argv=None):
         "--flash-attn", action="store_true", help="turn llama.cpp's flash attention on (the bindings' default is off)"
     )
     ap.add_argument(
+        "--llama-no-repack",
+        action="store_true",
+        help="turn llama.cpp's CPU repack buffer off: it reads the weights from its file mapping instead of a "
+        "copy it makes at load (needed where file + copy + sparrow's mapping exceed the RAM: qwen3-30b-a3b on 24 GB)",
+    )
+    ap.add_argument(
         "--contention",
         action="store_true",
         help="add a labelled row: decode after the first context with one busy-looping process running",
@@ -207,6 +220,7 @@ def main(argv=None):
             "sparse_select": a.sparse_select,
             "compare": compare,
             "flash_attn": a.flash_attn,
+            "llama_repack": not a.llama_no_repack,
             "chunk": CHUNK,
             "contention": a.contention,
             "activations": a.activations,
@@ -222,7 +236,7 @@ def main(argv=None):
     prompt = random_ids(rng, runners[0].model.config, contexts[-1]).tolist()
     feed = random_ids(rng, runners[0].model.config, a.decode).tolist()
     if compare:
-        runners.append(LlamaRunner(path, a.threads, capacity, a.flash_attn))
+        runners.append(LlamaRunner(path, a.threads, capacity, a.flash_attn, repack=not a.llama_no_repack))
         rec["llama_settings"] = runners[-1].settings
     for r in runners:  # warm-up: JIT load / compile, page in the weights
         r.prefill(prompt[:64], 0)

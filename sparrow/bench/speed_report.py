@@ -127,6 +127,8 @@ def header(rec) -> list[str]:
             f"flash attention {ls['flash_attn']}, {ls['type_k']}/{ls['type_v']} KV, n_batch "
             f"{ls['n_batch']}, OMP_WAIT_POLICY {ls['omp_wait_policy']}"
         )
+        if not ls.get("repack", True):
+            engines += ", but its CPU repack buffer off (--llama-no-repack: weights read from the file mapping)"
         if ver.get("llama_cpp_system_info"):
             engines += f" (build: `{ver['llama_cpp_system_info']}`)"
     lines += ["", f"Engines: {engines}.", ""]

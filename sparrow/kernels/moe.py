@@ -8,11 +8,18 @@ machine every parallel launch can wait a scheduler slice for its threads.
 
 expert_pairs: the SwiGLU experts for a list of (token, expert) pairs in two parallel launches
 (gate+up, then down) instead of three linear calls per expert; parallel over (expert, chunk
-of weight rows), so each output has one writer. Each stored row is widened to f32 once per
-expert and dotted with each of its pairs' f32 activation rows in one fixed order
-(ir.lane_dot), so a pair's output depends only on that pair (batch and thread invariant). The widening and dot helpers
-are kernels/matmul/widen.py's (the numba cache directory is keyed on every kernel source, so an
-edit there recompiles these too).
+of weight rows), so each output has one writer, and each output depends only on its own pair
+(batch and thread invariant). Experts in a block format (q8_0, q4_0, q4_1, q5_0, q5_1 and the
+K-quants, as GGUF files store them) are dotted with the pairs' f32 activation rows by the exact
+decode's row dots (widen.rows_exact, called through its address): a row's order is the one a
+dense matvec over the same format takes, and the rows are read straight from their blocks.
+They are reached through a table of addresses (ExpertTable: each expert's rows, a view of the
+file mapping), and the helpers gate_up_rows / down_rows / combine_rows are shared with the
+fused decode step's MoE phase (kernels/fused/moe_phase.py), which therefore gives the same
+bits. f16 / bf16 / f32 experts (HF folders) are widened to f32 once per expert and dotted by
+one fixed order (widen_row, then widen.dot's ir.lane_dot), the order of linear()'s matvec over those formats.
+The widening and dot helpers are kernels/matmul/widen.py's (the numba cache directory is keyed
+on every kernel source, so an edit there recompiles these too).
 """
 
 import math
@@ -21,12 +28,17 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from sparrow.kernels.formats import KIND
-from sparrow.kernels.matmul.widen import F16_LUT, call_slp
+from sparrow.kernels.formats import BY_NAME, KIND, KQ_FIRST
+from sparrow.kernels.matmul.widen import F16_LUT, call_slp, exact_rows_address, exact_sums, kq_rows_address
 from sparrow.kernels.matmul.widen import dot as _dot
 from sparrow.kernels.matmul.widen import widen_row as _widen_row
+from sparrow.kernels.native_call import call_native, view
 from sparrow.kernels.options import KW
 from sparrow.kernels.options import ROWS as _ROWS
+from sparrow.kernels.parallel import run_parallel
+
+ROWS_LIKE = np.zeros((0, 0), np.uint8)  # an expert's rows as the row dots read them (read-only bytes), for view()
+ROWS_LIKE.flags.writeable = False
 
 
 @njit(**KW)
@@ -118,9 +130,100 @@ def _down(h, gstart, gexp, downs, kd, lut, y):
                 y[p, o] = _dot(buf, h[p])
 
 
+class ExpertTable:
+    """Experts in a block format as tables the kernels read (no copies): etab [3, NE] the
+    address of each expert's gate, up and down rows, dims [3, 2] their (rows, bytes a row),
+    kinds [3] their formats.KIND, addrs (rows_exact's address, its K-quant row loop's or 0).
+    The experts' Weights (views of the file mapping) must outlive the table: MoEBlock holds both."""
+
+    def __init__(self, experts):
+        self.ffn, self.hidden = experts[0].gate.shape
+        etab, dims, kinds = [], [], []
+        for proj in ("gate", "up", "down"):
+            ws = [getattr(ex, proj) for ex in experts]
+            if len({w.qtype for w in ws}) != 1 or len({w.shape for w in ws}) != 1:
+                raise ValueError(f"experts' {proj} weights differ in type or shape")
+            if BY_NAME[ws[0].qtype].row_dot == "widened" or any(
+                w.data.dtype != np.uint8 or not w.data.flags.c_contiguous or w.data.ndim != 2 for w in ws
+            ):
+                raise ValueError(f"experts' {proj} weights are not rows of a block format")
+            etab.append([w.data.ctypes.data for w in ws])
+            dims.append(ws[0].data.shape)
+            kinds.append(KIND[ws[0].qtype])
+        self.etab = np.array(etab, np.int64)  # [3, NE]
+        self.dims = np.array(dims, np.int64)  # [3, 2]
+        self.kinds = np.array(kinds, np.int64)  # [3]
+        kq = bool((self.kinds >= KQ_FIRST).any())
+        self.addrs = (exact_rows_address(ROWS_LIKE), kq_rows_address(ROWS_LIKE) if kq else 0)
+
+
+@njit(**KW)
+def _rows(etab, dims, kinds, j, e, x, sx, y, o0, o1, addrs):
+    # y[0, o] = row o of projection j (0 gate, 1 up, 2 down) of expert e . x[0], o0 <= o < o1:
+    # the exact row dots (widen.rows_exact) through their address; x, sx C [1, K], [1, K / 32]
+    w = view(etab[j, e], (dims[j, 0], dims[j, 1]), ROWS_LIKE)
+    call_native(addrs[0], (w, kinds[j], x, sx, y[:, 0 : y.shape[1]], np.int64(o0), np.int64(o1), addrs[1]))
+
+
+@njit(**KW)
+def silu_up(g, u):
+    """silu(g) * u of one expert activation, in f32."""
+    return g / (np.float32(1) + np.float32(math.exp(-g))) * u
+
+
+@njit(**KW)
+def gate_up_rows(etab, dims, kinds, e, x, sxg, sxu, g, u, act, f0, f1, addrs):
+    """Rows f0..f1-1 of expert e's gate and up dotted with x [1, hidden] (C; sxg, sxu: its sums
+    for gate's and up's formats, exact_sums) into g, u [1, F], then act[0, f] = silu(g) * u."""
+    _rows(etab, dims, kinds, 0, e, x, sxg, g, f0, f1, addrs)
+    _rows(etab, dims, kinds, 1, e, x, sxu, u, f0, f1, addrs)
+    for f in range(f0, f1):
+        act[0, f] = silu_up(g[0, f], u[0, f])
+
+
+@njit(**KW)
+def down_rows(etab, dims, kinds, e, act, sxa, y, o0, o1, addrs):
+    """Rows o0..o1-1 of expert e's down dotted with act [1, F] (C; sxa: its sums) into y [1, hidden]."""
+    _rows(etab, dims, kinds, 2, e, act, sxa, y, o0, o1, addrs)
+
+
+@njit(**KW)
+def combine_rows(ys, ws, n, x, o0, o1):
+    """x[0, o] += (((0 + ys[0, o] w0) + ys[1, o] w1) + ...) over the n experts of one token in
+    ascending expert order, o0 <= o < o1: MoEBlock's sum (numpy's f32 products and sums, no fma)."""
+    for o in range(o0, o1):
+        a = np.float32(0)
+        for j in range(n):
+            a = a + ys[j, o] * ws[j]
+        x[0, o] = x[0, o] + a
+
+
+@njit(**KW)
+def _gate_up_chunk(c, nc, x, sxg, sxu, tok, gstart, gexp, etab, dims, kinds, addrs, g, u, act):
+    # work item c: rows [f0, f0 + ROWS) of group c // nc's expert, for each of its pairs
+    gi = c // nc
+    f0 = (c % nc) * _ROWS
+    f1 = min(g.shape[1], f0 + _ROWS)
+    for p in range(gstart[gi], gstart[gi + 1]):
+        t = tok[p]
+        gate_up_rows(etab, dims, kinds, gexp[gi], np.ascontiguousarray(x[t : t + 1]),
+                     np.ascontiguousarray(sxg[t : t + 1]), np.ascontiguousarray(sxu[t : t + 1]),
+                     g[p : p + 1], u[p : p + 1], act[p : p + 1], f0, f1, addrs)  # fmt: skip
+
+
+@njit(**KW)
+def _down_chunk(c, nc, act, sxa, gstart, gexp, etab, dims, kinds, addrs, y):
+    gi = c // nc
+    o0 = (c % nc) * _ROWS
+    o1 = min(y.shape[1], o0 + _ROWS)
+    for p in range(gstart[gi], gstart[gi + 1]):
+        down_rows(etab, dims, kinds, gexp[gi], np.ascontiguousarray(act[p : p + 1]),
+                  np.ascontiguousarray(sxa[p : p + 1]), y[p : p + 1], o0, o1, addrs)  # fmt: skip
+
+
 class StackedExperts:
-    """The experts' stored rows as numba typed lists (views, no copies), one per projection.
-    Projections may differ in type (GGUF "Q4_K_M" files keep ffn_down in another format)."""
+    """The experts' stored rows as numba typed lists (views, no copies), one per projection,
+    for f16 / bf16 / f32 experts. Projections may differ in type."""
 
     def __init__(self, experts):
         self.ffn, self.hidden = experts[0].gate.shape
@@ -135,19 +238,48 @@ class StackedExperts:
             self.kinds.append(KIND[ws[0].qtype])
 
 
+def stack_experts(experts):
+    """The kernels' form of a layer's experts: an ExpertTable for block formats, else
+    StackedExperts; ValueError where the experts differ in type or shape."""
+    try:
+        return ExpertTable(experts)
+    except ValueError:
+        return StackedExperts(experts)
+
+
 def expert_pairs(x, tok, exp, stacked):
     """x f32 [T, hidden]; pairs (tok[p], exp[p]) sorted by expert -> each pair's expert output
     f32 [P, hidden]. Every output depends only on its own pair (row-wise kernels)."""
     tok = np.ascontiguousarray(tok, np.int64)
     exp = np.ascontiguousarray(exp, np.int64)
-    h = np.empty((len(tok), stacked.ffn), np.float32)  # [P, F]
     y = np.empty((len(tok), stacked.hidden), np.float32)  # [P, hidden]
     if len(tok):
         if np.any(exp[1:] < exp[:-1]):
             raise ValueError("expert_pairs: pairs must be sorted by expert")
         gstart = np.concatenate([[0], np.flatnonzero(np.diff(exp)) + 1, [len(exp)]])  # [G + 1]
         gexp = np.ascontiguousarray(exp[gstart[:-1]])  # [G]
-        (gates, ups, downs), (kg, ku, kd) = stacked.lists, stacked.kinds
-        call_slp(_gate_up, x, tok, gstart, gexp, gates, ups, kg, ku, F16_LUT, h)
-        call_slp(_down, h, gstart, gexp, downs, kd, F16_LUT, y)
+        if isinstance(stacked, ExpertTable):
+            _table_pairs(x, tok, gstart, gexp, stacked, y)
+        else:
+            h = np.empty((len(tok), stacked.ffn), np.float32)  # [P, F]
+            (gates, ups, downs), (kg, ku, kd) = stacked.lists, stacked.kinds
+            call_slp(_gate_up, x, tok, gstart, gexp, gates, ups, kg, ku, F16_LUT, h)
+            call_slp(_down, h, gstart, gexp, downs, kd, F16_LUT, y)
     return y
+
+
+def _table_pairs(x, tok, gstart, gexp, t, y):
+    etab, dims, kinds, addrs = t.etab, t.dims, t.kinds, t.addrs
+    P, F = len(tok), t.ffn
+    g = np.empty((P, F), np.float32)  # [P, F]
+    u = np.empty((P, F), np.float32)
+    act = np.empty((P, F), np.float32)
+    sxg = exact_sums(x, kinds[0], True)  # [T, hidden / 32]
+    sxu = sxg if kinds[1] == kinds[0] else exact_sums(x, kinds[1], True)
+    nc = (F + _ROWS - 1) // _ROWS
+    run_parallel(
+        len(gexp) * nc, _gate_up_chunk, (nc, x, sxg, sxu, tok, gstart, gexp, etab, dims, kinds, addrs, g, u, act)
+    )
+    sxa = exact_sums(act, kinds[2], True)  # [P, F / 32]
+    nc = (t.hidden + _ROWS - 1) // _ROWS
+    run_parallel(len(gexp) * nc, _down_chunk, (nc, act, sxa, gstart, gexp, etab, dims, kinds, addrs, y))

@@ -2,13 +2,14 @@
 for a single sequence's decode when the model allows it; everything else takes the staged
 path (Decoder.forward's stage methods), which gives the same bits.
 
-It applies to dense decoders (Llama, Qwen2, Qwen3) whose projections are stored in a block
+It applies to decoders (Llama, Qwen2, Qwen3, Qwen3-MoE) whose projections are stored in a block
 format (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k) with matching formats inside each
-fused group (q/k/v, gate/up).
-Not here: MoE layers, f16/bf16/f32 projections, batched decode (the server's steps of
+fused group (q/k/v, gate/up); MoE layers whose experts are in a block format run
+kernels/fused/moe_phase.py's phases (models/qwen3_moe.step_moe builds their tables).
+Not here: f16/bf16/f32 projections or experts, batched decode (the server's steps of
 several sequences), sparse traces with each head's softmax mass (a list of records; a trace
-without it, models.attention.Selections, is filled here), and timing (models/timing.py times
-the staged path's stages, which this path does not have).
+without it, models.attention.Selections, is filled here), and timing (models/timing.py times the staged path's
+stages, which this path does not have).
 """
 
 from __future__ import annotations
@@ -105,29 +106,32 @@ class FusedDecode:
 
     @classmethod
     def plan(cls, model) -> FusedDecode | None:
+        from .qwen3_moe import fused_moe_ok, step_moe
+
         for layer in model.layers:
             a, m = layer.attn, layer.mlp
-            if not (
-                isinstance(m, MLP)
-                and _group_ok(a.qkv_proj)
-                and _block_weight(a.o)
-                and _group_ok(m.gate_up)
-                and _block_weight(m.down)
-            ):
+            dense = isinstance(m, MLP) and _group_ok(m.gate_up) and _block_weight(m.down)
+            if not ((dense or fused_moe_ok(m)) and _group_ok(a.qkv_proj) and _block_weight(a.o)):
                 return None
-        return cls(model)
+        try:
+            moe = step_moe(model.layers)  # None for a dense model
+        except ValueError:  # MoE layers the step's one record cannot describe
+            return None
+        return cls(model, moe)
 
-    def __init__(self, model):
+    def __init__(self, model, moe=None):
         cfg, layers = model.config, model.layers
         a0 = layers[0].attn
         self.model = model
         self.H, self.KV, self.D = a0.n_heads, a0.n_kv, a0.head_dim
-        self.F = layers[0].mlp.gate_up.sizes[0]
+        dense = [lay.mlp for lay in layers if isinstance(lay.mlp, MLP)]
+        self.F = dense[0].gate_up.sizes[0] if dense else 0
+        self.moe = moe  # the MoE layers' record (kernels/fused/moe_phase.StepMoE), None for a dense model
         self.E = cfg.hidden_size
         self.eps = np.float32(cfg.rms_norm_eps)
         self.scale = np.float32(a0.scale)
         self._qkv = [_pieces(lay.attn.qkv_proj, 3) for lay in layers]  # [(weight | None, offset)] x 3
-        self._gu = [_pieces(lay.mlp.gate_up, 2) for lay in layers]
+        self._gu = [_pieces(lay.mlp.gate_up, 2) if isinstance(lay.mlp, MLP) else [(None, 0)] * 2 for lay in layers]
         self.offs = np.array(
             [[off for _, off in q] + [off for _, off in g] for q, g in zip(self._qkv, self._gu)], np.int64
         )  # [L, 5]
@@ -185,7 +189,7 @@ class FusedDecode:
         if got is None:
             layers = self.model.layers
             pieces = [
-                [w for w, _ in q] + [lay.attn.o] + [w for w, _ in g] + [lay.mlp.down]
+                [w for w, _ in q] + [lay.attn.o] + [w for w, _ in g] + [getattr(lay.mlp, "down", None)]
                 for q, g, lay in zip(self._qkv, self._gu, layers)
             ]  # [L][7]
             self._rows = [[_rows_kind(w) for w in ws] for ws in pieces]
@@ -309,7 +313,7 @@ class FusedDecode:
         nt = numba.get_num_threads()
         self.sync[:3] = self.sync[4] = 0
         t0 = time.perf_counter()
-        self._run(cache, (0, nt, self.sync, x, pos, model_t, cache_t, attn_t, scratch, mode, select))
+        self._run(cache, (0, nt, self.sync, x, pos, model_t, cache_t, attn_t, scratch, mode, select, self.moe))
         cache.length = seq_len
         self.steps += 1
         if self.sync[2] * CONTENDED > 6 * L:  # more than 1/CONTENDED of the barriers waited long

@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import SparrowError
 from ..kernels import linear as _linear
 from ..kernels.linear import linear
-from ..kernels.moe import StackedExperts, expert_pairs, route
+from ..kernels.moe import ExpertTable, expert_pairs, route, stack_experts
 from ..quant import Weight
 from .layers import MLP, silu
 
@@ -58,7 +58,7 @@ class MoEBlock:
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         try:
-            self.stacked = StackedExperts(experts)  # typed lists of views for the fused kernel
+            self.stacked = stack_experts(experts)  # the expert kernels' tables or typed lists of views
         except ValueError:  # experts of mixed formats: every expert through linear()
             self.stacked = None
 
@@ -129,3 +129,53 @@ def _expert_weight(get, prefix: str, proj: str, e: int) -> Weight:
     if get.quantize and w.qtype in ("f32", "f16", "bf16"):
         w = w.quantize(get.quantize)
     return w
+
+
+def fused_moe_ok(mlp) -> bool:
+    """Whether the fused decode step runs this MLP as a MoE phase: a MoEBlock whose experts
+    are in a block format (an ExpertTable) and whose router is f32 rows."""
+    return isinstance(mlp, MoEBlock) and isinstance(mlp.stacked, ExpertTable) and mlp.router.qtype == "f32"
+
+
+def step_moe(layers):
+    """The fused step's record of a model's MoE layers (kernels/fused/moe_phase.StepMoE), or
+    None where no layer is sparse. Every MoE layer must pass fused_moe_ok; ValueError where
+    they differ in expert count, top-k or expert shapes (the fused step then does not apply)."""
+    from ..kernels.fused.moe_phase import StepMoE
+
+    blocks = [lay.mlp if isinstance(lay.mlp, MoEBlock) else None for lay in layers]
+    first = next((b for b in blocks if b is not None), None)
+    if first is None:
+        return None
+    t0 = first.stacked
+    ne, k, e_n, f_n = len(first.experts), first.top_k, t0.hidden, t0.ffn
+    if any(
+        b is not None
+        and (len(b.experts), b.top_k, b.stacked.hidden, b.stacked.ffn, b.norm_topk_prob)
+        != (ne, k, e_n, f_n, first.norm_topk_prob)
+        for b in blocks
+    ):
+        raise ValueError("fused decode: MoE layers differ in experts, top-k or shapes")
+    L = len(layers)
+    router = np.zeros((L, 3), np.int64)
+    etab = np.zeros((L, 3, ne), np.int64)
+    dims = np.zeros((L, 3, 2), np.int64)
+    kinds = np.zeros((L, 3), np.int64)
+    kq = 0
+    for i, b in enumerate(blocks):
+        if b is None:
+            continue
+        r = b.router.data
+        if r.dtype != np.float32 or not r.flags.c_contiguous:
+            raise SparrowError("fused decode: a MoE router is not C-contiguous f32 rows")
+        router[i] = (r.ctypes.data, *r.shape)
+        etab[i], dims[i], kinds[i] = b.stacked.etab, b.stacked.dims, b.stacked.kinds
+        kq = kq or b.stacked.addrs[1]
+    addrs = (first.stacked.addrs[0], kq)
+    return StepMoE(
+        sparse=np.array([b is not None for b in blocks], np.int64),
+        router=router, etab=etab, dims=dims, kinds=kinds, addrs=addrs, top_k=int(k),
+        norm=bool(first.norm_topk_prob), logits=np.empty((1, ne), np.float32),
+        g=np.empty((k, f_n), np.float32), u=np.empty((k, f_n), np.float32),
+        act=np.empty((k, f_n), np.float32), ys=np.empty((k, e_n), np.float32),
+    )  # fmt: skip

@@ -10,6 +10,7 @@ workers meet at a spin barrier (sync.barrier, ~0.2 us) between dependent phases:
     form, K/V append | -> attention per query head | -> o rows, residual | -> rmsnorm
     (redundantly) -> gate/up rows | -> silu*up (redundantly) -> down rows, residual |
     then: final rmsnorm -> lm_head rows.
+    A MoE layer (Qwen3-MoE) runs moe_phase.py's phases after its rmsnorm instead of gate/up/down.
 
 Bit-identical to the staged path: every value is computed by the same compiled helpers on
 arrays of the same types (rows by rowdot_*, norms by _rms_rows, RoPE by _rope, silu by
@@ -29,6 +30,7 @@ from sparrow.kernels.attention.decode import _attend_group, _group, importance_p
 from sparrow.kernels.attention.select import reserve_importance_nb
 from sparrow.kernels.elementwise import _quant_rows, _rms_rows, _rope, _silu_mul
 from sparrow.kernels.formats import X8_FIRST
+from sparrow.kernels.fused.moe_phase import moe_phase
 from sparrow.kernels.fused.sync import barrier, f16_bits
 from sparrow.kernels.matmul.q8.groups import GROUP
 from sparrow.kernels.matmul.q8.quantized import quantize as _q8_quantize
@@ -205,13 +207,14 @@ def _w(wtab, i, j):
 
 
 @njit(**KW)
-def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, calls):
+def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, moe, calls):
     """Worker tid of nt: decodes the token at position pos, x [1, E] being its embedding (the
     residual stream, updated in place). model, cache, attn and scratch are the records above
     (StepModel, StepCache, StepAttention, StepScratch), built by models/fused.py. Two types
     choose what is compiled (numba prunes the branches a None never takes before typing
     them): q8, None for exact activations or the q8 row kernel's address (see _matvec); select,
-    None for exact attention (no selection code) or True where attn's settings may select.
+    None for exact attention (no selection code) or True where attn's settings may select;
+    moe, None for a dense model or its MoE layers (moe_phase.StepMoE), which run moe_phase.
     calls: (the exact row dots' address and their kq (exact_rows_address), used where q8 is
     None; the address and type key of the attention for these types (attention_call)): called
     through them, the row dots and the attention compile once on their own, not again into
@@ -341,15 +344,19 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, calls
             x[0, o] = x[0, o] + y[0, o]
         barrier(sync, nt)
         _rms_rows(x, post_norm[layer], eps, h)
-        _matvec_at(_w(wtab, layer, 4), kinds[layer, 4], h, gu, offs[layer, 3], rows[layer, 3], tid, nt, q8, exact)
-        _matvec_at(_w(wtab, layer, 5), kinds[layer, 5], h, gu, offs[layer, 4], rows[layer, 4], tid, nt, q8, exact)
-        barrier(sync, nt)
-        _silu_mul(gu, F, act)
-        _matvec_at(_w(wtab, layer, 6), kinds[layer, 6], act, y, np.int64(0), E, tid, nt, q8, exact)
-        a, b = _own_rows(_w(wtab, layer, 6), kinds[layer, 6], E, tid, nt)
-        for o in range(a, b):
-            x[0, o] = x[0, o] + y[0, o]
-        barrier(sync, nt)
+        sparse_mlp = False
+        if moe is not None:
+            sparse_mlp = moe_phase(tid, nt, sync, layer, h, x, moe)
+        if not sparse_mlp:
+            _matvec_at(_w(wtab, layer, 4), kinds[layer, 4], h, gu, offs[layer, 3], rows[layer, 3], tid, nt, q8, exact)
+            _matvec_at(_w(wtab, layer, 5), kinds[layer, 5], h, gu, offs[layer, 4], rows[layer, 4], tid, nt, q8, exact)
+            barrier(sync, nt)
+            _silu_mul(gu, F, act)
+            _matvec_at(_w(wtab, layer, 6), kinds[layer, 6], act, y, np.int64(0), E, tid, nt, q8, exact)
+            a, b = _own_rows(_w(wtab, layer, 6), kinds[layer, 6], E, tid, nt)
+            for o in range(a, b):
+                x[0, o] = x[0, o] + y[0, o]
+            barrier(sync, nt)
     if head_kind >= 0:
         _rms_rows(x, head_norm, eps, h)
         _matvec_at(head_w, head_kind, h, logits, np.int64(0), logits.shape[1], tid, nt, q8, exact)
