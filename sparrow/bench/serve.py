@@ -43,6 +43,15 @@ def _post(url: str, body: dict, timeout: float = 3600):
     return urllib.request.urlopen(req, timeout=timeout)
 
 
+def events(response):
+    """The JSON messages of a server-sent event stream (an open response from _post), in order;
+    the closing `data: [DONE]` and blank lines are skipped."""
+    for raw in response:
+        line = raw.decode().strip()
+        if line.startswith("data: {"):
+            yield json.loads(line[6:])
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -78,11 +87,7 @@ def _stream(url: str, body: dict, out: dict) -> None:
     t0 = time.perf_counter()
     first, tokens = None, 0
     with _post(url + "/v1/completions", body) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: {"):
-                continue
-            msg = json.loads(line[6:])
+        for msg in events(r):
             if msg.get("choices") and msg["choices"][0].get("text") and first is None:
                 first = time.perf_counter() - t0
             if msg.get("usage"):

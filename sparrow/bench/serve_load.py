@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 
 from ..server.metrics import parse_prometheus
+from .serve import events
 
 WORDS = "river stone maple lantern orbit velvet harbor meadow copper whisper canyon ember glacier".split()
 
@@ -79,11 +80,7 @@ def stream(url: str, path: str, body: dict, cancel_after: int | None = None) -> 
             return out
     pieces, last = [], None
     with r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: {"):
-                continue
-            msg = json.loads(line[6:])
+        for msg in events(r):
             if "error" in msg:
                 out["error"] = msg["error"]["message"]
                 break

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 from ..eval.prompts import make_prompt
 from ..loaders import open_checkpoint
 from .host import load_avg
-from .serve import _post, _start, _stop
+from .serve import _post, _start, _stop, events
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -60,11 +60,7 @@ def _request(url: str, pid: int, body: dict) -> dict:
     cpu0, threads0, t0 = _cpu_seconds(f"/proc/{pid}/stat"), _threads(pid), time.perf_counter()
     tokens, steps, trace_chars = 0, 0, 0
     with _post(url + "/v1/completions", body) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: {"):
-                continue
-            msg = json.loads(line[6:])
+        for msg in events(r):
             for choice in msg.get("choices") or []:
                 step = choice.get("sparse_trace")
                 if step is not None and "data" in step:
