@@ -30,6 +30,7 @@ import urllib.request
 
 from ..eval import report
 from ..server.metrics import parse_prometheus
+from .sse import events
 
 
 def _get(url: str, timeout: float = 60) -> str:
@@ -41,15 +42,6 @@ def _post(url: str, body: dict, timeout: float = 3600):
     """An open response (a context manager; iterating it yields lines as bytes)."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     return urllib.request.urlopen(req, timeout=timeout)
-
-
-def events(response):
-    """The JSON messages of a server-sent event stream (an open response from _post), in order;
-    the closing `data: [DONE]` and blank lines are skipped."""
-    for raw in response:
-        line = raw.decode().strip()
-        if line.startswith("data: {"):
-            yield json.loads(line[6:])
 
 
 def _free_port() -> int:

@@ -22,7 +22,7 @@ import urllib.error
 import urllib.request
 
 from ..server.metrics import parse_prometheus
-from .serve import events
+from .sse import events
 
 WORDS = "river stone maple lantern orbit velvet harbor meadow copper whisper canyon ember glacier".split()
 

@@ -29,7 +29,8 @@ from types import SimpleNamespace
 from ..eval.prompts import make_prompt
 from ..loaders import open_checkpoint
 from .host import load_avg
-from .serve import _post, _start, _stop, events
+from .serve import _post, _start, _stop
+from .sse import events
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
