@@ -28,26 +28,8 @@ import json
 import textwrap
 import time
 
-import numpy as np
-
 from sparrow.bench.host import cpu_info, load_avg
-
-NAMES = ["Ada", "Bruno", "Chen", "Dalia", "Emeka", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kofi", "Lena"]
-PLACES = ["the library", "the harbour office", "the north depot", "the school hall", "the clinic", "the market"]
-THINGS = ["the roof repair", "the bus timetable", "the water meters", "the new benches", "the winter budget"]
-
-
-def document(sentences: int, seed: int = 0) -> str:
-    """A plain, varied text (minutes of meetings) of about 22 tokens a sentence."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(sentences):
-        a, b = rng.choice(NAMES, 2, replace=False)
-        out.append(
-            f"On day {i + 1}, {a} met {b} at {rng.choice(PLACES)} to discuss {rng.choice(THINGS)}, "
-            f"and they agreed to spend {int(rng.integers(2, 90)) * 10} pounds before week {int(rng.integers(2, 40))}."
-        )
-    return " ".join(out)
+from sparrow.eval.prompts import meeting_minutes
 
 
 def _decode_rate(llm, prompt, kw) -> tuple[float, list[int], dict | None]:
@@ -106,7 +88,7 @@ def _worst(llm, a) -> list[dict]:
             return [(seq.last_token + 1 + i) % 1000 + 200 for i in range(n)]
 
     set_threads(llm.threads)
-    prompt = llm.prompt_ids(document(6, 1) + " Continue the minutes.", chat=True)
+    prompt = llm.prompt_ids(meeting_minutes(6, 1) + " Continue the minutes.", chat=True)
     sampling = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
     best, ref = {}, None
     for _ in range(a.repeats):
@@ -191,7 +173,7 @@ def main(argv=None) -> None:
     if "worst" not in skip:
         rows += _worst(llm, a)
     if "sparse" not in skip and a.context > 0:
-        text = document(max(1, a.context // 28), 2)
+        text = meeting_minutes(max(1, a.context // 28), 2)
         prompt = [{"role": "user", "content": text + "\n\nWho met Hana last, and where? Then summarise the minutes."}]
         n = len(llm.prompt_ids(prompt, chat=True))
         sp = {

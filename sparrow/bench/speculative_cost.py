@@ -74,12 +74,12 @@ def acceptance(a) -> dict:
 
 def _document_prompt(llm, tokens: int) -> list[int]:
     """A chat prompt of about `tokens` tokens (at most): minutes of meetings and a question."""
-    from sparrow.bench.speculative import document
+    from sparrow.eval.prompts import meeting_minutes
 
     sentences = max(1, tokens // 40)
     for _ in range(4):  # scale the document to the tokenizer's rate
         msg = "\n\nWho met Hana last, and where? Then summarise the minutes."
-        ids = llm.prompt_ids([{"role": "user", "content": document(sentences, 2) + msg}], chat=True)
+        ids = llm.prompt_ids([{"role": "user", "content": meeting_minutes(sentences, 2) + msg}], chat=True)
         if len(ids) <= tokens and len(ids) > 0.95 * tokens:
             break
         sentences = max(1, int(sentences * 0.97 * tokens / len(ids)))

@@ -15,6 +15,8 @@ import random
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..errors import SparrowError
 from ..tokenizer import SpecialText
 
@@ -435,3 +437,22 @@ def fact_token_depth(tokenizer, prompt: Prompt, i: int = 0) -> float:
     before = len(tokenizer.encode(body[:off].rstrip()))
     after = len(tokenizer.encode(body[off + len(fact) :].lstrip()))
     return before / max(1, before + after)
+
+
+_NAMES = ["Ada", "Bruno", "Chen", "Dalia", "Emeka", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kofi", "Lena"]
+_PLACES = ["the library", "the harbour office", "the north depot", "the school hall", "the clinic", "the market"]
+_THINGS = ["the roof repair", "the bus timetable", "the water meters", "the new benches", "the winter budget"]
+
+
+def meeting_minutes(sentences: int, seed: int = 0) -> str:
+    """A plain, varied text (minutes of meetings) of about 22 tokens a sentence: the speculative
+    benches' documents (bench/speculative.py, bench/speculative_cost.py)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(sentences):
+        a, b = rng.choice(_NAMES, 2, replace=False)
+        out.append(
+            f"On day {i + 1}, {a} met {b} at {rng.choice(_PLACES)} to discuss {rng.choice(_THINGS)}, "
+            f"and they agreed to spend {int(rng.integers(2, 90)) * 10} pounds before week {int(rng.integers(2, 40))}."
+        )
+    return " ".join(out)
