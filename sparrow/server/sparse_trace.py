@@ -21,9 +21,9 @@ So a step holds at most rows x (ceil(blocks / 8) + k / 2) bytes before base64 (4
 Cost: a traced step decodes as an untraced one does (the fused step when the request runs
 alone, the staged path beside others), and the kernels write its selections to arrays
 (models.attention.Selections) that `step` packs with numpy alone. The server's CPU time per
-token with the field, against without it (`sparrow bench sparse-trace`, side by side): a few
-percent on a busy machine, about 1% of it the streaming threads' packing; to be re-measured
-quietly (docs/benchmarks/xeon-emerald-rapids.md).
+token with the field, against without it (`sparrow bench sparse-trace`, side by side): +2.5%
+on a quiet 2-CPU Xeon at k=32 after a 2,049-token prompt, about 1.5% of it the streaming
+threads' packing (docs/benchmarks/xeon-amx-m167.md).
 """
 
 from __future__ import annotations
