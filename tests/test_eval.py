@@ -347,7 +347,7 @@ def test_fidelity_with_sparse_prefill(tmp_path):
         assert rec["sparse_prefill"] is flag
     on, off = runs[True], runs[False]
     assert set(on) == {"exact", "sparse k=2 sparse-prefill", "v2 k=2 sparse-prefill"}
-    assert on["exact"]["tokens"] == off["exact"]["tokens"] and "kl_prompt" not in on["exact"]
+    assert on["exact"]["text"] == off["exact"]["text"] and "kl_prompt" not in on["exact"]
     md = (tmp_path / "True" / "fidelity.md").read_text()
     assert "sparse prefill on" in md and "### Sparse prefill: prefill time" in md
     llm = sparrow.load()
@@ -359,5 +359,7 @@ def test_fidelity_with_sparse_prefill(tmp_path):
         assert row["kl_mean"] != off[name]["kl_mean"]
         sparse_last = llm.logits(p.ids, sparse=SparseParams(k=2, select=sel, prefill=True))[-1]
         kl = float(fid.kl_per_token(exact_last[None], sparse_last[None])[0])
-        assert kl > 0 and row["kl_prompt"] == pytest.approx(kl, rel=1e-6, abs=1e-9)
+        # llm.logits runs the head over every position (another summation order than the
+        # prefill's last-row head), so the two agree to float32 rounding, not bit for bit
+        assert kl > 0 and row["kl_prompt"] == pytest.approx(kl, rel=1e-5)
         assert "kl_prompt" not in off[name]
