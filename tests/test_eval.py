@@ -269,6 +269,8 @@ def test_bad_grid_options():
         needle.main(["--tasks", "haystack", "--out", "/nonexistent/never"])
     with pytest.raises(SparrowError):
         needle.main(["--ks", "8,x"])
+    with pytest.raises(SparrowError, match="oracle"):
+        needle.main(["--selectors", "seed,oracle", "--sparse-prefill", "--out", "/nonexistent/never"])
 
 
 # ---------------------------------------------------------------- end to end on the default model
@@ -296,23 +298,68 @@ def test_needle_sweep_end_to_end(tmp_path):
 
 
 def test_shared_prefill_decoding_matches_llm_stream():
-    """The benches decode every configuration from one exact prefill; the text must be what
-    llm.stream gives for the same prompt and sparse settings."""
+    """The benches decode every configuration from one exact prefill, or with sparse prefill
+    from its own; the text must be what llm.stream gives for the same prompt and sparse settings."""
     import sparrow
     from sparrow.params import SparseParams
 
     llm = sparrow.load()
     p = prompts.make_prompt(llm.tokenizer, "needle", 300, 0.5, seed=2)
-    configs = [None, SparseParams(k=2, block=16, probe=4)]
+    configs = [None, SparseParams(k=2, block=16, probe=4), SparseParams(k=2, select="v2", prefill=True)]
     rows = fid.run_prompt(llm, p.ids, configs, n_tokens=6, fidelity=False)
     for sp, row in zip(configs, rows):
         kw = (
             {}
             if sp is None
-            else {"sparse_attn": True, "sparse_k": sp.k, "sparse_block": sp.block, "sparse_probe": sp.probe}
+            else {
+                "sparse_attn": True,
+                "sparse_k": sp.k,
+                "sparse_block": sp.block,
+                "sparse_probe": sp.probe,
+                "sparse_prefill": sp.prefill,
+                "sparse_select": sp.select,
+            }
         )
         ids = [
             o.token_id
             for o in llm.stream(p.messages, max_tokens=6, chat=True, assistant_prefix=p.assistant_prefix, **kw)
         ]
         assert row["tokens"] == ids, row["config"]
+        # the prompt's last position is compared even without the teacher-forced pass
+        assert ("kl_prompt" in row) == (sp is not None and sp.prefill) and row.get("kl_prompt", 1.0) > 0
+
+
+def test_fidelity_with_sparse_prefill(tmp_path):
+    """`bench fidelity --sparse-prefill`: k=2 blocks over a ~300-token prompt, so the sparse
+    prefill changes the prompt's KV: the KL differs from the run without the flag, the prompt's
+    last-position KL is the one computed directly from the model's logits, the rows and the
+    record say sparse prefill was on, and exact stays exact prefill and decode."""
+    import sparrow
+    from sparrow.bench import fidelity
+    from sparrow.params import SparseParams
+
+    args = ["--lengths", "300", "--depths", "50", "--ks", "2", "--selectors", "seed,v2", "--max-tokens", "6"]
+    runs = {}
+    for flag in (False, True):
+        out = tmp_path / str(flag)
+        rec = fidelity.main([*args, "--out", str(out), "--no-plots"] + (["--sparse-prefill"] if flag else []))
+        runs[flag] = {r["config"]: r for r in rec["rows"]}
+        assert rec["sparse_prefill"] is flag
+    on, off = runs[True], runs[False]
+    assert set(on) == {"exact", "sparse k=2 sparse-prefill", "v2 k=2 sparse-prefill"}
+    assert on["exact"]["text"] == off["exact"]["text"] and "kl_prompt" not in on["exact"]
+    md = (tmp_path / "True" / "fidelity.md").read_text()
+    assert "sparse prefill on" in md and "### Sparse prefill: prefill time" in md
+    llm = sparrow.load()
+    p = prompts.make_prompt(llm.tokenizer, "needle", 300, 0.5, seed=0)
+    exact_last = llm.logits(p.ids)[-1]  # [V]
+    for sel, name in (("seed", "sparse k=2"), ("v2", "v2 k=2")):
+        row = on[name + " sparse-prefill"]
+        assert row["sparse_prefill"] and row["steps"] == on["exact"]["steps"] > 0
+        assert row["kl_mean"] != off[name]["kl_mean"]
+        sparse_last = llm.logits(p.ids, sparse=SparseParams(k=2, select=sel, prefill=True))[-1]
+        kl = float(fid.kl_per_token(exact_last[None], sparse_last[None])[0])
+        # llm.logits runs the head over every position (another summation order than the
+        # prefill's last-row head), so the two agree to float32 rounding, not bit for bit
+        assert kl > 0 and row["kl_prompt"] == pytest.approx(kl, rel=1e-5)
+        assert "kl_prompt" not in off[name]

@@ -1,9 +1,10 @@
 """Long-context benchmark: time to first token, decode (exact and sparse with both selectors) and
 resident memory at 8K-32K beside llama.cpp with flash attention off and on; decode further out
-(64K, 128K) on a synthesised cache.
+(64K, 128K) on a synthesised cache; with --sparse-prefill, the time to first token of a sparse
+prefill too.
 
 `sparrow bench long-context [--model PATH | --shape qwen3-0.6b --type q8_0] [--kv f16]
-[--contexts 8192,16384,32768] [--synth 65536,131072] [--compare llama-cpp]`
+[--contexts 8192,16384,32768] [--synth 65536,131072] [--compare llama-cpp] [--sparse-prefill v2]`
 
 One KV kind per run (--kv): the cache is made in that kind and prefilled into directly, so a
 run holds one cache, never an f32 original beside its f16 and int8 copies (what `bench speed`
@@ -18,6 +19,14 @@ their order flipped every round. sparrow decodes exact, then sparse top-k with t
 the `v2` selectors. Ratios are medians of per-round pairs, against llama.cpp's faster setting
 in that round.
 
+--sparse-prefill SELECTOR adds one more sparrow child with a cache of its own (same KV kind)
+that prefills the same chunks with that selector's block-sparse attention (each prefill query
+attends its k selected blocks of its causal prefix, SparseParams.prefill) and then decodes
+sparse with the same selector only, as a request with sparse_prefill does. Its time to first
+token is reported beside the others, with its ratio to sparrow's exact prefill and to
+llama.cpp's faster setting at that context (flash attention off or on, whichever prefilled
+faster).
+
 --synth contexts are past what a 2-core prefill allows: sparrow alone (llama.cpp cannot be
 handed a comparable state) decodes over a cache of that length filled with random values of
 the KV kind and random prefill importance. Decode speed does not depend on the values; the
@@ -26,7 +35,8 @@ table labels these rows as synthesised.
 Memory: each child reports its peak resident set per context (VmHWM, reset before each phase).
 sparrow's is checked against a stated bound: the resident set after loading and warming up
 (weights paged in, kernels compiled) plus the KV cache at its capacity (storage and prefill
-importance) plus both selectors' side copies (seed's probe keys, v2's block summaries) plus a
+importance) plus the side copies of the selectors it decodes with (both for the main child,
+seed's probe keys and v2's block summaries; the sparse-prefill child's own selector's) plus a
 fixed allowance for a prefill chunk's work buffers (WORK_MIB). The table prints each part.
 """
 
@@ -48,6 +58,7 @@ from sparrow.engine.runner import PREFILL_CHUNK as CHUNK
 WORK_MIB = 256  # prefill chunk work buffers (scores, activations) the bound allows beyond the cache
 SPARROW_MODES = ("exact", "seed", "v2")
 LLAMA = {"llama_off": False, "llama_on": True}  # child role -> flash attention
+SPARSE_PREFILL = "sparrow_sp"  # child role: sparse prefill, then decode with the same selector
 
 
 def _status_kib(field: str) -> int | None:
@@ -80,14 +91,23 @@ def reset_peak() -> None:
 class SparrowEngine:
     """sparrow's runner over one cache of the chosen KV kind."""
 
-    def __init__(self, path, threads, kv, sparse_k):
+    def __init__(self, path, threads, kv, sparse_k, prefill_select=None):
+        """prefill_select: None prefills exact and decodes in every mode; a selector prefills
+        sparse with it and decodes with it alone."""
         from sparrow.api import load
         from sparrow.params import SparseParams
 
         self.llm = load(path, threads=threads, activations="f32")
         self.model = self.llm.model
         self.kv = kv
-        self.sparse = {m: SparseParams(k=sparse_k, select=m) for m in SPARROW_MODES if m != "exact"}
+        if prefill_select is None:
+            self.modes = SPARROW_MODES
+            self.sparse = {m: SparseParams(k=sparse_k, select=m) for m in SPARROW_MODES if m != "exact"}
+            self.prefill_sparse = None
+        else:
+            self.modes = (prefill_select,)
+            self.prefill_sparse = SparseParams(k=sparse_k, select=prefill_select, prefill=True)
+            self.sparse = {prefill_select: self.prefill_sparse}
         self.cache = None
         self.prompt = self.feed = None
 
@@ -102,7 +122,7 @@ class SparrowEngine:
         warm = min(length, 2 * CHUNK)
         self.cache = self.model.new_cache(warm + n_decode, self.kv)
         self.prefill(0, warm)
-        for m in SPARROW_MODES:
+        for m in self.modes:
             self.decode(warm, m, 2)
         self._allocate(length + n_decode)
         return {"prompt": self.prompt.tolist(), "feed": self.feed, **self.memory()}
@@ -138,7 +158,7 @@ class SparrowEngine:
 
         self.cache.truncate(start)
         t0 = time.perf_counter()
-        self.llm.runner.prefill(Slot(self.prompt[:end], self.cache))
+        self.llm.runner.prefill(Slot(self.prompt[:end], self.cache, self.prefill_sparse))
         return {"s": time.perf_counter() - t0}
 
     def decode(self, start, mode, n=None):
@@ -160,7 +180,7 @@ class SparrowEngine:
         step per mode (they are filled on first use, as after a real prefill)."""
         self._allocate(length + n_decode)
         fill_random(self.cache, length)
-        for m in SPARROW_MODES:
+        for m in self.modes:
             self.decode(length, m, 1)
         return self.memory()
 
@@ -238,8 +258,9 @@ def _child_main(a) -> None:
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    if a._child == "sparrow":
-        engine = SparrowEngine(a.path, a.threads, a.kv, a.sparse_k)
+    if a._child in ("sparrow", SPARSE_PREFILL):
+        select = a.sparse_prefill if a._child == SPARSE_PREFILL else None
+        engine = SparrowEngine(a.path, a.threads, a.kv, a.sparse_k, select)
     else:
         engine = LlamaEngine(a.path, a.threads, LLAMA[a._child])
     for line in sys.stdin:
@@ -257,7 +278,10 @@ class Child:
     def __init__(self, role, path, a):
         cmd = [sys.executable, "-m", "sparrow.bench.long_context", "--_child", role, "--path", path]
         cmd += ["--threads", str(a.threads), "--kv", a.kv, "--sparse-k", str(a.sparse_k)]
+        if role == SPARSE_PREFILL:
+            cmd += ["--sparse-prefill", a.sparse_prefill]
         self.role = role
+        self.modes = {"sparrow": SPARROW_MODES, SPARSE_PREFILL: (a.sparse_prefill,)}.get(role, ("exact",))
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def ask(self, op, **kw):
@@ -281,16 +305,12 @@ class Child:
 # the parent: turns, medians, the table
 
 
-def _modes(role):
-    return SPARROW_MODES if role == "sparrow" else ("exact",)
-
-
 def _decode_rounds(children, context, rounds):
     """{role: {mode: [median ms per round]}}, engines alternating, order flipped each round."""
-    out = {c.role: {m: [] for m in _modes(c.role)} for c in children}
+    out = {c.role: {m: [] for m in c.modes} for c in children}
     for i in range(rounds):
         for c in children if i % 2 == 0 else children[::-1]:
-            for m in _modes(c.role):
+            for m in c.modes:
                 times = c.ask("decode", start=context, mode=m)["times"]
                 out[c.role][m].append(statistics.median(times) * 1e3)
         print(f"  {context}: decode round {i + 1} done (load {load_avg()})", file=sys.stderr)
@@ -301,13 +321,25 @@ def _summary(ms):
     """tok/s (median over rounds) per role and mode, and each sparrow mode's median per-round
     ratio to llama.cpp's faster setting in that round."""
     tok = {role: {m: 1e3 / statistics.median(v) for m, v in modes.items()} for role, modes in ms.items()}
-    ratio = {}
+    return tok, _ratios(ms, "sparrow")
+
+
+def _ratios(ms, role):
+    """{mode: median per-round ratio of `role`'s decode to llama.cpp's faster setting}; empty
+    without llama.cpp."""
     llamas = [r for r in ms if r in LLAMA]
-    if llamas:
-        best = [min(ms[r]["exact"][i] for r in llamas) for i in range(len(ms["sparrow"]["exact"]))]
-        for m, v in ms["sparrow"].items():
-            ratio[m] = statistics.median(b / s for b, s in zip(best, v))
-    return tok, ratio
+    if not llamas:
+        return {}
+    best = [min(ms[r]["exact"][i] for r in llamas) for i in range(len(ms["sparrow"]["exact"]))]
+    return {m: statistics.median(b / s for b, s in zip(best, v)) for m, v in ms[role].items()}
+
+
+def _ttft_ratios(ttft):
+    """The sparse-prefill child's time to first token against sparrow's exact prefill and
+    llama.cpp's faster setting (above 1: the sparse prefill is faster)."""
+    sp = ttft[SPARSE_PREFILL]
+    llamas = [ttft[r] for r in LLAMA if r in ttft]
+    return {"vs_exact": ttft["sparrow"] / sp, "vs_llama": min(llamas) / sp if llamas else None}
 
 
 def _contexts(text: str, what: str) -> list[int]:
@@ -350,6 +382,7 @@ def run(a) -> dict:
             "decode": a.decode,
             "sparse_k": a.sparse_k,
             "compare": compare,
+            "sparse_prefill": a.sparse_prefill,
         },
         "contexts": {},
         "synth": {},
@@ -364,6 +397,13 @@ def run(a) -> dict:
         prompt, feed = start.pop("prompt"), start.pop("feed")
         rec["sparrow_start"] = start
         if contexts:
+            if a.sparse_prefill:
+                c = Child(SPARSE_PREFILL, path, a)
+                children.append(c)
+                sp_start = c.ask("start", length=contexts[-1], n_decode=a.decode)
+                if sp_start.pop("prompt") != prompt or sp_start.pop("feed") != feed:
+                    raise RuntimeError("the sparse-prefill child made another prompt than the sparrow child")
+                rec["sparse_prefill_start"] = sp_start
             if compare:
                 for role in LLAMA:
                     c = Child(role, path, a)
@@ -382,6 +422,9 @@ def run(a) -> dict:
                 ms = _decode_rounds(children, ctx, a.rounds)
                 row["decode_ms"] = ms
                 row["tok_s"], row["ratio"] = _summary(ms)
+                if a.sparse_prefill:
+                    row["ratio_sparse_prefill"] = _ratios(ms, SPARSE_PREFILL)
+                    row["ttft_ratio_sparse_prefill"] = _ttft_ratios(row["ttft_s"])
                 row["memory"] = {c.role: c.ask("memory") for c in children}
                 row["load_end"] = load_avg()
                 rec["contexts"][ctx] = row
@@ -416,6 +459,7 @@ def markdown(rec) -> str:
         model += f" (random weights, {cfg['shape']} shapes, {cfg['type']})"
     k = cfg["sparse_k"]
     names = {"exact": "exact", "seed": f"sparse seed k={k}", "v2": f"sparse v2 k={k}"}
+    sp_sel = cfg.get("sparse_prefill")
     lines = [
         f"Model `{model}`, {cfg['kv']} KV, {cfg['threads']} threads each, {cfg['rounds']} decode rounds of "
         f"{cfg['decode']} tokens.",
@@ -448,17 +492,39 @@ def markdown(rec) -> str:
             mem = row["memory"][role]
             ttft = row["ttft_s"][role]
             for m, v in modes.items():
-                eng = names[m] if role == "sparrow" else f"llama.cpp, FA {'on' if LLAMA[role] else 'off'}"
+                if role == "sparrow":
+                    eng, ratio = "sparrow, " + names[m], f(row["ratio"].get(m), 2)
+                elif role == SPARSE_PREFILL:
+                    eng = f"sparrow, sparse prefill {m} k={k}, then {names[m]}"
+                    ratio = f(row["ratio_sparse_prefill"].get(m), 2)
+                else:
+                    eng, ratio = f"llama.cpp, FA {'on' if LLAMA[role] else 'off'}", ""
                 lines.append(
-                    f"| {ctx} | {'sparrow, ' + eng if role == 'sparrow' else eng} | "
-                    f"{ttft:.1f} ({int(ctx) / ttft:.0f}) | {f(v)} | "
-                    f"{f(row['ratio'].get(m), 2) if role == 'sparrow' else ''} | {f(mem['peak_mib'], 0)} |"
+                    f"| {ctx} | {eng} | {ttft:.1f} ({int(ctx) / ttft:.0f}) | {f(v)} | {ratio} | "
+                    f"{f(mem['peak_mib'], 0)} |"
                 )
     for ctx, row in rec["synth"].items():
         mem = row["memory"]["sparrow"]
         for m, v in row["tok_s"]["sparrow"].items():
             lines.append(
                 f"| {ctx} (synthesised cache) | sparrow, {names[m]} | - | {f(v)} | - | {f(mem['peak_mib'], 0)} |"
+            )
+    if sp_sel and rec["contexts"]:
+        lines += [
+            "",
+            f"Time to first token with sparse prefill ({sp_sel} k={k}) against exact prefill; ratios above 1: "
+            "the sparse prefill is faster.",
+            "",
+            "| context | sparrow exact s | sparrow sparse prefill s | vs sparrow exact | llama.cpp faster s | "
+            "vs llama.cpp |",
+            "|---|---|---|---|---|---|",
+        ]
+        for ctx, row in rec["contexts"].items():
+            t, r = row["ttft_s"], row["ttft_ratio_sparse_prefill"]
+            llamas = [t[x] for x in LLAMA if x in t]
+            lines.append(
+                f"| {ctx} | {t['sparrow']:.2f} | {t[SPARSE_PREFILL]:.2f} | {f(r['vs_exact'], 2)}x | "
+                f"{f(min(llamas) if llamas else None, 2)} | {f(r['vs_llama'], 2)}{'x' if r['vs_llama'] else ''} |"
             )
     lines += [
         "",
@@ -471,18 +537,22 @@ def markdown(rec) -> str:
     ]
     for label, rows in (("", rec["contexts"]), (" (synth)", rec["synth"])):
         for ctx, row in rows.items():
-            m = row["memory"]["sparrow"]
-            lines.append(
-                f"| {ctx}{label} | {f(m['peak_mib'], 0)} | {f(m['bound_mib'], 0)} | {f(m['base_mib'], 0)} | "
-                f"{f(m['kv_mib'], 0)} | {f(m['side_mib']['seed'], 0)} / {f(m['side_mib']['v2'], 0)} | "
-                f"{'yes' if m['within_bound'] else 'NO'} |"
-            )
+            for role, tag in (("sparrow", ""), (SPARSE_PREFILL, f", sparse prefill {sp_sel}")):
+                m = row["memory"].get(role)
+                if m is None:
+                    continue
+                side = m["side_mib"]
+                lines.append(
+                    f"| {ctx}{label}{tag} | {f(m['peak_mib'], 0)} | {f(m['bound_mib'], 0)} | {f(m['base_mib'], 0)} | "
+                    f"{f(m['kv_mib'], 0)} | {f(side.get('seed'), 0)} / {f(side.get('v2'), 0)} | "
+                    f"{'yes' if m['within_bound'] else 'NO'} |"
+                )
     return "\n".join(lines)
 
 
 def main(argv=None):
     from sparrow.bench import shapes
-    from sparrow.params import KV_DTYPES
+    from sparrow.params import KV_DTYPES, SELECTORS
 
     ap = argparse.ArgumentParser(prog="sparrow bench long-context", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="GGUF or HF folder (default: SmolLM2-135M-Instruct Q4_1)")
@@ -496,9 +566,14 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode", type=int, default=16, help="decoded tokens per context, mode and round")
     ap.add_argument("--sparse-k", type=int, default=32)
+    ap.add_argument(
+        "--sparse-prefill",
+        choices=SELECTORS,
+        help="also time a sparse prefill with this selector (its own process and cache), then its sparse decode",
+    )
     ap.add_argument("--json", help="write the JSON record here (default runs/long-context-<timestamp>/...)")
     ap.add_argument("--md", help="write the markdown table here")
-    ap.add_argument("--_child", choices=["sparrow", *LLAMA], help=argparse.SUPPRESS)
+    ap.add_argument("--_child", choices=["sparrow", SPARSE_PREFILL, *LLAMA], help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a._child:

@@ -3,7 +3,9 @@
 The article's protocol: a chat prompt of seeded filler facts, the needle "Zara's favorite food is
 ramen." at a depth (on a sentence boundary), the question at the end, greedy decoding; recall =
 the answer word appears in the output. Also passkey and RULER-style tasks (--tasks). Each prompt
-is prefilled once (exact) and every configuration decodes from a copy of that cache.
+is prefilled once (exact) and every configuration decodes from a copy of that cache; with
+--sparse-prefill every sparse configuration prefills the prompt itself with its own sparse
+attention and decodes from that (exact stays exact prefill and decode).
 
     sparrow bench needle --lengths 1K,2K,4K --depths 25,50,75 --ks 32,8,1
 """
@@ -41,6 +43,12 @@ def add_common_args(p: argparse.ArgumentParser, lengths: str, depths: str, ks: s
         help="comma list of block selectors run at every k: seed, v2, v2 ablations "
         "(v2-nosink, v2-norecent, v2-dense<N>), and oracle (each head's k blocks of largest exact softmax "
         "mass, v2's dense layers; a reference that reads every key, sparrow.eval.oracle)",
+    )
+    p.add_argument(
+        "--sparse-prefill",
+        action="store_true",
+        help="every sparse configuration also prefills its prompt with its sparse attention (SparseParams.prefill), "
+        "so it is measured against exact prefill and decode (not with the oracle)",
     )
     p.add_argument("--seed", type=int, default=0, help="prompt seed (0 = Zara/ramen)")
     p.add_argument("--max-tokens", type=int, default=tokens, help="greedy tokens generated per configuration")
@@ -85,11 +93,15 @@ def parse_grid(a) -> dict:
     selectors = [x.strip() for x in a.selectors.split(",") if x.strip()]
     if not selectors:
         raise SparrowError("--selectors is empty")
+    if a.sparse_prefill and "oracle" in selectors:
+        raise SparrowError(
+            "--selectors oracle cannot be combined with --sparse-prefill: the oracle chooses blocks for decode only"
+        )
 
     def params(sel, k):
         if sel == "oracle":
             return oracle_params(k=k, block=a.block, probe=a.probe)
-        return SparseParams.from_label(sel, k=k, block=a.block, probe=a.probe)
+        return SparseParams.from_label(sel, k=k, block=a.block, probe=a.probe, prefill=a.sparse_prefill)
 
     configs = [None] + [params(sel, k) for sel in selectors for k in ks]
     return {
@@ -186,6 +198,7 @@ def run(a, bench: str, fidelity: bool, title: str, argv=None) -> dict:
         "max_tokens": a.max_tokens,
         "block": a.block,
         "probe": a.probe,
+        "sparse_prefill": a.sparse_prefill,
         "tasks": grid["tasks"],
         "lengths": grid["lengths"],
         "depths": grid["depths"],
@@ -207,7 +220,14 @@ def write_outputs(record: dict, out: str, title: str, plots: bool = True) -> dic
     header = (
         f"{title}: model {record['model']}, kv {record['kv_dtype']}, {record['threads']} threads, answer prefix "
         f"{'on' if record['answer_prefix'] else 'off'}, {record['max_tokens']} greedy tokens, block "
-        f"{record['block']}, probe {record['probe']}; ms/token = median decode step; load average at the end "
+        f"{record['block']}, probe {record['probe']}"
+        + (
+            "; sparse prefill on (each sparse configuration prefilled its prompt with its own selection; exact: "
+            "exact prefill and decode)"
+            if record.get("sparse_prefill")
+            else ""
+        )
+        + "; ms/token = median decode step; load average at the end "
         f"{[round(x, 1) for x in record['environment']['loadavg'] or []]}; wall {record['wall_s']} s"
     )
     # the record first, so that nothing in the reporting below can lose it
@@ -217,6 +237,9 @@ def write_outputs(record: dict, out: str, title: str, plots: bool = True) -> dic
     if bench == "fidelity":
         with open(md, "a") as f:
             f.write("\n" + report.mass_table(rows))
+    if record.get("sparse_prefill"):
+        with open(md, "a") as f:
+            f.write("\n" + report.sparse_prefill_table(rows))
     print(open(md).read())
     pngs = report.plots_or_notice(os.path.join(out, ""), rows) if plots else []
     if pngs:

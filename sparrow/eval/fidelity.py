@@ -2,7 +2,11 @@
 
 The prompt is prefilled once with exact attention (as `llm.stream` does unless sparse_prefill);
 each configuration decodes from a copy of that cache, so every configuration sees the same
-prompt state and the same first token (it comes from the prefill logits).
+prompt state and the same first token (it comes from the prefill logits). A configuration
+with SparseParams.prefill instead prefills the prompt itself with its sparse attention (as
+`llm.stream` does with sparse_prefill) and decodes from that cache; its first token comes from
+its own prefill logits, which are compared with the exact prefill's (kl_prompt, top1_prompt),
+so its row measures the whole cost of sparse prefill plus sparse decode.
 
 Teacher forcing: the exact greedy continuation c_0..c_{n-1} is fed token by token to the
 sparse model; step i's logits predict c_{i+1} and are compared with the exact step i logits.
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..engine.runner import Slot
+from ..errors import SparrowError
 from ..kernels import set_threads
 from ..models.timing import timed
 from ..params import SparseParams
@@ -58,7 +63,7 @@ def first_divergence(a_tokens, b_tokens) -> int | None:
 # ---------------------------------------------------------------- running the model
 @dataclass
 class Prefilled:
-    slot: Slot  # the prompt in its KV cache, exact prefill (importance recorded)
+    slot: Slot  # the prompt in its KV cache, exact or (slot.sparse.prefill) sparse prefill, importance recorded
     logits: np.ndarray  # [V] last prompt position
     prefill_ms: float
 
@@ -75,11 +80,12 @@ class Prefilled:
         return Slot(self.slot.prompt, copy.deepcopy(self.slot.cache), sparse, [] if trace else None)
 
 
-def prefill(llm, ids, extra: int) -> Prefilled:
-    """Exact prefill (the runner's chunking) into a cache with room for `extra` generated tokens."""
+def prefill(llm, ids, extra: int, sparse: SparseParams | None = None) -> Prefilled:
+    """Prefill (the runner's chunking) into a cache with room for `extra` generated tokens: exact,
+    or with `sparse` (its prefill set) block-sparse."""
     set_threads(llm.threads)
     ids = np.asarray(ids, np.int64)
-    slot = llm.runner.new_slot(ids, len(ids) + extra + 1, llm.kv_dtype)
+    slot = llm.runner.new_slot(ids, len(ids) + extra + 1, llm.kv_dtype, sparse)
     t0 = time.perf_counter()
     logits = llm.runner.prefill(slot)  # [V]
     return Prefilled(slot, logits, 1e3 * (time.perf_counter() - t0))
@@ -171,22 +177,39 @@ def mass_summary(traces) -> dict:
     }
 
 
-def compare(exact: Decoded, forced: Decoded) -> dict:
-    """KL(exact || sparse) per teacher-forced step, top-1 agreement, first divergence."""
+def compare(exact: Decoded, forced: Decoded, prompt_logits: tuple | None = None) -> dict:
+    """KL(exact || sparse) per teacher-forced step, top-1 agreement, first divergence.
+    prompt_logits: (exact, sparse) logits [V] of the prompt's last position, which predict
+    token 0, when the sparse side prefilled on its own: their KL and agreement are reported
+    apart (kl_prompt, top1_prompt), the decode steps' means stay over the same steps as with a
+    shared prefill, and a disagreement there makes token 0 the first to differ."""
     n = min(len(exact.logits), len(forced.logits))
+    out = {} if prompt_logits is None else prompt_agreement(*prompt_logits)
     if n == 0:
-        return {"kl_mean": 0.0, "kl_max": 0.0, "top1": 1.0, "first_diff": None, "steps": 0}
+        first = 0 if out.get("top1_prompt", 1.0) < 1.0 else None
+        return {"kl_mean": 0.0, "kl_max": 0.0, "top1": 1.0, "first_diff": first, "steps": 0, **out}
     E, S = np.stack(exact.logits[:n]), np.stack(forced.logits[:n])  # [n, V]
     kl = kl_per_token(E, S)
-    # Step i predicts generated token i+1; token 0 always matches (shared exact prefill).
+    # Step i predicts generated token i+1; token 0 comes from the prefill logits (the same with
+    # a shared exact prefill).
     d = first_divergence(np.argmax(E, axis=-1), np.argmax(S, axis=-1))
+    first = None if d is None else d + 1
+    if out.get("top1_prompt", 1.0) < 1.0:
+        first = 0
     return {
         "kl_mean": float(kl.mean()),
         "kl_max": float(kl.max()),
         "top1": top1_agreement(E, S),
-        "first_diff": None if d is None else d + 1,
+        "first_diff": first,
         "steps": n,
+        **out,
     }
+
+
+def prompt_agreement(exact_logits, sparse_logits) -> dict:
+    """KL(exact || sparse) and top-1 agreement of two prefills' last-position logits [V]."""
+    pe, ps = np.asarray(exact_logits)[None], np.asarray(sparse_logits)[None]  # [1, V]
+    return {"kl_prompt": float(kl_per_token(pe, ps)[0]), "top1_prompt": top1_agreement(pe, ps)}
 
 
 def ms_summary(values) -> float:
@@ -200,7 +223,8 @@ def nan_to_none(x):
 
 # ---------------------------------------------------------------- one prompt, many configurations
 def config_label(sp: SparseParams | None) -> str:
-    """ "exact", "sparse k=32" (the seed selector, as before selectors existed), "v2 k=32", ..."""
+    """ "exact", "sparse k=32" (the seed selector, as before selectors existed), "v2 k=32", ...;
+    with sparse prefill "... sparse-prefill"."""
     if sp is None:
         return "exact"
     return (
@@ -208,6 +232,7 @@ def config_label(sp: SparseParams | None) -> str:
         + f" k={sp.k}"
         + (f" b={sp.block}" if sp.block != 32 else "")
         + (f" p={sp.probe}" if sp.probe != 8 and sp.select == "seed" else "")
+        + (" sparse-prefill" if sp.prefill else "")
     )
 
 
@@ -215,20 +240,29 @@ def run_prompt(
     llm, ids, configs, n_tokens: int = 16, fidelity: bool = True, pre: Prefilled | None = None
 ) -> list[dict]:
     """One row per configuration (None = exact): greedy text and ms/token, and with fidelity the
-    teacher-forced KL/top-1/first divergence/mass against the exact greedy continuation."""
+    teacher-forced KL/top-1/first divergence/mass against the exact greedy continuation.
+    `pre` is the shared exact prefill; a configuration with sparse prefill makes its own."""
+    for sp in configs:
+        if isinstance(sp, OracleParams) and sp.prefill:
+            raise SparrowError("the oracle selects blocks for decode only: it cannot be combined with sparse prefill")
     pre = pre or prefill(llm, ids, n_tokens)
     exact = greedy(llm, pre, n_tokens, None, keep_logits=True)
     rows = []
     for sp in configs:
+        own = prefill(llm, ids, n_tokens, sp) if sp is not None and sp.prefill else None
         with oracle_attention(llm.model) if isinstance(sp, OracleParams) else contextlib.nullcontext():
-            rows.append(_config_row(llm, pre, exact, sp, n_tokens, fidelity))
+            rows.append(_config_row(llm, pre, exact, sp, n_tokens, fidelity, own))
     return rows
 
 
-def _config_row(llm, pre: Prefilled, exact: Decoded, sp, n_tokens: int, fidelity: bool) -> dict:
+def _config_row(
+    llm, pre: Prefilled, exact: Decoded, sp, n_tokens: int, fidelity: bool, own: Prefilled | None = None
+) -> dict:
     """One configuration's row: greedy text and timing, and with fidelity its teacher-forced
-    comparison against the exact continuation."""
-    run = exact if sp is None else greedy(llm, pre, n_tokens, sp)
+    comparison against the exact continuation. own: the configuration's sparse prefill (None:
+    it decodes from the shared exact prefill `pre`)."""
+    start = own or pre
+    run = exact if sp is None else greedy(llm, start, n_tokens, sp)
     row = {
         "config": config_label(sp),
         "sparse": sp is not None,
@@ -236,18 +270,21 @@ def _config_row(llm, pre: Prefilled, exact: Decoded, sp, n_tokens: int, fidelity
         "block": sp.block if sp else None,
         "probe": sp.probe if sp else None,
         "selector": sp.label if sp else None,
+        "sparse_prefill": own is not None,
         "tokens": run.tokens,
         "text": llm.tokenizer.decode(run.tokens, skip_special_tokens=True),
         "attn_ms": nan_to_none(ms_summary(run.attn_ms)),
         "total_ms": nan_to_none(ms_summary(run.total_ms)),
-        "prefill_ms": pre.prefill_ms,
-        "n_prompt": pre.n_prompt,
+        "prefill_ms": start.prefill_ms,
+        "n_prompt": start.n_prompt,
         "first_diff_free": first_divergence(exact.tokens, run.tokens) if sp else None,
     }
     if sp is None:
         row.update({"kl_mean": 0.0, "kl_max": 0.0, "top1": 1.0, "first_diff": None, "steps": len(exact.logits)})
     elif fidelity:
-        forced = teacher_forced(llm, pre, exact.tokens, sp, trace=True)
-        row.update(compare(exact, forced))
+        forced = teacher_forced(llm, start, exact.tokens, sp, trace=True)
+        row.update(compare(exact, forced, None if own is None else (pre.logits, own.logits)))
         row["mass"] = mass_summary(forced.traces)
+    elif own is not None:
+        row.update(prompt_agreement(pre.logits, own.logits))
     return row

@@ -125,6 +125,7 @@ def summary_rows(rows: list[dict]) -> list[dict]:
                 "total_ms": _median([r.get("total_ms") for r in rs]),
                 "kl": _mean([r.get("kl_mean") for r in rs]),
                 "top1": _mean([r.get("top1") for r in rs]),
+                "kl_prompt": _mean([r.get("kl_prompt") for r in rs]),
                 "mass_median": _median(mass),
                 "mass_p5": _median(p5),
                 "example": rs[len(rs) // 2].get("text", ""),
@@ -339,4 +340,29 @@ def mass_table(rows: list[dict]) -> str:
                 f"{_median([s['median'] for s in st]):.3f} / {_median([s['p5'] for s in st]):.3f}" if st else "-"
             )
         lines.append(f"| {li} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def sparse_prefill_table(rows: list[dict]) -> str:
+    """With sparse prefill: per configuration and prompt length, the median prefill ms and its
+    ratio to exact prefill's, and the mean KL and top-1 agreement at the prompt's last position
+    (the logits that choose the first generated token) against the exact prefill."""
+    lengths = sorted({_length(r) for r in rows})
+    lines = [
+        "### Sparse prefill: prefill time and the first token (prompt's last position) against exact prefill",
+        "",
+        "| configuration | length | prefill ms (median) | exact / this | KL at the last prompt position "
+        "| top-1 there |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, rs in group_rows(rows).items():
+        for L in lengths:
+            sel = [r for r in rs if _length(r) == L]
+            if not sel:
+                continue
+            ms = _median([r.get("prefill_ms") for r in sel])
+            exact = _median([r.get("prefill_ms") for r in rows if r["config"] == "exact" and _length(r) == L])
+            speed = f"{exact / ms:.2f}x" if ms and exact else "-"
+            kl, top1 = _mean([r.get("kl_prompt") for r in sel]), _mean([r.get("top1_prompt") for r in sel])
+            lines.append(f"| {name} | {L} | {_fmt(ms, 0)} | {speed} | {_fmt(kl, 4)} | {_fmt(top1, 2)} |")
     return "\n".join(lines) + "\n"
