@@ -61,6 +61,12 @@ LLAMA = {"llama_off": False, "llama_on": True}  # child role -> flash attention
 SPARSE_PREFILL = "sparrow_sp"  # child role: sparse prefill, then decode with the same selector
 
 
+def sparrow_modes(prefill_select: str | None) -> tuple:
+    """The decode modes of a sparrow child: every mode after an exact prefill, or the sparse
+    prefill's own selector alone (what both the child and the parent's handle on it use)."""
+    return SPARROW_MODES if prefill_select is None else (prefill_select,)
+
+
 def _status_kib(field: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
@@ -100,12 +106,11 @@ class SparrowEngine:
         self.llm = load(path, threads=threads, activations="f32")
         self.model = self.llm.model
         self.kv = kv
+        self.modes = sparrow_modes(prefill_select)
         if prefill_select is None:
-            self.modes = SPARROW_MODES
             self.sparse = {m: SparseParams(k=sparse_k, select=m) for m in SPARROW_MODES if m != "exact"}
             self.prefill_sparse = None
         else:
-            self.modes = (prefill_select,)
             self.prefill_sparse = SparseParams(k=sparse_k, select=prefill_select, prefill=True)
             self.sparse = {prefill_select: self.prefill_sparse}
         self.cache = None
@@ -281,7 +286,8 @@ class Child:
         if role == SPARSE_PREFILL:
             cmd += ["--sparse-prefill", a.sparse_prefill]
         self.role = role
-        self.modes = {"sparrow": SPARROW_MODES, SPARSE_PREFILL: (a.sparse_prefill,)}.get(role, ("exact",))
+        select = a.sparse_prefill if role == SPARSE_PREFILL else None
+        self.modes = ("exact",) if role in LLAMA else sparrow_modes(select)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def ask(self, op, **kw):
