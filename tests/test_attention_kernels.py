@@ -345,6 +345,82 @@ def test_row_kernels_against_documented_order(dim):
         np.testing.assert_allclose(one, ref, rtol=1e-5, atol=1e-5)
 
 
+def _stores(base):
+    """The three KV storages of base [n, D]: (name, stored rows, their float32 values)."""
+    f16 = base.astype(np.float16)
+    codes = np.clip(np.rint(base * 30), -127, 127).astype(np.int8)
+    return [("f32", base, base), ("f16", f16.view(np.uint16), f16.astype(np.float32)),
+            ("int8", codes, codes.astype(np.float32))]  # fmt: skip
+
+
+@pytest.mark.parametrize("dim", [64, 128, 80, 40])
+def test_widened_rows_give_the_stored_rows_bits(dim):
+    """dots / accum over widen's float32 copy of rows t0..t1-1 give the bits they give over the
+    stored rows (what lets the rows of a KV group share one widening), for every cut of a block."""
+    from numba import njit
+
+    from sparrow.kernels.attention.rows import accum, dots, widen
+
+    @njit
+    def run(q, w, K2, t0, t1, off, s, acc, buf, s2, acc2):
+        n = dots(q, K2, t0, t1, 1, s, off)
+        accum(w, off, K2, t0, t1, acc)
+        widen(K2, t0, t1, buf)
+        n2 = dots(q, buf, 0, t1 - t0, 1, s2, off)
+        accum(w, off, buf, 0, t1 - t0, acc2)
+        return n, n2
+
+    rng = np.random.default_rng(dim)
+    q = rng.standard_normal(dim).astype(np.float32)
+    w = rng.standard_normal(80).astype(np.float32)
+    for name, K2, Kf in _stores(rng.standard_normal((70, dim)).astype(np.float32)):
+        for t0, t1, off in [(0, 32, 0), (32, 64, 5), (3, 10, 7), (64, 70, 2), (5, 6, 3), (38, 70, 1)]:
+            s, s2 = np.full(80, np.nan, np.float32), np.full(80, np.nan, np.float32)
+            acc = rng.standard_normal((4, dim)).astype(np.float32)
+            acc2 = acc.copy()
+            buf = np.full((32, dim), np.nan, np.float32)
+            assert run(q, w, K2, t0, t1, off, s, acc, buf, s2, acc2) == (t1 - t0, t1 - t0)
+            assert np.array_equal(buf[: t1 - t0], Kf[t0:t1]), name  # widening is exact
+            assert s[off : off + t1 - t0].tobytes() == s2[off : off + t1 - t0].tobytes(), (name, t0, t1)
+            assert acc.tobytes() == acc2.tobytes(), (name, t0, t1)
+
+
+@pytest.mark.parametrize("dim", [64, 128, 80, 40])
+def test_rows_sharing_blocks_equal_rows_alone(dim):
+    """_attend_rows over G rows that share blocks (widened once for all of them) gives every
+    row the bits of that row attended alone (the stored rows read directly), for random marks
+    and lengths that cut blocks, every KV storage, with and without int8 scales."""
+    from sparrow.kernels.attention.decode import _attend_rows
+
+    rng = np.random.default_rng(dim + 1)
+    n, bs, G = 150, 32, 10
+    nb = -(-n // bs)
+    qa = rng.standard_normal((G, dim)).astype(np.float32)
+    qs, ks, vs = (rng.random(k, dtype=np.float32) + np.float32(0.5) for k in (G, n, n))
+    lens = rng.integers(1, n + 1, G).astype(np.int64)
+    lens[:3] = n  # full rows, sharing every block
+    mark = np.zeros((G, nb), np.bool_)
+    ntok = np.zeros(G, np.int64)
+    for g in range(G):
+        live = -(-lens[g] // bs)
+        mark[g, :live] = rng.random(live) < 0.7 if g % 2 else True
+        mark[g, live - 1] = True
+        ntok[g] = sum(min(b * bs + bs, lens[g]) - b * bs for b in range(live) if mark[g, b])
+    keys = _stores(rng.standard_normal((n, dim)).astype(np.float32))
+    values = _stores(rng.standard_normal((n, dim)).astype(np.float32))
+    scale = np.float32(0.125)
+    for (name, K2, _), (_, V2, _) in zip(keys, values):
+        int8 = name == "int8"
+        out, pacc = np.zeros((G, dim), np.float32), np.zeros((G, n), np.float32)
+        _attend_rows(qa, qs, K2, V2, ks, vs, int8, 0, G, lens, scale, bs, mark, ntok, out, True, pacc)
+        for g in range(G):
+            one, pone = np.zeros((G, dim), np.float32), np.zeros((G, n), np.float32)
+            sl = slice(g, g + 1)
+            _attend_rows(qa, qs, K2, V2, ks, vs, int8, g, 1, lens[sl], scale, bs, mark[sl], ntok[sl], one, True, pone)
+            assert one[g].tobytes() == out[g].tobytes(), (name, g)
+            assert pone[g].tobytes() == pacc[g].tobytes(), (name, g)
+
+
 @pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
 def test_probe_key_copy_follows_rewrites(dtype):
     # sparse decode reads the probe keys of full blocks from a copy (kv_cache.ProbeKeys); a

@@ -11,7 +11,7 @@ attention with every block.
 import numpy as np
 from numba import njit, prange
 
-from sparrow.kernels.attention.rows import accum, dots, exp_shifted, max_at, prefetch, sum_f32
+from sparrow.kernels.attention.rows import accum, dots, exp_shifted, max_at, prefetch, sum_f32, widen
 from sparrow.kernels.attention.select import (
     STAGE_PROBE,
     STAGE_SCORE,
@@ -41,6 +41,23 @@ def _prefetch_jump(X2, b, nxt, nb, bs, seq_len):
         prefetch(X2, nxt * bs, min(nxt * bs + bs, seq_len))
 
 
+# Rows marking a block from which f16 / int8 K and V rows are widened once into a float32 copy
+# for all of them (attention.rows: the same bits); fewer read the stored rows themselves. Two
+# rows (decode on 16 q / 8 KV heads) showed no clear gain shared, on a busy 2-core machine.
+_SHARE_MIN = 3
+
+
+@njit(cache=True, nogil=True)
+def _block_users(mark, lens, b, p0, bs, G):
+    """(rows marking block b, the end of the block's rows the longest of them reads)."""
+    users, end = 0, p0
+    for g in range(G):
+        if mark[g, b]:
+            users += 1
+            end = max(end, min(p0 + bs, lens[g]))
+    return users, end
+
+
 @njit(cache=True, nogil=True)
 def _attend_group(qa, qs, K2, V2, ks, vs, int8, h0, G, seq_len, scale, bs, mark, ntok, out, want_p, pacc):
     """Softmax attention of query heads h0..h0+G-1 over their marked blocks (mark [G, nb]) of
@@ -59,8 +76,11 @@ def _attend_rows(qa, qs, K2, V2, ks, vs, int8, h0, G, lens, scale, bs, mark, nto
     each, the rows in turn, so a block's rows come from memory once; each row's scores are
     packed in ascending position order, its arithmetic the same as if alone. The rows are the
     query heads of one KV group (decode), or those of several positions of one sequence
-    (verification: attention.verify_rows), each with its own length."""
+    (verification: verify_head), each with its own length. f16 / int8 blocks that
+    _SHARE_MIN or more rows mark are widened to float32 once (wide) and every row reads that."""
     nb, D = mark.shape[1], K2.shape[1]
+    narrow = K2.itemsize < 4  # f16 bits or int8 codes (K and V alike)
+    wide = np.empty((bs if narrow else 0, D), dtype=np.float32)  # [bs, D] a block of K, then of V
     seq_len = lens.max()
     s = np.empty((G, max(1, ntok.max())), dtype=np.float32)  # packed scores, then weights
     m = np.full(G, -np.inf, dtype=np.float32)
@@ -80,11 +100,18 @@ def _attend_rows(qa, qs, K2, V2, ks, vs, int8, h0, G, lens, scale, bs, mark, nto
         _prefetch_jump(K2, b, nxt, nb, bs, seq_len)
         if nxt == nb and used[0] != 0:  # the value pass starts with a jump back
             prefetch(V2, used[0] * bs, min(used[0] * bs + bs, seq_len))
+        users, end = _block_users(mark, lens, b, p0, bs, G)
+        shared = narrow and users >= _SHARE_MIN
+        if shared:
+            widen(K2, p0, end, wide)
         for g in range(G):
             if mark[g, b]:
                 p1 = min(p0 + bs, lens[g])
                 i = cnt[g]
-                n = dots(qa[h0 + g], K2, p0, p1, 1, s[g], i)
+                if shared:
+                    n = dots(qa[h0 + g], wide, 0, p1 - p0, 1, s[g], i)
+                else:
+                    n = dots(qa[h0 + g], K2, p0, p1, 1, s[g], i)
                 if int8:
                     _scale_rows(s[g], i, n, qs[h0 + g] * scale, ks, p0, 1)
                 m[g] = max(m[g], max_at(s[g], i, n))
@@ -101,6 +128,10 @@ def _attend_rows(qa, qs, K2, V2, ks, vs, int8, h0, G, lens, scale, bs, mark, nto
         b, nxt = used[j], used[j + 1]
         p0 = b * bs
         _prefetch_jump(V2, b, nxt, nb, bs, seq_len)
+        users, end = _block_users(mark, lens, b, p0, bs, G)
+        shared = narrow and users >= _SHARE_MIN
+        if shared:
+            widen(V2, p0, end, wide)
         for g in range(G):
             if mark[g, b]:
                 p1 = min(p0 + bs, lens[g])
@@ -108,9 +139,13 @@ def _attend_rows(qa, qs, K2, V2, ks, vs, int8, h0, G, lens, scale, bs, mark, nto
                 if int8:  # fold each value row's scale into its weight
                     for j in range(p1 - p0):
                         w[i + j] = s[g, i + j] * vs[p0 + j]
-                    accum(w, i, V2, p0, p1, acc[g])
+                    wg = w
                 else:
-                    accum(s[g], i, V2, p0, p1, acc[g])
+                    wg = s[g]
+                if shared:
+                    accum(wg, i, wide, 0, p1 - p0, acc[g])
+                else:
+                    accum(wg, i, V2, p0, p1, acc[g])
                 if want_p:
                     for j in range(p1 - p0):
                         pacc[h0 + g, p0 + j] += s[g, i + j] * inv[g]

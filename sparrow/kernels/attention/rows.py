@@ -2,6 +2,7 @@
 
 - dots(q, K2, t0, t1, step, s, off): s[off + j] = q . K2[t0 + j * step] for t0 + j * step < t1.
 - accum(w, off, V2, t0, t1, acc): acc[(off + j) % 4] += w[off + j] * V2[t0 + j] for t0 + j < t1.
+- widen(X2, t0, t1, out): out[:t1 - t0] = rows t0..t1-1 as float32.
 - prefetch(X2, t0, t1): hint rows t0..t1-1 into L2.
 - exp_shifted, sum_f32, max_at: vectorised exp(s - m), sum and max over packed scores (the sum
   in ir.lane_fold's order, the same on every CPU).
@@ -19,6 +20,11 @@ accumulators per chunk in registers, row i of the packed score list going to acc
 i % 4. Both orders depend only on D and on the packed position i, never on how the caller
 splits rows into calls (blocks), so exact attention and sparse attention with every block
 selected give the same bits, and the thread count never enters.
+
+Widening (f16 -> f32, int8 -> f32) is exact, so dots / accum over widen's float32 copy of rows
+t0..t1-1 (as rows 0..t1-t0-1) give the bits they give over the stored rows. Several query rows
+that read one block (a KV group's heads, verification's positions) widen it once that way
+instead of once per query row: past a row or two the widening, not memory, bounds the kernels.
 """
 
 import numpy as np
@@ -166,6 +172,37 @@ def dots(typingctx, q, K2, t0, t1, step, s, off):
                     with rest:
                         _dots_generic(builder, kind, qp, kp, sp, d, t0v, stepv, offv, ir.Constant(_I64, 0), n)
         return n
+
+    return sig, codegen
+
+
+@intrinsic
+def widen(typingctx, X2, t0, t1, out):
+    """out[:t1 - t0] = rows t0..t1-1 of X2 as float32 (exact for f16 bits and int8 codes).
+    out [n, D] must have X2's D and at least t1 - t0 rows (unchecked, like the other kernels)."""
+    kind = _kind(X2.dtype)
+    if kind is None or X2.ndim != 2 or X2.layout != "C":
+        return None
+    if not isinstance(out, types.Array) or out.dtype != types.float32 or out.ndim != 2 or out.layout != "C":
+        return None
+    sig = types.none(X2, types.int64, types.int64, out)
+
+    def codegen(context, builder, signature, args):
+        i64 = lambda x: ir.Constant(_I64, x)  # noqa: E731
+        xp, xarr = _ptr(context, builder, signature.args[0], args[0], _elem(kind))
+        op, _ = _ptr(context, builder, signature.args[3], args[3], _F32)
+        d = builder.extract_value(xarr.shape, 1)
+        base = builder.mul(args[1], d)
+        total = builder.mul(builder.sub(args[2], args[1]), d)  # the rows are contiguous in both
+        total = builder.select(builder.icmp_signed(">", total, i64(0)), total, i64(0))
+        nch = builder.lshr(total, i64(4))
+        with cgutils.for_range(builder, nch) as ch:
+            c = builder.shl(ch.index, i64(4))
+            ptr = builder.bitcast(builder.gep(op, [c]), _V16F.as_pointer())
+            builder.store(_load16(builder, kind, xp, builder.add(base, c)), ptr, align=4)
+        with cgutils.for_range_slice(builder, builder.shl(nch, i64(4)), total, i64(1)) as (e, _):
+            builder.store(_load1(builder, kind, xp, builder.add(base, e)), builder.gep(op, [e]))
+        return context.get_dummy_value()
 
     return sig, codegen
 
