@@ -170,7 +170,7 @@ def _extra_bufts(on: bool):
 class LlamaRunner:
     name = "llama.cpp"
 
-    def __init__(self, path, threads, capacity, flash_attn=False, repack=True):
+    def __init__(self, path, threads, capacity, flash_attn=False, repack=True, draft_model=None):
         from llama_cpp import Llama
 
         # the bindings' defaults except the thread count (their default is cpu_count // 2 for
@@ -178,7 +178,12 @@ class LlamaRunner:
         # repack=False turns off ggml's CPU repack buffer (use_extra_bufts), which copies every
         # matrix it has interleaved kernels for (q4_0, q4_k, ...) into memory of its own at load:
         # without it llama.cpp reads the weights from its file mapping, as sparrow does.
+        # draft_model: the bindings' speculation (llama_cpp.llama_speculative), which Llama.generate
+        # uses; it needs every row's logits, and the bindings size their logits array by the
+        # logits_all argument (not by the draft model), so it is passed as True.
         kw = {"flash_attn": True} if flash_attn else {}
+        if draft_model is not None:
+            kw["draft_model"] = draft_model
         with _extra_bufts(repack):
             self.llm = Llama(
                 model_path=path,
@@ -186,7 +191,7 @@ class LlamaRunner:
                 n_threads=threads,
                 n_threads_batch=threads,
                 n_batch=CHUNK,
-                logits_all=False,
+                logits_all=draft_model is not None,
                 verbose=False,
                 **kw,
             )
