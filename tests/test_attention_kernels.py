@@ -497,3 +497,59 @@ def test_exact_prefill_widens_stored_kv_to_the_layer_float32_values(dtype):
     V = np.stack([layer.values_f32(kh, n) for kh in range(KVH)])  # [KVH, n, D]
     ref, ref_imp = kernel(qa, K, V, start, G, True)
     assert out.tobytes() == ref.tobytes() and imp.tobytes() == ref_imp.tobytes()
+
+
+def test_prefill_tile_is_one_fma_chain_per_element():
+    """mm_add (prefill attention's register tile, kernels.cpu.ATTENTION_TILE wide) gives every
+    element of C += A @ B as one fma chain from C's value, k ascending: checked against a scalar
+    loop of the same fmas for row counts across the tile's row tails (8, 4, 1), column counts
+    across its column tails (32 / 16 / 8 lanes, single columns) and strided column slices."""
+    from numba import njit
+
+    from sparrow.kernels.attention.tile import mm_add
+    from sparrow.kernels.ir import fma32
+
+    @njit(cache=False)
+    def chain(A, B, C, n):
+        for r in range(C.shape[0]):
+            for c in range(C.shape[1]):
+                acc = C[r, c]
+                for k in range(n):
+                    acc = fma32(A[r, k], B[k, c], acc)
+                C[r, c] = acc
+
+    @njit(cache=False)
+    def tile(A, B, C, n):
+        mm_add(A, B, C, n)
+
+    rng = np.random.default_rng(5)
+    for rows, cols, n in ((1, 1, 1), (3, 7, 5), (8, 32, 128), (13, 64, 64), (16, 128, 64), (19, 70, 33), (12, 41, 9)):
+        A = rng.standard_normal((rows, n + 3)).astype(np.float32)
+        Bw = rng.standard_normal((n, cols + 11)).astype(np.float32)
+        B = Bw[:, 4 : 4 + cols]  # a column slice: rows contiguous, strided
+        C0 = rng.standard_normal((rows, cols)).astype(np.float32)
+        want, got = C0.copy(), C0.copy()
+        chain(A, B, want, n)
+        tile(A, B, got, n)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (rows, cols, n)
+
+
+@pytest.mark.parametrize("T", [5, 8, 37, 130])
+def test_exact_prefill_bits_do_not_depend_on_the_item_size(monkeypatch, T):
+    """Work items of 8, 16 or 32 queries (prefill.items_of picks by chunk length) give the
+    same output and importance bits: importance is summed per 8-query group in one order."""
+    import sparrow.kernels.attention.prefill as pf
+
+    rng = np.random.default_rng(T)
+    n = 300
+    K = rng.standard_normal((KVH, n, D)).astype(np.float32)
+    V = rng.standard_normal((KVH, n, D)).astype(np.float32)
+    start = n - T
+    qa = rng.standard_normal((T, H, D)).astype(np.float32)
+    assert [pf.items_of(t) for t in (1, 64, 120, 128, 200, 256, 4096)] == [8, 8, 16, 16, 16, 32, 32]
+    runs = []
+    for qt in (8, 16, 32):
+        monkeypatch.setattr(pf, "items_of", lambda t, qt=qt: qt)
+        runs.append(pf.prefill_attention(qa, K, V, start, G, True))
+    for out, imp in runs[1:]:
+        assert out.tobytes() == runs[0][0].tobytes() and imp.tobytes() == runs[0][1].tobytes()

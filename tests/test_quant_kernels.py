@@ -69,6 +69,38 @@ def test_batch_and_thread_invariance(qtype):
         numba.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"])
+def test_several_x_rows_share_each_block_with_one_rows_bits(qtype):
+    """T = 2..SMALL_T x rows take the multi-row dots (each block decoded once for every x row):
+    every x row gets the bits it gets alone, with blocks in groups of 16 and odd or even tails
+    (17, 18, 33 and 37 blocks), on a row slice of the output and on 1 and 2 threads."""
+    from sparrow.kernels.matmul import widen
+
+    assert widen.MULTI_T == L.SMALL_T
+    for nb in (17, 18, 33, 37):
+        w = make(qtype, (29, 32 * nb), seed=nb)
+        x = acts(L.SMALL_T, 32 * nb, seed=nb + 1)
+        x[1, 7] = 1e30  # one huge value: any mixing of x rows would show in the others
+        alone = np.stack([L.linear(x[i : i + 1].copy(), w)[0] for i in range(L.SMALL_T)])
+        for t in range(2, L.SMALL_T + 1):
+            got = L.linear(x[:t].copy(), w)
+            assert np.array_equal(got.view(np.uint32), alone[:t].view(np.uint32)), (nb, t)
+        sx = widen.exact_sums(x, KIND[qtype], None)
+        y = np.full((L.SMALL_T, 40), np.nan, np.float32)
+        widen.rows_exact(w.data, KIND[qtype], x, sx, y[:, 3:32], 5, 21, 0)  # rows 5..20 only
+        assert np.array_equal(y[:, 8:24].view(np.uint32), alone[:, 5:21].view(np.uint32))
+        assert np.isnan(y[:, :8]).all() and np.isnan(y[:, 24:]).all()
+    threads = numba.get_num_threads()
+    try:
+        for n in (1, 2):
+            if n <= numba.config.NUMBA_NUM_THREADS:
+                numba.set_num_threads(n)
+                got = L.linear(x[:5].copy(), w)
+                assert np.array_equal(got.view(np.uint32), alone[:5].view(np.uint32))
+    finally:
+        numba.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("qtype", ["f32", "q4_1"])
 def test_prefill_thread_invariance(qtype):
     w = make(qtype, (37, 96), seed=10)

@@ -62,6 +62,21 @@ def micro_tile(features: str) -> tuple[int, int, int]:
 GEMM_TILE = micro_tile(FEATURES)
 
 
+def attention_tile(features: str) -> tuple[int, int, int]:
+    """(MR, NW, LANES) of prefill attention's tile (kernels/attention/tile.py): query rows,
+    vectors a row and f32 lanes a vector.
+
+    With avx512f: 8 x 2 <16 x float> (8 x 32; 16 of the 32 zmm hold accumulators, and each
+    broadcast A value rides in its fma as a memory operand). Otherwise 4 x 2 <8 x float>
+    (4 x 16: 8 accumulators of AVX2's 16 ymm; NEON's 32 registers hold them as 16)."""
+    if "+avx512f" in features.split(","):
+        return 8, 2, 16
+    return 4, 2, 8
+
+
+ATTENTION_TILE = attention_tile(FEATURES)
+
+
 SYSFS_CPU = "/sys/devices/system/cpu"
 
 
@@ -140,7 +155,8 @@ def paths_line(d: dict | None = None) -> str:
         "[of: vpdpbusd, pmaddubsw, sdot, generic]; q8 prefill on "
         f"{'AMX tiles' if d['amx'] else tiles} [of: AMX tiles, zmm pair tiles, ymm tiles, smmla tiles, "
         "8-lane vector tiles]; "
-        f"prefill GEMM micro-tile {d['gemm_tile']} [of: 8x3x16 (AVX-512), 4x3x8]."
+        f"prefill GEMM micro-tile {d['gemm_tile']} [of: 8x3x16 (AVX-512), 4x3x8]; "
+        f"prefill attention tile {d.get('attention_tile', '4x2x8')} [of: 8x2x16 (AVX-512), 4x2x8]."
     )
 
 
@@ -157,4 +173,5 @@ def describe() -> dict:
         i8mm=I8MM,
         amx=AMX,
         gemm_tile="x".join(map(str, GEMM_TILE)),
+        attention_tile="x".join(map(str, ATTENTION_TILE)),
     )

@@ -302,3 +302,102 @@ def make_rows(emit, n_in, ahead=ROWS_AHEAD):
     else:
         raise ValueError(f"make_rows: {n_in} inputs")
     return intrinsic(rows)
+
+
+MULTI_T = 8  # x rows one call of a multi-row dot takes (kernels.linear.SMALL_T)
+MULTI_R = 3  # x rows that share each decoded block: more are taken in groups of this many
+
+
+class XRows:
+    """R x rows (r0 .. r0 + R - 1, R known at compile time) of a multi-row dot (make_rows_x),
+    as IR: x [T, K] and its 32-value sums [T, K / 32]; each row's two <16 x float>
+    accumulators and scalar one are stack slots of the function's entry, which LLVM keeps in
+    registers (constant indices)."""
+
+    def __init__(self, b, xp, xs, sp, ss, r0, accs):
+        self.b, self.xp, self.xs, self.sp, self.ss, self.r0 = b, xp, xs, sp, ss, r0
+        self._accs = accs  # [(acc 0, acc 1, accm)] a row
+
+    def each(self):
+        """The rows' indices 0 .. R - 1 (Python ints: the body is emitted once a row)."""
+        return range(len(self._accs))
+
+    def x16(self, t, at):
+        b = self.b
+        row = b.add(self.r0, c64(t))
+        return b.load(b.bitcast(b.gep(self.xp, [b.add(b.mul(row, self.xs), at)]), V16F.as_pointer()), align=4)
+
+    def sx(self, t, at):
+        b = self.b
+        return b.load(b.gep(self.sp, [b.add(b.mul(b.add(self.r0, c64(t)), self.ss), at)]))
+
+    def acc(self, t, j):
+        """Row t's vector accumulator j (0 or 1)."""
+        return self._accs[t][j]
+
+    def accm(self, t):
+        """Row t's scalar accumulator (the constant terms)."""
+        return self._accs[t][2]
+
+
+def make_rows_x(emit):
+    """An intrinsic rows_x(data, o0, o1, x, sx, y): y[t, o] for rows o0 <= o < o1 of data
+    (stored bytes [O, row bytes]) and every x row t (x [T, K] and its 32-value sums sx [T, K /
+    32], rows contiguous, 1 <= T; y [T, O] f32 of any strides).
+
+    emit(builder, row pointer i8*, xr: XRows, number of sums a row) adds every block's terms
+    into xr's accumulators, decoding each block once for xr's rows; each row's result is then
+    hsum16(acc 0 + acc 1) + accm, the single-row dots' final tree. The x rows go MULTI_R at a
+    time (then the 1-3 left), each group over the weight row while it is in L1. The row loop
+    prefetches the next row, as make_rows does."""
+
+    def rows_x(typingctx, data, o0, o1, x, sx, y):
+        if not all(isinstance(a, types.Array) and a.ndim == 2 for a in (data, x, sx, y)):
+            return None
+        sig = types.none(data, o0, o1, x, sx, y)
+
+        def codegen(context, builder, signature, args):
+            b = builder
+            arrs = [context.make_array(signature.args[i])(context, b, args[i]) for i in (0, 3, 4, 5)]
+            d_arr, x_arr, s_arr, y_arr = arrs
+            base = b.bitcast(d_arr.data, I8.as_pointer())
+            stride, row_bytes = b.extract_value(d_arr.strides, 0), b.extract_value(d_arr.shape, 1)
+            last = b.sub(b.extract_value(d_arr.shape, 0), c64(1))
+            T = b.extract_value(x_arr.shape, 0)
+            xp, sp = b.bitcast(x_arr.data, F32.as_pointer()), b.bitcast(s_arr.data, F32.as_pointer())
+            xs = b.lshr(b.extract_value(x_arr.strides, 0), c64(2))  # f32 elements a row
+            ss = b.lshr(b.extract_value(s_arr.strides, 0), c64(2))
+            nsums = b.extract_value(s_arr.shape, 1)
+            yp = b.bitcast(y_arr.data, I8.as_pointer())
+            ys0, ys1 = b.extract_value(y_arr.strides, 0), b.extract_value(y_arr.strides, 1)
+            zv, zs = ir.Constant(V16F, [0.0] * 16), ir.Constant(F32, 0.0)
+            slots = {
+                R: [(cgutils.alloca_once(b, V16F), cgutils.alloca_once(b, V16F), cgutils.alloca_once(b, F32))
+                    for _ in range(R)]
+                for R in range(1, MULTI_R + 1)
+            }  # fmt: skip
+            with cgutils.for_range_slice(b, args[1], args[2], c64(1)) as (o, _):
+                nxt = b.add(o, c64(1))
+                nxt = b.select(b.icmp_signed("<", nxt, last), nxt, last)
+                prefetch_lines(b, b.gep(base, [b.mul(nxt, stride)]), row_bytes)
+                rp = b.gep(base, [b.mul(o, stride)])
+                with cgutils.for_range_slice(b, c64(0), T, c64(MULTI_R)) as (r0, _):
+                    left = b.sub(T, r0)
+                    n = b.select(b.icmp_signed("<", left, c64(MULTI_R)), left, c64(MULTI_R))
+                    for R in range(1, MULTI_R + 1):
+                        with b.if_then(b.icmp_signed("==", n, c64(R))):
+                            for a0, a1, am in slots[R]:
+                                b.store(zv, a0)
+                                b.store(zv, a1)
+                                b.store(zs, am)
+                            emit(b, rp, XRows(b, xp, xs, sp, ss, r0, slots[R]), nsums)
+                            for t, (a0, a1, am) in enumerate(slots[R]):
+                                v = b.fadd(b.load(a0), b.load(a1))
+                                res = b.fadd(hsum16(b, v), b.load(am))
+                                at = b.add(b.mul(b.add(r0, c64(t)), ys0), b.mul(o, ys1))
+                                b.store(res, b.bitcast(b.gep(yp, [at]), F32.as_pointer()))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return intrinsic(rows_x)

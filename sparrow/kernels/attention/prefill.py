@@ -4,7 +4,7 @@ The numpy/BLAS path this replaced wrote each score tile to memory and read it ba
 (mask/max/exp/sum, the value product, the importance); the 2 MiB tiles did not fit this CPU's
 512 KiB L2, and on SmolLM2-135M at 2K it spent ~110 ms a layer there (BLAS scoring with a
 64-long inner dimension ran at 24 GMAC/s, the softmax at 1.4-3.7 ns a score). Here a work
-item is QT consecutive queries of every head; for each KV head, its group's QT * group query
+item is qt consecutive queries of every head (items_of); for each KV head, its group's qt * group query
 rows take the keys BK at a time: scores by a register-tiled product (kernels.attention.tile.mm_add)
 against the block's keys stored transposed, then the running max and sum, then the weighted
 values by the same product, so scores stay in L1.
@@ -29,16 +29,39 @@ from sparrow.kernels.attention.tile import mm_add
 from sparrow.kernels.native_call import address_for, call_native
 from sparrow.kernels.parallel import run_parallel
 
-QT = 8  # queries per work item: a key block read from memory serves QT * group rows
+SUB = 8  # queries of an importance row: each SUB consecutive queries sum into their own row
+QT_MAX = 32  # queries per work item at most: a key block read from memory serves QT * group rows
 BK = 64  # keys per step (SmolLM2 at 2K: 64 ms a layer vs 72 with 32; 128 overflows L1)
 
 
+def items_of(T: int) -> int:
+    """Queries per work item for a chunk of T: the most (QT_MAX, 16 or SUB) that still gives at
+    least 8 items, so both threads stay busy on short chunks. Results do not depend on it."""
+    qt = QT_MAX
+    while qt > SUB and (T + qt - 1) // qt < 8:
+        qt //= 2
+    return qt
+
+
 @njit(cache=True, nogil=True)
-def _item(qa, KT, V, start, group, t0, t1, out, prow, want_p):
-    """Queries t0..t1-1 (positions start + t) of every head; adds importance into prow [S]."""
+def _item(qa, KT, V, start, group, t0, t1, out, pacc, want_p):
+    """Queries t0..t1-1 (positions start + t) of every head; adds importance into the rows of
+    pacc [chunk queries / SUB, S] of its SUB-query groups (t0 is a multiple of SUB).
+
+    Rows of one KV head go by SUB-query group s, then head g of the group, then query i of the
+    group, so each group's rows are contiguous and in the order an item of just those queries
+    has: its importance row is summed in the same order whatever the item size."""
     D = qa.shape[2]
     nq = t1 - t0
-    R = group * nq  # rows of one KV head: (head g of the group, query i) -> g * nq + i
+    R = group * nq
+    rq = np.empty(R, np.int64)  # row -> query of the item
+    rh = np.empty(R, np.int64)  # row -> head of the group
+    for r in range(R):
+        s = r // (group * SUB)
+        ns = min(SUB, nq - s * SUB)  # queries of group s
+        rem = r - s * group * SUB
+        rq[r] = s * SUB + rem % ns
+        rh[r] = rem // ns
     last = start + t1  # keys 0..last-1 are visible to some query of the item
     nblk = (last + BK - 1) // BK
     Q = np.empty((R, D), np.float32)
@@ -52,11 +75,10 @@ def _item(qa, KT, V, start, group, t0, t1, out, prow, want_p):
     fT = np.empty((nblk, R) if want_p else (1, 1), np.float32)  # exp(m_b - m) / den per block, row
     fb = np.empty(nblk, np.float32)
     fbits = np.empty(nblk, np.int32)
-    prow2 = prow[: nblk * BK].reshape((nblk, BK)) if want_p else np.empty((1, BK), np.float32)
     for kh in range(KT.shape[0]):
         KT2, V2 = KT[kh], V[kh]
         for r in range(R):  # element loops, not array assignment: numba's shape-checked copy costs ~5 s of compile
-            q = qa[t0 + r % nq, kh * group + r // nq]
+            q = qa[t0 + rq[r], kh * group + rh[r]]
             for d in range(D):
                 Q[r, d] = q[d]
         O[:] = 0
@@ -69,7 +91,7 @@ def _item(qa, KT, V, start, group, t0, t1, out, prow, want_p):
             mm_add(Q, KT2[b], S, D)  # [R, BK]
             for r in range(R):
                 row = S[r]
-                nv = min(kn, start + t0 + r % nq + 1 - k0)  # keys of the block this query sees
+                nv = min(kn, start + t0 + rq[r] + 1 - k0)  # keys of the block this query sees
                 if nv <= 0:
                     for j in range(BK):
                         row[j] = 0
@@ -95,9 +117,8 @@ def _item(qa, KT, V, start, group, t0, t1, out, prow, want_p):
                     mb[r, b] = m[r]
             mm_add(S, V2[k0 : k0 + kn], O, kn)  # [R, D]
         for r in range(R):
-            i = r % nq
             inv = np.float32(1.0) / den[r]
-            o = out[t0 + i, kh * group + r // nq]
+            o = out[t0 + rq[r], kh * group + rh[r]]
             for d in range(D):
                 o[d] = O[r, d] * inv
             if want_p:
@@ -106,29 +127,30 @@ def _item(qa, KT, V, start, group, t0, t1, out, prow, want_p):
                 exp_shifted(fb, np.float32(0.0), nblk, fbits)  # [nblk] exp(m_b - m)
                 for b in range(nblk):
                     fT[b, r] = fb[b] * inv
-        if want_p:  # importance: prow[block b] += fT[b] @ keep[b], rows in order
-            for b in range(nblk):
-                mm_add(fT[b : b + 1], keep[b], prow2[b : b + 1], R)
+        if want_p:  # importance: each group's row, block b += fT[b] @ keep[b] over its rows in order
+            for s in range((nq + SUB - 1) // SUB):
+                a, n = group * SUB * s, group * min(SUB, nq - s * SUB)
+                prow2 = pacc[t0 // SUB + s, : nblk * BK].reshape((nblk, BK))
+                for b in range(nblk):
+                    mm_add(fT[b : b + 1, a : a + n], keep[b, a : a + n], prow2[b : b + 1], n)
 
 
 @njit(cache=True, nogil=True)
-def _pair(j, n, addr, qa, KT, V, start, group, out, pacc, want_p):
-    """Query item j of n and its mirror n-1-j (the middle item of an odd count runs once):
-    their key counts add up to the same total, so any split of the pairs between threads is
-    balanced. addr: _item's machine code for these types (item_address), called through it
-    so that it compiles once, not again here (kernels/native_call.py)."""
+def _pair(j, n, qt, addr, qa, KT, V, start, group, out, pacc, want_p):
+    """Query item j of n (qt queries each) and its mirror n-1-j (the middle item of an odd count
+    runs once): their key counts add up to the same total, so any split of the pairs between
+    threads is balanced. addr: _item's machine code for these types (item_address), called
+    through it so that it compiles once, not again here (kernels/native_call.py)."""
     T = qa.shape[0]
     for k in range(1 if n - 1 - j == j else 2):
         it = j if k == 0 else n - 1 - j
-        prow = pacc[it] if want_p else pacc[0]
-        t0, t1 = np.int64(it * QT), np.int64(min(T, it * QT + QT))
-        call_native(addr, (qa, KT, V, start, group, t0, t1, out, prow, want_p))
+        t0, t1 = np.int64(it * qt), np.int64(min(T, it * qt + qt))
+        call_native(addr, (qa, KT, V, start, group, t0, t1, out, pacc, want_p))
 
 
 def item_address(qa, KT, V, start, group, out, pacc, want_p) -> int:
-    """The address of _item for the types _pair calls it with (its own arguments', and a row
-    of pacc)."""
-    return address_for(_item, (qa, KT, V, start, group, 0, 0, out, pacc[0], want_p))
+    """The address of _item for the types _pair calls it with."""
+    return address_for(_item, (qa, KT, V, start, group, 0, 0, out, pacc, want_p))
 
 
 def key_blocks(K, S):
@@ -196,8 +218,9 @@ def prefill_attention(qa, K, V, start, group, want_p, ks=None, vs=None, scaled=F
     else:
         KT, V = widened_blocks(K, V, ks, vs, scaled, lut, S)
     out = np.empty((T, H, D), np.float32)
-    pacc = np.zeros(((T + QT - 1) // QT, KT.shape[1] * BK) if want_p else (1, 1), np.float32)
+    pacc = np.zeros(((T + SUB - 1) // SUB, KT.shape[1] * BK) if want_p else (1, 1), np.float32)
     args = (np.ascontiguousarray(qa, np.float32), KT, V, int(start), int(group), out, pacc, bool(want_p))
-    n = (T + QT - 1) // QT  # query items of QT rows, run in pairs
-    run_parallel((n + 1) // 2, _pair, (n, item_address(*args), *args))
+    qt = items_of(T)
+    n = (T + qt - 1) // qt  # query items of qt rows, run in pairs
+    run_parallel((n + 1) // 2, _pair, (n, qt, item_address(*args), *args))
     return out, (pacc.sum(axis=0)[:S] if want_p else None)

@@ -37,12 +37,14 @@ from sparrow.kernels.ir import (
     F32,
     I8,
     I32,
+    MULTI_T,
     V16F,
     V16I32,
     barrier,
     c64,
     hsum16,
     make_rows,
+    make_rows_x,
     nibbles_f32,
     row_step,
     splat16,
@@ -259,6 +261,40 @@ def _emit_rowdot(qtype):
     return emit
 
 
+def _emit_rowdot_x(qtype):
+    """One row dotted with several x rows, as ir.make_rows_x calls it: each unit's codes and
+    scale decoded once, then for every x row _emit_rowdot's operations in its order (the same
+    units, accumulators and offset terms): each x row gets the bits it gets alone."""
+    per = 1 if qtype in ("q5_0", "q5_1") else 8
+
+    def emit(builder, rp, xr, nsums):
+        b = builder
+        r = _Row(b, rp, None, None)
+        turn = [0]
+
+        def step(codes, at, scale, offset):
+            q = [to_f32(b, c) for c in codes]
+            sv = splat16(b, scale)
+            j = turn[0] % 2
+            turn[0] += 1
+            for t in xr.each():
+                tt = b.fmul(q[0], xr.x16(t, at))
+                if len(q) == 2:
+                    tt = _fma(b, q[1], xr.x16(t, b.add(at, c64(16))), tt)
+                b.store(_fma(b, tt, sv, b.load(xr.acc(t, j))), xr.acc(t, j))
+                if offset is not None:
+                    b.store(_fma(b, offset[0], xr.sx(t, offset[1]), b.load(xr.accm(t))), xr.accm(t))
+
+        def emit_block(blk, first):
+            if first:
+                turn[0] = 0
+            _emit_block(qtype, r, blk, step)
+
+        _blocks_loop(b, qtype, r, b.udiv(nsums, c64(per)), emit_block)
+
+    return emit
+
+
 def _make_widen(qtype):
     size = 32 if qtype in ("q5_0", "q5_1") else 256
 
@@ -300,6 +336,12 @@ rows_q5_1 = make_rows(_emit_rowdot("q5_1"), 2)
 rows_q4_k = make_rows(_emit_rowdot("q4_k"), 2)
 rows_q5_k = make_rows(_emit_rowdot("q5_k"), 2)
 rows_q6_k = make_rows(_emit_rowdot("q6_k"), 2)
+# rows_x(data, o0, o1, x, sx, y): y[t, o] for rows o0..o1-1 and every x row (ir.make_rows_x)
+rows_x_q5_0 = make_rows_x(_emit_rowdot_x("q5_0"))
+rows_x_q5_1 = make_rows_x(_emit_rowdot_x("q5_1"))
+rows_x_q4_k = make_rows_x(_emit_rowdot_x("q4_k"))
+rows_x_q5_k = make_rows_x(_emit_rowdot_x("q5_k"))
+rows_x_q6_k = make_rows_x(_emit_rowdot_x("q6_k"))
 _widen_q5_0 = _make_widen("q5_0")
 _widen_q5_1 = _make_widen("q5_1")
 _widen_q4_k = _make_widen("q4_k")
@@ -353,7 +395,20 @@ def sums(x):
 
 @njit(**KW)
 def rows_chunked(data, kind, x, sx, y, o0, o1):
-    """rows_kq for every x row (sx: sums(x)), rows in chunks so a batch reads each from cache."""
+    """rows_kq for every x row (sx: sums(x)): 2..MULTI_T x rows share each decoded block
+    (rows_x_*, the same bits), more go in chunks of rows so a batch reads each from cache."""
+    if 1 < x.shape[0] <= MULTI_T:
+        if kind == Q4_K:
+            rows_x_q4_k(data, o0, o1, x, sx, y)
+        elif kind == Q6_K:
+            rows_x_q6_k(data, o0, o1, x, sx, y)
+        elif kind == Q5_K:
+            rows_x_q5_k(data, o0, o1, x, sx, y)
+        elif kind == Q5_0:
+            rows_x_q5_0(data, o0, o1, x, sx, y)
+        else:
+            rows_x_q5_1(data, o0, o1, x, sx, y)
+        return
     step = row_step(o0, o1, x.shape[0])
     for c in range(o0, o1, step):
         for t in range(x.shape[0]):

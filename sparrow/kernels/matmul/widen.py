@@ -24,6 +24,7 @@ from sparrow.kernels.ir import (
     I8,
     I32,
     I64,
+    MULTI_T,
     V16F,
     V16I32,
     barrier,
@@ -31,6 +32,7 @@ from sparrow.kernels.ir import (
     hsum16,
     lane_dot,
     make_rows,
+    make_rows_x,
     nibbles_f32,
     row_step,
     shuffle,
@@ -265,6 +267,77 @@ rows_q4_0 = make_rows(_emit_rowdot("q4_0"), 2)
 rows_q4_1 = make_rows(_emit_rowdot("q4_1"), 2)
 
 
+def _block_codes(builder, qtype, rp, b):
+    """(low half's codes, high half's codes) of block b as <16 x float>: what _block_terms
+    multiplies with x, decoded once for every x row."""
+    p = builder.mul(b, c64(_BB[qtype]))
+    if qtype == "q8_0":
+        v16i8 = ir.VectorType(_I8, 16)
+        lo = builder.load(builder.bitcast(builder.gep(rp, [builder.add(p, c64(2))]), v16i8.as_pointer()), align=1)
+        hi = builder.load(builder.bitcast(builder.gep(rp, [builder.add(p, c64(18))]), v16i8.as_pointer()), align=1)
+        return builder.sitofp(lo, _V16F), builder.sitofp(hi, _V16F)
+    off = 4 if qtype == "q4_1" else 2
+    qp = builder.bitcast(builder.gep(rp, [builder.add(p, c64(off))]), ir.VectorType(_I8, 16).as_pointer())
+    q = builder.zext(builder.load(qp, align=1), _V16I32)
+    return nibbles_f32(builder, q), nibbles_f32(builder, builder.lshr(q, ir.Constant(_V16I32, [4] * 16)))
+
+
+def _emit_rowdot_x(qtype):
+    """One row dotted with several x rows, as ir.make_rows_x calls it: each block's codes and
+    scales decoded once, then for every x row _emit_rowdot's operations in its order (q . x as
+    fmul then fma, acc[b % 2] += d * (q . x), the constant term into the scalar in block order,
+    the same groups of 16 and tails): each x row gets the bits it gets alone. In the exact mode
+    a row dot is bound by decoding, not by reading the weights, so T rows this way cost far
+    less than T single rows (a verification's or a batch's rows)."""
+
+    def emit(builder, rp, xr, nb):
+        b = builder
+        bufs = [cgutils.alloca_once(b, ir.ArrayType(_F32, _GROUP)) for _ in range(2)]
+        dbuf, cbuf = (b.bitcast(a, _F32.as_pointer()) for a in bufs)
+
+        def block(bi, j, scales=None):
+            lo, hi = _block_codes(b, qtype, rp, bi)
+            p = b.mul(bi, c64(_BB[qtype]))
+            if scales is not None:
+                d, coef = scales
+            else:
+                d = _half_at(b, rp, p)
+                coef = {"q4_1": lambda: _half_at(b, rp, b.add(p, c64(2))),
+                        "q4_0": lambda: b.fmul(d, ir.Constant(_F32, -8.0))}.get(qtype, lambda: None)()  # fmt: skip
+            dv = splat16(b, d)
+            xo = b.mul(bi, c64(32))
+            for t in xr.each():
+                tt = _fma(b, hi, xr.x16(t, b.add(xo, c64(16))), b.fmul(lo, xr.x16(t, xo)))
+                b.store(_fma(b, tt, dv, b.load(xr.acc(t, j))), xr.acc(t, j))
+                if coef is not None:
+                    b.store(_fma(b, coef, xr.sx(t, bi), b.load(xr.accm(t))), xr.accm(t))
+
+        groups = b.udiv(nb, c64(_GROUP)) if qtype != "q8_0" else c64(0)
+        with cgutils.for_range(b, groups) as loop:
+            b0 = b.mul(loop.index, c64(_GROUP))
+            _group_scales(b, qtype, rp, b0, dbuf, cbuf)
+            barrier(b, dbuf, cbuf)
+            for i in range(_GROUP):
+                at = ir.Constant(_I64, i)
+                block(b.add(b0, at), i % 2, (b.load(b.gep(dbuf, [at])), b.load(b.gep(cbuf, [at]))))
+        one = c64(1)
+        done = b.mul(groups, c64(_GROUP))
+        with cgutils.for_range(b, b.lshr(b.sub(nb, done), one)) as loop:
+            b1 = b.add(done, b.shl(loop.index, one))
+            block(b1, 0)
+            block(b.add(b1, one), 1)
+        with b.if_then(b.trunc(b.sub(nb, done), ir.IntType(1))):
+            block(b.sub(nb, one), 0)
+
+    return emit
+
+
+# rows_x(data, o0, o1, x, sx, y): y[t, o] for rows o0..o1-1 and every x row (up to MULTI_T)
+rows_x_q8_0 = make_rows_x(_emit_rowdot_x("q8_0"))
+rows_x_q4_0 = make_rows_x(_emit_rowdot_x("q4_0"))
+rows_x_q4_1 = make_rows_x(_emit_rowdot_x("q4_1"))
+
+
 @njit(**KW)
 def _x_row_block_sums(xr, sxr):
     # sxr[b] = sum of xr over block b, one add at a time in order (no fastmath: LLVM may not
@@ -286,6 +359,14 @@ def _x_block_sums(x):
 
 @njit(**KW)
 def _rows_blocks(data, kind, x, sx, y, o0, o1):
+    if 1 < x.shape[0] <= MULTI_T:  # each block decoded once for every x row (the same bits)
+        if kind == Q4_1:
+            rows_x_q4_1(data, o0, o1, x, sx, y)
+        elif kind == Q4_0:
+            rows_x_q4_0(data, o0, o1, x, sx, y)
+        else:
+            rows_x_q8_0(data, o0, o1, x, sx, y)
+        return
     step = row_step(o0, o1, x.shape[0])
     for c in range(o0, o1, step):
         e = min(o1, c + step)
