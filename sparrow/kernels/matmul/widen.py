@@ -188,32 +188,44 @@ def _group_scales(builder, qtype, rp, b0, dbuf, cbuf):
         builder.store(halves(2), builder.bitcast(cbuf, _V16F.as_pointer()), align=4)
 
 
-def _block_terms(builder, qtype, rp, xp, sp, b, scales=None):
-    """(vector q . x for block b, d, scalar constant term) as LLVM values; scales: (d, its
-    constant coefficient) already widened (_group_scales), else read from the block."""
+def _block_codes(builder, qtype, rp, b):
+    """(low half's codes, high half's codes) of block b as <16 x float> (q4_0 / q4_1: 0..15,
+    their offset left to the constant term)."""
     p = builder.mul(b, c64(_BB[qtype]))
-    d = _half_at(builder, rp, p) if scales is None else scales[0]
-    xo = builder.mul(b, c64(32))
-    xl = builder.load(builder.bitcast(builder.gep(xp, [xo]), _V16F.as_pointer()), align=4)
-    xh = builder.load(builder.bitcast(builder.gep(xp, [builder.add(xo, c64(16))]), _V16F.as_pointer()), align=4)
     if qtype == "q8_0":
         v16i8 = ir.VectorType(_I8, 16)
         lo = builder.load(builder.bitcast(builder.gep(rp, [builder.add(p, c64(2))]), v16i8.as_pointer()), align=1)
         hi = builder.load(builder.bitcast(builder.gep(rp, [builder.add(p, c64(18))]), v16i8.as_pointer()), align=1)
-        t = builder.fmul(builder.sitofp(lo, _V16F), xl)
-        return _fma(builder, builder.sitofp(hi, _V16F), xh, t), d, None
+        return builder.sitofp(lo, _V16F), builder.sitofp(hi, _V16F)
     off = 4 if qtype == "q4_1" else 2
     qp = builder.bitcast(builder.gep(rp, [builder.add(p, c64(off))]), ir.VectorType(_I8, 16).as_pointer())
     q = builder.zext(builder.load(qp, align=1), _V16I32)
-    lo = nibbles_f32(builder, q)
-    hi = nibbles_f32(builder, builder.lshr(q, ir.Constant(_V16I32, [4] * 16)))
-    t = _fma(builder, hi, xh, builder.fmul(lo, xl))
-    sx = builder.load(builder.gep(sp, [b]))
-    if scales is not None:
-        return t, d, (scales[1], sx)
+    return nibbles_f32(builder, q), nibbles_f32(builder, builder.lshr(q, ir.Constant(_V16I32, [4] * 16)))
+
+
+def _block_scales(builder, qtype, rp, b):
+    """(d, the constant term's coefficient) of block b read from the block: q4_0 -8 d, q4_1 m,
+    q8_0 None (no constant term)."""
+    p = builder.mul(b, c64(_BB[qtype]))
+    d = _half_at(builder, rp, p)
     if qtype == "q4_1":
-        return t, d, (_half_at(builder, rp, builder.add(p, c64(2))), sx)
-    return t, d, (builder.fmul(d, ir.Constant(_F32, -8.0)), sx)
+        return d, _half_at(builder, rp, builder.add(p, c64(2)))
+    if qtype == "q4_0":
+        return d, builder.fmul(d, ir.Constant(_F32, -8.0))
+    return d, None
+
+
+def _block_terms(builder, qtype, rp, xp, sp, b, scales=None):
+    """(vector q . x for block b, d, (coefficient, sum of x over the block) or None) as LLVM
+    values; scales: (d, its constant coefficient) already widened (_group_scales), else read
+    from the block."""
+    lo, hi = _block_codes(builder, qtype, rp, b)
+    d, coef = _block_scales(builder, qtype, rp, b) if scales is None else scales
+    xo = builder.mul(b, c64(32))
+    xl = builder.load(builder.bitcast(builder.gep(xp, [xo]), _V16F.as_pointer()), align=4)
+    xh = builder.load(builder.bitcast(builder.gep(xp, [builder.add(xo, c64(16))]), _V16F.as_pointer()), align=4)
+    t = _fma(builder, hi, xh, builder.fmul(lo, xl))
+    return t, d, None if coef is None else (coef, builder.load(builder.gep(sp, [b])))
 
 
 def _emit_rowdot(qtype):
@@ -267,21 +279,6 @@ rows_q4_0 = make_rows(_emit_rowdot("q4_0"), 2)
 rows_q4_1 = make_rows(_emit_rowdot("q4_1"), 2)
 
 
-def _block_codes(builder, qtype, rp, b):
-    """(low half's codes, high half's codes) of block b as <16 x float>: what _block_terms
-    multiplies with x, decoded once for every x row."""
-    p = builder.mul(b, c64(_BB[qtype]))
-    if qtype == "q8_0":
-        v16i8 = ir.VectorType(_I8, 16)
-        lo = builder.load(builder.bitcast(builder.gep(rp, [builder.add(p, c64(2))]), v16i8.as_pointer()), align=1)
-        hi = builder.load(builder.bitcast(builder.gep(rp, [builder.add(p, c64(18))]), v16i8.as_pointer()), align=1)
-        return builder.sitofp(lo, _V16F), builder.sitofp(hi, _V16F)
-    off = 4 if qtype == "q4_1" else 2
-    qp = builder.bitcast(builder.gep(rp, [builder.add(p, c64(off))]), ir.VectorType(_I8, 16).as_pointer())
-    q = builder.zext(builder.load(qp, align=1), _V16I32)
-    return nibbles_f32(builder, q), nibbles_f32(builder, builder.lshr(q, ir.Constant(_V16I32, [4] * 16)))
-
-
 def _emit_rowdot_x(qtype):
     """One row dotted with several x rows, as ir.make_rows_x calls it: each block's codes and
     scales decoded once, then for every x row _emit_rowdot's operations in its order (q . x as
@@ -297,13 +294,7 @@ def _emit_rowdot_x(qtype):
 
         def block(bi, j, scales=None):
             lo, hi = _block_codes(b, qtype, rp, bi)
-            p = b.mul(bi, c64(_BB[qtype]))
-            if scales is not None:
-                d, coef = scales
-            else:
-                d = _half_at(b, rp, p)
-                coef = {"q4_1": lambda: _half_at(b, rp, b.add(p, c64(2))),
-                        "q4_0": lambda: b.fmul(d, ir.Constant(_F32, -8.0))}.get(qtype, lambda: None)()  # fmt: skip
+            d, coef = _block_scales(b, qtype, rp, bi) if scales is None else scales
             dv = splat16(b, d)
             xo = b.mul(bi, c64(32))
             for t in xr.each():
