@@ -128,11 +128,13 @@ def _counting(monkeypatch, name):
 
 @pytest.mark.parametrize("kv", ["f32", "f16", "int8"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_one_pass_verification_equals_decode_steps(default_llm, monkeypatch, kv, threads):
-    """Exact verification rows of one sequence attend in one pass over its K/V
-    (attention.verify_attention). For K = 1..8 rows, their logits and the cache after a
-    rollback to any kept count equal plain decode steps' (the fused step), bit for bit; and the
-    one pass is what ran: no row of a verification attended alone."""
+@pytest.mark.parametrize("path", ["fused", "staged"])
+def test_one_pass_verification_equals_decode_steps(default_llm, monkeypatch, kv, threads, path):
+    """Exact verification rows of one sequence run in one step: the fused step over all rows
+    (models/fused.FusedDecode.verify), or on the staged path with each KV head attending in one
+    pass over its K/V (attention.verify_attention). For K = 1..8 rows, their logits and the
+    cache after a rollback to any kept count equal plain decode steps' (the fused step), bit
+    for bit; and the path named is what ran: no row of a verification attended alone."""
     import sparrow.models.fused as fused_mod
     from sparrow.api import set_threads
 
@@ -142,8 +144,8 @@ def test_one_pass_verification_equals_decode_steps(default_llm, monkeypatch, kv,
     # machine) would send the next ones to the staged path, which attends row by row
     monkeypatch.setattr(fused_mod, "BACKOFF_STEPS", 0)
     plan = llm.model.fused_step()
-    if plan:
-        plan.backoff = 0
+    assert plan is not None  # the default model's block formats take the fused step
+    plan.backoff = 0
     ids = np.asarray(_prompt(llm, 2), np.int64)
     extra = [int(t) for t in np.random.default_rng(1).integers(20, 40000, 8)]
     slot = llm.runner.new_slot(ids, len(ids) + 8, kv)
@@ -156,13 +158,21 @@ def test_one_pass_verification_equals_decode_steps(default_llm, monkeypatch, kv,
         caches.append(copy.deepcopy(slot.cache))
     plain = np.stack(plain)  # [8, V]
     one_pass, alone = _counting(monkeypatch, "verify_attention"), _counting(monkeypatch, "decode_attention")
+    if path == "staged":
+        monkeypatch.setattr(llm.model, "use_fused", False)
     layers = len(llm.model.layers)
     for K in range(1, 9):
         slot.cache = copy.deepcopy(prefilled)
         del one_pass[:], alone[:]
+        fused_before, verified_before = plan.steps, plan.verified
         logits = llm.runner.verify([slot], [extra[:K]], [L])[0]  # [K, V]
         assert np.array_equal(logits.view(np.uint32), plain[:K].view(np.uint32)), K
-        assert len(one_pass) == (layers if K > 1 else 0) and not alone, K  # K == 1: the fused step
+        if path == "fused":  # one fused step, a verification one for K > 1
+            assert plan.steps - fused_before == 1 and plan.verified - verified_before == (K > 1), K
+            assert not one_pass and not alone, K
+        else:  # K == 1 attends alone, as a staged decode step
+            assert plan.steps == fused_before, K
+            assert len(one_pass) == (layers if K > 1 else 0) and len(alone) == (layers if K == 1 else 0), K
         keep = K // 2
         slot.cache.rollback(L + keep)
         _assert_same_cache(slot.cache, caches[keep])

@@ -200,7 +200,8 @@ class Decoder:
         self.use_fused = os.environ.get("SPARROW_FUSED", "1") != "0"
         self._fused: FusedDecode | None | bool = False  # False: not planned yet
         # Verification rows of one sequence attend in one pass over its K/V (_verify_run);
-        # False attends them one by one, as decode steps would (the benchmark's old path).
+        # False attends them one by one, as decode steps would, on the staged path (the
+        # benchmark's old path).
         self.verify_one_pass = True
 
     def fuses(self, trace) -> bool:
@@ -231,12 +232,18 @@ class Decoder:
         how many rows it takes).
 
         The stages are methods so that models.timing can time them from outside. A single
-        sequence's decode step runs fused instead when the model allows it (same bits)."""
+        sequence's decode step, or one sequence's verification rows with exact attention, runs
+        fused instead when the model allows it (same bits)."""
         if len(segments) == 1 and segments[0].decode and not all_logits:
             if self.fuses(segments[0].trace):
                 return self._fused(segments[0])  # [1, V]
             if self._fused and self._fused.backoff > 0 and self.use_fused:
                 return self._fused.staged_step(self._staged, segments)  # [1, V], timed
+        elif (
+            segments[0].decode and not all_logits and self.verify_one_pass and self.fuses(None)
+            and self._fused.verifies(segments)
+        ):  # fmt: skip
+            return self._fused.verify(segments)  # [R, V]: one sequence's verification rows
         return self._staged(segments, all_logits, with_last)
 
     def _staged(self, segments: list[Segment], all_logits: bool = False, with_last: bool = False):

@@ -1,6 +1,7 @@
 """The fused decode step: one compiled call per token on every thread (kernels/fused/decode_step.py),
-for a single sequence's decode when the model allows it; everything else takes the staged
-path (Decoder.forward's stage methods), which gives the same bits.
+for a single sequence's decode when the model allows it, and for the rows speculative
+verification checks of one sequence with exact attention in a dense model (FusedDecode.verify);
+everything else takes the staged path (Decoder.forward's stage methods), which gives the same bits.
 
 It applies to decoders (Llama, Qwen2, Qwen3, Qwen3-MoE) whose projections are stored in a block
 format (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k) with matching formats inside each
@@ -23,7 +24,7 @@ from ..errors import SparrowError
 from ..kernels.formats import FORMATS, KIND, KQ_FIRST, X8_FIRST
 from ..kernels.fused import decode_step as _ds
 from ..kernels.fused import sync
-from ..kernels.linear import Q8Weight
+from ..kernels.linear import SMALL_T, Q8Weight
 from ..kernels.matmul.widen import F16_LUT
 from ..kernels.parallel import launcher
 from .layers import MLP
@@ -155,22 +156,28 @@ class FusedDecode:
             self.q_norm = self.k_norm = np.zeros((L, 0), np.float32)
         head = model.lm_head
         self.head_norm = model.norm
-        V = head.shape[0]
-        # scratch shared by the workers; one thread owns the model, so one set serves all calls
-        self.qkv = np.empty((1, QKV), np.float32)
-        self.att3 = np.empty((1, self.H, self.D), np.float32)  # attention out; [H, D] and [1, H*D] views
-        self.qd = np.empty((self.H, self.D), np.float32)
-        self.qa = np.empty((self.H, self.D), np.float32)
-        self.qs = np.empty(self.H, np.float32)
+        self.V, self.QKV = head.shape[0], QKV
+        self._buffers = {}  # rows -> the scratch the workers share (one thread owns the model: one set a size)
         self.nsel = np.empty((1, self.H), np.int64)
-        self.gu = np.empty((1, 2 * self.F), np.float32)
-        self.y = np.empty((1, self.E), np.float32)
-        self.logits_shape = (1, V)
         self.sync = np.zeros(5, np.int64)  # barrier: arrivals, generation, long waits, spin rounds; a failed call
         self.sync[3] = sync.spin_rounds()
         self.backoff = 0  # staged steps left before the fused step is tried again
         self.staged_s = None  # seconds of the latest staged step taken while backing off
         self.steps = 0  # fused steps run (tests check the path they meant to test ran)
+        self.verified = 0  # of them, verification steps of several rows
+
+    def buffers(self, R: int) -> dict:
+        """StepScratch's arrays for R rows but the logits and the selections."""
+        got = self._buffers.get(R)
+        if got is None:
+            H, D = self.H, self.D
+            att = np.empty((R, H, D), np.float32)  # attention out, also read as [R, H*D]
+            got = self._buffers[R] = dict(
+                qkv=np.empty((R, self.QKV), np.float32), att=att, att_flat=att.reshape(R, -1),
+                qd=np.empty((R, H, D), np.float32), qa=np.empty((R, H, D), np.float32), qs=np.empty((R, H), np.float32),
+                gu=np.empty((R, 2 * self.F), np.float32), y=np.empty((R, self.E), np.float32),
+            )  # fmt: skip
+        return got
 
     def staged_step(self, staged, segments) -> np.ndarray:
         """One single-sequence step on the staged path while backing off, timed."""
@@ -247,8 +254,10 @@ class FusedDecode:
         got = memo.get(key)
         if got is None:
             exact = _ds.exact_rows_address(self.kquants) if mode is None else (0, 0)
-            got = memo[key] = [(*exact, *_ds.attention_call(args)), None]
+            got = memo[key] = [(*exact, *_ds.attention_call(args), 0, 0), None]
         calls, nt = got[0], args[1]
+        if args[3].shape[0] > 1 and calls[4] == 0:  # verification's rows: verify_head's address too
+            calls = got[0] = (*calls[:4], *_ds.verify_call(args))
         if nt == 1:
             _ds.worker(*args, calls)
         else:
@@ -258,26 +267,55 @@ class FusedDecode:
         if self.sync[4]:
             raise SparrowError("fused decode: the attention kernel's argument types do not match its address")
 
+    def verifies(self, segments) -> bool:
+        """Whether verify takes these segments: 2..SMALL_T single-token decode rows of one
+        sequence at consecutive positions, untraced, with exact attention, in a dense model."""
+        s = segments[0]
+        return (
+            1 < len(segments) <= SMALL_T
+            and self.moe is None
+            and s.sparse is None
+            and s.trace is None
+            and s.vision is None
+            and all(
+                t.decode and t.cache is s.cache and t.sparse is None and t.trace is None and t.vision is None
+                and t.start == s.start + j and t.rope_delta == s.rope_delta and len(t.tokens) == 1
+                for j, t in enumerate(segments)
+            )
+        )  # fmt: skip
+
     def __call__(self, seg) -> np.ndarray:
         """Decodes seg (one token at seg.start over its cache) -> logits [1, V]; with sparse
         settings and a trace (a models.attention.Selections) writes its step's selections."""
+        return self._step(seg, seg.tokens)
+
+    def verify(self, segments) -> np.ndarray:
+        """Verification's rows (verifies(segments)) in one step -> logits [R, V], row r the bits
+        a decode step at segments[r].start gives."""
+        self.verified += 1
+        return self._step(segments[0], np.concatenate([s.tokens for s in segments]))
+
+    def _step(self, seg, tokens) -> np.ndarray:
+        """The tokens [R] at positions seg.start.. of seg's cache, with seg's settings (R > 1:
+        exact attention only, verifies) -> logits [R, V]."""
         model, cache, pos, sp = self.model, seg.cache, int(seg.start), seg.sparse
-        if pos + 1 > cache.capacity:
-            raise SparrowError(f"sequence of {pos + 1} tokens exceeds the KV cache capacity {cache.capacity}")
+        R = len(tokens)
+        if pos + R > cache.capacity:
+            raise SparrowError(f"sequence of {pos + R} tokens exceeds the KV cache capacity {cache.capacity}")
         L = len(model.layers)
-        seq_len = pos + 1
+        seq_len = pos + 1  # the first row's
         bs = sp.block if sp is not None else _DEFAULT_BLOCK
         nb = (seq_len + bs - 1) // bs
         probed = sp is not None and sp.k < nb
         n_copied = np.zeros(L, np.int64)
         for i, st in enumerate(cache.sparse):
-            st.rewritten(pos, seq_len)  # what KVCache.append does for the staged path
+            st.rewritten(pos, pos + R)  # what KVCache.append does for the staged path
             if probed:  # the full blocks already in the cache; a block this token completes is read in K
                 _, n_copied[i] = st.copy_for(cache.layers[i], sp, pos)
         kvtab, stab, ptab, kv_like, p_like, s_like, per_block, _ = self._arrays(cache, sp.copy_key if probed else None)
-        cos, sin = model.rope.shifted(seg.rope_delta, seq_len)  # [>= seq_len, D/2]: row p = rope position p + delta
-        x = np.array(model.embed.rows(seg.tokens), dtype=np.float32)  # [1, E], a private copy
-        logits = np.empty(self.logits_shape, np.float32)  # [1, V]
+        cos, sin = model.rope.shifted(seg.rope_delta, pos + R)  # [>= pos + R, D/2]: row p = rope position p + delta
+        x = np.array(model.embed.rows(tokens), dtype=np.float32)  # [R, E], a private copy
+        logits = np.empty((R, self.V), np.float32)  # [R, V]
         q8 = model.activations == "q8"
         wtab, kinds, head_w, head_kind = self.weights()
         model_t = _ds.StepModel(
@@ -303,10 +341,7 @@ class FusedDecode:
             sel, stages, nsel = seg.trace.start(L, self.H, nb)
         else:  # one layer's, reused (the same types: tracing compiles nothing more)
             sel, stages, nsel = np.empty((1, self.H, nb), np.int64), np.empty((1, self.H, nb), np.int8), self.nsel
-        scratch = _ds.StepScratch(
-            qkv=self.qkv, att=self.att3[0], att_flat=self.att3.reshape(1, -1), qd=self.qd, qa=self.qa, qs=self.qs,
-            gu=self.gu, y=self.y, logits=logits, sel=sel, stages=stages, nsel=nsel,
-        )  # fmt: skip
+        scratch = _ds.StepScratch(**self.buffers(R), logits=logits, sel=sel, stages=stages, nsel=nsel)
         # types to the kernel: each activation mode compiles only its own matvecs, and exact
         # requests no block selection
         mode, select = (_ds.q8_rows_address() if q8 else None), (True if sp is not None else None)
@@ -314,7 +349,7 @@ class FusedDecode:
         self.sync[:3] = self.sync[4] = 0
         t0 = time.perf_counter()
         self._run(cache, (0, nt, self.sync, x, pos, model_t, cache_t, attn_t, scratch, mode, select, self.moe))
-        cache.length = seq_len
+        cache.length = pos + R
         self.steps += 1
         if self.sync[2] * CONTENDED > 6 * L:  # more than 1/CONTENDED of the barriers waited long
             if self.staged_s is None or self.staged_s < time.perf_counter() - t0:

@@ -1,4 +1,5 @@
-"""One decode token of a dense decoder as a single compiled call, on every thread.
+"""One decode token of a dense decoder as a single compiled call, on every thread; or the R
+rows speculative verification checks (R consecutive positions of one sequence, exact attention).
 
 The staged path (models/decoder.py) makes ~20 Python-level calls per layer, and its decode
 matvecs run on one core because a numba parallel launch (~100 us here) costs more than a
@@ -16,7 +17,10 @@ Bit-identical to the staged path: every value is computed by the same compiled h
 arrays of the same types (rows by rowdot_*, norms by _rms_rows, RoPE by _rope, silu by
 _silu_mul, attention by _group or, for exact requests, its kernel _attend_group on every
 block, as _group gives it), and splitting rows or heads between workers never changes
-what one row or head computes. Block formats run here: q8_0, q4_0, q4_1, and q5_0, q5_1 and
+what one row or head computes. Verification's R rows go through each phase together: the row
+dots take them as one x [R, E] (each row's bits those of its own dot, ir.make_rows_x), each
+KV head's K/V is read once for all of them (attention.decode.verify_head, a decode step's
+bits at each position), and every elementwise helper works row by row. Block formats run here: q8_0, q4_0, q4_1, and q5_0, q5_1 and
 the K-quants (q4_k, q5_k, q6_k) through kernels/matmul/kquants.py's row dots.
 """
 
@@ -26,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit, typeof, types
 
-from sparrow.kernels.attention.decode import _attend_group, _group, importance_per_block
+from sparrow.kernels.attention.decode import _attend_group, _group, importance_per_block, verify_head
 from sparrow.kernels.attention.select import reserve_importance_nb
 from sparrow.kernels.elementwise import _quant_rows, _rms_rows, _rope, _silu_mul
 from sparrow.kernels.formats import X8_FIRST
@@ -169,17 +173,17 @@ class StepAttention(NamedTuple):
 
 
 class StepScratch(NamedTuple):
-    """Buffers the workers share, and the logits."""
+    """Buffers the workers share, and the logits, for R rows (1 for a decode step)."""
 
-    qkv: np.ndarray  # [1, QKV]
-    att: np.ndarray  # [H, D]
-    att_flat: np.ndarray  # [1, H*D], att's memory
-    qd: np.ndarray  # [H, D]
-    qa: np.ndarray  # [H, D]
-    qs: np.ndarray  # [H]
-    gu: np.ndarray  # [1, 2F]
-    y: np.ndarray  # [1, E]
-    logits: np.ndarray  # [1, Vocab]
+    qkv: np.ndarray  # [R, QKV]
+    att: np.ndarray  # [R, H, D]
+    att_flat: np.ndarray  # [R, H*D], att's memory
+    qd: np.ndarray  # [R, H, D]: the queries as the attention kernel takes them (int8 KV: codes)
+    qa: np.ndarray  # [R, H, D]: times the scale (float KV), or the codes again
+    qs: np.ndarray  # [R, H]: the codes' scales (int8 KV)
+    gu: np.ndarray  # [R, 2F]
+    y: np.ndarray  # [R, E]
+    logits: np.ndarray  # [R, Vocab]
     # each layer's block selection, as attention.decode._group writes it: [L, ...] when the
     # step is traced (models.attention.Selections keeps every layer's), else [1, ...], one
     # reused by every layer: the same types either way, so tracing compiles nothing more
@@ -209,7 +213,9 @@ def _w(wtab, i, j):
 @njit(**KW)
 def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, moe, calls):
     """Worker tid of nt: decodes the token at position pos, x [1, E] being its embedding (the
-    residual stream, updated in place). model, cache, attn and scratch are the records above
+    residual stream, updated in place); or, x [R, E] with R > 1, verification's rows at
+    positions pos..pos+R-1 of one sequence, with exact attention (models/fused.py sends only
+    those: no selection, no MoE layer, whose phases take one row). model, cache, attn and scratch are the records above
     (StepModel, StepCache, StepAttention, StepScratch), built by models/fused.py. Two types
     choose what is compiled (numba prunes the branches a None never takes before typing
     them): q8, None for exact activations or the q8 row kernel's address (see _matvec); select,
@@ -218,7 +224,8 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, moe, 
     calls: (the exact row dots' address and their kq (exact_rows_address), used where q8 is
     None; the address and type key of the attention for these types (attention_call)): called
     through them, the row dots and the attention compile once on their own, not again into
-    this function (kernels/native_call.py). sync[4] is set where the key does not match."""
+    this function (kernels/native_call.py); then the address and type key of verify_head for
+these types (verify_call), or zeros where R is 1. sync[4] is set where a key does not match."""
     # by name, so the records' field order is nobody's concern
     wtab = model.wtab
     kinds, offs, rows, bias, q_norm, k_norm = (
@@ -237,22 +244,23 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, moe, 
     n_copied, per_block, kv_kind = cache.n_copied, cache.per_block, cache.kv_kind
     sparse_on, k_blocks, bs, n_probe = attn.sparse_on, attn.k_blocks, attn.block, attn.n_probe
     flags, dense, lut = attn.flags, attn.dense, attn.lut
-    qkv, att, att_flat, qd, qa, qs = scratch.qkv, scratch.att, scratch.att_flat, scratch.qd, scratch.qa, scratch.qs
+    qkv, att3, att_flat, qd3, qa3, qs2 = scratch.qkv, scratch.att, scratch.att_flat, scratch.qd, scratch.qa, scratch.qs
+    att, qd, qa, qs = att3[0], qd3[0], qa3[0], qs2[0]  # a decode step's row
     gu, y, logits = scratch.gu, scratch.y, scratch.logits
     sel3, stages3, nsel2 = scratch.sel, scratch.stages, scratch.nsel
     exact = (calls[0], calls[1])
-    E = x.shape[1]
+    R, E = x.shape[0], x.shape[1]  # rows: 1, or verification's
     G = H // KV
     QO, KO = H * D, H * D + KV * D
-    h = np.empty((1, E), np.float32)  # this worker's normed copy of x
-    act = np.empty((1, F), np.float32)  # silu(gate) * up, each worker its own full copy
+    h = np.empty((R, E), np.float32)  # this worker's normed copy of x
+    act = np.empty((R, F), np.float32)  # silu(gate) * up, each worker its own full copy
     one = np.empty((1, D), np.float32)  # one head's row, for the row-wise helpers
     normed = np.empty((1, D), np.float32)
     rot = np.empty((1, 1, D), np.float32)
     src = np.empty((1, 1, D), np.float32)
     codes = np.empty((1, D), np.int8)
     sc = np.empty(1, np.float32)
-    positions = np.full(1, pos, np.int64)
+    positions = np.full(1, pos, np.int64)  # the RoPE position of the row at hand
     seq_len = pos + 1
     nb = (seq_len + bs - 1) // bs
     pdummy = np.zeros((1, 1), np.float32)
@@ -266,44 +274,46 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, moe, 
         _matvec_at(_w(wtab, layer, 1), kinds[layer, 1], h, qkv, offs[layer, 1], rows[layer, 1], tid, nt, q8, exact)
         _matvec_at(_w(wtab, layer, 2), kinds[layer, 2], h, qkv, offs[layer, 2], rows[layer, 2], tid, nt, q8, exact)
         barrier(sync, nt)
-        # q heads: bias, q norm, RoPE, then the form the attention kernel takes
-        for hh in range(h0, h1):
-            for d in range(D):
-                v = qkv[0, hh * D + d]
-                src[0, 0, d] = v + bias[layer, hh * D + d] if has_bias else v
-            if has_norm:
-                _rms_rows(src[0], q_norm[layer], eps, normed)
+        for r in range(R):
+            positions[0] = pos + r
+            # q heads: bias, q norm, RoPE, then the form the attention kernel takes
+            for hh in range(h0, h1):
                 for d in range(D):
-                    src[0, 0, d] = normed[0, d]
-            _rope(src, cos, sin, positions, rot)
-            if kv_kind == KV_INT8:
-                _quant_rows(rot[0], codes, sc)
+                    v = qkv[r, hh * D + d]
+                    src[0, 0, d] = v + bias[layer, hh * D + d] if has_bias else v
+                if has_norm:
+                    _rms_rows(src[0], q_norm[layer], eps, normed)
+                    for d in range(D):
+                        src[0, 0, d] = normed[0, d]
+                _rope(src, cos, sin, positions, rot)
+                if kv_kind == KV_INT8:
+                    _quant_rows(rot[0], codes, sc)
+                    for d in range(D):
+                        qd3[r, hh, d] = np.float32(codes[0, d])
+                        qa3[r, hh, d] = qd3[r, hh, d]
+                    qs2[r, hh] = sc[0]
+                else:
+                    for d in range(D):
+                        qd3[r, hh, d] = rot[0, 0, d]
+                        qa3[r, hh, d] = rot[0, 0, d] * scale
+                    qs2[r, hh] = np.float32(0)
+            # KV heads: bias, k norm, RoPE for k; bias for v; append at pos + r
+            for kh in range(k0, k1):
                 for d in range(D):
-                    qd[hh, d] = np.float32(codes[0, d])
-                    qa[hh, d] = qd[hh, d]
-                qs[hh] = sc[0]
-            else:
+                    v = qkv[r, QO + kh * D + d]
+                    src[0, 0, d] = v + bias[layer, QO + kh * D + d] if has_bias else v
+                if has_norm:
+                    _rms_rows(src[0], k_norm[layer], eps, normed)
+                    for d in range(D):
+                        src[0, 0, d] = normed[0, d]
+                _rope(src, cos, sin, positions, rot)
+                _store_kv(_at3(kvtab, layer, 0, kv_like), _at2(stab, layer, 0, s_like), kv_kind, kh, pos + r,
+                          rot[0, 0], one, codes, sc)  # fmt: skip
                 for d in range(D):
-                    qd[hh, d] = rot[0, 0, d]
-                    qa[hh, d] = rot[0, 0, d] * scale
-                qs[hh] = np.float32(0)
-        # KV heads: bias, k norm, RoPE for k; bias for v; append at pos
-        for kh in range(k0, k1):
-            for d in range(D):
-                v = qkv[0, QO + kh * D + d]
-                src[0, 0, d] = v + bias[layer, QO + kh * D + d] if has_bias else v
-            if has_norm:
-                _rms_rows(src[0], k_norm[layer], eps, normed)
-                for d in range(D):
-                    src[0, 0, d] = normed[0, d]
-            _rope(src, cos, sin, positions, rot)
-            _store_kv(_at3(kvtab, layer, 0, kv_like), _at2(stab, layer, 0, s_like), kv_kind, kh, pos, rot[0, 0], one,
-                      codes, sc)  # fmt: skip
-            for d in range(D):
-                v = qkv[0, KO + kh * D + d]
-                one[0, d] = v + bias[layer, KO + kh * D + d] if has_bias else v
-            _store_kv(_at3(kvtab, layer, 1, kv_like), _at2(stab, layer, 1, s_like), kv_kind, kh, pos, one[0].copy(),
-                      one, codes, sc)  # fmt: skip
+                    v = qkv[r, KO + kh * D + d]
+                    one[0, d] = v + bias[layer, KO + kh * D + d] if has_bias else v
+                _store_kv(_at3(kvtab, layer, 1, kv_like), _at2(stab, layer, 1, s_like), kv_kind, kh, pos + r,
+                          one[0].copy(), one, codes, sc)  # fmt: skip
         barrier(sync, nt)
         # attention of this worker's query heads, in runs that share a KV head (v2: the first
         # `dense` layers exact)
@@ -319,7 +329,12 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, moe, 
         Pl, PSl = _at3(ptab, layer, 0, p_like), _at2(ptab, layer, 1, s_like)
         t = min(layer, sel3.shape[0] - 1)  # where this layer's selection goes (StepScratch.sel)
         sel, stages, nsel = sel3[t], stages3[t], nsel2[t]
-        hh = h0
+        if R > 1:  # verification: this worker's KV heads, each reading its K/V once for all rows
+            for kh in range(k0, k1):
+                if not call_checked(calls[4], calls[5], (np.int64(kh), qa3, qs2, Kl, Vl, KSl, VSl, kv_kind == KV_INT8,
+                                    pos, scale, np.int64(G), bs, att3)):  # fmt: skip
+                    sync[4] = 1
+        hh = h0 if R == 1 else h1
         while hh < h1:
             kh = hh // G
             n = min(h1, (kh + 1) * G) - hh
@@ -340,8 +355,9 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, moe, 
         barrier(sync, nt)
         _matvec_at(_w(wtab, layer, 3), kinds[layer, 3], att_flat, y, np.int64(0), E, tid, nt, q8, exact)
         a, b = _own_rows(_w(wtab, layer, 3), kinds[layer, 3], E, tid, nt)
-        for o in range(a, b):
-            x[0, o] = x[0, o] + y[0, o]
+        for r in range(R):
+            for o in range(a, b):
+                x[r, o] = x[r, o] + y[r, o]
         barrier(sync, nt)
         _rms_rows(x, post_norm[layer], eps, h)
         sparse_mlp = False
@@ -354,8 +370,9 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, moe, 
             _silu_mul(gu, F, act)
             _matvec_at(_w(wtab, layer, 6), kinds[layer, 6], act, y, np.int64(0), E, tid, nt, q8, exact)
             a, b = _own_rows(_w(wtab, layer, 6), kinds[layer, 6], E, tid, nt)
-            for o in range(a, b):
-                x[0, o] = x[0, o] + y[0, o]
+            for r in range(R):
+                for o in range(a, b):
+                    x[r, o] = x[r, o] + y[r, o]
             barrier(sync, nt)
     if head_kind >= 0:
         _rms_rows(x, head_norm, eps, h)
@@ -395,14 +412,27 @@ def attention_call(args) -> tuple[int, int]:
     K, S, P = head(cache["kv_like"]), head(cache["s_like"]), head(cache["p_like"])
     kv = (K, K, S, S, b, i64, i64, i64)
     scale, select = typeof(args[5].scale), typeof(args[10])
+    qd, qa, qs, att = (head(scratch[n]) for n in ("qd", "qa", "qs", "att"))  # the step's row 0
     if args[10] is None:
-        sig = (scratch["qa"], scratch["qs"], *kv, scale, attn["block"], arr(b, 2), arr(i64, 1), scratch["att"], b,
-               arr(f32, 2))  # fmt: skip
+        sig = (qa, qs, *kv, scale, attn["block"], arr(b, 2), arr(i64, 1), att, b, arr(f32, 2))
         return address_checked(_attend_group, sig)
     sig = (
-        scratch["qd"], scratch["qa"], scratch["qs"], *kv, scale, b, arr(types.int8, 1), attn["k_blocks"],
-        attn["block"], attn["n_probe"], P, S, cache["per_block"], i64, scratch["att"],
+        qd, qa, qs, *kv, scale, b, arr(types.int8, 1), attn["k_blocks"],
+        attn["block"], attn["n_probe"], P, S, cache["per_block"], i64, att,
         head(scratch["sel"]), head(scratch["stages"]), head(scratch["nsel"]), b, arr(f32, 2), attn["flags"],
         attn["lut"], select,
     )  # fmt: skip
     return address_checked(_group, sig)
+
+
+def verify_call(args) -> tuple[int, int]:
+    """(address, type key) of attention.decode.verify_head for the types worker calls it with
+    on verification's rows (R > 1), args being worker's."""
+    cache = dict(zip(typeof(args[6]).fields, typeof(args[6]).types))
+    scratch = dict(zip(typeof(args[8]).fields, typeof(args[8]).types))
+    i64 = types.int64
+    K = types.Array(cache["kv_like"].dtype, 3, "C", readonly=not cache["kv_like"].mutable)
+    S = types.Array(cache["s_like"].dtype, 2, "C", readonly=not cache["s_like"].mutable)
+    sig = (i64, scratch["qa"], scratch["qs"], K, K, S, S, types.boolean, i64, typeof(args[5].scale), i64,
+           dict(zip(typeof(args[7]).fields, typeof(args[7]).types))["block"], scratch["att"])  # fmt: skip
+    return address_checked(verify_head, sig)
