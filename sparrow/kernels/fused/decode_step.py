@@ -20,8 +20,9 @@ block, as _group gives it), and splitting rows or heads between workers never ch
 what one row or head computes. Verification's R rows go through each phase together: the row
 dots take them as one x [R, E] (each row's bits those of its own dot, ir.make_rows_x), each
 KV head's K/V is read once for all of them (attention.decode.verify_head, a decode step's
-bits at each position), and every elementwise helper works row by row. Block formats run here: q8_0, q4_0, q4_1, and q5_0, q5_1 and
-the K-quants (q4_k, q5_k, q6_k) through kernels/matmul/kquants.py's row dots.
+bits at each position), and every elementwise helper works row by row. Block formats run
+here: q8_0, q4_0, q4_1, and q5_0, q5_1 and the K-quants (q4_k, q5_k, q6_k) through
+kernels/matmul/kquants.py's row dots.
 """
 
 import functools
