@@ -216,17 +216,18 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, moe, 
     """Worker tid of nt: decodes the token at position pos, x [1, E] being its embedding (the
     residual stream, updated in place); or, x [R, E] with R > 1, verification's rows at
     positions pos..pos+R-1 of one sequence, with exact attention (models/fused.py sends only
-    those: no selection, no MoE layer, whose phases take one row). model, cache, attn and scratch are the records above
-    (StepModel, StepCache, StepAttention, StepScratch), built by models/fused.py. Two types
-    choose what is compiled (numba prunes the branches a None never takes before typing
-    them): q8, None for exact activations or the q8 row kernel's address (see _matvec); select,
-    None for exact attention (no selection code) or True where attn's settings may select;
-    moe, None for a dense model or its MoE layers (moe_phase.StepMoE), which run moe_phase.
-    calls: (the exact row dots' address and their kq (exact_rows_address), used where q8 is
-    None; the address and type key of the attention for these types (attention_call)): called
-    through them, the row dots and the attention compile once on their own, not again into
-    this function (kernels/native_call.py); then the address and type key of verify_head for
-these types (verify_call), or zeros where R is 1. sync[4] is set where a key does not match."""
+    those: no selection, no MoE layer, whose phases take one row). model, cache, attn and
+    scratch are the records above (StepModel, StepCache, StepAttention, StepScratch), built by
+    models/fused.py. Two types choose what is compiled (numba prunes the branches a None never
+    takes before typing them): q8, None for exact activations or the q8 row kernel's address
+    (see _matvec); select, None for exact attention (no selection code) or True where attn's
+    settings may select; moe, None for a dense model or its MoE layers (moe_phase.StepMoE),
+    which run moe_phase. calls: (the exact row dots' address and their kq
+    (exact_rows_address), used where q8 is None; the address and type key of the attention
+    for these types (attention_call)): called through them, the row dots and the attention
+    compile once on their own, not again into this function (kernels/native_call.py); then
+    the address and type key of verify_head for these types (verify_call), or zeros where R
+    is 1. sync[4] is set where a key does not match."""
     # by name, so the records' field order is nobody's concern
     wtab = model.wtab
     kinds, offs, rows, bias, q_norm, k_norm = (
