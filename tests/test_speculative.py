@@ -178,6 +178,49 @@ def test_one_pass_verification_equals_decode_steps(default_llm, monkeypatch, kv,
         _assert_same_cache(slot.cache, caches[keep])
 
 
+@pytest.fixture(scope="module")
+def tiny_k_quant(tmp_path_factory):
+    """A Q4_K_M-style tiny Qwen3 file (q4_k and q6_k rows, q/k norms), in both activation modes."""
+    from sparrow.bench import shapes
+
+    import sparrow
+
+    tiny = dict(
+        hidden=256, layers=3, heads=4, kv_heads=2, head_dim=64, ffn=512, vocab=512, tied=True,
+        rope_theta=1e6, rms_eps=1e-6, context=128,
+    )  # fmt: skip
+    path = shapes.write_gguf(str(tmp_path_factory.mktemp("kq") / "tiny-k.gguf"), tiny, "q4_k_m", name="tiny")
+    llm = sparrow.load(path)
+    return {m: llm.with_activations(m).model for m in ("f32", "q8")}
+
+
+@pytest.mark.parametrize("mode", ["f32", "q8"])
+@pytest.mark.parametrize("kv", ["f16", "int8"])
+def test_fused_verification_of_k_quants_in_both_modes(tiny_k_quant, monkeypatch, mode, kv):
+    """The fused verification step over K-quant rows, exact or q8 activations: rows 2..8 give
+    the bits of the fused decode steps at their positions, and it is the step that ran."""
+    import sparrow.models.fused as fused_mod
+
+    monkeypatch.setattr(fused_mod, "BACKOFF_STEPS", 0)
+    model = tiny_k_quant[mode]
+    plan = model.fused_step()
+    plan.backoff = 0
+    ids = np.random.default_rng(5).integers(0, 486, 40)
+    P = 30
+    cache = model.new_cache(len(ids), kv)
+    model.forward([Segment(ids[:P], cache, 0)])
+    prefilled = copy.deepcopy(cache)
+    steps = plan.steps
+    plain = np.stack([model.forward([Segment(ids[i : i + 1], cache, i, decode=True)])[0] for i in range(P, len(ids))])
+    assert plan.steps - steps == len(ids) - P
+    for R in (2, 3, 8):
+        cache = copy.deepcopy(prefilled)
+        verified = plan.verified
+        rows = model.forward([Segment(ids[P + r : P + r + 1], cache, P + r, decode=True) for r in range(R)])
+        assert plan.verified == verified + 1, R
+        assert rows.tobytes() == plain[:R].tobytes(), R
+
+
 @pytest.mark.parametrize("kv", ["f32", "f16", "int8"])
 def test_verify_attention_equals_decode_attention(kv):
     """The kernel alone, on a random cache: rows at positions start..start+R-1, from the first
