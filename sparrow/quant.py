@@ -24,7 +24,10 @@ The numpy dequantisation here is the reference (bit-identical to gguf.quants.deq
 the fast kernels live in sparrow.kernels.linear.
 """
 
+import ctypes
 import functools
+import mmap
+import sys
 
 import numpy as np
 
@@ -325,3 +328,37 @@ class Weight:
         if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
             raise SparrowError(f"row id out of range [0, {self.shape[0]})")
         return self._dequant(self.data[ids])
+
+
+# madvise advice for the pages under a view of a read-only file mapping (advise_mapped_pages)
+MADV_RANDOM = 1  # fault in only the page touched: no readahead around it
+MADV_DONTNEED = 4  # out of this process's resident set; the page cache keeps the bytes
+
+
+def _mapping(a):
+    """The np.memmap of a file opened read-only that array a is a view into, or None."""
+    while a is not None:
+        if isinstance(a, np.memmap):
+            return a if a.mode == "r" else None
+        a = getattr(a, "base", None)
+    return None
+
+
+def advise_mapped_pages(a, advice: int) -> bool:
+    """madvise(advice) over the whole pages under a C-contiguous view a of a read-only file
+    mapping (Linux). Anonymous memory is never advised: DONTNEED would zero it. True when the
+    call was made and succeeded."""
+    m = _mapping(a)
+    if m is None or not a.flags.c_contiguous or not sys.platform.startswith("linux"):
+        return False
+    page = mmap.PAGESIZE
+    lo, hi = a.ctypes.data, a.ctypes.data + a.nbytes
+    m_lo = m.ctypes.data
+    if not (m_lo <= lo and hi <= m_lo + m.nbytes):
+        return False
+    start, end = -(-lo // page) * page, hi // page * page
+    if end <= start:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc.madvise(start, end - start, advice) == 0

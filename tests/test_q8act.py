@@ -3,6 +3,7 @@ CPU's path and on the generic one, batch and thread invariant, the same bits fus
 staged, and never on unless asked for."""
 
 import platform
+import sys
 
 import numba
 import numpy as np
@@ -272,13 +273,76 @@ def test_dropping_mapped_pages_keeps_the_bytes(tmp_path):
     assert _q8act.drop_mapped_pages(rw) is False and np.array_equal(rw, raw)
 
 
+@pytest.mark.parametrize("qtype", ["q4_0", "q5_1", "q8_0", "q4_k", "q6_k"])
+def test_interleave_in_chunks_equals_one_pass(monkeypatch, qtype):
+    """interleave copies rows in chunks of whole groups, reporting each once copied (the q8
+    mode drops its file pages there): the same groups as one pass over every row."""
+    from sparrow.bench.rows import random_rows
+    from sparrow.kernels.matmul.q8 import groups
+
+    data = random_rows(qtype, 70, 256, seed=4)  # 8 full groups and one of 6 rows
+    whole = groups.interleave(data, qtype)
+    monkeypatch.setattr(groups, "CHUNK_BYTES", 1)  # one group a chunk
+    seen = []
+    chunked = groups.interleave(data, qtype, seen.append)
+    assert np.array_equal(chunked, whole)
+    assert [len(r) for r in seen] == [8] * 8 + [6] and all(r.base is not None for r in seen)
+
+
 def test_the_q8_copy_releases_a_mapped_weights_pages(monkeypatch):
     w = make("q4_0", (64, 256), seed=3)
     seen = []
     monkeypatch.setattr(_q8act, "drop_mapped_pages", lambda a: seen.append(a) or False)
     q8w = prepare(w, "q8")
-    assert len(seen) == 1 and seen[0] is w.data
-    assert prepare(q8w, "q8") is q8w and len(seen) == 1  # once per weight
+    # each chunk once copied (one here: a small matrix), then the whole matrix for the pages
+    # chunk edges share
+    assert len(seen) == 2 and np.shares_memory(seen[0], w.data) and seen[0].shape == w.data.shape
+    assert seen[1] is w.data
+    assert prepare(q8w, "q8") is q8w and len(seen) == 2  # once per weight
+
+
+def _resident_kib(a) -> int:
+    """Resident KiB of this process's mapping (smaps VMA) that holds a's first byte."""
+    addr, vma = a.ctypes.data, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if "-" in parts[0] and ":" not in parts[0]:
+                lo, hi = (int(v, 16) for v in parts[0].split("-"))
+                vma = lo <= addr < hi
+            elif vma and parts[0] == "Rss:":
+                return int(parts[1])
+    raise AssertionError("no mapping holds the array")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="smaps and madvise: Linux")
+def test_q8_mode_keeps_the_files_pages_out_of_the_resident_set(tmp_path):
+    """Once the q8 mode has its copies, the file's pages stay out of this process's resident
+    set through a prefill and decode steps: small tensors (norms) are copies, not views of the
+    mapping, and the embedding table, only looked up where the head has its own rows, gives
+    back the pages each lookup faulted in. Exact mode with a tied head reads the table itself."""
+    from sparrow.bench import shapes
+    from sparrow.models.decoder import Segment
+    from sparrow.quant import _mapping
+
+    tiny = dict(
+        hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=512, vocab=4096, tied=True,
+        rope_theta=1e6, rms_eps=1e-6, context=256,
+    )  # fmt: skip
+    path = shapes.write_gguf(str(tmp_path / "tiny.gguf"), tiny, "q4_0", name="tiny")
+    llm = sparrow.load(path, activations="q8")
+    model = llm.model
+    assert model._lookup_only and all(_mapping(lay.input_norm) is None for lay in model.layers)
+    layers = llm.checkpoint.tensors["model.layers.1.mlp.down_proj.weight"].data  # in the layers' mapping
+    before = _resident_kib(layers)  # the file's header, read at load, may share it
+    ids = np.random.default_rng(0).integers(0, 4096, 200)
+    cache = model.new_cache(len(ids) + 8, "f32")
+    model.forward([Segment(ids, cache, 0)])
+    for i in range(4):
+        model.forward([Segment(ids[i : i + 1], cache, len(ids) + i, decode=True)])
+    assert _resident_kib(model.embed.data) == 0  # 200 random rows of a 2.3 MiB table
+    assert _resident_kib(layers) == before  # the norms are copies: nothing faulted back in
+    assert not sparrow.load(path, activations="f32").model._lookup_only  # the tied head reads it
 
 
 def _stored(name, fmt, nbytes, shape=(64, 64)):

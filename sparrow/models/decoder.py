@@ -19,7 +19,7 @@ from ..kernels.linear import linear, prepare
 from ..kv_cache import KVCache
 from ..loaders.tensor import StoredTensor
 from ..params import SparseParams
-from ..quant import Weight
+from ..quant import MADV_DONTNEED, MADV_RANDOM, Weight, advise_mapped_pages
 from .attention import Selections, decode_attention, prefill_attention, verify_attention
 from .fused import FusedDecode
 from .layers import MLP, FusedLinear, Rope, RowRope, rms_norm
@@ -194,6 +194,12 @@ class Decoder:
             self.lm_head = prepare(self.embed, activations)
         else:
             self.lm_head = prepare(get.weight("lm_head.weight"), activations)
+        # Where the head has its own rows (untied, or the q8 mode's copy), the table is only
+        # looked up, a row per token: embed_rows then keeps its file pages out of the resident
+        # set, which a few hundred random tokens' page faults (each mapping the readahead
+        # window or large folio around its row) had filled with most of it (~190 MiB of
+        # Qwen3-1.7B's 166 MiB table and its neighbours) beside the head's copy.
+        self._lookup_only = self.lm_head is not self.embed and advise_mapped_pages(self.embed.data, MADV_RANDOM)
         self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.mrope_section)
         # The fused decode step (models/fused.py), planned at the first decode; use_fused=False
         # (or SPARROW_FUSED=0) keeps every forward on the staged path, e.g. to time its stages.
@@ -203,6 +209,13 @@ class Decoder:
         # False attends them one by one, as decode steps would, on the staged path (the
         # benchmark's old path).
         self.verify_one_pass = True
+
+    def embed_rows(self, tokens) -> np.ndarray:
+        """The embeddings of tokens [N] -> [N, E] f32, a new array."""
+        x = np.array(self.embed.rows(tokens), dtype=np.float32)
+        if self._lookup_only:  # madvise DONTNEED on the table: cheap where few pages are mapped
+            advise_mapped_pages(self.embed.data, MADV_DONTNEED)
+        return x
 
     def fuses(self, trace) -> bool:
         """Whether a single sequence's decode step with this trace (Segment.trace) takes the fused
@@ -254,7 +267,7 @@ class Decoder:
             end = s.start + len(s.tokens)
             if end > s.cache.capacity:
                 raise SparrowError(f"sequence of {end} tokens exceeds the KV cache capacity {s.cache.capacity}")
-        x = self.embed.rows(tokens)  # [N, E]
+        x = self.embed_rows(tokens)  # [N, E]
         rope = None
         vis = [(bounds[j], s.vision) for j, s in enumerate(segments) if s.vision is not None]
         if vis or any(s.rope_delta for s in segments):  # Qwen3-VL after images only

@@ -314,7 +314,7 @@ class FusedDecode:
                 _, n_copied[i] = st.copy_for(cache.layers[i], sp, pos)
         kvtab, stab, ptab, kv_like, p_like, s_like, per_block, _ = self._arrays(cache, sp.copy_key if probed else None)
         cos, sin = model.rope.shifted(seg.rope_delta, pos + R)  # [>= pos + R, D/2]: row p = rope position p + delta
-        x = np.array(model.embed.rows(tokens), dtype=np.float32)  # [R, E], a private copy
+        x = model.embed_rows(tokens)  # [R, E], a private copy
         logits = np.empty((R, self.V), np.float32)  # [R, V]
         q8 = model.activations == "q8"
         wtab, kinds, head_w, head_kind = self.weights()

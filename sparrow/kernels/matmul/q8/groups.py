@@ -82,16 +82,27 @@ GROUP_BYTES = {q: GROUP * (r[-1][1] + r[-1][2]) for q, r in REGIONS.items()}  # 
 assert all(w in (2, 4) for rs in REGIONS.values() for *_, w in rs)  # the widths _interleave copies
 
 
-def interleave(data: np.ndarray, qtype: str) -> np.ndarray:
+CHUNK_BYTES = 32 << 20  # stored bytes interleave reads between two calls of its `done`
+
+
+def interleave(data: np.ndarray, qtype: str, done=None) -> np.ndarray:
     """Stored rows [O, nb * bb] -> groups [ceil(O / 8), nb * group bytes] in the layout above
-    (the last group padded with zero rows, whose scales 0 make them 0)."""
+    (the last group padded with zero rows, whose scales 0 make them 0). Rows go in chunks of
+    about CHUNK_BYTES, done(rows) hearing of each once it is copied: the q8 mode drops a file
+    mapping's pages there, so a large matrix (a tied head: the embedding table) is never
+    resident twice at load."""
     o_n, row_bytes = data.shape
     nb = row_bytes // BLOCK_BYTES[qtype]
     out = np.zeros((-(-o_n // GROUP), nb * GROUP_BYTES[qtype]), np.uint8)
     regions = np.array(REGIONS[qtype], np.int64)
-    _interleave(data, out, BLOCK_BYTES[qtype], GROUP_BYTES[qtype], regions)
-    if qtype in ("q4_k", "q5_k"):
-        _k_scales(data, out, BLOCK_BYTES[qtype], GROUP_BYTES[qtype])
+    step = max(1, CHUNK_BYTES // max(1, GROUP * row_bytes)) * GROUP  # whole groups
+    for a in range(0, o_n, step):
+        rows, groups = data[a : a + step], out[a // GROUP : (a + step) // GROUP]
+        _interleave(rows, groups, BLOCK_BYTES[qtype], GROUP_BYTES[qtype], regions)
+        if qtype in ("q4_k", "q5_k"):
+            _k_scales(rows, groups, BLOCK_BYTES[qtype], GROUP_BYTES[qtype])
+        if done is not None:
+            done(rows)
     return out
 
 

@@ -18,10 +18,6 @@ pmaddubsw, VNNI's vpdpbusd or the generic vector code numba emits elsewhere) giv
 bits, whatever T, batch or thread count.
 """
 
-import ctypes
-import mmap
-import sys
-
 import numpy as np
 from numba import njit
 
@@ -65,6 +61,7 @@ from sparrow.kernels.native_call import address_for, call_native
 from sparrow.kernels.options import KW, PARALLEL_MIN_MACS
 from sparrow.kernels.options import ROWS as _ROWS
 from sparrow.kernels.parallel import run_parallel
+from sparrow.quant import MADV_DONTNEED, advise_mapped_pages
 
 # formats.py's X8_KIND: q8_0, q4_0, q4_1, q5_0, q5_1 in q8.groups; q4_k, q5_k, q6_k in q8.kquant_groups
 __all__ = ["AVX2", "CPU_FEATURES", "Q8Weight", "matmul_amx", "matvec_q8", "quantize", "rows_q8"]
@@ -270,9 +267,9 @@ class Q8Weight:
     def __init__(self, w):
         if w.qtype not in X8_KIND:
             raise ValueError(f"the q8 mode has no kernel for {w.qtype} weights")
-        rows = interleave(w.data, w.qtype)
+        rows = interleave(w.data, w.qtype, drop_mapped_pages)  # each chunk's pages dropped once copied
         rows.flags.writeable = False  # the same array type as the stored (read-only) rows
-        drop_mapped_pages(w.data)
+        drop_mapped_pages(w.data)  # and the pages chunk edges shared
         self.stored = None if BY_NAME[w.qtype].q8_prefill else w
         self.rows, self.kind = rows, X8_KIND[w.qtype]
         self.qtype, self.shape = w.qtype, w.shape
@@ -292,15 +289,6 @@ class Q8Weight:
 # neither AMX nor zmm tiles. Speeds per format: docs/kernels.md.
 
 
-def _mapping(a):
-    """The np.memmap of a file opened read-only that array a is a view into, or None."""
-    while a is not None:
-        if isinstance(a, np.memmap):
-            return a if a.mode == "r" else None
-        a = getattr(a, "base", None)
-    return None
-
-
 def drop_mapped_pages(a) -> bool:
     """Takes the whole pages under a C-contiguous view a of a read-only file mapping out of
     this process's resident set (madvise MADV_DONTNEED: the file's pages stay in the page
@@ -308,20 +296,7 @@ def drop_mapped_pages(a) -> bool:
     its interleaved copy, the stored rows it was made from are read only by the exact mode,
     so the copy no longer doubles resident weights. Anonymous memory (a converted weight)
     is never touched, since DONTNEED would zero it. True when pages were dropped."""
-    m = _mapping(a)
-    if m is None or not a.flags.c_contiguous or not sys.platform.startswith("linux"):
-        return False
-    page = mmap.PAGESIZE
-    lo, hi = a.ctypes.data, a.ctypes.data + a.nbytes
-    m_lo = m.ctypes.data
-    if not (m_lo <= lo and hi <= m_lo + m.nbytes):
-        return False
-    start, end = -(-lo // page) * page, hi // page * page
-    if end <= start:
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return libc.madvise(start, end - start, 4) == 0  # MADV_DONTNEED
+    return advise_mapped_pages(a, MADV_DONTNEED)
 
 
 def quantize_padded(x, rows):
