@@ -280,6 +280,19 @@ def _group(
     nb = (seq_len + bs - 1) // bs
     mark = np.zeros((G, nb), dtype=np.bool_)
     ntok = np.zeros(G, dtype=np.int64)
+    _select(q, qs, K2, ks, int8, h0, G, seq_len, scale, sparse, reserved, k_blocks, bs, n_probe, P2, ps, per_block,
+            n_copied, sel, stages, nsel, flags, lut, select, mark, ntok)  # fmt: skip
+    _attend_group(qa, qs, K2, V2, ks, vs, int8, h0, G, seq_len, scale, bs, mark, ntok, out, want_p, pacc)
+
+
+@njit(cache=True, nogil=True)
+def _select(
+    q, qs, K2, ks, int8, h0, G, seq_len, scale, sparse, reserved, k_blocks, bs, n_probe, P2, ps, per_block, n_copied,
+    sel, stages, nsel, flags, lut, select, mark, ntok,
+):  # fmt: skip
+    """_group's selection: sel, stages and nsel of heads h0..h0+G-1, and mark [G, >= nb] (all
+    False on entry) and ntok [G] (0 on entry) as the attention takes them."""
+    nb = (seq_len + bs - 1) // bs
     if select is not None and sparse and k_blocks < nb:  # with k >= nb every block is taken whatever the probes say
         probe = np.empty(nb, dtype=np.float32)
         tmp = np.empty(max(bs, n_copied * per_block), dtype=np.float32)
@@ -310,7 +323,6 @@ def _group(
                 mark[g, b] = True
             nsel[h0 + g] = nb
             ntok[g] = seq_len
-    _attend_group(qa, qs, K2, V2, ks, vs, int8, h0, G, seq_len, scale, bs, mark, ntok, out, want_p, pacc)
 
 
 @njit(cache=True, nogil=True)
@@ -402,50 +414,65 @@ def decode_kernel(
         )
 
 
+# queries of a sparse prefill attended together (sparse_prefill_kernel): their G heads each
+# make R * G rows of one _attend_rows pass, which reads (and widens) a block once for every row
+# that selected it
+_PREFILL_ROWS = 8
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def sparse_prefill_kernel(
     q, qa, qs, K, V, ks, vs, int8, start, scale, G, k_blocks, bs, n_probe, out, pacc, want_p, flags, P, n_summ, lut
 ):
     """P [KVH, n, 2D] / n_summ: v2's block summaries of the full blocks below start + T (flags
-    set); the seed probes K itself (P unused)."""
+    set); the seed probes K itself (P unused).
+
+    Each query selects its blocks over its own causal prefix as a decode step at its position
+    would (_select, no importance), and runs of _PREFILL_ROWS queries attend in one
+    _attend_rows pass, each (query, head) row with its own marks and length: each row's bits
+    are its own decode step's. A row's probabilities land in pacc[head] in query order, as one
+    query at a time would add them (each goes to a zeroed row first: 0 + p is p)."""
     T, H = q.shape[0], q.shape[1]
-    nbmax = (start + T + bs - 1) // bs
+    S = start + T
+    nbmax = (S + bs - 1) // bs
+    R = _PREFILL_ROWS
     for kh in prange(K.shape[0]):
         sel = np.empty((H, nbmax), dtype=np.int64)
         stages = np.empty((H, nbmax), dtype=np.int8)
         nsel = np.empty(H, dtype=np.int64)
-        for t in range(T):
-            n = start + t + 1
-            none = np.full((n + bs - 1) // bs, -1, dtype=np.int8)  # prefill: no importance
-            _group(
-                q[t],
-                qa[t],
-                qs[t],
-                K[kh],
-                V[kh],
-                ks[kh],
-                vs[kh],
-                int8,
-                kh * G,
-                G,
-                n,
-                scale,
-                True,
-                none,
-                k_blocks,
-                bs,
-                n_probe,
-                P[kh],
-                ks[kh],
-                1,
-                min(n_summ, n // bs) if flags else 0,
-                out[t],
-                sel,
-                stages,
-                nsel,
-                want_p,
-                pacc,
-                flags,
-                lut,
-                True,
-            )
+        mark = np.zeros((R * G, nbmax), dtype=np.bool_)
+        ntok = np.zeros(R * G, dtype=np.int64)
+        lens = np.zeros(R * G, dtype=np.int64)
+        rq = np.empty((R * G, q.shape[2]), dtype=np.float32)
+        rs = np.empty(R * G, dtype=np.float32)
+        ro = np.empty((R * G, q.shape[2]), dtype=np.float32)
+        rp = np.zeros((R * G if want_p else 1, S if want_p else 1), dtype=np.float32)
+        for t0 in range(0, T, R):
+            n_rows = min(R, T - t0) * G
+            for r in range(n_rows // G):
+                t = t0 + r
+                n = start + t + 1
+                none = np.full((n + bs - 1) // bs, -1, dtype=np.int8)  # prefill: no importance
+                rows = mark[r * G : r * G + G]
+                rows[:] = False
+                ntok[r * G : r * G + G] = 0
+                _select(q[t], qs[t], K[kh], ks[kh], int8, kh * G, G, n, scale, True, none, k_blocks, bs, n_probe,
+                        P[kh], ks[kh], 1, min(n_summ, n // bs) if flags else 0, sel, stages, nsel, flags, lut, True,
+                        rows, ntok[r * G : r * G + G])  # fmt: skip
+                for g in range(G):
+                    lens[r * G + g] = n
+                    rq[r * G + g] = qa[t, kh * G + g]
+                    rs[r * G + g] = qs[t, kh * G + g]
+            nb = (start + t0 + n_rows // G + bs - 1) // bs
+            _attend_rows(rq[:n_rows], rs[:n_rows], K[kh], V[kh], ks[kh], vs[kh], int8, 0, n_rows, lens[:n_rows], scale,
+                         bs, mark[:n_rows], ntok[:n_rows], ro, want_p, rp)  # fmt: skip
+            for r in range(n_rows // G):
+                for g in range(G):
+                    row = r * G + g
+                    out[t0 + r, kh * G + g] = ro[row]
+                    if want_p:  # this row's probabilities into its head's, then the row zeroed again
+                        for b in range(nb):
+                            if mark[row, b]:
+                                for p in range(b * bs, min(b * bs + bs, lens[row])):
+                                    pacc[kh * G + g, p] += rp[row, p]
+                                    rp[row, p] = 0
