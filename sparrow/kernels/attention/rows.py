@@ -9,9 +9,8 @@
 
 K2 / V2 are one KV head's rows [C, D] stored as float32, IEEE half bits (uint16) or int8 codes;
 q, w and acc are float32. Rows are widened 16 lanes at a time; a head_dim that is not a
-multiple of 16 finishes with scalar fma; head_dim 64 and 128 (and, for dots, 256: v2's block
-summaries) have unrolled paths that keep q (dots) and the accumulators (accum) in registers,
-with the same arithmetic as the loop.
+multiple of 16 finishes with scalar fma; head_dim 64 and 128 have unrolled paths that keep q
+(dots) and the accumulators (accum) in registers, with the same arithmetic as the loop.
 
 Why IR: numba's loops leave a dot's accumulator in one scalar chain and keep the weighted
 sum's accumulator in memory (a store-to-load dependency on every row), which made exact
@@ -146,23 +145,6 @@ def _dots_fixed(builder, kind, qp, kp, sp, dim, t0v, stepv, offv, n):
     _dots_generic(builder, kind, qp, kp, sp, i64(dim), t0v, stepv, offv, builder.shl(ngroups, i64(2)), n)
 
 
-# row lengths with an unrolled dots path: head_dim 64 and 128, and 256, v2's block summaries
-# [mean, variance] of head_dim 128 (which v2 scores every block's with each query)
-_FIXED_DIMS = (64, 128, 256)
-
-
-def _dots_dispatch(builder, kind, qp, kp, sp, d, t0v, stepv, offv, n, dims):
-    """_dots_fixed for the first of dims that d equals, else _dots_generic (the same bits)."""
-    if not dims:
-        _dots_generic(builder, kind, qp, kp, sp, d, t0v, stepv, offv, ir.Constant(_I64, 0), n)
-        return
-    with builder.if_else(builder.icmp_signed("==", d, ir.Constant(_I64, dims[0]))) as (fixed, other):
-        with fixed:
-            _dots_fixed(builder, kind, qp, kp, sp, dims[0], t0v, stepv, offv, n)
-        with other:
-            _dots_dispatch(builder, kind, qp, kp, sp, d, t0v, stepv, offv, n, dims[1:])
-
-
 @intrinsic
 def dots(typingctx, q, K2, t0, t1, step, s, off):
     """Raw dot products of q with rows t0, t0+step, ... < t1 of K2 into s[off:]; returns the count."""
@@ -180,7 +162,15 @@ def dots(typingctx, q, K2, t0, t1, step, s, off):
         span = builder.sub(t1v, t0v)
         n = builder.sdiv(builder.add(span, builder.sub(stepv, ir.Constant(_I64, 1))), stepv)
         n = builder.select(builder.icmp_signed(">", span, ir.Constant(_I64, 0)), n, ir.Constant(_I64, 0))
-        _dots_dispatch(builder, kind, qp, kp, sp, d, t0v, stepv, offv, n, _FIXED_DIMS)
+        with builder.if_else(builder.icmp_signed("==", d, ir.Constant(_I64, 64))) as (d64, other):
+            with d64:
+                _dots_fixed(builder, kind, qp, kp, sp, 64, t0v, stepv, offv, n)
+            with other:
+                with builder.if_else(builder.icmp_signed("==", d, ir.Constant(_I64, 128))) as (d128, rest):
+                    with d128:
+                        _dots_fixed(builder, kind, qp, kp, sp, 128, t0v, stepv, offv, n)
+                    with rest:
+                        _dots_generic(builder, kind, qp, kp, sp, d, t0v, stepv, offv, ir.Constant(_I64, 0), n)
         return n
 
     return sig, codegen
