@@ -359,6 +359,12 @@ def advise_mapped_pages(a, advice: int) -> bool:
     start, end = -(-lo // page) * page, hi // page * page
     if end <= start:
         return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return libc.madvise(start, end - start, advice) == 0
+    return _madvise()(start, end - start, advice) == 0
+
+
+@functools.cache
+def _madvise():
+    """libc's madvise, looked up once: a decode step calls it (Decoder.embed_rows)."""
+    f = ctypes.CDLL(None, use_errno=True).madvise
+    f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return f

@@ -253,8 +253,8 @@ class Decoder:
             if self._fused and self._fused.backoff > 0 and self.use_fused:
                 return self._fused.staged_step(self._staged, segments)  # [1, V], timed
         elif (
-            segments[0].decode and not all_logits and self.verify_one_pass and self.fuses(None)
-            and self._fused.verifies(segments)
+            not all_logits and self.verify_one_pass and _verify_run(segments, 0) == len(segments)
+            and self.fuses(None) and self._fused.verifies(segments)
         ):  # fmt: skip
             return self._fused.verify(segments)  # [R, V]: one sequence's verification rows
         return self._staged(segments, all_logits, with_last)

@@ -268,21 +268,16 @@ class FusedDecode:
             raise SparrowError("fused decode: the attention kernel's argument types do not match its address")
 
     def verifies(self, segments) -> bool:
-        """Whether verify takes these segments: 2..SMALL_T single-token decode rows of one
-        sequence at consecutive positions, untraced, with exact attention, in a dense model."""
+        """Whether verify takes one sequence's verification rows (models.decoder._verify_run
+        found them: single-token decode rows at consecutive positions, untraced): 2 to SMALL_T
+        of them, with exact attention, no images, in a dense model."""
         s = segments[0]
         return (
             1 < len(segments) <= SMALL_T
             and self.moe is None
             and s.sparse is None
-            and s.trace is None
-            and s.vision is None
-            and all(
-                t.decode and t.cache is s.cache and t.sparse is None and t.trace is None and t.vision is None
-                and t.start == s.start + j and t.rope_delta == s.rope_delta and len(t.tokens) == 1
-                for j, t in enumerate(segments)
-            )
-        )  # fmt: skip
+            and all(t.vision is None and t.rope_delta == s.rope_delta and len(t.tokens) == 1 for t in segments)
+        )
 
     def __call__(self, seg) -> np.ndarray:
         """Decodes seg (one token at seg.start over its cache) -> logits [1, V]; with sparse

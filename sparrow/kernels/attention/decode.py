@@ -447,12 +447,12 @@ def sparse_prefill_kernel(
         rs = np.empty(R * G, dtype=np.float32)
         ro = np.empty((R * G, q.shape[2]), dtype=np.float32)
         rp = np.zeros((R * G if want_p else 1, S if want_p else 1), dtype=np.float32)
+        none = np.full(nbmax, -1, dtype=np.int8)  # prefill: no importance (_select reads a query's blocks only)
         for t0 in range(0, T, R):
             n_rows = min(R, T - t0) * G
             for r in range(n_rows // G):
                 t = t0 + r
                 n = start + t + 1
-                none = np.full((n + bs - 1) // bs, -1, dtype=np.int8)  # prefill: no importance
                 rows = mark[r * G : r * G + G]
                 rows[:] = False
                 ntok[r * G : r * G + G] = 0

@@ -336,7 +336,7 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, moe, 
                 if not call_checked(calls[4], calls[5], (np.int64(kh), qa3, qs2, Kl, Vl, KSl, VSl, kv_kind == KV_INT8,
                                     pos, scale, np.int64(G), bs, att3)):  # fmt: skip
                     sync[4] = 1
-        hh = h0 if R == 1 else h1
+        hh = h0 if R == 1 else h1  # a decode step's query heads (none for verification's rows)
         while hh < h1:
             kh = hh // G
             n = min(h1, (kh + 1) * G) - hh
@@ -401,12 +401,11 @@ def attention_call(args) -> tuple[int, int]:
     with, args being worker's: attention.decode._group where the request may select blocks,
     else its kernel, _attend_group (call_checked verifies the types when worker compiles: a
     mismatch sets sync[4] instead of calling)."""
-    rec = {n: dict(zip(typeof(a).fields, typeof(a).types)) for n, a in zip(("cache", "attn", "scratch"), args[6:9])}
-    cache, attn, scratch = rec["cache"], rec["attn"], rec["scratch"]
+    cache, attn, scratch = _record_types(args)
     i64, f32, b = types.int64, types.float32, types.boolean
 
     def head(like):  # a[i] of a C array a typed like (view(..., like)[kh], scratch.sel[t]): one dimension fewer
-        return types.Array(like.dtype, like.ndim - 1, "C", readonly=not like.mutable)
+        return _c_array(like, like.ndim - 1)
 
     def arr(dtype, nd):
         return types.Array(dtype, nd, "C")
@@ -430,11 +429,19 @@ def attention_call(args) -> tuple[int, int]:
 def verify_call(args) -> tuple[int, int]:
     """(address, type key) of attention.decode.verify_head for the types worker calls it with
     on verification's rows (R > 1), args being worker's."""
-    cache = dict(zip(typeof(args[6]).fields, typeof(args[6]).types))
-    scratch = dict(zip(typeof(args[8]).fields, typeof(args[8]).types))
+    cache, attn, scratch = _record_types(args)
     i64 = types.int64
-    K = types.Array(cache["kv_like"].dtype, 3, "C", readonly=not cache["kv_like"].mutable)
-    S = types.Array(cache["s_like"].dtype, 2, "C", readonly=not cache["s_like"].mutable)
+    K, S = _c_array(cache["kv_like"], 3), _c_array(cache["s_like"], 2)  # a layer's arrays, as _at3 / _at2 view them
     sig = (i64, scratch["qa"], scratch["qs"], K, K, S, S, types.boolean, i64, typeof(args[5].scale), i64,
-           dict(zip(typeof(args[7]).fields, typeof(args[7]).types))["block"], scratch["att"])  # fmt: skip
+           attn["block"], scratch["att"])  # fmt: skip
     return address_checked(verify_head, sig)
+
+
+def _record_types(args) -> tuple[dict, dict, dict]:
+    """The numba types of worker's StepCache, StepAttention and StepScratch (args[6:9]) by field."""
+    return tuple(dict(zip(typeof(a).fields, typeof(a).types)) for a in args[6:9])
+
+
+def _c_array(like, nd):
+    """The type of a C array of nd dimensions with like's dtype and read-only flag."""
+    return types.Array(like.dtype, nd, "C", readonly=not like.mutable)
