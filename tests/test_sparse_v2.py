@@ -134,6 +134,27 @@ def test_identical_blocks_tie_to_the_lower_index(dtype):
         assert trace[0][1] == want
 
 
+def test_threshold_is_the_partitions_order_statistic():
+    """select_v2_nb's threshold (a one-pass heap) is the want-th largest free score exactly as
+    np.partition finds it: repeats counted, NaN above every number, taken blocks skipped."""
+    from sparrow.kernels.attention.select import _kth_largest_free
+
+    rng = np.random.default_rng(11)
+    for trial in range(300):
+        n = int(rng.integers(1, 300))
+        score = rng.integers(-4, 5, n).astype(np.float32) if trial % 2 else rng.standard_normal(n).astype(np.float32)
+        if trial % 5 == 0:
+            score[rng.integers(0, n, max(1, n // 7))] = np.nan
+        mark = np.where(rng.random(n) < 0.1, 2, -1).astype(np.int8)
+        free = score[mark < 0]
+        if free.size == 0:
+            continue
+        want = int(rng.integers(1, free.size + 1))
+        expect = np.partition(free, free.size - want)[free.size - want]
+        got = _kth_largest_free(score, mark, want)
+        assert (np.isnan(got) and np.isnan(expect)) or got == expect, (trial, n, want)
+
+
 # ---------------------------------------------------------------- against the reference
 @pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
 @pytest.mark.parametrize("k", [1, 2, 3, 5, 8])

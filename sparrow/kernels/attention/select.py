@@ -204,6 +204,50 @@ def v2_query(q, qs, int8, scale, u):
         u[D + d] = half * (x * x)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _above(x, y):
+    """x ranks above y: the larger value, NaN above every number (np.partition's order)."""
+    return x > y or (x != x and y == y)
+
+
+@njit(cache=True, nogil=True)
+def _kth_largest_free(score, mark, want):
+    """The want-th largest score[b] over the free blocks (mark[b] < 0), repeats counted, as
+    np.partition finds it, from one pass with a min-heap of the want largest so far: the pass
+    reads each score once and k is small (4,096 blocks a head at 128K, k = 32), where a
+    partition copies the scores twice and walks them several times."""
+    heap = np.empty(want, dtype=np.float32)  # heap[0]: the lowest-ranked of those kept
+    m = 0
+    for b in range(score.shape[0]):
+        if mark[b] >= 0:
+            continue
+        x = score[b]
+        if m < want:
+            i = m
+            m += 1
+            while i > 0:
+                p = (i - 1) >> 1
+                if not _above(heap[p], x):
+                    break
+                heap[i] = heap[p]
+                i = p
+            heap[i] = x
+        elif _above(x, heap[0]):
+            i = 0
+            while True:
+                c = 2 * i + 1
+                if c >= want:
+                    break
+                if c + 1 < want and _above(heap[c], heap[c + 1]):
+                    c += 1
+                if not _above(x, heap[c]):
+                    break
+                heap[i] = heap[c]
+                i = c
+            heap[i] = x
+    return heap[0]
+
+
 @njit(cache=True, nogil=True)
 def select_v2_nb(score, flags, k, sel, stages):
     """v2 selection over n = len(score) blocks: the last block (with V2_RECENT), block 0 (with
@@ -221,16 +265,9 @@ def select_v2_nb(score, flags, k, sel, stages):
         taken += 1
     want = limit - taken
     if want > 0:
-        # the want-th largest free score by one O(n) partition (not a sort: 1024 blocks per
-        # head at 32K), then every free block above it and, in index order, as many at it as
-        # fit: "largest first, ties to the lower index"
-        free = np.empty(n - taken, dtype=np.float32)
-        j = 0
-        for b in range(n):
-            if mark[b] < 0:
-                free[j] = score[b]
-                j += 1
-        thr = np.partition(free, j - want)[j - want]
+        # the want-th largest free score, then every free block above it and, in index
+        # order, as many at it as fit: "largest first, ties to the lower index"
+        thr = _kth_largest_free(score, mark, want)
         for b in range(n):
             if mark[b] < 0 and score[b] > thr:
                 mark[b] = STAGE_SCORE
