@@ -290,16 +290,16 @@ class ProbeKeys:
 
 class BlockSummaries:
     """v2's block summaries: rows[kh, b] = [mean, variance] of the keys of full block b,
-    float32 [2D] (sparse_select.summarise_block), so a block's score is one 2D-wide dot;
-    the first `blocks` full blocks are valid. 2 rows of f32 per block: 1/16 of an f32 K,
-    where the seed's probe copy is 1/4 of K's bytes."""
+    float16 bits [2D] (sparse_select.summarise_block), so a block's score is one 2D-wide dot;
+    the first `blocks` full blocks are valid. 2 rows of f16 per block: 1/32 of an f32 K and
+    1/8 of an int8 one, where the seed's probe copy is 1/4 of K's bytes."""
 
     per_block = 1
 
     def __init__(self, layer, block):
         self.block = block
         n = layer.capacity // block
-        self.rows = np.zeros((layer.n_kv_heads, n, 2 * layer.head_dim), np.float32)  # [KVH, n, 2D]
+        self.rows = np.zeros((layer.n_kv_heads, n, 2 * layer.head_dim), np.uint16)  # [KVH, n, 2D] f16 bits
         self.scale = np.zeros((layer.n_kv_heads, 1), np.float32)  # [KVH, 1], never read
         self.blocks = 0
 
@@ -319,7 +319,7 @@ class BlockSummaries:
     @staticmethod
     def bytes_at(n_kv_heads, head_dim, capacity, block):
         """nbytes of BlockSummaries(layer, block) for a layer of `capacity`."""
-        return n_kv_heads * (capacity // block) * 2 * head_dim * 4
+        return n_kv_heads * (capacity // block) * 2 * head_dim * 2
 
     def resized(self, layer, blocks):
         """A copy for `layer` (resized) keeping the first `blocks` full blocks."""

@@ -36,15 +36,27 @@ def ref_query(qh, layer):
     return np.clip(np.rint(qh / qs), -127, 127) * float(qs) if qs > 0 else np.zeros_like(qh)
 
 
+def ref_summary(rows):
+    """[mean, var] of a block's keys (float32 [n, D]) as the doc's step 2 computes them: float32
+    sums left to right, one division, then each rounded to float16 (held within +-65504)."""
+    n = np.float32(len(rows))
+    mean = np.cumsum(rows, axis=0, dtype=np.float32)[-1] / n
+    sq = (rows - mean) * (rows - mean)  # float32 products
+    var = np.cumsum(sq, axis=0, dtype=np.float32)[-1] / n
+    f16 = lambda x: np.clip(x, -65504, 65504).astype(np.float16).astype(np.float64)  # noqa: E731
+    return f16(mean), f16(var)
+
+
 def ref_scores(qh, layer, kh, seq_len, block):
     """score_b = s q.mean_b + s^2/2 sum_d q_d^2 var_b,d over the stored keys of each block."""
-    K, _, _ = stored_rows(layer, layer.k, layer.k_scale, kh, seq_len)
+    if layer.k.dtype == np.int8:  # keys widened as the doc says: code * scale in float32
+        K = layer.k[kh, :seq_len].astype(np.float32) * layer.k_scale[kh, :seq_len, None]
+    else:
+        K = stored_rows(layer, layer.k, layer.k_scale, kh, seq_len)[0].astype(np.float32)
     q = ref_query(qh, layer)
     out = []
     for p0 in range(0, seq_len, block):
-        rows = K[p0 : min(p0 + block, seq_len)]
-        mean = rows.mean(axis=0)
-        var = ((rows - mean) ** 2).mean(axis=0)
+        mean, var = ref_summary(K[p0 : min(p0 + block, seq_len)])
         out.append(SCALE * q @ mean + SCALE**2 / 2 * (q * q) @ var)
     return out
 
@@ -132,6 +144,25 @@ def test_identical_blocks_tie_to_the_lower_index(dtype):
         trace = []
         decode_attention(q, cache.layers[0], cache.sparse[0], 20, SCALE, SparseParams(k=k, block=4, select="v2"), trace)
         assert trace[0][1] == want
+
+
+def test_summaries_past_the_float16_range_clamp_and_tie():
+    # blocks 1 and 2 hold keys of +-1000 along channel 0 (variance 1e6, past float16's 65504):
+    # both summaries clamp to the same finite value and the tie goes to the lower index
+    keys = np.zeros((20, D), np.float32)
+    keys[4:8, 0] = [1000.0, -1000.0, 1000.0, -1000.0]
+    keys[8:12, 0] = [-1000.0, 1000.0, -1000.0, 1000.0]
+    cache = one_head_cache(keys, "f32")
+    q = np.zeros((H, D), np.float32)
+    q[:, 0] = 1.0
+    trace, sp = [], SparseParams(k=3, block=4, select="v2")
+    out = decode_attention(q, cache.layers[0], cache.sparse[0], 20, SCALE, sp, trace)
+    assert np.isfinite(out).all()
+    summ = cache.sparse[0].block_summaries(cache.layers[0], 4, 20)[0].rows[0, :4].view(np.float16)
+    assert summ[1, D] == summ[2, D] == np.float16(65504) and summ[1, 0] == summ[2, 0] == 0
+    assert trace[0][1] == [0, 1, 4]
+    scores = ref_scores(q[0], cache.layers[0], 0, 20, 4)
+    assert scores[1] == scores[2] and (trace[0][1], trace[0][2]) == ref_select(scores, 3)
 
 
 def test_threshold_is_the_partitions_order_statistic():

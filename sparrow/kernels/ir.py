@@ -401,3 +401,16 @@ def make_rows_x(emit):
         return sig, codegen
 
     return intrinsic(rows_x)
+
+
+@intrinsic
+def f16_bits(typingctx, x):
+    """float32 -> IEEE half (round to nearest even, like numpy's astype(float16)) as uint16 bits."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        h = builder.fptrunc(args[0], ir.HalfType())
+        return builder.bitcast(h, I16)
+
+    return types.uint16(types.float32), codegen

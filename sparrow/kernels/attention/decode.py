@@ -212,7 +212,7 @@ def _probe(q, qs, K2, ks, int8, seq_len, bs, n_probe, P2, ps, per_block, n_copie
         probe[b] = max(np.float32(-1e30), max_at(tmp, 0, n))
 
 
-_V2_CHUNK = 64  # summary rows scored by every head of a group in turn: 64 KB at D=128, L2-resident
+_V2_CHUNK = 64  # summary rows scored by every head of a group in turn: 32 KB at D=128, L2-resident
 
 
 @njit(cache=True, nogil=True)
@@ -300,7 +300,7 @@ def _select(
         if flags & V2_ON:
             D = q.shape[1]
             U = np.empty((G, 2 * D), dtype=np.float32)
-            row = np.empty((1, 2 * D), dtype=np.float32)
+            row = np.empty((1, 2 * D), dtype=np.uint16)
             _v2_scores(q, qs, int8, scale, h0, K2, ks, lut, seq_len, bs, P2, n_copied, U, row, scores)
         for g in range(G):
             h = h0 + g

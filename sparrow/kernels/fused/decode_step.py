@@ -36,7 +36,8 @@ from sparrow.kernels.attention.select import reserve_importance_nb
 from sparrow.kernels.elementwise import _quant_rows, _rms_rows, _rope, _silu_mul
 from sparrow.kernels.formats import X8_FIRST
 from sparrow.kernels.fused.moe_phase import moe_phase
-from sparrow.kernels.fused.sync import barrier, f16_bits
+from sparrow.kernels.fused.sync import barrier
+from sparrow.kernels.ir import f16_bits
 from sparrow.kernels.matmul.q8.groups import GROUP
 from sparrow.kernels.matmul.q8.quantized import quantize as _q8_quantize
 from sparrow.kernels.matmul.q8.quantized import rows_address as _q8_rows_address

@@ -156,16 +156,3 @@ def barrier(sync, n):
             if spins == limit + 1:
                 atomic_add(sync, 2, 1)  # a long wait: the caller reads this as contention
             sched_yield()
-
-
-@intrinsic
-def f16_bits(typingctx, x):
-    """float32 -> IEEE half (round to nearest even, like numpy's astype(float16)) as uint16 bits."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        h = builder.fptrunc(args[0], ir.HalfType())
-        return builder.bitcast(h, ir.IntType(16))
-
-    return types.uint16(types.float32), codegen
