@@ -345,6 +345,32 @@ def test_q8_mode_keeps_the_files_pages_out_of_the_resident_set(tmp_path):
     assert not sparrow.load(path, activations="f32").model._lookup_only  # the tied head reads it
 
 
+_HEAP_CHILD = """
+import numpy as np
+from sparrow.quant import trim_heap
+def anon():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("RssAnon")) // 1024
+big = np.ones(24 << 18, np.float32); del big  # a freed 24 MiB mapping: glibc's threshold rises to it
+arrays = [np.ones(6 << 18, np.float32) for _ in range(12)]  # 6 MiB each, now from the heap
+pin = np.ones(1 << 18, np.float32)  # 1 MiB from the heap's top, above them: it cannot shrink past
+del arrays
+held = anon()
+trim_heap()
+print(held - anon())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_trim_heap_gives_freed_arrays_back():
+    """A prefill's freed arrays stay resident in the C heap (glibc's raised mmap threshold)
+    until trim_heap, which the runner calls after each prefill chunk and the decoder after its
+    build: 72 MiB freed below a live array leave the resident set only through it."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _HEAP_CHILD], capture_output=True, text=True, check=True)
+    assert int(out.stdout) >= 64, out.stdout
+
+
 def _stored(name, fmt, nbytes, shape=(64, 64)):
     """A StoredTensor of `nbytes` bytes that allocates none (a broadcast view)."""
     import gguf

@@ -22,6 +22,7 @@ from ..kv_cache import KVCache, thin_snapshots
 from ..models.attention import Selections
 from ..models.decoder import Segment
 from ..params import SparseParams
+from ..quant import trim_heap
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: keeps the activations of a long prompt small
 
@@ -113,6 +114,7 @@ class Runner:
             every, last = self.model.forward([seg], all_logits=True, with_last=True)  # [T, V], [1, V]
             rows.append(every)
             logits = last[0]
+        trim_heap()  # the chunk's transient arrays, freed into the heap, leave the resident set
         if stop % self.prefill_chunk == 0:  # a boundary the prefix cache may reuse from
             slot.snapshots[stop] = slot.cache.importance_snapshot()  # [L, stop]
             thin_snapshots(slot.snapshots, self.prefill_chunk)

@@ -19,7 +19,7 @@ from ..kernels.linear import linear, prepare
 from ..kv_cache import KVCache
 from ..loaders.tensor import StoredTensor
 from ..params import SparseParams
-from ..quant import MADV_DONTNEED, MADV_RANDOM, Weight, advise_mapped_pages
+from ..quant import MADV_DONTNEED, MADV_RANDOM, Weight, advise_mapped_pages, trim_heap
 from .attention import Selections, decode_attention, prefill_attention, verify_attention
 from .fused import FusedDecode
 from .layers import MLP, FusedLinear, Rope, RowRope, rms_norm
@@ -209,6 +209,7 @@ class Decoder:
         # False attends them one by one, as decode steps would, on the staged path (the
         # benchmark's old path).
         self.verify_one_pass = True
+        trim_heap()  # the build's transient arrays (fused and interleaved copies' sources)
 
     def embed_rows(self, tokens) -> np.ndarray:
         """The embeddings of tokens [N] -> [N, E] f32, a new array."""
