@@ -60,7 +60,14 @@ def linear_hashes() -> dict[str, str]:
 # test_bench_shapes.py compile those) plus its selection on f32 KV: the KV kind reaches only the
 # attention and the mode only the row dots, so a change in either shows in this table.
 FUSED_CASES = tuple((kv, "f32") for kv in ("f32", "f16", "int8")) + (("f32", "q8"), ("f16", "q8"))
-FUSED_ATTENTION = {"exact": None, "seed": dict(k=2, block=8), "v2": dict(k=2, block=8, select="v2")}
+# v2 at k=2 takes the last block and block 0 alone; at k=3 it also scores blocks 1-3, so its
+# summaries and their order (docs/SPARSE_SELECT_V2.md, steps 2-4) reach the hash
+FUSED_ATTENTION = {
+    "exact": None,
+    "seed": dict(k=2, block=8),
+    "v2": dict(k=2, block=8, select="v2"),
+    "v2-scored": dict(k=3, block=8, select="v2"),
+}
 
 
 def _fused_attention(kv, mode):
@@ -158,16 +165,20 @@ GOLDEN_FUSED = {
     "f32/f32/exact": "87599554eed9ee0a",
     "f32/f32/seed": "b725f46785dffecc",
     "f32/f32/v2": "f476fc4e1c459796",
+    "f32/f32/v2-scored": "5416bc99ac9ef0de",  # the v2-scored rows: 2026-12-04, Xeon (AMX), 2 threads
     "f32/q8/exact": "227866af14ca21b0",
     "f32/q8/seed": "0f1d115f30cf3b24",
     "f32/q8/v2": "44e879840ea923cd",
+    "f32/q8/v2-scored": "d766000e28d12c65",
     "f16/f32/exact": "2fead470fc9e6723",
     "f16/f32/seed": "ca86ec594befa54b",
     "f16/f32/v2": "e39c4125f086f5c9",
+    "f16/f32/v2-scored": "3460c28c7d066e7f",
     "f16/q8/exact": "5448bae68e6e6b42",
     "int8/f32/exact": "8a20e6264b1be2ba",
     "int8/f32/seed": "d41efae28035231d",
     "int8/f32/v2": "c455318fc4208ef8",
+    "int8/f32/v2-scored": "336ce53de8fcaefb",
 }
 
 
