@@ -367,28 +367,32 @@ def trim_heap() -> None:
 
     A prefill's transient arrays (tens of MiB a layer) are freed into the heap, not unmapped:
     glibc raises its mmap threshold to the largest freed block (up to 32 MiB), so later arrays
-    of that size come from the heap, and the free ones stay resident until this call (12-85
-    MiB of the q8 mode's resident set on the Qwen3-1.7B and 4B shapes after a 512-token
-    prompt). Called where such arrays die: after a model is built and after each prefill
-    chunk."""
+    of that size come from the heap, and the free ones stay resident until this call
+    (docs/benchmarks/xeon-amx-m167.md, "Resident memory in the q8 mode"). Called where such
+    arrays die: after a model is built and after each prefill chunk; with nothing to give back
+    it costs a few microseconds."""
     f = _malloc_trim()
     if f is not None:
         f(0)
 
 
 @functools.cache
+def _libc():
+    """The C library this process runs on, opened once (errno kept for madvise's callers)."""
+    return ctypes.CDLL(None, use_errno=True)
+
+
+@functools.cache
 def _malloc_trim():
-    try:
-        f = ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError):  # not glibc (musl, macOS)
-        return None
-    f.argtypes = (ctypes.c_size_t,)
+    f = getattr(_libc(), "malloc_trim", None)  # glibc's; musl and macOS have none
+    if f is not None:
+        f.argtypes = (ctypes.c_size_t,)
     return f
 
 
 @functools.cache
 def _madvise():
     """libc's madvise, looked up once: a decode step calls it (Decoder.embed_rows)."""
-    f = ctypes.CDLL(None, use_errno=True).madvise
+    f = _libc().madvise
     f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     return f
