@@ -101,6 +101,27 @@ def test_several_x_rows_share_each_block_with_one_rows_bits(qtype):
         numba.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"])
+def test_rows_taken_together_keep_each_rows_bits(qtype):
+    """The row loop takes q4_0 / q4_1 rows two at a time (ir.make_rows' together), their blocks
+    interleaved: over even and odd row ranges, each row's value is the one a range of that
+    row alone gives (its own path, one row at a time), for blocks in groups of 16 and tails."""
+    from sparrow.kernels.matmul import widen
+
+    for nb in (17, 18, 33, 37):
+        w = make(qtype, (23, 32 * nb), seed=nb)
+        x = acts(1, 32 * nb, seed=nb + 2)
+        sx = widen.exact_sums(x, KIND[qtype], None)
+        alone = np.full((1, 23), np.nan, np.float32)
+        for o in range(23):
+            widen.rows_exact(w.data, KIND[qtype], x, sx, alone, o, o + 1, 0)
+        for o0, o1 in ((0, 23), (1, 23), (3, 19), (4, 6), (7, 8)):
+            y = np.full((1, 23), np.nan, np.float32)
+            widen.rows_exact(w.data, KIND[qtype], x, sx, y, o0, o1, 0)
+            assert np.array_equal(y[:, o0:o1].view(np.uint32), alone[:, o0:o1].view(np.uint32)), (nb, o0, o1)
+            assert np.isnan(y[:, :o0]).all() and np.isnan(y[:, o1:]).all()
+
+
 @pytest.mark.parametrize("qtype", ["f32", "q4_1"])
 def test_prefill_thread_invariance(qtype):
     w = make(qtype, (37, 96), seed=10)

@@ -90,13 +90,14 @@ def zeroed(builder, ty):
     return slot
 
 
-def prefetch_lines(builder, p, n):
-    """Hint the cache lines of bytes p .. p + n - 1 (n: i64) into L1 (prefetcht0)."""
+def prefetch_lines(builder, p, n, locality=3):
+    """Hint the cache lines of bytes p .. p + n - 1 (n: i64) into L1 (locality 3: prefetcht0)
+    or L2 (2: prefetcht1)."""
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]), "llvm.prefetch.p0i8"
     )
     with cgutils.for_range_slice(builder, c64(0), n, c64(64)) as (i, _):
-        builder.call(fn, [builder.gep(p, [i]), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+        builder.call(fn, [builder.gep(p, [i]), ir.Constant(I32, 0), ir.Constant(I32, locality), ir.Constant(I32, 1)])
 
 
 ROWS_AHEAD = 1  # make_rows prefetches the row this many ahead (0: none)
@@ -247,17 +248,24 @@ def row_step(o0, o1, t_n):
     return max(o1 - o0, 1) if t_n == 1 else ROW_CHUNK
 
 
-def make_rows(emit, n_in, ahead=ROWS_AHEAD):
+def make_rows(emit, n_in, ahead=ROWS_AHEAD, together=1):
     """An intrinsic rows(data, o0, o1, in_1 .. in_n, y): y[o] = emit's value for row o of
     data (stored bytes [O, row bytes], each row contiguous) for o0 <= o < o1; in_1 .. in_n
     are 1-D arrays (one x row and what goes with it), y 1-D f32 of any stride.
-    emit(builder, row pointer i8*, [in_i data pointers as i8*], [in_i lengths]) -> f32.
+    emit(builder, [row pointers i8*], [in_i data pointers as i8*], [in_i lengths]) -> [f32
+    per row]: `together` rows at a time (then the rest one by one), each row's operations
+    those it has alone, interleaved block by block.
 
     The row loop runs in compiled code: a numba-level call per row (array views, their
     reference counts, the format dispatch) cost ~30% of a Q4_0 matvec streaming from memory
     (6.8 vs 9.5 GB/s on one core, Qwen3-1.7B's lm_head). Before each row it prefetches the
     row `ahead` rows on (clamped to data's last row): the hardware prefetcher alone kept one
-    core's Q4_0 / Q4_K rows at ~5 / ~4 GB/s from memory on an AMX Xeon, with it ~9-10."""
+    core's Q4_0 / Q4_K rows at ~5 / ~4 GB/s from memory on an AMX Xeon, with it ~9-10. Rows
+    taken two together (q4_0 / q4_1, whose constant term is one scalar fma chain a row, 4
+    cycles of latency a block: two rows' chains overlap) are prefetched into L2, not L1: the
+    two rows' 36 lines hinted at once overflowed a Zen 4 core's L1 miss buffers, the hints were
+    dropped, and the dots ran from memory at half their speed."""
+    locality = 3 if together == 1 else 2
 
     def typer(typingctx, data, o0, o1, *rest):
         ins = rest[:-1]  # then y
@@ -276,14 +284,26 @@ def make_rows(emit, n_in, ahead=ROWS_AHEAD):
             lens = [b.extract_value(a.shape, 0) for a in arrs[:-1]]
             yp, ystride = b.bitcast(arrs[-1].data, I8.as_pointer()), b.extract_value(arrs[-1].strides, 0)
             row_bytes = b.extract_value(d.shape, 1)
-            with cgutils.for_range_slice(b, args[1], args[2], ir.Constant(I64, 1)) as (o, _):
+            last = b.sub(b.extract_value(d.shape, 0), c64(1))  # any row of data
+
+            def rows_from(o, n):  # rows o .. o + n - 1, their results stored
                 if ahead:
-                    nxt = b.add(o, ir.Constant(I64, ahead))
-                    last = b.sub(b.extract_value(d.shape, 0), ir.Constant(I64, 1))  # any row of data
-                    nxt = b.select(b.icmp_signed("<", nxt, last), nxt, last)
-                    prefetch_lines(b, b.gep(base, [b.mul(nxt, stride)]), row_bytes)
-                v = emit(b, b.gep(base, [b.mul(o, stride)]), ptrs, lens)
-                b.store(v, b.bitcast(b.gep(yp, [b.mul(o, ystride)]), F32.as_pointer()))
+                    for j in range(n):
+                        nxt = b.add(o, c64(ahead * n + j))
+                        nxt = b.select(b.icmp_signed("<", nxt, last), nxt, last)
+                        prefetch_lines(b, b.gep(base, [b.mul(nxt, stride)]), row_bytes, locality)
+                rps = [b.gep(base, [b.mul(b.add(o, c64(j)), stride)]) for j in range(n)]
+                for j, v in enumerate(emit(b, rps, ptrs, lens)):
+                    at = b.gep(yp, [b.mul(b.add(o, c64(j)), ystride)])
+                    b.store(v, b.bitcast(at, F32.as_pointer()))
+
+            o0, o1 = args[1], args[2]
+            n_together = b.sdiv(b.sub(o1, o0), c64(together))
+            with cgutils.for_range(b, n_together) as loop:
+                rows_from(b.add(o0, b.mul(loop.index, c64(together))), together)
+            if together > 1:
+                with cgutils.for_range_slice(b, b.add(o0, b.mul(n_together, c64(together))), o1, c64(1)) as (o, _):
+                    rows_from(o, 1)
             return context.get_dummy_value()
 
         return sig, codegen

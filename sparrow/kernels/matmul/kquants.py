@@ -227,36 +227,50 @@ def _blocks_loop(builder, qtype, r, nb, emit):
 
 
 def _emit_rowdot(qtype):
-    """One row dotted with f32 x, as ir.make_rows calls it (inputs: x [nb * size], sx
-    [nb * size / 32], the sums of x over each 32 values)."""
+    """Rows dotted with f32 x, as ir.make_rows calls it (inputs: x [nb * size], sx
+    [nb * size / 32], the sums of x over each 32 values), each row alone in its order;
+    several rows' (super-)blocks are interleaved, one of each in turn, so their accm chains
+    overlap."""
     per = 1 if qtype in ("q5_0", "q5_1") else 8  # 32-value block sums per (super-)block
 
-    def emit(builder, rp, ptrs, lens):
-        r = _Row(builder, rp, builder.bitcast(ptrs[0], F32.as_pointer()), builder.bitcast(ptrs[1], F32.as_pointer()))
+    def emit(builder, rps, ptrs, lens):
+        xp, sp = builder.bitcast(ptrs[0], F32.as_pointer()), builder.bitcast(ptrs[1], F32.as_pointer())
+        rows = [_Row(builder, rp, xp, sp) for rp in rps]
         nb = builder.udiv(lens[1], c64(per))
-        accs = [zeroed(builder, V16F) for _ in range(2)]
-        accm = zeroed(builder, F32)
-        turn = [0]  # units alternate between the two vector accumulators
+        accs = [[zeroed(builder, V16F) for _ in range(2)] for _ in rps]
+        accm = [zeroed(builder, F32) for _ in rps]
+        turn = [0] * len(rps)  # a row's units alternate between its two vector accumulators
 
-        def step(codes, at, scale, offset):
-            q = [to_f32(builder, c) for c in codes]
-            t = builder.fmul(q[0], r.x16(at))
-            if len(q) == 2:
-                t = _fma(builder, q[1], r.x16(builder.add(at, c64(16))), t)
-            acc = accs[turn[0] % 2]
-            turn[0] += 1
-            builder.store(_fma(builder, t, splat16(builder, scale), builder.load(acc)), acc)
-            if offset is not None:
-                builder.store(_fma(builder, offset[0], r.sx(offset[1]), builder.load(accm)), accm)
+        def step_of(i):
+            r = rows[i]
+
+            def step(codes, at, scale, offset):
+                q = [to_f32(builder, c) for c in codes]
+                t = builder.fmul(q[0], r.x16(at))
+                if len(q) == 2:
+                    t = _fma(builder, q[1], r.x16(builder.add(at, c64(16))), t)
+                acc = accs[i][turn[i] % 2]
+                turn[i] += 1
+                builder.store(_fma(builder, t, splat16(builder, scale), builder.load(acc)), acc)
+                if offset is not None:
+                    builder.store(_fma(builder, offset[0], r.sx(offset[1]), builder.load(accm[i])), accm[i])
+
+            return step
+
+        steps = [step_of(i) for i in range(len(rps))]
 
         def emit_block(blk, first):
-            if first:
-                turn[0] = 0
-            _emit_block(qtype, r, blk, step)
+            for i in range(len(rps)):
+                if first:
+                    turn[i] = 0
+                _emit_block(qtype, rows[i], blk, steps[i])
 
-        _blocks_loop(builder, qtype, r, nb, emit_block)
-        v = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
-        return builder.fadd(hsum16(builder, v), builder.load(accm))
+        _blocks_loop(builder, qtype, rows[0], nb, emit_block)
+        out = []
+        for i in range(len(rps)):
+            v = builder.fadd(builder.load(accs[i][0]), builder.load(accs[i][1]))
+            out.append(builder.fadd(hsum16(builder, v), builder.load(accm[i])))
+        return out
 
     return emit
 
