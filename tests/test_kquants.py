@@ -277,6 +277,27 @@ def test_batch_and_thread_invariance(qtype):
         numba.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("qtype", ["q4_k", "q5_k", "q6_k", "q5_0", "q5_1"])
+def test_rows_taken_together_keep_each_rows_bits(qtype):
+    """The row loop takes q4_k / q5_k rows two at a time (ir.make_rows' together), a unit of
+    each in turn: over even and odd row ranges each row's value is the one a range of that row
+    alone gives (its own path), for every K-quant-module format."""
+    size = 32 if qtype in ("q5_0", "q5_1") else 256
+    for n in (1, 3):
+        w = make_kq(qtype, (23, size * n), seed=n + 20)
+        x = acts(1, size * n, seed=n + 21)
+        sx = _widen.exact_sums(x, KIND[qtype], True)
+        kq = _widen.kq_rows_address(w.data)
+        alone = np.full((1, 23), np.nan, np.float32)
+        for o in range(23):
+            _widen.rows_exact(w.data, KIND[qtype], x, sx, alone, o, o + 1, kq)
+        for o0, o1 in ((0, 23), (1, 23), (3, 19), (4, 6), (7, 8)):
+            y = np.full((1, 23), np.nan, np.float32)
+            _widen.rows_exact(w.data, KIND[qtype], x, sx, y, o0, o1, kq)
+            assert np.array_equal(bits(y[:, o0:o1]), bits(alone[:, o0:o1])), (n, o0, o1)
+            assert np.isnan(y[:, :o0]).all() and np.isnan(y[:, o1:]).all()
+
+
 def test_concat_rows_keeps_the_format():
     a, b = make_kq("q4_k", (37, 512), seed=12), make_kq("q4_k", (5, 512), seed=13)
     c = Weight.concat_rows([a, b])
