@@ -160,7 +160,7 @@ def _mv_f32(w, x, y):
 #   chains overlap (one Zen 4 core from cache 8.8-9.9 -> 11.5 GB/s, from memory 8.6-9.7 ->
 #   10.3; Qwen3-1.7B Q4_0 exact decode 1.09-1.14x), each row's operations unchanged. q8_0 (no
 #   constant term) ran no faster. kquants.py takes q4_k / q5_k rows two at a time likewise,
-#   one 32-value unit of each in turn (q4_k from cache 8.8-9.5 -> 10.3-10.4 GB/s a core).
+#   one 32-value unit of each in turn (q4_k from cache 8.6-9.5 -> 10.2-10.4 GB/s a core).
 
 _F32, _I8, _I32, _I64, _V16F, _V16I32 = F32, I8, I32, I64, V16F, V16I32
 _BB = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
