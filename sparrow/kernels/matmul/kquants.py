@@ -222,7 +222,7 @@ def _units(qtype, r, blk, step):
         pass
 
 
-def _blocks_loop(builder, qtype, r, nb, emit):
+def _blocks_loop(builder, qtype, nb, emit):
     """emit(block index) for every (super-)block; q5_* two a time, then an odd last one.
     emit is called at the start of each group, so a caller can reset per-group state."""
     if qtype in ("q5_0", "q5_1"):
@@ -241,8 +241,8 @@ def _blocks_loop(builder, qtype, r, nb, emit):
 def _emit_rowdot(qtype):
     """Rows dotted with f32 x, as ir.make_rows calls it (inputs: x [nb * size], sx
     [nb * size / 32], the sums of x over each 32 values), each row alone in its order;
-    several rows' (super-)blocks are interleaved, one of each in turn, so their accm chains
-    overlap."""
+    several rows' units (one scale's values: 32, q6_k 16) are interleaved, one of each in turn,
+    so their accm chains overlap."""
     per = 1 if qtype in ("q5_0", "q5_1") else 8  # 32-value block sums per (super-)block
 
     def emit(builder, rps, ptrs, lens):
@@ -272,14 +272,13 @@ def _emit_rowdot(qtype):
         steps = [step_of(i) for i in range(len(rps))]
 
         def emit_block(blk, first):
-            for i in range(len(rps)):
-                if first:
-                    turn[i] = 0
+            if first:
+                turn[:] = [0] * len(rps)
             # the rows' units in turn: one unit of each, so their chains overlap
             for _ in zip_longest(*(_emit_block(qtype, rows[i], blk, steps[i]) for i in range(len(rps)))):
                 pass
 
-        _blocks_loop(builder, qtype, rows[0], nb, emit_block)
+        _blocks_loop(builder, qtype, nb, emit_block)
         out = []
         for i in range(len(rps)):
             v = builder.fadd(builder.load(accs[i][0]), builder.load(accs[i][1]))
@@ -318,7 +317,7 @@ def _emit_rowdot_x(qtype):
                 turn[0] = 0
             _units(qtype, r, blk, step)
 
-        _blocks_loop(b, qtype, r, b.udiv(nsums, c64(per)), emit_block)
+        _blocks_loop(b, qtype, b.udiv(nsums, c64(per)), emit_block)
 
     return emit
 
@@ -350,7 +349,7 @@ def _make_widen(qtype):
                     dst = builder.gep(op, [builder.add(at, c64(16 * i))])
                     builder.store(v, builder.bitcast(dst, V16F.as_pointer()), align=4)
 
-            _blocks_loop(builder, qtype, r, nb, lambda blk, first: _units(qtype, r, blk, step))
+            _blocks_loop(builder, qtype, nb, lambda blk, first: _units(qtype, r, blk, step))
             return context.get_dummy_value()
 
         return sig, codegen

@@ -265,10 +265,11 @@ def _emit_rowdot(qtype):
             for r in range(n):
                 _group_scales(builder, qtype, rps[r], b0, dbuf[r], cbuf[r])
             barrier(builder, *dbuf, *cbuf)  # each block's d is then a broadcast load, not a shuffle
-            for i, r in ((i, r) for i in range(_GROUP) for r in range(n)):
+            for i in range(_GROUP):
                 at = ir.Constant(_I64, i)
-                scales = builder.load(builder.gep(dbuf[r], [at])), builder.load(builder.gep(cbuf[r], [at]))
-                block(r, builder.add(b0, at), i % 2, scales)
+                for r in range(n):
+                    scales = builder.load(builder.gep(dbuf[r], [at])), builder.load(builder.gep(cbuf[r], [at]))
+                    block(r, builder.add(b0, at), i % 2, scales)
         one = ir.Constant(_I64, 1)
         done = builder.mul(groups, c64(_GROUP))  # even: the rest keep block b's accumulator b % 2
         with cgutils.for_range(builder, builder.lshr(builder.sub(nb, done), one)) as loop:
