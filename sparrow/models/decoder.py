@@ -277,11 +277,16 @@ class Decoder:
             if s.decode and isinstance(s.trace, Selections) and s.sparse is not None:  # arrays attend fills
                 s.trace.start(len(self.layers), self.config.num_attention_heads, -(-(s.start + 1) // s.sparse.block))
         for layer in self.layers:
+            # Each stage's inputs are dropped once used, so that a prefill chunk's arrays are
+            # not all resident at the MLP's peak (x is this forward's own: added in place).
             h = rms_norm(x, layer.input_norm, layer.eps)  # [N, E]
             q, k, v = self.project_qkv(layer, h, positions, rope)  # [N, H, D] [N, KV, D] [N, KV, D]
+            del h
             out = self.attend(layer, segments, bounds, q, k, v)  # [N, H, D]
-            x = x + self.project_out(layer, out)  # [N, E]
-            x = x + self.mlp_block(layer, x)  # [N, E]
+            del q, k, v
+            x += self.project_out(layer, out)  # [N, E]
+            del out
+            x += self.mlp_block(layer, x)  # [N, E]
             if vis:
                 self._deepstack(layer.index, x, vis)
         for s in segments:
