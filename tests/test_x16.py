@@ -1,5 +1,5 @@
-"""The q8 mode's zmm prefill tiles over pairs of interleaved groups (kernels/matmul/q8/pair_tiles.py; q4_0,
-q4_1, q5_0, q5_1, q4_k, q6_k): the documented order's bits (the float64 emulations of
+"""The q8 mode's zmm prefill tiles over pairs of interleaved groups (kernels/matmul/q8/pair_tiles.py; q8_0,
+q4_0, q4_1, q5_0, q5_1, q4_k, q6_k): the documented order's bits (the float64 emulations of
 tests/test_q8act.py and test_kquants_q8.py) for any T, group count, last group and thread
 count, and the path really taken where the CPU has AVX512-VNNI (the AVX2 and generic
 children of those suites compare the same prefills against this host)."""
@@ -17,6 +17,7 @@ from sparrow.kernels.matmul.q8 import groups as _x8
 from sparrow.kernels.matmul.q8 import ir as _q8ir
 from sparrow.kernels.matmul.q8 import pair_tiles as _x16
 from sparrow.kernels.matmul.q8 import quantized as _q8act
+from sparrow.quant import BLOCK_BYTES, Weight
 from weights import acts, make
 
 needs_vnni512 = pytest.mark.skipif(not _q8ir.VNNI512, reason="this CPU has no AVX512-VNNI")
@@ -41,11 +42,15 @@ CASES = [
     ("q5_0", (300, 2048), 70),
     ("q5_1", (45, 512), 37),
     ("q5_1", (16, 32), 5),
+    ("q8_0", (16, 32), 7),
+    ("q8_0", (136, 96), 13),
+    ("q8_0", (300, 2048), 70),
+    ("q8_0", (45, 512), 37),
 ]
 
 
 def _weight(q, shape, seed):
-    return make(q, shape, seed=seed) if q in ("q4_0", "q4_1") else make_kq(q, shape, seed=seed)
+    return make(q, shape, seed=seed) if q in ("q4_0", "q4_1", "q8_0") else make_kq(q, shape, seed=seed)
 
 
 @needs_vnni512
@@ -70,6 +75,22 @@ def test_pairs_extreme_codes_and_scales(qtype):
 
 
 @needs_vnni512
+def test_q8_0_pairs_at_the_extreme_codes():
+    """q8_0's codes enter vpdpbusd as code + 128: codes -128 and 127 (the stored byte's ends;
+    ggml writes -127 .. 127) against x at +-127, the largest sums of code + 128 (32 * 255 * 127),
+    and an all-zero x row."""
+    o_n, k = 16, 512
+    raw = make("q8_0", (o_n, k), seed=3).data.copy().reshape(o_n, k // 32, BLOCK_BYTES["q8_0"])
+    raw[: o_n // 2, :, 2:] = 0x80  # -128
+    raw[o_n // 2 :, :, 2:] = 0x7F  # 127
+    w = Weight("q8_0", raw.reshape(o_n, -1), (o_n, k))
+    x = extreme_x(_x8.TILE_X_ROWS + 3)
+    y = linear(x, prepare(w, "q8"))
+    assert np.array_equal(bits(y), bits(reference(x, w)))
+    assert np.all(y[-1] == 0) and np.all(y[0] != 0)
+
+
+@needs_vnni512
 def test_pairs_write_exactly_their_rows_of_a_strided_output():
     """x8_rows into columns off .. off + O of a wider y (as the fused decode step's pieces
     are): the pair tiles store whole 16-row vectors, so nothing left or right of them moves."""
@@ -89,13 +110,14 @@ def test_prefill_takes_the_zmm_tiles():
     """Where the CPU has AVX512-VNNI the pair tiles are zmm vpdpbusd (compiled afresh here:
     a kernel loaded from numba's cache has no assembly to show)."""
     fresh = numba.njit(_q8act._pair_tiles.py_func)
-    x, w = acts(_x8.TILE_X_ROWS + 1, 64), make("q4_0", (16, 64))
-    w8 = _q8act.Q8Weight(w)
-    data, kind = w8.rows, w8.kind
-    xq, dx, sx = _q8act.quantize(x)
-    y = np.empty((x.shape[0], 16), np.float32)
-    fresh(data, kind, 0, 2, xq, dx, sx, _q8act.x_sums(kind, xq), y)
+    for q in ("q4_0", "q8_0"):
+        x, w = acts(_x8.TILE_X_ROWS + 1, 64), make(q, (16, 64))
+        w8 = _q8act.Q8Weight(w)
+        data, kind = w8.rows, w8.kind
+        xq, dx, sx = _q8act.quantize(x)
+        y = np.empty((x.shape[0], 16), np.float32)
+        fresh(data, kind, 0, 2, xq, dx, sx, _q8act.x_sums(kind, xq), y)
+        assert np.array_equal(bits(y), bits(rowdot_reference(x, w))), q
     asm = "".join(fresh.inspect_asm().values())
     assert "vpdpbusd" in asm and "zmm" in asm
-    assert np.array_equal(bits(y), bits(rowdot_reference(x, w)))
     assert _x16.PAIR_X_ROWS > _x8.TILE_X_ROWS

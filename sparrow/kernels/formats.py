@@ -29,7 +29,7 @@ class Format(NamedTuple):
 
 
 FORMATS = (
-    Format("q8_0", 0, 32, 34, "blocks", 11, True, False, True),
+    Format("q8_0", 0, 32, 34, "blocks", 11, True, True, True),
     Format("q4_0", 1, 32, 18, "blocks", 12, True, True, True),
     Format("q4_1", 2, 32, 20, "blocks", 13, True, True, True),
     Format("f16", 3, 1, 2, "widened", None, False, False, False),

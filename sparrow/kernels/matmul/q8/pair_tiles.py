@@ -1,14 +1,18 @@
 """q8-mode prefill tiles over two interleaved groups at once: 16 weight rows a zmm register.
 
-kernels/matmul/q8/groups.py (q4_0 / q4_1 / q5_0 / q5_1) and q8.kquant_groups.py (q4_k / q6_k) keep rows in groups of
-8 and dot a group against up to TILE_X_ROWS = 4 x rows in ymm registers. On CPUs with AVX512-VNNI (q8.ir.VNNI512) a
-prefill here takes groups g and g + 1 side by side in one <64 x i8>, so each vpdpbusd covers
+kernels/matmul/q8/groups.py (q8_0 / q4_0 / q4_1 / q5_0 / q5_1) and q8.kquant_groups.py (q4_k / q6_k) keep rows in
+groups of 8 and dot a group against up to TILE_X_ROWS = 4 x rows in ymm registers. On CPUs with AVX512-VNNI
+(q8.ir.VNNI512) a prefill here takes groups g and g + 1 side by side in one <64 x i8>, so each vpdpbusd covers
 16 rows, and PAIR_X_ROWS = 6 x rows share each unpacked chunk. Lane r of every vector is row
 8 g + r (r < 8: group g, else row r - 8 of group g + 1). One Zen 4 core, 6144 x 2048 x 512,
 interleaved runs: q4_0 149-163 GMAC/s against 133-136 for q8.groups's tiles (ymm tiles of 6 or 8 x
 rows were no faster; 8 spilled: 85), q4_k 146-147 against 94-95 for q8.kquant_groups's pmaddubsw tiles;
 2048 x 6144 x 512 on two cores: q6_k 154-163 against 87-93 for q8.kquant_groups's tiles (4 or 8 x rows:
-slower or even; starting the chains at -X instead of subtracting X after: slower).
+slower or even; starting the chains at -X instead of subtracting X after: slower). q8_0's signed
+codes enter vpdpbusd as code + 128 (one xor a chunk, shared by the x rows; zmm has no vpsignb,
+which the ymm tiles use per x row) and 128 sum(code_x) a block is subtracted after, the same
+exact integer. One Zen 4 core, 6144 x 2048 x 512: q8_0 151 GMAC/s, as q4_0; the 1.7B-shaped
+Q8_0's 512-token prefill on two cores went 99-101 -> 145-153 tok/s against the ymm tiles.
 
 The order is q8.groups's and q8.kquant_groups's, lane by lane (their docstrings), so a row's bits do not depend
 on which tile computed it (tests/test_x16.py)."""
@@ -37,6 +41,7 @@ from sparrow.kernels.matmul.q8.ir import V8I8, V16I8, V32I8, V64I8, bcast4, dpbu
 from sparrow.kernels.matmul.q8.kquant_groups import _CODES, _Q6_QH, _Q6_QL, _Q6_SC, _shr
 
 PAIR_X_ROWS = 6  # x rows a pair tile reads each unpacked chunk for
+Q8_0_CODES_AT = 16  # a q8_0 group block's 8 code chunks, after the 8 f16 scales
 
 
 def _pair(b, p0, p1, at, ty):
@@ -46,10 +51,10 @@ def _pair(b, p0, p1, at, ty):
 
 
 def emit_pair(qtype, mr):
-    """emit(b, group g block pointer, group g + 1's, [x codes], [dx], [sx], [8 sum(code_x)],
-    nb) -> [<16 x float>] per x row, in the module docstring's order (q4_0 / q4_1 / q5_0 /
-    q5_1)."""
-    gb, at = GROUP_BYTES[qtype], CODES_AT[qtype]
+    """emit(b, group g block pointer, group g + 1's, [x codes], [dx], [sx], [x_sums: 8 sum(code_x)
+    a block for q4_0 and q5_0, 128 sum(code_x) for q8_0], nb) -> [<16 x float>] per x row, in the
+    module docstring's order (q8_0 / q4_0 / q4_1 / q5_0 / q5_1)."""
+    gb, at = GROUP_BYTES[qtype], CODES_AT.get(qtype)
 
     def emit(b, g0p, g1p, xps, dxps, sxps, bsps, nb):
         acc, accm = [zeroed(b, V16F) for _ in range(mr)], [zeroed(b, V16F) for _ in range(mr)]
@@ -57,21 +62,28 @@ def emit_pair(qtype, mr):
             blk = loop.index
             p0, p1 = b.gep(g0p, [b.mul(blk, c64(gb))]), b.gep(g1p, [b.mul(blk, c64(gb))])
             xbs = [b.gep(xp, [b.mul(blk, c64(32))]) for xp in xps]
-            los, his = [None] * mr, [None] * mr  # low and high nibbles: two vpdpbusd chains
-            qh = _pair(b, p0, p1, QH_AT[qtype], V32I8) if qtype in QH_AT else None
-            for c in range(4):
-                v = _pair(b, p0, p1, at + 32 * c, V32I8)
-                lo, hi = codes5(b, v, qh, c, 0), codes5(b, v, qh, c, 1)
-                for t in range(mr):
-                    los[t] = dpbusd16(b, los[t], lo, bcast4(b, b.gep(xbs[t], [c64(4 * c)]), 16))
-                    his[t] = dpbusd16(b, his[t], hi, bcast4(b, b.gep(xbs[t], [c64(16 + 4 * c)]), 16))
+            los, his = [None] * mr, [None] * mr  # two vpdpbusd chains (each dot waits on the last)
+            if qtype == "q8_0":  # chunks 0-3, then 4-7; codes + 128, unsigned
+                for c in range(8):
+                    u = b.xor(_pair(b, p0, p1, Q8_0_CODES_AT + 32 * c, V32I8), ir.Constant(V64I8, [-128] * 64))
+                    chain = los if c < 4 else his
+                    for t in range(mr):
+                        chain[t] = dpbusd16(b, chain[t], u, bcast4(b, b.gep(xbs[t], [c64(4 * c)]), 16))
+            else:  # low and high nibbles
+                qh = _pair(b, p0, p1, QH_AT[qtype], V32I8) if qtype in QH_AT else None
+                for c in range(4):
+                    v = _pair(b, p0, p1, at + 32 * c, V32I8)
+                    lo, hi = codes5(b, v, qh, c, 0), codes5(b, v, qh, c, 1)
+                    for t in range(mr):
+                        los[t] = dpbusd16(b, los[t], lo, bcast4(b, b.gep(xbs[t], [c64(4 * c)]), 16))
+                        his[t] = dpbusd16(b, his[t], hi, bcast4(b, b.gep(xbs[t], [c64(16 + 4 * c)]), 16))
             d = b.fpext(_pair(b, p0, p1, 0, V8H), V16F)
             m = b.fpext(_pair(b, p0, p1, 16, V8H), V16F) if qtype in M_ROWS else None
             for t in range(mr):
                 s = b.add(los[t], his[t])
-                if qtype in OFFSET_SHIFT:
+                if qtype in OFFSET_SHIFT or qtype == "q8_0":  # minus (8, 16, 128) sum(code_x)
                     bs = splat(b, b.load(b.gep(bsps[t], [blk])), V16I32)
-                    s = b.sub(s, b.shl(bs, ir.Constant(V16I32, [OFFSET_SHIFT[qtype]] * 16)))
+                    s = b.sub(s, b.shl(bs, ir.Constant(V16I32, [OFFSET_SHIFT.get(qtype, 0)] * 16)))
                 dd = b.fmul(d, splat16(b, b.load(b.gep(dxps[t], [blk]))))
                 b.store(fma(b, b.sitofp(s, V16F), dd, b.load(acc[t])), acc[t])
                 if m is not None:
@@ -211,8 +223,8 @@ def _pair_loop(b, emit, mr, base, stride, arrs, t0, g0, g1, nb):
             b.store(v, b.bitcast(b.gep(yp, [o]), V16F.as_pointer()), align=4)
 
 
-pairs_q4_0, pairs_q4_1, pairs_q5_0, pairs_q5_1 = (
-    make_pairs(partial(emit_pair, q)) for q in ("q4_0", "q4_1", "q5_0", "q5_1")
+pairs_q8_0, pairs_q4_0, pairs_q4_1, pairs_q5_0, pairs_q5_1 = (
+    make_pairs(partial(emit_pair, q)) for q in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 )
 pairs_q4_k = make_pairs(emit_pair_q4_k)
 pairs_q6_k = make_pairs(emit_pair_q6_k)

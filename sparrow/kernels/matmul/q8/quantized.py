@@ -55,6 +55,7 @@ from sparrow.kernels.matmul.q8.pair_tiles import (
     pairs_q5_0,
     pairs_q5_1,
     pairs_q6_k,
+    pairs_q8_0,
 )
 from sparrow.kernels.matmul.widen import call_slp
 from sparrow.kernels.native_call import address_for, call_native
@@ -109,7 +110,8 @@ def code_sums(xq, n, times):
     """int8 codes [T, K] -> int32 [T, K / n]: `times` times the code sum of each n values.
     q4_0 / q5_0 groups subtract 8 (q5_0: 16) sum(code_x) per block of 32 (code_sums(xq, 32,
     8)); q6_k's pair tiles take its codes unsigned, plus 32, and subtract 32 sum(code_x) per
-    16 values (code_sums(xq, 16, 32))."""
+    16 values (code_sums(xq, 16, 32)), q8_0's plus 128 and 128 sum(code_x) per block
+    (code_sums(xq, 32, 128): at most 128 * 32 * 127, well inside int32)."""
     t_n, k = xq.shape
     out = np.empty((t_n, k // n), np.int32)
     for t in range(t_n):
@@ -153,6 +155,8 @@ def _pair_tiles(data, kind, g0, g1, xq, dx, sx, bs, y):
         mr = min(PAIR_X_ROWS, t_n - t0)
         if kind == X8_Q4_0:
             pairs_q4_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
+        elif kind == X8_Q8_0:
+            pairs_q8_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
         elif kind == X8_Q4_1:
             pairs_q4_1(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
         elif kind == X8_Q4_K:
@@ -188,17 +192,19 @@ def x8_rows(data, kind, xq, dx, sx, bs, y, g0, g1):
 @njit(**KW)
 def takes_pairs(kind, t_n):
     """Whether t_n x rows of an interleaved kind go through q8.pair_tiles's zmm pair tiles: more than
-    TILE_X_ROWS of them, a CPU with AVX512-VNNI, and a kind with pair tiles (all but q8_0 and q5_k)."""
-    return VNNI512 and t_n > TILE_X_ROWS and kind >= X8_FIRST and kind != X8_Q8_0 and kind != X8_Q5_K
+    TILE_X_ROWS of them, a CPU with AVX512-VNNI, and a kind with pair tiles (all but q5_k)."""
+    return VNNI512 and t_n > TILE_X_ROWS and kind >= X8_FIRST and kind != X8_Q5_K
 
 
 @njit(**KW)
 def x_sums(kind, xq):
     """What a kind's rows read of x besides its codes and scales: q4_0 / q5_0 groups 8
-    sum(code_x) per block, q6_k's zmm pair tiles 32 sum(code_x) per 16 values (where they
-    run), other kinds nothing (code_sums)."""
+    sum(code_x) per block, the zmm pair tiles of q8_0 128 sum(code_x) per block and of q6_k
+    32 sum(code_x) per 16 values (where they run), other kinds nothing (code_sums)."""
     if kind == X8_Q4_0 or kind == X8_Q5_0:
         return code_sums(xq, 32, 8)
+    if kind == X8_Q8_0 and takes_pairs(kind, xq.shape[0]):
+        return code_sums(xq, 32, 128)
     if kind == X8_Q6_K and takes_pairs(kind, xq.shape[0]):
         return code_sums(xq, 16, 32)
     return np.empty((xq.shape[0], 0), np.int32)
