@@ -93,3 +93,18 @@ def test_sparse_prefill_engine_prefills_with_its_selector():
     got = eng.cache.layers[last].k[:, :300]
     assert np.array_equal(got, caches["sparse"].layers[last].k[:, :300])
     assert not np.array_equal(got, caches["exact"].layers[last].k[:, :300])
+
+
+def test_long_context_bench_q8_activations(tmp_path, capsys):
+    """--activations q8 loads sparrow's child in the q8 mode (what a 4-bit file gets by default),
+    says so in the table, and its memory stays within the bound (the interleaved weight copy is
+    part of the baseline the bound starts from)."""
+    out = tmp_path / "lc.json"
+    args = ["--contexts", "256", "--synth", "", "--kv", "f16", "--rounds", "1", "--decode", "2"]
+    long_context.main([*args, "--activations", "q8", "--json", str(out)])
+    rec = json.loads(out.read_text())
+    assert rec["config"]["activations"] == "q8"
+    assert "sparrow with q8 activations" in capsys.readouterr().out
+    row = rec["contexts"]["256"]
+    assert all(v > 0 for v in row["tok_s"]["sparrow"].values())
+    assert row["memory"]["sparrow"]["within_bound"]

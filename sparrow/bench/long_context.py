@@ -97,13 +97,14 @@ def reset_peak() -> None:
 class SparrowEngine:
     """sparrow's runner over one cache of the chosen KV kind."""
 
-    def __init__(self, path, threads, kv, sparse_k, prefill_select=None):
+    def __init__(self, path, threads, kv, sparse_k, prefill_select=None, activations="f32"):
         """prefill_select: None prefills exact and decodes in every mode; a selector prefills
-        sparse with it and decodes with it alone."""
+        sparse with it and decodes with it alone. activations: "f32", "q8", or "auto" for the
+        mode the file loads in unless told (models/activations.py)."""
         from sparrow.api import load
         from sparrow.params import SparseParams
 
-        self.llm = load(path, threads=threads, activations="f32")
+        self.llm = load(path, threads=threads, activations=None if activations == "auto" else activations)
         self.model = self.llm.model
         self.kv = kv
         self.modes = sparrow_modes(prefill_select)
@@ -130,7 +131,12 @@ class SparrowEngine:
         for m in self.modes:
             self.decode(warm, m, 2)
         self._allocate(length + n_decode)
-        return {"prompt": self.prompt.tolist(), "feed": self.feed, **self.memory()}
+        return {
+            "prompt": self.prompt.tolist(),
+            "feed": self.feed,
+            "activations": self.model.activations,
+            **self.memory(),
+        }
 
     def _allocate(self, capacity):
         self.cache = None
@@ -265,7 +271,7 @@ def _child_main(a) -> None:
     sys.stdout = sys.stderr
     if a._child in ("sparrow", SPARSE_PREFILL):
         select = a.sparse_prefill if a._child == SPARSE_PREFILL else None
-        engine = SparrowEngine(a.path, a.threads, a.kv, a.sparse_k, select)
+        engine = SparrowEngine(a.path, a.threads, a.kv, a.sparse_k, select, a.activations)
     else:
         engine = LlamaEngine(a.path, a.threads, LLAMA[a._child])
     for line in sys.stdin:
@@ -283,6 +289,7 @@ class Child:
     def __init__(self, role, path, a):
         cmd = [sys.executable, "-m", "sparrow.bench.long_context", "--_child", role, "--path", path]
         cmd += ["--threads", str(a.threads), "--kv", a.kv, "--sparse-k", str(a.sparse_k)]
+        cmd += ["--activations", a.activations]
         if role == SPARSE_PREFILL:
             cmd += ["--sparse-prefill", a.sparse_prefill]
         self.role = role
@@ -387,6 +394,8 @@ def run(a) -> dict:
             "rounds": a.rounds,
             "decode": a.decode,
             "sparse_k": a.sparse_k,
+            "activations": a.activations,
+            "activations_asked": a.activations,
             "compare": compare,
             "sparse_prefill": a.sparse_prefill,
         },
@@ -402,6 +411,7 @@ def run(a) -> dict:
         start = sparrow.ask("start", length=contexts[-1] if contexts else 2 * CHUNK, n_decode=a.decode)
         prompt, feed = start.pop("prompt"), start.pop("feed")
         rec["sparrow_start"] = start
+        rec["config"]["activations"] = start.pop("activations")  # what "auto" chose
         if contexts:
             if a.sparse_prefill:
                 c = Child(SPARSE_PREFILL, path, a)
@@ -466,8 +476,10 @@ def markdown(rec) -> str:
     k = cfg["sparse_k"]
     names = {"exact": "exact", "seed": f"sparse seed k={k}", "v2": f"sparse v2 k={k}"}
     sp_sel = cfg.get("sparse_prefill")
+    act = cfg.get("activations", "f32") + (" (the file's default)" if cfg.get("activations_asked") == "auto" else "")
     lines = [
-        f"Model `{model}`, {cfg['kv']} KV, {cfg['threads']} threads each, {cfg['rounds']} decode rounds of "
+        f"Model `{model}`, {cfg['kv']} KV, sparrow with {act} activations, "
+        f"{cfg['threads']} threads each, {cfg['rounds']} decode rounds of "
         f"{cfg['decode']} tokens.",
         "",
         f"CPU: {cpu.get('model', '?')} ({cpu.get('cpus')} CPUs). Load average (1 min): {rec['load_start']} at start, "
@@ -572,6 +584,12 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode", type=int, default=16, help="decoded tokens per context, mode and round")
     ap.add_argument("--sparse-k", type=int, default=32)
+    ap.add_argument(
+        "--activations",
+        default="f32",
+        choices=["f32", "q8", "auto"],
+        help="sparrow's activations: f32 (exact, the default here), q8, or auto (the mode the file loads in)",
+    )
     ap.add_argument(
         "--sparse-prefill",
         choices=SELECTORS,
