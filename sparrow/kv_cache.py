@@ -20,7 +20,7 @@ made once, that the kernels never read.
 import numpy as np
 
 from sparrow.errors import SparrowError
-from sparrow.kernels.elementwise import quantize_int8_rows
+from sparrow.kernels.elementwise import quantize_int8_rows, store_f16_rows
 from sparrow.params import KV_DTYPES
 
 
@@ -117,7 +117,7 @@ class F16Layer(LayerCache):
     kind, storage = "f16", np.uint16
 
     def _store(self, dst, scale, start, x):
-        dst[:, start : start + x.shape[1]] = x.astype(np.float16).view(np.uint16)
+        store_f16_rows(x, dst, start)
 
     def _rows_f32(self, x, scale, kh, n):
         return x[kh, :n].view(np.float16).astype(np.float32)

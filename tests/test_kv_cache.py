@@ -58,6 +58,28 @@ def test_one_class_per_storage_kind(kind, cls):
     assert not layer.k[:, :3].any() and not layer.k[:, 13:].any()  # nothing else written
 
 
+def test_f16_store_rounds_as_numpy():
+    """The f16 kind's compiled store gives numpy's astype(float16) bits: ties to even, the
+    subnormal range, overflow to inf, signed zeros and infinities, from a strided view."""
+    rng = np.random.default_rng(3)
+    vals = np.concatenate(
+        [
+            rng.standard_normal(4000).astype(np.float32) * np.float32(1e3),
+            rng.standard_normal(4000).astype(np.float32) * np.float32(1e-6),  # f16 subnormals
+            np.float32([65504, 65519.99, 65520, 1e6, -1e6, 0.0, -0.0, np.inf, -np.inf, 5.96e-8, 2.98e-8, 2.99e-8]),
+            np.arange(1024, 2048, dtype=np.float32) + np.float32(0.5),  # halfway between two float16s: ties
+        ]
+    )
+    n = vals.size // (KVH * D) * (KVH * D)
+    x = vals[:n].reshape(-1, KVH, D)  # [T, KVH, D]
+    cache = KVCache(1, KVH, D, len(x) + 4, "f16")
+    cache.append(0, 2, x, x)
+    with np.errstate(over="ignore"):  # numpy warns where it rounds to inf
+        want = x.transpose(1, 0, 2).astype(np.float16).view(np.uint16)
+    assert np.array_equal(cache.layers[0].k[:, 2 : 2 + len(x)], want)
+    assert np.array_equal(cache.layers[0].v[:, 2 : 2 + len(x)], want)
+
+
 def test_kernel_arguments_per_kind():
     q = rows(1)[0].repeat(2, 0)  # [H=4, D]
     for kind in KV_DTYPES:

@@ -1,5 +1,5 @@
 """Row-wise element kernels of the decoder: RMSNorm, rotate-half RoPE (and its frequency
-table), silu(gate) * up, and the int8 KV row quantisation. Their sums and multiply-adds have one
+table), silu(gate) * up, and the int8 and f16 KV row encodings. Their sums and multiply-adds have one
 order on every CPU (RMSNorm's sum of squares in ir.lane_fold's lanes, exp's fmas explicit).
 
 At decode each is a few hundred floats, so one compiled call replaces several numpy calls
@@ -16,7 +16,7 @@ import math
 import numpy as np
 from numba import njit
 
-from sparrow.kernels.ir import fma32, lane_dot
+from sparrow.kernels.ir import f16_bits, fma32, lane_dot
 from sparrow.kernels.options import KW as _KW
 from sparrow.kernels.parallel import run_parallel
 
@@ -161,3 +161,19 @@ def quantize_int8_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scale = np.empty(x2.shape[0], np.float32)
     _quant_rows(x2, codes, scale)
     return codes.reshape(x.shape), scale.reshape(x.shape[:-1])
+
+
+@njit(**_KW)
+def _f16_rows(x, dst, start):
+    for kh in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            for d in range(x.shape[2]):
+                dst[kh, start + t, d] = f16_bits(x[kh, t, d])
+
+
+def store_f16_rows(x: np.ndarray, dst: np.ndarray, start: int) -> None:
+    """dst[:, start : start + T] = x (f32 [KVH, T, D], any strides) as IEEE half bits (uint16),
+    rounded to nearest even as numpy's astype(float16) and the fused decode step's store round.
+    One compiled pass: numpy's conversion of a strided [KVH, T, D] view took ~1.4 ms for each of
+    a 512-token prefill chunk's K and V on a Qwen3-1.7B shape."""
+    _f16_rows(x, dst, np.int64(start))
