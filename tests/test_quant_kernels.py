@@ -257,6 +257,10 @@ def test_fused_small_ops_against_numpy():
     v64 = view.astype(np.float64)
     ref = v64 / np.sqrt((v64**2).mean(-1, keepdims=True) + 1e-6) * w[:33]
     assert np.abs(Ly.rms_norm(view, w[:33], 1e-6) - ref).max() <= 2e-6 * np.abs(ref).max()
+    # a prefill's rows (more than 2 PAR_ROWS: chunks on every thread) keep each row's bits
+    many = rng.standard_normal((3 * El.PAR_ROWS + 5, 64)).astype(np.float32)
+    rows = np.concatenate([Ly.rms_norm(many[i : i + 1], w, 1e-5) for i in range(len(many))])
+    assert np.array_equal(Ly.rms_norm(many, w, 1e-5).view(np.uint32), rows.view(np.uint32))
     rope = Ly.Rope(64, 10000.0, None)
     pos = np.array([0, 3, 100, 7, 2000])
     got = rope.apply(x, pos)  # grows the cos / sin tables to position 2000

@@ -4,9 +4,9 @@ order on every CPU (RMSNorm's sum of squares in ir.lane_fold's lanes, exp's fmas
 
 At decode each is a few hundred floats, so one compiled call replaces several numpy calls
 (Python overhead dominated them). They work row by row, so a row's result never depends on
-the batch it came in; a prefill's silu(gate) * up runs the same serial kernel on chunks of
-PAR_ROWS rows across the threads (serial, it was 0.26 of a 5.5 s 512-token prefill of the
-Qwen3-1.7B shape).
+the batch it came in; a prefill's RMSNorm and silu(gate) * up run the same serial kernels on
+chunks of PAR_ROWS rows across the threads (silu serial was 0.26 of a 5.5 s 512-token prefill of
+the Qwen3-1.7B shape).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from sparrow.kernels.ir import f16_bits, fma32, lane_dot
 from sparrow.kernels.options import KW as _KW
 from sparrow.kernels.parallel import run_parallel
 
+PAR_ROWS = 16  # rows a parallel item of a prefill's element kernels covers
+
 
 @njit(**_KW)
 def _rms_rows(x, w, eps, out):
@@ -32,11 +34,21 @@ def _rms_rows(x, w, eps, out):
             out[t, i] = (x[t, i] * inv) * w[i]
 
 
+@njit(**_KW)
+def _rms_chunk(c, x, w, eps, out):
+    # rows [c PAR_ROWS, (c + 1) PAR_ROWS) of rms_norm, one launch each (kernels/parallel.py)
+    _rms_rows(x[c * PAR_ROWS : (c + 1) * PAR_ROWS], w, eps, out[c * PAR_ROWS : (c + 1) * PAR_ROWS])
+
+
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """RMSNorm over the last axis in f32, weight applied as is (Llama/Qwen, not 1 + w)."""
+    """RMSNorm over the last axis in f32, weight applied as is (Llama/Qwen, not 1 + w). A
+    prefill's rows go in chunks on every thread (the same bits a row)."""
     x2 = x.reshape(-1, x.shape[-1])  # [R, D] (a view when x allows it)
     out = np.empty(x2.shape, np.float32)
-    _rms_rows(x2, w, np.float32(eps), out)
+    if x2.shape[0] > 2 * PAR_ROWS:
+        run_parallel((x2.shape[0] + PAR_ROWS - 1) // PAR_ROWS, _rms_chunk, (x2, w, np.float32(eps), out))
+    else:
+        _rms_rows(x2, w, np.float32(eps), out)
     return out.reshape(x.shape)
 
 
@@ -116,9 +128,6 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray)
     out = np.empty(x.shape, np.float32)
     _rope(x, cos, sin, positions.astype(np.int64, copy=False), out)
     return out
-
-
-PAR_ROWS = 16  # rows a parallel item of a prefill's element kernels covers
 
 
 @njit(**_KW)
