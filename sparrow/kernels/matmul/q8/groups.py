@@ -167,7 +167,7 @@ def load(b, p, at, ty):
     return b.load(b.bitcast(b.gep(p, [at]), ty.as_pointer()), align=1)
 
 
-CODES_AT = {"q4_0": 16, "q4_1": 32, "q5_0": 48, "q5_1": 64}  # a group block's code chunks
+CODES_AT = {"q8_0": 16, "q4_0": 16, "q4_1": 32, "q5_0": 48, "q5_1": 64}  # a group block's code chunks
 QH_AT = {"q5_0": 16, "q5_1": 32}  # q5's high bits: row r's little-endian u32 at 4 r
 
 
@@ -205,7 +205,7 @@ def _code_chunks(qtype, b, p):
     """A block's weight codes as 8 chunks (k, <32 x i8>): row r's elements k .. k + 3 at bytes
     4 r .. 4 r + 3 (q4 / q5 unsigned, unpacked from the nibbles and qh)."""
     if qtype == "q8_0":
-        return [(4 * c, load(b, p, 16 + 32 * c, V32I8)) for c in range(8)]
+        return [(4 * c, load(b, p, CODES_AT[qtype] + 32 * c, V32I8)) for c in range(8)]
     at = CODES_AT[qtype]
     qh = load(b, p, QH_AT[qtype], V32I8) if qtype in QH_AT else None
     out = []
@@ -249,7 +249,7 @@ def _block_dots_dot(qtype, b, p, xbs):
     if qtype == "q8_0":
         tots = [None] * len(xbs)
         for c in range(8):
-            w = load(b, p, 16 + 32 * c, V32I8)
+            w = load(b, p, CODES_AT[qtype] + 32 * c, V32I8)
             u = absb(b, w) if AVX2 else None
             for t, xb in enumerate(xbs):  # |w| <= 128 enters unsigned, x takes w's sign
                 tots[t] = dpbssd(b, tots[t], w, bcast4(b, b.gep(xb, [c64(4 * c)])), u)  # int32 lanes

@@ -41,7 +41,6 @@ from sparrow.kernels.matmul.q8.ir import V8I8, V16I8, V32I8, V64I8, bcast4, dpbu
 from sparrow.kernels.matmul.q8.kquant_groups import _CODES, _Q6_QH, _Q6_QL, _Q6_SC
 
 PAIR_X_ROWS = 6  # x rows a pair tile reads each unpacked chunk for
-Q8_0_CODES_AT = 16  # a q8_0 group block's 8 code chunks, after the 8 f16 scales
 
 
 def _pair(b, p0, p1, at, ty):
@@ -54,7 +53,7 @@ def emit_pair(qtype, mr):
     """emit(b, group g block pointer, group g + 1's, [x codes], [dx], [sx], [x_sums: 8 sum(code_x)
     a block for q4_0 and q5_0, 128 sum(code_x) for q8_0], nb) -> [<16 x float>] per x row, in the
     module docstring's order (q8_0 / q4_0 / q4_1 / q5_0 / q5_1)."""
-    gb, at = GROUP_BYTES[qtype], CODES_AT.get(qtype)
+    gb, at = GROUP_BYTES[qtype], CODES_AT[qtype]
 
     def emit(b, g0p, g1p, xps, dxps, sxps, bsps, nb):
         acc, accm = [zeroed(b, V16F) for _ in range(mr)], [zeroed(b, V16F) for _ in range(mr)]
@@ -65,7 +64,7 @@ def emit_pair(qtype, mr):
             los, his = [None] * mr, [None] * mr  # two vpdpbusd chains (each dot waits on the last)
             if qtype == "q8_0":  # chunks 0-3, then 4-7; codes + 128, unsigned
                 for c in range(8):
-                    u = b.xor(_pair(b, p0, p1, Q8_0_CODES_AT + 32 * c, V32I8), ir.Constant(V64I8, [-128] * 64))
+                    u = b.xor(_pair(b, p0, p1, at + 32 * c, V32I8), ir.Constant(V64I8, [-128] * 64))
                     chain = los if c < 4 else his
                     for t in range(mr):
                         chain[t] = dpbusd16(b, chain[t], u, bcast4(b, b.gep(xbs[t], [c64(4 * c)]), 16))

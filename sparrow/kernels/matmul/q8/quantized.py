@@ -308,17 +308,10 @@ def drop_mapped_pages(a) -> bool:
 PARALLEL_QUANTIZE_ROWS = 32  # fewer x rows are quantised on the calling thread (a launch costs more)
 
 
-def quantize_parallel(x):
-    """quantize's (xq, dx, sx), rows in chunks of 16 on every thread (the same bits a row): a
-    512-row prefill's x quantised serially was ~4% of the Qwen3-1.7B shape's q8 prefill."""
-    t_n, k = x.shape
-    xq, dx, sx = np.empty((t_n, k), np.int8), np.empty((t_n, k // 32), np.float32), np.empty((t_n, k // 32), np.float32)
-    run_parallel((t_n + 15) // 16, _quantize_chunk, (x, xq, dx, sx))
-    return xq, dx, sx
-
-
 def quantize_padded(x, rows):
-    """quantize's (xq, dx, sx) in arrays of a multiple of `rows` rows, the pad rows zero."""
+    """quantize's (xq, dx, sx) in arrays of a multiple of `rows` rows, the pad rows zero; rows in
+    chunks of 16 on every thread (the same bits a row: a 512-row prefill's x quantised serially
+    was ~4% of the Qwen3-1.7B shape's q8 prefill)."""
     t_n, k = x.shape
     tp = -(-t_n // rows) * rows
     xq, dx, sx = np.zeros((tp, k), np.int8), np.zeros((tp, k // 32), np.float32), np.zeros((tp, k // 32), np.float32)
@@ -337,7 +330,7 @@ def matvec_q8(x, w, out):
     if small:
         call_slp(_mv_q8_serial, rows_address(w.rows), w.rows, w.kind, x, out)
     else:  # x quantised once (a prefill's rows on every thread), then the rows in chunks on every thread
-        xq, dx, sx = quantize(x) if x.shape[0] < PARALLEL_QUANTIZE_ROWS else quantize_parallel(x)
+        xq, dx, sx = quantize(x) if x.shape[0] < PARALLEL_QUANTIZE_ROWS else quantize_padded(x, 1)
         xs = x_sums(w.kind, xq)
         args = (rows_address(w.rows), w.rows, w.kind, xq, dx, sx, xs, out)
         run_parallel((w.rows.shape[0] + _ROWS - 1) // _ROWS, _q8_chunk, args, slp=True)
