@@ -109,3 +109,23 @@ def test_cli_bad_input(case, bad_models, tiny_models):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
     _one_line(lines[0], word)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--activations", "int4", "--prompt", "hi"],
+        ["bench", "long-context", "--activations", "int4"],
+        ["bench", "speed", "--activations", "int4"],
+    ],
+    ids=["generate", "bench-long-context", "bench-speed"],
+)
+def test_cli_bad_activations(argv):
+    """An unknown --activations mode stops before any model loads: argparse's usage line, then one
+    line naming the option and the modes it takes, exit status 2, no traceback."""
+    r = subprocess.run([sys.executable, "-m", "sparrow.cli", *argv], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert "--activations" in last and "invalid choice: 'int4'" in last, r.stderr
+    assert "f32" in last and "q8" in last, r.stderr
