@@ -22,6 +22,7 @@ import numpy as np
 from numba import njit
 
 from sparrow.kernels.cpu import FEATURES as CPU_FEATURES
+from sparrow.kernels.elementwise import PAR_ROWS
 from sparrow.kernels.formats import (
     BY_NAME,
     X8_FIRST,
@@ -88,10 +89,10 @@ def quantize_rows(x, xq, dx, sx):
 
 @njit(**KW)
 def _quantize_chunk(c, x, xq, dx, sx):
-    # rows [16 c, 16 c + 16) of quantize_padded's x, one launch each (kernels/parallel.py): a
-    # prefill's x quantised serially was 0.36 of a 5.5 s 512-token q8 prefill of the
-    # Qwen3-1.7B shape; the same bits a row
-    r = slice(16 * c, 16 * c + 16)
+    # rows [c PAR_ROWS, (c + 1) PAR_ROWS) of quantize_padded's x, one launch each
+    # (kernels/parallel.py): a prefill's x quantised serially was 0.36 of a 5.5 s 512-token q8
+    # prefill of the Qwen3-1.7B shape; the same bits a row
+    r = slice(c * PAR_ROWS, (c + 1) * PAR_ROWS)
     quantize_rows(x[r], xq[r], dx[r], sx[r])
 
 
@@ -310,12 +311,12 @@ PARALLEL_QUANTIZE_ROWS = 32  # fewer x rows are quantised on the calling thread 
 
 def quantize_padded(x, rows):
     """quantize's (xq, dx, sx) in arrays of a multiple of `rows` rows, the pad rows zero; rows in
-    chunks of 16 on every thread (the same bits a row: a 512-row prefill's x quantised serially
-    was ~4% of the Qwen3-1.7B shape's q8 prefill)."""
+    chunks of PAR_ROWS on every thread (the same bits a row: a 512-row prefill's x quantised
+    serially was ~4% of the Qwen3-1.7B shape's q8 prefill)."""
     t_n, k = x.shape
     tp = -(-t_n // rows) * rows
     xq, dx, sx = np.zeros((tp, k), np.int8), np.zeros((tp, k // 32), np.float32), np.zeros((tp, k // 32), np.float32)
-    run_parallel((t_n + 15) // 16, _quantize_chunk, (x, xq[:t_n], dx[:t_n], sx[:t_n]))
+    run_parallel((t_n + PAR_ROWS - 1) // PAR_ROWS, _quantize_chunk, (x, xq[:t_n], dx[:t_n], sx[:t_n]))
     return xq, dx, sx
 
 
