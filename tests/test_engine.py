@@ -187,17 +187,18 @@ def test_internal_error_fails_the_request_and_is_logged(caplog):
 def test_engine_applies_the_requests_kv_dtype():
     m = StubModel()
     eng = Engine(_llm(m, kv="f32"), max_batch=4)
-    eng.start(warmup=False)
     seen = []
+    free = eng.kv.free
+
+    def freeing(req):  # the cache the request ran with, as it is handed back
+        seen.append(req.seq.slot.cache.kv_dtype)
+        free(req)
+
+    eng.kv.free = freeing
+    eng.start(warmup=False)
     try:
         done = threading.Event()
-        req = eng.submit(
-            [1, 2],
-            SamplingParams(max_tokens=1),
-            None,
-            lambda k, o: (seen.append(req.seq.slot.cache.kv_dtype), done.set()),
-            kv_dtype="int8",
-        )
+        eng.submit([1, 2], SamplingParams(max_tokens=1), None, lambda k, o: done.set(), kv_dtype="int8")
         assert done.wait(30)
     finally:
         eng.stop()

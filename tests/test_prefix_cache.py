@@ -139,6 +139,31 @@ def _submit_one(engine, ids, params, sparse):
     return (got,), cached[0]
 
 
+def test_the_prefix_cache_holds_a_request_when_its_last_token_arrives(llm):
+    """A client that sends the next turn (or /v1/cache/save that waits for the disk write) right
+    after the last token must find the finished prompt's entry already taken."""
+    ids = np.random.default_rng(7).integers(100, 40000, 40).tolist()
+    engine = Engine(llm, runner=Runner(llm.model, CHUNK), kv_budget=1 << 28)
+    held = []
+    submit = engine.submit
+
+    def watching(ids, params, sparse, emit, **kw):
+        def on_token(kind, out):
+            if kind == "token" and out.finish_reason:
+                held.append(len(engine.prefix))
+            emit(kind, out)
+
+        return submit(ids, params, sparse, on_token, **kw)
+
+    engine.submit = watching
+    engine.start(warmup=False)
+    try:
+        _submit_one(engine, ids, _params(1, 2), None)
+    finally:
+        engine.stop()
+    assert held == [1]
+
+
 def test_opted_out_requests_are_not_matched(llm):
     ids = np.random.default_rng(5).integers(100, 40000, 40).tolist()
     engine = Engine(llm, runner=Runner(llm.model, CHUNK), kv_budget=1 << 28)

@@ -332,9 +332,9 @@ class Engine:
                 self.metrics.finish(out.finish_reason)
         if out.finish_reason:
             req.finished = True
-        self._emit(req, "token", out)
-        if req.finished:
+        if req.finished:  # first: whoever reads the last token finds its prompt in the prefix cache
             self._free(req)
+        self._emit(req, "token", out)
 
     def _prefill(self, req: Request) -> bool:
         """One prefill chunk of req; False when it waits for KV (nothing ran)."""
