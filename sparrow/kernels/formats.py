@@ -59,6 +59,7 @@ X8_KIND = {f.name: f.x8 for f in FORMATS if f.x8 is not None}
 X8_FIRST = min(X8_KIND.values())  # kinds from here on are interleaved groups
 PREFILL_FORMATS = tuple(f.name for f in FORMATS if f.q8_prefill)
 AMX_FORMATS = tuple(f.name for f in FORMATS if f.amx)
+ZMM_PAIR_KINDS = tuple(f.x8 for f in FORMATS if f.zmm_pairs)  # interleaved kinds with zmm pair tiles
 
 assert len(set(KIND.values())) == len(FORMATS) and max(KIND.values()) < X8_FIRST
 assert len(set(X8_KIND.values())) == len(X8_KIND)

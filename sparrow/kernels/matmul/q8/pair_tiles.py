@@ -4,15 +4,11 @@ kernels/matmul/q8/groups.py (q8_0 / q4_0 / q4_1 / q5_0 / q5_1) and q8.kquant_gro
 groups of 8 and dot a group against up to TILE_X_ROWS = 4 x rows in ymm registers. On CPUs with AVX512-VNNI
 (q8.ir.VNNI512) a prefill here takes groups g and g + 1 side by side in one <64 x i8>, so each vpdpbusd covers
 16 rows, and PAIR_X_ROWS = 6 x rows share each unpacked chunk. Lane r of every vector is row
-8 g + r (r < 8: group g, else row r - 8 of group g + 1). One Zen 4 core, 6144 x 2048 x 512,
-interleaved runs: q4_0 149-163 GMAC/s against 133-136 for q8.groups's tiles (ymm tiles of 6 or 8 x
-rows were no faster; 8 spilled: 85), q4_k 146-147 against 94-95 for q8.kquant_groups's pmaddubsw tiles;
-2048 x 6144 x 512 on two cores: q6_k 154-163 against 87-93 for q8.kquant_groups's tiles (4 or 8 x rows:
-slower or even; starting the chains at -X instead of subtracting X after: slower). q8_0's signed
-codes enter vpdpbusd as code + 128 (one xor a chunk, shared by the x rows; zmm has no vpsignb,
-which the ymm tiles use per x row) and 128 sum(code_x) a block is subtracted after, the same
-exact integer. One Zen 4 core, 6144 x 2048 x 512: q8_0 151 GMAC/s, as q4_0; the 1.7B-shaped
-Q8_0's 512-token prefill on two cores went 99-101 -> 145-153 tok/s against the ymm tiles.
+8 g + r (r < 8: group g, else row r - 8 of group g + 1). q8_0's signed codes enter vpdpbusd as
+code + 128 (one xor a chunk, shared by the x rows; zmm has no vpsignb, which the ymm tiles use
+per x row) and 128 sum(code_x) a block is subtracted after, the same exact integer. Why these
+shapes (6 x rows, not 4 or 8; the unrolled q6_k tile): the measurements are in docs/kernels.md,
+"zmm prefill tiles".
 
 The order is q8.groups's and q8.kquant_groups's, lane by lane (their docstrings), so a row's bits do not depend
 on which tile computed it (tests/test_x16.py)."""
@@ -159,7 +155,7 @@ def emit_pair_q6_k(mr):
     and the sum of two are exact integers below 2^24 (|S - X| <= 16 * 32 * 127, |sc| <= 128),
     so float(I) is q8.kquant_groups's sitofp(I). The 8 sub-blocks are unrolled, so every shift
     that unpacks u is a constant (a run-time byte shift cost LLVM several instructions a
-    chunk): one Zen 4 core, 2048 x 6144 x 512, 99 -> 118 GMAC/s (q4_k 141, q4_0 166)."""
+    chunk)."""
     gb = GROUP_BYTES["q6_k"]
 
     def emit(b, g0p, g1p, xps, dxps, sxps, bsps, nb):

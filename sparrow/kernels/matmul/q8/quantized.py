@@ -34,6 +34,7 @@ from sparrow.kernels.formats import (
     X8_Q5_K,
     X8_Q6_K,
     X8_Q8_0,
+    ZMM_PAIR_KINDS,
 )
 from sparrow.kernels.matmul.q8 import amx
 from sparrow.kernels.matmul.q8.groups import (
@@ -193,8 +194,8 @@ def x8_rows(data, kind, xq, dx, sx, bs, y, g0, g1):
 @njit(**KW)
 def takes_pairs(kind, t_n):
     """Whether t_n x rows of an interleaved kind go through q8.pair_tiles's zmm pair tiles: more than
-    TILE_X_ROWS of them, a CPU with AVX512-VNNI, and a kind with pair tiles (all but q5_k)."""
-    return VNNI512 and t_n > TILE_X_ROWS and kind >= X8_FIRST and kind != X8_Q5_K
+    TILE_X_ROWS of them, a CPU with AVX512-VNNI, and a kind with pair tiles (formats.py's zmm_pairs)."""
+    return VNNI512 and t_n > TILE_X_ROWS and kind in ZMM_PAIR_KINDS
 
 
 @njit(**KW)
