@@ -466,6 +466,40 @@ def test_engine_batch_equals_solo_runs(default_llm):
     assert snap["spec_drafted_tokens"] >= snap["spec_accepted_tokens"] > 0
 
 
+def _metrics_at_last_token(llm, spec):
+    """An engine's metrics when a request's last token reaches its client, and after it stopped."""
+    from sparrow.engine.engine import Engine
+    from sparrow.server.metrics import Metrics
+
+    metrics, seen = Metrics(), []
+    engine = Engine(llm, metrics=metrics, kv_budget=1 << 28)
+    submit = engine.submit
+
+    def watching(ids, params, sparse, emit, *a, **kw):
+        def on_token(kind, out):
+            if kind == "token" and out.finish_reason:
+                seen.append(metrics.snapshot())
+            emit(kind, out)
+
+        return submit(ids, params, sparse, on_token, *a, **kw)
+
+    engine.submit = watching
+    (outs,) = _engine_run(engine, [(_prompt(llm, 1), SamplingParams(max_tokens=24, ignore_eos=True), spec, "f32")])
+    assert len(outs) == 24 and len(seen) == 1
+    return seen[0], metrics.snapshot()
+
+
+@pytest.mark.parametrize("spec", [None, SpeculativeParams("ngram", 4)], ids=["plain", "ngram"])
+def test_metrics_count_a_step_before_its_tokens_arrive(default_llm, spec):
+    """/metrics scraped the moment a response ends already counts its last decode step, plain
+    and speculating (drafted and accepted tokens)."""
+    at_last, final = _metrics_at_last_token(default_llm, spec)
+    keys = ("generation_tokens", "decode_tokens", "spec_drafted_tokens", "spec_accepted_tokens")
+    assert final["decode_tokens"] == 23  # the prefill samples the first
+    assert (final["spec_drafted_tokens"] > 0) == (spec is not None)
+    assert {k: at_last[k] for k in keys} == {k: final[k] for k in keys}
+
+
 def test_engine_tight_kv_budget(default_llm):
     """A KV budget that preempts: speculation only drafts into KV it can grow into without
     preempting, and every output still equals its solo run."""

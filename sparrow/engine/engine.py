@@ -436,10 +436,10 @@ class Engine:
             return
         if any(r.speculative is not None for r in reqs):
             return self._decode_speculative(reqs, t0)
-        groups = self.runner.decode_groups(len(reqs))
-        produced = 0
-        for g in groups:  # one forward each; a failure fails only its own forward's requests
+        # one forward a group; a failure fails only its own forward's requests
+        for g in self.runner.decode_groups(len(reqs)):
             batch = [reqs[i] for i in g]
+            outs = []
             try:
                 live = [r.seq.caught_up for r in batch]  # False: replaying a token it sampled before
                 tokens = [r.seq.next_input for r in batch]
@@ -453,13 +453,21 @@ class Engine:
                         r.seq.trace.take()
             except Exception as e:
                 self._internal_error(batch, e)
-                continue
-            produced += len(outs)
+                outs = []
+            t0 = self._count_decode(t0, len(outs), 1)
             for r, out in outs:
                 self._deliver(r, out)
-        if self.metrics is not None:
-            self.metrics.decode(produced, time.perf_counter() - t0, len(groups))
         self.scheduler.retire()
+
+    def _count_decode(self, t0: float, tokens: int, forwards: int, drafted: int = 0, accepted: int = 0) -> float:
+        """Adds a forward's tokens and time since t0 to the metrics before its tokens are
+        delivered (a scrape right after a response counts its last step); returns now."""
+        now = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.decode(tokens, now - t0, forwards)
+            if drafted:
+                self.metrics.add(spec_drafted_tokens=drafted, spec_accepted_tokens=accepted)
+        return now
 
     def _decode_speculative(self, reqs: list[Request], t0: float) -> None:
         """A decode step in which some requests speculate: each drafts (its budget capped by
@@ -485,14 +493,14 @@ class Engine:
                 items.append((r, draft, start, live, first))
             except Exception as e:
                 self._internal_error([r], e)
-        produced = drafted = accepted = forwards = 0
         for group in _row_groups(items, self.runner.decode_groups):
             batch = [it[0] for it in group]
+            drafted = accepted = forwards = 0
+            done = []
             try:
                 tokens = [[first, *d] for _, d, _, _, first in group]
+                forwards = len(self.runner.decode_groups(sum(map(len, tokens))))
                 logits = self.runner.verify([r.seq.slot for r in batch], tokens, [it[2] for it in group])
-                forwards += len(self.runner.decode_groups(sum(map(len, tokens))))
-                done = []
                 for (r, draft, _, live, _), lg in zip(group, logits):
                     if not live:
                         continue
@@ -503,16 +511,13 @@ class Engine:
                     done.append((r, outs))
             except Exception as e:
                 self._internal_error(batch, e)
-                continue
+                done = []
+            t0 = self._count_decode(t0, sum(len(outs) for _, outs in done), forwards, drafted, accepted)
             for r, outs in done:
-                produced += len(outs)
                 for out in outs:
                     if out.finish_reason and r.spec is not None:
                         out.speculative = r.spec.counts
                     self._deliver(r, out)
-        if self.metrics is not None:
-            self.metrics.decode(produced, time.perf_counter() - t0, forwards)
-            self.metrics.add(spec_drafted_tokens=drafted, spec_accepted_tokens=accepted)
         self.scheduler.retire()
 
     def _internal_error(self, reqs: list[Request], e: Exception) -> None:
