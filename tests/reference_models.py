@@ -1,8 +1,9 @@
 """Builders for the reference checkpoints the model tests compare against.
 
-Tiny random Llama / Qwen2 / Qwen3 models are built with transformers (seeded), saved as HF
-folders (safetensors + the default model's tokenizer) and, for the GGUF tests, written with
-gguf.GGUFWriter using llama.cpp's tensor names, layouts and metadata keys.
+Tiny random Llama / Qwen2 / Qwen3 models are built with transformers (their weights from a
+seeded numpy generator: seed_weights), saved as HF folders (safetensors + the default model's
+tokenizer) and, for the GGUF tests, written with gguf.GGUFWriter using llama.cpp's tensor names,
+layouts and metadata keys.
 """
 
 from __future__ import annotations
@@ -63,7 +64,6 @@ def build_tiny(arch: str, out_dir: str, tokenizer_dir: str, dtype=None, max_shar
     """Builds the seeded tiny model, saves it (safetensors, optionally bf16 or sharded) with the
     tokenizer into out_dir; returns the transformers model in f32 (eval mode). config: settings
     that replace TINY_SPECS' (e.g. rope_parameters); the weights depend only on the seed and sizes."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     classes = {
@@ -72,14 +72,8 @@ def build_tiny(arch: str, out_dir: str, tokenizer_dir: str, dtype=None, max_shar
         "llama": (LlamaConfig, LlamaForCausalLM),
     }
     cfg_cls, model_cls = classes[arch]
-    torch.manual_seed(SEEDS[arch])
     model = model_cls(cfg_cls(**{**TINY_SPECS[arch], **(config or {})})).float().eval()
-    if arch == "qwen2":
-        # transformers initialises biases to zero; random ones make the bias path observable.
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    p.bias.normal_(0.0, 0.2)
+    seed_weights(model, SEEDS[arch])
     to_save = model
     if dtype is not None:
         to_save = model_cls(model.config).to(dtype).eval()
@@ -88,6 +82,28 @@ def build_tiny(arch: str, out_dir: str, tokenizer_dir: str, dtype=None, max_shar
     to_save.save_pretrained(out_dir, **kw)
     copy_tokenizer(tokenizer_dir, out_dir)
     return model
+
+
+def seed_weights(model, seed: int) -> None:
+    """Every parameter drawn from numpy's generator in name order, as transformers initialises
+    them (matrices and embeddings normal(0, initializer_range), norms one), biases (Qwen2's
+    q/k/v) normal(0, 0.2), which makes the bias path observable where transformers gives zeros.
+    So the weights depend on the seed and sizes only, not on the transformers or torch
+    version: the golden fused-step bits (test_golden_bits.py) hold on any reference stack,
+    the emulated aarch64 root's included (docs/arm64.md)."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    std = model.config.initializer_range
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith(".bias"):
+                values = rng.normal(0.0, 0.2, tuple(p.shape))
+            elif p.ndim == 1:
+                values = np.ones(tuple(p.shape))
+            else:
+                values = rng.normal(0.0, std, tuple(p.shape))
+            p.copy_(torch.from_numpy(values.astype(np.float32)))
 
 
 def copy_tokenizer(src: str, dst: str) -> None:

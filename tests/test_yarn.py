@@ -170,7 +170,9 @@ def plain_folder(yarn_tiny, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def ids():
-    return prompt(T, seed=36)
+    # a prompt whose reference top-1 margins all exceed 4 x EXACT on the tiny model's weights
+    # (test_logits_match_transformers checks it): 0.0024; most seeds give a position below
+    return prompt(T, seed=41)
 
 
 @pytest.fixture(scope="module")
