@@ -15,7 +15,7 @@ from numba import njit
 
 from sparrow.kernels import cpu, default_threads
 from sparrow.kernels.fused import sync
-from sparrow.kernels.ir import F32, I8, I32, I64
+from sparrow.kernels.ir import I64
 from sparrow.kernels.matmul import widen
 from sparrow.kernels.matmul.q8 import groups
 from sparrow.kernels.matmul.q8 import ir as q8ir
@@ -116,21 +116,7 @@ def test_spin_calibration_times_the_barriers_loop():
 
 
 def _q8_tile_module(qtype, mr):
-    """One group of 8 rows against mr x rows (q8.groups.emit_tile, the kernels' own IR) as a
-    function of pointers, for an aarch64 target."""
-    m = ir.Module(qtype)
-    m.triple = AARCH64
-    p8, pf, pi = I8.as_pointer(), F32.as_pointer(), I32.as_pointer()
-    fn = ir.Function(m, ir.FunctionType(ir.VoidType(), [p8] + [p8, pf, pf, pi] * mr + [pf, I64]), "tile")
-    b = ir.IRBuilder(fn.append_basic_block())
-    a = list(fn.args)
-    per = [a[1 + 4 * t : 5 + 4 * t] for t in range(mr)]
-    xs, dxs, sxs, bss = ([p[k] for p in per] for k in range(4))
-    vs = groups.emit_tile(qtype, mr)(b, a[0], xs, dxs, sxs, bss, a[-1])
-    for t, v in enumerate(vs):
-        b.store(v, b.bitcast(b.gep(a[-2], [ir.Constant(I64, 8 * t)]), v.type.as_pointer()), align=4)
-    b.ret_void()
-    return m
+    return groups.tile_module(qtype, mr, AARCH64)
 
 
 def _set_q8_flags(monkeypatch, avx2=False, vnni=False, dotprod=False, i8mm=False):
@@ -194,10 +180,42 @@ def test_paths_line_names_the_aarch64_paths():
     a76.update(dotprod=True, i8mm=False, amx=False)
     line = cpu.paths_line(a76)
     assert "q8 integer dots by sdot (dotprod)" in line and "q8 prefill on 8-lane vector tiles [" in line
+    assert "q4_1 decode row dots one row at a time [" in line
     n2 = cpu.paths_line(dict(a76, name="neoverse-n2", i8mm=True))
     assert "q8 prefill on smmla tiles (i8mm) [" in n2
     generic = cpu.paths_line(dict(a76, name="generic", dotprod=False))
     assert "by generic vector IR" in generic and "on 8-lane vector tiles" in generic
+
+
+# ------------------------------------------------------------ the exact row dots' shape on aarch64
+
+_ROW_SHAPE_CHILD = """
+import json, platform, sys
+import numpy as np
+platform.machine = lambda: "aarch64"  # kernels.cpu then chooses aarch64's shape as sparrow loads
+from sparrow.kernels import cpu
+from sparrow.kernels.linear import linear, prepare
+from sparrow.kernels.matmul import widen
+from test_golden_bits import SHAPE, _digest, _weight
+from weights import acts
+got = {q: _digest(linear(acts(1, SHAPE[1], seed=12), prepare(_weight(q), "f32"))) for q in ("q4_0", "q4_1")}
+print("INFO " + json.dumps(dict(got, shape=[cpu.AARCH64, widen.ROW_DOTS, widen.ROW_DOT_GROUPS])))
+np.savez(sys.argv[2])
+"""
+
+
+def test_aarch64_row_dot_shape_gives_the_golden_bits(tmp_path):
+    """aarch64 takes q4_0 / q4_1 exact decode rows one at a time, each scale with its block
+    (cpu.row_dot_shape); x86 two rows, scales in 16-block groups. Same operations in the same
+    order: a child building the kernels in aarch64's shape here (its own kernel cache) gives
+    the golden decode bits of test_golden_bits."""
+    from test_cpu_paths import run_compiled_for
+    from test_golden_bits import GOLDEN_LINEAR
+
+    assert cpu.row_dot_shape(False) == (2, True) and cpu.row_dot_shape(True) == (1, False)
+    info, _ = run_compiled_for(tmp_path, cpu.NAME, cpu.FEATURES, _ROW_SHAPE_CHILD, fresh=True)
+    assert info.pop("shape") == [True, 1, False]
+    assert info == {q: GOLDEN_LINEAR[f"{q}/f32/decode"] for q in ("q4_0", "q4_1")}
 
 
 # ------------------------------------------------------------ big.LITTLE: threads and placement

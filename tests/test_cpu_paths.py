@@ -490,6 +490,7 @@ def test_one_cpu_description_names_the_paths_taken():
     haswell = dict(name="haswell", avx2=True, avx512f=False, vnni=False, vnni512=False, amx=False, gemm_tile="4x3x8")
     line = cpu.paths_line(haswell)
     assert "by pmaddubsw (AVX2)" in line and "prefill on ymm tiles" in line and "micro-tile 4x3x8 [" in line
+    assert "q4_1 decode row dots two rows at a time [" in line  # no arch given: x86's
     generic = dict(haswell, name="x86-64", avx2=False)
     assert "by generic vector IR" in cpu.paths_line(generic)
     amx = dict(haswell, name="sapphirerapids", vnni=True, vnni512=True, amx=True, gemm_tile="8x3x16")

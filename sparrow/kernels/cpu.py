@@ -46,6 +46,26 @@ DOTPROD = "+dotprod" in _FEATS
 I8MM = "+i8mm" in _FEATS  # aarch64's smmla (Armv8.6 i8mm: Neoverse N2 / V1, Cortex-A710, Apple M2)
 
 
+AARCH64 = platform.machine().lower() in ("aarch64", "arm64")  # describe()'s arch, as paths_line reads it
+
+
+def row_dot_shape(aarch64: bool) -> tuple[int, bool]:
+    """(rows, grouped) of the exact mode's q4_0 / q4_1 decode row dots (kernels/matmul/widen.py):
+    rows taken `rows` at a time, one block of each in turn, and their scales widened 16 blocks
+    at a time (grouped) or each with its block. Neither changes a row's operations or their
+    order, so neither changes a bit.
+
+    x86: two rows, grouped (measured on Zen 4: docs/kernels.md). aarch64: one row, a block's
+    scale with its block. Chosen against LLVM 19's scheduling model of the Neoverse N1 (the
+    Cortex-A76's server twin; scripts/neon_model.py), with no board at hand: a 16-lane value
+    takes four of NEON's 32 registers, two rows and the 16-block groups spill, and the model
+    gives q4_0 0.69 -> 0.84 and q4_1 0.75 -> 0.97 bytes a cycle (docs/arm64.md)."""
+    return (1, False) if aarch64 else (2, True)
+
+
+ROW_DOTS, ROW_DOT_GROUPS = row_dot_shape(AARCH64)
+
+
 def micro_tile(features: str) -> tuple[int, int, int]:
     """(MR, NW, LANES) of the prefill GEMM's micro-kernel (kernels/matmul/gemm.py): x rows, vectors a
     row and f32 lanes a vector.
@@ -140,6 +160,7 @@ def paths_line(d: dict | None = None) -> str:
     """One sentence: every code path the kernels have, and the one this CPU takes (d: a
     describe() dict, this process's by default)."""
     d = d or describe()
+    rows, _ = row_dot_shape(d.get("arch", "x86_64") in ("aarch64", "arm64"))
     if d.get("dotprod"):
         dots = "sdot (dotprod)"
     else:
@@ -156,6 +177,8 @@ def paths_line(d: dict | None = None) -> str:
         f"{'AMX tiles' if d['amx'] else tiles} [of: AMX tiles, zmm pair tiles, ymm tiles, smmla tiles, "
         "8-lane vector tiles]; "
         f"prefill GEMM micro-tile {d['gemm_tile']} [of: 8x3x16 (AVX-512), 4x3x8]; "
+        f"exact q4_0 / q4_1 decode row dots {'one row' if rows == 1 else 'two rows'} at a time [of: two rows, "
+        "one row (aarch64)]; "
         f"prefill attention tile {d.get('attention_tile', '4x2x8')} [of: 8x2x16 (AVX-512), 4x2x8]."
     )
 

@@ -18,6 +18,7 @@ from llvmlite import ir
 from numba import njit, prange
 from numba.core import cgutils
 
+from sparrow.kernels.cpu import ROW_DOT_GROUPS, ROW_DOTS
 from sparrow.kernels.formats import BF16, BY_NAME, FP16, FP32, KQ_FIRST, Q4_0, Q4_1, Q8_0
 from sparrow.kernels.ir import (
     F32,
@@ -161,6 +162,8 @@ def _mv_f32(w, x, y):
 #   10.3; Qwen3-1.7B Q4_0 exact decode 1.09-1.14x), each row's operations unchanged. q8_0 (no
 #   constant term) ran no faster. kquants.py takes q4_k / q5_k rows two at a time likewise,
 #   one 32-value unit of each in turn (q4_k from cache 8.6-9.5 -> 10.2-10.4 GB/s a core).
+# - on aarch64 neither (kernels.cpu.row_dot_shape): a 16-lane value takes four of NEON's
+#   registers, and the groups and row pairs spilled there.
 
 _F32, _I8, _I32, _I64, _V16F, _V16I32 = F32, I8, I32, I64, V16F, V16I32
 _BB = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
@@ -259,7 +262,8 @@ def _emit_rowdot(qtype):
                 builder.store(_fma(builder, const[0], const[1], builder.load(accm[r])), accm[r])
 
         # q8_0 keeps a scale per block: its 34-byte blocks' shuffle cost more than it saved
-        groups = builder.udiv(nb, c64(_GROUP)) if qtype != "q8_0" else c64(0)
+        grouped = qtype != "q8_0" and ROW_DOT_GROUPS
+        groups = builder.udiv(nb, c64(_GROUP)) if grouped else c64(0)
         with cgutils.for_range(builder, groups) as loop:
             b0 = builder.mul(loop.index, c64(_GROUP))
             for r in range(n):
@@ -292,8 +296,8 @@ def _emit_rowdot(qtype):
 
 # rows(data, o0, o1, x, sx, y): y[o] for rows o0..o1-1 (the row loop compiled, ir.make_rows)
 rows_q8_0 = make_rows(_emit_rowdot("q8_0"), 2)  # no constant term: one at a time was faster
-rows_q4_0 = make_rows(_emit_rowdot("q4_0"), 2, together=2)
-rows_q4_1 = make_rows(_emit_rowdot("q4_1"), 2, together=2)
+rows_q4_0 = make_rows(_emit_rowdot("q4_0"), 2, together=ROW_DOTS)
+rows_q4_1 = make_rows(_emit_rowdot("q4_1"), 2, together=ROW_DOTS)
 
 
 def _emit_rowdot_x(qtype):

@@ -43,7 +43,7 @@ from numba import njit, prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from sparrow.kernels.ir import F32, I8, I32, c64, fma, shuffle, splat16, zeroed
+from sparrow.kernels.ir import F32, I8, I32, I64, c64, fma, shuffle, splat16, zeroed
 from sparrow.kernels.matmul.q8.ir import (
     AVX2,
     DOT4,
@@ -322,6 +322,25 @@ def emit_tile(qtype, mr):
         return [b.load(acc[t]) for t in range(mr)]
 
     return emit
+
+
+def tile_module(qtype, mr, triple):
+    """One group of 8 rows against mr x rows (emit_tile) as a function of pointers in a
+    module for `triple`, to compile for another CPU with llvmlite (tests/test_arm64.py,
+    scripts/neon_model.py): tile(group, (x codes, dx, sx, block sums) per x row, out, nb)."""
+    m = ir.Module(qtype)
+    m.triple = triple
+    p8, pf, pi = I8.as_pointer(), F32.as_pointer(), I32.as_pointer()
+    fn = ir.Function(m, ir.FunctionType(ir.VoidType(), [p8] + [p8, pf, pf, pi] * mr + [pf, I64]), "tile")
+    b = ir.IRBuilder(fn.append_basic_block())
+    a = list(fn.args)
+    per = [a[1 + 4 * t : 5 + 4 * t] for t in range(mr)]
+    xs, dxs, sxs, bss = ([p[k] for p in per] for k in range(4))
+    vs = emit_tile(qtype, mr)(b, a[0], xs, dxs, sxs, bss, a[-1])
+    for t, v in enumerate(vs):
+        b.store(v, b.bitcast(b.gep(a[-2], [ir.Constant(I64, 8 * t)]), v.type.as_pointer()), align=4)
+    b.ret_void()
+    return m
 
 
 M_ROWS = ("q4_1", "q5_1")  # formats with an offset m a block (f16, after the 8 scales)
