@@ -46,7 +46,7 @@ DOTPROD = "+dotprod" in _FEATS
 I8MM = "+i8mm" in _FEATS  # aarch64's smmla (Armv8.6 i8mm: Neoverse N2 / V1, Cortex-A710, Apple M2)
 
 
-AARCH64 = platform.machine().lower() in ("aarch64", "arm64")  # describe()'s arch, as paths_line reads it
+AARCH64 = platform.machine().lower() in ("aarch64", "arm64")  # 64-bit Arm (row_dot_shape)
 
 
 def row_dot_shape(aarch64: bool) -> tuple[int, bool]:

@@ -240,7 +240,8 @@ def _block_terms(builder, qtype, rp, xp, sp, b, scales=None):
 def _emit_rowdot(qtype):
     """Rows dotted with f32 x, as ir.make_rows calls it (inputs: x [nb * 32], sx [nb]), each
     row alone in its order: q4_0 / q4_1 blocks go in groups of 16 whose scales are widened
-    together (_group_scales), then the rest (q8_0: all) one by one; either way block b adds to
+    together (_group_scales; x86, kernels.cpu.row_dot_shape), then the rest (q8_0, and every
+    block on aarch64) one by one; either way block b adds to
     accumulator b % 2 and to accm in block order. Several rows' blocks are interleaved, one
     block of each in turn, so their accm chains overlap."""
 
