@@ -20,6 +20,7 @@ The model is LLVM's, not silicon: `sparrow bench speed` on a board is the measur
 
 import argparse
 import re
+import shutil
 import subprocess
 
 import llvmlite.binding as ll
@@ -151,6 +152,8 @@ def main() -> None:
     ap.add_argument("--cpu", default="neoverse-n1", help="the model's CPU (default: the Cortex-A76's twin)")
     ap.add_argument("--ghz", type=float, default=2.4, help="clock for GB/s (RK3588 and Pi 5 big cores: 2.4)")
     args = ap.parse_args()
+    if shutil.which(args.mca) is None:
+        ap.error(f"--mca {args.mca}: not found (LLVM 17 or later's llvm-mca; Debian: apt install llvm-19)")
     kir.AVX512F = False  # emit as for an aarch64 CPU whatever the host (the IR builders read these)
     print(f"exact decode row dots, {args.cpu} model, one core at {args.ghz} GHz:")
     print("format | as on x86: cycles a block, B/cycle | one row at a time: cycles a block, B/cycle")

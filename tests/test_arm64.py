@@ -218,6 +218,23 @@ def test_aarch64_row_dot_shape_gives_the_golden_bits(tmp_path):
     assert info == {q: GOLDEN_LINEAR[f"{q}/f32/decode"] for q in ("q4_0", "q4_1")}
 
 
+def test_neon_model_script_names_a_missing_llvm_mca():
+    """scripts/neon_model.py without its llvm-mca: one line naming the option, exit status 2."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "scripts", "neon_model.py")
+    res = subprocess.run([sys.executable, script, "--mca", "no-such-llvm-mca"], capture_output=True, text=True)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert (
+        res.stderr.strip()
+        .splitlines()[-1]
+        .endswith("--mca no-such-llvm-mca: not found (LLVM 17 or later's llvm-mca; Debian: apt install llvm-19)")
+    )
+
+
 # ------------------------------------------------------------ big.LITTLE: threads and placement
 
 
