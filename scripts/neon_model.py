@@ -23,12 +23,12 @@ import re
 import shutil
 import subprocess
 
-import llvmlite.binding as ll
 from llvmlite import ir
 
 import sparrow.kernels.ir as kir
-from sparrow.kernels.ir import F32, I8, I32, I64
-from sparrow.kernels.matmul import kquants, widen
+from sparrow.kernels import cross
+from sparrow.kernels.ir import F32, I8, I64
+from sparrow.kernels.matmul import gemm, kquants, widen
 from sparrow.kernels.matmul.q8 import groups
 from sparrow.kernels.matmul.q8 import ir as q8ir
 
@@ -50,34 +50,10 @@ ROW_DOTS = {
 GEMM_TILES = [(4, 3, 8), (8, 3, 4), (4, 6, 4), (6, 4, 4), (12, 2, 4), (8, 2, 4), (4, 4, 4)]
 
 
-def compile_aarch64(module: ir.Module, cpu: str) -> str:
-    """module at O3 for an aarch64 cpu, as assembly; loops not unrolled, so that a loop pass
-    covers the blocks the IR gives it (unrolling repeats the same code a block)."""
-    ll.initialize_all_targets()
-    ll.initialize_all_asmprinters()
-    tm = ll.Target.from_triple(AARCH64).create_target_machine(cpu=cpu, features=FEATURES, opt=3)
-    mod = ll.parse_assembly(str(module))
-    mod.triple, mod.data_layout = tm.triple, str(tm.target_data)
-    mod.verify()
-    options = ll.create_pipeline_tuning_options(speed_level=3)
-    options.loop_unrolling = False
-    pb = ll.create_pass_builder(tm, options)
-    pb.getModulePassManager().run(mod, pb)
-    return tm.emit_assembly(mod)
-
-
-def hottest_loop(asm: str) -> list[str]:
-    """The instructions of the longest loop: a label up to the branch back to it."""
-    lines = asm.splitlines()
-    loops = []
-    for i, line in enumerate(lines):
-        m = re.match(r"\s+(?:b(?:\.\w+)?|cbn?z\s+\w+,)\s+(\.LBB\S+)$", line)
-        if not m:
-            continue
-        start = next((j for j, x in enumerate(lines) if x.startswith(m.group(1) + ":")), None)
-        if start is not None and start < i:
-            loops.append([x for x in lines[start + 1 : i + 1] if x.strip() and not x.strip().startswith((".", "//"))])
-    return max(loops, key=len)
+def loop_of(module: ir.Module, cpu: str) -> list[str]:
+    """The longest loop of module compiled at O3 for an aarch64 cpu; loops not unrolled, so that
+    a loop pass covers the blocks the IR gives it (unrolling repeats the same code a block)."""
+    return cross.longest_loop(cross.assembly(module, cross.target_machine(AARCH64, cpu, FEATURES), unroll=False))
 
 
 def cycles(body: list[str], mca: str, cpu: str, iterations: int = 200) -> float:
@@ -105,47 +81,6 @@ def row_dot_module(emit, rows: int) -> ir.Module:
     return m
 
 
-def gemm_module(mr: int, nw: int, lanes: int) -> ir.Module:
-    """gemm._kernel's loop (MR x NW vectors of LANES f32 accumulators, an x value broadcast per
-    row, fma over k) as a function of pointers."""
-    vk = ir.VectorType(F32, lanes)
-    m = ir.Module("gemm")
-    m.triple = AARCH64
-    pf = F32.as_pointer()
-    fn = ir.Function(m, ir.FunctionType(ir.VoidType(), [pf, pf, pf, I64, I64]), "tile")
-    fma = ir.Function(m, ir.FunctionType(vk, [vk] * 3), f"llvm.fma.v{lanes}f32")
-    b = ir.IRBuilder(fn.append_basic_block("entry"))
-    x0, b0, c0, ldc, k_n = fn.args
-    c64 = lambda v: ir.Constant(I64, v)  # noqa: E731
-    accs = [[b.alloca(vk) for _ in range(nw)] for _ in range(mr)]
-    for row in accs:
-        for acc in row:
-            b.store(ir.Constant(vk, [0.0] * lanes), acc)
-    entry, loop, done = b.block, b.append_basic_block("loop"), b.append_basic_block("done")
-    b.branch(loop)
-    b.position_at_end(loop)
-    k = b.phi(I64)
-    k.add_incoming(c64(0), entry)
-    brow, xrow = b.gep(b0, [b.mul(k, c64(nw * lanes))]), b.gep(x0, [b.mul(k, c64(mr))])
-    bv = [b.load(b.bitcast(b.gep(brow, [c64(lanes * j)]), vk.as_pointer()), align=4) for j in range(nw)]
-    undef = ir.Constant(vk, ir.Undefined)
-    for i in range(mr):
-        xs = b.insert_element(undef, b.load(b.gep(xrow, [c64(i)])), ir.Constant(I32, 0))
-        xv = b.shuffle_vector(xs, undef, ir.Constant(ir.VectorType(I32, lanes), [0] * lanes))
-        for j in range(nw):
-            b.store(b.call(fma, [xv, bv[j], b.load(accs[i][j])]), accs[i][j])
-    k1 = b.add(k, c64(1))
-    k.add_incoming(k1, loop)
-    b.cbranch(b.icmp_unsigned("<", k1, k_n), loop, done)
-    b.position_at_end(done)
-    for i in range(mr):
-        crow = b.gep(c0, [b.mul(c64(i), ldc)])
-        for j in range(nw):
-            b.store(b.load(accs[i][j]), b.bitcast(b.gep(crow, [c64(lanes * j)]), vk.as_pointer()), align=4)
-    b.ret_void()
-    return m
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mca", default="llvm-mca-19", help="llvm-mca of LLVM 17 or later")
@@ -163,7 +98,7 @@ def main() -> None:
             widen.ROW_DOT_GROUPS = grouped  # q4_0 / q4_1 only: their per-block scales take 2 a pass
             emit = mod._emit_rowdot(qtype)
             per_pass = (blocks if grouped or qtype not in ("q4_0", "q4_1") else 2) * rows
-            cyc = cycles(hottest_loop(compile_aarch64(row_dot_module(emit, rows), args.cpu)), args.mca, args.cpu)
+            cyc = cycles(loop_of(row_dot_module(emit, rows), args.cpu), args.mca, args.cpu)
             bpc = BLOCK_BYTES[qtype] * per_pass / cyc
             cells.append(f"{cyc / per_pass:5.1f}, {bpc:.2f} ({bpc * args.ghz:.1f} GB/s)")
         print(f"{qtype} | " + " | ".join(cells))
@@ -172,12 +107,12 @@ def main() -> None:
         mod.AVX2 = False
     q8ir.VNNI, q8ir.DOTPROD, groups.DOT4, groups.I8MM = False, True, True, False
     for qtype in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1"):
-        cyc = cycles(hottest_loop(compile_aarch64(groups.tile_module(qtype, 1, AARCH64), args.cpu)), args.mca, args.cpu)
+        cyc = cycles(loop_of(groups.tile_module(qtype, 1, AARCH64), args.cpu), args.mca, args.cpu)
         bpc = BLOCK_BYTES[qtype] * 8 / cyc  # a loop pass: one block of each of the 8 rows
         print(f"{qtype}: {cyc / 8:5.1f} cycles a row's block, {bpc:.2f} B/cycle ({bpc * args.ghz:.1f} GB/s)")
     print(f"\nprefill GEMM micro-tiles, {args.cpu} model (peak 8 fmas a cycle):")
     for mr, nw, lanes in GEMM_TILES:
-        body = hottest_loop(compile_aarch64(gemm_module(mr, nw, lanes), args.cpu))
+        body = loop_of(gemm.tile_module(mr, nw, lanes, AARCH64), args.cpu)
         spills = sum(1 for line in body if "[sp" in line)
         cyc = cycles(body, args.mca, args.cpu)
         print(f"{mr}x{nw}x{lanes}: {mr * nw * lanes / cyc:.2f} fmas a cycle, {spills} stack accesses in the loop")

@@ -377,14 +377,15 @@ def trim_heap() -> None:
 
 
 @functools.cache
-def _libc():
-    """The C library this process runs on, opened once (errno kept for madvise's callers)."""
+def libc():
+    """The C library this process runs on, opened once (errno kept for madvise's and the AMX
+    permission syscall's callers)."""
     return ctypes.CDLL(None, use_errno=True)
 
 
 @functools.cache
 def _malloc_trim():
-    f = getattr(_libc(), "malloc_trim", None)  # glibc's; musl and macOS have none
+    f = getattr(libc(), "malloc_trim", None)  # glibc's; musl and macOS have none
     if f is not None:
         f.argtypes = (ctypes.c_size_t,)
     return f
@@ -393,6 +394,6 @@ def _malloc_trim():
 @functools.cache
 def _madvise():
     """libc's madvise, looked up once: a decode step calls it (Decoder.embed_rows)."""
-    f = _libc().madvise
+    f = libc().madvise
     f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     return f

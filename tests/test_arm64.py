@@ -13,10 +13,10 @@ import pytest
 from llvmlite import ir
 from numba import njit
 
-from sparrow.kernels import cpu, default_threads
+from sparrow.kernels import cpu, cross, default_threads
 from sparrow.kernels.fused import sync
 from sparrow.kernels.ir import I64
-from sparrow.kernels.matmul import widen
+from sparrow.kernels.matmul import gemm, widen
 from sparrow.kernels.matmul.q8 import groups
 from sparrow.kernels.matmul.q8 import ir as q8ir
 
@@ -48,20 +48,21 @@ def test_f16_table_is_numpys_widening_without_an_fp_exception():
     assert np.array_equal(got[snan] & 0x3FFFFF, man[snan].astype(np.uint32) << 13)
 
 
-def _target_machine(triple, cpu_name="generic", features=""):
-    ll.initialize_all_targets()
-    ll.initialize_all_asmprinters()
-    return ll.Target.from_triple(triple).create_target_machine(cpu=cpu_name, features=features, opt=3)
-
-
-def _assembly(module: ir.Module, tm) -> str:
-    """module optimised at O3 and compiled by tm."""
-    mod = ll.parse_assembly(str(module))
-    mod.triple, mod.data_layout = tm.triple, str(tm.target_data)
-    mod.verify()
-    pb = ll.create_pass_builder(tm, ll.create_pipeline_tuning_options(speed_level=3))
-    pb.getModulePassManager().run(mod, pb)
-    return tm.emit_assembly(mod)
+@pytest.mark.parametrize(
+    "triple, cpu_name, features, fma",
+    [(AARCH64, "neoverse-n1", "+neon", "fmla"), ("x86_64-unknown-linux-gnu", "znver4", "+avx512f", "vfmadd")],
+)
+def test_prefill_gemm_micro_tile_keeps_its_accumulators_in_registers(triple, cpu_name, features, fma):
+    """The prefill GEMM's micro-kernel loop (gemm.emit_tile) at the tile cpu.micro_tile picks for
+    that CPU (aarch64: 4 x 3 <8 x float>, AVX-512: 8 x 3 <16 x float>), compiled for it: one fma
+    a vector register of accumulators a k step, and no stack access in the loop (a spilled
+    accumulator would be one)."""
+    mr, nw, lanes = cpu.micro_tile(features)
+    tm = cross.target_machine(triple, cpu_name, features)
+    loop = cross.longest_loop(cross.assembly(gemm.tile_module(mr, nw, lanes, triple), tm, unroll=False))
+    width = 4 if triple == AARCH64 else 16  # f32 lanes a register: NEON's 128 bits, a zmm's 512
+    assert sum(1 for x in loop if x.split()[0].startswith(fma)) == mr * nw * lanes // width
+    assert not [x for x in loop if "sp]" in x or "[sp" in x or "%rsp" in x]
 
 
 def _spin_module(triple):
@@ -92,8 +93,8 @@ def _spin_module(triple):
 def test_spin_hint_per_architecture(triple, hint):
     """x86 spins on `pause`, aarch64 on `isb` (before, a no-op: the calibrated empty loop
     took ~0 s and the spin limit came out ~1000 times too long)."""
-    tm = _target_machine(triple)
-    asm = _assembly(_spin_module(triple), tm)
+    tm = cross.target_machine(triple)
+    asm = cross.assembly(_spin_module(triple), tm)
     assert hint in asm, asm
     other = {"pause": "isb", "isb": "pause"}[hint]
     assert other not in asm
@@ -147,7 +148,7 @@ Q8_GROUP_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 @pytest.mark.parametrize("qtype", Q8_GROUP_FORMATS)
 def test_q8_dots_compile_to_sdot_with_dotprod(aarch64_flags, target, qtype):
     aarch64_flags(True)
-    asm = _assembly(_q8_tile_module(qtype, 2), _target_machine(AARCH64, target))
+    asm = cross.assembly(_q8_tile_module(qtype, 2), cross.target_machine(AARCH64, target))
     # per block: q8_0 8 chunks, q4 / q5 4 chunks of low and high nibbles; 2 halves, 2 x rows
     assert asm.count("sdot\tv") == 32, asm.count("sdot")
     assert "smull" not in asm  # no widening multiplies left: every product is in an sdot
@@ -156,22 +157,22 @@ def test_q8_dots_compile_to_sdot_with_dotprod(aarch64_flags, target, qtype):
 @pytest.mark.parametrize("qtype", Q8_GROUP_FORMATS)
 def test_q8_prefill_tiles_compile_to_smmla_with_i8mm(aarch64_flags, qtype):
     aarch64_flags(True, i8mm=True)
-    tm = _target_machine(AARCH64, "neoverse-n2")
+    tm = cross.target_machine(AARCH64, "neoverse-n2")
     # 4 x rows: 2 pairs x 4 row pairs x 4 runs of 8 elements a block, all smmla
-    asm = _assembly(_q8_tile_module(qtype, 4), tm)
+    asm = cross.assembly(_q8_tile_module(qtype, 4), tm)
     assert asm.count("smmla\tv") == 32 and "sdot" not in asm and "smull" not in asm
     # 3 x rows: a pair on smmla, the third on sdot (2 halves x 8 runs of 4 elements)
-    asm = _assembly(_q8_tile_module(qtype, 3), tm)
+    asm = cross.assembly(_q8_tile_module(qtype, 3), tm)
     assert asm.count("smmla\tv") == 16 and asm.count("sdot\tv") == 16
     # 1 x row (decode): sdot only
-    asm = _assembly(_q8_tile_module(qtype, 1), tm)
+    asm = cross.assembly(_q8_tile_module(qtype, 1), tm)
     assert "smmla" not in asm and asm.count("sdot\tv") == 16
 
 
 @pytest.mark.parametrize("qtype", Q8_GROUP_FORMATS)
 def test_q8_dots_without_dotprod_compile_for_generic_aarch64(aarch64_flags, qtype):
     aarch64_flags(False)
-    asm = _assembly(_q8_tile_module(qtype, 2), _target_machine(AARCH64, "generic"))
+    asm = cross.assembly(_q8_tile_module(qtype, 2), cross.target_machine(AARCH64, "generic"))
     assert "sdot" not in asm and "mull" in asm  # widening multiplies, the plain vector IR
 
 
@@ -195,7 +196,7 @@ import numpy as np
 platform.machine = lambda: "aarch64"  # kernels.cpu then chooses aarch64's shape as sparrow loads
 from sparrow.kernels import cpu
 from sparrow.kernels.linear import linear, prepare
-from sparrow.kernels.matmul import widen
+from sparrow.kernels.matmul import gemm, widen
 from test_golden_bits import SHAPE, _digest, _weight
 from weights import acts
 got = {q: _digest(linear(acts(1, SHAPE[1], seed=12), prepare(_weight(q), "f32"))) for q in ("q4_0", "q4_1")}
@@ -346,12 +347,8 @@ def _run_tile(monkeypatch, qtype, mr, path, arch, args):
         module = _q8_tile_module(qtype, mr)
     triple = ll.get_process_triple()
     module.triple = triple
-    tm = _target_machine(triple, name, feats)
-    mod = ll.parse_assembly(str(module))
-    mod.triple, mod.data_layout = tm.triple, str(tm.target_data)
-    pb = ll.create_pass_builder(tm, ll.create_pipeline_tuning_options(speed_level=3))
-    pb.getModulePassManager().run(mod, pb)
-    engine = ll.create_mcjit_compiler(mod, tm)
+    tm = cross.target_machine(triple, name, feats)
+    engine = ll.create_mcjit_compiler(cross.optimised(module, tm), tm)
     engine.finalize_object()
     fn = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * (len(args) - 1) + [ctypes.c_int64]))(
         engine.get_function_address("tile")

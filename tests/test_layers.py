@@ -46,9 +46,11 @@ ROOT = "sparrow"
 # lower ones). The concerns of sub-tier 1 (matmul, attention) never import each other.
 KERNEL_TIERS = [
     # 0: what every kernel shares: the target CPU, the weight formats, compile options, LLVM IR
-    #    helpers, calls through a compiled function's address, the one parallel launcher
+    #    helpers, calls through a compiled function's address, the one parallel launcher, IR
+    #    compiled for other CPUs (tests and scripts)
     (
         "sparrow.kernels.cpu",
+        "sparrow.kernels.cross",
         "sparrow.kernels.formats",
         "sparrow.kernels.options",
         "sparrow.kernels.ir",

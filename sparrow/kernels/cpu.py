@@ -6,11 +6,12 @@ tests' AVX2 and generic children set them); the features string wins over the na
 choices never change a result's bits, only which instructions compute it.
 """
 
-import ctypes
 import os
 import platform
 
 import numba
+
+from sparrow.quant import libc
 
 
 def _target() -> tuple[str, str]:
@@ -148,7 +149,7 @@ def _amx_permitted() -> bool:
     if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     try:  # arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): tiles for every thread of this process
-        return ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) == 0
+        return libc().syscall(158, 0x1023, 18) == 0
     except (OSError, AttributeError):
         return False
 

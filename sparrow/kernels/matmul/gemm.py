@@ -41,7 +41,7 @@ from numba.extending import intrinsic
 from sparrow.kernels import cpu
 from sparrow.kernels.cpu import micro_tile
 from sparrow.kernels.formats import KIND, KQ_KIND, Q4_0, Q4_1, Q8_0
-from sparrow.kernels.ir import F32, I8, I32, V16F
+from sparrow.kernels.ir import F32, I8, I32, I64, V16F
 from sparrow.kernels.matmul.widen import F16_LUT, call_slp, widen_row
 from sparrow.kernels.native_call import address_for, call_native
 from sparrow.kernels.options import KW
@@ -70,10 +70,56 @@ def _vfma(builder, a, b, c):
     return builder.call(fn, [a, b, c])
 
 
+def emit_tile(builder, x0, b0, k_n, crow, mr=MR, nw=NW, lanes=LANES):
+    """The micro-kernel's loop in IR: mr x nw vectors of `lanes` f32 accumulators, each from 0
+    one fma chain over k = 0 .. k_n - 1 in order (x value x0[k mr + i] broadcast, times the nw
+    vectors of b row k at b0 + k nw lanes, into row i's); then row i's vectors stored at the f32
+    pointer crow(i). _kernel emits it with this CPU's tile; scripts/neon_model.py with others."""
+    vk = ir.VectorType(F32, lanes)
+    c64 = lambda v: ir.Constant(k_n.type, v)  # noqa: E731
+    zero = ir.Constant(vk, [0.0] * lanes)
+    accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(nw)] for _ in range(mr)]
+    splat = ir.Constant(ir.VectorType(I32, lanes), [0] * lanes)
+    undef = ir.Constant(vk, ir.Undefined)
+    with cgutils.for_range(builder, k_n) as loop:
+        k = loop.index
+        brow = builder.gep(b0, [builder.mul(k, c64(nw * lanes))])
+        xrow = builder.gep(x0, [builder.mul(k, c64(mr))])
+        bv = [
+            builder.load(builder.bitcast(builder.gep(brow, [c64(lanes * j)]), vk.as_pointer()), align=4)
+            for j in range(nw)
+        ]
+        for i in range(mr):
+            xs = builder.load(builder.gep(xrow, [c64(i)]))
+            xv = builder.shuffle_vector(builder.insert_element(undef, xs, ir.Constant(I32, 0)), undef, splat)
+            for j in range(nw):
+                builder.store(_vfma(builder, xv, bv[j], builder.load(accs[i][j])), accs[i][j])
+    for i in range(mr):
+        ci = crow(i)
+        for j in range(nw):
+            ptr = builder.bitcast(builder.gep(ci, [c64(lanes * j)]), vk.as_pointer())
+            builder.store(builder.load(accs[i][j]), ptr, align=4)
+
+
+def tile_module(mr: int, nw: int, lanes: int, triple: str) -> ir.Module:
+    """emit_tile's loop for an mr x nw x lanes tile as a module for triple: a function
+    tile(x0, b0, c0, ldc, k_n) of f32 pointers, for compiling to other CPUs
+    (kernels/cross.py: tests/test_arm64.py, scripts/neon_model.py)."""
+    m = ir.Module("gemm")
+    m.triple = triple
+    pf = F32.as_pointer()
+    fn = ir.Function(m, ir.FunctionType(ir.VoidType(), [pf, pf, pf, I64, I64]), "tile")
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    x0, b0, c0, ldc, k_n = fn.args
+    emit_tile(b, x0, b0, k_n, lambda i: b.gep(c0, [b.mul(ir.Constant(I64, i), ldc)]), mr, nw, lanes)
+    b.ret_void()
+    return m
+
+
 @intrinsic
 def _kernel(typingctx, xp, xb, bp, br, c, cr, cc):
     """c[cr + i, cc + j] = sum_k xp[xb, k MR + i] * bp[br + k, j] for i < MR, j < NK, each
-    element one fma chain over k = 0 .. K - 1 in order, starting from 0.
+    element one fma chain over k = 0 .. K - 1 in order, starting from 0 (emit_tile).
 
     xp: f32 C [*, K MR] (x packed by _pack_x), bp: f32 C [*, NK] (sub-panel rows br ..
     br + K - 1), c: f32 C [*, ldc]; the caller keeps every index in bounds.
@@ -87,35 +133,17 @@ def _kernel(typingctx, xp, xb, bp, br, c, cr, cc):
         ba = context.make_array(signature.args[2])(context, builder, args[2])
         ca = context.make_array(signature.args[4])(context, builder, args[4])
         xb_, br_, cr_, cc_ = args[1], args[3], args[5], args[6]
-        i64 = xb_.type
-        c64 = lambda v: ir.Constant(i64, v)  # noqa: E731
+        c64 = lambda v: ir.Constant(xb_.type, v)  # noqa: E731
         ldx = builder.extract_value(xa.shape, 1)
         ldc = builder.extract_value(ca.shape, 1)
         k_n = builder.udiv(ldx, c64(MR))
         x0 = builder.gep(xa.data, [builder.mul(xb_, ldx)])
         b0 = builder.gep(ba.data, [builder.mul(br_, c64(NK))])
-        zero = ir.Constant(_VK, [0.0] * LANES)
-        accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(NW)] for _ in range(MR)]
-        splat = ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES)
-        undef = ir.Constant(_VK, ir.Undefined)
-        with cgutils.for_range(builder, k_n) as loop:
-            k = loop.index
-            brow = builder.gep(b0, [builder.mul(k, c64(NK))])
-            xrow = builder.gep(x0, [builder.mul(k, c64(MR))])
-            bv = [
-                builder.load(builder.bitcast(builder.gep(brow, [c64(LANES * j)]), _VK.as_pointer()), align=4)
-                for j in range(NW)
-            ]
-            for i in range(MR):
-                xs = builder.load(builder.gep(xrow, [c64(i)]))
-                xv = builder.shuffle_vector(builder.insert_element(undef, xs, ir.Constant(_I32, 0)), undef, splat)
-                for j in range(NW):
-                    builder.store(_vfma(builder, xv, bv[j], builder.load(accs[i][j])), accs[i][j])
-        for i in range(MR):
-            crow = builder.gep(ca.data, [builder.add(builder.mul(builder.add(cr_, c64(i)), ldc), cc_)])
-            for j in range(NW):
-                ptr = builder.bitcast(builder.gep(crow, [c64(LANES * j)]), _VK.as_pointer())
-                builder.store(builder.load(accs[i][j]), ptr, align=4)
+
+        def crow(i):
+            return builder.gep(ca.data, [builder.add(builder.mul(builder.add(cr_, c64(i)), ldc), cc_)])
+
+        emit_tile(builder, x0, b0, k_n, crow)
         return context.get_dummy_value()
 
     return sig, codegen

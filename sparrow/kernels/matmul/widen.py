@@ -148,20 +148,17 @@ def _mv_f32(w, x, y):
 # (q4_1: m * sum(x), q4_0: -8 d * sum(x)) goes to a scalar accumulator in block order. At
 # the end acc_even + acc_odd is summed by a fixed pairwise tree. Each row's order depends
 # only on its length: bit-identical whatever T, the row's batch or the thread count.
-# What makes them fast without touching that order (sparrow bench rows measures them):
-# - make_rows prefetches the next row. Without it one core streamed Q4_0 rows from memory at
-#   ~5 GB/s, half of what it dots from cache: the hardware prefetcher ran too little ahead of
-#   a loop this slow a byte (Q8_0, twice the bytes a block, ran at 11).
+# What makes them fast without touching that order (sparrow bench rows measures them; the
+# figures are in docs/kernels.md and docs/benchmarks/zen4-epyc.md):
+# - make_rows prefetches the next row: a loop this slow a byte leaves the hardware prefetcher
+#   too little ahead, and rows from memory ran at half their in-cache speed without it.
 # - q4_0 / q4_1 widen the f16 scales of 16 blocks at once (_group_scales) and keep them on
 #   the stack, so each block's d is a broadcast load folded into its fma, and a nibble
-#   becomes a float in one vpermps (ir.nibbles_f32): ~10.5 instructions a block, was 15.5.
-#   The scalar constant-term fma (4 cycles of latency a block) is then the critical path:
-#   one Zen 4 core ran ~6.6 cycles a block from cache (without that fma, 5.4).
+#   becomes a float in one vpermps (ir.nibbles_f32). The scalar constant-term fma (4 cycles
+#   of latency a block) is then the critical path,
 # - so make_rows takes q4_0 / q4_1 rows two at a time, a block of each in turn: the two rows'
-#   chains overlap (one Zen 4 core from cache 8.8-9.9 -> 11.5 GB/s, from memory 8.6-9.7 ->
-#   10.3; Qwen3-1.7B Q4_0 exact decode 1.09-1.14x), each row's operations unchanged. q8_0 (no
-#   constant term) ran no faster. kquants.py takes q4_k / q5_k rows two at a time likewise,
-#   one 32-value unit of each in turn (q4_k from cache 8.6-9.5 -> 10.2-10.4 GB/s a core).
+#   chains overlap, each row's operations unchanged. q8_0 (no constant term) ran no faster.
+#   kquants.py takes q4_k / q5_k rows two at a time likewise, one 32-value unit of each in turn.
 # - on aarch64 neither (kernels.cpu.row_dot_shape): a 16-lane value takes four of NEON's
 #   registers, and the groups and row pairs spilled there.
 

@@ -210,10 +210,9 @@ def _tiles(qtype):
     docstring's order; even and odd blocks alternate between two C tiles and two halves of
     cbuf (q6_k: its two C tiles, one a half-block, and two slots of cbuf), so one block's tdp
     runs while the last one's sums are scaled (cbuf [5 x 16, 16] i32: those halves, q6_k's
-    two slots, then the offset term's 16 x 16 f32). One call sweeps every x tile of a panel:
-    loading the tile configuration once a panel instead of once a tile, and storing into y
-    directly, took q8_0 from 47.5 to 32.6 ms on one core (6144 x 2048 x 512, best of 15;
-    this machine's timings wander by ~30%)."""
+    two slots, then the offset term's 16 x 16 f32). One call sweeps every x tile of a panel,
+    so the tile configuration is loaded once a panel instead of once a tile, and it stores
+    into y directly (docs/kernels.md: a third less time for q8_0)."""
     signed_w = qtype in ("q8_0", "q4_0", "q6_k")  # q4_1 / q4_k codes are unsigned nibbles
     dp_name = "llvm.x86.tdpbssd" if signed_w else "llvm.x86.tdpbsud"
     with_m = qtype in ("q4_1", "q4_k")
@@ -298,8 +297,7 @@ def _tiles(qtype):
                         b.store(fma(b, s, dd, b.load(acc[t])), acc[t])
 
                 # the offset term's chain runs on its own, before the blocks (same order, so the
-                # same bits): meant to spare the block loop 16 more accumulators, it measured
-                # within noise of the chain kept in scale (q4_k 25.6 vs 26.2 ms, two cores)
+                # same bits), sparing the block loop 16 more accumulators
                 if with_m:
                     for v in accm:
                         b.store(ir.Constant(V16F, None), v)

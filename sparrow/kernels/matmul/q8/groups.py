@@ -12,15 +12,11 @@ holding row r's sum: no horizontal sums, x read once for 8 rows. A q4 chunk's lo
 are elements 4c..4c+3 and its high nibbles 16 + 4c..; a block's 4 chunks, low and high, add
 up in int16 (16 products of |15 * 127| each, <= 30480), so one pmaddwd a block (q5: one per
 2 chunks, codes up to 31). q5's fifth bits come from qh by a byte shuffle and a bit test.
-One core, Qwen3-1.7B's lm_head in cache: q4_0 51.6 vs 20.5 GMAC/s for a row-at-a-time
-kernel; streaming from memory 14.9 vs 10.8 GB/s.
 CPUs with AVX-VNNI or AVX512-VNNI take vpdpbusd instead (pmaddubsw + pmaddwd + paddd in one
 instruction, the same integers), aarch64 CPUs with dotprod sdot (q8.ir.DOT4), in two
-accumulator chains a block since each dot waits for the last. On a 2-core Intel Xeon with
-AVX512-VNNI, a 6144 x 2048 matrix, best of 3 runs against the AVX2 sequence: prefill
-(T = 512) q4_0 86 vs 67 GMAC/s, q8_0 81 vs 58; decode (T = 1, from L3) q4_0 43 vs 34. The
-K-quant groups (q8.kquant_groups) gained nothing from it (q4_k 72 vs 75, q6_k 20 vs 21
-GMAC/s) and keep pmaddubsw.
+accumulator chains a block since each dot waits for the last. The K-quant groups
+(q8.kquant_groups) gained nothing from vpdpbusd and keep pmaddubsw. Speeds against a
+row-at-a-time kernel and between these instruction choices: docs/kernels.md.
 
 The order (the documented one of activations="q8" for these formats; x quantised as
 q8.quantized.quantize does), per row and block b:

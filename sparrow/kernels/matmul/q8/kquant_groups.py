@@ -73,9 +73,8 @@ def _shr(b, v, n):
 def _prefetch(b, p, j, gb):
     """Sub-block j's share of the next super-block's cache lines (p + gb ..) into L1. q6_k
     visits a super-block's chunks out of order (its two nibble halves and 2-bit chunks, each
-    twice), which the hardware prefetcher follows badly: one core streaming Qwen3-1.7B's
-    lm_head ran at 7.4 GB/s without, 14.9 with. q4_k / q5_k read theirs in order and gain
-    nothing (two cores: ~20 GB/s either way, this machine's memory)."""
+    twice), which the hardware prefetcher follows badly: without the hints q6_k rows streamed
+    from memory at half the speed. q4_k / q5_k read theirs in order and gain nothing."""
     per = -(-gb // (64 * 8))  # lines each of the 8 sub-blocks asks for (q6_k: 4)
     for i in range(per):
         at = b.gep(p, [b.add(c64(gb + 64 * i), b.mul(j, c64(64 * per)))])
@@ -89,8 +88,7 @@ def _accumulate(b, tots, part, i):
 
 def _sub_blocks(b, n, xps, dxps, body):
     """A run-time loop over super-block n's 8 sub-blocks (unrolled, LLVM kept every chunk of
-    all 8 live and spilled: q6_k ran at 7 GMAC/s): body(j, [x pointers of sub-block j], [dx
-    of block 8 n + j]) per j."""
+    all 8 live and spilled): body(j, [x pointers of sub-block j], [dx of block 8 n + j]) per j."""
     with cgutils.for_range(b, c64(8)) as loop:
         j = loop.index
         blk = b.add(b.mul(n, c64(8)), j)

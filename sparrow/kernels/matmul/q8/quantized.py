@@ -5,8 +5,8 @@ each block's dot product with a weight block is an exact integer sum. It reads t
 weight bytes as the exact path (kernels.matmul.widen) with a fraction of the vector instructions
 a block, so on a compute-bound core it decodes faster. Every format it covers (q8_0, q4_0,
 q4_1, q5_0, q5_1 in q8/groups.py; the K-quants q4_k, q5_k, q6_k in q8/kquant_groups.py) is read
-as rows interleaved in groups of 8, built once per weight (one core, q4_0 in cache 51.6
-GMAC/s against 13.5 exact, q4_k 31 against 19 row at a time); q8.groups and q8.kquant_groups document the
+as rows interleaved in groups of 8, built once per weight (docs/kernels.md has the speeds
+against the exact rows); q8.groups and q8.kquant_groups document the
 order, q8.ir holds the IR pieces they share, this module quantises x and dispatches. It is
 not exact: on SmolLM2-135M (Q4_1) its decode logits differ from the f32 path by KL 3.1e-3 on
 average and agree on the top token at 98% of 400 positions, which is why it is a mode, the
@@ -91,8 +91,8 @@ def quantize_rows(x, xq, dx, sx):
 @njit(**KW)
 def _quantize_chunk(c, x, xq, dx, sx):
     # rows [c PAR_ROWS, (c + 1) PAR_ROWS) of quantize_padded's x, one launch each
-    # (kernels/parallel.py): a prefill's x quantised serially was 0.36 of a 5.5 s 512-token q8
-    # prefill of the Qwen3-1.7B shape; the same bits a row
+    # (kernels/parallel.py): serially, quantising x was a visible share of a q8 prefill; the
+    # same bits a row
     r = slice(c * PAR_ROWS, (c + 1) * PAR_ROWS)
     quantize_rows(x[r], xq[r], dx[r], sx[r])
 
@@ -223,8 +223,7 @@ def rows_q8(data, kind, xq, dx, sx, y, o0, o1):
 @njit(**KW)
 def rows_q8_xs(data, kind, xq, dx, sx, xs, y, o0, o1):
     """rows_q8 with x_sums(kind, xq) given: a parallel matvec computes them once, not once a
-    chunk of rows (a 512-row prefill's q4_0 sums, recomputed for each of a 6144 x 2048
-    matrix's 48 chunks, took half its time: 67 against 134 GMAC/s on one Zen 4 core)."""
+    chunk of rows (recomputed for each chunk, a prefill's sums took half its time)."""
     if kind < X8_FIRST:  # every q8 format is read interleaved (Q8Weight)
         raise ValueError("rows_q8: weights not in the q8 mode's groups")
     x8_rows(data, kind, xq, dx, sx, xs, y, o0, o1)
