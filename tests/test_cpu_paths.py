@@ -327,12 +327,26 @@ def run_compiled_for(tmp_path, cpu, features, code, fresh=False, args=()):
     return info, dict(np.load(tmp_path / "out.npz"))
 
 
-def q8_path_matches_here(tmp_path, path, code, compute):
-    """The q8 mode's code path `path` (a Q8_PATHS name) in a child running `code`, which
-    prints INFO {cpu: kernels.cpu.describe()} and saves compute()'s arrays: it took that path,
-    and its arrays equal this process's compute() bit for bit (tests/test_q8act.py,
+COMPUTE_CHILD = r"""
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from sparrow.kernels import cpu
+from MODULE import compute
+
+out = compute()
+np.savez(sys.argv[2], **out)
+print("INFO " + json.dumps(dict(cpu=cpu.describe())))
+"""
+
+
+def q8_path_matches_here(tmp_path, path, compute):
+    """The q8 mode's code path `path` (a Q8_PATHS name) in a child that runs compute() (a
+    function of a test module here) and prints INFO {cpu: kernels.cpu.describe()}: it took that
+    path, and its arrays equal this process's compute() bit for bit (tests/test_q8act.py,
     test_kquants_q8.py)."""
     cpu, feats, *flags = Q8_PATHS[path]
+    code = COMPUTE_CHILD.replace("MODULE", compute.__module__.rsplit(".", 1)[-1])
     info, child = run_compiled_for(tmp_path, cpu, feats, code)
     assert tuple(info["cpu"][f] for f in PATH_FLAGS) == tuple(flags), info
     here_out = compute()

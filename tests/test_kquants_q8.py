@@ -200,26 +200,13 @@ def test_fused_k_quant_file_q8_equals_staged_and_differs_from_f32(tmp_path):
         set_threads(2)
 
 
-GENERIC_CHILD = r"""
-import json, sys
-import numpy as np
-sys.path.insert(0, sys.argv[1])
-from sparrow.kernels import cpu
-from test_kquants_q8 import compute
-
-out = compute()
-np.savez(sys.argv[2], **out)
-print("INFO " + json.dumps(dict(cpu=cpu.describe())))
-"""
-
-
 @pytest.mark.skipif(not Q8_PATHS, reason="CPU names of x86 and aarch64 only")
 @pytest.mark.parametrize("path", sorted(Q8_PATHS))
 def test_other_code_paths_give_the_same_bits(tmp_path, path):
     """Compiled for another CPU, the same bits: on x86 "generic" (no AVX2: plain vector IR
     instead of pmaddubsw) and "avx2" (pmaddubsw + pmaddwd where a VNNI host takes vpdpbusd);
     on aarch64 "generic", "cortex-a76" (sdot) and "neoverse-n2" (sdot, i8mm, SVE2)."""
-    q8_path_matches_here(tmp_path, path, GENERIC_CHILD, compute)
+    q8_path_matches_here(tmp_path, path, compute)
 
 
 def test_row_range_into_a_strided_output():

@@ -201,26 +201,13 @@ def test_default_model_fused_equals_staged_and_default_is_exact(default_llm, mon
     assert not np.array_equal(q8, exact)
 
 
-GENERIC_CHILD = r"""
-import json, sys
-import numpy as np
-sys.path.insert(0, sys.argv[1])
-from sparrow.kernels import cpu
-from test_q8act import compute
-
-out = compute()
-np.savez(sys.argv[2], **out)
-print("INFO " + json.dumps(dict(cpu=cpu.describe())))
-"""
-
-
 @pytest.mark.skipif(not Q8_PATHS, reason="CPU names of x86 and aarch64 only")
 @pytest.mark.parametrize("path", sorted(Q8_PATHS))
 def test_other_code_paths_give_the_same_bits(tmp_path, path):
     """Compiled for another CPU, the same bits: on x86 "generic" (no AVX2: plain vector IR
     instead of pmaddubsw) and "avx2" (pmaddubsw + pmaddwd where a VNNI host takes vpdpbusd);
     on aarch64 "generic", "cortex-a76" (sdot) and "neoverse-n2" (sdot, i8mm, SVE2)."""
-    q8_path_matches_here(tmp_path, path, GENERIC_CHILD, compute)
+    q8_path_matches_here(tmp_path, path, compute)
 
 
 VNNI_CHILD = r"""
