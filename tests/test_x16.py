@@ -4,6 +4,11 @@ tests/test_q8act.py and test_kquants_q8.py) for any T, group count, last group a
 count, and the path really taken where the CPU has AVX512-VNNI (the AVX2 and generic
 children of those suites compare the same prefills against this host)."""
 
+import os
+import re
+import subprocess
+import sys
+
 import numba
 import numpy as np
 import pytest
@@ -121,3 +126,21 @@ def test_prefill_takes_the_zmm_tiles():
     asm = "".join(fresh.inspect_asm().values())
     assert "vpdpbusd" in asm and "zmm" in asm
     assert _x16.PAIR_X_ROWS > _x8.TILE_X_ROWS
+
+
+def test_q8k_tiles_script_builds_its_variants_from_these_tiles():
+    """scripts/q8k_tiles.py (issue 34 item 5's measurement) builds a q8_K-order prototype and an
+    epilogue-free variant of the q4_k / q6_k pair tiles from this module's pieces: it runs and
+    prints a figure for each of the three variants of both formats, or, on a CPU without
+    AVX512-VNNI, says why in one line."""
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "q8k_tiles.py")
+    args = [sys.executable, script, "--k", "256", "--rows", "32", "--t", "12", "--passes", "1"]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    if not _q8ir.VNNI512:
+        assert r.returncode != 0 and "no AVX512-VNNI" in r.stderr, r.stderr
+        return
+    assert r.returncode == 0, r.stderr
+    for qtype in ("q4_k", "q6_k"):
+        line = next(x for x in r.stdout.splitlines() if x.startswith(qtype + ":"))
+        got = re.findall(r"(today's order|q8_K order|no epilogue) (\d+)", line)
+        assert [name for name, _ in got] == ["today's order", "q8_K order", "no epilogue"], line
