@@ -56,7 +56,6 @@ NK = NW * LANES  # panel columns per micro-kernel call: a panel is NS sub-panels
 NS = NR // NK
 assert NR % NK == 0 and NK % LANES == 0
 
-_F32, _I8, _I32, _V16F = F32, I8, I32, V16F
 _VK = ir.VectorType(F32, LANES)
 
 
@@ -241,8 +240,8 @@ def _tl(typingctx, src, sr, sc, dst, dr, dc):
             for r in range(n):
                 if not r & h:
                     a_, b_ = v[r], v[r | h]
-                    nv[r] = builder.shuffle_vector(a_, b_, ir.Constant(ir.VectorType(_I32, n), lo))
-                    nv[r | h] = builder.shuffle_vector(a_, b_, ir.Constant(ir.VectorType(_I32, n), hi))
+                    nv[r] = builder.shuffle_vector(a_, b_, ir.Constant(ir.VectorType(I32, n), lo))
+                    nv[r | h] = builder.shuffle_vector(a_, b_, ir.Constant(ir.VectorType(I32, n), hi))
             v = nv
         for i in range(n):
             builder.store(v[i], row(da, ldd, args[4], args[5], i), align=4)
@@ -282,17 +281,17 @@ def _make_widen(bb, off):
         def codegen(context, builder, signature, args):
             ra = context.make_array(signature.args[0])(context, builder, args[0])
             oa = context.make_array(signature.args[1])(context, builder, args[1])
-            rp = builder.bitcast(ra.data, _I8.as_pointer())
+            rp = builder.bitcast(ra.data, I8.as_pointer())
             i64 = ir.IntType(64)
             c64 = lambda v: ir.Constant(i64, v)  # noqa: E731
-            v16i8 = ir.VectorType(_I8, 16)
-            undef = ir.Constant(_V16F, ir.Undefined)
-            splat0 = ir.Constant(ir.VectorType(_I32, 16), [0] * 16)
+            v16i8 = ir.VectorType(I8, 16)
+            undef = ir.Constant(V16F, ir.Undefined)
+            splat0 = ir.Constant(ir.VectorType(I32, 16), [0] * 16)
 
             def half(at):
                 ptr = builder.bitcast(builder.gep(rp, [at]), ir.HalfType().as_pointer())
-                h = builder.fpext(builder.load(ptr, align=1), _F32)
-                return builder.shuffle_vector(builder.insert_element(undef, h, ir.Constant(_I32, 0)), undef, splat0)
+                h = builder.fpext(builder.load(ptr, align=1), F32)
+                return builder.shuffle_vector(builder.insert_element(undef, h, ir.Constant(I32, 0)), undef, splat0)
 
             def bytes16(at):
                 return builder.load(builder.bitcast(builder.gep(rp, [at]), v16i8.as_pointer()), align=1)
@@ -303,24 +302,24 @@ def _make_widen(bb, off):
                 p = builder.mul(b, c64(bb))
                 d = half(p)
                 if off == 0:
-                    lo = builder.sitofp(bytes16(builder.add(p, c64(2))), _V16F)
-                    hi = builder.sitofp(bytes16(builder.add(p, c64(18))), _V16F)
+                    lo = builder.sitofp(bytes16(builder.add(p, c64(2))), V16F)
+                    hi = builder.sitofp(bytes16(builder.add(p, c64(18))), V16F)
                 else:
-                    q = builder.zext(bytes16(builder.add(p, c64(2 if off == 1 else 4))), ir.VectorType(_I32, 16))
-                    lo = builder.and_(q, ir.Constant(ir.VectorType(_I32, 16), [15] * 16))
-                    hi = builder.lshr(q, ir.Constant(ir.VectorType(_I32, 16), [4] * 16))
+                    q = builder.zext(bytes16(builder.add(p, c64(2 if off == 1 else 4))), ir.VectorType(I32, 16))
+                    lo = builder.and_(q, ir.Constant(ir.VectorType(I32, 16), [15] * 16))
+                    hi = builder.lshr(q, ir.Constant(ir.VectorType(I32, 16), [4] * 16))
                     if off == 1:
-                        eight = ir.Constant(ir.VectorType(_I32, 16), [8] * 16)
-                        lo, hi = (builder.sitofp(builder.sub(v, eight), _V16F) for v in (lo, hi))
+                        eight = ir.Constant(ir.VectorType(I32, 16), [8] * 16)
+                        lo, hi = (builder.sitofp(builder.sub(v, eight), V16F) for v in (lo, hi))
                     else:
-                        lo, hi = (builder.uitofp(v, _V16F) for v in (lo, hi))
+                        lo, hi = (builder.uitofp(v, V16F) for v in (lo, hi))
                 lo, hi = builder.fmul(d, lo), builder.fmul(d, hi)
                 if off == 2:
                     m = half(builder.add(p, c64(2)))
                     lo, hi = builder.fadd(lo, m), builder.fadd(hi, m)
                 dst = builder.gep(oa.data, [builder.mul(b, c64(32))])
-                builder.store(lo, builder.bitcast(dst, _V16F.as_pointer()), align=4)
-                builder.store(hi, builder.bitcast(builder.gep(dst, [c64(16)]), _V16F.as_pointer()), align=4)
+                builder.store(lo, builder.bitcast(dst, V16F.as_pointer()), align=4)
+                builder.store(hi, builder.bitcast(builder.gep(dst, [c64(16)]), V16F.as_pointer()), align=4)
             return context.get_dummy_value()
 
         return sig, codegen

@@ -23,7 +23,6 @@ from sparrow.kernels.formats import BF16, BY_NAME, FP16, FP32, KQ_FIRST, Q4_0, Q
 from sparrow.kernels.ir import (
     F32,
     I8,
-    I32,
     I64,
     MULTI_T,
     V16F,
@@ -162,14 +161,13 @@ def _mv_f32(w, x, y):
 # - on aarch64 neither (kernels.cpu.row_dot_shape): a 16-lane value takes four of NEON's
 #   registers, and the groups and row pairs spilled there.
 
-_F32, _I8, _I32, _I64, _V16F, _V16I32 = F32, I8, I32, I64, V16F, V16I32
 _BB = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 _GROUP = 16  # blocks whose scales are widened together
 
 
 def _half_at(builder, rp, off):
     ptr = builder.bitcast(builder.gep(rp, [off]), ir.HalfType().as_pointer())
-    return builder.fpext(builder.load(ptr, align=1), _F32)
+    return builder.fpext(builder.load(ptr, align=1), F32)
 
 
 def _group_scales(builder, qtype, rp, b0, dbuf, cbuf):
@@ -179,19 +177,19 @@ def _group_scales(builder, qtype, rp, b0, dbuf, cbuf):
     broadcast a block. The same f32 values as _half_at's."""
     bb = _BB[qtype]
     raw = builder.load(builder.bitcast(builder.gep(rp, [builder.mul(b0, c64(bb))]),
-                                       ir.VectorType(_I8, 16 * bb).as_pointer()), align=1)  # fmt: skip
+                                       ir.VectorType(I8, 16 * bb).as_pointer()), align=1)  # fmt: skip
 
     def halves(off):
         pick = shuffle(builder, raw, raw, [bb * i + off + j for i in range(_GROUP) for j in (0, 1)])
-        return builder.fpext(builder.bitcast(pick, ir.VectorType(ir.HalfType(), _GROUP)), _V16F)
+        return builder.fpext(builder.bitcast(pick, ir.VectorType(ir.HalfType(), _GROUP)), V16F)
 
     d = halves(0)
-    builder.store(d, builder.bitcast(dbuf, _V16F.as_pointer()), align=4)
+    builder.store(d, builder.bitcast(dbuf, V16F.as_pointer()), align=4)
     if qtype == "q4_0":
-        c = builder.fmul(d, ir.Constant(_V16F, [-8.0] * 16))
-        builder.store(c, builder.bitcast(cbuf, _V16F.as_pointer()), align=4)
+        c = builder.fmul(d, ir.Constant(V16F, [-8.0] * 16))
+        builder.store(c, builder.bitcast(cbuf, V16F.as_pointer()), align=4)
     elif qtype == "q4_1":
-        builder.store(halves(2), builder.bitcast(cbuf, _V16F.as_pointer()), align=4)
+        builder.store(halves(2), builder.bitcast(cbuf, V16F.as_pointer()), align=4)
 
 
 def _block_codes(builder, qtype, rp, b):
@@ -199,14 +197,14 @@ def _block_codes(builder, qtype, rp, b):
     their offset left to the constant term)."""
     p = builder.mul(b, c64(_BB[qtype]))
     if qtype == "q8_0":
-        v16i8 = ir.VectorType(_I8, 16)
+        v16i8 = ir.VectorType(I8, 16)
         lo = builder.load(builder.bitcast(builder.gep(rp, [builder.add(p, c64(2))]), v16i8.as_pointer()), align=1)
         hi = builder.load(builder.bitcast(builder.gep(rp, [builder.add(p, c64(18))]), v16i8.as_pointer()), align=1)
-        return builder.sitofp(lo, _V16F), builder.sitofp(hi, _V16F)
+        return builder.sitofp(lo, V16F), builder.sitofp(hi, V16F)
     off = 4 if qtype == "q4_1" else 2
-    qp = builder.bitcast(builder.gep(rp, [builder.add(p, c64(off))]), ir.VectorType(_I8, 16).as_pointer())
-    q = builder.zext(builder.load(qp, align=1), _V16I32)
-    return nibbles_f32(builder, q), nibbles_f32(builder, builder.lshr(q, ir.Constant(_V16I32, [4] * 16)))
+    qp = builder.bitcast(builder.gep(rp, [builder.add(p, c64(off))]), ir.VectorType(I8, 16).as_pointer())
+    q = builder.zext(builder.load(qp, align=1), V16I32)
+    return nibbles_f32(builder, q), nibbles_f32(builder, builder.lshr(q, ir.Constant(V16I32, [4] * 16)))
 
 
 def _block_scales(builder, qtype, rp, b):
@@ -217,7 +215,7 @@ def _block_scales(builder, qtype, rp, b):
     if qtype == "q4_1":
         return d, _half_at(builder, rp, builder.add(p, c64(2)))
     if qtype == "q4_0":
-        return d, builder.fmul(d, ir.Constant(_F32, -8.0))
+        return d, builder.fmul(d, ir.Constant(F32, -8.0))
     return d, None
 
 
@@ -228,8 +226,8 @@ def _block_terms(builder, qtype, rp, xp, sp, b, scales=None):
     lo, hi = _block_codes(builder, qtype, rp, b)
     d, coef = _block_scales(builder, qtype, rp, b) if scales is None else scales
     xo = builder.mul(b, c64(32))
-    xl = builder.load(builder.bitcast(builder.gep(xp, [xo]), _V16F.as_pointer()), align=4)
-    xh = builder.load(builder.bitcast(builder.gep(xp, [builder.add(xo, c64(16))]), _V16F.as_pointer()), align=4)
+    xl = builder.load(builder.bitcast(builder.gep(xp, [xo]), V16F.as_pointer()), align=4)
+    xh = builder.load(builder.bitcast(builder.gep(xp, [builder.add(xo, c64(16))]), V16F.as_pointer()), align=4)
     t = _fma(builder, hi, xh, builder.fmul(lo, xl))
     return t, d, None if coef is None else (coef, builder.load(builder.gep(sp, [b])))
 
@@ -243,14 +241,14 @@ def _emit_rowdot(qtype):
     block of each in turn, so their accm chains overlap."""
 
     def emit(builder, rps, ptrs, lens):
-        xp, sp = builder.bitcast(ptrs[0], _F32.as_pointer()), builder.bitcast(ptrs[1], _F32.as_pointer())
+        xp, sp = builder.bitcast(ptrs[0], F32.as_pointer()), builder.bitcast(ptrs[1], F32.as_pointer())
         nb = lens[1]
         n = len(rps)
-        accs = [[zeroed(builder, _V16F) for _ in range(2)] for _ in range(n)]
-        accm = [zeroed(builder, _F32) for _ in range(n)]
-        bufs = [[cgutils.alloca_once(builder, ir.ArrayType(_F32, _GROUP)) for _ in range(2)] for _ in range(n)]
-        dbuf = [builder.bitcast(bb[0], _F32.as_pointer()) for bb in bufs]
-        cbuf = [builder.bitcast(bb[1], _F32.as_pointer()) for bb in bufs]
+        accs = [[zeroed(builder, V16F) for _ in range(2)] for _ in range(n)]
+        accm = [zeroed(builder, F32) for _ in range(n)]
+        bufs = [[cgutils.alloca_once(builder, ir.ArrayType(F32, _GROUP)) for _ in range(2)] for _ in range(n)]
+        dbuf = [builder.bitcast(bb[0], F32.as_pointer()) for bb in bufs]
+        cbuf = [builder.bitcast(bb[1], F32.as_pointer()) for bb in bufs]
 
         def block(r, b, j, scales=None):
             t, d, const = _block_terms(builder, qtype, rps[r], xp, sp, b, scales)
@@ -268,11 +266,11 @@ def _emit_rowdot(qtype):
                 _group_scales(builder, qtype, rps[r], b0, dbuf[r], cbuf[r])
             barrier(builder, *dbuf, *cbuf)  # each block's d is then a broadcast load, not a shuffle
             for i in range(_GROUP):
-                at = ir.Constant(_I64, i)
+                at = ir.Constant(I64, i)
                 for r in range(n):
                     scales = builder.load(builder.gep(dbuf[r], [at])), builder.load(builder.gep(cbuf[r], [at]))
                     block(r, builder.add(b0, at), i % 2, scales)
-        one = ir.Constant(_I64, 1)
+        one = ir.Constant(I64, 1)
         done = builder.mul(groups, c64(_GROUP))  # even: the rest keep block b's accumulator b % 2
         with cgutils.for_range(builder, builder.lshr(builder.sub(nb, done), one)) as loop:
             b1 = builder.add(done, builder.shl(loop.index, one))
@@ -308,8 +306,8 @@ def _emit_rowdot_x(qtype):
 
     def emit(builder, rp, xr, nb):
         b = builder
-        bufs = [cgutils.alloca_once(b, ir.ArrayType(_F32, _GROUP)) for _ in range(2)]
-        dbuf, cbuf = (b.bitcast(a, _F32.as_pointer()) for a in bufs)
+        bufs = [cgutils.alloca_once(b, ir.ArrayType(F32, _GROUP)) for _ in range(2)]
+        dbuf, cbuf = (b.bitcast(a, F32.as_pointer()) for a in bufs)
 
         def block(bi, j, scales=None):
             lo, hi = _block_codes(b, qtype, rp, bi)
@@ -328,7 +326,7 @@ def _emit_rowdot_x(qtype):
             _group_scales(b, qtype, rp, b0, dbuf, cbuf)
             barrier(b, dbuf, cbuf)
             for i in range(_GROUP):
-                at = ir.Constant(_I64, i)
+                at = ir.Constant(I64, i)
                 block(b.add(b0, at), i % 2, (b.load(b.gep(dbuf, [at])), b.load(b.gep(cbuf, [at]))))
         one = c64(1)
         done = b.mul(groups, c64(_GROUP))
