@@ -122,16 +122,10 @@ def _q6_k(mr, scaled):
                 for t in range(mr):
                     b.store(ir.Constant(V16I32, None), iacc[t][0])
             for j in range(8):  # as pair_tiles.emit_pair_q6_k
-                h, s = j // 4, j % 4
                 blk = b.add(b.mul(n, c64(8)), c64(j))
-                ql_at = pt._Q6_QL + 32 * (16 * h + 8 * (s & 1))
-                qh_at = pt._Q6_QH + 256 * h
-                nib, hsh = 4 * (s >> 1), 2 * s
                 sums = [[None if scaled else b.load(iacc[t][k]) for k in (0, 1)] for t in range(mr)]
                 for c in range(8):
-                    lo = b.and_(pt._shift16(b, pt._pair(b, p0, p1, ql_at + 32 * c, V32I8), -nib), m15)
-                    hq = b.and_(pt._shift16(b, pt._pair(b, p0, p1, qh_at + 32 * c, V32I8), 4 - hsh), m48)
-                    u = b.or_(lo, hq)
+                    u = pt.q6_codes(b, p0, p1, j, c, m15, m48)
                     for t in range(mr):
                         xb = b.gep(xps[t], [b.add(b.mul(blk, c64(32)), c64(4 * c))])
                         sums[t][c // 4] = dpbusd16(b, sums[t][c // 4], u, bcast4(b, xb, 16))

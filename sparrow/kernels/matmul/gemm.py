@@ -41,7 +41,7 @@ from numba.extending import intrinsic
 from sparrow.kernels import cpu
 from sparrow.kernels.cpu import micro_tile
 from sparrow.kernels.formats import KIND, KQ_KIND, Q4_0, Q4_1, Q8_0
-from sparrow.kernels.ir import F32, I8, I32, I64, V16F
+from sparrow.kernels.ir import F32, I8, I32, I64, V16F, fma
 from sparrow.kernels.matmul.widen import F16_LUT, call_slp, widen_row
 from sparrow.kernels.native_call import address_for, call_native
 from sparrow.kernels.options import KW
@@ -61,12 +61,6 @@ _VK = ir.VectorType(F32, LANES)
 
 def _f32_c2d(t):
     return isinstance(t, types.Array) and t.ndim == 2 and t.layout == "C" and t.dtype == types.float32
-
-
-def _vfma(builder, a, b, c):
-    ty = a.type
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty] * 3), f"llvm.fma.v{ty.count}f32")
-    return builder.call(fn, [a, b, c])
 
 
 def emit_tile(builder, x0, b0, k_n, crow, mr=MR, nw=NW, lanes=LANES):
@@ -92,7 +86,7 @@ def emit_tile(builder, x0, b0, k_n, crow, mr=MR, nw=NW, lanes=LANES):
             xs = builder.load(builder.gep(xrow, [c64(i)]))
             xv = builder.shuffle_vector(builder.insert_element(undef, xs, ir.Constant(I32, 0)), undef, splat)
             for j in range(nw):
-                builder.store(_vfma(builder, xv, bv[j], builder.load(accs[i][j])), accs[i][j])
+                builder.store(fma(builder, xv, bv[j], builder.load(accs[i][j])), accs[i][j])
     for i in range(mr):
         ci = crow(i)
         for j in range(nw):

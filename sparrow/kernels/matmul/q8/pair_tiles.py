@@ -146,6 +146,20 @@ def _shift16(b, v, k):
     return b.bitcast(b.shl(x, n) if k > 0 else b.lshr(x, n), V64I8)
 
 
+def q6_codes(b, p0, p1, j, c, m15, m48):
+    """q6_k chunk c of sub-block j for the 16 rows of group blocks p0 and p1 (j: half h = j // 4,
+    quarter s = j % 4, q8.kquant_groups.emit_q6_k's layout): the stored 6-bit values u = code +
+    32 of values 128 h + 32 s + 4 c .. + 3, ((ql >> nib) & 15) | ((qh >> hsh) & 3) << 4, as
+    <64 x i8> (m15, m48: those byte masks). j and c are constants, so every shift is."""
+    h, s = j // 4, j % 4
+    ql_at = _Q6_QL + 32 * (16 * h + 8 * (s & 1)) + 32 * c
+    qh_at = _Q6_QH + 256 * h + 32 * c
+    nib, hsh = 4 * (s >> 1), 2 * s
+    lo = b.and_(_shift16(b, _pair(b, p0, p1, ql_at, V32I8), -nib), m15)
+    hq = b.and_(_shift16(b, _pair(b, p0, p1, qh_at, V32I8), 4 - hsh), m48)
+    return b.or_(lo, hq)
+
+
 def emit_pair_q6_k(mr):
     """emit for q6_k (emit_pair's signature; bsps: x's 32 sum(code_x) per 16 values, from
     q8.quantized.code_sums), in q8.kquant_groups's order: sub-block j of super-block n (x block b = 8 n + j),
@@ -165,17 +179,11 @@ def emit_pair_q6_k(mr):
             n = loop.index
             p0, p1 = b.gep(g0p, [b.mul(n, c64(gb))]), b.gep(g1p, [b.mul(n, c64(gb))])
             d = b.fpext(_pair(b, p0, p1, 0, V8H), V16F)
-            for j in range(8):  # half h = j // 4, quarter s = j % 4 (q8.kquant_groups.emit_q6_k's layout)
-                h, s = j // 4, j % 4
+            for j in range(8):
                 blk = b.add(b.mul(n, c64(8)), c64(j))
-                ql_at = _Q6_QL + 32 * (16 * h + 8 * (s & 1))
-                qh_at = _Q6_QH + 256 * h
-                nib, hsh = 4 * (s >> 1), 2 * s
                 sums = [[None, None] for _ in range(mr)]
-                for c in range(8):  # values 128 h + 32 s + 4 c .. + 3
-                    lo = b.and_(_shift16(b, _pair(b, p0, p1, ql_at + 32 * c, V32I8), -nib), m15)
-                    hq = b.and_(_shift16(b, _pair(b, p0, p1, qh_at + 32 * c, V32I8), 4 - hsh), m48)
-                    u = b.or_(lo, hq)  # ((ql >> nib) & 15) | ((qh >> hsh) & 3) << 4: 0 .. 63
+                for c in range(8):
+                    u = q6_codes(b, p0, p1, j, c, m15, m48)
                     for t in range(mr):
                         xb = b.gep(xps[t], [b.add(b.mul(blk, c64(32)), c64(4 * c))])
                         sums[t][c // 4] = dpbusd16(b, sums[t][c // 4], u, bcast4(b, xb, 16))
