@@ -7,6 +7,10 @@ What runs on aarch64 itself (the kernel suites, each CPU path against the others
 `sparrow generate`) is scripts/arm64_qemu.sh's job: it takes ~30 min under emulation.
 """
 
+import os
+import subprocess
+import sys
+
 import llvmlite.binding as ll
 import numpy as np
 import pytest
@@ -196,7 +200,7 @@ import numpy as np
 platform.machine = lambda: "aarch64"  # kernels.cpu then chooses aarch64's shape as sparrow loads
 from sparrow.kernels import cpu
 from sparrow.kernels.linear import linear, prepare
-from sparrow.kernels.matmul import gemm, widen
+from sparrow.kernels.matmul import widen
 from test_golden_bits import SHAPE, _digest, _weight
 from weights import acts
 got = {q: _digest(linear(acts(1, SHAPE[1], seed=12), prepare(_weight(q), "f32"))) for q in ("q4_0", "q4_1")}
@@ -221,10 +225,6 @@ def test_aarch64_row_dot_shape_gives_the_golden_bits(tmp_path):
 
 def test_neon_model_script_names_a_missing_llvm_mca():
     """scripts/neon_model.py without its llvm-mca: one line naming the option, exit status 2."""
-    import os
-    import subprocess
-    import sys
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = os.path.join(root, "scripts", "neon_model.py")
     res = subprocess.run([sys.executable, script, "--mca", "no-such-llvm-mca"], capture_output=True, text=True)
