@@ -33,7 +33,7 @@ from sparrow.kernels.ir import V16F, V16I32, c64, fma, shuffle, splat16, zeroed
 from sparrow.kernels.matmul.q8 import pair_tiles as pt
 from sparrow.kernels.matmul.q8.groups import GROUP, GROUP_BYTES, V8H, nibble
 from sparrow.kernels.matmul.q8.ir import V8I8, V16I8, V32I8, V64I8, VNNI512, bcast4, call, dpbusd16, splat
-from sparrow.kernels.matmul.q8.quantized import Q8Weight, quantize, x_sums
+from sparrow.kernels.matmul.q8.quantized import GROUP_CHUNK, Q8Weight, quantize, x_sums
 from sparrow.quant import Weight
 
 V32I16 = ir.VectorType(ir.IntType(16), 32)
@@ -154,14 +154,14 @@ def _q6_k(mr, scaled):
 
 
 def _driver(pairs):
-    """Every x row against groups g0 .. g1 - 1, 16 groups (pt's callers' chunk) at a time."""
+    """Every x row against groups 0 .. g1 - 1, GROUP_CHUNK groups at a time (as x8_rows takes them)."""
 
     @njit(cache=False, nogil=True)
     def run(data, g1, xq, dx, sx, bs, y):
         t_n = xq.shape[0]
-        for c in range(0, g1, 16):
+        for c in range(0, g1, GROUP_CHUNK):
             for t0 in range(0, t_n, pt.PAIR_X_ROWS):
-                pairs(data, c, min(g1, c + 16), xq, dx, sx, bs, y, t0, min(pt.PAIR_X_ROWS, t_n - t0))
+                pairs(data, c, min(g1, c + GROUP_CHUNK), xq, dx, sx, bs, y, t0, min(pt.PAIR_X_ROWS, t_n - t0))
 
     return run
 
