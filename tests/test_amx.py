@@ -37,8 +37,10 @@ def _vector_path(x, w):
 
 
 # (format, [out, in], T): whole and partial 16-row tiles of x; a last panel with one group
-# (3 groups) or a partial one (45 rows); odd block counts (the unpaired last block) and one
-# block; q4_k's and q6_k's 256-value super-blocks (q6_k: two tiles a block)
+# (3 groups) or a partial one (45 rows); block counts of every remainder mod 4 (the tile loop
+# takes four blocks a turn) and below amx.AHEAD + 1 (1, 2, 3: fewer blocks than it issues ahead),
+# odd ones for q6_k (the unpaired last block); q4_k's and q6_k's 256-value super-blocks (q6_k:
+# two tiles a block)
 CASES = [
     ("q8_0", (45, 512), 37),
     ("q4_0", (45, 512), 37),
@@ -51,6 +53,10 @@ CASES = [
     ("q4_k", (20, 768), 16),
     ("q4_k", (8, 256), 5),
     ("q4_0", (300, 2048), 70),
+    ("q4_1", (16, 64), 20),
+    ("q8_0", (24, 160), 19),
+    ("q4_0", (20, 224), 33),
+    ("q4_1", (40, 192), 16),
     ("q6_k", (45, 512), 37),
     ("q6_k", (20, 768), 16),
     ("q6_k", (8, 256), 5),

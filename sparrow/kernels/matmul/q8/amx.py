@@ -56,10 +56,16 @@ def _config(shapes):
     return cfg
 
 
-# tmm0 / tmm3 C [16 x 16 i32], tmm1 / tmm4 A [16 x 32 i8], tmm2 / tmm5 B [8 x 64 i8], for even
-# / odd blocks; q6_k (a scale per 16 values): tmm0 / tmm1 C, tmm2 / tmm3 A [16 x 16 i8], tmm4 /
-# tmm5 B [4 x 64 i8] for a block's first and last 16 values
-CONFIG = _config([(16, 64), (16, 32), (8, 64)] * 2)
+# tmm0 .. tmm3 C [16 x 16 i32], one per block in flight (block b: tmm b % 4); tmm4 / tmm5 A [16 x
+# 32 i8] and tmm6 / tmm7 B [8 x 64 i8] for even / odd blocks; q6_k (a scale per 16 values): tmm0
+# / tmm1 C, tmm2 / tmm3 A [16 x 16 i8], tmm4 / tmm5 B [4 x 64 i8] for a block's first and last 16
+# values
+CONFIG = _config([(16, 64)] * 4 + [(16, 32)] * 2 + [(8, 64)] * 2)
+# Blocks whose tdp (and the store of its sums) is issued before the block being scaled, so the
+# scaling does not wait for them: 3 ahead ran 8-14% faster than 1 for q8_0 / q4_0 / q4_1 and
+# 2-5% for q4_k (docs/kernels.md). q6_k stays 1 ahead: a second pair of C tiles was no faster.
+AHEAD = 3
+assert 0 < AHEAD < 4  # four C tiles: the one being scaled and AHEAD in flight
 CONFIG_Q6_K = _config([(16, 64)] * 2 + [(16, 16)] * 2 + [(4, 64)] * 2)
 
 # ------------------------------------------------------------------ panels (numba)
@@ -203,14 +209,25 @@ def _tmm(i):
     return ir.Constant(I8, i)
 
 
+def _opaque(b, slot, p):
+    """p, through a volatile store and load: the scaling loops then address a block's 16 x-row
+    scales as one register plus constant offsets. Left to see through it, LLVM's loop strength
+    reduction kept a pointer per row, spilled them, and reloaded one from the stack for every
+    row scaled."""
+    b.store(p, slot)
+    ld = b.load(slot)
+    ld.volatile = True
+    return ld
+
+
 def _tiles(qtype):
     """An intrinsic tiles(cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n): y[t, o0 ..
     o0 + 15] (those below y's width) for every x row t < t_n = its x tile (xa: tile_major's
-    int8 [tiles, nb, 16, 32], dx / sx f32 [>= 16 tiles, nb]) against the panel, in the module
-    docstring's order; even and odd blocks alternate between two C tiles and two halves of
-    cbuf (q6_k: its two C tiles, one a half-block, and two slots of cbuf), so one block's tdp
-    runs while the last one's sums are scaled (cbuf [5 x 16, 16] i32: those halves, q6_k's
-    two slots, then the offset term's 16 x 16 f32). One call sweeps every x tile of a panel,
+    int8 [tiles, nb, 16, 32], dx / sx tile_major's f32 [tiles, nb, 16]) against the panel, in the module
+    docstring's order; block b's sums go through C tile b % 4 to cbuf slot b % 4, issued AHEAD
+    blocks before they are scaled (q6_k: its two C tiles, one a half-block, to two slots of
+    cbuf, one block ahead), so tdps run while earlier sums are scaled (cbuf [5 x 16, 16] i32:
+    the four slots, then the offset term's 16 x 16 f32). One call sweeps every x tile of a panel,
     so the tile configuration is loaded once a panel instead of once a tile, and it stores
     into y directly (docs/kernels.md: a third less time for q8_0)."""
     signed_w = qtype in ("q8_0", "q4_0", "q6_k")  # q4_1 / q4_k codes are unsigned nibbles
@@ -226,7 +243,7 @@ def _tiles(qtype):
             o0, t_n = args[10], args[11]
             n_tiles = b.extract_value(a[1].shape, 0)
             nb = b.extract_value(a[6].shape, 1)
-            ds = b.extract_value(a[6].strides, 0)
+            ds = b.extract_value(a[6].strides, 0)  # bytes of a tile's scales: nb x 16 f32
             ys = b.extract_value(a[9].strides, 0)
             width = b.sub(b.extract_value(a[9].shape, 1), o0)
             full = b.icmp_signed(">=", width, c64(TILE))
@@ -236,25 +253,26 @@ def _tiles(qtype):
             yrow0 = b.gep(ptr(9), [b.mul(o0, c64(4))])
             call(b, "llvm.x86.ldtilecfg", ir.VoidType(), [ptr(0)])
             acc = [cgutils.alloca_once(b, V16F) for _ in range(TILE)]
+            pslot = cgutils.alloca_once(b, I8.as_pointer())
             accm = [cgutils.alloca_once(b, V16F) for _ in range(TILE)] if with_m else None
 
             with cgutils.for_range(b, n_tiles) as tl:
                 ti = tl.index
                 t0 = b.mul(ti, c64(TILE))
                 xbase = b.gep(xp, [b.mul(b.mul(ti, nb), c64(512))])
-                dxb = b.gep(ptr(6), [b.mul(t0, ds)])
-                sxb = b.gep(ptr(7), [b.mul(t0, ds)])
+                dxb = b.gep(ptr(6), [b.mul(ti, ds)])
+                sxb = b.gep(ptr(7), [b.mul(ti, ds)])
                 for v in acc:
                     b.store(ir.Constant(V16F, None), v)
 
-                def issue(blk, h):  # C_h = A_blk B_blk into tile 3 h, stored to cbuf half h
-                    tc, ta, tb = _tmm(3 * h), _tmm(3 * h + 1), _tmm(3 * h + 2)
+                def issue(blk, slot):  # C = A_blk B_blk in tile `slot`, stored to cbuf slot `slot`
+                    tc, ta, tb = _tmm(slot), _tmm(4 + slot % 2), _tmm(6 + slot % 2)
                     call(b, "llvm.x86.tilezero", ir.VoidType(), [tc])
                     xa_ = b.gep(xbase, [b.mul(blk, c64(512))])
                     call(b, "llvm.x86.tileloadd64", ir.VoidType(), [ta, xa_, c64(32)])
                     call(b, "llvm.x86.tileloadd64", ir.VoidType(), [tb, b.gep(bp, [b.mul(blk, c64(512))]), c64(64)])
                     call(b, dp_name, ir.VoidType(), [tc, ta, tb])
-                    call(b, "llvm.x86.tilestored64", ir.VoidType(), [tc, b.gep(cb, [c64(1024 * h)]), c64(64)])
+                    call(b, "llvm.x86.tilestored64", ir.VoidType(), [tc, b.gep(cb, [c64(1024 * slot)]), c64(64)])
 
                 def issue_q6(blk, slot):  # a block's halves on tiles 0 and 1, to cbuf slot `slot`
                     for h in range(2):
@@ -274,7 +292,7 @@ def _tiles(qtype):
                         align=4,
                     )
 
-                def scale(blk, h):  # the block's sums (cbuf half h; q6_k: slot h) into the accumulators
+                def scale(blk, h):  # the block's sums (cbuf slot h; q6_k: slot pair h) into the accumulators
                     base = 2048 * h if qtype == "q6_k" else 1024 * h
                     d = vec(dpf, V16F, blk)
                     # the 6-bit scales times the sums in f32: exact (|I| < 2^24, so float(I) is
@@ -283,6 +301,7 @@ def _tiles(qtype):
                         sc = b.sitofp(vec(spi, V16I32, blk), V16F)
                     if qtype == "q6_k":
                         sc1 = b.sitofp(vec(spi, V16I32, blk, 16), V16F)
+                    dxp = _opaque(b, pslot, b.gep(dxb, [b.mul(blk, c64(64))]))  # the block's 16 dx
                     for t in range(TILE):
                         sp = b.gep(cb, [c64(base + 64 * t)])
                         s = b.sitofp(b.load(b.bitcast(sp, V16I32.as_pointer()), align=4), V16F)
@@ -291,8 +310,7 @@ def _tiles(qtype):
                         elif qtype == "q6_k":  # I = sc[2j] s(first 16) + sc[2j + 1] s(last 16)
                             s1 = b.load(b.bitcast(b.gep(cb, [c64(base + 1024 + 64 * t)]), V16I32.as_pointer()), align=4)
                             s = fma(b, b.sitofp(s1, V16F), sc1, b.fmul(s, sc))
-                        at = b.add(b.mul(c64(t), ds), b.mul(blk, c64(4)))
-                        dxt = b.load(b.bitcast(b.gep(dxb, [at]), F32.as_pointer()))
+                        dxt = b.load(b.bitcast(b.gep(dxp, [c64(4 * t)]), F32.as_pointer()))
                         dd = b.fmul(d, splat16(b, dxt))
                         b.store(fma(b, s, dd, b.load(acc[t])), acc[t])
 
@@ -303,27 +321,37 @@ def _tiles(qtype):
                         b.store(ir.Constant(V16F, None), v)
                     with cgutils.for_range(b, nb) as loop:
                         m = vec(mpf, V16F, loop.index)
+                        sxp = _opaque(b, pslot, b.gep(sxb, [b.mul(loop.index, c64(64))]))
                         for t in range(TILE):
-                            at = b.add(b.mul(c64(t), ds), b.mul(loop.index, c64(4)))
-                            sxt = b.load(b.bitcast(b.gep(sxb, [at]), F32.as_pointer()))
+                            sxt = b.load(b.bitcast(b.gep(sxp, [c64(4 * t)]), F32.as_pointer()))
                             b.store(fma(b, m, splat16(b, sxt), b.load(accm[t])), accm[t])
                     for t in range(TILE):
                         b.store(b.load(accm[t]), b.bitcast(b.gep(mb, [c64(64 * t)]), V16F.as_pointer()), align=4)
-                # block b + 1's tdp is issued before block b's sums are scaled (the 2nd half
-                # of cbuf, or q6_k's 2nd slot, for odd blocks): ~10% on q8_0 and q4_k
-                go = issue_q6 if qtype == "q6_k" else issue
-                pairs = b.udiv(nb, c64(2))
-                go(c64(0), 0)
-                with cgutils.for_range(b, pairs) as loop:
-                    b0 = b.mul(loop.index, c64(2))
-                    b1 = b.add(b0, c64(1))
-                    go(b1, 1)
-                    scale(b0, 0)
-                    with b.if_then(b.icmp_unsigned("<", b.add(b1, c64(1)), nb)):
-                        go(b.add(b1, c64(1)), 0)
-                    scale(b1, 1)
-                with b.if_then(b.icmp_unsigned("!=", b.mul(pairs, c64(2)), nb)):
-                    scale(b.sub(nb, c64(1)), 0)
+                if qtype == "q6_k":  # block b + 1's two tdps issued before block b is scaled
+                    pairs = b.udiv(nb, c64(2))
+                    issue_q6(c64(0), 0)
+                    with cgutils.for_range(b, pairs) as loop:
+                        b0 = b.mul(loop.index, c64(2))
+                        b1 = b.add(b0, c64(1))
+                        issue_q6(b1, 1)
+                        scale(b0, 0)
+                        with b.if_then(b.icmp_unsigned("<", b.add(b1, c64(1)), nb)):
+                            issue_q6(b.add(b1, c64(1)), 0)
+                        scale(b1, 1)
+                    with b.if_then(b.icmp_unsigned("!=", b.mul(pairs, c64(2)), nb)):
+                        scale(b.sub(nb, c64(1)), 0)
+                else:  # block b + AHEAD issued before block b is scaled; four blocks a turn (tile
+                    # registers are immediates)
+                    for j in range(AHEAD):
+                        with b.if_then(b.icmp_unsigned("<", c64(j), nb)):
+                            issue(c64(j), j)
+                    with cgutils.for_range(b, b.udiv(b.add(nb, c64(3)), c64(4))) as loop:
+                        for j in range(4):
+                            blk = b.add(b.mul(loop.index, c64(4)), c64(j))
+                            with b.if_then(b.icmp_unsigned("<", blk, nb)):
+                                with b.if_then(b.icmp_unsigned("<", b.add(blk, c64(AHEAD)), nb)):
+                                    issue(b.add(blk, c64(AHEAD)), (j + AHEAD) % 4)
+                                scale(blk, j)
                 for t in range(TILE):  # rows past t_n are padding; lanes past y's width too
                     row = b.add(t0, c64(t))
                     with b.if_then(b.icmp_signed("<", row, t_n)):
@@ -363,16 +391,21 @@ def _run_tiles(kind, cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n):
         _tiles_q6_k(cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n)
 
 
-def tile_major(xq):
+def tile_major(a):
     """xq int8 [16 n, K] -> [n, K / 32, 16, 32]: each 16-row tile's 32-value block contiguous, so
-    an A tile loads 8 whole cache lines (from xq's rows it took 16 half lines)."""
-    tp, k = xq.shape
-    return np.ascontiguousarray(xq.reshape(tp // TILE, TILE, k // 32, 32).transpose(0, 2, 1, 3))
+    an A tile loads 8 whole cache lines (from xq's rows it took 16 half lines). dx or sx f32
+    [16 n, nb] -> [n, nb, 16]: a tile's scales for one block side by side, so the scaling loop
+    finds row t's at a constant offset (from rows nb * 4 bytes apart, LLVM kept 16 addresses on
+    the stack and loaded one for each row scaled)."""
+    tp, k = a.shape
+    if a.dtype == np.int8:
+        return np.ascontiguousarray(a.reshape(tp // TILE, TILE, k // 32, 32).transpose(0, 2, 1, 3))
+    return np.ascontiguousarray(a.reshape(tp // TILE, TILE, k).transpose(0, 2, 1))
 
 
 @njit(parallel=True, **KW)
 def _matmul(kind, cfg, data, bb, lut, xa, dx, sx, y):
-    """y [T, O] for every x row (xa: tile_major's; dx / sx padded to a multiple of 16 rows) and
+    """y [T, O] for every x row (xa, dx, sx: tile_major's, rows padded to a multiple of 16) and
     q8.groups groups data, 16 weight rows (two groups) a parallel item."""
     t_n = y.shape[0]
     nb = dx.shape[1]
@@ -397,8 +430,8 @@ def matmul(xq, dx, sx, data, qtype, y):
         GROUP_BYTES[qtype],
         F16_LUT,
         tile_major(xq),
-        dx,
-        sx,
+        tile_major(dx),
+        tile_major(sx),
         y,
     )
     return y
