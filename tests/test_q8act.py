@@ -47,13 +47,15 @@ def _f32(v):
 
 
 def quantize_reference(x):
-    """Per 32-block: a = max |x|, codes rint(x * (127 / a)) (0 when a == 0), dx = a / 127,
-    sx = dx * sum(codes); every product and quotient one f32 rounding."""
+    """Per 32-block: a = max |x|, codes rint(x * (127 / a)) (0 where 127 / a overflows: a == 0
+    or a < ~3.7e-37), dx = a / 127, sx = dx * sum(codes); every product and quotient one f32
+    rounding."""
     t_n, k = x.shape
     blk = x.reshape(t_n, k // 32, 32)
     a = np.abs(blk).max(axis=2)  # [T, nb]
-    with np.errstate(divide="ignore"):
-        inv = np.where(a == 0, np.float32(0), np.float32(127) / a).astype(np.float32)
+    with np.errstate(divide="ignore", over="ignore"):
+        inv = np.float32(127) / a
+    inv = np.where(np.isfinite(inv), inv, np.float32(0)).astype(np.float32)
     xq = np.rint(blk * inv[..., None]).astype(np.int8)  # [T, nb, 32]
     dx = (a / np.float32(127)).astype(np.float32)
     sx = (dx * xq.astype(np.int32).sum(axis=2).astype(np.float32)).astype(np.float32)
@@ -124,6 +126,29 @@ def test_quantize_matches_reference():
     x = acts(37, 512, seed=5)  # the prefill's parallel chunks of 16 rows, zero pad rows after
     for got, want in zip(_q8act.quantize_padded(x, 16), quantize_reference(x)):
         assert got.shape[0] == 48 and np.array_equal(got[:37], want) and not got[37:].any()
+
+
+def test_quantize_edge_values_match_reference():
+    # the vector quantiser's max is a tree and its rounding llvm.rint: ties (x * inv exactly
+    # k + 0.5 rounds to even), all-zero and -0 blocks, subnormal and huge values, a block whose
+    # max comes first, last or twice, and a row that is not contiguous in memory
+    rng = np.random.default_rng(3)
+    x = acts(9, 256, seed=9)
+    x[0, :32] = np.arange(32) - 15.5  # max 15.5: x * 127 / 15.5 hits no tie; next row does
+    x[1, :32] = (np.arange(32) - 16) * np.float32(0.5)  # 8 * 127 / 8: codes at k + 0.5 steps
+    x[1, 32:64] = np.float32(127) / 2 * rng.choice([-1, 1], 32).astype(np.float32)
+    x[1, 33] = 127  # inv 1: each 63.5 is a tie, rounded to 64 or -64
+    x[2, :32], x[2, 32:64] = 0, -0.0
+    x[3, :32] = np.float32(1e-45) * rng.integers(-3, 4, 32)  # subnormal: 127 / a overflows
+    x[3, 32:64] = np.float32(1e-37) * rng.uniform(-1, 1, 32).astype(np.float32)  # so does this one
+    x[4, :32] = np.float32(1e36) * rng.uniform(-1, 1, 32).astype(np.float32)  # huge, sx still finite
+    x[5, 0], x[5, 31], x[5, 40], x[5, 50] = 9, -9, 7, -7  # max first, last and twice
+    bits = lambda a: a.view(np.uint32) if a.dtype == np.float32 else a  # noqa: E731 (-0 is not 0)
+    for got, want in zip(_q8act.quantize(x), quantize_reference(x)):
+        assert np.array_equal(bits(got), bits(want))
+    strided = acts(9, 512, seed=4)[:, ::2]
+    for got, want in zip(_q8act.quantize(strided), quantize_reference(np.ascontiguousarray(strided))):
+        assert np.array_equal(bits(got), bits(want))
 
 
 def test_documented_order_bit_for_bit_any_threads_and_batch():

@@ -71,6 +71,15 @@ def barrier(builder, *ptrs):
     builder.call(fn, list(ptrs))
 
 
+def opaque(builder, v):
+    """v, laundered through an empty inline asm: the same value, which LLVM can no longer
+    derive from anything. A loop addressing a block's rows as opaque(p) + constant offsets
+    keeps one register for them, where loop strength reduction would keep (and spill) a
+    pointer per row."""
+    fn = ir.InlineAsm(ir.FunctionType(v.type, [v.type]), "", "=r,0")
+    return builder.call(fn, [v])
+
+
 def nibbles_f32(builder, q):
     """<16 x i32> q -> float(q & 15) per lane. With AVX-512 one vpermps against the table
     0..15 (it reads only an index's low 4 bits), else and + convert: the same values."""

@@ -31,7 +31,7 @@ from numba.extending import intrinsic
 
 from sparrow.kernels import cpu
 from sparrow.kernels.formats import AMX_FORMATS, KIND, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
-from sparrow.kernels.ir import F32, I8, I16, I32, V16F, V16I32, c64, fma, splat16
+from sparrow.kernels.ir import F32, I8, I16, I32, V16F, V16I32, c64, fma, opaque, splat16
 from sparrow.kernels.matmul.q8.groups import GROUP_BYTES, REGIONS, load, nibble
 from sparrow.kernels.matmul.q8.ir import V16I16, V32I8, call, splat
 from sparrow.kernels.matmul.q8.kquant_groups import _CODES, _Q6_QH, _Q6_QL, _Q6_SC
@@ -209,17 +209,6 @@ def _tmm(i):
     return ir.Constant(I8, i)
 
 
-def _opaque(b, slot, p):
-    """p, through a volatile store and load: the scaling loops then address a block's 16 x-row
-    scales as one register plus constant offsets. Left to see through it, LLVM's loop strength
-    reduction kept a pointer per row, spilled them, and reloaded one from the stack for every
-    row scaled."""
-    b.store(p, slot)
-    ld = b.load(slot)
-    ld.volatile = True
-    return ld
-
-
 def _tiles(qtype):
     """An intrinsic tiles(cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n): y[t, o0 ..
     o0 + 15] (those below y's width) for every x row t < t_n = its x tile (xa: tile_major's
@@ -253,7 +242,6 @@ def _tiles(qtype):
             yrow0 = b.gep(ptr(9), [b.mul(o0, c64(4))])
             call(b, "llvm.x86.ldtilecfg", ir.VoidType(), [ptr(0)])
             acc = [cgutils.alloca_once(b, V16F) for _ in range(TILE)]
-            pslot = cgutils.alloca_once(b, I8.as_pointer())
             accm = [cgutils.alloca_once(b, V16F) for _ in range(TILE)] if with_m else None
 
             with cgutils.for_range(b, n_tiles) as tl:
@@ -301,7 +289,7 @@ def _tiles(qtype):
                         sc = b.sitofp(vec(spi, V16I32, blk), V16F)
                     if qtype == "q6_k":
                         sc1 = b.sitofp(vec(spi, V16I32, blk, 16), V16F)
-                    dxp = _opaque(b, pslot, b.gep(dxb, [b.mul(blk, c64(64))]))  # the block's 16 dx
+                    dxp = opaque(b, b.gep(dxb, [b.mul(blk, c64(64))]))  # the block's 16 dx
                     for t in range(TILE):
                         sp = b.gep(cb, [c64(base + 64 * t)])
                         s = b.sitofp(b.load(b.bitcast(sp, V16I32.as_pointer()), align=4), V16F)
@@ -321,7 +309,7 @@ def _tiles(qtype):
                         b.store(ir.Constant(V16F, None), v)
                     with cgutils.for_range(b, nb) as loop:
                         m = vec(mpf, V16F, loop.index)
-                        sxp = _opaque(b, pslot, b.gep(sxb, [b.mul(loop.index, c64(64))]))
+                        sxp = opaque(b, b.gep(sxb, [b.mul(loop.index, c64(64))]))
                         for t in range(TILE):
                             sxt = b.load(b.bitcast(b.gep(sxp, [c64(4 * t)]), F32.as_pointer()))
                             b.store(fma(b, m, splat16(b, sxt), b.load(accm[t])), accm[t])
