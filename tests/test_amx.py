@@ -75,10 +75,25 @@ def test_tiles_give_the_vector_paths_bits_on_any_thread_count(case):
     try:
         for n in (1, 2)[: numba.config.NUMBA_NUM_THREADS]:
             numba.set_num_threads(n)
-            got = _amx.matmul(*_q8act.quantize_padded(x, _amx.TILE), data, qtype, np.empty_like(want))
+            got = _amx.matmul(*_q8act.quantize_tiles(x), data, qtype, np.empty_like(want))
             assert np.array_equal(bits(got), bits(want)), (case, n)
     finally:
         numba.set_num_threads(old)
+
+
+def test_quantize_tiles_writes_the_tiles_layout():
+    # any T (whole and partial tiles, pad rows zero), any thread count; no AMX needed
+    for t_n, k in ((1, 32), (16, 64), (37, 512), (70, 2048)):
+        x = acts(t_n, k, seed=t_n)
+        want = _amx.tile_major(*_q8act.quantize_padded(x, _amx.TILE))
+        old = numba.get_num_threads()
+        try:
+            for n in (1, 2)[: numba.config.NUMBA_NUM_THREADS]:
+                numba.set_num_threads(n)
+                for got, ref in zip(_q8act.quantize_tiles(x), want):
+                    assert got.shape == ref.shape and np.array_equal(bits(got), bits(ref)), (t_n, k, n)
+        finally:
+            numba.set_num_threads(old)
 
 
 @needs_amx

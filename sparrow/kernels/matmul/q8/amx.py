@@ -379,21 +379,22 @@ def _run_tiles(kind, cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n):
         _tiles_q6_k(cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n)
 
 
-def tile_major(a):
-    """xq int8 [16 n, K] -> [n, K / 32, 16, 32]: each 16-row tile's 32-value block contiguous, so
-    an A tile loads 8 whole cache lines (from xq's rows it took 16 half lines). dx or sx f32
-    [16 n, nb] -> [n, nb, 16]: a tile's scales for one block side by side, so the scaling loop
+def tile_major(xq, dx, sx):
+    """quantize's row-major (xq, dx, sx), T a multiple of 16, in the tiles' layout:
+    xq int8 [T, K] -> [T / 16, K / 32, 16, 32], each 16-row tile's 32-value block contiguous, so
+    an A tile loads 8 whole cache lines (from xq's rows it took 16 half lines); dx, sx f32 [T, K
+    / 32] -> [T / 16, K / 32, 16], a tile's scales for a block side by side, so the scaling loop
     finds row t's at a constant offset (from rows nb * 4 bytes apart, LLVM kept 16 addresses on
-    the stack and loaded one for each row scaled)."""
-    tp, k = a.shape
-    if a.dtype == np.int8:
-        return np.ascontiguousarray(a.reshape(tp // TILE, TILE, k // 32, 32).transpose(0, 2, 1, 3))
-    return np.ascontiguousarray(a.reshape(tp // TILE, TILE, k).transpose(0, 2, 1))
+    the stack and loaded one for each row scaled). q8.quantized.quantize_tiles writes this
+    layout directly; this is the reference its tests compare with."""
+    tp, k = xq.shape
+    xa = np.ascontiguousarray(xq.reshape(tp // TILE, TILE, k // 32, 32).transpose(0, 2, 1, 3))
+    return (xa, *(np.ascontiguousarray(v.reshape(tp // TILE, TILE, k // 32).transpose(0, 2, 1)) for v in (dx, sx)))
 
 
 @njit(parallel=True, **KW)
 def _matmul(kind, cfg, data, bb, lut, xa, dx, sx, y):
-    """y [T, O] for every x row (xa, dx, sx: tile_major's, rows padded to a multiple of 16) and
+    """y [T, O] for every x row (xa, dx, sx: tile_major's layout, pad rows zero) and
     q8.groups groups data, 16 weight rows (two groups) a parallel item."""
     t_n = y.shape[0]
     nb = dx.shape[1]
@@ -407,19 +408,10 @@ def _matmul(kind, cfg, data, bb, lut, xa, dx, sx, y):
         _run_tiles(kind, cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, TILE * pi, t_n)
 
 
-def matmul(xq, dx, sx, data, qtype, y):
-    """y [T, O] = the q8-mode product of quantised x rows (q8.quantized.quantize's xq / dx / sx,
-    padded with zero rows to a multiple of 16) and a weight's q8.groups groups data (qtype one of
-    FORMATS; O at most 8 per group)."""
-    _matmul(
-        KIND[qtype],
-        CONFIG_Q6_K if qtype == "q6_k" else CONFIG,
-        data,
-        GROUP_BYTES[qtype],
-        F16_LUT,
-        tile_major(xq),
-        tile_major(dx),
-        tile_major(sx),
-        y,
-    )
+def matmul(xa, dxa, sxa, data, qtype, y):
+    """y [T, O] = the q8-mode product of quantised x rows in the tiles' layout (tile_major's,
+    which q8.quantized.quantize_tiles writes; pad rows zero) and a weight's q8.groups groups
+    data (qtype one of FORMATS; O at most 8 per group)."""
+    cfg = CONFIG_Q6_K if qtype == "q6_k" else CONFIG
+    _matmul(KIND[qtype], cfg, data, GROUP_BYTES[qtype], F16_LUT, xa, dxa, sxa, y)
     return y

@@ -76,19 +76,22 @@ __all__ = ["AVX2", "CPU_FEATURES", "Q8Weight", "matmul_amx", "matvec_q8", "quant
 
 
 @intrinsic
-def _quantize_row(typingctx, x, xq, dx, sx):
-    """One contiguous row: x f32 [K] -> xq int8 [K], dx and sx f32 [K / 32], the module
-    docstring's order in two 16-lane vectors a block: a is folded as max(a, |x|) from 0 (a NaN
+def _quantize_row(typingctx, x, xq, dx, sx, q0, qstep, s0, sstep):
+    """One contiguous row x f32 [K]: block b's 32 codes to xq's elements q0 + b qstep .., its
+    dx and sx to elements s0 + b sstep of dx and sx (of their data, whatever their shape: a
+    row-major row, or the AMX tiles' layout), in the module docstring's order in two 16-lane
+    vectors a block: a is folded as max(a, |x|) from 0 (a NaN
     never wins, as in a scalar fold), by a tree (max is exact in any order); x * inv is one f32
     multiply, rounded half to even (llvm.rint) and converted. The scalar loop it replaced did
     not vectorise (its max was a select chain) and took ~1.2 ms for 512 x 2048 on two cores,
     as much as a tenth of the 1.7B Q4_K_M's AMX products."""
-    if any(not isinstance(a, types.Array) or a.layout != "C" for a in (x, xq, dx, sx)):
+    if any(not isinstance(a, types.Array) or a.layout != "C" for a in (x, xq, dx, sx)) or x.ndim != 1:
         return None
-    sig = types.void(x, xq, dx, sx)
+    sig = types.void(x, xq, dx, sx, types.int64, types.int64, types.int64, types.int64)
 
     def codegen(context, b, signature, args):
-        xa, qa, da, sa = (context.make_array(t)(context, b, v) for t, v in zip(signature.args, args))
+        xa, qa, da, sa = (context.make_array(t)(context, b, v) for t, v in zip(signature.args[:4], args[:4]))
+        q0, qstep, s0, sstep = args[4:]
         xp, qp = b.bitcast(xa.data, F32.as_pointer()), b.bitcast(qa.data, I8.as_pointer())
         dp, sp = b.bitcast(da.data, F32.as_pointer()), b.bitcast(sa.data, F32.as_pointer())
 
@@ -114,13 +117,14 @@ def _quantize_row(typingctx, x, xq, dx, sx):
             codes = []
             for h, v in enumerate(xs):
                 c = b.trunc(b.fptosi(call(b, "llvm.rint.v16f32", V16F, [b.fmul(v, splat16(b, inv))]), V16I32), V16I8)
-                dst = b.gep(qp, [b.add(b.mul(i, c64(32)), c64(16 * h))])
+                dst = b.gep(qp, [b.add(b.add(q0, b.mul(i, qstep)), c64(16 * h))])
                 b.store(c, b.bitcast(dst, V16I8.as_pointer()), align=1)
                 codes.append(b.sext(c, V16I32))  # the stored codes (a NaN's too) are summed
             tot = call(b, "llvm.vector.reduce.add.v16i32", I32, [b.add(*codes)])
             d = b.fdiv(a, ir.Constant(F32, 127.0))
-            b.store(d, b.gep(dp, [i]))
-            b.store(b.fmul(d, b.sitofp(tot, F32)), b.gep(sp, [i]))
+            at = b.add(s0, b.mul(i, sstep))
+            b.store(d, b.gep(dp, [at]))
+            b.store(b.fmul(d, b.sitofp(tot, F32)), b.gep(sp, [at]))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -131,7 +135,16 @@ def quantize_rows(x, xq, dx, sx):
     """x f32 [T, K] -> codes xq int8 [T, K], scales dx and scaled code sums sx f32 [T, K/32]."""
     x = np.ascontiguousarray(x)
     for t in range(x.shape[0]):
-        _quantize_row(x[t], xq[t], dx[t], sx[t])
+        _quantize_row(x[t], xq[t], dx[t], sx[t], 0, 32, 0, 1)
+
+
+@njit(**KW)
+def _quantize_tiles_chunk(c, x, xa, dxa, sxa):
+    # rows [c PAR_ROWS, (c + 1) PAR_ROWS) of quantize_tiles's x, straight into the tiles' layout
+    nb = x.shape[1] // 32
+    for t in range(c * PAR_ROWS, min((c + 1) * PAR_ROWS, x.shape[0])):
+        at = (t // amx.TILE) * nb * amx.TILE + t % amx.TILE  # row t's slot in its tile's block 0
+        _quantize_row(x[t], xa, dxa, sxa, at * 32, amx.TILE * 32, at, amx.TILE)
 
 
 @njit(**KW)
@@ -366,9 +379,22 @@ def quantize_padded(x, rows):
     return xq, dx, sx
 
 
+def quantize_tiles(x):
+    """quantize's (xq, dx, sx) of x [T, K], written in the AMX tiles' layout (amx.tile_major's):
+    xq int8 [n, K / 32, 16, 32], dx and sx f32 [n, K / 32, 16] for n = ceil(T / 16) tiles of x
+    rows, the pad rows zero; rows in chunks of PAR_ROWS on every thread (the same bits a row)."""
+    x = np.ascontiguousarray(x)
+    t_n, k = x.shape
+    n, nb = -(-t_n // amx.TILE), k // 32
+    xa = np.zeros((n, nb, amx.TILE, 32), np.int8)
+    dxa, sxa = np.zeros((n, nb, amx.TILE), np.float32), np.zeros((n, nb, amx.TILE), np.float32)
+    run_parallel((t_n + PAR_ROWS - 1) // PAR_ROWS, _quantize_tiles_chunk, (x, xa, dxa, sxa))
+    return xa, dxa, sxa
+
+
 def matmul_amx(x, w, out):
     """out [T, out] = q8(x) @ W.T on AMX tiles for a Q8Weight of an amx.FORMATS format."""
-    return amx.matmul(*quantize_padded(x, amx.TILE), w.rows, w.qtype, out)
+    return amx.matmul(*quantize_tiles(x), w.rows, w.qtype, out)
 
 
 def matvec_q8(x, w, out):
