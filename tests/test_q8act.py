@@ -134,16 +134,15 @@ def test_quantize_edge_values_match_reference():
     # max comes first, last or twice, and a row that is not contiguous in memory
     rng = np.random.default_rng(3)
     x = acts(9, 256, seed=9)
-    x[0, :32] = np.arange(32) - 15.5  # max 15.5: x * 127 / 15.5 hits no tie; next row does
-    x[1, :32] = (np.arange(32) - 16) * np.float32(0.5)  # 8 * 127 / 8: codes at k + 0.5 steps
+    x[0, :32] = np.arange(32) - 15.5  # half-integer values, max 15.5
+    x[1, :32] = (np.arange(32) - 16) * np.float32(0.5)  # multiples of 0.5, max 8
     x[1, 32:64] = np.float32(127) / 2 * rng.choice([-1, 1], 32).astype(np.float32)
-    x[1, 33] = 127  # inv 1: each 63.5 is a tie, rounded to 64 or -64
+    x[1, 33] = 127  # inv 1: each +-63.5 is a tie, rounded to +-64
     x[2, :32], x[2, 32:64] = 0, -0.0
     x[3, :32] = np.float32(1e-45) * rng.integers(-3, 4, 32)  # subnormal: 127 / a overflows
     x[3, 32:64] = np.float32(1e-37) * rng.uniform(-1, 1, 32).astype(np.float32)  # so does this one
     x[4, :32] = np.float32(1e36) * rng.uniform(-1, 1, 32).astype(np.float32)  # huge, sx still finite
     x[5, 0], x[5, 31], x[5, 40], x[5, 50] = 9, -9, 7, -7  # max first, last and twice
-    bits = lambda a: a.view(np.uint32) if a.dtype == np.float32 else a  # noqa: E731 (-0 is not 0)
     for got, want in zip(_q8act.quantize(x), quantize_reference(x)):
         assert np.array_equal(bits(got), bits(want))
     strided = acts(9, 512, seed=4)[:, ::2]

@@ -62,8 +62,8 @@ def _config(shapes):
 # values
 CONFIG = _config([(16, 64)] * 4 + [(16, 32)] * 2 + [(8, 64)] * 2)
 # Blocks whose tdp (and the store of its sums) is issued before the block being scaled, so the
-# scaling does not wait for them: 3 ahead ran 8-14% faster than 1 for q8_0 / q4_0 / q4_1 and
-# 2-5% for q4_k (docs/kernels.md). q6_k stays 1 ahead: a second pair of C tiles was no faster.
+# scaling does not wait for them (3 measured faster than 1: docs/kernels.md). q6_k stays 1
+# ahead: a second pair of C tiles was no faster.
 AHEAD = 3
 assert 0 < AHEAD < 4  # four C tiles: the one being scaled and AHEAD in flight
 CONFIG_Q6_K = _config([(16, 64)] * 2 + [(16, 16)] * 2 + [(4, 64)] * 2)
@@ -384,9 +384,8 @@ def tile_major(xq, dx, sx):
     xq int8 [T, K] -> [T / 16, K / 32, 16, 32], each 16-row tile's 32-value block contiguous, so
     an A tile loads 8 whole cache lines (from xq's rows it took 16 half lines); dx, sx f32 [T, K
     / 32] -> [T / 16, K / 32, 16], a tile's scales for a block side by side, so the scaling loop
-    finds row t's at a constant offset (from rows nb * 4 bytes apart, LLVM kept 16 addresses on
-    the stack and loaded one for each row scaled). q8.quantized.quantize_tiles writes this
-    layout directly; this is the reference its tests compare with."""
+    finds row t's at a constant offset from one register. q8.quantized.quantize_tiles writes
+    this layout directly; this is the reference its tests compare with."""
     tp, k = xq.shape
     xa = np.ascontiguousarray(xq.reshape(tp // TILE, TILE, k // 32, 32).transpose(0, 2, 1, 3))
     return (xa, *(np.ascontiguousarray(v.reshape(tp // TILE, TILE, k // 32).transpose(0, 2, 1)) for v in (dx, sx)))

@@ -80,11 +80,10 @@ def _quantize_row(typingctx, x, xq, dx, sx, q0, qstep, s0, sstep):
     """One contiguous row x f32 [K]: block b's 32 codes to xq's elements q0 + b qstep .., its
     dx and sx to elements s0 + b sstep of dx and sx (of their data, whatever their shape: a
     row-major row, or the AMX tiles' layout), in the module docstring's order in two 16-lane
-    vectors a block: a is folded as max(a, |x|) from 0 (a NaN
-    never wins, as in a scalar fold), by a tree (max is exact in any order); x * inv is one f32
-    multiply, rounded half to even (llvm.rint) and converted. The scalar loop it replaced did
-    not vectorise (its max was a select chain) and took ~1.2 ms for 512 x 2048 on two cores,
-    as much as a tenth of the 1.7B Q4_K_M's AMX products."""
+    vectors a block: a is folded as max(a, |x|) from 0 (a NaN never wins, as in a scalar fold),
+    by a tree (max is exact in any order); x * inv is one f32 multiply, rounded half to even
+    (llvm.rint) and converted. Written out in IR because numba's scalar loop does not
+    vectorise (its max is a select chain); docs/kernels.md has the speeds."""
     if any(not isinstance(a, types.Array) or a.layout != "C" for a in (x, xq, dx, sx)) or x.ndim != 1:
         return None
     sig = types.void(x, xq, dx, sx, types.int64, types.int64, types.int64, types.int64)
