@@ -283,6 +283,49 @@ def test_vectorised_exp_against_float64():
         assert np.all(s[~ok] == 0)  # far tail dropped: < 4e-31 of the maximum's weight
 
 
+@pytest.mark.parametrize("width", [64, 40, 16, 7])
+def test_row_softmax_step_equals_the_row_kernels(width):
+    """exp_sum and row_max (the prefill's softmax step, in vector IR) give exp_shifted's,
+    sum_f32's and max_at's bits for every count n <= width, in place and into another row,
+    with arguments near the -70 and -87 cut-offs and zero tails past n."""
+    from numba import njit
+
+    from sparrow.kernels.attention.rows import exp_shifted, exp_sum, max_at, row_max, sum_f32
+
+    @njit
+    def fused(s, m, n, out):
+        return row_max(s, n), exp_sum(s, m, n, out)
+
+    @njit
+    def plain(s, m, n):
+        mx = max_at(s, 0, n)
+        exp_shifted(s, m, n, np.empty(len(s), np.int32))
+        s[n:] = 0
+        return mx, sum_f32(s, n)
+
+    def bits(x):
+        return np.atleast_1d(np.asarray(x, np.float32)).view(np.uint32)
+
+    rng = np.random.default_rng(7)
+    edges = np.array([-69.99, -70.0, -70.01, -86.99, -87.0, -87.01, -120.0, -0.0, 0.0], np.float32)
+    for trial in range(40):
+        m = np.float32((0.0, 3.5, -2.25)[trial % 3])  # m + edge and (m + edge) - m are exact
+        s = (m - np.abs(rng.standard_normal(width)) * (1 + 30 * (trial % 4))).astype(np.float32)
+        k = rng.integers(0, width, size=min(width, 5))
+        s[k] = m + rng.choice(edges, size=len(k))
+        for n in range(width + 1):
+            want_s = s.copy()
+            want = plain(want_s, m, n)
+            got_s, got_o = s.copy(), np.full(width, np.nan, np.float32)
+            got = fused(s.copy(), m, n, got_o)
+            assert got[0] == want[0] or (n == 0 and got[0] == -np.inf)
+            assert np.array_equal(bits(got[1]), bits(want[1])), (trial, n)
+            assert np.array_equal(bits(got_o), bits(want_s)), (trial, n)
+            in_place = fused(got_s, m, n, got_s)
+            assert np.array_equal(bits(in_place[1]), bits(want[1]))
+            assert np.array_equal(bits(got_s), bits(want_s))
+
+
 def _fma_order_dot(q, k):
     """The documented order of a score: fma over 16-lane chunks into one vector, then the
     pairwise tree 16 -> 8 -> 4 -> 2 -> 1, then sequential fma over a head_dim tail. fma is

@@ -24,7 +24,7 @@ are the same for any thread count, work split or prefill chunking.
 import numpy as np
 from numba import njit
 
-from sparrow.kernels.attention.rows import exp_shifted, max_at, sum_f32
+from sparrow.kernels.attention.rows import exp_shifted, exp_sum, row_max
 from sparrow.kernels.attention.tile import mm_add
 from sparrow.kernels.native_call import address_for, call_native
 from sparrow.kernels.parallel import run_parallel
@@ -67,7 +67,6 @@ def _item(qa, KT, V, start, group, t0, t1, out, pacc, want_p):
     Q = np.empty((R, D), np.float32)
     S = np.empty((R, BK), np.float32)  # scores, then weights
     O = np.empty((R, D), np.float32)
-    ebits = np.empty(BK, np.int32)
     m = np.empty(R, np.float32)
     den = np.empty(R, np.float32)
     keep = np.empty((nblk, R, BK) if want_p else (1, 1, 1), np.float32)  # each block's weights
@@ -89,17 +88,16 @@ def _item(qa, KT, V, start, group, t0, t1, out, pacc, want_p):
             kn = min(BK, last - k0)
             S[:] = 0
             mm_add(Q, KT2[b], S, D)  # [R, BK]
+            W = keep[b] if want_p else S  # [R, BK] the weights: kept for the importance, or in place
             for r in range(R):
-                row = S[r]
+                row, w = S[r], W[r]
                 nv = min(kn, start + t0 + rq[r] + 1 - k0)  # keys of the block this query sees
                 if nv <= 0:
-                    for j in range(BK):
-                        row[j] = 0
+                    w[:] = 0
                     if want_p:
                         mb[r, b] = -np.inf  # weight 0 (exp_shifted's clamp)
-                        keep[b, r, :] = 0
                     continue
-                mx = max_at(row, 0, nv)
+                mx = row_max(row, nv)
                 if mx > m[r]:
                     if m[r] > -np.inf:
                         c = np.float32(np.exp(m[r] - mx))
@@ -107,15 +105,10 @@ def _item(qa, KT, V, start, group, t0, t1, out, pacc, want_p):
                             O[r, d] *= c
                         den[r] *= c
                     m[r] = mx
-                exp_shifted(row, m[r], nv, ebits)
-                for j in range(nv, BK):
-                    row[j] = 0
-                den[r] += sum_f32(row, nv)
+                den[r] += exp_sum(row, m[r], nv, w)  # w[:nv] = exp(row - m), w[nv:] = 0
                 if want_p:
-                    for j in range(BK):
-                        keep[b, r, j] = row[j]
                     mb[r, b] = m[r]
-            mm_add(S, V2[k0 : k0 + kn], O, kn)  # [R, D]
+            mm_add(W, V2[k0 : k0 + kn], O, kn)  # [R, D]
         for r in range(R):
             inv = np.float32(1.0) / den[r]
             o = out[t0 + rq[r], kh * group + rh[r]]

@@ -33,7 +33,7 @@ from numba import njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from sparrow.kernels.elementwise import exp_parts
+from sparrow.kernels.elementwise import _LN2_HI, _LN2_LO, _LOG2E, exp_parts
 from sparrow.kernels.ir import F32 as _F32
 from sparrow.kernels.ir import I8 as _I8
 from sparrow.kernels.ir import I16 as _I16
@@ -42,7 +42,7 @@ from sparrow.kernels.ir import I64 as _I64
 from sparrow.kernels.ir import V16F as _V16F
 from sparrow.kernels.ir import fma as _fma
 from sparrow.kernels.ir import hsum16 as _hsum
-from sparrow.kernels.ir import lane_sum
+from sparrow.kernels.ir import lane_fold, lane_sum
 from sparrow.kernels.ir import splat16 as _splat
 
 _ZERO = ir.Constant(_V16F, [0.0] * 16)
@@ -353,3 +353,106 @@ def max_at(s, i, n):
     for j in range(i, i + n):
         m = max(m, s[j])
     return m
+
+
+def _exp_ir(builder, s, m):
+    """exp(s - m) with exp_shifted's operations (exp_parts' fmas, 2**k in exponent bits, 0 for
+    arguments at or below -70), on an f32 or a <16 x float>: the same bits lane by lane."""
+    b = builder
+    vec = isinstance(s.type, ir.VectorType)
+    ity = ir.VectorType(_I32, 16) if vec else _I32
+
+    def f(v):
+        return ir.Constant(s.type, [float(v)] * 16 if vec else float(v))
+
+    def i(v):
+        return ir.Constant(ity, [v] * 16 if vec else v)
+
+    x = b.fsub(s, _splat(b, m) if vec else m)
+    x = b.select(b.fcmp_ordered(">", f(-87.0), x), f(-87.0), x)  # max(x, -87) as numba computes it
+    floor = cgutils.get_or_insert_function(
+        b.module, ir.FunctionType(s.type, [s.type]), "llvm.floor.v16f32" if vec else "llvm.floor.f32"
+    )
+    k = b.call(floor, [_fma(b, x, f(_LOG2E), f(0.5))])
+    nk = b.fsub(f(-0.0), k)
+    r = _fma(b, nk, f(_LN2_LO), _fma(b, nk, f(_LN2_HI), x))
+    p = f(np.float32(1.0 / 720))
+    for c in (1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0):
+        p = _fma(b, p, r, f(np.float32(c)))
+    e = b.shl(b.add(b.fptosi(k, ity), i(127)), i(23))
+    e = b.select(b.fcmp_ordered(">", x, f(-70.0)), e, i(0))
+    return b.fmul(p, b.bitcast(e, s.type))
+
+
+def _f32_row(t):
+    return isinstance(t, types.Array) and t.ndim == 1 and t.dtype == types.float32 and t.layout == "C"
+
+
+@intrinsic
+def exp_sum(typingctx, s, m, n, out):
+    """out[:n] = exp(s[:n] - m) as exp_shifted computes it and out[n:] = 0 (out may be s);
+    returns sum_f32(out, n), lane_fold's order. One pass over contiguous rows, in registers:
+    the prefill's softmax step."""
+    if not (_f32_row(s) and _f32_row(out) and m == types.float32 and isinstance(n, types.Integer)):
+        return None
+    sig = types.float32(s, m, types.int64, out)
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        sp, _ = _ptr(context, b, signature.args[0], args[0], _F32)
+        op, oarr = _ptr(context, b, signature.args[3], args[3], _F32)
+        m, n = args[1], args[2]
+
+        def vptr(p, i):
+            return b.bitcast(b.gep(p, [i]), _V16F.as_pointer())
+
+        def chunk(acc, i):
+            e = _exp_ir(b, b.load(vptr(sp, i), align=4), m)
+            b.store(e, vptr(op, i), align=4)
+            return b.fadd(acc, e)
+
+        def tail(t, i):
+            e = _exp_ir(b, b.load(b.gep(sp, [i])), m)
+            b.store(e, b.gep(op, [i]))
+            return b.fadd(t, e)
+
+        total = lane_fold(b, n, chunk, tail)
+        with cgutils.for_range_slice(b, n, b.extract_value(oarr.shape, 0), ir.Constant(_I64, 1)) as (j, _):
+            b.store(ir.Constant(_F32, 0.0), b.gep(op, [j]))
+        return total
+
+    return sig, codegen
+
+
+@intrinsic
+def row_max(typingctx, s, n):
+    """max of s[:n] (-inf for n = 0), 16 lanes at a time: max_at's value (exact in any order;
+    the same caveat for -0 and +0)."""
+    if not (_f32_row(s) and isinstance(n, types.Integer)):
+        return None
+    sig = types.float32(s, types.int64)
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        sp, _ = _ptr(context, b, signature.args[0], args[0], _F32)
+        n = args[1]
+        ninf = float("-inf")
+        acc = cgutils.alloca_once_value(b, ir.Constant(_V16F, [ninf] * 16))
+        nch = b.lshr(n, ir.Constant(_I64, 4))
+        with cgutils.for_range(b, nch) as loop:
+            v = b.load(b.bitcast(b.gep(sp, [b.shl(loop.index, ir.Constant(_I64, 4))]), _V16F.as_pointer()), align=4)
+            a = b.load(acc)
+            b.store(b.select(b.fcmp_ordered(">", v, a), v, a), acc)
+        v = b.load(acc)
+        w = 16
+        while w > 1:
+            w //= 2
+            hi = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16), list(range(w, 2 * w)) + [0] * (16 - w)))
+            v = b.select(b.fcmp_ordered(">", hi, v), hi, v)
+        out = cgutils.alloca_once_value(b, b.extract_element(v, ir.Constant(_I32, 0)))
+        with cgutils.for_range_slice(b, b.shl(nch, ir.Constant(_I64, 4)), n, ir.Constant(_I64, 1)) as (j, _):
+            x, t = b.load(b.gep(sp, [j])), b.load(out)
+            b.store(b.select(b.fcmp_ordered(">", x, t), x, t), out)
+        return b.load(out)
+
+    return sig, codegen
