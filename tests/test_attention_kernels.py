@@ -294,7 +294,11 @@ def test_row_softmax_step_equals_the_row_kernels(width):
 
     @njit
     def fused(s, m, n, out):
-        return row_max(s, n), exp_sum(s, m, n, out)
+        return row_max(s, 0, n), exp_sum(s, m, n, out)
+
+    @njit
+    def maxima(s, i, n):
+        return row_max(s, i, n), max_at(s, i, n)
 
     @njit
     def plain(s, m, n):
@@ -313,6 +317,10 @@ def test_row_softmax_step_equals_the_row_kernels(width):
         s = (m - np.abs(rng.standard_normal(width)) * (1 + 30 * (trial % 4))).astype(np.float32)
         k = rng.integers(0, width, size=min(width, 5))
         s[k] = m + rng.choice(edges, size=len(k))
+        for i in (0, 1, 5, 16, 17):
+            for n in range(max(0, width - i) + 1):
+                got_max, want_max = maxima(s, i, n)
+                assert got_max == want_max or (n == 0 and got_max == -np.inf), (trial, i, n)
         for n in range(width + 1):
             want_s = s.copy()
             want = plain(want_s, m, n)

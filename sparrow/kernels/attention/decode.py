@@ -11,7 +11,7 @@ attention with every block.
 import numpy as np
 from numba import njit, prange
 
-from sparrow.kernels.attention.rows import accum, dots, exp_shifted, max_at, prefetch, sum_f32, widen
+from sparrow.kernels.attention.rows import accum, dots, exp_sum, max_at, prefetch, row_max, widen
 from sparrow.kernels.attention.select import (
     STAGE_PROBE,
     STAGE_SCORE,
@@ -114,13 +114,11 @@ def _attend_rows(qa, qs, K2, V2, ks, vs, int8, h0, G, lens, scale, bs, mark, nto
                     n = dots(qa[h0 + g], K2, p0, p1, 1, s[g], i)
                 if int8:
                     _scale_rows(s[g], i, n, qs[h0 + g] * scale, ks, p0, 1)
-                m[g] = max(m[g], max_at(s[g], i, n))
+                m[g] = max(m[g], row_max(s[g], i, n))
                 cnt[g] = i + n
     inv = np.empty(G, dtype=np.float32)
-    ebits = np.empty(s.shape[1], dtype=np.int32)
     for g in range(G):
-        exp_shifted(s[g], m[g], ntok[g], ebits)
-        inv[g] = np.float32(1.0) / sum_f32(s[g], ntok[g])
+        inv[g] = np.float32(1.0) / exp_sum(s[g], m[g], ntok[g], s[g])  # s[g][ntok:] is unused
     acc = np.zeros((G, 4, D), dtype=np.float32)
     w = np.empty(s.shape[1], dtype=np.float32) if int8 else s[0]
     cnt[:] = 0

@@ -97,7 +97,7 @@ def _item(qa, KT, V, start, group, t0, t1, out, pacc, want_p):
                     if want_p:
                         mb[r, b] = -np.inf  # weight 0 (exp_shifted's clamp)
                     continue
-                mx = row_max(row, nv)
+                mx = row_max(row, 0, nv)
                 if mx > m[r]:
                     if m[r] > -np.inf:
                         c = np.float32(np.exp(m[r] - mx))

@@ -425,19 +425,18 @@ def exp_sum(typingctx, s, m, n, out):
 
 
 @intrinsic
-def row_max(typingctx, s, n):
-    """max of s[:n] (-inf for n = 0), 16 lanes at a time: max_at's value (exact in any order;
-    the same caveat for -0 and +0)."""
-    if not (_f32_row(s) and isinstance(n, types.Integer)):
+def row_max(typingctx, s, i, n):
+    """max of s[i:i+n] (-inf for n = 0), 16 lanes at a time: max_at's value (exact in any
+    order; the same caveat for -0 and +0)."""
+    if not (_f32_row(s) and isinstance(i, types.Integer) and isinstance(n, types.Integer)):
         return None
-    sig = types.float32(s, types.int64)
+    sig = types.float32(s, types.int64, types.int64)
 
     def codegen(context, builder, signature, args):
         b = builder
-        sp, _ = _ptr(context, b, signature.args[0], args[0], _F32)
-        n = args[1]
-        ninf = float("-inf")
-        acc = cgutils.alloca_once_value(b, ir.Constant(_V16F, [ninf] * 16))
+        base, _ = _ptr(context, b, signature.args[0], args[0], _F32)
+        sp, n = b.gep(base, [args[1]]), args[2]
+        acc = cgutils.alloca_once_value(b, ir.Constant(_V16F, [float("-inf")] * 16))
         nch = b.lshr(n, ir.Constant(_I64, 4))
         with cgutils.for_range(b, nch) as loop:
             v = b.load(b.bitcast(b.gep(sp, [b.shl(loop.index, ir.Constant(_I64, 4))]), _V16F.as_pointer()), align=4)
