@@ -587,7 +587,7 @@ def test_prefill_tile_is_one_fma_chain_per_element():
 
 @pytest.mark.parametrize("T", [5, 8, 37, 130])
 def test_exact_prefill_bits_do_not_depend_on_the_item_size(monkeypatch, T):
-    """Work items of 8, 16 or 32 queries (prefill.items_of picks by chunk length) give the
+    """Work items of 8, 16, 32 or 64 queries (prefill.items_of picks by chunk length) give the
     same output and importance bits: importance is summed per 8-query group in one order."""
     import sparrow.kernels.attention.prefill as pf
 
@@ -597,9 +597,9 @@ def test_exact_prefill_bits_do_not_depend_on_the_item_size(monkeypatch, T):
     V = rng.standard_normal((KVH, n, D)).astype(np.float32)
     start = n - T
     qa = rng.standard_normal((T, H, D)).astype(np.float32)
-    assert [pf.items_of(t) for t in (1, 64, 120, 128, 200, 256, 4096)] == [8, 8, 16, 16, 16, 32, 32]
+    assert [pf.items_of(t) for t in (1, 64, 120, 128, 200, 256, 448, 512, 4096)] == [8, 8, 16, 16, 16, 32, 32, 64, 64]
     runs = []
-    for qt in (8, 16, 32):
+    for qt in (8, 16, 32, 64):
         monkeypatch.setattr(pf, "items_of", lambda t, qt=qt: qt)
         runs.append(pf.prefill_attention(qa, K, V, start, G, True))
     for out, imp in runs[1:]:

@@ -24,19 +24,21 @@ are the same for any thread count, work split or prefill chunking.
 import numpy as np
 from numba import njit
 
-from sparrow.kernels.attention.rows import exp_shifted, exp_sum, row_max
+from sparrow.kernels.attention.rows import exp_shifted, exp_sum, prefetch, row_max
 from sparrow.kernels.attention.tile import mm_add
 from sparrow.kernels.native_call import address_for, call_native
 from sparrow.kernels.parallel import run_parallel
 
 SUB = 8  # queries of an importance row: each SUB consecutive queries sum into their own row
-QT_MAX = 32  # queries per work item at most: a key block read from memory serves QT * group rows
+QT_MAX = 64  # queries per work item at most: a key block read from memory serves QT * group rows
 BK = 64  # keys per step (SmolLM2 at 2K: 64 ms a layer vs 72 with 32; 128 overflows L1)
 
 
 def items_of(T: int) -> int:
-    """Queries per work item for a chunk of T: the most (QT_MAX, 16 or SUB) that still gives at
-    least 8 items, so both threads stay busy on short chunks. Results do not depend on it."""
+    """Queries per work item for a chunk of T: the most (QT_MAX, 32, 16 or SUB) that still
+    gives at least 8 items, so both threads stay busy on short chunks. Results do not depend on
+    it. 64 queries (128 rows of a 2-query group) rather than 32 read each key block half as
+    often, which gains ~1.1x on a 512-query chunk over an 8K prefix, where they come from L3."""
     qt = QT_MAX
     while qt > SUB and (T + qt - 1) // qt < 8:
         qt //= 2
@@ -86,6 +88,9 @@ def _item(qa, KT, V, start, group, t0, t1, out, pacc, want_p):
         for b in range(nblk):
             k0 = b * BK
             kn = min(BK, last - k0)
+            if b + 1 < nblk:  # the next step's keys and values, into L2 while this one computes
+                prefetch(KT2[b + 1], 0, D)
+                prefetch(V2, k0 + BK, min(last, k0 + 2 * BK))
             S[:] = 0
             mm_add(Q, KT2[b], S, D)  # [R, BK]
             W = keep[b] if want_p else S  # [R, BK] the weights: kept for the importance, or in place
