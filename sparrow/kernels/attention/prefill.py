@@ -67,7 +67,7 @@ def _item(qa, KT, V, start, group, t0, t1, out, pacc, want_p):
     last = start + t1  # keys 0..last-1 are visible to some query of the item
     nblk = (last + BK - 1) // BK
     Q = np.empty((R, D), np.float32)
-    S = np.empty((R, BK), np.float32)  # scores, then weights
+    S = np.empty((R, BK), np.float32)  # scores, then (without importance) the weights
     O = np.empty((R, D), np.float32)
     m = np.empty(R, np.float32)
     den = np.empty(R, np.float32)
