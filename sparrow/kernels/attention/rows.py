@@ -1,4 +1,4 @@
-"""Row kernels of attention as LLVM vector IR, and the softmax pieces (used by attention.decode).
+"""Row kernels of attention as LLVM vector IR, and the softmax pieces (attention.decode, .prefill).
 
 - dots(q, K2, t0, t1, step, s, off): s[off + j] = q . K2[t0 + j * step] for t0 + j * step < t1.
 - accum(w, off, V2, t0, t1, acc): acc[(off + j) % 4] += w[off + j] * V2[t0 + j] for t0 + j < t1.
@@ -6,6 +6,9 @@
 - prefetch(X2, t0, t1): hint rows t0..t1-1 into L2.
 - exp_shifted, sum_f32, max_at: vectorised exp(s - m), sum and max over packed scores (the sum
   in ir.lane_fold's order, the same on every CPU).
+- exp_sum(s, m, n, out), row_max(s, i, n): the same exp-and-sum and max in one vector-IR pass
+  over a contiguous row, with the same bits (attention's softmax step; as numba loops the exp
+  never ran 16 lanes wide).
 
 K2 / V2 are one KV head's rows [C, D] stored as float32, IEEE half bits (uint16) or int8 codes;
 q, w and acc are float32. Rows are widened 16 lanes at a time; a head_dim that is not a
