@@ -143,6 +143,16 @@ def compute():
     return out | reductions()
 
 
+@numba.njit
+def softmax_step(s, n):
+    """[max, sum, weights] of attention's softmax step over s[:n] (rows.row_max, rows.exp_sum
+    with m = 0, zeros past n)."""
+    w = np.empty(len(s) + 2, np.float32)
+    w[0] = _rows.row_max(s, 0, n)
+    w[1] = _rows.exp_sum(s, np.float32(0), n, w[2:])
+    return w
+
+
 def reductions():
     """The f32 reductions outside the matmul tiles (f32 / f16 / bf16 row dots at decode,
     RMSNorm, softmax sums) and the elementwise kernels with fmas of their own (exp, silu):
@@ -153,6 +163,7 @@ def reductions():
     x, w, s, gu = reduction_inputs()
     out["rms"] = _el.rms_norm(x, w, 1e-6)
     out["sums"] = np.array([_rows.sum_f32(s, n) for n in SUM_LENGTHS], np.float32)
+    out["softmax"] = np.concatenate([softmax_step(s, n) for n in SUM_LENGTHS])  # attention's exp_sum, row_max
     e = s.copy()
     _rows.exp_shifted(e, np.float32(0), len(e), np.empty(len(e), np.int32))
     out["exp"] = e

@@ -395,7 +395,7 @@ def _f32_row(t):
 def exp_sum(typingctx, s, m, n, out):
     """out[:n] = exp(s[:n] - m) as exp_shifted computes it and out[n:] = 0 (out may be s);
     returns sum_f32(out, n), lane_fold's order. One pass over contiguous rows, in registers:
-    the prefill's softmax step."""
+    attention's softmax step (prefill and decode)."""
     if not (_f32_row(s) and _f32_row(out) and m == types.float32 and isinstance(n, types.Integer)):
         return None
     sig = types.float32(s, m, types.int64, out)
