@@ -361,12 +361,12 @@ def test_row_kernels_against_documented_order(dim):
     from sparrow.kernels.attention.rows import accum, dots
 
     @njit
-    def run_dots(q, K2, t0, t1, step, s, off):
-        return dots(q, K2, t0, t1, step, s, off)
+    def run_dots(q, K2, t0, t1, step, s, off, ahead=0):
+        return dots(q, K2, t0, t1, step, s, off, ahead)
 
     @njit
-    def run_accum(w, off, V2, t0, t1, acc):
-        accum(w, off, V2, t0, t1, acc)
+    def run_accum(w, off, V2, t0, t1, acc, ahead=0):
+        accum(w, off, V2, t0, t1, acc, ahead)
 
     rng = np.random.default_rng(dim)
     q = rng.standard_normal(dim).astype(np.float32)
@@ -382,13 +382,19 @@ def test_row_kernels_against_documented_order(dim):
         n = run_dots(q, K2, 3, 69, 2, s, 5)  # rows 3, 5, ..., 67: strided, 33 rows (odd)
         want = [_fma_order_dot(q, Kf[t]) for t in range(3, 69, 2)]
         assert n == 33 and np.array_equal(s[5 : 5 + n], np.array(want, np.float32)), name
+        # contiguous rows, prefetching ahead up to the last row or not at all: the same bits
+        for ahead in (0, 70, 40):
+            s = np.full(80, np.nan, np.float32)
+            n = run_dots(q, K2, 1, 67, 1, s, 2, ahead)
+            want = [_fma_order_dot(q, Kf[t]) for t in range(1, 67)]
+            assert n == 66 and np.array_equal(s[2 : 2 + n], np.array(want, np.float32)), (name, ahead)
         # weighted sum: row i of w to accumulator i % 4, any split into calls gives the same bits
         w = rng.standard_normal(100).astype(np.float32)
         one = np.zeros((4, dim), np.float32)
         run_accum(w, 7, K2, 0, 70, one)
         split = np.zeros((4, dim), np.float32)
         for a in range(0, 70, 9):
-            run_accum(w, 7 + a, K2, a, min(70, a + 9), split)
+            run_accum(w, 7 + a, K2, a, min(70, a + 9), split, 70 if a % 2 else a + 30)
         assert np.array_equal(one, split), name
         ref = np.zeros((4, dim))
         for j in range(70):
@@ -414,11 +420,11 @@ def test_widened_rows_give_the_stored_rows_bits(dim):
 
     @njit
     def run(q, w, K2, t0, t1, off, s, acc, buf, s2, acc2):
-        n = dots(q, K2, t0, t1, 1, s, off)
-        accum(w, off, K2, t0, t1, acc)
+        n = dots(q, K2, t0, t1, 1, s, off, K2.shape[0])
+        accum(w, off, K2, t0, t1, acc, K2.shape[0])
         widen(K2, t0, t1, buf)
-        n2 = dots(q, buf, 0, t1 - t0, 1, s2, off)
-        accum(w, off, buf, 0, t1 - t0, acc2)
+        n2 = dots(q, buf, 0, t1 - t0, 1, s2, off, 0)
+        accum(w, off, buf, 0, t1 - t0, acc2, 0)
         return n, n2
 
     rng = np.random.default_rng(dim)

@@ -41,6 +41,14 @@ def _prefetch_jump(X2, b, nxt, nb, bs, seq_len):
         prefetch(X2, nxt * bs, min(nxt * bs + bs, seq_len))
 
 
+@njit(cache=True, nogil=True)
+def _ahead_end(b, nxt, bs, end, seq_len):
+    """The row below which reading block b may prefetch (rows.AHEAD_BYTES ahead): through the
+    next block when it is read next (b + 1), else the block's own end (a jump is prefetched
+    whole by _prefetch_jump)."""
+    return min(seq_len, (b + 2) * bs) if nxt == b + 1 else end
+
+
 # Rows marking a block from which f16 / int8 K and V rows are widened once into a float32 copy
 # for all of them (attention.rows: the same bits); fewer read the stored rows themselves. Two
 # rows (decode on 16 q / 8 KV heads) showed no clear gain shared, on a busy 2-core machine.
@@ -104,14 +112,16 @@ def _attend_rows(qa, qs, K2, V2, ks, vs, int8, h0, G, lens, scale, bs, mark, nto
         shared = narrow and users >= _SHARE_MIN
         if shared:
             widen(K2, p0, end, wide)
+        ahead = _ahead_end(b, nxt, bs, end, seq_len)  # the first row to read the block prefetches
         for g in range(G):
             if mark[g, b]:
                 p1 = min(p0 + bs, lens[g])
                 i = cnt[g]
                 if shared:
-                    n = dots(qa[h0 + g], wide, 0, p1 - p0, 1, s[g], i)
+                    n = dots(qa[h0 + g], wide, 0, p1 - p0, 1, s[g], i, 0)
                 else:
-                    n = dots(qa[h0 + g], K2, p0, p1, 1, s[g], i)
+                    n = dots(qa[h0 + g], K2, p0, p1, 1, s[g], i, ahead)
+                    ahead = p0
                 if int8:
                     _scale_rows(s[g], i, n, qs[h0 + g] * scale, ks, p0, 1)
                 m[g] = max(m[g], row_max(s[g], i, n))
@@ -130,6 +140,7 @@ def _attend_rows(qa, qs, K2, V2, ks, vs, int8, h0, G, lens, scale, bs, mark, nto
         shared = narrow and users >= _SHARE_MIN
         if shared:
             widen(V2, p0, end, wide)
+        ahead = _ahead_end(b, nxt, bs, end, seq_len)
         for g in range(G):
             if mark[g, b]:
                 p1 = min(p0 + bs, lens[g])
@@ -141,9 +152,10 @@ def _attend_rows(qa, qs, K2, V2, ks, vs, int8, h0, G, lens, scale, bs, mark, nto
                 else:
                     wg = s[g]
                 if shared:
-                    accum(wg, i, wide, 0, p1 - p0, acc[g])
+                    accum(wg, i, wide, 0, p1 - p0, acc[g], 0)
                 else:
-                    accum(wg, i, V2, p0, p1, acc[g])
+                    accum(wg, i, V2, p0, p1, acc[g], ahead)
+                    ahead = p0
                 if want_p:
                     for j in range(p1 - p0):
                         pacc[h0 + g, p0 + j] += s[g, i + j] * inv[g]
@@ -195,7 +207,7 @@ def _probe(q, qs, K2, ks, int8, seq_len, bs, n_probe, P2, ps, per_block, n_copie
     Blocks below n_copied read the contiguous copy P2 (one dots call for all of them)."""
     nb = probe.shape[0]
     if n_copied > 0:
-        n = dots(q, P2, 0, n_copied * per_block, 1, tmp, 0)
+        n = dots(q, P2, 0, n_copied * per_block, 1, tmp, 0, n_copied * per_block)
         if int8:
             _scale_rows(tmp, 0, n, qs, ps, 0, 1)
         for b in range(n_copied):
@@ -204,7 +216,7 @@ def _probe(q, qs, K2, ks, int8, seq_len, bs, n_probe, P2, ps, per_block, n_copie
         p0 = b * bs
         p1 = min(p0 + bs, seq_len)
         step = max(1, (p1 - p0) // n_probe)
-        n = dots(q, K2, p0, p1, step, tmp, 0)
+        n = dots(q, K2, p0, p1, step, tmp, 0, p0)
         if int8:
             _scale_rows(tmp, 0, n, qs, ks, p0, step)
         probe[b] = max(np.float32(-1e30), max_at(tmp, 0, n))
@@ -225,11 +237,11 @@ def _v2_scores(q, qs, int8, scale, h0, K2, ks, lut, seq_len, bs, S2, n_summ, U, 
     for c0 in range(0, n_summ, _V2_CHUNK):
         c1 = min(c0 + _V2_CHUNK, n_summ)
         for g in range(G):
-            dots(U[g], S2, c0, c1, 1, score[g], c0)
+            dots(U[g], S2, c0, c1, 1, score[g], c0, n_summ if g == 0 else c0)
     for b in range(n_summ, nb):
         summarise_block(K2, ks, lut, b * bs, min(b * bs + bs, seq_len), row[0])
         for g in range(G):
-            dots(U[g], row, 0, 1, 1, score[g], b)
+            dots(U[g], row, 0, 1, 1, score[g], b, 0)
 
 
 @njit(cache=True, nogil=True)

@@ -1,7 +1,9 @@
 """Row kernels of attention as LLVM vector IR, and the softmax pieces (attention.decode, .prefill).
 
-- dots(q, K2, t0, t1, step, s, off): s[off + j] = q . K2[t0 + j * step] for t0 + j * step < t1.
-- accum(w, off, V2, t0, t1, acc): acc[(off + j) % 4] += w[off + j] * V2[t0 + j] for t0 + j < t1.
+- dots(q, K2, t0, t1, step, s, off, ahead): s[off + j] = q . K2[t0 + j * step] for t0 + j * step < t1.
+- accum(w, off, V2, t0, t1, acc, ahead): acc[(off + j) % 4] += w[off + j] * V2[t0 + j] for t0 + j < t1.
+  ahead: rows below it may be fetched into L1 while these rows compute (see AHEAD_BYTES); pass
+  t0 for none. Only the caller knows which rows it reads next (the next block, or a jump).
 - widen(X2, t0, t1, out): out[:t1 - t0] = rows t0..t1-1 as float32.
 - prefetch(X2, t0, t1): hint rows t0..t1-1 into L2.
 - exp_shifted, sum_f32, max_at: vectorised exp(s - m), sum and max over packed scores (the sum
@@ -88,6 +90,36 @@ def _ptr(context, builder, ty, val, elem):
     return builder.bitcast(arr.data, elem.as_pointer()), arr
 
 
+# How far ahead of the rows being computed dots and accum prefetch (prefetcht0), on the row
+# kernels' unrolled paths: a decode step streams a long cache from DRAM once, and the hardware
+# prefetcher alone stays too close to a loop this short. 1-3 KB measured best, 4 KB and more no
+# better than none (docs/kernels.md, "Decode attention").
+AHEAD_BYTES = 2048
+
+
+def _prefetch_lines(builder, base, nbytes):
+    """prefetcht0 the cache lines of nbytes (a constant) from the byte pointer base."""
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8"
+    )
+    for line in range(0, nbytes, 64):
+        ptr = builder.gep(base, [ir.Constant(_I64, line)])
+        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+
+
+def _ahead_rows(kind, dim):
+    """Rows of dim elements of `kind` that make AHEAD_BYTES (at least one)."""
+    return max(1, AHEAD_BYTES // (dim * _ALIGN[kind]))
+
+
+def _prefetch_group(builder, kind, base, dim, row, limit):
+    """Prefetch rows row..row+3 (dim elements of `kind` each, contiguous) of base when row <= limit."""
+    rb = dim * _ALIGN[kind]
+    with builder.if_then(builder.icmp_signed("<=", row, limit), likely=True):
+        at = builder.gep(builder.bitcast(base, _I8.as_pointer()), [builder.mul(row, ir.Constant(_I64, rb))])
+        _prefetch_lines(builder, at, 4 * rb)
+
+
 def _hsum4(builder, a):
     """The four _hsum results of vectors a[0..3] as <4 x float>, with the same additions
     (lane i + lane i+8, then i+4, i+2, i+1) but shuffled so four rows share each add."""
@@ -128,14 +160,22 @@ def _dots_generic(builder, kind, qp, kp, sp, d, t0v, stepv, offv, j0, n):
         builder.store(builder.load(tot), builder.gep(sp, [builder.add(offv, j)]))
 
 
-def _dots_fixed(builder, kind, qp, kp, sp, dim, t0v, stepv, offv, n):
+def _dots_fixed(builder, kind, qp, kp, sp, dim, t0v, stepv, offv, n, aheadv):
     """head_dim == dim (a multiple of 16): q stays in registers and rows go four at a time
-    through _hsum4; the same fma chain and tree as _dots_generic, so the same bits."""
+    through _hsum4; the same fma chain and tree as _dots_generic, so the same bits. With step
+    1, each group of four prefetches the four rows _ahead_rows later, while they are below
+    aheadv."""
     i64 = lambda x: ir.Constant(_I64, x)  # noqa: E731
     qv = [_load16(builder, "f32", qp, i64(c * 16)) for c in range(dim // 16)]
     ngroups = builder.lshr(n, i64(2))
+    la = _ahead_rows(kind, dim)
+    limit = builder.select(  # the last first-row-of-four to prefetch, relative to t0; -1: none
+        builder.icmp_signed("==", stepv, i64(1)), builder.sub(builder.sub(aheadv, t0v), i64(la + 4)), i64(-1)
+    )
+    rows_at = builder.gep(kp, [builder.mul(t0v, i64(dim))])  # row t0
     with cgutils.for_range(builder, ngroups) as grp:
         j0 = builder.shl(grp.index, i64(2))
+        _prefetch_group(builder, kind, rows_at, dim, builder.add(j0, i64(la)), limit)
         accs = []
         for r in range(4):
             base = builder.mul(builder.add(t0v, builder.mul(builder.add(j0, i64(r)), stepv)), i64(dim))
@@ -149,12 +189,13 @@ def _dots_fixed(builder, kind, qp, kp, sp, dim, t0v, stepv, offv, n):
 
 
 @intrinsic
-def dots(typingctx, q, K2, t0, t1, step, s, off):
-    """Raw dot products of q with rows t0, t0+step, ... < t1 of K2 into s[off:]; returns the count."""
+def dots(typingctx, q, K2, t0, t1, step, s, off, ahead):
+    """Raw dot products of q with rows t0, t0+step, ... < t1 of K2 into s[off:]; returns the count.
+    Rows below `ahead` (K2's, contiguous: step 1) may be prefetched meanwhile."""
     kind = _kind(K2.dtype)
     if kind is None or K2.ndim != 2 or K2.layout != "C":
         return None
-    sig = types.int64(q, K2, types.int64, types.int64, types.int64, s, types.int64)
+    sig = types.int64(q, K2, types.int64, types.int64, types.int64, s, types.int64, types.int64)
 
     def codegen(context, builder, signature, args):
         qp, _ = _ptr(context, builder, signature.args[0], args[0], _F32)
@@ -167,11 +208,11 @@ def dots(typingctx, q, K2, t0, t1, step, s, off):
         n = builder.select(builder.icmp_signed(">", span, ir.Constant(_I64, 0)), n, ir.Constant(_I64, 0))
         with builder.if_else(builder.icmp_signed("==", d, ir.Constant(_I64, 64))) as (d64, other):
             with d64:
-                _dots_fixed(builder, kind, qp, kp, sp, 64, t0v, stepv, offv, n)
+                _dots_fixed(builder, kind, qp, kp, sp, 64, t0v, stepv, offv, n, args[7])
             with other:
                 with builder.if_else(builder.icmp_signed("==", d, ir.Constant(_I64, 128))) as (d128, rest):
                     with d128:
-                        _dots_fixed(builder, kind, qp, kp, sp, 128, t0v, stepv, offv, n)
+                        _dots_fixed(builder, kind, qp, kp, sp, 128, t0v, stepv, offv, n, args[7])
                     with rest:
                         _dots_generic(builder, kind, qp, kp, sp, d, t0v, stepv, offv, ir.Constant(_I64, 0), n)
         return n
@@ -239,9 +280,11 @@ def prefetch(typingctx, X2, t0, t1):
     return sig, codegen
 
 
-def _accum_chunks(builder, kind, wp, vp, ap, d, offv, t0v, n, chunks):
+def _accum_chunks(builder, kind, wp, vp, ap, d, offv, t0v, n, chunks, ahead=None):
     """acc += weighted rows for the 16-lane chunks `chunks` (constants, at most 4, so the
-    4 x len(chunks) accumulators stay in registers and each weight is splat once per row)."""
+    4 x len(chunks) accumulators stay in registers and each weight is splat once per row).
+    ahead (head_dim d a constant, the first pass over the rows): each group of four prefetches
+    the four rows _ahead_rows later, while they are below it."""
     i64 = lambda x: ir.Constant(_I64, x)  # noqa: E731
     rot = builder.and_(offv, i64(3))
     # regs[j][c] holds accumulator (off + j) % 4, so row j of every group of four is static
@@ -259,8 +302,14 @@ def _accum_chunks(builder, kind, wp, vp, ap, d, offv, t0v, n, chunks):
             builder.store(_fma(builder, wv, vv, builder.load(reg)), reg)
 
     ngroups = builder.lshr(n, i64(2))
+    if ahead is not None:
+        la = _ahead_rows(kind, d.constant)
+        limit = builder.sub(builder.sub(ahead, t0v), i64(la + 4))
+        rows_at = builder.gep(vp, [builder.mul(t0v, d)])
     with cgutils.for_range(builder, ngroups) as grp:
         r0 = builder.shl(grp.index, i64(2))
+        if ahead is not None:
+            _prefetch_group(builder, kind, rows_at, d.constant, builder.add(r0, i64(la)), limit)
         for j in range(4):
             row(j, builder.add(r0, i64(j)))
     last = builder.shl(ngroups, i64(2))
@@ -275,12 +324,13 @@ def _accum_chunks(builder, kind, wp, vp, ap, d, offv, t0v, n, chunks):
 
 
 @intrinsic
-def accum(typingctx, w, off, V2, t0, t1, acc):
-    """acc [4, D] += the rows t0..t1-1 of V2 weighted by w[off:], row i of w to acc[i % 4]."""
+def accum(typingctx, w, off, V2, t0, t1, acc, ahead):
+    """acc [4, D] += the rows t0..t1-1 of V2 weighted by w[off:], row i of w to acc[i % 4].
+    Rows of V2 below `ahead` may be prefetched meanwhile."""
     kind = _kind(V2.dtype)
     if kind is None or V2.ndim != 2 or V2.layout != "C":
         return None
-    sig = types.none(w, types.int64, V2, types.int64, types.int64, acc)
+    sig = types.none(w, types.int64, V2, types.int64, types.int64, acc, types.int64)
 
     def codegen(context, builder, signature, args):
         wp, _ = _ptr(context, builder, signature.args[0], args[0], _F32)
@@ -295,14 +345,15 @@ def accum(typingctx, w, off, V2, t0, t1, acc):
         # head_dim 64 / 128 (all real models here): chunks unrolled; others: a chunk loop
         with builder.if_else(builder.icmp_signed("==", d, i64(64))) as (d64, other):
             with d64:
-                _accum_chunks(builder, kind, wp, vp, ap, d, offv, t0v, n, [i64(c * 16) for c in range(4)])
+                chunks = [i64(c * 16) for c in range(4)]
+                _accum_chunks(builder, kind, wp, vp, ap, i64(64), offv, t0v, n, chunks, args[6])
             with other:
                 with builder.if_else(builder.icmp_signed("==", d, i64(128))) as (d128, rest):
                     with d128:
-                        for half in (0, 4):
-                            _accum_chunks(
-                                builder, kind, wp, vp, ap, d, offv, t0v, n, [i64((half + c) * 16) for c in range(4)]
-                            )
+                        for half in (0, 4):  # the first pass over the rows prefetches
+                            chunks = [i64((half + c) * 16) for c in range(4)]
+                            ahead = args[6] if half == 0 else None
+                            _accum_chunks(builder, kind, wp, vp, ap, i64(128), offv, t0v, n, chunks, ahead)
                     with rest:
                         with cgutils.for_range(builder, nch) as ch:
                             _accum_chunks(builder, kind, wp, vp, ap, d, offv, t0v, n, [builder.shl(ch.index, i64(4))])
