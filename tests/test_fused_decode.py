@@ -1,6 +1,7 @@
 """The fused decode step (models/fused.py, kernels/fused/decode_step.py) gives the staged path's bits:
 every architecture, KV storage kind and attention mode, on 1 and 2 threads, and a sequence
-decoded alone (fused) equals the same sequence decoded in a batch (staged)."""
+decoded alone (fused) equals the same sequence decoded in a batch (fused when every row is
+exact, else staged)."""
 
 import numba
 import numpy as np
@@ -86,7 +87,8 @@ def test_fused_equals_staged_on_the_default_model_both_thread_counts(default_llm
 
 @pytest.mark.parametrize("sp", [None, SparseParams(k=2, block=4, select="v2")], ids=["exact", "v2"])
 def test_alone_fused_equals_in_a_batch_staged(default_llm, sp):
-    """The server decodes a request alone (fused) or beside others (staged): same bits."""
+    """The server decodes a request alone (fused) or beside others (staged with a sparse row
+    in the batch, else fused): same bits."""
     a = np.asarray(default_llm.tokenizer.encode("Alpha beta gamma delta epsilon zeta eta theta " * 3))
     b = np.asarray(default_llm.tokenizer.encode("One two three four five six seven eight nine ten"))
     caches = [default_llm.model.new_cache(60, "int8") for _ in range(2)]
@@ -100,6 +102,51 @@ def test_alone_fused_equals_in_a_batch_staged(default_llm, sp):
     alone = default_llm.model.forward([Segment(a[-1:], c, len(a) - 1, sp, decode=True)])  # fused
     assert default_llm.model.fused_step() is not None
     assert alone[0].tobytes() == both[0].tobytes()
+
+
+def _batch_step(llm, seqs, kv, fused, sparse=None):
+    """One decode row of each sequence after its prefill, in one forward -> logits [B, V]."""
+    llm.model.use_fused = fused
+    try:
+        caches = [llm.model.new_cache(len(ids), kv) for ids in seqs]
+        for ids, c in zip(seqs, caches):
+            llm.model.forward([Segment(ids[:-1], c, 0)])
+        segs = [Segment(ids[-1:], c, len(ids) - 1, sparse if i == 0 else None, decode=True)
+                for i, (ids, c) in enumerate(zip(seqs, caches))]  # fmt: skip
+        out = llm.model.forward(segs)
+        assert all(c.length == len(ids) for ids, c in zip(seqs, caches))
+        return out
+    finally:
+        llm.model.use_fused = True
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kv", ["f32", "f16", "int8"])
+def test_a_batch_of_sequences_runs_fused_with_each_sequence_s_own_bits(q8_models, arch, kv):
+    """Exact decode rows of several sequences (different lengths, so different positions and
+    caches) go through one fused step: each row's logits are those of its sequence's step alone
+    and of the staged batch, on 1 and 2 threads; a batch with a sparse row stays staged."""
+    llm = q8_models[arch]
+    plan = llm.model.fused_step()
+    seqs = [prompt(n, seed=n) for n in (9, 23, 40)]
+    staged = _batch_step(llm, seqs, kv, fused=False)
+    alone = np.concatenate([_batch_step(llm, [ids], kv, fused=True) for ids in seqs])
+    assert alone.tobytes() == staged.tobytes()
+    try:
+        for threads in (1, 2):
+            set_threads(threads)
+            before = plan.batched
+            fused = _batch_step(llm, seqs, kv, fused=True)
+            assert plan.batched == before + 1  # the batch took the fused step
+            assert fused.tobytes() == staged.tobytes(), (arch, kv, threads)
+            assert _batch_step(llm, seqs[:2], kv, fused=True).tobytes() == staged[:2].tobytes()
+        before = plan.batched
+        sp = SparseParams(k=1, block=8, probe=4)
+        mixed = _batch_step(llm, seqs, kv, fused=True, sparse=sp)
+        assert plan.batched == before  # a sparse row: the staged path
+        assert mixed.tobytes() == _batch_step(llm, seqs, kv, fused=False, sparse=sp).tobytes()
+    finally:
+        set_threads(llm.threads)
 
 
 def test_unsupported_models_take_the_staged_path(tiny_models):

@@ -246,8 +246,9 @@ class Decoder:
         how many rows it takes).
 
         The stages are methods so that models.timing can time them from outside. A single
-        sequence's decode step, or one sequence's verification rows with exact attention, runs
-        fused instead when the model allows it (same bits)."""
+        sequence's decode step, one sequence's verification rows with exact attention, or one
+        exact decode row of each of several sequences runs fused instead when the model allows
+        it (same bits)."""
         if len(segments) == 1 and segments[0].decode and not all_logits:
             if self.fuses(segments[0].trace):
                 return self._fused(segments[0])  # [1, V]
@@ -258,6 +259,8 @@ class Decoder:
             and self.fuses(None) and self._fused.verifies(segments)
         ):  # fmt: skip
             return self._fused.verify(segments)  # [R, V]: one sequence's verification rows
+        elif not all_logits and self.fuses(None) and self._fused.batches(segments):
+            return self._fused.batch(segments)  # [B, V]: one decode row of each sequence
         return self._staged(segments, all_logits, with_last)
 
     def _staged(self, segments: list[Segment], all_logits: bool = False, with_last: bool = False):

@@ -7,8 +7,10 @@ It applies to decoders (Llama, Qwen2, Qwen3, Qwen3-MoE) whose projections are st
 format (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k) with matching formats inside each
 fused group (q/k/v, gate/up); MoE layers whose experts are in a block format run
 kernels/fused/moe_phase.py's phases (models/qwen3_moe.step_moe builds their tables).
-Not here: f16/bf16/f32 projections or experts, batched decode (the server's steps of
-several sequences), sparse traces with each head's softmax mass (a list of records; a trace
+A batch, one decode row of each of several sequences (the server's steps), runs fused too
+when every row has exact attention in a dense model (FusedDecode.batch): the weights are read
+once for all rows. Not here: f16/bf16/f32 projections or experts, batches with sparse
+attention or MoE layers (staged), sparse traces with each head's softmax mass (a list of records; a trace
 without it, models.attention.Selections, is filled here), and timing (models/timing.py times the staged path's
 stages, which this path does not have).
 """
@@ -165,6 +167,7 @@ class FusedDecode:
         self.staged_s = None  # seconds of the latest staged step taken while backing off
         self.steps = 0  # fused steps run (tests check the path they meant to test ran)
         self.verified = 0  # of them, verification steps of several rows
+        self.batched = 0  # and steps of several sequences
 
     def buffers(self, R: int) -> dict:
         """StepScratch's arrays for R rows but the logits and the selections."""
@@ -230,8 +233,8 @@ class FusedDecode:
             else:
                 copies = [st._probes[probe_key] for st in states]
                 pr, per_block = [(p.rows, p.scale) for p in copies], copies[0].per_block
-            kvtab = np.array([[_entry(a, 3) for a in row] for row in kv], np.int64)  # [L, 2, 4]
-            stab = np.array([[_entry(a) for a in row] for row in sc], np.int64)  # [L, 3, 3]
+            kvtab = np.array([[[_entry(a, 3) for a in row] for row in kv]], np.int64)  # [1, L, 2, 4]
+            stab = np.array([[[_entry(a) for a in row] for row in sc]], np.int64)  # [1, L, 3, 3]
             ptab = np.array([[_entry(p, 3), _entry(ps, 3)] for p, ps in pr], np.int64)  # [L, 2, 4]
             likes = tuple(np.zeros((0,) * nd, a.dtype) for a, nd in ((kv[0][0], 3), (pr[0][0], 3), (sc[0][0], 2)))
             if {a.dtype for row in kv for a in row} != {likes[0].dtype} or {p.dtype for p, _ in pr} != {likes[1].dtype}:
@@ -256,7 +259,8 @@ class FusedDecode:
             exact = _ds.exact_rows_address(self.kquants) if mode is None else (0, 0)
             got = memo[key] = [(*exact, *_ds.attention_call(args), 0, 0), None]
         calls, nt = got[0], args[1]
-        if args[3].shape[0] > 1 and calls[4] == 0:  # verification's rows: verify_head's address too
+        verifying = args[3].shape[0] > 1 and cache_t.kvtab.shape[0] == 1  # several rows of one sequence
+        if verifying and calls[4] == 0:  # verification's rows: verify_head's address too
             calls = got[0] = (*calls[:4], *_ds.verify_call(args))
         if nt == 1:
             _ds.worker(*args, calls)
@@ -279,6 +283,27 @@ class FusedDecode:
             and all(t.vision is None and t.rope_delta == s.rope_delta and len(t.tokens) == 1 for t in segments)
         )
 
+    def batches(self, segments) -> bool:
+        """Whether batch takes these decode rows: 2 to SMALL_T sequences, one untraced row each,
+        all with exact attention, no images and the same KV storage, in a dense model."""
+        return (
+            1 < len(segments) <= SMALL_T
+            and self.moe is None
+            and len({s.cache.dtype for s in segments}) == 1
+            and len({id(s.cache) for s in segments}) == len(segments)
+            and all(
+                s.decode and s.sparse is None and s.trace is None and s.vision is None and s.rope_delta == 0
+                and len(s.tokens) == 1
+                for s in segments
+            )
+        )  # fmt: skip
+
+    def batch(self, segments) -> np.ndarray:
+        """One decode row of each sequence (batches(segments)) in one step -> logits [B, V], row
+        b the bits segments[b]'s own decode step gives."""
+        self.batched += 1
+        return self._step(segments[0], np.concatenate([s.tokens for s in segments]), segments)
+
     def __call__(self, seg) -> np.ndarray:
         """Decodes seg (one token at seg.start over its cache) -> logits [1, V]; with sparse
         settings and a trace (a models.attention.Selections) writes its step's selections."""
@@ -290,25 +315,39 @@ class FusedDecode:
         self.verified += 1
         return self._step(segments[0], np.concatenate([s.tokens for s in segments]))
 
-    def _step(self, seg, tokens) -> np.ndarray:
+    def _step(self, seg, tokens, batch=None) -> np.ndarray:
         """The tokens [R] at positions seg.start.. of seg's cache, with seg's settings (R > 1:
-        exact attention only, verifies) -> logits [R, V]."""
+        exact attention only, verifies); or, batch (batches), token r at the end of batch[r]'s
+        cache -> logits [R, V]."""
         model, cache, pos, sp = self.model, seg.cache, int(seg.start), seg.sparse
         R = len(tokens)
-        if pos + R > cache.capacity:
-            raise SparrowError(f"sequence of {pos + R} tokens exceeds the KV cache capacity {cache.capacity}")
+        segs = batch or [seg]
+        for s in segs:
+            end = int(s.start) + (R if batch is None else 1)
+            if end > s.cache.capacity:
+                raise SparrowError(f"sequence of {end} tokens exceeds the KV cache capacity {s.cache.capacity}")
+        if batch is None:
+            at = np.stack([np.zeros(R, np.int64), np.arange(pos, pos + R)], axis=1)  # [R, 2]: sequence 0
+        else:
+            at = np.array([[i, int(s.start)] for i, s in enumerate(batch)], np.int64)  # [R, 2]
         L = len(model.layers)
         seq_len = pos + 1  # the first row's
         bs = sp.block if sp is not None else _DEFAULT_BLOCK
         nb = (seq_len + bs - 1) // bs
         probed = sp is not None and sp.k < nb
         n_copied = np.zeros(L, np.int64)
+        for s in segs:
+            for st in s.cache.sparse:  # what KVCache.append does for the staged path
+                st.rewritten(int(s.start), int(s.start) + (R if batch is None else 1))
         for i, st in enumerate(cache.sparse):
-            st.rewritten(pos, pos + R)  # what KVCache.append does for the staged path
             if probed:  # the full blocks already in the cache; a block this token completes is read in K
                 _, n_copied[i] = st.copy_for(cache.layers[i], sp, pos)
         kvtab, stab, ptab, kv_like, p_like, s_like, per_block, _ = self._arrays(cache, sp.copy_key if probed else None)
-        cos, sin = model.rope.shifted(seg.rope_delta, pos + R)  # [>= pos + R, D/2]: row p = rope position p + delta
+        if batch is not None:  # every sequence's tables; one cache's memo keeps the arrays alive
+            tabs = [self._arrays(s.cache, None) for s in batch]
+            kvtab, stab = np.concatenate([t[0] for t in tabs]), np.concatenate([t[1] for t in tabs])
+        top = int(at[:, 1].max()) + 1  # past the last row's position
+        cos, sin = model.rope.shifted(seg.rope_delta, top)  # [>= top, D/2]: row p = rope position p + delta
         x = model.embed_rows(tokens)  # [R, E], a private copy
         logits = np.empty((R, self.V), np.float32)  # [R, V]
         q8 = model.activations == "q8"
@@ -343,8 +382,12 @@ class FusedDecode:
         nt = numba.get_num_threads()
         self.sync[:3] = self.sync[4] = 0
         t0 = time.perf_counter()
-        self._run(cache, (0, nt, self.sync, x, pos, model_t, cache_t, attn_t, scratch, mode, select, self.moe))
-        cache.length = pos + R
+        self._run(cache, (0, nt, self.sync, x, at, model_t, cache_t, attn_t, scratch, mode, select, self.moe))
+        if batch is None:
+            cache.length = pos + R
+        else:
+            for s in batch:
+                s.cache.length = int(s.start) + 1
         self.steps += 1
         if self.sync[2] * CONTENDED > 6 * L:  # more than 1/CONTENDED of the barriers waited long
             if self.staged_s is None or self.staged_s < time.perf_counter() - t0:

@@ -150,8 +150,8 @@ class StepCache(NamedTuple):
     """One sequence's KV cache as the step reads and appends it: per layer, the (address,
     dimensions) of its arrays, which view() turns into arrays of the *_like arrays' types."""
 
-    kvtab: np.ndarray  # [L, 2, 4]: K, V [KVH, C, D]
-    stab: np.ndarray  # [L, 3, 3]: the int8 scales KS, VS [KVH, C | 1] (unused for f32 / f16), and
+    kvtab: np.ndarray  # [S, L, 2, 4]: per sequence s (one, but for a batch) K, V [KVH, C, D]
+    stab: np.ndarray  # [S, L, 3, 3]: the int8 scales KS, VS [KVH, C | 1] (unused for f32 / f16), and
     # the prefill importance per position [1, C]
     ptab: np.ndarray  # [L, 2, 4]: probe copies P [KVH, n, D | 2D] (K when nothing is probed), their scales PS
     kv_like: np.ndarray  # [0, 0, 0] of K's and V's dtype
@@ -213,11 +213,13 @@ def _w(wtab, i, j):
 
 
 @njit(**KW)
-def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, moe, calls):
-    """Worker tid of nt: decodes the token at position pos, x [1, E] being its embedding (the
-    residual stream, updated in place); or, x [R, E] with R > 1, verification's rows at
-    positions pos..pos+R-1 of one sequence, with exact attention (models/fused.py sends only
-    those: no selection, no MoE layer, whose phases take one row). model, cache, attn and
+def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, calls):
+    """Worker tid of nt: decodes the token at position at[0, 1] of sequence 0 (at [R, 2]: each
+    row's sequence, an index into cache's tables, and position), x [1, E] being its embedding
+    (the residual stream, updated in place); or, x [R, E] with R > 1, with exact attention and
+    no MoE layer (models/fused.py sends only those: no selection, and moe_phase takes one
+    row), either verification's rows at consecutive positions of one sequence, or a batch: R
+    sequences' decode rows, one each. model, cache, attn and
     scratch are the records above (StepModel, StepCache, StepAttention, StepScratch), built by
     models/fused.py. Two types choose what is compiled (numba prunes the branches a None never
     takes before typing them): q8, None for exact activations or the q8 row kernel's address
@@ -263,6 +265,8 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, moe, 
     src = np.empty((1, 1, D), np.float32)
     codes = np.empty((1, D), np.int8)
     sc = np.empty(1, np.float32)
+    pos = at[0, 1]  # the first row's position
+    batch = kvtab.shape[0] > 1  # rows of several sequences
     positions = np.full(1, pos, np.int64)  # the RoPE position of the row at hand
     seq_len = pos + 1
     nb = (seq_len + bs - 1) // bs
@@ -278,7 +282,8 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, moe, 
         _matvec_at(_w(wtab, layer, 2), kinds[layer, 2], h, qkv, offs[layer, 2], rows[layer, 2], tid, nt, q8, exact)
         barrier(sync, nt)
         for r in range(R):
-            positions[0] = pos + r
+            positions[0] = at[r, 1]
+            kvr, str_ = kvtab[at[r, 0]], stab[at[r, 0]]  # the row's sequence's cache
             # q heads: bias, q norm, RoPE, then the form the attention kernel takes
             for hh in range(h0, h1):
                 for d in range(D):
@@ -310,34 +315,50 @@ def worker(tid, nt, sync, x, pos, model, cache, attn, scratch, q8, select, moe, 
                     for d in range(D):
                         src[0, 0, d] = normed[0, d]
                 _rope(src, cos, sin, positions, rot)
-                _store_kv(_at3(kvtab, layer, 0, kv_like), _at2(stab, layer, 0, s_like), kv_kind, kh, pos + r,
+                _store_kv(_at3(kvr, layer, 0, kv_like), _at2(str_, layer, 0, s_like), kv_kind, kh, at[r, 1],
                           rot[0, 0], one, codes, sc)  # fmt: skip
                 for d in range(D):
                     v = qkv[r, KO + kh * D + d]
                     one[0, d] = v + bias[layer, KO + kh * D + d] if has_bias else v
-                _store_kv(_at3(kvtab, layer, 1, kv_like), _at2(stab, layer, 1, s_like), kv_kind, kh, pos + r,
+                _store_kv(_at3(kvr, layer, 1, kv_like), _at2(str_, layer, 1, s_like), kv_kind, kh, at[r, 1],
                           one[0].copy(), one, codes, sc)  # fmt: skip
         barrier(sync, nt)
         # attention of this worker's query heads, in runs that share a KV head (v2: the first
         # `dense` layers exact)
         sparse = sparse_on and layer >= dense
         if select is not None and sparse and not flags:
-            imp = _at2(stab, layer, 2, s_like)[0]
+            imp = _at2(stab[0], layer, 2, s_like)[0]
             reserved = reserve_importance_nb(importance_per_block(imp, seq_len, bs), k_blocks, nb)
         else:
             reserved = np.full(nb, -1, dtype=np.int8)
         nc = min(n_copied[layer], seq_len // bs)
-        Kl, Vl = _at3(kvtab, layer, 0, kv_like), _at3(kvtab, layer, 1, kv_like)
-        KSl, VSl = _at2(stab, layer, 0, s_like), _at2(stab, layer, 1, s_like)
+        Kl, Vl = _at3(kvtab[0], layer, 0, kv_like), _at3(kvtab[0], layer, 1, kv_like)
+        KSl, VSl = _at2(stab[0], layer, 0, s_like), _at2(stab[0], layer, 1, s_like)
         Pl, PSl = _at3(ptab, layer, 0, p_like), _at2(ptab, layer, 1, s_like)
         t = min(layer, sel3.shape[0] - 1)  # where this layer's selection goes (StepScratch.sel)
         sel, stages, nsel = sel3[t], stages3[t], nsel2[t]
-        if R > 1:  # verification: this worker's KV heads, each reading its K/V once for all rows
+        if batch:  # one row a sequence: this worker's query heads of every row, over its own cache
+            for r in range(R):
+                Kr, Vr = _at3(kvtab[r], layer, 0, kv_like), _at3(kvtab[r], layer, 1, kv_like)
+                KSr, VSr = _at2(stab[r], layer, 0, s_like), _at2(stab[r], layer, 1, s_like)
+                n_r = at[r, 1] + 1
+                hh = h0
+                while hh < h1:
+                    kh = hh // G
+                    n = min(h1, (kh + 1) * G) - hh
+                    mark = np.ones((n, (n_r + bs - 1) // bs), np.bool_)
+                    ntok = np.full(n, n_r, np.int64)
+                    if not call_checked(calls[2], calls[3], (qa3[r], qs2[r], Kr[kh], Vr[kh], KSr[kh], VSr[kh],
+                                        kv_kind == KV_INT8, hh, n, n_r, scale, bs, mark, ntok, att3[r], False,
+                                        pdummy)):  # fmt: skip
+                        sync[4] = 1
+                    hh += n
+        elif R > 1:  # verification: this worker's KV heads, each reading its K/V once for all rows
             for kh in range(k0, k1):
                 if not call_checked(calls[4], calls[5], (np.int64(kh), qa3, qs2, Kl, Vl, KSl, VSl, kv_kind == KV_INT8,
                                     pos, scale, np.int64(G), bs, att3)):  # fmt: skip
                     sync[4] = 1
-        hh = h0 if R == 1 else h1  # a decode step's query heads (none for verification's rows)
+        hh = h0 if R == 1 else h1  # a decode step's query heads (none for several rows)
         while hh < h1:
             kh = hh // G
             n = min(h1, (kh + 1) * G) - hh
