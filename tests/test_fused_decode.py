@@ -104,14 +104,15 @@ def test_alone_fused_equals_in_a_batch_staged(default_llm, sp):
     assert alone[0].tobytes() == both[0].tobytes()
 
 
-def _batch_step(llm, seqs, kv, fused, sparse=None):
-    """One decode row of each sequence after its prefill, in one forward -> logits [B, V]."""
+def _batch_step(llm, seqs, kv, fused, sparse=None, every=False):
+    """One decode row of each sequence after its prefill, in one forward -> logits [B, V];
+    sparse: the first row's settings, or with every all rows'."""
     llm.model.use_fused = fused
     try:
         caches = [llm.model.new_cache(len(ids), kv) for ids in seqs]
         for ids, c in zip(seqs, caches):
             llm.model.forward([Segment(ids[:-1], c, 0)])
-        segs = [Segment(ids[-1:], c, len(ids) - 1, sparse if i == 0 else None, decode=True)
+        segs = [Segment(ids[-1:], c, len(ids) - 1, sparse if i == 0 or every else None, decode=True)
                 for i, (ids, c) in enumerate(zip(seqs, caches))]  # fmt: skip
         out = llm.model.forward(segs)
         assert all(c.length == len(ids) for ids, c in zip(seqs, caches))
@@ -123,9 +124,10 @@ def _batch_step(llm, seqs, kv, fused, sparse=None):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("kv", ["f32", "f16", "int8"])
 def test_a_batch_of_sequences_runs_fused_with_each_sequence_s_own_bits(q8_models, arch, kv):
-    """Exact decode rows of several sequences (different lengths, so different positions and
-    caches) go through one fused step: each row's logits are those of its sequence's step alone
-    and of the staged batch, on 1 and 2 threads; a batch with a sparse row stays staged."""
+    """Decode rows of several sequences (different lengths, so different positions, caches and
+    selections) go through one fused step: each row's logits are those of its sequence's step
+    alone and of the staged batch, on 1 and 2 threads, exact or with every row's sparse settings
+    the same; a batch whose rows' settings differ stays staged."""
     llm = q8_models[arch]
     plan = llm.model.fused_step()
     seqs = [prompt(n, seed=n) for n in (9, 23, 40)]
@@ -140,10 +142,20 @@ def test_a_batch_of_sequences_runs_fused_with_each_sequence_s_own_bits(q8_models
             assert plan.batched == before + 1  # the batch took the fused step
             assert fused.tobytes() == staged.tobytes(), (arch, kv, threads)
             assert _batch_step(llm, seqs[:2], kv, fused=True).tobytes() == staged[:2].tobytes()
+        for name, sp in SPARSE.items():
+            if sp is None:
+                continue
+            staged = _batch_step(llm, seqs, kv, fused=False, sparse=sp, every=True)
+            alone = np.concatenate([_batch_step(llm, [ids], kv, fused=True, sparse=sp) for ids in seqs])
+            assert alone.tobytes() == staged.tobytes(), name
+            before = plan.batched
+            fused = _batch_step(llm, seqs, kv, fused=True, sparse=sp, every=True)
+            assert plan.batched == before + 1, name
+            assert fused.tobytes() == staged.tobytes(), (arch, kv, name)
         before = plan.batched
         sp = SparseParams(k=1, block=8, probe=4)
         mixed = _batch_step(llm, seqs, kv, fused=True, sparse=sp)
-        assert plan.batched == before  # a sparse row: the staged path
+        assert plan.batched == before  # one sparse row among exact ones: the staged path
         assert mixed.tobytes() == _batch_step(llm, seqs, kv, fused=False, sparse=sp).tobytes()
     finally:
         set_threads(llm.threads)

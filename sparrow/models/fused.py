@@ -8,11 +8,12 @@ format (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k) with matching formats in
 fused group (q/k/v, gate/up); MoE layers whose experts are in a block format run
 kernels/fused/moe_phase.py's phases (models/qwen3_moe.step_moe builds their tables).
 A batch, one decode row of each of several sequences (the server's steps), runs fused too
-when every row has exact attention in a dense model (FusedDecode.batch): the weights are read
-once for all rows. Not here: f16/bf16/f32 projections or experts, batches with sparse
-attention or MoE layers (staged), sparse traces with each head's softmax mass (a list of records; a trace
-without it, models.attention.Selections, is filled here), and timing (models/timing.py times the staged path's
-stages, which this path does not have).
+when the rows share their attention settings in a dense model (FusedDecode.batch): the weights
+are read once for all rows. Not here: f16/bf16/f32 projections or experts, batches whose rows
+differ in attention settings or KV storage, or of an MoE model (staged), sparse traces with
+each head's softmax mass (a list of records; a trace without it, models.attention.Selections,
+is filled here), and timing (models/timing.py times the staged path's stages, which this path
+does not have).
 """
 
 from __future__ import annotations
@@ -235,7 +236,7 @@ class FusedDecode:
                 pr, per_block = [(p.rows, p.scale) for p in copies], copies[0].per_block
             kvtab = np.array([[[_entry(a, 3) for a in row] for row in kv]], np.int64)  # [1, L, 2, 4]
             stab = np.array([[[_entry(a) for a in row] for row in sc]], np.int64)  # [1, L, 3, 3]
-            ptab = np.array([[_entry(p, 3), _entry(ps, 3)] for p, ps in pr], np.int64)  # [L, 2, 4]
+            ptab = np.array([[[_entry(p, 3), _entry(ps, 3)] for p, ps in pr]], np.int64)  # [1, L, 2, 4]
             likes = tuple(np.zeros((0,) * nd, a.dtype) for a, nd in ((kv[0][0], 3), (pr[0][0], 3), (sc[0][0], 2)))
             if {a.dtype for row in kv for a in row} != {likes[0].dtype} or {p.dtype for p, _ in pr} != {likes[1].dtype}:
                 raise SparrowError("fused decode: the cache's layers differ in dtype")
@@ -285,14 +286,16 @@ class FusedDecode:
 
     def batches(self, segments) -> bool:
         """Whether batch takes these decode rows: 2 to SMALL_T sequences, one untraced row each,
-        all with exact attention, no images and the same KV storage, in a dense model."""
+        all with the same attention settings (exact, or the same SparseParams), no images and the
+        same KV storage, in a dense model."""
+        sp = segments[0].sparse
         return (
             1 < len(segments) <= SMALL_T
             and self.moe is None
             and len({s.cache.dtype for s in segments}) == 1
             and len({id(s.cache) for s in segments}) == len(segments)
             and all(
-                s.decode and s.sparse is None and s.trace is None and s.vision is None and s.rope_delta == 0
+                s.decode and s.sparse == sp and s.trace is None and s.vision is None and s.rope_delta == 0
                 and len(s.tokens) == 1
                 for s in segments
             )
@@ -333,20 +336,23 @@ class FusedDecode:
         L = len(model.layers)
         seq_len = pos + 1  # the first row's
         bs = sp.block if sp is not None else _DEFAULT_BLOCK
-        nb = (seq_len + bs - 1) // bs
-        probed = sp is not None and sp.k < nb
-        n_copied = np.zeros(L, np.int64)
-        for s in segs:
-            for st in s.cache.sparse:  # what KVCache.append does for the staged path
-                st.rewritten(int(s.start), int(s.start) + (R if batch is None else 1))
-        for i, st in enumerate(cache.sparse):
-            if probed:  # the full blocks already in the cache; a block this token completes is read in K
-                _, n_copied[i] = st.copy_for(cache.layers[i], sp, pos)
-        kvtab, stab, ptab, kv_like, p_like, s_like, per_block, _ = self._arrays(cache, sp.copy_key if probed else None)
-        if batch is not None:  # every sequence's tables; one cache's memo keeps the arrays alive
-            tabs = [self._arrays(s.cache, None) for s in batch]
-            kvtab, stab = np.concatenate([t[0] for t in tabs]), np.concatenate([t[1] for t in tabs])
         top = int(at[:, 1].max()) + 1  # past the last row's position
+        nb = ((seq_len if batch is None else top) + bs - 1) // bs  # a batch: its longest row's blocks
+        # a sequence alone reads the selector's copies only with more blocks than it selects; a
+        # batch's rows all take their tables (one type for every row; a row selecting every
+        # block reads none of it)
+        probed = sp is not None and (batch is not None or sp.k < nb)
+        n_copied = np.zeros((len(segs), L), np.int64)
+        for c, s in enumerate(segs):
+            start = int(s.start)
+            for i, st in enumerate(s.cache.sparse):
+                st.rewritten(start, start + (R if batch is None else 1))  # what KVCache.append does (staged)
+                if probed:  # the full blocks already in the cache; a block this token completes is read in K
+                    _, n_copied[c, i] = st.copy_for(s.cache.layers[i], sp, start)
+        tabs = [self._arrays(s.cache, sp.copy_key if probed else None) for s in segs]
+        kvtab, stab, ptab, kv_like, p_like, s_like, per_block, _ = tabs[0]
+        if batch is not None:  # every sequence's tables; each cache's memo keeps its arrays alive
+            kvtab, stab, ptab = (np.concatenate([t[j] for t in tabs]) for j in range(3))
         cos, sin = model.rope.shifted(seg.rope_delta, top)  # [>= top, D/2]: row p = rope position p + delta
         x = model.embed_rows(tokens)  # [R, E], a private copy
         logits = np.empty((R, self.V), np.float32)  # [R, V]

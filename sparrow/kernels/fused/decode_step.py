@@ -153,11 +153,11 @@ class StepCache(NamedTuple):
     kvtab: np.ndarray  # [S, L, 2, 4]: per sequence s (one, but for a batch) K, V [KVH, C, D]
     stab: np.ndarray  # [S, L, 3, 3]: the int8 scales KS, VS [KVH, C | 1] (unused for f32 / f16), and
     # the prefill importance per position [1, C]
-    ptab: np.ndarray  # [L, 2, 4]: probe copies P [KVH, n, D | 2D] (K when nothing is probed), their scales PS
+    ptab: np.ndarray  # [S, L, 2, 4]: probe copies P [KVH, n, D | 2D] (K when nothing is probed), their scales PS
     kv_like: np.ndarray  # [0, 0, 0] of K's and V's dtype
     p_like: np.ndarray  # [0, 0, 0] of P's dtype
     s_like: np.ndarray  # [0, 0] float32
-    n_copied: np.ndarray  # [L] blocks of P already copied
+    n_copied: np.ndarray  # [S, L] blocks of P already copied
     per_block: int
     kv_kind: int  # KV_F32, KV_F16, KV_INT8
 
@@ -216,10 +216,10 @@ def _w(wtab, i, j):
 def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, calls):
     """Worker tid of nt: decodes the token at position at[0, 1] of sequence 0 (at [R, 2]: each
     row's sequence, an index into cache's tables, and position), x [1, E] being its embedding
-    (the residual stream, updated in place); or, x [R, E] with R > 1, with exact attention and
-    no MoE layer (models/fused.py sends only those: no selection, and moe_phase takes one
-    row), either verification's rows at consecutive positions of one sequence, or a batch: R
-    sequences' decode rows, one each. model, cache, attn and
+    (the residual stream, updated in place); or, x [R, E] with R > 1 and no MoE layer
+    (moe_phase takes one row), either verification's rows at consecutive positions of one
+    sequence with exact attention, or a batch: R sequences' decode rows, one each, with the
+    same attention settings (each row selects from its own cache's state). model, cache, attn and
     scratch are the records above (StepModel, StepCache, StepAttention, StepScratch), built by
     models/fused.py. Two types choose what is compiled (numba prunes the branches a None never
     takes before typing them): q8, None for exact activations or the q8 row kernel's address
@@ -331,26 +331,44 @@ def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, c
             reserved = reserve_importance_nb(importance_per_block(imp, seq_len, bs), k_blocks, nb)
         else:
             reserved = np.full(nb, -1, dtype=np.int8)
-        nc = min(n_copied[layer], seq_len // bs)
+        nc = min(n_copied[0, layer], seq_len // bs)
         Kl, Vl = _at3(kvtab[0], layer, 0, kv_like), _at3(kvtab[0], layer, 1, kv_like)
         KSl, VSl = _at2(stab[0], layer, 0, s_like), _at2(stab[0], layer, 1, s_like)
-        Pl, PSl = _at3(ptab, layer, 0, p_like), _at2(ptab, layer, 1, s_like)
+        Pl, PSl = _at3(ptab[0], layer, 0, p_like), _at2(ptab[0], layer, 1, s_like)
         t = min(layer, sel3.shape[0] - 1)  # where this layer's selection goes (StepScratch.sel)
         sel, stages, nsel = sel3[t], stages3[t], nsel2[t]
         if batch:  # one row a sequence: this worker's query heads of every row, over its own cache
             for r in range(R):
-                Kr, Vr = _at3(kvtab[r], layer, 0, kv_like), _at3(kvtab[r], layer, 1, kv_like)
-                KSr, VSr = _at2(stab[r], layer, 0, s_like), _at2(stab[r], layer, 1, s_like)
-                n_r = at[r, 1] + 1
+                c, n_r = at[r, 0], at[r, 1] + 1  # the row's sequence and length
+                nb_r = (n_r + bs - 1) // bs
+                Kr, Vr = _at3(kvtab[c], layer, 0, kv_like), _at3(kvtab[c], layer, 1, kv_like)
+                KSr, VSr = _at2(stab[c], layer, 0, s_like), _at2(stab[c], layer, 1, s_like)
+                Pr, PSr, reserved_r, nc_r = Pl, PSl, reserved, nc
+                if select is not None:  # the row's own selection state, as its own step has it
+                    Pr, PSr = _at3(ptab[c], layer, 0, p_like), _at2(ptab[c], layer, 1, s_like)
+                    if sparse and not flags:
+                        imp_r = _at2(stab[c], layer, 2, s_like)[0]
+                        reserved_r = reserve_importance_nb(importance_per_block(imp_r, n_r, bs), k_blocks, nb_r)
+                    else:
+                        reserved_r = np.full(nb_r, -1, dtype=np.int8)
+                    nc_r = min(n_copied[c, layer], n_r // bs)
                 hh = h0
                 while hh < h1:
                     kh = hh // G
                     n = min(h1, (kh + 1) * G) - hh
-                    mark = np.ones((n, (n_r + bs - 1) // bs), np.bool_)
-                    ntok = np.full(n, n_r, np.int64)
-                    if not call_checked(calls[2], calls[3], (qa3[r], qs2[r], Kr[kh], Vr[kh], KSr[kh], VSr[kh],
-                                        kv_kind == KV_INT8, hh, n, n_r, scale, bs, mark, ntok, att3[r], False,
-                                        pdummy)):  # fmt: skip
+                    int8 = kv_kind == KV_INT8
+                    if select is not None:
+                        called = call_checked(calls[2], calls[3], (qd3[r], qa3[r], qs2[r], Kr[kh], Vr[kh], KSr[kh],
+                                              VSr[kh], int8, hh, n, n_r, scale, sparse, reserved_r, k_blocks, bs,
+                                              n_probe, Pr[kh], PSr[kh], per_block, nc_r, att3[r], sel, stages, nsel,
+                                              False, pdummy, flags, lut, select))  # fmt: skip
+                    else:
+                        mark = np.ones((n, nb_r), np.bool_)
+                        ntok = np.full(n, n_r, np.int64)
+                        called = call_checked(calls[2], calls[3], (qa3[r], qs2[r], Kr[kh], Vr[kh], KSr[kh], VSr[kh],
+                                              int8, hh, n, n_r, scale, bs, mark, ntok, att3[r], False,
+                                              pdummy))  # fmt: skip
+                    if not called:
                         sync[4] = 1
                     hh += n
         elif R > 1:  # verification: this worker's KV heads, each reading its K/V once for all rows
