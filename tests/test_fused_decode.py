@@ -87,8 +87,8 @@ def test_fused_equals_staged_on_the_default_model_both_thread_counts(default_llm
 
 @pytest.mark.parametrize("sp", [None, SparseParams(k=2, block=4, select="v2")], ids=["exact", "v2"])
 def test_alone_fused_equals_in_a_batch_staged(default_llm, sp):
-    """The server decodes a request alone (fused) or beside others (staged with a sparse row
-    in the batch, else fused): same bits."""
+    """The server decodes a request alone or beside others (a fused step per attention setting
+    of the batch; staged with fused=False): same bits."""
     a = np.asarray(default_llm.tokenizer.encode("Alpha beta gamma delta epsilon zeta eta theta " * 3))
     b = np.asarray(default_llm.tokenizer.encode("One two three four five six seven eight nine ten"))
     caches = [default_llm.model.new_cache(60, "int8") for _ in range(2)]
@@ -127,7 +127,7 @@ def test_a_batch_of_sequences_runs_fused_with_each_sequence_s_own_bits(q8_models
     """Decode rows of several sequences (different lengths, so different positions, caches and
     selections) go through one fused step: each row's logits are those of its sequence's step
     alone and of the staged batch, on 1 and 2 threads, exact or with every row's sparse settings
-    the same; a batch whose rows' settings differ stays staged."""
+    the same; a batch whose rows' settings differ runs one fused step per setting."""
     llm = q8_models[arch]
     plan = llm.model.fused_step()
     seqs = [prompt(n, seed=n) for n in (9, 23, 40)]
@@ -152,10 +152,11 @@ def test_a_batch_of_sequences_runs_fused_with_each_sequence_s_own_bits(q8_models
             fused = _batch_step(llm, seqs, kv, fused=True, sparse=sp, every=True)
             assert plan.batched == before + 1, name
             assert fused.tobytes() == staged.tobytes(), (arch, kv, name)
-        before = plan.batched
+        before, steps = plan.batched, plan.steps
         sp = SparseParams(k=1, block=8, probe=4)
         mixed = _batch_step(llm, seqs, kv, fused=True, sparse=sp)
-        assert plan.batched == before  # one sparse row among exact ones: the staged path
+        # one sparse row among exact ones: the exact rows' batch step, then the sparse row's own
+        assert (plan.batched, plan.steps) == (before + 1, steps + 2)
         assert mixed.tobytes() == _batch_step(llm, seqs, kv, fused=False, sparse=sp).tobytes()
     finally:
         set_threads(llm.threads)

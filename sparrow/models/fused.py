@@ -7,10 +7,10 @@ It applies to decoders (Llama, Qwen2, Qwen3, Qwen3-MoE) whose projections are st
 format (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k) with matching formats inside each
 fused group (q/k/v, gate/up); MoE layers whose experts are in a block format run
 kernels/fused/moe_phase.py's phases (models/qwen3_moe.step_moe builds their tables).
-A batch, one decode row of each of several sequences (the server's steps), runs fused too
-when the rows share their attention settings in a dense model (FusedDecode.batch): the weights
-are read once for all rows. Not here: f16/bf16/f32 projections or experts, batches whose rows
-differ in attention settings or KV storage, or of an MoE model (staged), sparse traces with
+A batch, one decode row of each of several sequences (the server's steps), runs fused too in a
+dense model (FusedDecode.batch): one step for the rows that share their attention settings and
+KV storage, the weights read once for all of them. Not here: f16/bf16/f32 projections or
+experts, batches of an MoE model or with traced rows (staged), sparse traces with
 each head's softmax mass (a list of records; a trace without it, models.attention.Selections,
 is filled here), and timing (models/timing.py times the staged path's stages, which this path
 does not have).
@@ -286,26 +286,46 @@ class FusedDecode:
 
     def batches(self, segments) -> bool:
         """Whether batch takes these decode rows: 2 to SMALL_T sequences, one untraced row each,
-        all with the same attention settings (exact, or the same SparseParams), no images and the
-        same KV storage, in a dense model."""
-        sp = segments[0].sparse
+        no images, in a dense model."""
         return (
             1 < len(segments) <= SMALL_T
             and self.moe is None
-            and len({s.cache.dtype for s in segments}) == 1
             and len({id(s.cache) for s in segments}) == len(segments)
             and all(
-                s.decode and s.sparse == sp and s.trace is None and s.vision is None and s.rope_delta == 0
-                and len(s.tokens) == 1
+                s.decode and s.trace is None and s.vision is None and s.rope_delta == 0 and len(s.tokens) == 1
                 for s in segments
             )
-        )  # fmt: skip
+        )
+
+    @staticmethod
+    def settings_groups(segments) -> list[list[int]]:
+        """The rows of segments by shared attention settings and KV storage, in order of first
+        appearance: what one fused step can take together (its kernel's types and selection
+        switch follow them)."""
+        groups, keys = [], []
+        for i, s in enumerate(segments):
+            key = (s.sparse, s.cache.dtype)
+            for g, k in zip(groups, keys):
+                if k == key:
+                    g.append(i)
+                    break
+            else:
+                groups.append([i])
+                keys.append(key)
+        return groups
 
     def batch(self, segments) -> np.ndarray:
-        """One decode row of each sequence (batches(segments)) in one step -> logits [B, V], row
-        b the bits segments[b]'s own decode step gives."""
-        self.batched += 1
-        return self._step(segments[0], np.concatenate([s.tokens for s in segments]), segments)
+        """One decode row of each sequence (batches(segments)) -> logits [B, V], row b the bits
+        segments[b]'s own decode step gives: one step for each group of rows that share their
+        settings (settings_groups), a lone row as a sequence's own step."""
+        groups = self.settings_groups(segments)
+        if len(groups) == 1:
+            self.batched += 1
+            return self._step(segments[0], np.concatenate([s.tokens for s in segments]), segments)
+        out = np.empty((len(segments), self.V), np.float32)  # [B, V]
+        for rows in groups:
+            out[rows] = self.batch([segments[i] for i in rows]) if len(rows) > 1 else self(segments[rows[0]])
+        return out
 
     def __call__(self, seg) -> np.ndarray:
         """Decodes seg (one token at seg.start over its cache) -> logits [1, V]; with sparse
