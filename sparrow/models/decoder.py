@@ -247,8 +247,8 @@ class Decoder:
 
         The stages are methods so that models.timing can time them from outside. A single
         sequence's decode step, one sequence's verification rows with exact attention, or one
-        exact decode row of each of several sequences runs fused instead when the model allows
-        it (same bits)."""
+        decode row of each of several sequences runs fused instead when the model allows it
+        (same bits)."""
         if len(segments) == 1 and segments[0].decode and not all_logits:
             if self.fuses(segments[0].trace):
                 return self._fused(segments[0])  # [1, V]

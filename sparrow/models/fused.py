@@ -320,12 +320,17 @@ class FusedDecode:
         settings (settings_groups), a lone row as a sequence's own step."""
         groups = self.settings_groups(segments)
         if len(groups) == 1:
-            self.batched += 1
-            return self._step(segments[0], np.concatenate([s.tokens for s in segments]), segments)
+            return self._batch_step(segments)
         out = np.empty((len(segments), self.V), np.float32)  # [B, V]
         for rows in groups:
-            out[rows] = self.batch([segments[i] for i in rows]) if len(rows) > 1 else self(segments[rows[0]])
+            segs = [segments[i] for i in rows]
+            out[rows] = self._batch_step(segs) if len(segs) > 1 else self(segs[0])
         return out
+
+    def _batch_step(self, segments) -> np.ndarray:
+        """One step over rows that share their settings -> logits [B, V]."""
+        self.batched += 1
+        return self._step(segments[0], np.concatenate([s.tokens for s in segments]), segments)
 
     def __call__(self, seg) -> np.ndarray:
         """Decodes seg (one token at seg.start over its cache) -> logits [1, V]; with sparse

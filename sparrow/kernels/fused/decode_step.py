@@ -250,7 +250,6 @@ def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, c
     sparse_on, k_blocks, bs, n_probe = attn.sparse_on, attn.k_blocks, attn.block, attn.n_probe
     flags, dense, lut = attn.flags, attn.dense, attn.lut
     qkv, att3, att_flat, qd3, qa3, qs2 = scratch.qkv, scratch.att, scratch.att_flat, scratch.qd, scratch.qa, scratch.qs
-    att, qd, qa, qs = att3[0], qd3[0], qa3[0], qs2[0]  # a decode step's row
     gu, y, logits = scratch.gu, scratch.y, scratch.logits
     sel3, stages3, nsel2 = scratch.sel, scratch.stages, scratch.nsel
     exact = (calls[0], calls[1])
@@ -268,8 +267,6 @@ def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, c
     pos = at[0, 1]  # the first row's position
     batch = kvtab.shape[0] > 1  # rows of several sequences
     positions = np.full(1, pos, np.int64)  # the RoPE position of the row at hand
-    seq_len = pos + 1
-    nb = (seq_len + bs - 1) // bs
     pdummy = np.zeros((1, 1), np.float32)
     h0, h1 = _share(H, tid, nt)  # this worker's query heads
     k0, k1 = _share(KV, tid, nt)  # and KV heads
@@ -305,7 +302,7 @@ def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, c
                         qd3[r, hh, d] = rot[0, 0, d]
                         qa3[r, hh, d] = rot[0, 0, d] * scale
                     qs2[r, hh] = np.float32(0)
-            # KV heads: bias, k norm, RoPE for k; bias for v; append at pos + r
+            # KV heads: bias, k norm, RoPE for k; bias for v; append at the row's position
             for kh in range(k0, k1):
                 for d in range(D):
                     v = qkv[r, QO + kh * D + d]
@@ -326,74 +323,47 @@ def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, c
         # attention of this worker's query heads, in runs that share a KV head (v2: the first
         # `dense` layers exact)
         sparse = sparse_on and layer >= dense
-        if select is not None and sparse and not flags:
-            imp = _at2(stab[0], layer, 2, s_like)[0]
-            reserved = reserve_importance_nb(importance_per_block(imp, seq_len, bs), k_blocks, nb)
-        else:
-            reserved = np.full(nb, -1, dtype=np.int8)
-        nc = min(n_copied[0, layer], seq_len // bs)
-        Kl, Vl = _at3(kvtab[0], layer, 0, kv_like), _at3(kvtab[0], layer, 1, kv_like)
-        KSl, VSl = _at2(stab[0], layer, 0, s_like), _at2(stab[0], layer, 1, s_like)
-        Pl, PSl = _at3(ptab[0], layer, 0, p_like), _at2(ptab[0], layer, 1, s_like)
         t = min(layer, sel3.shape[0] - 1)  # where this layer's selection goes (StepScratch.sel)
         sel, stages, nsel = sel3[t], stages3[t], nsel2[t]
-        if batch:  # one row a sequence: this worker's query heads of every row, over its own cache
+        int8 = kv_kind == KV_INT8
+        if R > 1 and not batch:  # verification: this worker's KV heads, each reading its K/V once for all rows
+            Kl, Vl = _at3(kvtab[0], layer, 0, kv_like), _at3(kvtab[0], layer, 1, kv_like)
+            KSl, VSl = _at2(stab[0], layer, 0, s_like), _at2(stab[0], layer, 1, s_like)
+            for kh in range(k0, k1):
+                if not call_checked(calls[4], calls[5], (np.int64(kh), qa3, qs2, Kl, Vl, KSl, VSl, int8, pos, scale,
+                                    np.int64(G), bs, att3)):  # fmt: skip
+                    sync[4] = 1
+        else:  # a decode step's row, or a batch's rows, one a sequence: this worker's query heads, over the row's cache
             for r in range(R):
                 c, n_r = at[r, 0], at[r, 1] + 1  # the row's sequence and length
                 nb_r = (n_r + bs - 1) // bs
                 Kr, Vr = _at3(kvtab[c], layer, 0, kv_like), _at3(kvtab[c], layer, 1, kv_like)
                 KSr, VSr = _at2(stab[c], layer, 0, s_like), _at2(stab[c], layer, 1, s_like)
-                Pr, PSr, reserved_r, nc_r = Pl, PSl, reserved, nc
-                if select is not None:  # the row's own selection state, as its own step has it
-                    Pr, PSr = _at3(ptab[c], layer, 0, p_like), _at2(ptab[c], layer, 1, s_like)
-                    if sparse and not flags:
-                        imp_r = _at2(stab[c], layer, 2, s_like)[0]
-                        reserved_r = reserve_importance_nb(importance_per_block(imp_r, n_r, bs), k_blocks, nb_r)
-                    else:
-                        reserved_r = np.full(nb_r, -1, dtype=np.int8)
-                    nc_r = min(n_copied[c, layer], n_r // bs)
+                Pr, PSr = _at3(ptab[c], layer, 0, p_like), _at2(ptab[c], layer, 1, s_like)
+                if select is not None and sparse and not flags:
+                    imp = _at2(stab[c], layer, 2, s_like)[0]
+                    reserved = reserve_importance_nb(importance_per_block(imp, n_r, bs), k_blocks, nb_r)
+                else:
+                    reserved = np.full(nb_r, -1, dtype=np.int8)
+                nc = min(n_copied[c, layer], n_r // bs)
                 hh = h0
                 while hh < h1:
                     kh = hh // G
                     n = min(h1, (kh + 1) * G) - hh
-                    int8 = kv_kind == KV_INT8
-                    if select is not None:
+                    if select is not None:  # block selection, then attention (attention.decode._group)
                         called = call_checked(calls[2], calls[3], (qd3[r], qa3[r], qs2[r], Kr[kh], Vr[kh], KSr[kh],
-                                              VSr[kh], int8, hh, n, n_r, scale, sparse, reserved_r, k_blocks, bs,
-                                              n_probe, Pr[kh], PSr[kh], per_block, nc_r, att3[r], sel, stages, nsel,
+                                              VSr[kh], int8, hh, n, n_r, scale, sparse, reserved, k_blocks, bs,
+                                              n_probe, Pr[kh], PSr[kh], per_block, nc, att3[r], sel, stages, nsel,
                                               False, pdummy, flags, lut, select))  # fmt: skip
-                    else:
+                    else:  # every block, as _group marks them when nothing selects, straight to the kernel
                         mark = np.ones((n, nb_r), np.bool_)
                         ntok = np.full(n, n_r, np.int64)
                         called = call_checked(calls[2], calls[3], (qa3[r], qs2[r], Kr[kh], Vr[kh], KSr[kh], VSr[kh],
                                               int8, hh, n, n_r, scale, bs, mark, ntok, att3[r], False,
                                               pdummy))  # fmt: skip
                     if not called:
-                        sync[4] = 1
+                        sync[4] = 1  # the caller raises
                     hh += n
-        elif R > 1:  # verification: this worker's KV heads, each reading its K/V once for all rows
-            for kh in range(k0, k1):
-                if not call_checked(calls[4], calls[5], (np.int64(kh), qa3, qs2, Kl, Vl, KSl, VSl, kv_kind == KV_INT8,
-                                    pos, scale, np.int64(G), bs, att3)):  # fmt: skip
-                    sync[4] = 1
-        hh = h0 if R == 1 else h1  # a decode step's query heads (none for several rows)
-        while hh < h1:
-            kh = hh // G
-            n = min(h1, (kh + 1) * G) - hh
-            int8 = kv_kind == KV_INT8
-            if select is not None:  # block selection, then attention (attention.decode._group)
-                called = call_checked(calls[2], calls[3], (qd, qa, qs, Kl[kh], Vl[kh], KSl[kh], VSl[kh], int8, hh,
-                                      n, seq_len, scale, sparse, reserved, k_blocks, bs, n_probe, Pl[kh], PSl[kh],
-                                      per_block, nc, att, sel, stages, nsel, False, pdummy, flags, lut,
-                                      select))  # fmt: skip
-            else:  # every block, as _group marks them when nothing selects, straight to the kernel
-                mark = np.ones((n, nb), np.bool_)
-                ntok = np.full(n, seq_len, np.int64)
-                called = call_checked(calls[2], calls[3], (qa, qs, Kl[kh], Vl[kh], KSl[kh], VSl[kh], int8, hh, n,
-                                      seq_len, scale, bs, mark, ntok, att, False, pdummy))  # fmt: skip
-            if not called:
-                sync[4] = 1  # the caller raises
-            hh += n
         barrier(sync, nt)
         _matvec_at(_w(wtab, layer, 3), kinds[layer, 3], att_flat, y, np.int64(0), E, tid, nt, q8, exact)
         a, b = _own_rows(_w(wtab, layer, 3), kinds[layer, 3], E, tid, nt)
