@@ -277,12 +277,15 @@ TINY_MOE = dict(
 def test_fused_runs_moe_files(tmp_path):
     """A qwen3moe file (the qwen3-30b-a3b shape's layout, small): the fused step runs its MoE
     layers (kernels/fused/moe_phase.py) with the staged path's bits, on 1 and 2 threads, in
-    both activation modes, Q4_K_M (q4_k experts, q6_k down in one layer) and Q8_0."""
+    both activation modes, Q4_K_M (q4_k experts, q6_k down in one layer) and Q8_0: a
+    sequence's decode steps, a batch of three sequences' rows (each row its sequence's own
+    step's bits; rows share routed experts) and verification's rows of one sequence."""
     from sparrow.bench import shapes
     from sparrow.kernels.moe import ExpertTable
     from sparrow.models.qwen3_moe import MoEBlock
 
     ids = np.random.default_rng(4).integers(0, 486, 24)
+    seqs = [np.random.default_rng(n).integers(0, 486, n) for n in (9, 17, 24)]
     for qtype in ("q4_k_m", "q8_0"):
         path = shapes.write_gguf(str(tmp_path / f"tiny-moe-{qtype}.gguf"), TINY_MOE, qtype, name="tiny")
         llm = sparrow.load(path)
@@ -298,3 +301,16 @@ def test_fused_runs_moe_files(tmp_path):
                 fused = _decode(llm_m, ids, 16, None, fused=True)
                 staged = _decode(llm_m, ids, 16, None, fused=False)
                 assert fused.tobytes() == staged.tobytes(), (qtype, mode, threads)
+                plan = llm_m.model.fused_step()
+                before = plan.batched
+                batch = _batch_step(llm_m, seqs, "f16", fused=True)
+                assert plan.batched == before + 1
+                assert batch.tobytes() == _batch_step(llm_m, seqs, "f16", fused=False).tobytes(), (qtype, mode)
+                alone = np.concatenate([_batch_step(llm_m, [s], "f16", fused=True) for s in seqs])
+                assert batch.tobytes() == alone.tobytes(), (qtype, mode, threads)
+                cache = llm_m.model.new_cache(len(ids), "f32")
+                llm_m.model.forward([Segment(ids[:16], cache, 0)])
+                before = plan.verified
+                rows = llm_m.model.forward([Segment(ids[i : i + 1], cache, i, decode=True) for i in range(16, 24)])
+                assert plan.verified == before + 1
+                assert rows.tobytes() == fused.tobytes(), (qtype, mode, threads)

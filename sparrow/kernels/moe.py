@@ -159,8 +159,8 @@ class ExpertTable:
 
 @njit(**KW)
 def _rows(etab, dims, kinds, j, e, x, sx, y, o0, o1, addrs):
-    # y[0, o] = row o of projection j (0 gate, 1 up, 2 down) of expert e . x[0], o0 <= o < o1:
-    # the exact row dots (widen.rows_exact) through their address; x, sx C [1, K], [1, K / 32]
+    # y[t, o] = row o of projection j (0 gate, 1 up, 2 down) of expert e . x[t], o0 <= o < o1:
+    # the exact row dots (widen.rows_exact) through their address; x, sx C [T, K], [T, K / 32]
     w = view(etab[j, e], (dims[j, 0], dims[j, 1]), ROWS_LIKE)
     call_native(addrs[0], (w, kinds[j], x, sx, y[:, 0 : y.shape[1]], np.int64(o0), np.int64(o1), addrs[1]))
 
@@ -173,29 +173,32 @@ def silu_up(g, u):
 
 @njit(**KW)
 def gate_up_rows(etab, dims, kinds, e, x, sxg, sxu, g, u, act, f0, f1, addrs):
-    """Rows f0..f1-1 of expert e's gate and up dotted with x [1, hidden] (C; sxg, sxu: its sums
-    for gate's and up's formats, exact_sums) into g, u [1, F], then act[0, f] = silu(g) * u."""
+    """Rows f0..f1-1 of expert e's gate and up dotted with each row of x [T, hidden] (C; sxg,
+    sxu: its sums for gate's and up's formats, exact_sums) into g, u [T, F], then act[t, f] =
+    silu(g) * u. A row's bits do not depend on T (the row dots are row-wise)."""
     _rows(etab, dims, kinds, 0, e, x, sxg, g, f0, f1, addrs)
     _rows(etab, dims, kinds, 1, e, x, sxu, u, f0, f1, addrs)
-    for f in range(f0, f1):
-        act[0, f] = silu_up(g[0, f], u[0, f])
+    for t in range(x.shape[0]):
+        for f in range(f0, f1):
+            act[t, f] = silu_up(g[t, f], u[t, f])
 
 
 @njit(**KW)
 def down_rows(etab, dims, kinds, e, act, sxa, y, o0, o1, addrs):
-    """Rows o0..o1-1 of expert e's down dotted with act [1, F] (C; sxa: its sums) into y [1, hidden]."""
+    """Rows o0..o1-1 of expert e's down dotted with each row of act [T, F] (C; sxa: its sums) into y [T, hidden]."""
     _rows(etab, dims, kinds, 2, e, act, sxa, y, o0, o1, addrs)
 
 
 @njit(**KW)
-def combine_rows(ys, ws, n, x, o0, o1):
-    """x[0, o] += (((0 + ys[0, o] w0) + ys[1, o] w1) + ...) over the n experts of one token in
-    ascending expert order, o0 <= o < o1: MoEBlock's sum (numpy's f32 products and sums, no fma)."""
+def combine_rows(ys, ws, ps, x, r, o0, o1):
+    """x[r, o] += (((0 + ys[p0, o] ws[p0]) + ys[p1, o] ws[p1]) + ...) over the pairs ps of one
+    token (its experts' outputs and weights, in ascending expert order), o0 <= o < o1:
+    MoEBlock's sum (numpy's f32 products and sums, no fma)."""
     for o in range(o0, o1):
         a = np.float32(0)
-        for j in range(n):
-            a = a + ys[j, o] * ws[j]
-        x[0, o] = x[0, o] + a
+        for p in ps:
+            a = a + ys[p, o] * ws[p]
+        x[r, o] = x[r, o] + a
 
 
 @njit(**KW)

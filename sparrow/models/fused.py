@@ -1,19 +1,19 @@
 """The fused decode step: one compiled call per token on every thread (kernels/fused/decode_step.py),
 for a single sequence's decode when the model allows it, and for the rows speculative
-verification checks of one sequence with exact attention in a dense model (FusedDecode.verify);
-everything else takes the staged path (Decoder.forward's stage methods), which gives the same bits.
+verification checks of one sequence with exact attention (FusedDecode.verify); everything else
+takes the staged path (Decoder.forward's stage methods), which gives the same bits.
 
 It applies to decoders (Llama, Qwen2, Qwen3, Qwen3-MoE) whose projections are stored in a block
 format (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k) with matching formats inside each
 fused group (q/k/v, gate/up); MoE layers whose experts are in a block format run
 kernels/fused/moe_phase.py's phases (models/qwen3_moe.step_moe builds their tables).
-A batch, one decode row of each of several sequences (the server's steps), runs fused too in a
-dense model (FusedDecode.batch): one step for the rows that share their attention settings and
-KV storage, the weights read once for all of them. Not here: f16/bf16/f32 projections or
-experts, batches of an MoE model or with traced rows (staged), sparse traces with
-each head's softmax mass (a list of records; a trace without it, models.attention.Selections,
-is filled here), and timing (models/timing.py times the staged path's stages, which this path
-does not have).
+A batch, one decode row of each of several sequences (the server's steps), runs fused too
+(FusedDecode.batch): one step for the rows that share their attention settings and KV storage,
+the weights read once for all of them (a MoE layer's routed experts once for the rows they
+serve). Not here: f16/bf16/f32 projections or experts, batches with traced rows (staged),
+sparse traces with each head's softmax mass (a list of records; a trace without it,
+models.attention.Selections, is filled here), and timing (models/timing.py times the staged
+path's stages, which this path does not have).
 """
 
 from __future__ import annotations
@@ -275,21 +275,19 @@ class FusedDecode:
     def verifies(self, segments) -> bool:
         """Whether verify takes one sequence's verification rows (models.decoder._verify_run
         found them: single-token decode rows at consecutive positions, untraced): 2 to SMALL_T
-        of them, with exact attention, no images, in a dense model."""
+        of them, with exact attention, no images."""
         s = segments[0]
         return (
             1 < len(segments) <= SMALL_T
-            and self.moe is None
             and s.sparse is None
             and all(t.vision is None and t.rope_delta == s.rope_delta and len(t.tokens) == 1 for t in segments)
         )
 
     def batches(self, segments) -> bool:
         """Whether batch takes these decode rows: 2 to SMALL_T sequences, one untraced row each,
-        no images, in a dense model."""
+        no images."""
         return (
             1 < len(segments) <= SMALL_T
-            and self.moe is None
             and len({id(s.cache) for s in segments}) == len(segments)
             and all(
                 s.decode and s.trace is None and s.vision is None and s.rope_delta == 0 and len(s.tokens) == 1

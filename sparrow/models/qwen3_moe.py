@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import SparrowError
 from ..kernels import linear as _linear
-from ..kernels.linear import linear
+from ..kernels.linear import SMALL_T, linear
 from ..kernels.moe import ExpertTable, expert_pairs, route, stack_experts
 from ..quant import Weight
 from .layers import MLP, silu
@@ -175,7 +175,7 @@ def step_moe(layers):
     return StepMoE(
         sparse=np.array([b is not None for b in blocks], np.int64),
         router=router, etab=etab, dims=dims, kinds=kinds, addrs=addrs, top_k=int(k),
-        norm=bool(first.norm_topk_prob), logits=np.empty((1, ne), np.float32),
-        g=np.empty((k, f_n), np.float32), u=np.empty((k, f_n), np.float32),
-        act=np.empty((k, f_n), np.float32), ys=np.empty((k, e_n), np.float32),
+        norm=bool(first.norm_topk_prob), logits=np.empty((SMALL_T, ne), np.float32),
+        g=np.empty((SMALL_T * k, f_n), np.float32), u=np.empty((SMALL_T * k, f_n), np.float32),
+        act=np.empty((SMALL_T * k, f_n), np.float32), ys=np.empty((SMALL_T * k, e_n), np.float32),
     )  # fmt: skip

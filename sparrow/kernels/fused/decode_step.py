@@ -216,10 +216,10 @@ def _w(wtab, i, j):
 def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, calls):
     """Worker tid of nt: decodes the token at position at[0, 1] of sequence 0 (at [R, 2]: each
     row's sequence, an index into cache's tables, and position), x [1, E] being its embedding
-    (the residual stream, updated in place); or, x [R, E] with R > 1 and no MoE layer
-    (moe_phase takes one row), either verification's rows at consecutive positions of one
-    sequence with exact attention, or a batch: R sequences' decode rows, one each, with the
-    same attention settings (each row selects from its own cache's state). model, cache, attn and
+    (the residual stream, updated in place); or, x [R, E] with 1 < R <= SMALL_T, either
+    verification's rows at consecutive positions of one sequence with exact attention, or a
+    batch: R sequences' decode rows, one each, with the same attention settings (each row
+    selects from its own cache's state). model, cache, attn and
     scratch are the records above (StepModel, StepCache, StepAttention, StepScratch), built by
     models/fused.py. Two types choose what is compiled (numba prunes the branches a None never
     takes before typing them): q8, None for exact activations or the q8 row kernel's address
@@ -253,7 +253,7 @@ def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, c
     gu, y, logits = scratch.gu, scratch.y, scratch.logits
     sel3, stages3, nsel2 = scratch.sel, scratch.stages, scratch.nsel
     exact = (calls[0], calls[1])
-    R, E = x.shape[0], x.shape[1]  # rows: 1, or verification's
+    R, E = x.shape[0], x.shape[1]  # rows: 1, a batch's or verification's
     G = H // KV
     QO, KO = H * D, H * D + KV * D
     h = np.empty((R, E), np.float32)  # this worker's normed copy of x
