@@ -184,3 +184,38 @@ def test_fused_decode_after_images_equals_staged(tiny_vl):
         assert (llm.model.fused_step().steps > steps) == fused  # the path meant ran
     assert slot.mm.rope_delta < 0
     np.testing.assert_array_equal(runs[0], runs[1])
+
+
+def test_a_batch_after_images_runs_fused_with_each_row_s_own_bits(tiny_vl):
+    """Decode rows of sequences whose prompts held images or none (rope deltas that differ:
+    each row's rope position is its own) go through one fused batch step, each row
+    with its sequence's own step's bits and the staged batch's."""
+    llm = sparrow.load(tiny_vl[0], quantize="q8_0")
+    plan = llm.model.fused_step()
+    images = _images()
+    rng = np.random.default_rng(7)
+    img = [vr.START] + [vr.PAD] * 6 + [vr.END]  # the first image's pads (rope delta -3 each)
+    twice = list(rng.integers(17, 2000, 4)) + img + list(rng.integers(17, 2000, 3)) + img + [42]
+    seqs = [(_prompt(), images), (twice, images[:1] * 2), (list(rng.integers(17, 2000, 19)), None)]
+    more = [101, 202, 303]
+
+    def run(group, fused):
+        llm.model.use_fused = fused
+        try:
+            slots = [llm.runner.new_slot(p, len(p) + len(more), images=im) for p, im in group]
+            for s in slots:
+                llm.runner.prefill(s)
+            steps = [llm.runner.decode(slots, [t] * len(slots)) for t in more]  # [B, V] each
+            return np.stack(steps, 1), slots  # [B, steps, V]
+        finally:
+            llm.model.use_fused = True
+
+    batched = plan.batched
+    fused, slots = run(seqs, True)
+    assert plan.batched == batched + len(more)  # every step took the fused batch step
+    deltas = [s.mm.rope_delta if s.mm is not None else 0 for s in slots]
+    assert len(set(deltas)) == 3 and min(deltas) < 0, deltas
+    staged, _ = run(seqs, False)
+    alone = np.concatenate([run([sq], True)[0] for sq in seqs])
+    assert fused.tobytes() == staged.tobytes()
+    assert fused.tobytes() == alone.tobytes()

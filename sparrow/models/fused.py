@@ -285,14 +285,11 @@ class FusedDecode:
 
     def batches(self, segments) -> bool:
         """Whether batch takes these decode rows: 2 to SMALL_T sequences, one untraced row each,
-        no images."""
+        no images (a row after an image prompt brings its rope delta)."""
         return (
             1 < len(segments) <= SMALL_T
             and len({id(s.cache) for s in segments}) == len(segments)
-            and all(
-                s.decode and s.trace is None and s.vision is None and s.rope_delta == 0 and len(s.tokens) == 1
-                for s in segments
-            )
+            and all(s.decode and s.trace is None and s.vision is None and len(s.tokens) == 1 for s in segments)
         )
 
     @staticmethod
@@ -352,10 +349,10 @@ class FusedDecode:
             end = int(s.start) + (R if batch is None else 1)
             if end > s.cache.capacity:
                 raise SparrowError(f"sequence of {end} tokens exceeds the KV cache capacity {s.cache.capacity}")
-        if batch is None:
-            at = np.stack([np.zeros(R, np.int64), np.arange(pos, pos + R)], axis=1)  # [R, 2]: sequence 0
-        else:
-            at = np.array([[i, int(s.start)] for i, s in enumerate(batch)], np.int64)  # [R, 2]
+        if batch is None:  # [R, 3]: sequence 0, position, rope position
+            at = np.stack([np.zeros(R, np.int64), np.arange(pos, pos + R), np.arange(pos, pos + R) + seg.rope_delta], 1)
+        else:  # [R, 3]: each row's sequence, position, rope position
+            at = np.array([[i, int(s.start), int(s.start) + s.rope_delta] for i, s in enumerate(batch)], np.int64)
         L = len(model.layers)
         seq_len = pos + 1  # the first row's
         bs = sp.block if sp is not None else _DEFAULT_BLOCK
@@ -376,7 +373,7 @@ class FusedDecode:
         kvtab, stab, ptab, kv_like, p_like, s_like, per_block, _ = tabs[0]
         if batch is not None:  # every sequence's tables; each cache's memo keeps its arrays alive
             kvtab, stab, ptab = (np.concatenate([t[j] for t in tabs]) for j in range(3))
-        cos, sin = model.rope.shifted(seg.rope_delta, top)  # [>= top, D/2]: row p = rope position p + delta
+        cos, sin = model.rope.shifted(0, int(at[:, 2].max()) + 1)  # [> every rope position, D/2]
         x = model.embed_rows(tokens)  # [R, E], a private copy
         logits = np.empty((R, self.V), np.float32)  # [R, V]
         q8 = model.activations == "q8"

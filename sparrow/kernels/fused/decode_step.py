@@ -134,7 +134,7 @@ class StepModel(NamedTuple):
     bias: np.ndarray  # [L, QKV] or [L, 0]
     q_norm: np.ndarray  # [L, D] or [L, 0]
     k_norm: np.ndarray
-    cos: np.ndarray  # [>= seq_len, D/2], row p: rope position p (+ the prompt's delta)
+    cos: np.ndarray  # [> every row's rope position, D/2], row p: rope position p
     sin: np.ndarray
     H: int
     KV: int
@@ -214,8 +214,9 @@ def _w(wtab, i, j):
 
 @njit(**KW)
 def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, calls):
-    """Worker tid of nt: decodes the token at position at[0, 1] of sequence 0 (at [R, 2]: each
-    row's sequence, an index into cache's tables, and position), x [1, E] being its embedding
+    """Worker tid of nt: decodes the token at position at[0, 1] of sequence 0 (at [R, 3]: each
+    row's sequence, an index into cache's tables, its position there, and its rope position:
+    the position plus its prompt's rope delta, Qwen3-VL after images), x [1, E] being its embedding
     (the residual stream, updated in place); or, x [R, E] with 1 < R <= SMALL_T, either
     verification's rows at consecutive positions of one sequence with exact attention, or a
     batch: R sequences' decode rows, one each, with the same attention settings (each row
@@ -266,7 +267,7 @@ def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, c
     sc = np.empty(1, np.float32)
     pos = at[0, 1]  # the first row's position
     batch = kvtab.shape[0] > 1  # rows of several sequences
-    positions = np.full(1, pos, np.int64)  # the RoPE position of the row at hand
+    positions = np.full(1, at[0, 2], np.int64)  # the RoPE position of the row at hand
     pdummy = np.zeros((1, 1), np.float32)
     h0, h1 = _share(H, tid, nt)  # this worker's query heads
     k0, k1 = _share(KV, tid, nt)  # and KV heads
@@ -279,7 +280,7 @@ def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, c
         _matvec_at(_w(wtab, layer, 2), kinds[layer, 2], h, qkv, offs[layer, 2], rows[layer, 2], tid, nt, q8, exact)
         barrier(sync, nt)
         for r in range(R):
-            positions[0] = at[r, 1]
+            positions[0] = at[r, 2]
             kvr, str_ = kvtab[at[r, 0]], stab[at[r, 0]]  # the row's sequence's cache
             # q heads: bias, q norm, RoPE, then the form the attention kernel takes
             for hh in range(h0, h1):
