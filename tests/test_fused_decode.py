@@ -1,7 +1,8 @@
 """The fused decode step (models/fused.py, kernels/fused/decode_step.py) gives the staged path's bits:
 every architecture, KV storage kind and attention mode, on 1 and 2 threads, and a sequence
-decoded alone (fused) equals the same sequence decoded in a batch (fused when every row is
-exact, else staged)."""
+decoded alone (fused) equals the same sequence decoded in a batch, fused or staged."""
+
+import copy
 
 import numba
 import numpy as np
@@ -314,3 +315,44 @@ def test_fused_runs_moe_files(tmp_path):
                 rows = llm_m.model.forward([Segment(ids[i : i + 1], cache, i, decode=True) for i in range(16, 24)])
                 assert plan.verified == before + 1
                 assert rows.tobytes() == fused.tobytes(), (qtype, mode, threads)
+
+
+@pytest.mark.parametrize("kv", ["f32", "int8"])
+def test_verification_rows_of_several_sequences_run_as_one_fused_batch(q8_models, kv):
+    """Speculating sequences verified together (Runner.verify with several slots): each
+    sequence's rows at consecutive positions, beside a sequence's lone decode row, go through
+    one fused batch step, every row with the bits of a decode step at its position; a group
+    holding one sequence's rows alone takes its verification step."""
+    llm = q8_models["qwen3"]
+    plan = llm.model.fused_step()
+    seqs = [prompt(n, seed=n) for n in (12, 20, 31)]
+    feed = [prompt(4, seed=40 + i) for i in range(3)]
+    counts = (3, 1, 4)  # rows each sequence verifies
+    plain, caches = [], []
+    for ids, toks, n in zip(seqs, feed, counts):
+        cache = llm.model.new_cache(len(ids) + n, kv)
+        llm.model.forward([Segment(ids, cache, 0)])
+        caches.append(copy.deepcopy(cache))
+        plain.append([llm.model.forward([Segment(toks[j : j + 1], cache, len(ids) + j, decode=True)])[0]
+                      for j in range(n)])  # fmt: skip
+    segs = [Segment(toks[j : j + 1], cache, len(ids) + j, decode=True)
+            for ids, toks, n, cache in zip(seqs, feed, counts, caches) for j in range(n)]  # fmt: skip
+    assert plan.batches(segs)
+    before = plan.batched, plan.verified
+    rows = llm.model.forward(segs)  # [8, V]
+    assert (plan.batched, plan.verified) == (before[0] + 1, before[1])
+    want = np.stack([row for p in plain for row in p])
+    assert rows.tobytes() == want.tobytes()
+    assert [c.length for c in caches] == [len(ids) + n for ids, n in zip(seqs, counts)]
+    # rows out of order, or several rows of a sequence with sparse attention, are not a batch
+    assert not plan.batches([segs[1], segs[0]])
+    sp = SparseParams(k=1, block=8, probe=4)
+    assert not plan.batches([Segment(s.tokens, s.cache, s.start, sp, decode=True) for s in segs[:2]])
+    # a settings group holding one sequence's rows alone: its verification step
+    mixed = [Segment(s.tokens, s.cache, s.start, sp if i == 3 else None, decode=True) for i, s in enumerate(segs)]
+    for c, ids in zip(caches, seqs):
+        c.rollback(len(ids))
+    before = plan.verified
+    out = llm.model.forward([s for i, s in enumerate(mixed) if i < 4])  # sequence 0's 3 rows, sequence 1's sparse row
+    assert plan.verified == before + 1
+    assert out[:3].tobytes() == want[:3].tobytes()

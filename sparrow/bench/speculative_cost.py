@@ -13,7 +13,8 @@ Random weights accept random drafts, so the gain is put together from two measur
    --synth length (decode speed does not depend on the values, bench/long_context.py): a plain
    exact decode step, a sparse drafting step per selector and k, and the verification of R =
    K + 1 rows (the last token and K drafts) both ways: one pass over the K/V (what runs) and
-   the rows attended one by one (Decoder.verify_one_pass off: what ran before). Runs are
+   the rows attended one by one, each as its own decode step (Decoder.verify_one_pass off:
+   what one pass replaced; still how rows of several sequences verified together attend). Runs are
    interleaved, --rounds rounds, medians.
 
 The speed-up at acceptance E with draft length K:

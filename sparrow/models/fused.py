@@ -284,13 +284,21 @@ class FusedDecode:
         )
 
     def batches(self, segments) -> bool:
-        """Whether batch takes these decode rows: 2 to SMALL_T sequences, one untraced row each,
-        no images (a row after an image prompt brings its rope delta)."""
-        return (
-            1 < len(segments) <= SMALL_T
-            and len({id(s.cache) for s in segments}) == len(segments)
-            and all(s.decode and s.trace is None and s.vision is None and len(s.tokens) == 1 for s in segments)
-        )
+        """Whether batch takes these decode rows: 2 to SMALL_T untraced single-token rows, no
+        images (a row after an image prompt brings its rope delta), one row a sequence or, with
+        exact attention, several: a sequence's verification rows at consecutive positions in
+        order (speculating sequences verified together), each attending as its own decode step."""
+        if not 1 < len(segments) <= SMALL_T:
+            return False
+        last = {}  # cache -> the position of its latest row
+        for s in segments:
+            if not (s.decode and s.trace is None and s.vision is None and len(s.tokens) == 1):
+                return False
+            prev = last.get(id(s.cache))
+            if prev is not None and (s.sparse is not None or prev[1] is not None or s.start != prev[0] + 1):
+                return False
+            last[id(s.cache)] = (s.start, s.sparse)
+        return True
 
     @staticmethod
     def settings_groups(segments) -> list[list[int]]:
@@ -310,17 +318,24 @@ class FusedDecode:
         return groups
 
     def batch(self, segments) -> np.ndarray:
-        """One decode row of each sequence (batches(segments)) -> logits [B, V], row b the bits
-        segments[b]'s own decode step gives: one step for each group of rows that share their
-        settings (settings_groups), a lone row as a sequence's own step."""
+        """Decode rows of several sequences (batches(segments)) -> logits [B, V], row b the bits
+        a decode step of segments[b] alone gives: one step for each group of rows that share
+        their settings (settings_groups); a lone row is a sequence's own step, one sequence's
+        rows its verification step."""
         groups = self.settings_groups(segments)
         if len(groups) == 1:
-            return self._batch_step(segments)
+            return self._group_step(segments)
         out = np.empty((len(segments), self.V), np.float32)  # [B, V]
         for rows in groups:
-            segs = [segments[i] for i in rows]
-            out[rows] = self._batch_step(segs) if len(segs) > 1 else self(segs[0])
+            out[rows] = self._group_step([segments[i] for i in rows])
         return out
+
+    def _group_step(self, segments) -> np.ndarray:
+        if len(segments) == 1:
+            return self(segments[0])
+        if len({id(s.cache) for s in segments}) == 1 and self.model.verify_one_pass and self.verifies(segments):
+            return self.verify(segments)
+        return self._batch_step(segments)
 
     def _batch_step(self, segments) -> np.ndarray:
         """One step over rows that share their settings -> logits [B, V]."""
@@ -340,8 +355,8 @@ class FusedDecode:
 
     def _step(self, seg, tokens, batch=None) -> np.ndarray:
         """The tokens [R] at positions seg.start.. of seg's cache, with seg's settings (R > 1:
-        exact attention only, verifies); or, batch (batches), token r at the end of batch[r]'s
-        cache -> logits [R, V]."""
+        exact attention only, verifies); or, batch (batches), token r at position
+        batch[r].start of its cache -> logits [R, V]."""
         model, cache, pos, sp = self.model, seg.cache, int(seg.start), seg.sparse
         R = len(tokens)
         segs = batch or [seg]
