@@ -164,6 +164,60 @@ def test_the_prefix_cache_holds_a_request_when_its_last_token_arrives(llm):
     assert held == [1]
 
 
+def _submit_many(engine, prompts, params):
+    """Submits every prompt at once -> each one's (tokens, cached tokens)."""
+    import threading
+
+    got = [([], []) for _ in prompts]
+    done = [threading.Event() for _ in prompts]
+    for (toks, cached), ev, ids in zip(got, done, prompts):
+
+        def emit(kind, out, toks=toks, cached=cached, ev=ev):
+            assert kind == "token", out
+            toks.append(out.token_id)
+            if out.cached_tokens is not None:
+                cached.append(out.cached_tokens)
+            if out.finish_reason:
+                ev.set()
+
+        engine.submit(ids, params, None, emit)
+    assert all(ev.wait(300) for ev in done)
+    return [(toks, cached[0]) for toks, cached in got]
+
+
+def test_requests_sharing_a_cached_prompt_all_reuse_it(llm):
+    """Several requests with the same cached prompt at once each copy the entry while the
+    budget has room (the first no longer takes it over, leaving the others to prefill it all)."""
+    ids = np.random.default_rng(11).integers(100, 40000, 90).tolist()
+    engine = Engine(llm, runner=Runner(llm.model, CHUNK), kv_budget=1 << 28)
+    engine.start(warmup=False)
+    try:
+        (first,), _ = _submit_one(engine, ids, _params(1), None)
+        got = _submit_many(engine, [ids] * 3, _params(1))
+    finally:
+        engine.stop()
+    assert [c for _, c in got] == [80, 80, 80] and engine.prefix.stats.hits == 3
+    assert all(toks == first for toks, _ in got)
+
+
+def test_a_budget_holding_one_conversation_serves_its_next_turn(llm):
+    """Where the budget has no room for a copy of the entry beside it, the next turn takes the
+    entry over (no copy) instead of prefilling its whole prompt."""
+    rng = np.random.default_rng(12)
+    first = rng.integers(100, 40000, 90).tolist()
+    budget = llm.model.new_cache(1).bytes_at(160)  # the first's 96 positions, or the second's 125: not both
+    engine = Engine(llm, runner=Runner(llm.model, CHUNK), kv_budget=budget)
+    engine.start(warmup=False)
+    try:
+        (out1,), _ = _submit_one(engine, first, _params(1), None)
+        second = first + out1 + rng.integers(100, 40000, 23).tolist()
+        (out2,), cached = _submit_one(engine, second, _params(2), None)
+    finally:
+        engine.stop()
+    assert cached == 80 and engine.prefix.stats.hits == 1
+    assert out2 == solo(llm, Runner(llm.model, CHUNK), second, _params(2))
+
+
 def test_opted_out_requests_are_not_matched(llm):
     ids = np.random.default_rng(5).integers(100, 40000, 40).tolist()
     engine = Engine(llm, runner=Runner(llm.model, CHUNK), kv_budget=1 << 28)

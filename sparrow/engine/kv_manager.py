@@ -110,20 +110,24 @@ class KVManager:
         for use_prefix in (not scoring, False):  # a pinned entry may be what is in the way: retry without it
             hit = self.prefix.lookup(key, slot.prompt) if use_prefix and key is not None else Hit()
             snapshots = hit.entry.snapshots if hit.entry is not None else {}
-            cache = self.prefix.take(hit)
-            if cache is not None:  # the whole entry is this request's now (no copy)
+            cache = self.runner.model.new_cache(1, req.kv_dtype or self.llm.kv_dtype)
+            ok = self.pool.resize(cache, capacity, _copies(req))
+            # No room for a copy of the hit: the whole entry becomes this request's where it can
+            # (its prompt extends the entry, nobody else copies from it: a chat's next turn in a
+            # budget that holds one conversation). Copying while there is room keeps the entry
+            # for the requests that share the prefix beside this one.
+            taken = None if ok else self.prefix.take(hit)
+            if taken is not None:
                 slot.snapshots = {b: v for b, v in snapshots.items() if b <= hit.tokens}
                 if n_out == 0:
                     req.cached_tokens = hit.tokens
-                if not self.pool.resize(cache, capacity, _copies(req)):
-                    self.pool.release(cache)
+                if not self.pool.resize(taken, capacity, _copies(req)):
+                    self.pool.release(taken)
                     slot.snapshots, req.cached_tokens = {}, 0
                     return False
-                slot.cache = cache
+                slot.cache = taken
                 self.prefix.stats.lookups += 1
                 return True
-            cache = self.runner.model.new_cache(1, req.kv_dtype or self.llm.kv_dtype)
-            ok = self.pool.resize(cache, capacity, _copies(req))
             if ok and hit.entry is not None:
                 e, n = hit.entry, hit.tokens
                 cache.copy_prefix(e.cache, n, e.snapshots[n])
