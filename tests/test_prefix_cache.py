@@ -187,7 +187,8 @@ def _submit_many(engine, prompts, params):
 
 def test_requests_sharing_a_cached_prompt_all_reuse_it(llm):
     """Several requests with the same cached prompt at once each copy the entry while the
-    budget has room (the first no longer takes it over, leaving the others to prefill it all)."""
+    budget has room (the first no longer takes it over, leaving the others to prefill it all),
+    or the first one's running copy, which reaches as far."""
     ids = np.random.default_rng(11).integers(100, 40000, 90).tolist()
     engine = Engine(llm, runner=Runner(llm.model, CHUNK), kv_budget=1 << 28)
     engine.start(warmup=False)
@@ -198,6 +199,24 @@ def test_requests_sharing_a_cached_prompt_all_reuse_it(llm):
         engine.stop()
     assert [c for _, c in got] == [80, 80, 80] and engine.prefix.stats.hits == 3
     assert all(toks == first for toks, _ in got)
+
+
+def test_requests_arriving_together_copy_the_first_one_s_prefill(llm):
+    """Requests sharing a prompt that arrive together, nothing cached: the scheduler prefills
+    them one after another, and each after the first copies the whole chunks the first one's
+    prefill computed (it is running, not finished), with the bits of a run alone."""
+    rng = np.random.default_rng(13)
+    ids = rng.integers(100, 40000, 90).tolist()
+    other = ids[:40] + rng.integers(100, 40000, 30).tolist()  # shares two chunks
+    engine = Engine(llm, runner=Runner(llm.model, CHUNK), kv_budget=1 << 28)
+    engine.start(warmup=False)
+    try:
+        got = _submit_many(engine, [ids, ids, other], _params(1))
+    finally:
+        engine.stop()
+    assert [c for _, c in got] == [0, 80, 32] and engine.prefix.stats.hits == 2
+    assert got[0][0] == got[1][0] == solo(llm, Runner(llm.model, CHUNK), ids, _params(1))
+    assert got[2][0] == solo(llm, Runner(llm.model, CHUNK), other, _params(1))
 
 
 def test_a_budget_holding_one_conversation_serves_its_next_turn(llm):

@@ -16,7 +16,7 @@ import logging
 from ..errors import SparrowError
 from ..params import SparseParams
 from .kv_budget import GROW_FRACTION, KVPool, default_budget, format_size, pages, probe_of
-from .prefix_cache import Hit, PrefixCache, check_disk_setting, prefix_key
+from .prefix_cache import Hit, PrefixCache, check_disk_setting, common_prefix, prefix_key
 from .sequence import Sequence
 
 log = logging.getLogger("sparrow.engine")
@@ -109,6 +109,10 @@ class KVManager:
         scoring = getattr(req, "prompt_logprobs", None) is not None and n_out == 0
         for use_prefix in (not scoring, False):  # a pinned entry may be what is in the way: retry without it
             hit = self.prefix.lookup(key, slot.prompt) if use_prefix and key is not None else Hit()
+            live = self._running_prefix(req, key, hit.tokens) if use_prefix and key is not None else None
+            if live is not None:  # a running request's prompt reaches further than any entry
+                self.prefix.unpin(hit, False)
+                hit = Hit()
             snapshots = hit.entry.snapshots if hit.entry is not None else {}
             cache = self.runner.model.new_cache(1, req.kv_dtype or self.llm.kv_dtype)
             ok = self.pool.resize(cache, capacity, _copies(req))
@@ -128,12 +132,16 @@ class KVManager:
                 slot.cache = taken
                 self.prefix.stats.lookups += 1
                 return True
-            if ok and hit.entry is not None:
-                e, n = hit.entry, hit.tokens
-                cache.copy_prefix(e.cache, n, e.snapshots[n])
-                slot.snapshots = {b: v for b, v in e.snapshots.items() if b <= n}
+            source = (hit.entry.cache, hit.tokens, hit.entry.snapshots) if hit.entry is not None else live
+            if ok and source is not None:
+                src, n, snaps = source
+                cache.copy_prefix(src, n, snaps[n])
+                slot.snapshots = {b: v for b, v in snaps.items() if b <= n}
                 if n_out == 0:
                     req.cached_tokens = n
+                if live is not None:
+                    self.prefix.stats.hits += 1
+                    self.prefix.stats.cached_tokens += n
             self.prefix.unpin(hit, ok)
             if ok:
                 slot.cache = cache
@@ -142,6 +150,26 @@ class KVManager:
             if hit.entry is None:
                 return False
         return False
+
+    def _running_prefix(self, req, key, longer_than: int):
+        """(cache, positions, snapshots) of the running request whose prompt's prefilled K/V
+        shares the longest reusable prefix with req's prompt, if longer than `longer_than`
+        positions, else None. Requests that share a prompt and arrive together are prefilled one
+        after another (the scheduler admits one prefill at a time), so each after the first
+        copies what the first computed instead of prefilling it again: the same whole chunks
+        from position 0 over the same tokens and settings (key), so the same bits, as from a
+        prefix-cache entry. Positions a request's decode steps wrote are never reused."""
+        prompt = req.seq.slot.prompt
+        best = None
+        for r in self.scheduler.running:
+            s = r.seq.slot if r.seq is not None else None
+            if s is None or s.cache is None or not s.snapshots or self.key(r) != key:
+                continue
+            n = min(common_prefix(s.prompt, prompt), len(prompt) - 1, s.cache.length)
+            b = max((b for b in s.snapshots if b <= n), default=0)
+            if b > (best[1] if best is not None else longer_than):
+                best = (s.cache, b, s.snapshots)
+        return best
 
     def _first_capacity(self, req, n_out: int) -> int:
         # The first growth step is taken now, while the prefill is still to run: growing later
