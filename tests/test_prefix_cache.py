@@ -121,22 +121,30 @@ def solo_sparse(llm, runner, ids, params, sparse):
     return [o.token_id for o in generate_step(runner, seq)]
 
 
-def _submit_one(engine, ids, params, sparse):
+def _submit_many(engine, prompts, params, sparse=None):
+    """Submits every prompt at once -> each one's (tokens, cached tokens)."""
     import threading
 
-    got, cached, done = [], [], threading.Event()
+    got = [([], []) for _ in prompts]
+    done = [threading.Event() for _ in prompts]
+    for (toks, cached), ev, ids in zip(got, done, prompts):
 
-    def emit(kind, out):
-        assert kind == "token", out
-        got.append(out.token_id)
-        if out.cached_tokens is not None:
-            cached.append(out.cached_tokens)
-        if out.finish_reason:
-            done.set()
+        def emit(kind, out, toks=toks, cached=cached, ev=ev):
+            assert kind == "token", out
+            toks.append(out.token_id)
+            if out.cached_tokens is not None:
+                cached.append(out.cached_tokens)
+            if out.finish_reason:
+                ev.set()
 
-    engine.submit(ids, params, sparse, emit)
-    assert done.wait(300)
-    return (got,), cached[0]
+        engine.submit(ids, params, sparse, emit)
+    assert all(ev.wait(300) for ev in done)
+    return [(toks, cached[0]) for toks, cached in got]
+
+
+def _submit_one(engine, ids, params, sparse):
+    ((toks, cached),) = _submit_many(engine, [ids], params, sparse)
+    return (toks,), cached
 
 
 def test_the_prefix_cache_holds_a_request_when_its_last_token_arrives(llm):
@@ -162,27 +170,6 @@ def test_the_prefix_cache_holds_a_request_when_its_last_token_arrives(llm):
     finally:
         engine.stop()
     assert held == [1]
-
-
-def _submit_many(engine, prompts, params):
-    """Submits every prompt at once -> each one's (tokens, cached tokens)."""
-    import threading
-
-    got = [([], []) for _ in prompts]
-    done = [threading.Event() for _ in prompts]
-    for (toks, cached), ev, ids in zip(got, done, prompts):
-
-        def emit(kind, out, toks=toks, cached=cached, ev=ev):
-            assert kind == "token", out
-            toks.append(out.token_id)
-            if out.cached_tokens is not None:
-                cached.append(out.cached_tokens)
-            if out.finish_reason:
-                ev.set()
-
-        engine.submit(ids, params, None, emit)
-    assert all(ev.wait(300) for ev in done)
-    return [(toks, cached[0]) for toks, cached in got]
 
 
 def test_requests_sharing_a_cached_prompt_all_reuse_it(llm):
