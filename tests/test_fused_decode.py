@@ -53,6 +53,13 @@ def _decode(llm, ids, n_prefill, sparse, fused, kv="f32"):
         llm.model.use_fused = True
 
 
+@pytest.fixture(autouse=True)
+def _no_backoff(monkeypatch):
+    """The tests here assert which path ran: a contended step on a busy machine must not send
+    the next ones to the staged path (the back-off test sets its own BACKOFF_STEPS)."""
+    monkeypatch.setattr(fused_mod, "BACKOFF_STEPS", 0)
+
+
 @pytest.fixture(scope="module")
 def q8_models(tiny_models):
     return {arch: sparrow.load(t.folder, quantize="q8_0", threads=2) for arch, t in tiny_models.items()}
@@ -170,15 +177,18 @@ def test_unsupported_models_take_the_staged_path(tiny_models):
     assert _decode(llm, ids, 8, None, fused=True).tobytes() == _decode(llm, ids, 8, None, fused=False).tobytes()
 
 
-def test_contention_backs_off_to_the_staged_path(default_llm, monkeypatch):
+@pytest.mark.parametrize("seqs", [1, 2, "verify"])
+def test_contention_backs_off_to_the_staged_path(default_llm, monkeypatch, seqs):
     """After a step whose barriers waited long (another process took a core), the next
-    BACKOFF_STEPS single steps run staged, then the fused step is tried again; a contended
-    fused step backs off again only while the staged steps measured faster."""
+    BACKOFF_STEPS steps the fused path would take run staged, then the fused step is tried
+    again; a contended fused step backs off again only while the staged steps measured
+    faster. The same for a sequence's steps, a batch's (2 sequences) and verification's."""
     monkeypatch.setattr(fused_mod, "BACKOFF_STEPS", 3)
     plan = default_llm.model.fused_step()
     ids = np.asarray(default_llm.tokenizer.encode("one two three four five six seven eight nine"))
-    cache = default_llm.model.new_cache(len(ids) + 16, "f32")
-    default_llm.model.forward([Segment(ids, cache, 0)])
+    caches = [default_llm.model.new_cache(len(ids) + 40, "f32") for _ in range(2)]
+    for cache in caches:
+        default_llm.model.forward([Segment(ids, cache, 0)])
     pos = len(ids)
     plan.backoff = 0
     orig_run = plan._run
@@ -203,7 +213,11 @@ def test_contention_backs_off_to_the_staged_path(default_llm, monkeypatch):
         for i in range(first, first + n):
             before = plan.steps
             tok = ids[i % len(ids) : i % len(ids) + 1]
-            default_llm.model.forward([Segment(tok, cache, pos + i, decode=True)])
+            if seqs == "verify":  # two rows of one sequence, each step
+                segs = [Segment(tok, caches[0], pos + 2 * i + j, decode=True) for j in range(2)]
+            else:
+                segs = [Segment(tok, c, pos + i, decode=True) for c in caches[:seqs]]
+            default_llm.model.forward(segs)
             ran.append(plan.steps - before)
         return ran
 

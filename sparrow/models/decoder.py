@@ -219,9 +219,9 @@ class Decoder:
         return x
 
     def fuses(self, trace) -> bool:
-        """Whether a single sequence's decode step with this trace (Segment.trace) takes the fused
-        path: not for per-head records with their mass (a list), and not while it backs off
-        after contention (models/fused.py)."""
+        """Whether a decode step with this trace (Segment.trace; None for verification's and a
+        batch's rows) takes the fused path: not for per-head records with their mass (a list),
+        and not while it backs off after contention (models/fused.py)."""
         return (
             not isinstance(trace, list)
             and self.use_fused
@@ -252,16 +252,22 @@ class Decoder:
         if len(segments) == 1 and segments[0].decode and not all_logits:
             if self.fuses(segments[0].trace):
                 return self._fused(segments[0])  # [1, V]
-            if self._fused and self._fused.backoff > 0 and self.use_fused:
+            if self._backing_off():
                 return self._fused.staged_step(self._staged, segments)  # [1, V], timed
-        elif (
-            not all_logits and self.verify_one_pass and _verify_run(segments, 0) == len(segments)
-            and self.fuses(None) and self._fused.verifies(segments)
-        ):  # fmt: skip
-            return self._fused.verify(segments)  # [R, V]: one sequence's verification rows
-        elif not all_logits and self.fuses(None) and self._fused.batches(segments):
-            return self._fused.batch(segments)  # [B, V]: one decode row of each sequence
+        elif not all_logits and self.use_fused and self.fused_step() is not None:
+            plan = self._fused
+            verifies = self.verify_one_pass and _verify_run(segments, 0) == len(segments) and plan.verifies(segments)
+            batches = not verifies and plan.batches(segments)
+            if (verifies or batches) and self.fuses(None):
+                # [R, V]: one sequence's verification rows, or decode rows of several sequences
+                return plan.verify(segments) if verifies else plan.batch(segments)
+            if (verifies or batches) and self._backing_off():
+                return plan.staged_step(self._staged, segments)  # timed
         return self._staged(segments, all_logits, with_last)
+
+    def _backing_off(self) -> bool:
+        """Whether the fused path's steps run staged for now, after contention (models/fused.py)."""
+        return bool(self._fused) and self._fused.backoff > 0 and self.use_fused
 
     def _staged(self, segments: list[Segment], all_logits: bool = False, with_last: bool = False):
         tokens = np.concatenate([s.tokens for s in segments]).astype(np.int64)  # [N]

@@ -38,10 +38,10 @@ _DEFAULT_BLOCK = 32  # the block the exact-attention kernel walks (models.attent
 # Contention: the workers meet at 6 barriers a layer and spin there. When another process
 # takes a core, a worker waits for a descheduled partner (past sync.SPIN_SECONDS the
 # barrier yields the CPU and counts the wait); past 1 in CONTENDED such waits in a step,
-# the next BACKOFF_STEPS single-sequence steps take the staged path, whose parallel
-# launches sleep instead of spin.
+# the next BACKOFF_STEPS steps the fused path would take (a sequence's, a batch's or a
+# verification's) take the staged path, whose parallel launches sleep instead of spin.
 # Both paths give the same bits, so this changes speed only. A contended fused step backs
-# off only while the staged steps measured last time were faster: on Qwen3-1.7B a contended
+# off only while the staged steps measured last time were faster, per row: on Qwen3-1.7B a contended
 # fused step (~95 ms here) still beat a staged one (~180 ms), on the 135M model it did not.
 # The same measurement covers unequal cores (threads asked for beyond a big.LITTLE CPU's big
 # cores, kernels.default_threads): the fast workers' waits for the slow ones count as long
@@ -165,7 +165,7 @@ class FusedDecode:
         self.sync = np.zeros(5, np.int64)  # barrier: arrivals, generation, long waits, spin rounds; a failed call
         self.sync[3] = sync.spin_rounds()
         self.backoff = 0  # staged steps left before the fused step is tried again
-        self.staged_s = None  # seconds of the latest staged step taken while backing off
+        self.staged_s = None  # seconds a row of the latest staged step taken while backing off
         self.steps = 0  # fused steps run (tests check the path they meant to test ran)
         self.verified = 0  # of them, verification steps of several rows
         self.batched = 0  # and steps of several sequences
@@ -184,11 +184,11 @@ class FusedDecode:
         return got
 
     def staged_step(self, staged, segments) -> np.ndarray:
-        """One single-sequence step on the staged path while backing off, timed."""
+        """One step the fused path would take, on the staged path while backing off, timed per row."""
         self.backoff -= 1
         t0 = time.perf_counter()
         logits = staged(segments)
-        self.staged_s = time.perf_counter() - t0
+        self.staged_s = (time.perf_counter() - t0) / len(segments)
         return logits
 
     def weights(self):
@@ -431,7 +431,7 @@ class FusedDecode:
                 s.cache.length = int(s.start) + 1
         self.steps += 1
         if self.sync[2] * CONTENDED > 6 * L:  # more than 1/CONTENDED of the barriers waited long
-            if self.staged_s is None or self.staged_s < time.perf_counter() - t0:
+            if self.staged_s is None or self.staged_s < (time.perf_counter() - t0) / R:
                 self.backoff = BACKOFF_STEPS
         if head_kind < 0:
             return model.head(x)
