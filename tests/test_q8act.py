@@ -301,6 +301,29 @@ def test_interleave_in_chunks_equals_one_pass(monkeypatch, qtype):
     assert [len(r) for r in seen] == [8] * 8 + [6] and all(r.base is not None for r in seen)
 
 
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"])
+def test_interleave_moves_each_region_as_its_table_says(qtype):
+    """groups._interleave (one unaligned move per run of 4 or 2 bytes) against a byte-by-byte
+    reading of groups.REGIONS: run f of a region's bytes (src, dst, length, width) in row r's
+    block b goes to the group's block b at 8 dst + width r + 8 width f."""
+    from sparrow.bench.rows import random_rows
+    from sparrow.kernels.matmul.q8 import groups
+    from sparrow.quant import BLOCK_BYTES
+
+    data = random_rows(qtype, 21, 512, seed=6)  # 2 full groups and one of 5 rows
+    bb, gb = BLOCK_BYTES[qtype], groups.GROUP_BYTES[qtype]
+    want = np.zeros((3, data.shape[1] // bb * gb), np.uint8)
+    for r in range(len(data)):
+        for b in range(data.shape[1] // bb):
+            for src, dst, n, w in groups.REGIONS[qtype]:
+                for f in range(n // w):
+                    at = b * gb + 8 * dst + w * (r % 8) + 8 * w * f
+                    want[r // 8, at : at + w] = data[r, b * bb + src + w * f : b * bb + src + w * f + w]
+    got = np.zeros_like(want)
+    groups._interleave(data, got, bb, gb, np.array(groups.REGIONS[qtype], np.int64))
+    assert np.array_equal(got, want)
+
+
 def test_the_q8_copy_releases_a_mapped_weights_pages(monkeypatch):
     w = make("q4_0", (64, 256), seed=3)
     seen = []
