@@ -16,7 +16,7 @@ import logging
 from ..errors import SparrowError
 from ..params import SparseParams
 from .kv_budget import GROW_FRACTION, KVPool, default_budget, format_size, pages, probe_of
-from .prefix_cache import Hit, PrefixCache, check_disk_setting, common_prefix, prefix_key
+from .prefix_cache import Hit, PrefixCache, check_disk_setting, prefix_key, reusable
 from .sequence import Sequence
 
 log = logging.getLogger("sparrow.engine")
@@ -165,8 +165,7 @@ class KVManager:
             s = r.seq.slot if r.seq is not None else None
             if s is None or s.cache is None or not s.snapshots or self.key(r) != key:
                 continue
-            n = min(common_prefix(s.prompt, prompt), len(prompt) - 1, s.cache.length)
-            b = max((b for b in s.snapshots if b <= n), default=0)
+            b = reusable(s.prompt[: s.cache.length], s.snapshots, prompt)
             if b > (best[1] if best is not None else longer_than):
                 best = (s.cache, b, s.snapshots)
         return best

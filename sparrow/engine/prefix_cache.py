@@ -71,6 +71,14 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return n if eq.all() else int(np.argmin(eq))
 
 
+def reusable(tokens: np.ndarray, snapshots: dict, prompt: np.ndarray) -> int:
+    """How many positions of KV computed for `tokens` (prefilled, with importance snapshots at
+    the chunk boundaries in `snapshots`) a prompt can reuse: the last boundary within their
+    common prefix, leaving at least one prompt token to run (its logits start decoding)."""
+    n = min(common_prefix(tokens, prompt), len(prompt) - 1)
+    return max((b for b in snapshots if b <= n), default=0)
+
+
 def prefix_key(kv_dtype: str, sparse, salt=None, has_images: bool = False) -> str | None:
     """What besides the tokens must match for KV to be shared, or None (never share): the KV
     dtype, the sparse prefill settings (decode-only settings leave prefill's K/V alone), and the
@@ -124,8 +132,7 @@ class PrefixCache:
         for e in self._entries.values():
             if e.key != key:
                 continue
-            n = min(common_prefix(e.tokens, prompt), len(prompt) - 1)
-            n = max((b for b in e.snapshots if b <= n), default=0)
+            n = reusable(e.tokens, e.snapshots, prompt)
             if n > best.tokens:
                 best = Hit(e, n)
         return best

@@ -246,23 +246,20 @@ class Decoder:
         how many rows it takes).
 
         The stages are methods so that models.timing can time them from outside. A single
-        sequence's decode step, one sequence's verification rows with exact attention, or one
-        decode row of each of several sequences runs fused instead when the model allows it
+        sequence's decode step, or the decode rows of one or several sequences (verification's
+        rows included; FusedDecode.batches says which) runs fused instead when the model allows it
         (same bits)."""
         if len(segments) == 1 and segments[0].decode and not all_logits:
             if self.fuses(segments[0].trace):
                 return self._fused(segments[0])  # [1, V]
             if self._backing_off():
                 return self._fused.staged_step(self._staged, segments)  # [1, V], timed
-        elif not all_logits and self.use_fused and self.fused_step() is not None:
-            plan = self._fused
-            verifies = self.verify_one_pass and _verify_run(segments, 0) == len(segments) and plan.verifies(segments)
-            batches = not verifies and plan.batches(segments)
-            if (verifies or batches) and self.fuses(None):
-                # [R, V]: one sequence's verification rows, or decode rows of several sequences
-                return plan.verify(segments) if verifies else plan.batch(segments)
-            if (verifies or batches) and self._backing_off():
-                return plan.staged_step(self._staged, segments)  # timed
+        elif not all_logits and self.use_fused and self.fused_step() is not None and self._fused.batches(segments):
+            # [R, V]: decode rows of several sequences, or one sequence's verification rows
+            if self.fuses(None):
+                return self._fused.batch(segments)
+            if self._backing_off():
+                return self._fused.staged_step(self._staged, segments)  # timed
         return self._staged(segments, all_logits, with_last)
 
     def _backing_off(self) -> bool:

@@ -273,9 +273,9 @@ class FusedDecode:
             raise SparrowError("fused decode: the attention kernel's argument types do not match its address")
 
     def verifies(self, segments) -> bool:
-        """Whether verify takes one sequence's verification rows (models.decoder._verify_run
-        found them: single-token decode rows at consecutive positions, untraced): 2 to SMALL_T
-        of them, with exact attention, no images."""
+        """Whether verify takes one sequence's verification rows (single-token decode rows at
+        consecutive positions, untraced, as batches accepts them): 2 to SMALL_T of them, with
+        exact attention, no images."""
         s = segments[0]
         return (
             1 < len(segments) <= SMALL_T
@@ -287,7 +287,7 @@ class FusedDecode:
         """Whether batch takes these decode rows: 2 to SMALL_T untraced single-token rows, no
         images (a row after an image prompt brings its rope delta), one row a sequence or, with
         exact attention, several: a sequence's verification rows at consecutive positions in
-        order (speculating sequences verified together), each attending as its own decode step."""
+        order (Runner.verify's, of one sequence or several speculating together)."""
         if not 1 < len(segments) <= SMALL_T:
             return False
         last = {}  # cache -> the position of its latest row
@@ -331,6 +331,10 @@ class FusedDecode:
         return out
 
     def _group_step(self, segments) -> np.ndarray:
+        """Rows that share their settings: one sequence's one row is its decode step, its several
+        rows its verification step (each KV head's K/V read once for all rows, unless
+        Decoder.verify_one_pass is off); rows of several sequences a batch step, each row
+        attending as its own decode step."""
         if len(segments) == 1:
             return self(segments[0])
         if len({id(s.cache) for s in segments}) == 1 and self.model.verify_one_pass and self.verifies(segments):
