@@ -27,8 +27,10 @@ the fast kernels live in sparrow.kernels.linear.
 import ctypes
 import functools
 import mmap
+import os
 import sys
 
+import numba.core.event
 import numpy as np
 
 from sparrow.errors import SparrowError
@@ -368,12 +370,77 @@ def trim_heap() -> None:
     A prefill's transient arrays (tens of MiB a layer) are freed into the heap, not unmapped:
     glibc raises its mmap threshold to the largest freed block (up to 32 MiB), so later arrays
     of that size come from the heap, and the free ones stay resident until this call
-    (docs/benchmarks/xeon-amx-m167.md, "Resident memory in the q8 mode"). Called where such
-    arrays die: after a model is built and after each prefill chunk; with nothing to give back
-    it costs a few microseconds."""
+    (docs/benchmarks/xeon-amx-m167.md, "Resident memory in the q8 mode"). With nothing to give
+    back it costs a few microseconds."""
     f = _malloc_trim()
     if f is not None:
         f(0)
+
+
+def release_memory() -> None:
+    """Gives back what the process holds resident but no longer uses: the C heap's free pages
+    (trim_heap) and the compiler's code pages (drop_compiler_pages). Called where transient
+    arrays die: after a model is built and after each prefill chunk."""
+    trim_heap()
+    drop_compiler_pages()
+
+
+class _CompilerUse(numba.core.event.Listener):
+    """Notes that numba took its compiler lock (it compiles or loads a kernel from its disk
+    cache under it, and sparrow's IR kernels go through it too): LLVM's code ran."""
+
+    used = True  # the import itself ran LLVM
+
+    def on_start(self, event):
+        _CompilerUse.used = True
+
+    def on_end(self, event):
+        pass
+
+
+numba.core.event.register("numba:compiler_lock", _CompilerUse())
+
+
+def drop_compiler_pages() -> None:
+    """Takes llvmlite's code pages out of the resident set if the compiler ran since the last
+    call (a flag check otherwise).
+
+    numba runs LLVM only to compile a kernel or to load one from its disk cache, yet the
+    library's pages it touched doing so (55-69 MiB once the first kernels are loaded) stayed
+    resident: half of the q8 mode's margin over file + KV (issue 34's bound). madvise(DONTNEED)
+    drops them from this process's page tables; the page cache keeps the bytes, so the next
+    compile faults them back in from memory. Only mappings that can never hold data of their
+    own are advised: not writable, and no page copied on write (a relocated read-only segment
+    has some, and would lose its relocations)."""
+    if not _CompilerUse.used:
+        return
+    _CompilerUse.used = False
+    advise = _madvise()
+    for lo, hi in _compiler_segments():
+        advise(lo, hi - lo, MADV_DONTNEED)
+
+
+@functools.cache
+def _compiler_segments() -> tuple[tuple[int, int], ...]:
+    """(start, end) of each read-only segment of llvmlite's shared library whose pages are all
+    the file's, read once from /proc/self/smaps (Linux; nothing elsewhere)."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return ()
+    out, seg = [], None
+    for line in lines:
+        f = line.split()
+        if f and "-" in f[0] and not f[0].endswith(":"):  # a mapping's header: range perms offset dev inode [path]
+            seg = None
+            if len(f) > 5 and os.path.basename(f[5]).startswith("libllvmlite") and "w" not in f[1]:
+                lo, hi = (int(v, 16) for v in f[0].split("-"))
+                seg = [lo, hi]
+        elif seg is not None and f[0] == "Anonymous:":
+            if int(f[1]) == 0:
+                out.append(tuple(seg))
+            seg = None
+    return tuple(out)
 
 
 @functools.cache

@@ -412,12 +412,60 @@ print(held - anon())
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
 def test_trim_heap_gives_freed_arrays_back():
     """A prefill's freed arrays stay resident in the C heap (glibc's raised mmap threshold)
-    until trim_heap, which the runner calls after each prefill chunk and the decoder after its
+    until trim_heap, which release_memory calls after each prefill chunk and in the decoder's
     build: 72 MiB freed below a live array leave the resident set only through it."""
     import subprocess
 
     out = subprocess.run([sys.executable, "-c", _HEAP_CHILD], capture_output=True, text=True, check=True)
     assert int(out.stdout) >= 64, out.stdout
+
+
+_COMPILER_CHILD = """
+import numpy as np
+from numba import njit
+from sparrow import quant
+
+def llvm_rss():  # KiB resident in llvmlite's library mappings
+    kib, ours = 0, False
+    for line in open("/proc/self/smaps"):
+        f = line.split()
+        if f and "-" in f[0] and not f[0].endswith(":"):
+            ours = len(f) > 5 and "libllvmlite" in f[5]
+        elif ours and f[0] == "Rss:":
+            kib += int(f[1])
+    return kib
+
+@njit(cache=False)
+def first(x):
+    return x.sum() * 2
+first(np.arange(4.0))  # LLVM compiles: its code pages are touched
+held = llvm_rss()
+quant.release_memory()
+dropped = llvm_rss()
+quant.drop_compiler_pages()  # the compiler did not run since: nothing to do
+@njit(cache=False)
+def second(x):
+    return x.max() + 1
+assert second(np.arange(5.0)) == 5.0  # compiling again works: the pages fault back in
+again = llvm_rss()
+quant.drop_compiler_pages()
+print(held, dropped, again, llvm_rss(), len(quant._compiler_segments()))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps, madvise")
+def test_compiler_pages_leave_the_resident_set_and_come_back_for_a_compile():
+    """llvmlite's code pages, touched while numba compiles or loads kernels (55-69 MiB), leave
+    the resident set at release_memory (after a build and each prefill chunk) and at
+    drop_compiler_pages after a step that compiled; a later compile still works (the segments
+    with relocated, copied-on-write pages are never advised)."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _COMPILER_CHILD], capture_output=True, text=True, check=True)
+    held, dropped, again, last, segments = map(int, out.stdout.split())
+    assert segments >= 1
+    assert held >= 16 << 10 and dropped < held // 4, out.stdout  # most of it gone
+    assert again > dropped and last < again // 2, out.stdout  # back for the compile, then gone
 
 
 def _stored(name, fmt, nbytes, shape=(64, 64)):

@@ -22,7 +22,7 @@ from ..kv_cache import KVCache, thin_snapshots
 from ..models.attention import Selections
 from ..models.decoder import Segment
 from ..params import SparseParams
-from ..quant import trim_heap
+from ..quant import drop_compiler_pages, release_memory
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: keeps the activations of a long prompt small
 
@@ -114,7 +114,7 @@ class Runner:
             every, last = self.model.forward([seg], all_logits=True, with_last=True)  # [T, V], [1, V]
             rows.append(every)
             logits = last[0]
-        trim_heap()  # the chunk's transient arrays, freed into the heap, leave the resident set
+        release_memory()  # the chunk's transient arrays and the pages of kernels' loading
         if stop % self.prefill_chunk == 0:  # a boundary the prefix cache may reuse from
             slot.snapshots[stop] = slot.cache.importance_snapshot()  # [L, stop]
             thin_snapshots(slot.snapshots, self.prefill_chunk)
@@ -153,6 +153,7 @@ class Runner:
                 for i in g
             ]
             out.append(self.model.forward(segs))  # [len(g), V]
+        drop_compiler_pages()  # if this step loaded kernels
         return out[0] if len(out) == 1 else np.concatenate(out)
 
     def verify(self, slots: list[Slot], tokens: list, starts: list[int]) -> list[np.ndarray]:
@@ -182,4 +183,5 @@ class Runner:
             logits = self.model.forward(segs)  # [len(g), V]
             for (i, j), row in zip((rows[r] for r in g), logits):
                 out[i][j] = row
+        drop_compiler_pages()  # if this step loaded kernels
         return [np.stack(o) for o in out]

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..kernels import linear as _linear
+from ..kernels.elementwise import PAR_ROWS
 from ..params import SparseParams
 
 # name -> what it compiles (in the order a server warms them)
@@ -28,8 +29,11 @@ PATHS = {
 }
 SERVER_PATHS = tuple(PATHS)  # any request may ask for sparse attention
 
-_PROMPT = 3 * _linear.SMALL_T  # tokens: past SMALL_T, so prefill takes the GEMM path
-_SPARSE = dict(k=1, block=8)  # 3 blocks of 8 in the prompt: k < blocks, so blocks are selected
+# tokens: past SMALL_T, so prefill takes the GEMM path, and past 2 PAR_ROWS, so the element
+# kernels take their parallel chunks
+_PROMPT = max(3 * _linear.SMALL_T, 2 * PAR_ROWS + 8)
+_SHORT = max(_linear.SMALL_T // 2, 2)  # a prompt short enough for the row dots' prefill path
+_SPARSE = dict(k=1, block=8)  # blocks of 8 in the prompt: k < blocks, so blocks are selected
 
 
 def _ids(tokenizer, n: int = _PROMPT) -> np.ndarray:
@@ -38,18 +42,28 @@ def _ids(tokenizer, n: int = _PROMPT) -> np.ndarray:
 
 
 def _run(runner, ids, kv_dtype, sparse, n_seqs):
-    """Prefills n_seqs copies of ids, then decodes two tokens for all of them together."""
-    slots = [runner.new_slot(ids, len(ids) + 2, kv_dtype, sparse) for _ in range(n_seqs)]
+    """Prefills n_seqs copies of ids, then decodes two tokens for all of them together and a
+    third on the staged path, which a step takes beside a traced sequence or while the fused
+    path backs off after contention (models/fused.py)."""
+    slots = [runner.new_slot(ids, len(ids) + 3, kv_dtype, sparse) for _ in range(n_seqs)]
     tokens = []
     for s in slots:
         tokens.append(int(np.argmax(runner.prefill(s))))
     for _ in range(2):
         tokens = list(np.argmax(runner.decode(slots, tokens), axis=-1))
+    fused = getattr(runner.model, "use_fused", None)
+    if fused:
+        runner.model.use_fused = False
+        try:
+            runner.decode(slots, tokens)
+        finally:
+            runner.model.use_fused = fused
 
 
 def _path(name: str, runner, ids, kv_dtype) -> None:
     if name == "exact":
         _run(runner, ids, kv_dtype, None, 1)
+        _run(runner, ids[:_SHORT], kv_dtype, None, 1)
         runner.prefill_step(runner.new_slot(ids, len(ids), kv_dtype), rows=[])  # the head over every row
     elif name == "batched":
         _run(runner, ids, kv_dtype, None, 2)

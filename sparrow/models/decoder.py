@@ -19,7 +19,7 @@ from ..kernels.linear import linear, prepare
 from ..kv_cache import KVCache
 from ..loaders.tensor import StoredTensor
 from ..params import SparseParams
-from ..quant import MADV_DONTNEED, MADV_RANDOM, Weight, advise_mapped_pages, trim_heap
+from ..quant import MADV_DONTNEED, MADV_RANDOM, Weight, advise_mapped_pages, release_memory
 from .attention import Selections, decode_attention, prefill_attention, verify_attention
 from .fused import FusedDecode
 from .layers import MLP, FusedLinear, Rope, RowRope, rms_norm
@@ -190,6 +190,7 @@ class Decoder:
             self.layers.append(DecoderLayer(cfg, get, i, mlp_factory))
             _release_file_pages(tensors)
         self.norm = get.array("model.norm.weight")
+        release_memory()  # before the head's copy, the build's largest: the layers' transients
         if cfg.tie_word_embeddings or not get.has("lm_head.weight"):
             self.lm_head = prepare(self.embed, activations)
         else:
@@ -209,7 +210,7 @@ class Decoder:
         # False attends them one by one, as decode steps would, on the staged path (the
         # benchmark's old path).
         self.verify_one_pass = True
-        trim_heap()  # the build's transient arrays (fused and interleaved copies' sources)
+        release_memory()  # the build's transient arrays (fused and interleaved copies' sources)
 
     def embed_rows(self, tokens) -> np.ndarray:
         """The embeddings of tokens [N] -> [N, E] f32, a new array."""
