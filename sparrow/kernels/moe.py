@@ -9,7 +9,9 @@ machine every parallel launch can wait a scheduler slice for its threads.
 expert_pairs: the SwiGLU experts for a list of (token, expert) pairs in two parallel launches
 (gate+up, then down) instead of three linear calls per expert; parallel over (expert, chunk
 of weight rows), so each output has one writer, and each output depends only on its own pair
-(batch and thread invariant). Experts in a block format (q8_0, q4_0, q4_1, q5_0, q5_1 and the
+(batch and thread invariant). A work item dots its chunk of rows with all of its expert's
+pairs at once, so each row is read once for all of them (a 96-token prompt's few-row experts:
+1.7x faster than a pair at a time). Experts in a block format (q8_0, q4_0, q4_1, q5_0, q5_1 and the
 K-quants, as GGUF files store them) are dotted with the pairs' f32 activation rows by the exact
 decode's row dots (widen.rows_exact, called through its address): a row's order is the one a
 dense matvec over the same format takes, and the rows are read straight from their blocks.
@@ -202,16 +204,15 @@ def combine_rows(ys, ws, ps, x, r, o0, o1):
 
 
 @njit(**KW)
-def _gate_up_chunk(c, nc, x, sxg, sxu, tok, gstart, gexp, etab, dims, kinds, addrs, g, u, act):
-    # work item c: rows [f0, f0 + ROWS) of group c // nc's expert, for each of its pairs
+def _gate_up_chunk(c, nc, xs, sxg, sxu, gstart, gexp, etab, dims, kinds, addrs, g, u, act):
+    # work item c: rows [f0, f0 + ROWS) of group c // nc's expert, for all of its pairs at once
+    # (xs: the pairs' activation rows, grouped by expert)
     gi = c // nc
     f0 = (c % nc) * _ROWS
     f1 = min(g.shape[1], f0 + _ROWS)
-    for p in range(gstart[gi], gstart[gi + 1]):
-        t = tok[p]
-        gate_up_rows(etab, dims, kinds, gexp[gi], np.ascontiguousarray(x[t : t + 1]),
-                     np.ascontiguousarray(sxg[t : t + 1]), np.ascontiguousarray(sxu[t : t + 1]),
-                     g[p : p + 1], u[p : p + 1], act[p : p + 1], f0, f1, addrs)  # fmt: skip
+    p0, p1 = gstart[gi], gstart[gi + 1]
+    gate_up_rows(etab, dims, kinds, gexp[gi], np.ascontiguousarray(xs[p0:p1]), np.ascontiguousarray(sxg[p0:p1]),
+                 np.ascontiguousarray(sxu[p0:p1]), g[p0:p1], u[p0:p1], act[p0:p1], f0, f1, addrs)  # fmt: skip
 
 
 @njit(**KW)
@@ -219,9 +220,9 @@ def _down_chunk(c, nc, act, sxa, gstart, gexp, etab, dims, kinds, addrs, y):
     gi = c // nc
     o0 = (c % nc) * _ROWS
     o1 = min(y.shape[1], o0 + _ROWS)
-    for p in range(gstart[gi], gstart[gi + 1]):
-        down_rows(etab, dims, kinds, gexp[gi], np.ascontiguousarray(act[p : p + 1]),
-                  np.ascontiguousarray(sxa[p : p + 1]), y[p : p + 1], o0, o1, addrs)  # fmt: skip
+    p0, p1 = gstart[gi], gstart[gi + 1]
+    down_rows(etab, dims, kinds, gexp[gi], np.ascontiguousarray(act[p0:p1]),
+              np.ascontiguousarray(sxa[p0:p1]), y[p0:p1], o0, o1, addrs)  # fmt: skip
 
 
 class StackedExperts:
@@ -277,12 +278,11 @@ def _table_pairs(x, tok, gstart, gexp, t, y):
     g = np.empty((P, F), np.float32)  # [P, F]
     u = np.empty((P, F), np.float32)
     act = np.empty((P, F), np.float32)
-    sxg = exact_sums(x, kinds[0], True)  # [T, hidden / 32]
-    sxu = sxg if kinds[1] == kinds[0] else exact_sums(x, kinds[1], True)
+    xs = x[tok]  # [P, hidden]: each pair's token row, grouped by expert
+    sxg = exact_sums(xs, kinds[0], True)  # [P, hidden / 32]
+    sxu = sxg if kinds[1] == kinds[0] else exact_sums(xs, kinds[1], True)
     nc = (F + _ROWS - 1) // _ROWS
-    run_parallel(
-        len(gexp) * nc, _gate_up_chunk, (nc, x, sxg, sxu, tok, gstart, gexp, etab, dims, kinds, addrs, g, u, act)
-    )
+    run_parallel(len(gexp) * nc, _gate_up_chunk, (nc, xs, sxg, sxu, gstart, gexp, etab, dims, kinds, addrs, g, u, act))
     sxa = exact_sums(act, kinds[2], True)  # [P, F / 32]
     nc = (t.hidden + _ROWS - 1) // _ROWS
     run_parallel(len(gexp) * nc, _down_chunk, (nc, act, sxa, gstart, gexp, etab, dims, kinds, addrs, y))
