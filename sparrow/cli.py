@@ -558,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "bench",
         help="benchmarks: attention, speed, long-context, needle, fidelity, serve, activations, prompt-cache, "
-        "speculative, rows, sparse-trace",
+        "speculative, rows, sparse-trace, memory",
     )
     b.add_argument(
         "bench",
@@ -574,6 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
             "speculative",
             "rows",
             "sparse-trace",
+            "memory",
         ],
     )
     b.add_argument(
