@@ -144,3 +144,26 @@ def test_compare_llama_cpp_end_to_end(capsys):
     assert summary["compare"] == "llama-cpp" and summary["plain"] > 0 and summary["best_speculative"] > 0
     assert set(summary["llama_cpp_same_as_plain"]) == {"lookup K=2", "lookup K=10"}
     assert summary["plain_common_start"] >= 1
+
+
+def test_draft_model_cost_side_runs(capsys):
+    """--draft-model: the default model drafting for itself (the same tokenizer, every draft
+    kept): the cost rows, and an end-to-end run whose tokens the bench checks against plain."""
+    from sparrow.loaders import default_model_path
+
+    speculative.main(
+        ["--shape", "", "--draft-model", default_model_path(), "--draft-context", "48", "--tokens", "2,4",
+         "--rounds", "1", "--e2e-tokens", "6", "--max-tokens", "8"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert "# plain step" in out and "draft step" in out
+    rows = [line for line in out.splitlines() if line.startswith(("| 2 |", "| 4 |"))]
+    assert len(rows) == 2 and all(r.count("x |") == 6 for r in rows)  # 4 rates, every draft kept, all rejected
+    assert "# end to end: draft K=4:" in out and "drafts kept, same tokens" in out
+
+
+def test_draft_cost_options_are_exclusive():
+    with pytest.raises(SparrowError, match="--draft-shape or --draft-model"):
+        speculative.main(["--draft-shape", "qwen3-0.6b", "--draft-model", "x.gguf"])
+    with pytest.raises(SparrowError, match="--synth"):
+        speculative.main(["--synth", "256", "--draft-model", "x.gguf"])

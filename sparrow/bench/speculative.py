@@ -31,7 +31,8 @@ output repeats it).
 
 With --synth: the cost side of sparse drafting at long context on a model shape instead
 (bench/speculative_cost.py): `sparrow bench speculative --synth 16384,32768 --shape qwen3-1.7b
---type q4_0 --kv-dtype f16`.
+--type q4_0 --kv-dtype f16`. With --draft-shape: the cost side of a draft model, one shape
+drafting for another: `sparrow bench speculative --draft-shape qwen3-0.6b --shape qwen3-4b --type q4_0`.
 """
 
 from __future__ import annotations
@@ -314,6 +315,11 @@ def main(argv=None) -> None:
     g.add_argument("--draft-k", default="32,8", help="drafting blocks per head")
     g.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the cost components")
     g.add_argument("--e2e-tokens", type=int, default=16, help="tokens of the end-to-end run on the shape (0: none)")
+    g = ap.add_argument_group("the cost side of a draft model (bench/speculative_cost.py)")
+    g.add_argument("--draft-shape", default="", help="a smaller shape drafting for --shape (runs this instead)")
+    g.add_argument("--draft-type", default="q8_0", help="its weight type")
+    g.add_argument("--draft-model", default="", help="a model drafting for --shape instead of --draft-shape")
+    g.add_argument("--draft-context", type=int, default=512, help="positions before the measured steps")
     a = ap.parse_args(argv)
     skip = set(a.skip.split(",")) - {""}
     if a.compare:
@@ -322,6 +328,15 @@ def main(argv=None) -> None:
         if "rewrite" in skip:
             raise SparrowError("--compare llama-cpp measures the rewrite row: do not --skip it")
         _lookup_drafter()  # the missing package is an error before anything loads
+    if a.draft_shape and a.draft_model:
+        raise SparrowError("give --draft-shape or --draft-model, not both")
+    if a.synth and (a.draft_shape or a.draft_model):
+        raise SparrowError("give --synth or --draft-shape / --draft-model, not both")
+    if a.draft_shape or a.draft_model:
+        from sparrow.bench import speculative_cost
+
+        speculative_cost.draft_model_cost(a)
+        return
     if a.synth:
         from sparrow.bench import speculative_cost
 

@@ -281,3 +281,114 @@ def main(a) -> None:
                 print(f"# end to end at {ctx}: {label}: {r['tok_s']:.2f} tok/s{acc_txt}")
         gc.collect()
     print(f"# load average at end {load_avg()}")
+
+
+def draft_model_cost(a) -> None:
+    """The cost side of `draft` (issue 37): a smaller shape (--draft-shape / --draft-type, or a
+    model at --draft-model) drafting for --shape / --type (or, with --shape "", --model), shapes
+    with random weights (the Qwen3 shapes share one synthesised
+    vocabulary, so one drafts for the other, as Qwen3-0.6B does for the larger Qwen3 models).
+    Random weights accept ~nothing, so, as for sparse drafting, the speed is put together from
+    measured costs: after --draft-context positions, the target's plain decode step, the draft
+    model's decode step and the target's one-pass verification of K + 1 rows (medians of
+    --rounds interleaved rounds) give, at a per-token acceptance rate p, E = (1 - p^(K+1)) / (1 - p)
+    tokens a cycle and E * t_plain / (K * t_draft + t_verify(K + 1)) against plain decoding;
+    the all-rejected case plays adaptive K with those costs; and one end-to-end run, plain
+    against draft speculation (K = the largest --tokens), checks the tokens equal and gives the
+    speed at the acceptance random weights give (stated)."""
+    import sparrow
+    from sparrow.bench import shapes
+    from sparrow.bench.engines import random_ids
+    from sparrow.engine.generate import generate_step
+    from sparrow.engine.sequence import Sequence
+    from sparrow.engine.speculative import make_speculator
+    from sparrow.params import SamplingParams, SpeculativeParams
+
+    cpu = cpu_info()
+    print(f"# speculative decoding with a draft model, the cost side: CPU {cpu.get('model', '?')}; load {load_avg()}")
+    from sparrow.loaders import default_model_path
+
+    target_path = shapes.ensure(a.shape, a.type) if a.shape else a.model or default_model_path()
+    draft_path = shapes.ensure(a.draft_shape, a.draft_type) if a.draft_shape else a.draft_model
+    llm = sparrow.load(target_path, threads=a.threads, kv_dtype=a.kv_dtype, activations=a.activations)
+    draft = llm.draft_llm(draft_path)
+    ctx, Ks = a.draft_context, [int(t) for t in a.tokens.split(",")]
+    rows = sorted({2, 3} | {K + 1 for K in Ks})
+    ids = random_ids(np.random.default_rng(3), llm.model.config, ctx).tolist()
+    feed = random_ids(np.random.default_rng(4), llm.model.config, max(rows)).tolist()
+    target_slot = llm.runner.new_slot(np.asarray(ids), ctx + max(rows) + 1, a.kv_dtype)
+    llm.runner.prefill(target_slot)
+    draft_slot = draft.runner.new_slot(np.asarray(ids), ctx + 2, a.kv_dtype)
+    t_prefill = _timed(lambda: draft.runner.prefill(draft_slot))  # a request's draft pays it once
+
+    def step(runner, slot):
+        n = slot.cache.length
+        runner.decode([slot], feed[:1])
+        slot.cache.truncate(n)
+
+    def verify(n):
+        at = target_slot.cache.length
+        llm.runner.verify([target_slot], [feed[:n]], [at])
+        target_slot.cache.truncate(at)
+
+    jobs = {
+        "plain": lambda: step(llm.runner, target_slot),
+        ("draft", "model", 0): lambda: step(draft.runner, draft_slot),
+    }
+    jobs.update({("new", n): (lambda n=n: verify(n)) for n in rows})
+    for fn in jobs.values():
+        fn()
+    times = {key: [] for key in jobs}
+    for _ in range(a.rounds):
+        for key, fn in jobs.items():
+            times[key].append(_timed(fn))
+    c = {key: statistics.median(v) for key, v in times.items()}
+    t_p, t_d = c["plain"], c[("draft", "model", 0)]
+    names = (
+        f"{a.shape} {a.type}" if a.shape else llm.name,
+        f"{a.draft_shape} {a.draft_type}" if a.draft_shape else draft.name,
+    )
+    print(
+        f"# target {names[0]} (activations {llm.model.activations}), draft {names[1]} "
+        f"(activations {draft.model.activations}), KV {a.kv_dtype}, {a.threads} threads, {ctx}-position context, "
+        f"median of {a.rounds} interleaved rounds"
+    )
+    print(
+        f"# plain step {t_p * 1e3:.1f} ms, draft step {t_d * 1e3:.1f} ms ({t_d / t_p:.2f} of a plain step); "
+        f"the draft model prefills a request's prompt once: {t_prefill:.2f} s for these {ctx} tokens (first run)"
+    )
+    rates = (0.5, 0.7, 0.8, 0.9)
+    print(
+        "| K | verify K+1 ms | "
+        + " | ".join(f"p = {p}" for p in rates)
+        + " | every draft kept | all rejected (adaptive) |"
+    )
+    print("|---|---|" + "---|" * (len(rates) + 2))
+    for K in Ks:
+        t_v = c[("new", K + 1)]
+        cells = [f"{(1 - p ** (K + 1)) / (1 - p) * t_p / (K * t_d + t_v):.2f}x" for p in rates]
+        kept = (K + 1) * t_p / (K * t_d + t_v)
+        worst = worst_case(c, "model", 0, K, a.max_tokens)
+        print(f"| {K} | {t_v * 1e3:.0f} | " + " | ".join(cells) + f" | {kept:.2f}x | {worst:.2f}x |")
+    if a.e2e_tokens > 0:
+        K, n = max(Ks), a.e2e_tokens
+        sampling = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        res, ref = {}, None
+        for label, p in (("plain", None), (f"draft K={K}", SpeculativeParams("draft", K, draft_model=draft_path))):
+            seq = Sequence.create(llm.runner, llm.tokenizer, ids, sampling, ctx + n + K + 1, a.kv_dtype)
+            spec = make_speculator(llm, llm.runner, p, seq, a.kv_dtype) if p else None
+            gen = generate_step(llm.runner, seq, spec=spec)
+            toks = [next(gen).token_id]
+            t0 = time.perf_counter()
+            toks += [o.token_id for o in gen]
+            dt = time.perf_counter() - t0
+            ref = ref or toks
+            assert toks == ref, f"{label} changed the output"
+            res[label] = ((len(toks) - 1) / dt, spec.drafted if spec else 0, spec.accepted if spec else 0)
+            seq.slot.cache = None
+        base = res["plain"][0]
+        for label, (tok_s, drafted, accepted) in res.items():
+            kept = f", {accepted}/{drafted} drafts kept" if drafted else ""
+            print(f"# end to end: {label}: {tok_s:.2f} tok/s ({tok_s / base:.2f}x plain){kept}, same tokens")
+        print("# (tokens after the first over the time after it: the draft model's prefill of the prompt included)")
+    print(f"# load average at end {load_avg()}")
