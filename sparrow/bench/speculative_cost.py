@@ -193,9 +193,7 @@ def end_to_end(llm, ctx: int, a) -> dict:
     sparse speculation (fixed K, first selector and k), same tokens; tok/s after the first."""
     from sparrow.bench.engines import random_ids
     from sparrow.bench.long_context import fill_random
-    from sparrow.engine.generate import generate_step
     from sparrow.engine.sequence import Sequence
-    from sparrow.engine.speculative import make_speculator
     from sparrow.params import SamplingParams, SparseParams, SpeculativeParams
 
     runner, n = llm.runner, a.e2e_tokens
@@ -212,18 +210,27 @@ def end_to_end(llm, ctx: int, a) -> dict:
         seq = Sequence.create(runner, llm.tokenizer, ids, sampling, room, a.kv_dtype, allocate=False)
         seq.slot.cache = llm.model.new_cache(ctx + n + K + 1, a.kv_dtype)
         fill_random(seq.slot.cache, ctx)  # the prefill then runs the last prompt token only
-        spec = make_speculator(llm, runner, p, seq, a.kv_dtype) if p else None
-        gen = generate_step(runner, seq, spec=spec)
-        toks = [next(gen).token_id]
-        t0 = time.perf_counter()
-        toks += [o.token_id for o in gen]
-        dt = time.perf_counter() - t0
+        toks, res[label] = _generate(llm, seq, p, a.kv_dtype)
         ref = ref or toks
         assert toks == ref, f"{label} changed the output"
-        res[label] = dict(tok_s=(len(toks) - 1) / dt, drafted=spec.drafted if spec else 0,
-                          accepted=spec.accepted if spec else 0)  # fmt: skip
-        seq.slot.cache = None
     return res
+
+
+def _generate(llm, seq, params, kv_dtype) -> tuple[list[int], dict]:
+    """Greedy decoding of seq to its end, speculating with params (None: plain) -> (tokens, tok/s
+    after the first token, drafted and accepted tokens); frees the sequence's cache."""
+    from sparrow.engine.generate import generate_step
+    from sparrow.engine.speculative import make_speculator
+
+    spec = make_speculator(llm, llm.runner, params, seq, kv_dtype) if params else None
+    gen = generate_step(llm.runner, seq, spec=spec)
+    toks = [next(gen).token_id]
+    t0 = time.perf_counter()
+    toks += [o.token_id for o in gen]
+    dt = time.perf_counter() - t0
+    seq.slot.cache = None
+    return toks, dict(tok_s=(len(toks) - 1) / dt, drafted=spec.drafted if spec else 0,
+                      accepted=spec.accepted if spec else 0)  # fmt: skip
 
 
 def main(a) -> None:
@@ -299,9 +306,7 @@ def draft_model_cost(a) -> None:
     import sparrow
     from sparrow.bench import shapes
     from sparrow.bench.engines import random_ids
-    from sparrow.engine.generate import generate_step
     from sparrow.engine.sequence import Sequence
-    from sparrow.engine.speculative import make_speculator
     from sparrow.params import SamplingParams, SpeculativeParams
 
     cpu = cpu_info()
@@ -376,19 +381,12 @@ def draft_model_cost(a) -> None:
         res, ref = {}, None
         for label, p in (("plain", None), (f"draft K={K}", SpeculativeParams("draft", K, draft_model=draft_path))):
             seq = Sequence.create(llm.runner, llm.tokenizer, ids, sampling, ctx + n + K + 1, a.kv_dtype)
-            spec = make_speculator(llm, llm.runner, p, seq, a.kv_dtype) if p else None
-            gen = generate_step(llm.runner, seq, spec=spec)
-            toks = [next(gen).token_id]
-            t0 = time.perf_counter()
-            toks += [o.token_id for o in gen]
-            dt = time.perf_counter() - t0
+            toks, res[label] = _generate(llm, seq, p, a.kv_dtype)
             ref = ref or toks
             assert toks == ref, f"{label} changed the output"
-            res[label] = ((len(toks) - 1) / dt, spec.drafted if spec else 0, spec.accepted if spec else 0)
-            seq.slot.cache = None
-        base = res["plain"][0]
-        for label, (tok_s, drafted, accepted) in res.items():
-            kept = f", {accepted}/{drafted} drafts kept" if drafted else ""
-            print(f"# end to end: {label}: {tok_s:.2f} tok/s ({tok_s / base:.2f}x plain){kept}, same tokens")
+        base = res["plain"]["tok_s"]
+        for label, r in res.items():
+            kept = f", {r['accepted']}/{r['drafted']} drafts kept" if r["drafted"] else ""
+            print(f"# end to end: {label}: {r['tok_s']:.2f} tok/s ({r['tok_s'] / base:.2f}x plain){kept}, same tokens")
         print("# (tokens after the first over the time after it: the draft model's prefill of the prompt included)")
     print(f"# load average at end {load_avg()}")
