@@ -19,12 +19,29 @@ def rss_peak_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak; Linux: KiB
 
 
-def rss_now_mb():
+def status_mib(field: str) -> float | None:
+    """A memory field of /proc/self/status (VmRSS now, VmHWM the peak since reset_peak) in MiB,
+    or None where /proc has none."""
     try:
         with open("/proc/self/status") as f:
-            return next(int(x.split()[1]) for x in f if x.startswith("VmRSS:")) / 1024
+            return next(int(x.split()[1]) for x in f if x.startswith(field + ":")) / 1024
     except (OSError, StopIteration):
         return None
+
+
+def rss_now_mb():
+    return status_mib("VmRSS")
+
+
+def reset_peak() -> bool:
+    """Starts a new peak: VmHWM back to the current VmRSS (Linux: writing 5 to clear_refs);
+    False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 # vector extensions worth naming (x86 /proc/cpuinfo "flags", ARM "Features"; asimddp = dotprod)

@@ -52,7 +52,17 @@ import time
 import numpy as np
 
 from sparrow.bench import bandwidth
-from sparrow.bench.host import MB, busy_threshold, cpu_busy, cpu_info, llama_cpp_importable, load_avg, versions
+from sparrow.bench.host import (
+    MB,
+    busy_threshold,
+    cpu_busy,
+    cpu_info,
+    llama_cpp_importable,
+    load_avg,
+    reset_peak,
+    status_mib,
+    versions,
+)
 from sparrow.engine.runner import PREFILL_CHUNK as CHUNK
 
 WORK_MIB = 256  # prefill chunk work buffers (scores, activations) the bound allows beyond the cache
@@ -67,27 +77,9 @@ def sparrow_modes(prefill_select: str | None) -> tuple:
     return SPARROW_MODES if prefill_select is None else (prefill_select,)
 
 
-def _status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(x.split()[1]) for x in f if x.startswith(field + ":"))
-    except (OSError, StopIteration):
-        return None
-
-
 def memory() -> dict:
     """This process's resident set now and at its peak since the last reset_peak(), MiB."""
-    now, peak = _status_kib("VmRSS"), _status_kib("VmHWM")
-    return {"rss_mib": now / 1024 if now else None, "peak_mib": peak / 1024 if peak else None}
-
-
-def reset_peak() -> None:
-    """Starts a new peak (Linux: writing 5 to clear_refs resets VmHWM to the current RSS)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    return {"rss_mib": status_mib("VmRSS"), "peak_mib": status_mib("VmHWM")}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,28 +22,10 @@ import sys
 
 import numpy as np
 
-from sparrow.bench.host import load_avg
+from sparrow.bench.host import load_avg, reset_peak, status_mib
 
 MIB = 1 << 20
 BOUND_SLACK_MIB = 150  # issue 34 item 4: file + 10% + KV + 150 MB
-
-
-def _status(key: str) -> float | None:
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(x.split()[1]) for x in f if x.startswith(key + ":")) / 1024
-    except (OSError, StopIteration):
-        return None
-
-
-def _reset_peak() -> bool:
-    """VmHWM back to the current VmRSS (Linux: writing 5 to clear_refs)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def child(path, activations, kv, prompt, decode, threads) -> dict:
@@ -54,19 +36,19 @@ def child(path, activations, kv, prompt, decode, threads) -> dict:
     from sparrow.engine.warmup import warm
 
     llm = load(path, threads=threads, activations=None if activations == "auto" else activations)
-    out = {"load_peak": _status("VmHWM"), "load_end": _status("VmRSS"), "mode": llm.model.activations}
+    out = {"load_peak": status_mib("VmHWM"), "load_end": status_mib("VmRSS"), "mode": llm.model.activations}
     r = llm.runner
     warm(r, llm.tokenizer, kv, paths=("exact",))
-    out["warm_end"] = _status("VmRSS")
-    out["peak_reset"] = _reset_peak()
+    out["warm_end"] = status_mib("VmRSS")
+    out["peak_reset"] = reset_peak()
     slot = r.new_slot(random_ids(np.random.default_rng(0), llm.model.config, prompt), prompt + decode, kv)
     logits = r.prefill(slot)
-    out["prefill_end"] = _status("VmRSS")
+    out["prefill_end"] = status_mib("VmRSS")
     for _ in range(decode):
         logits = r.decode([slot], [int(np.argmax(logits))])[0]
     out.update(
-        end=_status("VmRSS"),
-        peak=_status("VmHWM"),
+        end=status_mib("VmRSS"),
+        peak=status_mib("VmHWM"),
         kv=slot.cache.nbytes / MIB,
         file=os.path.getsize(path) / MIB if os.path.isfile(path) else None,
         llvm=_mapped_mb("libllvmlite.so"),
@@ -83,7 +65,7 @@ def _llama_child(path, prompt, decode, threads) -> dict:
     llm.eval(np.random.default_rng(0).integers(min(100, vocab // 2), min(40000, vocab), prompt).tolist())
     for i in range(decode):  # the tokens fed do not change what is resident
         llm.eval([min(1000 + i, vocab - 1)])
-    return {"peak": _status("VmHWM"), "end": _status("VmRSS")}
+    return {"peak": status_mib("VmHWM"), "end": status_mib("VmRSS")}
 
 
 def _run_child(kind: str, args: list[str]) -> dict:

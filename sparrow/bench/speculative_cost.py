@@ -156,10 +156,16 @@ def components(llm, ctx: int, a) -> dict:
         jobs[("new", n)] = lambda n=n: verify(exact, n, True)
         jobs[("old", n)] = lambda n=n: verify(exact, n, False)
         jobs[("short", n)] = lambda n=n: verify(short, n, True)
-    for fn in jobs.values():  # warm-up: the selectors' copies are built on first use, kernels compiled
+    return _medians(jobs, a.rounds)
+
+
+def _medians(jobs: dict, rounds: int) -> dict:
+    """Each job run once (warm-up: kernels compiled, the selectors' copies built on first use),
+    then `rounds` interleaved rounds of all of them -> {key: median seconds}."""
+    for fn in jobs.values():
         fn()
     times = {key: [] for key in jobs}
-    for _ in range(a.rounds):
+    for _ in range(rounds):
         for key, fn in jobs.items():
             times[key].append(_timed(fn))
     return {key: statistics.median(v) for key, v in times.items()}
@@ -307,12 +313,11 @@ def draft_model_cost(a) -> None:
     from sparrow.bench import shapes
     from sparrow.bench.engines import random_ids
     from sparrow.engine.sequence import Sequence
+    from sparrow.loaders import default_model_path
     from sparrow.params import SamplingParams, SpeculativeParams
 
     cpu = cpu_info()
     print(f"# speculative decoding with a draft model, the cost side: CPU {cpu.get('model', '?')}; load {load_avg()}")
-    from sparrow.loaders import default_model_path
-
     target_path = shapes.ensure(a.shape, a.type) if a.shape else a.model or default_model_path()
     draft_path = shapes.ensure(a.draft_shape, a.draft_type) if a.draft_shape else a.draft_model
     llm = sparrow.load(target_path, threads=a.threads, kv_dtype=a.kv_dtype, activations=a.activations)
@@ -341,13 +346,7 @@ def draft_model_cost(a) -> None:
         ("draft", "model", 0): lambda: step(draft.runner, draft_slot),
     }
     jobs.update({("new", n): (lambda n=n: verify(n)) for n in rows})
-    for fn in jobs.values():
-        fn()
-    times = {key: [] for key in jobs}
-    for _ in range(a.rounds):
-        for key, fn in jobs.items():
-            times[key].append(_timed(fn))
-    c = {key: statistics.median(v) for key, v in times.items()}
+    c = _medians(jobs, a.rounds)
     t_p, t_d = c["plain"], c[("draft", "model", 0)]
     names = (
         f"{a.shape} {a.type}" if a.shape else llm.name,
