@@ -36,7 +36,7 @@ from ..params import SpeculativeParams
 from ..structured import StructuredError
 from ..vision.media import MAX_PIXELS_PER_REQUEST
 from ..vision.preprocess import image_salt
-from . import web_ui
+from . import local_media, prompt_size, web_ui
 from .limits import BODY_TIMEOUT, HEADER_TIMEOUT, BodyLimit, http_protocol
 from .metrics import Metrics
 from .protocol import (
@@ -357,11 +357,17 @@ def create_app(state: ServerState) -> FastAPI:
                 keys = ("messages", "chat_template_kwargs", "tools", "tool_choice")
                 chat = body.model_dump(include=set(keys), by_alias=True, exclude_unset=True)  # as sent: no nulls
                 req = chat_request(validate(ChatCompletionRequest, chat), images=llm.vision is not None)
+                await run_in_threadpool(check_chat_size, llm, req, 0)
                 ids = (await run_in_threadpool(chat_prompt, llm, req))[0]  # image pads expanded
             elif body.prompt is not None:
+                await run_in_threadpool(prompt_size.check_text, llm.tokenizer, body.prompt, 0, llm.ctx)
                 ids = await run_in_threadpool(llm.tokenizer.encode, body.prompt, body.add_special_tokens)
             else:
                 raise APIError(400, "send 'prompt' (a string) or 'messages'", param="prompt")
+            check_context(len(ids), 0, llm.ctx)  # what is counted is what a request may hold
+        except ContextLengthError as e:
+            param = "messages" if body.messages is not None else "prompt"
+            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         except SparrowError as e:
             raise APIError(400, str(e), param=getattr(e, "param", None)) from None
         out = {"count": len(ids), "max_model_len": llm.ctx, "tokens": ids}
@@ -407,14 +413,17 @@ def create_app(state: ServerState) -> FastAPI:
         check_model(req.model)
         param = "messages" if chat else "prompt"
         images = []
+        reserve = 1 if req.max_tokens is None else req.max_tokens  # the least the answer may take
         try:
             if chat:
+                await run_in_threadpool(check_chat_size, llm, req, reserve)
                 ids, images = await run_in_threadpool(chat_prompt, llm, req)
                 prompts = [ids]
             else:
                 prompts = []
                 for p in req.prompts:
                     if isinstance(p, str):
+                        await run_in_threadpool(prompt_size.check_text, llm.tokenizer, p, reserve, llm.ctx)
                         p = await run_in_threadpool(llm.prompt_ids, p)
                     elif any(not 0 <= i < llm.config.vocab_size for i in p):
                         raise APIError(400, f"token ids must be in [0, {llm.config.vocab_size})", param="prompt")
@@ -458,11 +467,26 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, str(e), param=e.param) from None
         return req, prompts, params, in_reasoning, constraints, images
 
+    def check_chat_size(llm, req, reserve: int) -> None:
+        """A conversation that cannot fit with `reserve` tokens of answer is refused before it is
+        tokenised whole (prompt_size.py)."""
+        kwargs = req.chat_template_kwargs
+        prompt_size.check_chat(llm.tokenizer, req.messages, req.structured.template_tools, kwargs, reserve, llm.ctx)
+
     def chat_prompt(llm, req):
         """(ids with image pads expanded, preprocessed images) under the server's media rules."""
         tools = req.structured.template_tools
-        return llm.prompt_and_images(
+        max_images = state.max_images_per_request
+        # file:// parts are read here, inside the allowed folder only (local_media.py): the vision
+        # code gets their bytes and never opens a request's path
+        messages = local_media.resolve(
             req.messages,
+            state.allowed_local_media_path,
+            state.max_image_bytes,
+            llm.max_images if max_images is None else max_images,
+        )
+        return llm.prompt_and_images(
+            messages,
             True,
             None,
             req.chat_template_kwargs,
