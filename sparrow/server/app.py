@@ -36,7 +36,7 @@ from ..params import SpeculativeParams
 from ..structured import StructuredError
 from ..vision.media import MAX_PIXELS_PER_REQUEST
 from ..vision.preprocess import image_salt
-from . import local_media, prompt_size, web_ui
+from . import local_media, prompt_size, tokenizer_info, web_ui
 from .limits import BODY_TIMEOUT, HEADER_TIMEOUT, BodyLimit, http_protocol
 from .metrics import Metrics
 from .protocol import (
@@ -86,6 +86,7 @@ ENDPOINTS = (
     "/metrics",
     "/tokenize",
     "/detokenize",
+    "/tokenizer_info",
 )
 PUBLIC = ("/health", "/docs", "/docs/oauth2-redirect", "/openapi.json")  # answered without the API key
 LOADING_RETRY_AFTER = 5  # seconds: what a 503 while the model loads asks clients to wait
@@ -303,6 +304,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     if state.web_ui:
         web_ui.add_routes(app)
+    tokenizer_info.add_routes(app, state)
 
     @app.get("/health")
     async def health():
