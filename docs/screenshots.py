@@ -81,7 +81,7 @@ def _set(d, **fields):
 
 def main():
     import sparrow
-    from sparrow.eval.prompts import make_prompt
+    from sparrow_lab.eval.prompts import make_prompt
 
     OUT.mkdir(exist_ok=True)
     proc, base = _server()

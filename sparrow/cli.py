@@ -411,13 +411,28 @@ def cmd_compile(a) -> None:
     print(f"sparrow: kernels ready for {llm.name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
 
-def cmd_bench(a) -> None:
+LAB = "sparrow_lab"  # the benchmarks live beside the engine package; the one place sparrow names them
+
+
+def lab_module(name: str):
+    """The benchmark `sparrow bench NAME` runs: sparrow_lab.bench.NAME, imported only now."""
     import importlib
 
+    try:
+        return importlib.import_module(f"{LAB}.bench.{name.replace('-', '_')}")
+    except ModuleNotFoundError as e:
+        if e.name != LAB:
+            raise
+        raise SparrowError(
+            f"`sparrow bench` needs the {LAB} package, which is not importable here: "
+            "install sparrow from its repository (pip install -e '.[lab]')"
+        ) from None
+
+
+def cmd_bench(a) -> None:
     if not {"-h", "--help"} & set(a.bench_args):
         _compile_notice()
-    mod = importlib.import_module(f".bench.{a.bench.replace('-', '_')}", __package__)
-    mod.main(a.bench_args)
+    lab_module(a.bench).main(a.bench_args)
 
 
 class _Version(argparse.Action):

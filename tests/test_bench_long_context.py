@@ -4,8 +4,8 @@ resident memory within the bound the bench states."""
 
 import json
 
-from sparrow.bench import long_context
 from sparrow.kv_cache import SNAPSHOT_COPIES
+from sparrow_lab.bench import long_context
 
 
 def test_long_context_bench_memory_within_bound(tmp_path, capsys):

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from sparrow.bench import memory
 from sparrow.errors import SparrowError
+from sparrow_lab.bench import memory
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status")

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from sparrow.bench import rows
 from sparrow.errors import SparrowError
 from sparrow.quant import Weight
+from sparrow_lab.bench import rows
 
 
 @pytest.mark.parametrize("qtype", rows.TYPES)

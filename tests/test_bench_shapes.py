@@ -1,4 +1,4 @@
-"""Shape benchmarks: random-weight GGUFs with real Qwen3 tensor shapes (sparrow.bench.shapes) and
+"""Shape benchmarks: random-weight GGUFs with real Qwen3 tensor shapes (sparrow_lab.bench.shapes) and
 the bench speed header. Real shapes are checked from their planned tensor tables (nothing big is
 written); a tiny shape is written, loaded and run. llama.cpp is not needed (CI has none)."""
 
@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from sparrow.bench import bandwidth, shapes, speed
 from sparrow.errors import SparrowError
 from sparrow.loaders.gguf_file import GGUFFile
+from sparrow_lab.bench import bandwidth, shapes, speed
 
 TINY = dict(
     hidden=64,
@@ -342,7 +342,7 @@ def test_ensure_checks_free_space_and_cleans_up(tmp_path, monkeypatch):
 
 
 def test_cpu_info_and_busy_threshold():
-    from sparrow.bench import host
+    from sparrow_lab.bench import host
 
     info = host.cpu_info()
     assert info["model"] and info["cpus"] == os.cpu_count()
@@ -491,7 +491,7 @@ def test_weight_and_kv_bytes(tmp_path, monkeypatch):
 
 
 def test_moe_decode_bench_on_tiny_layers(tmp_path):
-    from sparrow.bench import moe_decode
+    from sparrow_lab.bench import moe_decode
 
     real = {k: v for k, v in shapes.SHAPES[A3B].items() if k != "bpe_tokens"}
     tiny = dict(real, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, vocab=512, experts=8, experts_used=2,
@@ -511,7 +511,7 @@ def test_llama_no_repack_switches_only_inside(monkeypatch):
     # that say use_extra_bufts False while the model loads, and puts the function back after
     import sys
 
-    from sparrow.bench import engines
+    from sparrow_lab.bench import engines
 
     lib = SimpleNamespace(llama_model_default_params=lambda: SimpleNamespace(use_extra_bufts=True))
     monkeypatch.setitem(sys.modules, "llama_cpp", SimpleNamespace(llama_cpp=lib))

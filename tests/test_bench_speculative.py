@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from sparrow.bench import speculative
 from sparrow.errors import SparrowError
+from sparrow_lab.bench import speculative
 
 
 def test_cost_side_runs_on_a_small_synthesised_cache(capsys):

@@ -27,13 +27,13 @@ import pytest
 from test_gemm import bits, fma32, fma_order_reference
 
 import sparrow
-from sparrow.bench.rows import random_rows
 from sparrow.kernels import elementwise as _el
 from sparrow.kernels.attention import rows as _rows
 from sparrow.kernels.linear import SMALL_T, linear
 from sparrow.kernels.matmul import gemm as gemm
 from sparrow.kernels.matmul import widen as _widen
 from sparrow.quant import Weight
+from sparrow_lab.bench.rows import random_rows
 from weights import acts, make
 
 HASWELL = (  # an AVX2-only x86 CPU (and no AVX-512, whatever the host has)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from sparrow.errors import SparrowError
-from sparrow.eval import fidelity as fid
-from sparrow.eval import prompts, report, scoring
 from sparrow.kv_cache import KVCache
+from sparrow_lab.eval import fidelity as fid
+from sparrow_lab.eval import prompts, report, scoring
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +263,7 @@ def test_markdown_table_and_plots(tmp_path):
 
 
 def test_bad_grid_options():
-    from sparrow.bench import needle
+    from sparrow_lab.bench import needle
 
     with pytest.raises(SparrowError):
         needle.main(["--tasks", "haystack", "--out", "/nonexistent/never"])
@@ -277,7 +277,7 @@ def test_bad_grid_options():
 def test_needle_sweep_end_to_end(tmp_path):
     """~1K tokens with the answer prefix: exact attention recalls; k=64 covers all 32 blocks and
     must equal exact attention bit for bit; outputs are written."""
-    from sparrow.bench import needle
+    from sparrow_lab.bench import needle
 
     rec = needle.main(
         ["--lengths", "1K", "--depths", "50", "--ks", "64,1", "--max-tokens", "8", "--out", str(tmp_path), "--no-plots"]
@@ -335,8 +335,8 @@ def test_fidelity_with_sparse_prefill(tmp_path):
     last-position KL is the one computed directly from the model's logits, the rows and the
     record say sparse prefill was on, and exact stays exact prefill and decode."""
     import sparrow
-    from sparrow.bench import fidelity
     from sparrow.params import SparseParams
+    from sparrow_lab.bench import fidelity
 
     args = ["--lengths", "300", "--depths", "50", "--ks", "2", "--selectors", "seed,v2", "--max-tokens", "6"]
     runs = {}

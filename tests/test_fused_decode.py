@@ -262,7 +262,7 @@ def test_fused_runs_k_quant_files_with_mixed_groups(tmp_path):
     """A Q4_K_M-style file (q4_k with q6_k v/down in some layers, so q/k/v cannot be one
     weight there): the fused step runs q/k/v as pieces and gives the staged path's bits,
     on 1 and 2 threads, in both activation modes."""
-    from sparrow.bench import shapes
+    from sparrow_lab.bench import shapes
 
     tiny_k = dict(
         hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64, ffn=512, vocab=512, tied=True,
@@ -295,9 +295,9 @@ def test_fused_runs_moe_files(tmp_path):
     both activation modes, Q4_K_M (q4_k experts, q6_k down in one layer) and Q8_0: a
     sequence's decode steps, a batch of three sequences' rows (each row its sequence's own
     step's bits; rows share routed experts) and verification's rows of one sequence."""
-    from sparrow.bench import shapes
     from sparrow.kernels.moe import ExpertTable
     from sparrow.models.qwen3_moe import MoEBlock
+    from sparrow_lab.bench import shapes
 
     ids = np.random.default_rng(4).integers(0, 486, 24)
     seqs = [np.random.default_rng(n).integers(0, 486, n) for n in (9, 17, 24)]

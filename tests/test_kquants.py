@@ -327,7 +327,7 @@ def test_gguf_loader_refuses_types_it_cannot_run():
 
 
 def test_k_quant_gguf_matches_transformers(tmp_path):
-    """A Q4_K_M-style file (q4_k, q6_k; sparrow.bench.shapes' writer, random weights) against
+    """A Q4_K_M-style file (q4_k, q6_k; sparrow_lab.bench.shapes' writer, random weights) against
     transformers loading the same GGUF (it dequantises with gguf.quants): prefill and decode
     max |diff| <= 1e-4 [measured 1.2e-6], top-1 identical."""
     import torch
@@ -335,7 +335,7 @@ def test_k_quant_gguf_matches_transformers(tmp_path):
 
     import sparrow
     from conftest import decode_logits
-    from sparrow.bench import shapes
+    from sparrow_lab.bench import shapes
 
     tiny_k = dict(
         hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64, ffn=512, vocab=512, tied=True,

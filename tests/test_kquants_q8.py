@@ -162,8 +162,8 @@ def test_q8_is_not_f32_and_is_close():
 def test_fused_k_quant_file_q8_equals_staged_and_differs_from_f32(tmp_path):
     """A Q4_K_M-style file in the q8 mode: the fused step (every projection through the q8
     row dots) gives the staged path's bits on 1 and 2 threads, and not the f32 mode's."""
-    from sparrow.bench import shapes
     from sparrow.models.decoder import Segment
+    from sparrow_lab.bench import shapes
 
     tiny_k = dict(
         hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=512, vocab=512, tied=True,

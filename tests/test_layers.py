@@ -1,5 +1,7 @@
 """Import direction: every sparrow module imports only its own tier or lower ones, and no two
-modules import each other in a cycle.
+modules import each other in a cycle. The lab (sparrow_lab: benchmarks, evaluation, tooling for
+tests) sits above the whole engine package: it imports sparrow, and sparrow never imports it; the
+CLI alone names it, to load a benchmark by name when `sparrow bench` runs.
 
 Read statically with `ast` (nothing is imported): every import statement counts, at module level
 or inside a function, class or `if TYPE_CHECKING`, and relative imports are resolved.
@@ -37,20 +39,22 @@ TIERS = [
     ("sparrow.engine.*",),
     # 5: the public Python API (`import sparrow`)
     ("sparrow.api", "sparrow"),
-    # 6: front ends on top of the API: command line, HTTP server, benchmarks, evaluation
-    ("sparrow.cli", "sparrow.server.*", "sparrow.bench.*", "sparrow.eval.*"),
+    # 6: front ends on top of the API: command line, HTTP server
+    ("sparrow.cli", "sparrow.server.*"),
+    # 7: the lab, a package of its own beside sparrow: benchmarks, evaluation, tooling for tests
+    ("sparrow_lab", "sparrow_lab.*"),
 ]
 ROOT = "sparrow"
+LAB = "sparrow_lab"
+ROOTS = (ROOT, LAB)
 
 # Inside tier 1's kernels, bottom to top (the same rule: a module imports its own sub-tier or
 # lower ones). The concerns of sub-tier 1 (matmul, attention) never import each other.
 KERNEL_TIERS = [
     # 0: what every kernel shares: the target CPU, the weight formats, compile options, LLVM IR
-    #    helpers, calls through a compiled function's address, the one parallel launcher, IR
-    #    compiled for other CPUs (tests and scripts)
+    #    helpers, calls through a compiled function's address, the one parallel launcher
     (
         "sparrow.kernels.cpu",
-        "sparrow.kernels.cross",
         "sparrow.kernels.formats",
         "sparrow.kernels.options",
         "sparrow.kernels.ir",
@@ -74,6 +78,12 @@ KERNEL_TIERS = [
 ]
 APART = ("sparrow.kernels.matmul", "sparrow.kernels.attention")
 
+# Inside the lab, bottom to top: the evaluation and the test tooling, then the benchmarks over them.
+LAB_TIERS = [
+    ("sparrow_lab", "sparrow_lab.cross", "sparrow_lab.eval.*"),
+    ("sparrow_lab.bench.*",),
+]
+
 
 # ---------------------------------------------------------------------- the walker
 def package_modules(root: str = ROOT) -> dict[str, tuple[Path, bool]]:
@@ -90,8 +100,15 @@ def package_modules(root: str = ROOT) -> dict[str, tuple[Path, bool]]:
     return mods
 
 
-def imports_of(source: str, module: str, is_pkg: bool, known: set[str], root: str = ROOT) -> list[tuple[int, str]]:
-    """(line, imported module) for every import of a `root` module anywhere in source.
+def all_modules() -> dict[str, tuple[Path, bool]]:
+    """The engine's modules and the lab's, in one map (the lab is checked against the same tiers)."""
+    return {m: v for root in ROOTS for m, v in package_modules(root).items()}
+
+
+def imports_of(
+    source: str, module: str, is_pkg: bool, known: set[str], roots: tuple[str, ...] = ROOTS
+) -> list[tuple[int, str]]:
+    """(line, imported module) for every import of a module of `roots` anywhere in source.
 
     `from X import name` counts as an import of X.name when that is a module, else of X; a
     target that is no known module is cut back to its longest known prefix."""
@@ -110,7 +127,7 @@ def imports_of(source: str, module: str, is_pkg: bool, known: set[str], root: st
         else:
             continue
         for name in names:
-            if name != root and not name.startswith(root + "."):
+            if not any(name == root or name.startswith(root + ".") for root in roots):
                 continue
             while name not in known and "." in name:
                 name = name.rpartition(".")[0]
@@ -196,12 +213,12 @@ def _cycle_message(graph, cyc) -> str:
 
 # ---------------------------------------------------------------------- the checks
 def test_every_module_has_a_tier():
-    missing = [m for m in package_modules() if tier_of(m) is None]
+    missing = [m for m in all_modules() if tier_of(m) is None]
     assert not missing, f"modules with no tier (add them to TIERS in {__file__}): {missing}"
 
 
 def test_imports_go_down_the_tiers():
-    bad = upward_imports(import_graph(package_modules()))
+    bad = upward_imports(import_graph(all_modules()))
     assert not bad, "imports of a higher tier (see TIERS in tests/test_layers.py):\n  " + "\n  ".join(bad)
 
 
@@ -210,7 +227,7 @@ def kernel_tier_of(module: str) -> int | None:
 
 
 def test_kernels_import_down_their_sub_tiers():
-    graph = {m: e for m, e in import_graph(package_modules()).items() if m.startswith("sparrow.kernels")}
+    graph = {m: e for m, e in import_graph(all_modules()).items() if m.startswith("sparrow.kernels")}
     assert all(kernel_tier_of(m) is not None for m in graph), [m for m in graph if kernel_tier_of(m) is None]
     bad = upward_imports(graph, kernel_tier_of)
     assert not bad, "kernel imports of a higher sub-tier (KERNEL_TIERS in tests/test_layers.py):\n  " + "\n  ".join(bad)
@@ -226,8 +243,87 @@ def test_kernels_import_down_their_sub_tiers():
     assert upward_imports({"sparrow.kernels.ir": [(3, "sparrow.kernels.linear")]}, kernel_tier_of)
 
 
+def lab_tier_of(module: str) -> int | None:
+    return tier_of(module, LAB_TIERS)
+
+
+def test_lab_imports_down_its_sub_tiers():
+    graph = {m: e for m, e in import_graph(all_modules()).items() if m == LAB or m.startswith(LAB + ".")}
+    assert graph, "no sparrow_lab modules found: is the lab installed beside sparrow?"
+    assert all(lab_tier_of(m) is not None for m in graph), [m for m in graph if lab_tier_of(m) is None]
+    bad = upward_imports(graph, lab_tier_of)
+    assert not bad, "lab imports of a higher sub-tier (LAB_TIERS in tests/test_layers.py):\n  " + "\n  ".join(bad)
+
+
+def lab_names(source: str) -> list[int]:
+    """Lines where code (not a docstring or comment) names the lab: an identifier or a string."""
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if LAB in node.value:
+                found.add(node.lineno)
+        elif isinstance(node, ast.Name) and node.id == LAB:
+            found.add(node.lineno)
+        elif isinstance(node, ast.alias) and (node.name == LAB or node.name.startswith(LAB + ".")):
+            found.add(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module and (node.module + ".").startswith(LAB + "."):
+            found.add(node.lineno)
+    return sorted(found)
+
+
+def test_engine_never_imports_the_lab():
+    # Statically (the tiers above catch it too) and by name: an importlib call with the lab's
+    # name is invisible to the walker, so the lab's name may appear in the code of one module
+    # only, the CLI, whose `sparrow bench` loads sparrow_lab.bench.NAME when it runs.
+    engine = package_modules(ROOT)
+    graph = import_graph(all_modules())
+    static = [f"{m}:{line} imports {t}" for m in engine for line, t in graph[m] if t == LAB or t.startswith(LAB + ".")]
+    assert not static, "the engine package imports the lab:\n  " + "\n  ".join(static)
+    named = [f"{m}:{line}" for m, (path, _) in engine.items() for line in lab_names(path.read_text())]
+    assert [n.partition(":")[0] for n in named] == ["sparrow.cli"], (
+        f"only sparrow.cli may name {LAB} (its lazy `sparrow bench` dispatch); found: {named}"
+    )
+    # the checks see the lab when it is named
+    assert lab_names("import sparrow_lab.bench.speed\n") == [1]
+    assert lab_names("from sparrow_lab import cross\n") == [1]
+    assert lab_names('"""sparrow_lab in a docstring"""\nx = importlib.import_module("sparrow_lab.x")\n') == [2]
+    assert lab_names('"""sparrow_lab in a docstring"""\n# sparrow_lab in a comment\n') == []
+    assert upward_imports({"sparrow.api": [(7, "sparrow_lab.bench.speed")]}) == [
+        "sparrow.api:7 (tier 5) imports sparrow_lab.bench.speed (tier 7)"
+    ]
+
+
+def test_bench_without_the_lab_says_how_to_get_it(monkeypatch, capsys):
+    """Where sparrow_lab is not importable, `sparrow bench` fails in one line that says how to get it."""
+    import sys
+    from importlib.abc import MetaPathFinder
+
+    from sparrow import cli
+
+    class NoLab(MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == LAB or name.startswith(LAB + "."):
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    for name in [m for m in sys.modules if m == LAB or m.startswith(LAB + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [NoLab(), *sys.meta_path])
+    assert cli.main(["bench", "speed", "--help"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"needs the {LAB} package" in err and "pip install -e '.[lab]'" in err, err
+
+
 def test_no_import_cycles():
-    graph = import_graph(package_modules())
+    graph = import_graph(all_modules())
     found = [_cycle_message(graph, c) for c in cycles(graph)]
     assert not found, "import cycles between modules:\n  " + "\n  ".join(found)
 
@@ -314,3 +410,5 @@ def test_walker_sees_every_kind_of_import():
     real = import_graph(mods)
     assert "sparrow.api" in {t for _, t in real["sparrow.cli"]}  # `from .api import load` inside a function
     assert "sparrow.errors" in {t for _, t in real["sparrow.config"]}  # `from .errors import ...`
+    lab = import_graph(all_modules())["sparrow_lab.bench.needle"]
+    assert {"sparrow.api", "sparrow_lab.eval.report"} <= {t for _, t in lab}  # the lab's imports, both roots

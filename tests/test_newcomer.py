@@ -20,7 +20,7 @@ import time
 import pytest
 
 from sparrow import kernels as K
-from sparrow.eval import report
+from sparrow_lab.eval import report
 
 MISSING = ("matplotlib", "httpx", "llama_cpp")  # not in the base install
 
@@ -116,7 +116,7 @@ def test_bench_writes_its_record_on_a_base_install(tmp_path, bench, opts, record
         )
         assert {x["config"] for x in rec["rows"]} == {"exact", "sparse k=8"}
         assert rec["outputs"]["plots"] == [] and not list(d.glob("*.png"))
-        assert r.stderr.count("plots skipped") == 1 and "pip install -e '.[eval]'" in r.stderr
+        assert r.stderr.count("plots skipped") == 1 and "pip install -e '.[lab]'" in r.stderr
     assert not (tmp_path / "runs").exists()  # the record went where it was asked to
 
 
@@ -137,7 +137,7 @@ def _record(rows) -> dict:
 
 
 def test_an_error_while_plotting_costs_only_the_plots(tmp_path, monkeypatch, capsys):
-    from sparrow.bench import needle
+    from sparrow_lab.bench import needle
 
     def broken(prefix, rows):
         raise ValueError("bad axis")
@@ -154,7 +154,7 @@ def test_an_error_while_plotting_costs_only_the_plots(tmp_path, monkeypatch, cap
 
 
 def test_the_record_is_written_before_the_plots(tmp_path, monkeypatch):
-    from sparrow.bench import needle
+    from sparrow_lab.bench import needle
 
     seen = []
     monkeypatch.setattr(report, "plot", lambda prefix, rows: seen.append(sorted(os.listdir(tmp_path))) or [])

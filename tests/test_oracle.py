@@ -1,4 +1,4 @@
-"""The exact-block-mass oracle (sparrow.eval.oracle), the reference the selectors are measured
+"""The exact-block-mass oracle (sparrow_lab.eval.oracle), the reference the selectors are measured
 against: its blocks are the heaviest k by brute force, its output is attention over exactly
 those blocks, and in a fidelity run it replaces only sparse decode attention, for its own rows."""
 
@@ -7,10 +7,10 @@ import itertools
 import numpy as np
 import pytest
 
-from sparrow.eval import fidelity as fid
-from sparrow.eval import oracle
 from sparrow.kv_cache import KVCache
 from sparrow.models import decoder
+from sparrow_lab.eval import fidelity as fid
+from sparrow_lab.eval import oracle
 
 KVH, H, D, BLOCK = 2, 4, 16, 8
 
@@ -49,8 +49,8 @@ def test_oracle_rows_in_a_fidelity_run():
     than k=2 of v2 on the same prompt (it chooses by that mass), and the model's own attention
     and fused step are back afterwards."""
     import sparrow
-    from sparrow.eval import prompts
     from sparrow.params import SparseParams
+    from sparrow_lab.eval import prompts
 
     llm = sparrow.load()
     p = prompts.make_prompt(llm.tokenizer, "needle", 400, 0.5, seed=2)

@@ -289,8 +289,8 @@ def test_dropping_mapped_pages_keeps_the_bytes(tmp_path):
 def test_interleave_in_chunks_equals_one_pass(monkeypatch, qtype):
     """interleave copies rows in chunks of whole groups, reporting each once copied (the q8
     mode drops its file pages there): the same groups as one pass over every row."""
-    from sparrow.bench.rows import random_rows
     from sparrow.kernels.matmul.q8 import groups
+    from sparrow_lab.bench.rows import random_rows
 
     data = random_rows(qtype, 70, 256, seed=4)  # 8 full groups and one of 6 rows
     whole = groups.interleave(data, qtype)
@@ -306,9 +306,9 @@ def test_interleave_moves_each_region_as_its_table_says(qtype):
     """groups._interleave (one unaligned move per run of 4 or 2 bytes) against a byte-by-byte
     reading of groups.REGIONS: run f of a region's bytes (src, dst, length, width) in row r's
     block b goes to the group's block b at 8 dst + width r + 8 width f."""
-    from sparrow.bench.rows import random_rows
     from sparrow.kernels.matmul.q8 import groups
     from sparrow.quant import BLOCK_BYTES
+    from sparrow_lab.bench.rows import random_rows
 
     data = random_rows(qtype, 21, 512, seed=6)  # 2 full groups and one of 5 rows
     bb, gb = BLOCK_BYTES[qtype], groups.GROUP_BYTES[qtype]
@@ -367,9 +367,9 @@ def test_q8_mode_keeps_the_files_pages_out_of_the_resident_set(tmp_path):
     set through a prefill and decode steps: small tensors (norms) are copies, not views of the
     mapping, and the embedding table, only looked up where the head has its own rows, gives
     back the pages each lookup faulted in. Exact mode with a tied head reads the table itself."""
-    from sparrow.bench import shapes
     from sparrow.models.decoder import Segment
     from sparrow.quant import _mapping
+    from sparrow_lab.bench import shapes
 
     tiny = dict(
         hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, ffn=512, vocab=4096, tied=True,

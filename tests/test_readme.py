@@ -8,7 +8,8 @@
 - `serve run MODULE:ATTR` names an attribute that exists.
 - The two set-up commands are byte for byte the ones users and CI run, and `.ci/run` runs the
   test command verbatim.
-- docs/architecture.md's layout names every module of the package, and only modules that exist.
+- docs/architecture.md's layout names every module of the engine package and of the lab
+  (sparrow_lab), and only modules that exist.
 - Every relative link in README.md and docs/ points to a file that exists and, with a
   `#fragment`, to a heading in it. Links into `../shared/` (the project's spec folder beside the
   repository) are skipped where that folder is absent, as in a user's clone.
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from sparrow.cli import build_parser
+from sparrow.cli import build_parser, lab_module
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -108,7 +109,7 @@ def test_readme_command_parses(argv, monkeypatch):
         pytest.fail(f"sparrow's parser rejects the README's command: {line}")
     if ns.cmd != "bench":
         return
-    module = importlib.import_module(f"sparrow.bench.{ns.bench.replace('-', '_')}")
+    module = lab_module(ns.bench)  # the CLI's own dispatch into sparrow_lab
     parse_args = argparse.ArgumentParser.parse_args
 
     def parse_then_stop(self, args=None, namespace=None):
@@ -121,7 +122,7 @@ def test_readme_command_parses(argv, monkeypatch):
         return
     except SystemExit:
         pytest.fail(f"`sparrow bench {ns.bench}`'s parser rejects the README's command: {line}")
-    pytest.fail(f"sparrow.bench.{ns.bench}.main returned without parsing its arguments")
+    pytest.fail(f"sparrow_lab.bench.{ns.bench}.main returned without parsing its arguments")
 
 
 def test_serve_run_targets_exist():
@@ -139,10 +140,11 @@ def test_setup_commands_verbatim():
     assert TEST_COMMAND in (REPO / ".ci" / "run").read_text(), ".ci/run no longer runs the README's test command"
 
 
-def test_layout_lists_every_module():
-    """The layout block names each module under its package; empty __init__.py files excepted."""
+@pytest.mark.parametrize("package", ["sparrow", "sparrow_lab"])
+def test_layout_lists_every_module(package):
+    """The package's layout block names each of its modules; empty __init__.py files excepted."""
     doc = REPO / "docs" / "architecture.md"
-    block = next(b for b in fenced_blocks(doc.read_text()) if b.startswith("sparrow/\n"))
+    block = next(b for b in fenced_blocks(doc.read_text()) if b.startswith(f"{package}/\n"))
     listed, folders = set(), []  # folders: (indent, "name/") of the lines above, outermost first
     for line in block.split("\n"):
         if m := re.match(r"( +)(\w+)/", line):
@@ -151,7 +153,7 @@ def test_layout_lists_every_module():
         elif m := re.match(r"( +)(\w+\.py) ", line):
             folders = [f for f in folders if f[0] < len(m.group(1))]
             listed.add("".join(name for _, name in folders) + m.group(2))
-    root = REPO / "sparrow"
+    root = REPO / package
     present = {
         p.relative_to(root).as_posix() for p in root.rglob("*.py") if p.stat().st_size or p.name != "__init__.py"
     }

@@ -182,7 +182,7 @@ def test_one_pass_verification_equals_decode_steps(default_llm, monkeypatch, kv,
 def tiny_k_quant(tmp_path_factory):
     """A Q4_K_M-style tiny Qwen3 file (q4_k and q6_k rows, q/k norms), in both activation modes."""
     import sparrow
-    from sparrow.bench import shapes
+    from sparrow_lab.bench import shapes
 
     tiny = dict(
         hidden=256, layers=3, heads=4, kv_heads=2, head_dim=64, ffn=512, vocab=512, tied=True,

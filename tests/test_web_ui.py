@@ -317,7 +317,7 @@ def needle():
     """The article's needle prompt: ~2K tokens (65 blocks), "Zara's favorite food is ramen." at
     half depth."""
     import sparrow
-    from sparrow.eval.prompts import make_prompt
+    from sparrow_lab.eval.prompts import make_prompt
 
     llm = sparrow.load()
     p = make_prompt(llm.tokenizer, "needle", 2048, 0.5, 0, answer_prefix=False)

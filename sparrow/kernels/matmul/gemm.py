@@ -97,7 +97,7 @@ def emit_tile(builder, x0, b0, k_n, crow, mr=MR, nw=NW, lanes=LANES):
 def tile_module(mr: int, nw: int, lanes: int, triple: str) -> ir.Module:
     """emit_tile's loop for an mr x nw x lanes tile as a module for triple: a function
     tile(x0, b0, c0, ldc, k_n) of f32 pointers, for compiling to other CPUs
-    (kernels/cross.py: tests/test_arm64.py, scripts/neon_model.py)."""
+    (sparrow_lab/cross.py: tests/test_arm64.py, scripts/neon_model.py)."""
     m = ir.Module("gemm")
     m.triple = triple
     pf = F32.as_pointer()

@@ -26,8 +26,8 @@ import time
 
 import numpy as np
 
-from sparrow.bench import shapes
-from sparrow.bench.host import cpu_info, load_avg, rss_peak_mb
+from sparrow_lab.bench import shapes
+from sparrow_lab.bench.host import cpu_info, load_avg, rss_peak_mb
 
 QUESTION = 24  # tokens after the document: a new question each time
 
@@ -60,7 +60,7 @@ def _child(a) -> None:
 
 
 def _run(a, folder: str, again: bool) -> dict:
-    cmd = [sys.executable, "-m", "sparrow.bench.prompt_cache", "--_child", "--folder", folder]
+    cmd = [sys.executable, "-m", "sparrow_lab.bench.prompt_cache", "--_child", "--folder", folder]
     cmd += ["--model", a.model, "--threads", str(a.threads), "--kv-dtype", a.kv_dtype, "--context", str(a.context)]
     cmd += ["--ctx", str(a.ctx)] + (["--again"] if again else [])
     done = subprocess.run(cmd, capture_output=True, text=True)

@@ -146,7 +146,7 @@ def main(argv=None):
         help="write the JSON record here (default runs/attention-<timestamp>/attention.json)",
     )
     a = p.parse_args(argv)
-    from sparrow.eval import report
+    from sparrow_lab.eval import report
 
     out = report.record_path("attention", a.json)
     selectors = tuple(x.strip() for x in a.selectors.split(",") if x.strip())

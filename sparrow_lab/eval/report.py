@@ -14,7 +14,7 @@ import sys
 import time
 from collections import defaultdict
 
-from ..errors import SparrowError
+from sparrow.errors import SparrowError
 
 
 def run_dir(bench: str, out: str | None) -> str:
@@ -196,7 +196,7 @@ def write_markdown(path: str, rows: list[dict], title: str = "", header: str = "
     return path
 
 
-PLOT_INSTALL = "pip install matplotlib, or pip install -e '.[eval]'"
+PLOT_INSTALL = "pip install matplotlib, or pip install -e '.[lab]'"
 
 
 def plots_or_notice(path_prefix: str, rows: list[dict]) -> list[str]:

@@ -51,8 +51,9 @@ import time
 
 import numpy as np
 
-from sparrow.bench import bandwidth
-from sparrow.bench.host import (
+from sparrow.engine.runner import PREFILL_CHUNK as CHUNK
+from sparrow_lab.bench import bandwidth
+from sparrow_lab.bench.host import (
     MB,
     busy_threshold,
     cpu_busy,
@@ -63,7 +64,6 @@ from sparrow.bench.host import (
     status_mib,
     versions,
 )
-from sparrow.engine.runner import PREFILL_CHUNK as CHUNK
 
 WORK_MIB = 256  # prefill chunk work buffers (scores, activations) the bound allows beyond the cache
 SPARROW_MODES = ("exact", "seed", "v2")
@@ -112,7 +112,7 @@ class SparrowEngine:
     def start(self, length, n_decode):
         """Makes the random prompt and decode feed, warms up every mode on a small cache (kernels
         compiled, weights paged in), then allocates the cache: capacity length + n_decode."""
-        from sparrow.bench.engines import random_ids
+        from sparrow_lab.bench.engines import random_ids
 
         rng = np.random.default_rng(0)
         self.prompt = random_ids(rng, self.model.config, length).astype(np.int64)
@@ -218,7 +218,7 @@ class LlamaEngine:
     def start(self, prompt, feed):
         from llama_cpp import Llama
 
-        from sparrow.bench.engines import LlamaRunner
+        from sparrow_lab.bench.engines import LlamaRunner
 
         self.prompt, self.feed = prompt, feed
         self.llm = Llama(
@@ -279,7 +279,7 @@ class Child:
     """The parent's handle on one engine process."""
 
     def __init__(self, role, path, a):
-        cmd = [sys.executable, "-m", "sparrow.bench.long_context", "--_child", role, "--path", path]
+        cmd = [sys.executable, "-m", "sparrow_lab.bench.long_context", "--_child", role, "--path", path]
         cmd += ["--threads", str(a.threads), "--kv", a.kv, "--sparse-k", str(a.sparse_k)]
         cmd += ["--activations", a.activations]
         if role == SPARSE_PREFILL:
@@ -349,8 +349,8 @@ def _ttft_ratios(ttft):
 
 def _contexts(text: str, what: str) -> list[int]:
     """--contexts / --synth: positive token counts, ascending; empty gives none."""
-    from sparrow.bench.needle import _ints
     from sparrow.errors import SparrowError
+    from sparrow_lab.bench.needle import _ints
 
     vals = sorted(_ints(text, what)) if text.strip() else []
     if vals and vals[0] < 1:
@@ -359,9 +359,9 @@ def _contexts(text: str, what: str) -> list[int]:
 
 
 def run(a) -> dict:
-    from sparrow.bench import shapes
-    from sparrow.eval import report
     from sparrow.loaders import default_model_path
+    from sparrow_lab.bench import shapes
+    from sparrow_lab.eval import report
 
     path = shapes.ensure(a.shape, a.type) if a.shape else (a.model or default_model_path())
     contexts, synth = _contexts(a.contexts, "contexts"), _contexts(a.synth, "synth")
@@ -561,8 +561,8 @@ def markdown(rec) -> str:
 
 
 def main(argv=None):
-    from sparrow.bench import shapes
     from sparrow.params import KV_DTYPES, SELECTORS
+    from sparrow_lab.bench import shapes
 
     ap = argparse.ArgumentParser(prog="sparrow bench long-context", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="GGUF or HF folder (default: SmolLM2-135M-Instruct Q4_1)")
@@ -595,7 +595,7 @@ def main(argv=None):
     if a._child:
         return _child_main(a)
     from sparrow.errors import SparrowError
-    from sparrow.eval import report
+    from sparrow_lab.eval import report
 
     if a.shape and a.model:
         raise SparrowError("give --model or --shape, not both")

@@ -21,13 +21,13 @@ Decode as users meet it: for each context, a fresh random prompt of that length 
 serves; exact and sparse. The runner rows above rewind one cache and so never show a difference
 between a freshly prefilled context and a reused one; these rows do (--no-stream skips them).
 
-Roofline: the machine's read bandwidth is measured first (sparrow.bench.bandwidth: a sum over a
+Roofline: the machine's read bandwidth is measured first (sparrow_lab.bench.bandwidth: a sum over a
 buffer far larger than the last-level cache, on the bench's threads), and every decode cell
 gives the bytes a token reads (weights from the file's tensor table, KV rows by mode) and the
 share of that bandwidth reached, for both engines.
 
 --shape NAME --type q8_0|q4_0|q4_k_m benches a random-weight GGUF with a real model's exact tensor shapes
-(sparrow.bench.shapes; written once into the cache directory).
+(sparrow_lab.bench.shapes; written once into the cache directory).
 
 Memory: both engines run in this one process. llama.cpp's CPU repack buffer copies every matrix it
 has interleaved kernels for (q4_0, q4_k, ...; the stacked experts too) into memory of its own at
@@ -50,9 +50,12 @@ import time
 
 import numpy as np
 
-from sparrow.bench import bandwidth
-from sparrow.bench.engines import MODES, LlamaRunner, SparrowRunner, random_ids, run_pass
-from sparrow.bench.host import (
+from sparrow.engine.runner import PREFILL_CHUNK as CHUNK  # llama.cpp's n_batch matches sparrow's chunk
+from sparrow.kernels import cpu as kernel_cpu
+from sparrow.params import SELECTORS
+from sparrow_lab.bench import bandwidth
+from sparrow_lab.bench.engines import MODES, LlamaRunner, SparrowRunner, random_ids, run_pass
+from sparrow_lab.bench.host import (
     MB,
     busy_threshold,
     cpu_busy,
@@ -61,11 +64,8 @@ from sparrow.bench.host import (
     load_avg,
     versions,
 )
-from sparrow.bench.speed_report import markdown, median, roofline, summarise
-from sparrow.bench.startup import llama_rss, startup_child, startup_runs
-from sparrow.engine.runner import PREFILL_CHUNK as CHUNK  # llama.cpp's n_batch matches sparrow's chunk
-from sparrow.kernels import cpu as kernel_cpu
-from sparrow.params import SELECTORS
+from sparrow_lab.bench.speed_report import markdown, median, roofline, summarise
+from sparrow_lab.bench.startup import llama_rss, startup_child, startup_runs
 
 _BUSY_LOOP = "while True: pass"
 
@@ -101,14 +101,14 @@ def contention(runners, context, feed, rounds, sparse_k):
 
 def _moe_rows(threads):
     try:
-        from sparrow.bench import speed_moe
+        from sparrow_lab.bench import speed_moe
     except ImportError:
         return None
     return speed_moe.run(threads=threads)
 
 
 def main(argv=None):
-    from sparrow.bench import shapes
+    from sparrow_lab.bench import shapes
 
     ap = argparse.ArgumentParser(prog="sparrow bench speed", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="GGUF or HF folder (default: SmolLM2-135M-Instruct Q4_1)")
@@ -116,7 +116,7 @@ def main(argv=None):
         "--shape",
         choices=list(shapes.SHAPES),
         help="bench a random-weight GGUF with this model's exact tensor shapes (written once "
-        "into the cache directory, sparrow.bench.shapes)",
+        "into the cache directory, sparrow_lab.bench.shapes)",
     )
     ap.add_argument("--type", default="q8_0", choices=shapes.TYPES, help="weight type of the --shape file")
     ap.add_argument("--contexts", default="512,2048,7000")
@@ -152,7 +152,7 @@ def main(argv=None):
         choices=["f32", "q8"],
         help="q8: add prefill and decode rows with 8-bit activations (the named non-exact mode)",
     )
-    ap.add_argument("--moe", action="store_true", help="add the MoE layer row (sparrow.bench.speed_moe)")
+    ap.add_argument("--moe", action="store_true", help="add the MoE layer row (sparrow_lab.bench.speed_moe)")
     ap.add_argument("--json", help="write the JSON record here (default runs/speed-<timestamp>/speed.json)")
     ap.add_argument("--md", help="write the markdown table here")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
@@ -162,13 +162,13 @@ def main(argv=None):
     if a._child == "llama_rss":
         return llama_rss(a.model, a.threads)
     if a.shape and shapes.SHAPES[a.shape].get("vision"):  # an image model: its own rows (speed_vl.py)
-        from sparrow.bench import speed_vl
+        from sparrow_lab.bench import speed_vl
 
         return speed_vl.main(a)
 
     from sparrow.errors import SparrowError
-    from sparrow.eval import report
     from sparrow.loaders import default_model_path
+    from sparrow_lab.eval import report
 
     load_start = load_avg()  # before anything of ours runs
     cpu = cpu_info()
@@ -283,7 +283,7 @@ def main(argv=None):
     md = markdown(rec)
     print(md)
     if rec.get("moe"):
-        print("\nMoE layer (sparrow.bench.speed_moe):")
+        print("\nMoE layer (sparrow_lab.bench.speed_moe):")
         for row in rec["moe"]:
             print("  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     print(f"wrote {out}", file=sys.stderr)

@@ -1,9 +1,9 @@
 """Where a Qwen3-MoE decode step's time goes: a few layers of the qwen3-30b-a3b shape, three ways.
 
-`python -m sparrow.bench.moe_decode [--layers 4] [--threads 2] [--activations f32|q8]`
+`python -m sparrow_lab.bench.moe_decode [--layers 4] [--threads 2] [--activations f32|q8]`
 
 A random-weight Q4_K_M file with Qwen3-30B-A3B's per-layer shapes and `--layers` layers
-(sparrow.bench.shapes; written once into a temporary folder, or --path) is decoded one token at
+(sparrow_lab.bench.shapes; written once into a temporary folder, or --path) is decoded one token at
 a time after a short prefill, by
 - `widen+dot`: the staged path with the expert kernels that widen each stored row to f32 and
   dot it (kernels.moe.StackedExperts, the experts' kernels for f16 / bf16 / f32 files),
@@ -34,7 +34,7 @@ VARIANTS = ("widen+dot", "staged", "fused")
 
 
 def small_shape(layers: int) -> dict:
-    from sparrow.bench import shapes
+    from sparrow_lab.bench import shapes
 
     return dict(shapes.SHAPES["qwen3-30b-a3b"], layers=layers)
 
@@ -134,10 +134,10 @@ def table(rows: dict) -> str:
 
 
 def main(argv=None):
-    from sparrow.bench import shapes
-    from sparrow.bench.host import load_avg
+    from sparrow_lab.bench import shapes
+    from sparrow_lab.bench.host import load_avg
 
-    ap = argparse.ArgumentParser(prog="python -m sparrow.bench.moe_decode", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m sparrow_lab.bench.moe_decode", description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--activations", choices=("f32", "q8"), default="f32")

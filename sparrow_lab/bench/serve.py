@@ -28,8 +28,9 @@ import threading
 import time
 import urllib.request
 
-from ..eval import report
-from ..server.metrics import parse_prometheus
+from sparrow.server.metrics import parse_prometheus
+from sparrow_lab.eval import report
+
 from .sse import events
 
 
@@ -125,8 +126,9 @@ def _stop(proc) -> None:
 
 
 def _load(a, url, proc, out, argv) -> None:
-    from .. import api
-    from ..engine.kv_budget import parse_size
+    from sparrow import api
+    from sparrow.engine.kv_budget import parse_size
+
     from . import serve_load as sl
 
     jobs = sl.make_jobs(a.requests)

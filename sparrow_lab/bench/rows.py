@@ -28,10 +28,10 @@ import numba
 import numpy as np
 from numba import njit
 
-from ..errors import SparrowError
-from ..kernels.formats import BY_NAME
-from ..kernels.native_call import call_native
-from ..kernels.options import KW
+from sparrow.errors import SparrowError
+from sparrow.kernels.formats import BY_NAME
+from sparrow.kernels.native_call import call_native
+from sparrow.kernels.options import KW
 
 TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 MIB = 1 << 20
@@ -116,7 +116,7 @@ def _timed(run, reps: int, passes: int, min_s: float) -> tuple[float, int]:
 
 def rows_runner(addrs, data, kind, x, sx, threads):
     """run(reps): every row of data dotted with x reps times on `threads` threads, one launch."""
-    from ..kernels.parallel import run_parallel
+    from sparrow.kernels.parallel import run_parallel
 
     y = np.empty((1, data.shape[0]), np.float32)
 
@@ -127,8 +127,8 @@ def rows_runner(addrs, data, kind, x, sx, threads):
 
 
 def measure(qtypes, threads, sizes, k, memory_mib, passes, min_ms, log=print) -> list[dict]:
-    from ..kernels.matmul import widen
-    from ..kernels.parallel import run_parallel
+    from sparrow.kernels.matmul import widen
+    from sparrow.kernels.parallel import run_parallel
 
     rng = np.random.default_rng(1)
     x = rng.standard_normal((1, k)).astype(np.float32)

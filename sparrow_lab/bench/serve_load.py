@@ -21,7 +21,8 @@ import time
 import urllib.error
 import urllib.request
 
-from ..server.metrics import parse_prometheus
+from sparrow.server.metrics import parse_prometheus
+
 from .sse import events
 
 WORDS = "river stone maple lantern orbit velvet harbor meadow copper whisper canyon ember glacier".split()

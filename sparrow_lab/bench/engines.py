@@ -9,8 +9,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from sparrow.bench.host import load_avg, machine_counters
 from sparrow.engine.runner import PREFILL_CHUNK as CHUNK  # llama.cpp's n_batch matches sparrow's chunk
+from sparrow_lab.bench.host import load_avg, machine_counters
 
 # decode modes: (KV cache dtype, sparse top-k?, activations); the q8 ones with --activations q8
 MODES = {

@@ -21,9 +21,9 @@ import time
 
 import numpy as np
 
-from ..eval import report
-from ..eval.fidelity import kl_per_token
-from ..eval.prompts import filler_sentences
+from sparrow_lab.eval import report
+from sparrow_lab.eval.fidelity import kl_per_token
+from sparrow_lab.eval.prompts import filler_sentences
 
 
 def _teacher_forced(llm, ids) -> np.ndarray:
@@ -34,7 +34,7 @@ def _teacher_forced(llm, ids) -> np.ndarray:
 
 def _prefill(llm, ids) -> tuple[np.ndarray, float]:
     """(logits [len(ids), V] of one forward over ids from an empty cache, its seconds)."""
-    from ..models.decoder import Segment
+    from sparrow.models.decoder import Segment
 
     cache = llm.model.new_cache(len(ids) + 1, "f32")
     t0 = time.perf_counter()
@@ -54,7 +54,7 @@ def _decode_ms(llm, ids, n) -> float:
 
 
 def main(argv=None) -> dict:
-    from ..api import load
+    from sparrow.api import load
 
     p = argparse.ArgumentParser(prog="sparrow bench activations", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="GGUF or HF folder (default: SmolLM2-135M-Instruct Q4_1)")

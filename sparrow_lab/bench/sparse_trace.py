@@ -26,8 +26,9 @@ import statistics
 import time
 from types import SimpleNamespace
 
-from ..eval.prompts import make_prompt
-from ..loaders import open_checkpoint
+from sparrow.loaders import open_checkpoint
+from sparrow_lab.eval.prompts import make_prompt
+
 from .host import load_avg
 from .serve import _post, _start, _stop
 from .sse import events

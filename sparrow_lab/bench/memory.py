@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 
-from sparrow.bench.host import load_avg, reset_peak, status_mib
+from sparrow_lab.bench.host import load_avg, reset_peak, status_mib
 
 MIB = 1 << 20
 BOUND_SLACK_MIB = 150  # issue 34 item 4: file + 10% + KV + 150 MB
@@ -31,9 +31,9 @@ BOUND_SLACK_MIB = 150  # issue 34 item 4: file + 10% + KV + 150 MB
 def child(path, activations, kv, prompt, decode, threads) -> dict:
     """In the measured process: load, warm up, one request; the figures as a dict."""
     from sparrow.api import load
-    from sparrow.bench.engines import random_ids
-    from sparrow.bench.startup import _mapped_mb
     from sparrow.engine.warmup import warm
+    from sparrow_lab.bench.engines import random_ids
+    from sparrow_lab.bench.startup import _mapped_mb
 
     llm = load(path, threads=threads, activations=None if activations == "auto" else activations)
     out = {"load_peak": status_mib("VmHWM"), "load_end": status_mib("VmRSS"), "mode": llm.model.activations}
@@ -69,7 +69,7 @@ def _llama_child(path, prompt, decode, threads) -> dict:
 
 
 def _run_child(kind: str, args: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "sparrow.bench.memory", "--_child", kind, *args]
+    cmd = [sys.executable, "-m", "sparrow_lab.bench.memory", "--_child", kind, *args]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         return {"error": (r.stderr.strip().splitlines() or ["failed"])[-1]}
@@ -106,8 +106,8 @@ def table(rec: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    from sparrow.bench import shapes
     from sparrow.errors import SparrowError
+    from sparrow_lab.bench import shapes
 
     ap = argparse.ArgumentParser(prog="sparrow bench memory", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="GGUF or HF folder (default: SmolLM2-135M-Instruct Q4_1)")

@@ -129,7 +129,7 @@ def _llama_rows(rec) -> list[str]:
 
 
 def main(a) -> int:
-    from sparrow.eval import report
+    from sparrow_lab.eval import report
 
     rec = run(a)
     out = report.record_path("speed", a.json)

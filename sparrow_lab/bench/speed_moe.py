@@ -124,7 +124,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     rows = run(a.threads, a.qtype, tuple(a.batches), a.prefill, a.repeats, a.experts)
     if a.json:  # before the table
-        from sparrow.eval import report
+        from sparrow_lab.eval import report
 
         report.write_json(report.record_path("speed_moe", a.json), {"bench": "speed_moe", "rows": rows})
     print(

@@ -44,9 +44,9 @@ import os
 import textwrap
 import time
 
-from sparrow.bench.host import cpu_info, load_avg, versions
 from sparrow.errors import SparrowError
-from sparrow.eval.prompts import meeting_minutes
+from sparrow_lab.bench.host import cpu_info, load_avg, versions
+from sparrow_lab.eval.prompts import meeting_minutes
 
 
 def _timed(outputs) -> tuple[float, list]:
@@ -168,7 +168,7 @@ class LlamaRewrite:
     and one with the drafter, with which the bindings compute every row's logits."""
 
     def __init__(self, path, threads, ids, max_tokens, ks, eos_ids):
-        from sparrow.bench.engines import LlamaRunner
+        from sparrow_lab.bench.engines import LlamaRunner
 
         lookup = _lookup_drafter()
         self.default_k = inspect.signature(lookup).parameters["num_pred_tokens"].default
@@ -333,12 +333,12 @@ def main(argv=None) -> None:
     if a.synth and (a.draft_shape or a.draft_model):
         raise SparrowError("give --synth or --draft-shape / --draft-model, not both")
     if a.draft_shape or a.draft_model:
-        from sparrow.bench import speculative_cost
+        from sparrow_lab.bench import speculative_cost
 
         speculative_cost.draft_model_cost(a)
         return
     if a.synth:
-        from sparrow.bench import speculative_cost
+        from sparrow_lab.bench import speculative_cost
 
         speculative_cost.main(a)
         return

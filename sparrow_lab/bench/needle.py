@@ -18,8 +18,8 @@ import os
 import sys
 import time
 
-from ..errors import SparrowError
-from ..params import KV_DTYPES
+from sparrow.errors import SparrowError
+from sparrow.params import KV_DTYPES
 
 DEFAULT_MODEL_TAG = "SmolLM2-135M"
 
@@ -42,7 +42,7 @@ def add_common_args(p: argparse.ArgumentParser, lengths: str, depths: str, ks: s
         default="seed",
         help="comma list of block selectors run at every k: seed, v2, v2 ablations "
         "(v2-nosink, v2-norecent, v2-dense<N>), and oracle (each head's k blocks of largest exact softmax "
-        "mass, v2's dense layers; a reference that reads every key, sparrow.eval.oracle)",
+        "mass, v2's dense layers; a reference that reads every key, sparrow_lab.eval.oracle)",
     )
     p.add_argument(
         "--sparse-prefill",
@@ -76,9 +76,9 @@ def _ints(s: str, what: str) -> list[int]:
 
 
 def parse_grid(a) -> dict:
-    from ..eval.oracle import oracle_params
-    from ..eval.prompts import TASKS, parse_length
-    from ..params import SparseParams
+    from sparrow.params import SparseParams
+    from sparrow_lab.eval.oracle import oracle_params
+    from sparrow_lab.eval.prompts import TASKS, parse_length
 
     tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
     for t in tasks:
@@ -120,7 +120,7 @@ def use_prefix(a, llm) -> bool:
 
 def warm_up(llm, configs) -> None:
     """Compiles (or loads from numba's cache) every kernel before anything is timed."""
-    from ..eval.fidelity import run_prompt
+    from sparrow_lab.eval.fidelity import run_prompt
 
     ids = llm.tokenizer.encode("The library in Oakton opens at 9 am. " * 12)
     run_prompt(llm, ids, configs, n_tokens=3, fidelity=True)
@@ -132,9 +132,9 @@ def sweep(
     """Every task x length x depth prompt, every configuration; one row per (prompt, config)."""
     from tqdm import tqdm
 
-    from ..eval.fidelity import prefill, run_prompt
-    from ..eval.prompts import make_prompt
-    from ..eval.scoring import repetition_ratio, score
+    from sparrow_lab.eval.fidelity import prefill, run_prompt
+    from sparrow_lab.eval.prompts import make_prompt
+    from sparrow_lab.eval.scoring import repetition_ratio, score
 
     cases = [(t, L, i, d) for t in grid["tasks"] for L in grid["lengths"] for i, d in enumerate(grid["depths"])]
     for _, L, _, _ in cases:
@@ -171,8 +171,8 @@ def run(a, bench: str, fidelity: bool, title: str, argv=None) -> dict:
     """Loads the model, sweeps, writes <bench>.json, <bench>.md and the plots (optional: without
     matplotlib they are skipped with a notice); returns the record.
     With --from-json, only re-renders the table and plots of a finished run."""
-    from .. import api
-    from ..eval import report
+    from sparrow import api
+    from sparrow_lab.eval import report
 
     if a.from_json:
         try:
@@ -213,7 +213,7 @@ def run(a, bench: str, fidelity: bool, title: str, argv=None) -> dict:
 
 
 def write_outputs(record: dict, out: str, title: str, plots: bool = True) -> dict:
-    from ..eval import report
+    from sparrow_lab.eval import report
 
     bench, rows = record["bench"], record["rows"]
     os.makedirs(out, exist_ok=True)

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from sparrow.bench.host import load_avg, rss_now_mb, rss_peak_mb
+from sparrow_lab.bench.host import load_avg, rss_now_mb, rss_peak_mb
 
 
 def _mapped_mb(*names):
@@ -73,7 +73,7 @@ def llama_rss(path, threads):
 
 def _child(args, env=None):
     r = subprocess.run(
-        [sys.executable, "-m", "sparrow.bench.speed"] + args, capture_output=True, text=True, env=env, timeout=1200
+        [sys.executable, "-m", "sparrow_lab.bench.speed"] + args, capture_output=True, text=True, env=env, timeout=1200
     )
     if r.returncode != 0:
         return {"error": r.stderr.strip().splitlines()[-1:] or ["failed"]}

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import SparrowError
-from ..tokenizer import SpecialText
+from sparrow.errors import SparrowError
+from sparrow.tokenizer import SpecialText
 
 TOWNS = [
     "Oakton",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..params import SparseParams
+from sparrow.params import SparseParams
 
 
 @dataclass
@@ -61,7 +61,7 @@ def attend(q, layer, seq_len, scale, k, block, trace=None) -> np.ndarray:
 def oracle_attention(model):
     """While active, `model`'s decode attention with sparse settings is the oracle's (the staged
     path: the fused step's attention is compiled and cannot be replaced)."""
-    from ..models import decoder
+    from sparrow.models import decoder
 
     original = decoder.decode_attention
 

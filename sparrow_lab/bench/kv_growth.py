@@ -1,7 +1,7 @@
 """How much a KV cache's growth costs decode (the figure quoted in engine/kv_budget.py):
 a decode step at ~4K positions beside one resize copy of that cache, on the default model.
 
-`python -m sparrow.bench.kv_growth`
+`python -m sparrow_lab.bench.kv_growth`
 """
 
 import time

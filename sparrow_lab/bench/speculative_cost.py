@@ -36,7 +36,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from sparrow.bench.host import cpu_info, load_avg
+from sparrow_lab.bench.host import cpu_info, load_avg
 
 SHORT = 32  # the position of the components that price everything but attention
 
@@ -75,7 +75,7 @@ def acceptance(a) -> dict:
 
 def _document_prompt(llm, tokens: int) -> list[int]:
     """A chat prompt of about `tokens` tokens (at most): minutes of meetings and a question."""
-    from sparrow.eval.prompts import meeting_minutes
+    from sparrow_lab.eval.prompts import meeting_minutes
 
     sentences = max(1, tokens // 40)
     for _ in range(4):  # scale the document to the tokenizer's rate
@@ -118,10 +118,10 @@ def components(llm, ctx: int, a) -> dict:
     """Median seconds over --rounds interleaved rounds: 'plain' (a decode step), ('draft', sel, k),
     ('old' | 'new', R) (verification of R rows), and 'short', ('short', R): a step and the
     one-pass verification at position SHORT, i.e. what they cost besides reading the K/V."""
-    from sparrow.bench.engines import random_ids
-    from sparrow.bench.long_context import fill_random
     from sparrow.engine.runner import Slot
     from sparrow.params import SparseParams
+    from sparrow_lab.bench.engines import random_ids
+    from sparrow_lab.bench.long_context import fill_random
 
     model, runner = llm.model, llm.runner
     Ks = [int(t) for t in a.tokens.split(",")]
@@ -197,10 +197,10 @@ def worst_case(c: dict, sel: str, k: int, K: int, n: int) -> float:
 def end_to_end(llm, ctx: int, a) -> dict:
     """Greedy decoding of --e2e-tokens after a synthesised cache of ctx positions: plain against
     sparse speculation (fixed K, first selector and k), same tokens; tok/s after the first."""
-    from sparrow.bench.engines import random_ids
-    from sparrow.bench.long_context import fill_random
     from sparrow.engine.sequence import Sequence
     from sparrow.params import SamplingParams, SparseParams, SpeculativeParams
+    from sparrow_lab.bench.engines import random_ids
+    from sparrow_lab.bench.long_context import fill_random
 
     runner, n = llm.runner, a.e2e_tokens
     sel, k = _pairs(a)[0]
@@ -243,7 +243,7 @@ def main(a) -> None:
     import gc
 
     import sparrow
-    from sparrow.bench import shapes
+    from sparrow_lab.bench import shapes
 
     cpu = cpu_info()
     print(f"# speculative decoding, the cost side: CPU {cpu.get('model', '?')}; load average at start {load_avg()}")
@@ -310,11 +310,11 @@ def draft_model_cost(a) -> None:
     against draft speculation (K = the largest --tokens), checks the tokens equal and gives the
     speed at the acceptance random weights give (stated)."""
     import sparrow
-    from sparrow.bench import shapes
-    from sparrow.bench.engines import random_ids
     from sparrow.engine.sequence import Sequence
     from sparrow.loaders import default_model_path
     from sparrow.params import SamplingParams, SpeculativeParams
+    from sparrow_lab.bench import shapes
+    from sparrow_lab.bench.engines import random_ids
 
     cpu = cpu_info()
     print(f"# speculative decoding with a draft model, the cost side: CPU {cpu.get('model', '?')}; load {load_avg()}")

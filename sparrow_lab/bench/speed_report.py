@@ -4,9 +4,9 @@ against the measured bandwidth), and the markdown report with its header."""
 import os
 import statistics
 
-from sparrow.bench import bandwidth
-from sparrow.bench.engines import MODES
 from sparrow.kernels import cpu as kernel_cpu
+from sparrow_lab.bench import bandwidth
+from sparrow_lab.bench.engines import MODES
 
 LABELS = {
     "exact": "exact, f32 KV",

@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..engine.runner import Slot
-from ..errors import SparrowError
-from ..kernels import set_threads
-from ..models.timing import timed
-from ..params import SparseParams
+from sparrow.engine.runner import Slot
+from sparrow.errors import SparrowError
+from sparrow.kernels import set_threads
+from sparrow.models.timing import timed
+from sparrow.params import SparseParams
+
 from .oracle import OracleParams, oracle_attention
 
 
