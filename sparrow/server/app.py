@@ -36,7 +36,8 @@ from ..params import SpeculativeParams
 from ..structured import StructuredError
 from ..vision.media import MAX_PIXELS_PER_REQUEST
 from ..vision.preprocess import image_salt
-from . import local_media, prompt_size, tokenizer_info, web_ui
+from . import anthropic_api, local_media, prompt_size, tokenizer_info, web_ui
+from .chat_runs import Core
 from .limits import BODY_TIMEOUT, HEADER_TIMEOUT, BodyLimit, http_protocol
 from .metrics import Metrics
 from .protocol import (
@@ -87,6 +88,9 @@ ENDPOINTS = (
     "/tokenize",
     "/detokenize",
     "/tokenizer_info",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/responses",
 )
 PUBLIC = ("/health", "/docs", "/docs/oauth2-redirect", "/openapi.json")  # answered without the API key
 LOADING_RETRY_AFTER = 5  # seconds: what a 503 while the model loads asks clients to wait
@@ -196,6 +200,8 @@ class ServerState:
             return True
         header = next((v for k, v in headers if k == b"authorization"), b"")
         token = header[7:] if header[:7].lower() == b"bearer " else b""
+        if not token:  # Anthropic's clients send the key as x-api-key
+            token = next((v for k, v in headers if k == b"x-api-key"), b"")
         return hmac.compare_digest(token, self.api_key.encode())  # bytes as sent: a non-ASCII key matches too
 
 
@@ -210,8 +216,11 @@ class _Auth:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or self._public(scope["path"]) or self.state.authorized(scope["headers"]):
             return await self.app(scope, receive, send)
-        message = "invalid or missing API key (send 'Authorization: Bearer KEY')"
-        body = json.dumps(error_body(message, code="invalid_api_key")).encode()
+        message = "invalid or missing API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')"
+        if scope["path"].startswith("/v1/messages"):  # Anthropic's error shape on Anthropic's API
+            body = json.dumps(anthropic_api.error_body(message, 401)).encode()
+        else:
+            body = json.dumps(error_body(message, code="invalid_api_key")).encode()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
@@ -703,6 +712,10 @@ def create_app(state: ServerState) -> FastAPI:
                 out[-1]["sparse_trace"] = {**acc.tracer.header, "steps": acc.trace_steps}
         return {"id": rid, "object": obj, "created": created, "model": llm.name, "choices": out,
                 "usage": choices.usage()}  # fmt: skip
+
+    # the request path, shared with the APIs in their own modules
+    core = Core(state, _prepare, _submit, check_model, chat_prompt, check_chat_size, ready)
+    anthropic_api.add_routes(app, core)
 
     def _no_tokens(req, prompts, echo):
         """A completion of max_tokens 0 (not scoring its prompt): each choice's text is empty (or
