@@ -14,10 +14,23 @@ _HF_ARCHS = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
+_MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+}
 _GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen3vl": "qwen3"}
-SUPPORTED = "llama, qwen2, qwen3, qwen3_moe"
+SUPPORTED = "llama, qwen2, qwen3, qwen3_moe, qwen3_5, qwen3_5_moe"
+HYBRID = ("qwen3_5", "qwen3_5_moe")  # Gated DeltaNet layers beside gated full attention
+LAYER_TYPES = ("linear_attention", "full_attention")
 
 # Rope scalings sparrow runs, and the keys each takes in an HF config / a sparrow.load override.
 ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")
@@ -39,7 +52,7 @@ _ROPE_KEYS = {
 
 @dataclass
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "qwen3_5" | "qwen3_5_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -66,6 +79,27 @@ class ModelConfig:
     # Qwen3-VL's interleaved M-RoPE: head_dim/2 frequencies split over the (t, h, w) position
     # axes; empty for plain RoPE. Text tokens have t = h = w, where it equals plain RoPE.
     mrope_section: tuple[int, ...] = field(default_factory=tuple)
+    # Qwen3.5 (hybrid): each layer's kind (LAYER_TYPES), the rotary part of head_dim (0: all of
+    # it), the Gated DeltaNet's heads and dims, and the MoE's shared expert (0: none).
+    layer_types: tuple[str, ...] = field(default_factory=tuple)
+    rotary_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    shared_expert_intermediate_size: int = 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.layer_types)
+
+    @property
+    def full_attention_layers(self) -> list[int]:
+        """The layers that keep a KV cache: all of them, or a hybrid model's full-attention ones."""
+        if not self.layer_types:
+            return list(range(self.num_hidden_layers))
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
 
     @property
     def is_moe(self) -> bool:
@@ -96,7 +130,10 @@ class ModelConfig:
         if scaling is None and rope.get("rope_type", "default") != "default":
             scaling = dict(rope)
         max_positions = int(cfg.get("max_position_embeddings", 4096))
-        num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 0)) if arch == "qwen3_moe" else 0
+        moe = arch in ("qwen3_moe", "qwen3_5_moe")
+        num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 0)) if moe else 0
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        hybrid = _hf_hybrid(cfg, arch, head_dim, rope) if arch in HYBRID else {}
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -105,21 +142,23 @@ class ModelConfig:
             num_hidden_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_scaling=_check_rope_scaling(scaling, max_positions, cfg.get("original_max_position_embeddings")),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", *HYBRID),
             num_experts=int(num_experts or 0),
             num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0) or 0),
             moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or 0),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            # Qwen3.5-MoE's router always renormalises its top-k weights
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", arch == "qwen3_5_moe")),
             decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1) or 1),
             mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
             mrope_section=_mrope_section(scaling or rope),
+            **hybrid,
         )
 
     @classmethod
@@ -183,6 +222,42 @@ def _hf_architecture(cfg: dict) -> str:
         return _MODEL_TYPES[mt]
     what = names[0] if names else mt
     raise SparrowError(f"unsupported architecture {what!r}; supported: {SUPPORTED}")
+
+
+def _hf_hybrid(cfg: dict, arch: str, head_dim: int, rope: dict) -> dict:
+    """Qwen3.5's fields: layer kinds (layer_types, or full_attention_interval's pattern), the
+    rotary dims (partial_rotary_factor of head_dim) and the Gated DeltaNet's shapes."""
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        every = int(cfg.get("full_attention_interval", 4))
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    types = tuple(types)
+    bad = [t for t in types if t not in LAYER_TYPES]
+    if bad:
+        raise SparrowError(f"unknown layer_types entry {bad[0]!r}; known: {', '.join(LAYER_TYPES)}")
+    if len(types) != n:
+        raise SparrowError(f"layer_types has {len(types)} entries for {n} layers")
+    factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+    rotary = int(head_dim * factor)
+    if rotary < 2 or rotary % 2 or rotary > head_dim:
+        raise SparrowError(f"partial_rotary_factor {factor} gives {rotary} rotary dims of head_dim {head_dim}")
+    out = dict(
+        layer_types=types,
+        rotary_dim=rotary,
+        linear_num_key_heads=int(cfg["linear_num_key_heads"]),
+        linear_num_value_heads=int(cfg["linear_num_value_heads"]),
+        linear_key_head_dim=int(cfg["linear_key_head_dim"]),
+        linear_value_head_dim=int(cfg["linear_value_head_dim"]),
+        linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0),
+    )
+    if out["linear_num_value_heads"] % out["linear_num_key_heads"]:
+        raise SparrowError(
+            f"linear_num_value_heads {out['linear_num_value_heads']} is not a multiple of "
+            f"linear_num_key_heads {out['linear_num_key_heads']}"
+        )
+    return out
 
 
 def _mrope_section(rope: dict | None) -> tuple[int, ...]:

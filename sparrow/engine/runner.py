@@ -118,6 +118,7 @@ class Runner:
         if stop % self.prefill_chunk == 0:  # a boundary the prefix cache may reuse from
             slot.snapshots[stop] = slot.cache.importance_snapshot()  # [L, stop]
             thin_snapshots(slot.snapshots, self.prefill_chunk)
+            slot.cache.checkpoint(self.prefill_chunk)  # a hybrid model's recurrent state there
         return logits
 
     def prefill(self, slot: Slot, end: int | None = None) -> np.ndarray | None:
@@ -165,6 +166,18 @@ class Runner:
         wrote, and a forward holds at most SMALL_T rows, so each row is computed as alone."""
         rows = [(i, j) for i, toks in enumerate(tokens) for j in range(len(toks))]
         out: list = [[None] * len(t) for t in tokens]
+        kept = [s.cache.keep_every_row for s in slots]
+        for s in slots:  # a recurrent state (HybridCache) keeps each row's, to roll back to
+            s.cache.keep_every_row = True
+        try:
+            self._verify_rows(slots, tokens, starts, rows, out)
+        finally:
+            for s, k in zip(slots, kept):
+                s.cache.keep_every_row = k
+        drop_compiler_pages()  # if this step loaded kernels
+        return [np.stack(o) for o in out]
+
+    def _verify_rows(self, slots, tokens, starts, rows, out) -> None:
         for g in self.decode_groups(len(rows)):
             segs = []
             for i, j in (rows[r] for r in g):
@@ -183,5 +196,3 @@ class Runner:
             logits = self.model.forward(segs)  # [len(g), V]
             for (i, j), row in zip((rows[r] for r in g), logits):
                 out[i][j] = row
-        drop_compiler_pages()  # if this step loaded kernels
-        return [np.stack(o) for o in out]

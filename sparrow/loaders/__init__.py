@@ -82,6 +82,11 @@ def _read_json(path: str) -> dict:
         raise SparrowError(f"{os.path.basename(path)}: cannot parse: {e}") from None
 
 
+def _is_qwen3_5(raw: dict) -> bool:
+    # Qwen3.5's vision tower (no DeepStack) is not run yet: its text decoder is
+    return any(a.startswith("Qwen3_5") for a in raw.get("architectures") or [])
+
+
 def _open_hf_dir(path: str) -> Checkpoint:
     from ..tokenizer import Tokenizer
     from .safetensors import read_safetensors_dir
@@ -91,7 +96,7 @@ def _open_hf_dir(path: str) -> Checkpoint:
         raise SparrowError(f"{path}: no config.json (expected a Hugging Face model folder)")
     raw = _read_json(cfg_path)
     vision = None
-    if "vision_config" in raw and "text_config" in raw:
+    if "vision_config" in raw and "text_config" in raw and not _is_qwen3_5(raw):
         from ..vision.config import VisionConfig
 
         pre_path = os.path.join(path, "preprocessor_config.json")

@@ -1,4 +1,5 @@
-"""Model families. Llama, Qwen2 and Qwen3 share one decoder; Qwen3-MoE swaps in its MoE block."""
+"""Model families. Llama, Qwen2 and Qwen3 share one decoder; Qwen3-MoE swaps in its MoE block;
+Qwen3.5 (qwen3_5.py) builds its hybrid layers on the same decoder."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ def build_model(ckpt, quantize: str | None = None, progress: bool = False, activ
         return Qwen3VL(cfg, ckpt.tensors, ckpt.vision, quantize=quantize, progress=bar, activations=activations)
     if cfg.architecture in ("llama", "qwen2", "qwen3"):
         return Decoder(cfg, ckpt.tensors, quantize=quantize, progress=bar, activations=activations)
+    if cfg.is_hybrid:
+        from .qwen3_5 import Qwen3_5
+
+        return Qwen3_5(cfg, ckpt.tensors, quantize=quantize, progress=bar, activations=activations)
     if cfg.architecture == "qwen3_moe":
         from .qwen3_moe import moe_mlp_factory
 

@@ -187,9 +187,9 @@ class Decoder:
             layers = progress(layers)
         self.layers = []
         for i in layers:
-            self.layers.append(DecoderLayer(cfg, get, i, mlp_factory))
+            self.layers.append(self.build_layer(cfg, get, i, mlp_factory))
             _release_file_pages(tensors)
-        self.norm = get.array("model.norm.weight")
+        self.norm = self.norm_weight(get, "model.norm.weight")
         release_memory()  # before the head's copy, the build's largest: the layers' transients
         if cfg.tie_word_embeddings or not get.has("lm_head.weight"):
             self.lm_head = prepare(self.embed, activations)
@@ -201,7 +201,7 @@ class Decoder:
         # window or large folio around its row) had filled with most of it (~190 MiB of
         # Qwen3-1.7B's 166 MiB table and its neighbours) beside the head's copy.
         self._lookup_only = self.lm_head is not self.embed and advise_mapped_pages(self.embed.data, MADV_RANDOM)
-        self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.mrope_section)
+        self.rope = Rope(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.mrope_section)
         # The fused decode step (models/fused.py), planned at the first decode; use_fused=False
         # (or SPARROW_FUSED=0) keeps every forward on the staged path, e.g. to time its stages.
         self.use_fused = os.environ.get("SPARROW_FUSED", "1") != "0"
@@ -211,6 +211,15 @@ class Decoder:
         # benchmark's old path).
         self.verify_one_pass = True
         release_memory()  # the build's transient arrays (fused and interleaved copies' sources)
+
+    # What a model family changes (models/qwen3_5.py): its layers and how its norms store weights.
+    @staticmethod
+    def build_layer(cfg: ModelConfig, get: WeightSource, i: int, mlp_factory):
+        return DecoderLayer(cfg, get, i, mlp_factory)
+
+    @staticmethod
+    def norm_weight(get: WeightSource, name: str) -> np.ndarray:
+        return get.array(name)
 
     def embed_rows(self, tokens) -> np.ndarray:
         """The embeddings of tokens [N] -> [N, E] f32, a new array."""

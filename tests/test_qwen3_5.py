@@ -1,0 +1,443 @@
+"""Qwen3.5 (hybrid Gated DeltaNet + gated attention, dense and MoE) against transformers, and the
+engine's features on its per-sequence recurrent state.
+
+Tiny odd-shaped models are built and saved by transformers here (weights from a seeded numpy
+generator; norms and the DeltaNet's A_log / dt_bias drawn too, so 1 + weight and the decay are
+exercised): more value heads than key heads, key and value head dims that differ, partial
+rotary, a layer pattern with full attention in the middle, and prompts over several of
+transformers' 64-token delta-rule chunks. Each model is also saved in the layout of the real
+checkpoints (Qwen3_5ForConditionalGeneration: the text decoder under model.language_model., a
+vision tower and mtp.* tensors beside it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import sparrow
+from reference_models import save_default_tokenizer
+from sparrow.engine.generate import generate_step
+from sparrow.engine.sequence import Sequence
+from sparrow.engine.speculative import make_speculator
+from sparrow.errors import SparrowError
+from sparrow.kernels.deltanet import causal_conv, gated_delta_rule
+from sparrow.kv_cache import HybridCache
+from sparrow.models.decoder import Segment
+from sparrow.params import SamplingParams, SparseParams, SpeculativeParams
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 49152  # the default model's tokenizer
+PROMPT = np.random.default_rng(5).integers(100, VOCAB, 150)  # three of transformers' delta-rule chunks
+
+_TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=48,
+    intermediate_size=80,
+    num_attention_heads=3,
+    num_key_value_heads=1,
+    head_dim=20,
+    linear_num_key_heads=2,
+    linear_num_value_heads=6,  # 3 value heads per key head
+    linear_key_head_dim=12,
+    linear_value_head_dim=10,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.4,  # 8 of 20 dims rotate
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    },
+)
+SPECS = {
+    "dense": dict(
+        _TEXT,
+        num_hidden_layers=5,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"],
+    ),
+    "moe": dict(
+        _TEXT,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+        num_experts=6,
+        num_experts_per_tok=2,
+    ),
+}
+
+
+def _seed(model, seed: int) -> None:
+    """Every parameter from numpy's generator in name order: matrices normal(0, 0.2), the
+    (1 + w) norms normal(0, 0.3), the gated norm 1 + normal(0, 0.3), A_log log(uniform(0.3, 3)),
+    dt_bias normal(0, 0.5)."""
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            shape = tuple(p.shape)
+            if name.endswith("A_log"):
+                values = np.log(rng.uniform(0.3, 3.0, shape))
+            elif name.endswith("dt_bias"):
+                values = rng.normal(0.0, 0.5, shape)
+            elif name.endswith("linear_attn.norm.weight"):
+                values = 1.0 + rng.normal(0.0, 0.3, shape)
+            elif p.ndim == 1:
+                values = rng.normal(0.0, 0.3, shape)
+            else:
+                values = rng.normal(0.0, 0.2, shape)
+            p.copy_(torch.from_numpy(values.astype(np.float32)))
+
+
+def _build(kind: str, folder: str, tok_dir: str):
+    from transformers import (
+        Qwen3_5ForCausalLM,
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeTextConfig,
+        Qwen3_5TextConfig,
+    )
+
+    cfg_cls, model_cls = {
+        "dense": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
+        "moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM),
+    }[kind]
+    model = model_cls(cfg_cls(**SPECS[kind])).float().eval()
+    _seed(model, 7 if kind == "dense" else 8)
+    model.save_pretrained(folder)
+    for f in os.listdir(tok_dir):
+        shutil.copy(os.path.join(tok_dir, f), folder)
+    return model
+
+
+def _as_conditional_generation(src: str, dst: str, kind: str) -> None:
+    """The same weights in the layout of a real checkpoint: Qwen3_5(Moe)ForConditionalGeneration's
+    config (text_config, vision_config) and tensor names, plus an mtp.* tensor sparrow ignores."""
+    from safetensors.numpy import load_file, save_file
+
+    os.makedirs(dst)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    out = {
+        ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v for k, v in tensors.items()
+    }
+    out["mtp.fc.weight"] = np.zeros((4, 4), np.float32)
+    out["model.visual.patch_embed.proj.bias"] = np.zeros(8, np.float32)
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as f:
+        text = json.load(f)
+    arch = "Qwen3_5MoeForConditionalGeneration" if kind == "moe" else "Qwen3_5ForConditionalGeneration"
+    text.pop("architectures")
+    text["model_type"] = "qwen3_5_moe_text" if kind == "moe" else "qwen3_5_text"
+    cfg = {
+        "architectures": [arch],
+        "model_type": "qwen3_5_moe" if kind == "moe" else "qwen3_5",
+        "text_config": text,
+        "vision_config": {"depth": 1, "hidden_size": 8, "num_heads": 1, "out_hidden_size": 48},
+        "tie_word_embeddings": False,
+    }
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    for f in os.listdir(src):
+        if f not in ("config.json", "model.safetensors"):
+            shutil.copy(os.path.join(src, f), dst)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """kind -> (folder, transformers model, its logits over PROMPT [T, V])."""
+    root = tmp_path_factory.mktemp("qwen3_5")
+    tok = str(root / "tok")
+    save_default_tokenizer(tok)
+    out = {}
+    for kind in SPECS:
+        folder = str(root / kind)
+        ref = _build(kind, folder, tok)
+        with torch.no_grad():
+            logits = ref(torch.tensor(PROMPT[None])).logits[0].numpy()
+        out[kind] = (folder, ref, logits)
+        cg = str(root / (kind + "_cg"))
+        _as_conditional_generation(folder, cg, kind)
+        out[kind + "_cg"] = (cg, ref, logits)
+    return out
+
+
+@pytest.fixture(scope="module")
+def llms(models):
+    return {k: sparrow.load(v[0], threads=2) for k, v in models.items()}
+
+
+def _prefill_then_decode(model, ids, split):
+    """Logits [T, V]: ids[:split] as one prefill (every position), the rest as decode steps."""
+    cache = model.new_cache(len(ids) + 1)
+    rows = [model.forward([Segment(ids[:split], cache, 0)], all_logits=True)]
+    for t in range(split, len(ids)):
+        rows.append(model.forward([Segment(ids[t : t + 1], cache, t, decode=True)]))
+    return np.concatenate(rows), cache
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "dense_cg", "moe_cg"])
+def test_logits_match_transformers(models, llms, kind):
+    _, _, ref = models[kind]
+    model = llms[kind].model
+    assert llms[kind].config.architecture == ("qwen3_5_moe" if kind.startswith("moe") else "qwen3_5")
+    for split in (len(PROMPT), 97):  # the whole prompt prefilled; 97 prefilled, 53 decode steps
+        got, _ = _prefill_then_decode(model, PROMPT, split)
+        # f32 noise of two orders of the delta rule (transformers' 64-token chunks, sparrow's
+        # recurrence): 1e-5..4e-5 of the largest logit measured
+        assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max(), (split, np.abs(got - ref).max())
+        assert np.array_equal(got.argmax(1), ref.argmax(1))
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_greedy_continuation_equals_transformers_generate(models, llms, kind):
+    _, ref, _ = models[kind]
+    ids = [int(t) for t in PROMPT[:70]]
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
+    want = want[0, len(ids) :].tolist()
+    got = [o.token_id for o in llms[kind].stream(ids, max_tokens=24, temperature=0.0, ignore_eos=True)]
+    assert got == want
+
+
+def test_the_delta_rule_and_conv_give_the_same_bits_however_tokens_are_split():
+    """The documented order (kernels/deltanet.py): a token's output and the state after it do
+    not depend on how the run was cut into calls (prefill chunks, decode steps, verification)."""
+    rng = np.random.default_rng(0)
+    T, Hk, Hv, Dk, Dv = 37, 2, 6, 12, 10
+    q, k = (rng.normal(size=(T, Hk, Dk)) for _ in range(2))
+    q, k = ((a / np.linalg.norm(a, axis=-1, keepdims=True)).astype(np.float32) for a in (q, k))  # as the model's
+    v = rng.normal(size=(T, Hv, Dv)).astype(np.float32)
+    decay, beta = (rng.uniform(0.2, 1.0, (T, Hv)).astype(np.float32) for _ in range(2))
+    x, w = rng.normal(size=(T, 20)).astype(np.float32), rng.normal(size=(20, 4)).astype(np.float32)
+    runs = []
+    for cuts in ([0, T], [0, 1, 17, 18, T], list(range(T + 1))):
+        state, conv_state = np.zeros((Hv, Dk, Dv), np.float32), np.zeros((3, 20), np.float32)
+        o = [gated_delta_rule(q[a:b], k[a:b], v[a:b], decay[a:b], beta[a:b], state) for a, b in zip(cuts, cuts[1:])]
+        c = [causal_conv(x[a:b], w, conv_state) for a, b in zip(cuts, cuts[1:])]
+        runs.append((np.concatenate(o), state, np.concatenate(c), conv_state))
+    for run in runs[1:]:
+        for a, b in zip(run, runs[0]):
+            assert a.tobytes() == b.tobytes()
+    # the recurrence itself, against the formula written out in float64
+    S = np.zeros((Hv, Dk, Dv))
+    for t in range(T):
+        for h in range(Hv):
+            kt, qt = k[t, h // 3].astype(np.float64), q[t, h // 3].astype(np.float64)
+            S[h] *= decay[t, h]
+            S[h] += np.outer(kt, (v[t, h] - kt @ S[h]) * beta[t, h])
+            assert np.allclose(runs[0][0][t, h], qt @ S[h], rtol=1e-4, atol=1e-5)
+
+
+def test_hybrid_cache_rolls_back_only_to_positions_it_kept():
+    c = HybridCache(1, 1, 4, 64, "f32", conv_shape=(2, 3, 8), ssm_shape=(2, 1, 2, 2))
+    c.length = 16
+    c.ssm[:] = 1.0
+    c.checkpoint(16)
+    c.ssm[:] = 2.0
+    c.length = 20
+    with pytest.raises(SparrowError, match="no copy at position 18"):
+        c.truncate(18)
+    c.truncate(16)
+    assert c.length == 16 and (c.ssm == 1.0).all()
+    c.truncate(0)
+    assert c.length == 0 and not c.ssm.any()
+
+
+def _run(llm, ids, sampling, sparse=None, spec=None):
+    from sparrow.api import set_threads
+
+    set_threads(llm.threads)
+    seq = Sequence.create(llm.runner, llm.tokenizer, ids, sampling, llm.ctx, "f32", sparse)
+    seen = []
+    accept = seq.accept
+    seq.accept = lambda logits: (seen.append(np.array(logits)), accept(logits))[1]
+    speculator = make_speculator(llm, llm.runner, spec, seq, "f32") if spec is not None else None
+    toks = [o.token_id for o in generate_step(llm.runner, seq, spec=speculator)]
+    return toks, np.stack(seen), seq.slot.cache
+
+
+REPEATING = [int(t) for t in np.tile(PROMPT[:12], 6)]  # an ngram drafter finds drafts here
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        SpeculativeParams(method="ngram", tokens=4),
+        SpeculativeParams(method="sparse", tokens=3, sparse=SparseParams(k=1, block=16)),
+    ],
+    ids=["ngram", "sparse"],
+)
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_speculative_decoding_equals_plain(llms, kind, spec, sampling):
+    llm = llms[kind]
+    plain = _run(llm, REPEATING, sampling)
+    got = _run(llm, REPEATING, sampling, spec=spec)
+    assert got[0] == plain[0]
+    assert got[1].tobytes() == plain[1].tobytes()
+    a, b = got[2], plain[2]
+    assert a.length == b.length
+    assert a.ssm.tobytes() == b.ssm.tobytes() and a.conv.tobytes() == b.conv.tobytes()
+    for la, lb in zip(a.layers, b.layers):
+        assert la.k[:, : a.length].tobytes() == lb.k[:, : b.length].tobytes()
+
+
+@pytest.mark.parametrize("select", ["seed", "v2"])
+def test_sparse_attention_with_every_block_equals_exact(llms, select):
+    llm = llms["dense"]
+    sampling = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ids = [int(t) for t in PROMPT[:100]]
+    exact = _run(llm, ids, sampling)
+    every = _run(llm, ids, sampling, sparse=SparseParams(k=16, block=16, select=select))
+    assert every[0] == exact[0]
+    assert np.abs(every[1] - exact[1]).max() <= 1e-5
+
+
+def test_sparse_attention_selects_within_the_full_attention_layers(llms):
+    llm = llms["dense"]
+    trace: list = []
+    ids = [int(t) for t in PROMPT[:100]]
+    out = list(
+        llm.stream(ids, max_tokens=3, temperature=0.0, sparse_attn=True, sparse_k=2, sparse_block=16, trace=trace)
+    )
+    assert len(out) == 3 and trace
+    layers = {layer for step in trace for layer, _ in step}
+    assert layers == {0, 1}  # the model's two full-attention layers, by KV index
+
+
+def test_a_second_request_reuses_the_prefix_cache_with_the_same_bits(llms):
+    from test_prefix_cache import _submit_one
+
+    from sparrow.engine.engine import Engine
+
+    llm = llms["moe"]
+    params = SamplingParams(max_tokens=8, temperature=0.7, seed=1, ignore_eos=True, logprobs=0)
+    first = [int(t) for t in PROMPT[:140]]
+    engine = Engine(llm, kv_budget=1 << 28)
+    engine.runner.prefill_chunk = 32
+    engine.start(warmup=False)
+    try:
+        (out1,), cached1 = _submit_one(engine, first, params, None)
+        (out2,), cached2 = _submit_one(engine, first, params, None)
+        second = first + out1 + [int(t) for t in PROMPT[:20]]  # the next turn
+        (out3,), cached3 = _submit_one(engine, second, params, None)
+    finally:
+        engine.stop()
+    assert cached1 == 0 and cached2 == 128 and cached3 >= 128
+    assert out2 == out1
+    alone = _run(llm, second, params)[0]
+    assert out3 == alone
+
+
+# Block formats take rows of whole 32-value blocks: the odd shapes above have none
+BLOCK_SHAPED = dict(
+    SPECS["dense"],
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=2,
+    head_dim=32,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
+
+
+@pytest.fixture(scope="module")
+def block_shaped(tmp_path_factory):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    root = tmp_path_factory.mktemp("qwen3_5_blocks")
+    save_default_tokenizer(str(root / "tok"))
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**BLOCK_SHAPED)).float().eval()
+    _seed(model, 9)
+    model.save_pretrained(str(root / "m"))
+    for f in os.listdir(root / "tok"):
+        shutil.copy(root / "tok" / f, root / "m")
+    return str(root / "m"), model
+
+
+def _quantized_by_sparrow(name, p) -> bool:
+    # --quantize converts every projection and the untied head; the embedding is looked up,
+    # the routers, the shared expert's gate, norms, conv and decay parameters stay f32
+    return p.ndim == 2 and "embed_tokens" not in name and not name.endswith(("mlp.gate.weight", "expert_gate.weight"))
+
+
+def test_quantize_q8_0_matches_transformers_on_the_rounded_weights(block_shaped):
+    from reference_models import rounded_copy
+
+    folder, model = block_shaped
+    with torch.no_grad():
+        ref = rounded_copy(model, "q8_0", _quantized_by_sparrow)(torch.tensor(PROMPT[None])).logits[0].numpy()
+    llm = sparrow.load(folder, quantize="q8_0", threads=2, activations="f32")
+    assert llm.model.layers[0].deltanet.out.qtype == "q8_0"
+    got, _ = _prefill_then_decode(llm.model, PROMPT, 120)
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_q8_activations_follow_the_exact_mode(block_shaped):
+    """The faster mode (8-bit activations, as llama.cpp) is not exact: its logits stay near the
+    exact mode's on the same weights, the same top-1 on most positions."""
+    folder, _ = block_shaped
+    exact, _ = _prefill_then_decode(sparrow.load(folder, quantize="q8_0", activations="f32").model, PROMPT, 120)
+    fast, _ = _prefill_then_decode(sparrow.load(folder, quantize="q8_0", activations="q8").model, PROMPT, 120)
+    assert np.median(np.abs(fast - exact)) <= 0.1 * np.median(np.abs(exact))  # 0.03-0.07 measured
+    assert (fast.argmax(1) == exact.argmax(1)).mean() >= 0.8
+
+
+def _edited(models, tmp_path, edit_config=None, edit_tensors=None):
+    from safetensors.numpy import load_file, save_file
+
+    src = models["dense"][0]
+    dst = str(tmp_path / "edited")
+    shutil.copytree(src, dst)
+    if edit_config:
+        with open(os.path.join(dst, "config.json")) as f:
+            cfg = json.load(f)
+        edit_config(cfg)
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(cfg, f)
+    if edit_tensors:
+        t = load_file(os.path.join(dst, "model.safetensors"))
+        edit_tensors(t)
+        save_file(t, os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+def test_bad_files_get_one_line_errors_naming_the_key_or_tensor(models, tmp_path):
+    def unknown_type(cfg):
+        cfg["layer_types"][2] = "sliding_attention"
+
+    def missing(t):
+        del t["model.layers.2.linear_attn.dt_bias"]
+
+    def misshaped(t):
+        t["model.layers.1.self_attn.q_proj.weight"] = t["model.layers.1.self_attn.q_proj.weight"][:30]
+
+    cases = [
+        (dict(edit_config=unknown_type), "unknown layer_types entry 'sliding_attention'"),
+        (dict(edit_tensors=missing), "missing tensor model.layers.2.linear_attn.dt_bias"),
+        (
+            dict(edit_tensors=misshaped),
+            r"model.layers.1.self_attn.q_proj.weight has shape \(30, 48\), expected \(120, 48\)",
+        ),
+    ]
+    for i, (edit, message) in enumerate(cases):
+        folder = _edited(models, tmp_path / str(i), **edit)
+        with pytest.raises(SparrowError, match=message) as e:
+            sparrow.load(folder)
+        assert "\n" not in str(e.value)
