@@ -27,7 +27,15 @@ _MODEL_TYPES = {
     "qwen3_5_text": "qwen3_5",
     "qwen3_5_moe_text": "qwen3_5_moe",
 }
-_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen3vl": "qwen3"}
+_GGUF_ARCHS = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3moe": "qwen3_moe",
+    "qwen3vl": "qwen3",
+    "qwen35": "qwen3_5",
+    "qwen35moe": "qwen3_5_moe",
+}
 SUPPORTED = "llama, qwen2, qwen3, qwen3_moe, qwen3_5, qwen3_5_moe"
 HYBRID = ("qwen3_5", "qwen3_5_moe")  # Gated DeltaNet layers beside gated full attention
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -89,6 +97,9 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
     shared_expert_intermediate_size: int = 0
+    # llama.cpp's qwen35 layout (loaders/names.py): norms hold 1 + weight, A = -exp(A_log) is
+    # stored, value heads are tiled over the key heads (h % Hk) rather than grouped (h // ratio)
+    gguf_layout: bool = False
 
     @property
     def is_hybrid(self) -> bool:
@@ -167,9 +178,7 @@ class ModelConfig:
         garch = meta.get("general.architecture")
         arch = _GGUF_ARCHS.get(garch)
         if arch is None:
-            raise SparrowError(
-                f"unsupported architecture {garch!r} in GGUF; supported: llama, qwen2, qwen3, qwen3moe, qwen3vl"
-            )
+            raise SparrowError(f"unsupported architecture {garch!r} in GGUF; supported: {', '.join(_GGUF_ARCHS)}")
         p = garch + "."
 
         def get(key, default=None):
@@ -187,6 +196,7 @@ class ModelConfig:
             if stype == "yarn":
                 scaling.update(_gguf_yarn(get, scaling["factor"]))
         max_positions = int(get("context_length", 4096))
+        head_dim = int(get("attention.key_length", hidden // heads))
         return cls(
             architecture=arch,
             vocab_size=vocab_size,
@@ -195,20 +205,23 @@ class ModelConfig:
             num_hidden_layers=int(get("block_count")),
             num_attention_heads=heads,
             num_key_value_heads=int(kv_heads),
-            head_dim=int(get("attention.key_length", hidden // heads)),
+            head_dim=head_dim,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rope_scaling=_check_rope_scaling(scaling, max_positions),
             max_position_embeddings=max_positions,
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", *HYBRID),
             num_experts=int(get("expert_count", 0) or 0),
             num_experts_per_tok=int(get("expert_used_count", 0) or 0),
             moe_intermediate_size=int(get("expert_feed_forward_length", 0) or 0),
-            # llama.cpp's qwen3moe always renormalises the top-k weights.
-            norm_topk_prob=arch == "qwen3_moe",
-            mrope_section=tuple(int(s) for s in get("rope.dimension_sections", ()))[:3] if garch == "qwen3vl" else (),
+            # llama.cpp's qwen3moe and qwen35moe always renormalise the top-k weights.
+            norm_topk_prob=arch in ("qwen3_moe", "qwen3_5_moe"),
+            mrope_section=tuple(int(s) for s in get("rope.dimension_sections", ()))[:3]
+            if garch in ("qwen3vl", "qwen35", "qwen35moe")
+            else (),
+            **(_gguf_hybrid(get, int(get("block_count")), head_dim) if arch in HYBRID else {}),
         )
 
 
@@ -258,6 +271,31 @@ def _hf_hybrid(cfg: dict, arch: str, head_dim: int, rope: dict) -> dict:
             f"linear_num_key_heads {out['linear_num_key_heads']}"
         )
     return out
+
+
+def _gguf_hybrid(get, n_layers: int, head_dim: int) -> dict:
+    """Qwen3.5's fields from llama.cpp's qwen35 keys (the converter's Mamba-style names)."""
+    recurrent = get("attention.recurrent_layers")
+    if recurrent is None:
+        every = int(get("full_attention_interval", 4))
+        recurrent = [(i + 1) % every != 0 for i in range(n_layers)]
+    if len(recurrent) != n_layers:
+        raise SparrowError(f"attention.recurrent_layers has {len(recurrent)} entries for {n_layers} layers")
+    hv = int(get("ssm.time_step_rank"))
+    rotary = int(get("rope.dimension_count", head_dim))
+    if rotary < 2 or rotary % 2 or rotary > head_dim:
+        raise SparrowError(f"rope.dimension_count {rotary} does not fit head dim {head_dim}")
+    return dict(
+        layer_types=tuple("linear_attention" if r else "full_attention" for r in recurrent),
+        rotary_dim=rotary,
+        linear_num_key_heads=int(get("ssm.group_count")),
+        linear_num_value_heads=hv,
+        linear_key_head_dim=int(get("ssm.state_size")),
+        linear_value_head_dim=int(get("ssm.inner_size")) // hv,
+        linear_conv_kernel_dim=int(get("ssm.conv_kernel", 4)),
+        shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0) or 0),
+        gguf_layout=True,
+    )
 
 
 def _mrope_section(rope: dict | None) -> tuple[int, ...]:

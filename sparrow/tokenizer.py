@@ -30,6 +30,11 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5's tokenizer.json: Qwen2's with letters and combining marks (\p{M}) kept together.
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) -> how HF splits text for them.
 # "digits": each digit isolated, then the GPT-2 regex (llama.cpp: "\p{N}" then the GPT-2 regex),
 # which is what SmolLM2's / StarCoder's tokenizer.json do with Digits(individual_digits=True).
@@ -37,6 +42,7 @@ _PRE_DIGITS = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaon
 _PRE_SPLITS = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
 }
 _IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe"}  # llama.cpp looks whole words up before merging
 

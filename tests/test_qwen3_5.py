@@ -220,7 +220,11 @@ def test_the_delta_rule_and_conv_give_the_same_bits_however_tokens_are_split():
     runs = []
     for cuts in ([0, T], [0, 1, 17, 18, T], list(range(T + 1))):
         state, conv_state = np.zeros((Hv, Dk, Dv), np.float32), np.zeros((3, 20), np.float32)
-        o = [gated_delta_rule(q[a:b], k[a:b], v[a:b], decay[a:b], beta[a:b], state) for a, b in zip(cuts, cuts[1:])]
+        heads = np.arange(Hv) // 3
+        o = [
+            gated_delta_rule(q[a:b], k[a:b], v[a:b], decay[a:b], beta[a:b], heads, state)
+            for a, b in zip(cuts, cuts[1:])
+        ]
         c = [causal_conv(x[a:b], w, conv_state) for a, b in zip(cuts, cuts[1:])]
         runs.append((np.concatenate(o), state, np.concatenate(c), conv_state))
     for run in runs[1:]:

@@ -31,10 +31,10 @@ from sparrow.kernels.parallel import run_parallel
 
 
 @njit(**_KW)
-def _head(h, q, k, v, decay, beta, group, state, out):
-    # value head h over tokens [T]: q, k [T, Hk, Dk] (head h // group), v [T, Hv, Dv],
+def _head(h, q, k, v, decay, beta, key_head, state, out):
+    # value head h over tokens [T]: q, k [T, Hk, Dk] (head key_head[h]), v [T, Hv, Dv],
     # decay (exp(g)) and beta [T, Hv], state [Hv, Dk, Dv], out [T, Hv, Dv]
-    kh = h // group
+    kh = key_head[h]
     S = state[h]
     dk, dv = S.shape
     mem = np.empty(dv, np.float32)
@@ -62,12 +62,13 @@ def _head(h, q, k, v, decay, beta, group, state, out):
                 o[j] += s * qi
 
 
-def gated_delta_rule(q, k, v, decay, beta, state) -> np.ndarray:
+def gated_delta_rule(q, k, v, decay, beta, key_head, state) -> np.ndarray:
     """q, k [T, Hk, Dk] (L2-normalised, q scaled), v [T, Hv, Dv], decay = exp(g) and beta [T, Hv],
-    all f32; state [Hv, Dk, Dv] f32, advanced in place over the T tokens. Returns [T, Hv, Dv]."""
+    all f32; key_head [Hv] int64, the key head each value head reads; state [Hv, Dk, Dv] f32,
+    advanced in place over the T tokens. Returns [T, Hv, Dv]."""
     T, Hv, Dv = v.shape
     out = np.empty((T, Hv, Dv), np.float32)
-    run_parallel(Hv, _head, (q, k, v, decay, beta, Hv // q.shape[1], state, out))
+    run_parallel(Hv, _head, (q, k, v, decay, beta, key_head, state, out))
     return out
 
 

@@ -94,6 +94,8 @@ def _check_sizes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], name: str
             f"{name}: corrupt GGUF metadata: rms_norm_eps {cfg.rms_norm_eps}, rope_theta {cfg.rope_theta}"
         )
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    if cfg.is_hybrid:
+        q *= 2  # Qwen3.5: each head's query and output gate
     # ggml order: (inputs, outputs); a tensor the architecture lacks is not checked
     for tensor, want in (
         ("token_embd.weight", (cfg.hidden_size, cfg.vocab_size)),

@@ -30,13 +30,38 @@ _GGUF_BLOCK = {
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
-_BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# Qwen3.5 (qwen35 / qwen35moe): llama.cpp's converter names the Gated DeltaNet's tensors after
+# Mamba's. Its values differ from HF's in three ways the model reads from the config
+# (ModelConfig.gguf_layout): norms other than the DeltaNet's store 1 + weight, ssm_a stores
+# A = -exp(A_log), and with more value heads than key heads the value heads are tiled.
+_GGUF_BLOCK.update(
+    {
+        "post_attention_norm": "post_attention_layernorm",
+        "attn_qkv": "linear_attn.in_proj_qkv",
+        "attn_gate": "linear_attn.in_proj_z",
+        "ssm_alpha": "linear_attn.in_proj_a",
+        "ssm_beta": "linear_attn.in_proj_b",
+        "ssm_conv1d": "linear_attn.conv1d",
+        "ssm_norm": "linear_attn.norm",
+        "ssm_out": "linear_attn.out_proj",
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj",
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    }
+)
+_GGUF_BARE = {"ssm_a": "linear_attn.A", "ssm_dt.bias": "linear_attn.dt_bias"}  # no .weight / .bias in HF
+_BARE = re.compile(r"^blk\.(\d+)\.(ssm_a|ssm_dt\.bias)$")
+_BLK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 
 
 def gguf_to_hf(name: str) -> str | None:
     """HF name for a GGUF tensor, or None for tensors sparrow does not use (e.g. rope_freqs)."""
     if name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[name]
+    m = _BARE.match(name)
+    if m:
+        return f"model.layers.{m.group(1)}.{_GGUF_BARE[m.group(2)]}"
     m = _BLK.match(name)
     if not m or m.group(2) not in _GGUF_BLOCK:
         return None

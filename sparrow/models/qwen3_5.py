@@ -60,8 +60,11 @@ def _check(get: WeightSource, name: str, shape: tuple) -> None:
         raise SparrowError(f"tensor {name} has shape {got}, expected {tuple(shape)}")
 
 
-def _offset_norm(get: WeightSource, name: str) -> np.ndarray:
-    return (np.float32(1) + get.array(name)).astype(np.float32)  # (1 + weight) in f32, as transformers
+def _offset_norm(get: WeightSource, name: str, cfg: ModelConfig) -> np.ndarray:
+    """A (1 + weight) norm's multiplier: computed in f32 as transformers does, or as stored
+    (llama.cpp's converter adds the 1: cfg.gguf_layout)."""
+    w = get.array(name)
+    return w if cfg.gguf_layout else (np.float32(1) + w).astype(np.float32)
 
 
 class GatedAttention:
@@ -75,8 +78,8 @@ class GatedAttention:
         _check(get, prefix + "o_proj.weight", (E, H * D))
         self.qkv_proj = FusedLinear([get.weight(prefix + f"{n}_proj.weight") for n in "qkv"], get.activations)
         self.o = prepare(get.weight(prefix + "o_proj.weight"), get.activations)
-        self.q_norm = _offset_norm(get, prefix + "q_norm.weight")
-        self.k_norm = _offset_norm(get, prefix + "k_norm.weight")
+        self.q_norm = _offset_norm(get, prefix + "q_norm.weight", cfg)
+        self.k_norm = _offset_norm(get, prefix + "k_norm.weight", cfg)
         self.eps = cfg.rms_norm_eps
         self.scale = 1.0 / math.sqrt(D)
 
@@ -103,13 +106,14 @@ class GatedDeltaNet:
         self.K = cfg.linear_conv_kernel_dim
         kd, vd = self.Hk * self.Dk, self.Hv * self.Dv
         self.channels = 2 * kd + vd
+        gguf = cfg.gguf_layout  # loaders/names.py: llama.cpp's qwen35 layout
         shapes = {
             "in_proj_qkv.weight": (self.channels, E),
             "in_proj_z.weight": (vd, E),
             "in_proj_b.weight": (self.Hv, E),
             "in_proj_a.weight": (self.Hv, E),
-            "conv1d.weight": (self.channels, 1, self.K),
-            "A_log": (self.Hv,),
+            "conv1d.weight": (self.channels, self.K) if gguf else (self.channels, 1, self.K),
+            "A" if gguf else "A_log": (self.Hv,),
             "dt_bias": (self.Hv,),
             "norm.weight": (self.Dv,),
             "out_proj.weight": (E, vd),
@@ -118,8 +122,15 @@ class GatedDeltaNet:
             _check(get, prefix + name, shape)
         names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
         self.proj = FusedLinear([get.weight(prefix + n + ".weight") for n in names], get.activations)
-        self.conv_w = np.ascontiguousarray(get.array(prefix + "conv1d.weight")[:, 0, :])  # [C, K]
-        self.neg_A = (-np.exp(get.array(prefix + "A_log"))).astype(np.float32)  # [Hv]
+        self.conv_w = np.ascontiguousarray(get.array(prefix + "conv1d.weight").reshape(self.channels, self.K))
+        if gguf:  # A = -exp(A_log) as stored
+            self.neg_A = get.array(prefix + "A")  # [Hv]
+        else:
+            self.neg_A = (-np.exp(get.array(prefix + "A_log"))).astype(np.float32)  # [Hv]
+        # the key head each value head reads: HF groups a key head's value heads together,
+        # llama.cpp's converter tiles them (all key heads' first value heads, then the seconds)
+        heads = np.arange(self.Hv, dtype=np.int64)
+        self.key_head = heads % self.Hk if gguf else heads // (self.Hv // self.Hk)
         self.dt_bias = get.array(prefix + "dt_bias")  # [Hv]
         self.norm = get.array(prefix + "norm.weight")  # [Dv], applied as is
         self.out = prepare(get.weight(prefix + "out_proj.weight"), get.activations)
@@ -142,7 +153,7 @@ class GatedDeltaNet:
             k = l2_normalize(c[:, Hk * Dk : 2 * Hk * Dk].reshape(-1, Hk, Dk))  # [T, Hk, Dk]
             v = np.ascontiguousarray(c[:, 2 * Hk * Dk :]).reshape(-1, Hv, Dv)  # [T, Hv, Dv]
             ssm = cache.ssm[self.index]
-            out[lo:hi] = gated_delta_rule(q, k, v, decay[lo:hi], beta[lo:hi], ssm)  # [T, Hv, Dv]
+            out[lo:hi] = gated_delta_rule(q, k, v, decay[lo:hi], beta[lo:hi], self.key_head, ssm)  # [T, Hv, Dv]
             if id(cache) in rows:
                 cache.keep_row(s.start + hi - lo, self.index)
         y = rms_norm(out, self.norm, self.eps) * silu(z.reshape(N, Hv, Dv))  # [N, Hv, Dv]
@@ -183,8 +194,8 @@ class HybridLayer:
         self.number = i
         self.full = cfg.layer_types[i] == "full_attention"
         self.index = sum(1 for t in cfg.layer_types[:i] if t == cfg.layer_types[i])
-        self.input_norm = _offset_norm(get, p + "input_layernorm.weight")
-        self.post_norm = _offset_norm(get, p + "post_attention_layernorm.weight")
+        self.input_norm = _offset_norm(get, p + "input_layernorm.weight", cfg)
+        self.post_norm = _offset_norm(get, p + "post_attention_layernorm.weight", cfg)
         self.attn = GatedAttention(cfg, get, p + "self_attn.") if self.full else None
         self.deltanet = None if self.full else GatedDeltaNet(cfg, get, p + "linear_attn.")
         if self.deltanet is not None:
@@ -205,7 +216,8 @@ class Qwen3_5(Decoder):
     def build_layer(cfg, get, i, mlp_factory):
         return HybridLayer(cfg, get, i, mlp_factory)
 
-    norm_weight = staticmethod(_offset_norm)
+    def norm_weight(self, get: WeightSource, name: str) -> np.ndarray:
+        return _offset_norm(get, name, self.config)
 
     def fused_step(self):
         return None
