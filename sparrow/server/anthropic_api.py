@@ -26,6 +26,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from ..errors import SparrowError
@@ -76,6 +77,40 @@ REFUSED = {
     "container": "containers are not supported",
     "context_management": "'context_management' is not supported",
 }
+
+
+class MessagesRequest(BaseModel):
+    """The fields /v1/messages reads (documentation and fuzzing; the module doc has the rules)."""
+
+    model: str | None = None
+    max_tokens: int = Field(ge=1)
+    messages: list[dict[str, Any]] = Field(min_length=1, description="role user or assistant (system accepted)")
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    stream: bool | None = None
+    tools: list[dict[str, Any]] | None = Field(None, description="custom tools: name, description, input_schema")
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = Field(None, description="enabled / disabled: the template's enable_thinking")
+    metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(BaseModel):
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+
+def _doc(model) -> dict:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+DOC = {200: {"description": "a message; with stream, server-sent events (message_start ... message_stop)"}}
 
 
 def error_body(message: str, status: int) -> dict:
@@ -440,7 +475,7 @@ def add_routes(app: FastAPI, core: Core) -> None:
             chat["max_tokens"] = 1
         return validate(ChatCompletionRequest, chat)
 
-    @app.post("/v1/messages", response_model=None)
+    @app.post("/v1/messages", response_model=None, openapi_extra=_doc(MessagesRequest), responses=DOC)
     async def messages(request: Request):
         """Anthropic's Messages API (see the module doc)."""
         run = None
@@ -465,7 +500,12 @@ def add_routes(app: FastAPI, core: Core) -> None:
             return _error(400, "client disconnected")
         return _message(run, mid, model, *result)
 
-    @app.post("/v1/messages/count_tokens", response_model=None)
+    @app.post(
+        "/v1/messages/count_tokens",
+        response_model=None,
+        openapi_extra=_doc(CountTokensRequest),
+        responses={200: {"description": "{'input_tokens': N}"}},
+    )
     async def count_tokens(request: Request):
         """The prompt's tokens for a Messages body (its model, system, messages, tools)."""
         try:

@@ -36,7 +36,7 @@ from ..params import SpeculativeParams
 from ..structured import StructuredError
 from ..vision.media import MAX_PIXELS_PER_REQUEST
 from ..vision.preprocess import image_salt
-from . import anthropic_api, local_media, prompt_size, tokenizer_info, web_ui
+from . import anthropic_api, local_media, prompt_size, responses_api, tokenizer_info, web_ui
 from .chat_runs import Core
 from .limits import BODY_TIMEOUT, HEADER_TIMEOUT, BodyLimit, http_protocol
 from .metrics import Metrics
@@ -297,6 +297,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e):
+        if request.url.path.startswith("/v1/messages"):  # Anthropic's API answers in Anthropic's shape
+            return JSONResponse(anthropic_api.error_body(str(e.detail), e.status_code), status_code=e.status_code)
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
 
@@ -716,6 +718,7 @@ def create_app(state: ServerState) -> FastAPI:
     # the request path, shared with the APIs in their own modules
     core = Core(state, _prepare, _submit, check_model, chat_prompt, check_chat_size, ready)
     anthropic_api.add_routes(app, core)
+    responses_api.add_routes(app, core)
 
     def _no_tokens(req, prompts, echo):
         """A completion of max_tokens 0 (not scoring its prompt): each choice's text is empty (or
