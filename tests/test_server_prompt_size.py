@@ -133,3 +133,22 @@ def test_cache_save_refuses_a_huge_prompt_at_once(tiny_gguf, tmp_path):  # noqa:
         assert err["code"] == "context_length_exceeded" and time.perf_counter() - t < 3.0
         err = error(httpx.post(base + "/v1/cache/save", json={"messages": _big_messages()}, timeout=120))
         assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/messages", {"max_tokens": 4, "messages": _big_messages()}),
+        ("/v1/messages", {"max_tokens": 4, "messages": _big_messages(), "stream": True}),
+        ("/v1/messages/count_tokens", {"messages": _big_messages()}),
+        ("/v1/responses", {"input": "the heat " * (BIG // 9)}),
+        ("/v1/responses", {"input": _big_messages(), "stream": True}),
+    ],
+)
+def test_the_new_apis_refuse_huge_prompts_at_once(served, path, body):  # noqa: F811
+    t = time.perf_counter()
+    r = post(served, path, body)
+    assert r.status_code == 400, r.text[:300]
+    assert time.perf_counter() - t < 3.0
+    err = r.json()["error"]
+    assert "prompt has at least" in err["message"] and f"the context length {CTX}" in err["message"], err
