@@ -18,30 +18,25 @@ eight sub-blocks of 32 (q6_k: sixteen of 16) with their own scales:
         q5_k's fifth bit of sub-block s, element l is bit s of qh[l]
   q6_k: 128 B ql, 64 B qh, 16 x int8 sc, f16 d               (210 B)
         value = (d * sc[e // 16]) * (q - 32), q = 4 bits of ql | 2 bits of qh << 4
-f16 / bf16 are kept as uint16 [out, in], f32 as float32 [out, in].
+f16 / bf16 are kept as uint16 [out, in], f32 as float32 [out, in]. Each format's block size and
+bytes live in the format table (sparrow.kernels.formats), read from there.
 
 The numpy dequantisation here is the reference (bit-identical to gguf.quants.dequantize);
 the fast kernels live in sparrow.kernels.linear.
 """
 
-import ctypes
 import functools
-import mmap
-import os
-import sys
 
-import numba.core.event
 import numpy as np
 
 from sparrow.errors import SparrowError
+from sparrow.kernels.formats import BLOCK_BYTES, BLOCK_VALUES, BY_NAME
 
-BLOCK = 32  # values a block of q8_0 / q4_0 / q4_1 / q5_0 / q5_1
-QK_K = 256  # values a K-quant super-block
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q4_k": 144, "q5_k": 176, "q6_k": 210}
-BLOCK_SIZE = {q: (QK_K if q.endswith("_k") else BLOCK) for q in BLOCK_BYTES}
-QUANTIZE_TO = ("q8_0", "q4_0", "q4_1")  # what Weight.quantize writes
-QTYPES = ("f32", "f16", "bf16") + tuple(BLOCK_BYTES)
-_NATIVE_GGUF = {"F32": "f32", "F16": "f16", "BF16": "bf16"} | {q.upper(): q for q in BLOCK_BYTES}
+QTYPES = tuple(BY_NAME)  # every format a Weight holds: those of the format table
+QUANTIZE_TO = ("q8_0", "q4_0", "q4_1")  # what Weight.quantize writes (quantize_blocks)
+BLOCK = BLOCK_VALUES["q8_0"]  # values a block of each of them
+assert all(BLOCK_VALUES[q] == BLOCK for q in QUANTIZE_TO)
+_NATIVE_GGUF = {q.upper(): q for q in QTYPES}  # GGUF tensor type name -> the format kept as stored
 _ROW_CHUNK = 4096  # rows per numpy (de)quantisation step, bounds temporary memory
 
 
@@ -201,7 +196,7 @@ class Weight:
             raise SparrowError(f"unknown weight type {qtype!r}")
         out, k = int(shape[0]), int(shape[1])
         if qtype in BLOCK_BYTES:
-            bs = BLOCK_SIZE[qtype]
+            bs = BLOCK_VALUES[qtype]
             if k % bs:
                 raise SparrowError(f"{qtype} weight needs in % {bs} == 0, got shape {(out, k)}")
             want, dtype = (out, k // bs * BLOCK_BYTES[qtype]), np.uint8
@@ -330,137 +325,3 @@ class Weight:
         if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
             raise SparrowError(f"row id out of range [0, {self.shape[0]})")
         return self._dequant(self.data[ids])
-
-
-# madvise advice for the pages under a view of a read-only file mapping (advise_mapped_pages)
-MADV_RANDOM = 1  # fault in only the page touched: no readahead around it
-MADV_DONTNEED = 4  # out of this process's resident set; the page cache keeps the bytes
-
-
-def _mapping(a):
-    """The np.memmap of a file opened read-only that array a is a view into, or None."""
-    while a is not None:
-        if isinstance(a, np.memmap):
-            return a if a.mode == "r" else None
-        a = getattr(a, "base", None)
-    return None
-
-
-def advise_mapped_pages(a, advice: int) -> bool:
-    """madvise(advice) over the whole pages under a C-contiguous view a of a read-only file
-    mapping (Linux). Anonymous memory is never advised: DONTNEED would zero it. True when the
-    call was made and succeeded."""
-    m = _mapping(a)
-    if m is None or not a.flags.c_contiguous or not sys.platform.startswith("linux"):
-        return False
-    page = mmap.PAGESIZE
-    lo, hi = a.ctypes.data, a.ctypes.data + a.nbytes
-    m_lo = m.ctypes.data
-    if not (m_lo <= lo and hi <= m_lo + m.nbytes):
-        return False
-    start, end = -(-lo // page) * page, hi // page * page
-    if end <= start:
-        return False
-    return _madvise()(start, end - start, advice) == 0
-
-
-def trim_heap() -> None:
-    """Hands the C heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere).
-
-    A prefill's transient arrays (tens of MiB a layer) are freed into the heap, not unmapped:
-    glibc raises its mmap threshold to the largest freed block (up to 32 MiB), so later arrays
-    of that size come from the heap, and the free ones stay resident until this call
-    (docs/benchmarks/xeon-amx-m167.md, "Resident memory in the q8 mode"). With nothing to give
-    back it costs a few microseconds."""
-    f = _malloc_trim()
-    if f is not None:
-        f(0)
-
-
-def release_memory() -> None:
-    """Gives back what the process holds resident but no longer uses: the C heap's free pages
-    (trim_heap) and the compiler's code pages (drop_compiler_pages). Called where transient
-    arrays die: after a model is built and after each prefill chunk."""
-    trim_heap()
-    drop_compiler_pages()
-
-
-class _CompilerUse(numba.core.event.Listener):
-    """Notes that numba took its compiler lock (it compiles or loads a kernel from its disk
-    cache under it, and sparrow's IR kernels go through it too): LLVM's code ran."""
-
-    used = True  # the import itself ran LLVM
-
-    def on_start(self, event):
-        _CompilerUse.used = True
-
-    def on_end(self, event):
-        pass
-
-
-numba.core.event.register("numba:compiler_lock", _CompilerUse())
-
-
-def drop_compiler_pages() -> None:
-    """Takes llvmlite's code pages out of the resident set if the compiler ran since the last
-    call (a flag check otherwise).
-
-    numba runs LLVM only to compile a kernel or to load one from its disk cache, yet the
-    library's pages it touched doing so (55-69 MiB once the first kernels are loaded) stayed
-    resident: half of the q8 mode's margin over file + KV (issue 34's bound). madvise(DONTNEED)
-    drops them from this process's page tables; the page cache keeps the bytes, so the next
-    compile faults them back in from memory. Only mappings that can never hold data of their
-    own are advised: not writable, and no page copied on write (a relocated read-only segment
-    has some, and would lose its relocations)."""
-    if not _CompilerUse.used:
-        return
-    _CompilerUse.used = False
-    advise = _madvise()
-    for lo, hi in _compiler_segments():
-        advise(lo, hi - lo, MADV_DONTNEED)
-
-
-@functools.cache
-def _compiler_segments() -> tuple[tuple[int, int], ...]:
-    """(start, end) of each read-only segment of llvmlite's shared library whose pages are all
-    the file's, read once from /proc/self/smaps (Linux; nothing elsewhere)."""
-    try:
-        lines = open("/proc/self/smaps").read().splitlines()
-    except OSError:
-        return ()
-    out, seg = [], None
-    for line in lines:
-        f = line.split()
-        if f and "-" in f[0] and not f[0].endswith(":"):  # a mapping's header: range perms offset dev inode [path]
-            seg = None
-            if len(f) > 5 and os.path.basename(f[5]).startswith("libllvmlite") and "w" not in f[1]:
-                lo, hi = (int(v, 16) for v in f[0].split("-"))
-                seg = [lo, hi]
-        elif seg is not None and f[0] == "Anonymous:":
-            if int(f[1]) == 0:
-                out.append(tuple(seg))
-            seg = None
-    return tuple(out)
-
-
-@functools.cache
-def libc():
-    """The C library this process runs on, opened once (errno kept for madvise's and the AMX
-    permission syscall's callers)."""
-    return ctypes.CDLL(None, use_errno=True)
-
-
-@functools.cache
-def _malloc_trim():
-    f = getattr(libc(), "malloc_trim", None)  # glibc's; musl and macOS have none
-    if f is not None:
-        f.argtypes = (ctypes.c_size_t,)
-    return f
-
-
-@functools.cache
-def _madvise():
-    """libc's madvise, looked up once: a decode step calls it (Decoder.embed_rows)."""
-    f = libc().madvise
-    f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return f

@@ -10,10 +10,10 @@ from test_gemm import bits, fma32, fma_order_reference
 
 from sparrow.errors import SparrowError
 from sparrow.kernels import linear as L
-from sparrow.kernels.formats import KIND
+from sparrow.kernels.formats import BLOCK_BYTES, BLOCK_VALUES, KIND
 from sparrow.kernels.matmul import widen as _widen
 from sparrow.kernels.matmul.widen import F16_LUT, call_slp, widen_row
-from sparrow.quant import BLOCK_BYTES, BLOCK_SIZE, Weight
+from sparrow.quant import Weight
 from weights import acts
 
 GT = gguf.GGMLQuantizationType
@@ -29,7 +29,7 @@ def _f16_bytes(a):
 def make_kq(qtype, shape, seed=0):
     """A Weight of random blocks: uniform codes, sane f16 scales (values ~0.01..0.5)."""
     out, k = shape
-    bb, nb = BLOCK_BYTES[qtype], k // BLOCK_SIZE[qtype]
+    bb, nb = BLOCK_BYTES[qtype], k // BLOCK_VALUES[qtype]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (out, nb, bb), dtype=np.uint8)
     u = lambda lo, hi: rng.uniform(lo, hi, (out, nb)) * rng.choice([-1, 1], (out, nb))  # noqa: E731
@@ -53,7 +53,7 @@ def make_kq(qtype, shape, seed=0):
 def test_dequantize_matches_gguf(qtype, rows, nb):
     # Fully random bytes: every f16 scale pattern (subnormal, 65504, -0, inf, NaN) and every
     # 6-bit scale / min and code; bit patterns compared, NaNs included.
-    bb, bs = BLOCK_BYTES[qtype], BLOCK_SIZE[qtype]
+    bb, bs = BLOCK_BYTES[qtype], BLOCK_VALUES[qtype]
     raw = np.random.default_rng(rows * 10 + nb).integers(0, 256, (rows, nb * bb), dtype=np.uint8)
     # and the extreme scales on purpose, in the first block of the first rows
     at = 208 if qtype == "q6_k" else 0
@@ -112,7 +112,7 @@ def test_widen_row_bit_exact(qtype):
             call_slp(widen_row, w.data[o], KIND[qtype], F16_LUT, out[o], out[o].view(np.uint32), True)
         assert np.array_equal(bits(out), bits(full))
     # every byte random: extreme f16 scales (subnormal, 65504, inf, NaN), all 6-bit scales
-    bb, bs = BLOCK_BYTES[qtype], BLOCK_SIZE[qtype]
+    bb, bs = BLOCK_BYTES[qtype], BLOCK_VALUES[qtype]
     raw = np.random.default_rng(15).integers(0, 256, (64, 2 * bb), dtype=np.uint8)
     w = Weight(qtype, raw, (64, 2 * bs))
     with np.errstate(all="ignore"):

@@ -13,10 +13,10 @@ from test_q8act import q8_outputs, quantize_reference, rowdot_reference
 
 import sparrow
 from sparrow.kernels import set_threads
-from sparrow.kernels.formats import PREFILL_FORMATS
+from sparrow.kernels.formats import BLOCK_BYTES, PREFILL_FORMATS
 from sparrow.kernels.linear import SMALL_T, linear, prepare
 from sparrow.kernels.matmul.q8.quantized import quantize, rows_q8
-from sparrow.quant import BLOCK_BYTES, Weight
+from sparrow.quant import Weight
 from weights import acts, make
 
 # (format, [out, in], T): one and several super-blocks (or odd block counts for q5_*), T up

@@ -17,14 +17,17 @@ from pathlib import Path
 # Bottom to top. A module may import modules of its own tier or below, never above.
 # "pkg.*" is the package pkg and every module in it.
 TIERS = [
-    # 0: definitions everything shares: errors, model config, weight storage, option objects
-    ("sparrow.errors", "sparrow.config", "sparrow.quant", "sparrow.params", "sparrow.version"),
-    # 1: leaf machinery on plain arrays and files: numba kernels, checkpoint readers (which
-    #    build the tokenizer), tokenizer and chat template, structured output (tool specs,
-    #    llguidance grammars and masks, tool-call parsers), images (decoding, preprocessing and
-    #    the Qwen3-VL vision tower on kernels and stored weights)
+    # 0: definitions everything shares: errors, model config, option objects; the process's
+    #    memory as the OS sees it (madvise, heap trim, the compiler's pages)
+    ("sparrow.errors", "sparrow.config", "sparrow.params", "sparrow.version", "sparrow.memory"),
+    # 1: leaf machinery on plain arrays and files: numba kernels, weight storage (its formats
+    #    are the kernels' format table), checkpoint readers (which build the tokenizer),
+    #    tokenizer and chat template, structured output (tool specs, llguidance grammars and
+    #    masks, tool-call parsers), images (decoding, preprocessing and the Qwen3-VL vision
+    #    tower on kernels and stored weights)
     (
         "sparrow.kernels.*",
+        "sparrow.quant",
         "sparrow.loaders.*",
         "sparrow.tokenizer",
         "sparrow.chat_template",
@@ -62,12 +65,14 @@ KERNEL_TIERS = [
         "sparrow.kernels.parallel",
     ),
     # 1: kernels by concern: products with stored weights (exact rows, GEMM, the q8 mode),
-    #    attention, elementwise ops, the vision tower's ops, the fused step's barrier
+    #    attention, elementwise ops, the vision tower's ops, the gated delta rule, the fused
+    #    step's barrier
     (
         "sparrow.kernels.matmul.*",
         "sparrow.kernels.attention.*",
         "sparrow.kernels.elementwise",
         "sparrow.kernels.vision",
+        "sparrow.kernels.deltanet",
         "sparrow.kernels.fused.sync",
     ),
     # 2: what composes them: linear() (the one entry to the products), MoE experts, the fused

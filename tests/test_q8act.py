@@ -306,8 +306,8 @@ def test_interleave_moves_each_region_as_its_table_says(qtype):
     """groups._interleave (one unaligned move per run of 4 or 2 bytes) against a byte-by-byte
     reading of groups.REGIONS: run f of a region's bytes (src, dst, length, width) in row r's
     block b goes to the group's block b at 8 dst + width r + 8 width f."""
+    from sparrow.kernels.formats import BLOCK_BYTES
     from sparrow.kernels.matmul.q8 import groups
-    from sparrow.quant import BLOCK_BYTES
     from sparrow_lab.bench.rows import random_rows
 
     data = random_rows(qtype, 21, 512, seed=6)  # 2 full groups and one of 5 rows
@@ -367,8 +367,8 @@ def test_q8_mode_keeps_the_files_pages_out_of_the_resident_set(tmp_path):
     set through a prefill and decode steps: small tensors (norms) are copies, not views of the
     mapping, and the embedding table, only looked up where the head has its own rows, gives
     back the pages each lookup faulted in. Exact mode with a tied head reads the table itself."""
+    from sparrow.memory import _mapping
     from sparrow.models.decoder import Segment
-    from sparrow.quant import _mapping
     from sparrow_lab.bench import shapes
 
     tiny = dict(
@@ -396,7 +396,7 @@ def test_q8_mode_keeps_the_files_pages_out_of_the_resident_set(tmp_path):
 
 _HEAP_CHILD = """
 import numpy as np
-from sparrow.quant import trim_heap
+from sparrow.memory import trim_heap
 def anon():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("RssAnon")) // 1024
 big = np.ones(24 << 18, np.float32); del big  # a freed 24 MiB mapping: glibc's threshold rises to it
@@ -423,7 +423,7 @@ def test_trim_heap_gives_freed_arrays_back():
 _COMPILER_CHILD = """
 import numpy as np
 from numba import njit
-from sparrow import quant
+from sparrow import memory
 
 def llvm_rss():  # KiB resident in llvmlite's library mappings
     kib, ours = 0, False
@@ -440,16 +440,16 @@ def first(x):
     return x.sum() * 2
 first(np.arange(4.0))  # LLVM compiles: its code pages are touched
 held = llvm_rss()
-quant.release_memory()
+memory.release_memory()
 dropped = llvm_rss()
-quant.drop_compiler_pages()  # the compiler did not run since: nothing to do
+memory.drop_compiler_pages()  # the compiler did not run since: nothing to do
 @njit(cache=False)
 def second(x):
     return x.max() + 1
 assert second(np.arange(5.0)) == 5.0  # compiling again works: the pages fault back in
 again = llvm_rss()
-quant.drop_compiler_pages()
-print(held, dropped, again, llvm_rss(), len(quant._compiler_segments()))
+memory.drop_compiler_pages()
+print(held, dropped, again, llvm_rss(), len(memory._compiler_segments()))
 """
 
 

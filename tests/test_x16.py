@@ -17,12 +17,13 @@ from test_kquants import make_kq
 from test_kquants_q8 import extreme_weight, extreme_x, reference
 from test_q8act import q8_outputs, rowdot_reference
 
+from sparrow.kernels.formats import BLOCK_BYTES
 from sparrow.kernels.linear import linear, prepare
 from sparrow.kernels.matmul.q8 import groups as _x8
 from sparrow.kernels.matmul.q8 import ir as _q8ir
 from sparrow.kernels.matmul.q8 import pair_tiles as _x16
 from sparrow.kernels.matmul.q8 import quantized as _q8act
-from sparrow.quant import BLOCK_BYTES, Weight
+from sparrow.quant import Weight
 from weights import acts, make
 
 needs_vnni512 = pytest.mark.skipif(not _q8ir.VNNI512, reason="this CPU has no AVX512-VNNI")

@@ -11,7 +11,7 @@ import platform
 
 import numba
 
-from sparrow.quant import libc
+from sparrow.memory import libc
 
 
 def _target() -> tuple[str, str]:

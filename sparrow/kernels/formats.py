@@ -52,6 +52,8 @@ X8_Q8_0, X8_Q4_0, X8_Q4_1, X8_Q5_0, X8_Q5_1, X8_Q4_K, X8_Q5_K, X8_Q6_K = (
 )
 
 KIND = {f.name: f.kind for f in FORMATS}  # every format the kernels run
+BLOCK_BYTES = {f.name: f.block_bytes for f in FORMATS if f.block_values > 1}  # the block formats: a block's bytes
+BLOCK_VALUES = {f.name: f.block_values for f in FORMATS if f.block_values > 1}  # and the weights it holds
 KQ_KIND = {f.name: f.kind for f in FORMATS if f.row_dot == "kquants"}  # q5_0, q5_1, K-quants
 KQ_FIRST = min(KQ_KIND.values())  # kinds from here to X8_FIRST have their row dots in kquants
 BLOCK_KINDS = tuple(f.kind for f in FORMATS if f.x8 is not None)  # formats the q8 mode runs

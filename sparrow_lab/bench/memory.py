@@ -8,7 +8,7 @@ path), resets the peak (Linux's clear_refs), then prefills a random prompt and d
 the runner into a cache of prompt + decode positions. Reported, in MiB (/proc/self/status): the
 load's peak and end, the request's peak and the end, what the end holds beside the file and the
 KV cache, and the bound file x 1.1 + KV + 150 MiB (the file's pages leave the resident set as
-the q8 mode's copies replace them; quant.release_memory gives back the heap's free pages and
+the q8 mode's copies replace them; sparrow.memory.release_memory gives back the heap's free pages and
 LLVM's code pages). With --compare llama-cpp, llama.cpp's peak for the same file and context.
 """
 

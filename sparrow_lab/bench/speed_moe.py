@@ -18,9 +18,10 @@ import time
 import numba
 import numpy as np
 
+from sparrow.kernels.formats import BLOCK_BYTES, BLOCK_VALUES
 from sparrow.models.layers import MLP
 from sparrow.models.qwen3_moe import Expert, MoEBlock
-from sparrow.quant import BLOCK, BLOCK_BYTES, Weight
+from sparrow.quant import Weight
 
 HIDDEN, N_EXPERTS, TOP_K, MOE_FFN = 2048, 128, 8, 768  # Qwen3-30B-A3B
 
@@ -28,7 +29,7 @@ HIDDEN, N_EXPERTS, TOP_K, MOE_FFN = 2048, 128, 8, 768  # Qwen3-30B-A3B
 def random_blocks(rng, rows, cols, qtype, scale):
     """Random stored rows [rows, cols] of qtype with every block scale equal to `scale`."""
     bb = BLOCK_BYTES[qtype]
-    raw = rng.integers(0, 256, (rows, cols // BLOCK, bb), dtype=np.uint8)  # [rows, nb, bb]
+    raw = rng.integers(0, 256, (rows, cols // BLOCK_VALUES[qtype], bb), dtype=np.uint8)  # [rows, nb, bb]
     raw[:, :, 0:2] = np.array([scale], np.float16).view(np.uint8)
     if qtype == "q4_1":
         raw[:, :, 2:4] = np.array([-8 * scale], np.float16).view(np.uint8)

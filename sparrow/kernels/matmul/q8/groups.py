@@ -39,6 +39,7 @@ from numba import njit, prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from sparrow.kernels.formats import BLOCK_BYTES  # one row's block, as stored
 from sparrow.kernels.ir import F32, I8, I32, I64, c64, fma, shuffle, splat16, zeroed
 from sparrow.kernels.matmul.q8.ir import (
     AVX2,
@@ -56,7 +57,6 @@ from sparrow.kernels.matmul.q8.ir import (
     smmla,
     splat,
 )
-from sparrow.quant import BLOCK_BYTES  # one row's block, as stored
 
 GROUP = 8
 # A stored block's byte ranges (src, dst, length, width): bytes src .. src + length - 1 of a

@@ -69,7 +69,7 @@ from sparrow.kernels.native_call import address_for, call_native
 from sparrow.kernels.options import KW, PARALLEL_MIN_MACS
 from sparrow.kernels.options import ROWS as _ROWS
 from sparrow.kernels.parallel import run_parallel
-from sparrow.quant import MADV_DONTNEED, advise_mapped_pages
+from sparrow.memory import MADV_DONTNEED, advise_mapped_pages
 
 # formats.py's X8_KIND: q8_0, q4_0, q4_1, q5_0, q5_1 in q8.groups; q4_k, q5_k, q6_k in q8.kquant_groups
 __all__ = ["AVX2", "CPU_FEATURES", "Q8Weight", "matmul_amx", "matvec_q8", "quantize", "rows_q8"]
