@@ -364,20 +364,22 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/tokenize", dependencies=[Depends(ready)], responses={200: {"model": TokenizeResponse}, **ERRORS})
     async def tokenize(request: Request, body: TokenizeRequest):
         llm = state.llm
+        limit = max(llm.ctx, prompt_size.TOKENIZE_MAX)
+        what = "/tokenize's limit of"
         check_model(body.model)
         try:
             if body.messages is not None:
                 keys = ("messages", "chat_template_kwargs", "tools", "tool_choice")
                 chat = body.model_dump(include=set(keys), by_alias=True, exclude_unset=True)  # as sent: no nulls
                 req = chat_request(validate(ChatCompletionRequest, chat), images=llm.vision is not None)
-                await run_in_threadpool(check_chat_size, llm, req, 0)
+                # a prompt may be counted past the context (vLLM's /tokenize counts it all), up to a bound
+                await run_in_threadpool(check_chat_size, llm, req, 0, limit, what)
                 ids = (await run_in_threadpool(chat_prompt, llm, req))[0]  # image pads expanded
             elif body.prompt is not None:
-                await run_in_threadpool(prompt_size.check_text, llm.tokenizer, body.prompt, 0, llm.ctx)
+                await run_in_threadpool(prompt_size.check_text, llm.tokenizer, body.prompt, 0, limit, what)
                 ids = await run_in_threadpool(llm.tokenizer.encode, body.prompt, body.add_special_tokens)
             else:
                 raise APIError(400, "send 'prompt' (a string) or 'messages'", param="prompt")
-            check_context(len(ids), 0, llm.ctx)  # what is counted is what a request may hold
         except ContextLengthError as e:
             param = "messages" if body.messages is not None else "prompt"
             raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
@@ -480,11 +482,12 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, str(e), param=e.param) from None
         return req, prompts, params, in_reasoning, constraints, images
 
-    def check_chat_size(llm, req, reserve: int) -> None:
-        """A conversation that cannot fit with `reserve` tokens of answer is refused before it is
-        tokenised whole (prompt_size.py)."""
-        kwargs = req.chat_template_kwargs
-        prompt_size.check_chat(llm.tokenizer, req.messages, req.structured.template_tools, kwargs, reserve, llm.ctx)
+    def check_chat_size(llm, req, reserve: int, ctx: int | None = None, what: str = "the context length") -> None:
+        """A conversation that cannot fit in ctx (None: the model's) with `reserve` tokens of
+        answer is refused before it is tokenised whole (prompt_size.py)."""
+        kwargs, ctx = req.chat_template_kwargs, llm.ctx if ctx is None else ctx
+        tools = req.structured.template_tools
+        prompt_size.check_chat(llm.tokenizer, req.messages, tools, kwargs, reserve, ctx, what)
 
     def chat_prompt(llm, req):
         """(ids with image pads expanded, preprocessed images) under the server's media rules."""
@@ -879,7 +882,7 @@ def serve(args) -> None:
 
     print(f"sparrow: serving on http://{args.host}:{args.port} (model loading)", file=sys.stderr, flush=True)
     from ..engine.warmup import SERVER_PATHS
-    from ..kernels import announce_compiles
+    from ..kernels.runtime import announce_compiles
 
     announce_compiles(lambda line: print(line, file=sys.stderr, flush=True))
     print(

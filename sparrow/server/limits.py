@@ -34,9 +34,18 @@ class BodyLimit:
         self.app, self.max_body, self.timeout = app, max_body, timeout
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
+        names = [k for k, _ in scope["headers"]]
+        if b"transfer-encoding" in names and b"content-length" in names:
+            # RFC 9112 6.3: a proxy that trusts Content-Length and this server (chunked) would read
+            # different requests from the same bytes (request smuggling); httptools refuses these
+            # itself, h11 did not
+            message = "a request may not carry both Content-Length and Transfer-Encoding"
+            return await _refuse(send, 400, message, "invalid_framing", close=True, path=scope.get("path", ""))
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        headers, path = dict(scope["headers"]), scope.get("path", "")
         size = headers.get(b"content-length", b"").decode("latin-1")
         try:
             async with asyncio.timeout(self.timeout):
@@ -44,14 +53,14 @@ class BodyLimit:
                     if int(size) <= _DRAIN:
                         await _read(receive, _DRAIN)
                     message = f"request body of {size} bytes exceeds the limit of {self.max_body}"
-                    return await _refuse(send, 413, message, "request_too_large")
+                    return await _refuse(send, 413, message, "request_too_large", path=path)
                 body, n = await _read(receive, self.max_body)
         except TimeoutError:
             message = f"the request body did not arrive within {self.timeout:g} s"
-            return await _refuse(send, 408, message, "request_timeout", close=True)
+            return await _refuse(send, 408, message, "request_timeout", close=True, path=path)
         if n > self.max_body:
             message = f"request body exceeds the limit of {self.max_body} bytes"
-            return await _refuse(send, 413, message, "request_too_large")
+            return await _refuse(send, 413, message, "request_too_large", path=path)
         if not headers.get(b"content-type", b"").lower().startswith(_JSON):
             hs = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
             scope = dict(scope, headers=hs + [(b"content-type", _JSON)])
@@ -83,8 +92,12 @@ async def _read(receive, limit: int) -> tuple[bytes, int]:
     return (b"".join(chunks) if n <= limit else b""), n
 
 
-async def _refuse(send, status: int, message: str, code: str, close: bool = False) -> None:
-    body = json.dumps(error_body(message, code=code)).encode()
+async def _refuse(send, status: int, message: str, code: str, close: bool = False, path: str = "") -> None:
+    if path.startswith("/v1/messages"):  # Anthropic's API answers in Anthropic's error shape
+        kind = {413: "request_too_large"}.get(status, "invalid_request_error")
+        body = json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
+    else:
+        body = json.dumps(error_body(message, code=code)).encode()
     headers = [(b"content-type", _JSON), (b"content-length", str(len(body)).encode())]
     if close:  # the rest of the body may still be on its way: this connection carries no next request
         headers.append((b"connection", b"close"))

@@ -22,6 +22,9 @@ from ..errors import ContextLengthError
 PIECE = 16384  # characters tokenised at a time
 SLACK = 2  # tokens one cut between pieces may add to the sum
 SMALL = 32768  # characters: shorter texts are tokenised whole at once (under ~0.2 s)
+# /tokenize counts past the context (as vLLM's does: a harness truncates long documents itself),
+# up to this many tokens or the context if larger: ~0.5 MB of text, well under a second
+TOKENIZE_MAX = 131072
 
 
 LONGEST_SPECIAL = 256  # characters: longer than any special token's text
@@ -90,26 +93,29 @@ def _chars(value) -> int:
     return 0
 
 
-def _refuse(bound: int | None, max_tokens: int, ctx: int) -> None:
+def _refuse(bound: int | None, max_tokens: int, ctx: int, what: str) -> None:
     """check_context's error in its words, for a count that stopped at a lower bound."""
     if bound is not None:
         raise ContextLengthError(
             f"prompt has at least {bound} tokens and max_tokens is {max_tokens}: {bound + max_tokens} exceeds "
-            f"the context length {ctx}"
+            f"{what} {ctx}"
         )
 
 
-def check_text(tokenizer, text: str, max_tokens: int, ctx: int) -> None:
+def check_text(tokenizer, text: str, max_tokens: int, ctx: int, what: str = "the context length") -> None:
     """ContextLengthError when text's tokens and max_tokens cannot fit in ctx, found without
-    tokenising more than the context's worth; nothing when it may fit."""
+    tokenising more than the context's worth; nothing when it may fit. what: ctx's name in the
+    error."""
     if len(text) > SMALL:
-        _refuse(at_least(tokenizer, text, ctx - max_tokens), max_tokens, ctx)
+        _refuse(at_least(tokenizer, text, ctx - max_tokens), max_tokens, ctx, what)
 
 
-def check_chat(tokenizer, messages: list[dict], tools, kwargs: dict, max_tokens: int, ctx: int) -> None:
+def check_chat(
+    tokenizer, messages: list[dict], tools, kwargs: dict, max_tokens: int, ctx: int, what: str = "the context length"
+) -> None:
     """check_text for a conversation: the text its chat template writes."""
     if _chars((messages, tools, kwargs)) <= SMALL:
         return
     text = chat_text(tokenizer, messages, tools, kwargs)
     if text is not None:
-        check_text(tokenizer, text, max_tokens, ctx)
+        check_text(tokenizer, text, max_tokens, ctx, what)
