@@ -436,7 +436,7 @@ async def _events(run: ChatRun, mid: str, model: str):
                 for e in close():
                     yield e
                 reason, seq = _stop(run, p.finish)
-                usage = {"output_tokens": run.completion_tokens}
+                usage = _usage(run)  # the cached part of the prompt is known only now
                 yield _sse("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq}, "usage": usage})
                 yield _sse("message_stop", {})
                 return

@@ -320,20 +320,6 @@ def _usage(run: ChatRun) -> dict:
     }
 
 
-class Answer:
-    """The output items of one response, built as the answer comes (streamed or not)."""
-
-    def __init__(self):
-        self.items: list[dict] = []
-        self.reasoning: dict | None = None
-        self.message: dict | None = None
-        self.calls: dict[int, dict] = {}  # the parser's call index -> its item
-
-    def _add(self, item: dict) -> tuple[int, dict]:
-        self.items.append(item)
-        return len(self.items) - 1, item
-
-
 def _text_part(text: str = "") -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
