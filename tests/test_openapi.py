@@ -63,8 +63,8 @@ def test_openapi_and_docs_are_published(served):
     # sparrow answers 400, never FastAPI's 422
     assert not any("422" in op.get("responses", {}) for item in doc["paths"].values() for op in item.values())
     assert "HTTPValidationError" not in models
-    page = httpx.get(served + "/docs")
-    assert page.status_code == 200 and "swagger" in page.text.lower() and "/openapi.json" in page.text
+    page = httpx.get(served + "/docs")  # sparrow's own page (tests/test_server_docs_page.py)
+    assert page.status_code == 200 and "/openapi.json" in page.text
 
 
 @pytest.mark.parametrize(

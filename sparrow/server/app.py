@@ -36,7 +36,7 @@ from ..params import SpeculativeParams
 from ..structured import StructuredError
 from ..vision.media import MAX_PIXELS_PER_REQUEST
 from ..vision.preprocess import image_salt
-from . import anthropic_api, local_media, prompt_size, responses_api, tokenizer_info, web_ui
+from . import anthropic_api, docs_page, local_media, prompt_size, responses_api, tokenizer_info, web_ui
 from .chat_runs import Core
 from .limits import BODY_TIMEOUT, HEADER_TIMEOUT, BodyLimit, http_protocol
 from .metrics import Metrics
@@ -92,7 +92,7 @@ ENDPOINTS = (
     "/v1/messages/count_tokens",
     "/v1/responses",
 )
-PUBLIC = ("/health", "/docs", "/docs/oauth2-redirect", "/openapi.json")  # answered without the API key
+PUBLIC = ("/health", "/openapi.json", docs_page.PAGE, *docs_page.ASSETS)  # answered without the API key
 LOADING_RETRY_AFTER = 5  # seconds: what a 503 while the model loads asks clients to wait
 
 
@@ -276,7 +276,8 @@ class _Guard:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="sparrow", version=__version__, redoc_url=None)  # /openapi.json and /docs from schema.py
+    # /openapi.json from schema.py; /docs is sparrow's own page (docs_page.py), not FastAPI's CDN one
+    app = FastAPI(title="sparrow", version=__version__, redoc_url=None, docs_url=None)
     app.openapi = lambda: openapi(app)
     app.state.sparrow = state
     metrics = state.metrics
@@ -315,6 +316,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     if state.web_ui:
         web_ui.add_routes(app)
+    docs_page.add_routes(app)
     tokenizer_info.add_routes(app, state)
 
     @app.get("/health")
