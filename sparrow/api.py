@@ -22,7 +22,7 @@ from .engine.runner import Runner
 from .engine.sequence import Sequence, StepOutput
 from .engine.speculative import check_supported, make_speculator
 from .errors import SparrowError
-from .kernels import set_threads
+from .kernels.runtime import set_threads
 from .loaders import open_checkpoint
 from .params import (
     QUANTIZE,

@@ -168,10 +168,10 @@ def _stderr(line: str) -> None:
 
 
 def _compile_notice(cold: bool | None = None, activations: str = "f32") -> None:
-    """The compile notice and progress lines on stderr (kernels.announce_compiles), so a first
+    """The compile notice and progress lines on stderr (kernels.runtime.announce_compiles), so a first
     run's pause does not look like a hang; cold: the cache's state before a load that may have
     compiled (the q8 mode's interleaving). serve() does the same."""
-    from .kernels import COMPILE_NOTICE, COMPILE_NOTICE_Q8, announce_compiles
+    from .kernels.runtime import COMPILE_NOTICE, COMPILE_NOTICE_Q8, announce_compiles
 
     announce_compiles(_stderr, notice=COMPILE_NOTICE_Q8 if activations == "q8" else COMPILE_NOTICE, cold=cold)
 
@@ -179,7 +179,7 @@ def _compile_notice(cold: bool | None = None, activations: str = "f32") -> None:
 def _load(a):
     from .api import load
     from .config import rope_scaling_from_flags
-    from .kernels import cache_is_cold
+    from .kernels.runtime import cache_is_cold
 
     rope_scaling = rope_scaling_from_flags(a.rope_scaling, a.rope_scale, a.yarn_orig_ctx)  # before the load
     cold = cache_is_cold()

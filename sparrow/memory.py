@@ -75,9 +75,10 @@ def release_memory() -> None:
 
 class _CompilerUse(numba.core.event.Listener):
     """Notes that numba took its compiler lock (it compiles or loads a kernel from its disk
-    cache under it, and sparrow's IR kernels go through it too): LLVM's code ran."""
+    cache under it, and sparrow's IR kernels go through it too): LLVM's code ran. Registered
+    by the first drop_compiler_pages, not at import: until then `used` is True anyway."""
 
-    used = True  # the import itself ran LLVM
+    used = True  # importing numba ran LLVM
 
     def on_start(self, event):
         _CompilerUse.used = True
@@ -86,7 +87,9 @@ class _CompilerUse(numba.core.event.Listener):
         pass
 
 
-numba.core.event.register("numba:compiler_lock", _CompilerUse())
+@functools.cache
+def _listen_for_the_compiler() -> None:
+    numba.core.event.register("numba:compiler_lock", _CompilerUse())
 
 
 def drop_compiler_pages() -> None:
@@ -100,6 +103,7 @@ def drop_compiler_pages() -> None:
     compile faults them back in from memory. Only mappings that can never hold data of their
     own are advised: not writable, and no page copied on write (a relocated read-only segment
     has some, and would lose its relocations)."""
+    _listen_for_the_compiler()
     if not _CompilerUse.used:
         return
     _CompilerUse.used = False

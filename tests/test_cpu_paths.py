@@ -317,7 +317,7 @@ def run_compiled_for(tmp_path, cpu, features, code, fresh=False, args=()):
     """Runs `code` (argv: the tests folder, an .npz path it writes) in a child process whose
     numba compiles for `cpu` / `features`; returns (the INFO json the child printed, its arrays).
     The children of one CPU path share sparrow's own kernel cache, whose folder is keyed on the
-    kernel sources and the CPU the child compiles for (kernels/__init__.py; numba's index keys
+    kernel sources and the CPU the child compiles for (kernels/runtime.py; numba's index keys
     each entry on the target CPU too), so each kernel compiles once per path and source
     version, not once per test file or run; fresh=True gives the child an empty cache of its
     own (code that inspects what it compiled); args: more arguments for `code`."""

@@ -10,7 +10,7 @@ import pytest
 
 import sparrow
 from conftest import prompt
-from sparrow.kernels import set_threads
+from sparrow.kernels.runtime import set_threads
 from sparrow.models import fused as fused_mod
 from sparrow.models.decoder import Segment
 from sparrow.params import SparseParams

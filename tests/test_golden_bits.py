@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 from test_kquants import make_kq
 
-from sparrow.kernels import set_threads
 from sparrow.kernels.linear import SMALL_T, linear, prepare
+from sparrow.kernels.runtime import set_threads
 from weights import acts, make
 
 FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "f16", "bf16", "f32")

@@ -12,10 +12,10 @@ from test_kquants import _unpack, k_scales_mins, make_kq
 from test_q8act import q8_outputs, quantize_reference, rowdot_reference
 
 import sparrow
-from sparrow.kernels import set_threads
 from sparrow.kernels.formats import BLOCK_BYTES, PREFILL_FORMATS
 from sparrow.kernels.linear import SMALL_T, linear, prepare
 from sparrow.kernels.matmul.q8.quantized import quantize, rows_q8
+from sparrow.kernels.runtime import set_threads
 from sparrow.quant import Weight
 from weights import acts, make
 

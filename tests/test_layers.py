@@ -55,7 +55,8 @@ ROOTS = (ROOT, LAB)
 # lower ones). The concerns of sub-tier 1 (matmul, attention) never import each other.
 KERNEL_TIERS = [
     # 0: what every kernel shares: the target CPU, the weight formats, compile options, LLVM IR
-    #    helpers, calls through a compiled function's address, the one parallel launcher
+    #    helpers, calls through a compiled function's address, the one parallel launcher, numba's
+    #    setup (threading layer, disk cache, thread counts, compile progress)
     (
         "sparrow.kernels.cpu",
         "sparrow.kernels.formats",
@@ -63,6 +64,7 @@ KERNEL_TIERS = [
         "sparrow.kernels.ir",
         "sparrow.kernels.native_call",
         "sparrow.kernels.parallel",
+        "sparrow.kernels.runtime",
     ),
     # 1: kernels by concern: products with stored weights (exact rows, GEMM, the q8 mode),
     #    attention, elementwise ops, the vision tower's ops, the gated delta rule, the fused
@@ -78,7 +80,7 @@ KERNEL_TIERS = [
     # 2: what composes them: linear() (the one entry to the products), MoE experts, the fused
     #    decode step
     ("sparrow.kernels.linear", "sparrow.kernels.moe", "sparrow.kernels.fused.*"),
-    # 3: the package: threading layer, disk cache, thread counts, compile progress
+    # 3: the package, whose import sets numba up (runtime.configure)
     ("sparrow.kernels",),
 ]
 APART = ("sparrow.kernels.matmul", "sparrow.kernels.attention")

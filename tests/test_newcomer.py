@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from sparrow import kernels as K
+from sparrow.kernels import runtime as K
 from sparrow_lab.eval import report
 
 MISSING = ("matplotlib", "httpx", "llama_cpp")  # not in the base install

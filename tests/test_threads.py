@@ -1,4 +1,4 @@
-"""Worker-thread pinning (sparrow.kernels.pin_worker_threads) and the OpenBLAS setting."""
+"""Worker-thread pinning (sparrow.kernels.runtime.pin_worker_threads) and the OpenBLAS setting."""
 
 import json
 import os
@@ -11,7 +11,7 @@ CHILD = r"""
 import json, os, threading
 import sparrow
 from sparrow.api import set_threads
-import sparrow.kernels as K
+from sparrow.kernels import runtime as K
 set_threads(2)
 main = threading.get_native_id()
 aff = {t: sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task") if int(t) != main}
@@ -53,7 +53,7 @@ def test_numba_cache_dir_follows_kernel_sources(tmp_path):
     # edits to the file that holds a cached function, not to helpers it inlines)
     import shutil
 
-    import sparrow.kernels as K
+    from sparrow.kernels import runtime as K
 
     src = tmp_path / "kernels"
     shutil.copytree(os.path.dirname(K.__file__), src, ignore=shutil.ignore_patterns("__pycache__"))

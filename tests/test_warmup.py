@@ -113,7 +113,7 @@ def test_compile_progress_listens_once_per_process():
     one numba listener: a compile is reported once, not once per call."""
     from numba.core import event
 
-    import sparrow.kernels as K
+    from sparrow.kernels import runtime as K
 
     first, second = [], []
     K.announce_compiles(first.append)
@@ -125,8 +125,8 @@ def test_compile_progress_listens_once_per_process():
 def test_the_cli_names_the_compile_a_cold_cache_faces(capsys):
     """The notice follows the cache's state before the load (a q8-mode load compiles its
     interleaving, so after it the cache is no longer cold) and the mode's own estimate."""
-    import sparrow.kernels as K
     from sparrow.cli import _compile_notice
+    from sparrow.kernels import runtime as K
 
     _compile_notice(cold=True, activations="q8")
     _compile_notice(cold=True, activations="f32")

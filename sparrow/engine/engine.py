@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..errors import SparrowError
-from ..kernels import set_threads
+from ..kernels.runtime import set_threads
 from ..params import SamplingParams, SparseParams, SpeculativeParams
 from .kv_manager import KVManager
 from .runner import Runner

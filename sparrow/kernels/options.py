@@ -1,7 +1,7 @@
 """How every kernel compiles, and how the matvec kernels split their work: defined once here.
 
 KW: numba's options for every kernel. cache: compiled code is kept on disk, in the folder
-kernels/__init__.py keys on these sources and this CPU; nogil: a kernel releases the GIL, so
+kernels/runtime.py keys on these sources and this CPU; nogil: a kernel releases the GIL, so
 the server's HTTP threads run while the model thread computes.
 """
 

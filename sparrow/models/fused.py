@@ -44,7 +44,7 @@ _DEFAULT_BLOCK = 32  # the block the exact-attention kernel walks (models.attent
 # off only while the staged steps measured last time were faster, per row: on Qwen3-1.7B a contended
 # fused step (~95 ms here) still beat a staged one (~180 ms), on the 135M model it did not.
 # The same measurement covers unequal cores (threads asked for beyond a big.LITTLE CPU's big
-# cores, kernels.default_threads): the fast workers' waits for the slow ones count as long
+# cores, kernels.runtime.default_threads): the fast workers' waits for the slow ones count as long
 # waits, and the fused step stays while it beats the staged one.
 CONTENDED = 8
 BACKOFF_STEPS = 64

@@ -884,7 +884,7 @@ def serve(args) -> None:
 
     print(f"sparrow: serving on http://{args.host}:{args.port} (model loading)", file=sys.stderr, flush=True)
     from ..engine.warmup import SERVER_PATHS
-    from ..kernels import announce_compiles
+    from ..kernels.runtime import announce_compiles
 
     announce_compiles(lambda line: print(line, file=sys.stderr, flush=True))
     print(

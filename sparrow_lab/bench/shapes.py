@@ -285,8 +285,9 @@ def vocabulary(shape) -> dict:
 
 
 def cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "sparrow", "shapes")
+    from sparrow.kernels.runtime import cache_root
+
+    return os.path.join(cache_root(), "shapes")
 
 
 def shape_path(name: str, qtype: str) -> str:

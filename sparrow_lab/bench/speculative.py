@@ -255,7 +255,7 @@ def _worst(llm, a) -> list[dict]:
     from sparrow.engine.generate import generate_step
     from sparrow.engine.sequence import Sequence
     from sparrow.engine.speculative import Drafter, Speculator
-    from sparrow.kernels import set_threads
+    from sparrow.kernels.runtime import set_threads
     from sparrow.params import SamplingParams, SpeculativeParams
 
     class Wrong(Drafter):

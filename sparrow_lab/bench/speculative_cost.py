@@ -49,7 +49,7 @@ def _pairs(a) -> list[tuple[str, int]]:
 def acceptance(a) -> dict:
     """{(context, selector, k, K): tokens per verification} on the real model, greedy."""
     import sparrow
-    from sparrow.kernels import set_threads
+    from sparrow.kernels.runtime import set_threads
     from sparrow.params import SamplingParams, SparseParams, SpeculativeParams
 
     llm = sparrow.load(a.model, threads=a.threads, kv_dtype=a.kv_dtype)

@@ -27,7 +27,7 @@ import numpy as np
 
 from sparrow.engine.runner import Slot
 from sparrow.errors import SparrowError
-from sparrow.kernels import set_threads
+from sparrow.kernels.runtime import set_threads
 from sparrow.models.timing import timed
 from sparrow.params import SparseParams
 

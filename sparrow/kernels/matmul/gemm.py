@@ -26,7 +26,7 @@ all of x with it, one x block (L1) against the NS sub-panels (L2 or streamed) at
 The packing buffers are reused from call to call (_scratch_arrays).
 f16 / bf16 / f32 rows are packed by widen.widen_row (this module imports widen, never the
 other way round). The numba cache directory is keyed on a hash of all kernel sources
-(kernels/__init__.py, _cache_dir), so an edit to widen_row recompiles the kernels here too.
+(kernels/runtime.py, _cache_dir), so an edit to widen_row recompiles the kernels here too.
 """
 
 import threading

@@ -9,7 +9,7 @@ kernels.matmul.gemm and kernels.moe; this module imports none of them).
   on its length (batch, thread and CPU invariant). Small matvecs skip the thread pool.
 Large T (prefill) is sparrow.kernels.matmul.gemm.matmul_widened, which packs rows with widen_row.
 Edits here reach every cached kernel that inlines these helpers: the numba cache directory
-is keyed on a hash of all kernel sources (kernels/__init__.py, _cache_dir).
+is keyed on a hash of all kernel sources (kernels/runtime.py, _cache_dir).
 """
 
 import numba.core.config as _nbconfig
