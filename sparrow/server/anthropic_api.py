@@ -75,8 +75,7 @@ PASSED = (
 REFUSED = {
     "mcp_servers": "MCP servers are not supported",
     "container": "containers are not supported",
-    "context_management": "'context_management' is not supported",
-}
+}  # context_management (clearing old tool results) is accepted: the whole conversation is kept
 
 
 class MessagesRequest(BaseModel):
