@@ -550,6 +550,24 @@ class HybridCache(KVCache):
         self._restore(n)
         super().truncate(n)
 
+    def states_at(self, bounds) -> dict:
+        """Copies of the state at each position of `bounds` (the disk prompt cache's file)."""
+        out = {}
+        for b in bounds:
+            if b == self.length:
+                out[b] = (self.conv.copy(), self.ssm.copy())
+            elif b in self.states:
+                out[b] = self.states[b]
+            else:
+                raise SparrowError(f"recurrent state: no copy at position {b}")
+        return out
+
+    def load_states(self, states: dict, n: int) -> None:
+        """The states read back from a file ({b: (conv, ssm)}), the one at n made live."""
+        self.states = {b: st for b, st in states.items() if b < n}
+        self.row_states.clear()
+        self.conv[:], self.ssm[:] = states[n]
+
     def copy_prefix(self, src, n, importance):
         if n == src.length:
             conv, ssm = src.conv, src.ssm

@@ -445,3 +445,40 @@ def test_bad_files_get_one_line_errors_naming_the_key_or_tensor(models, tmp_path
         with pytest.raises(SparrowError, match=message) as e:
             sparrow.load(folder)
         assert "\n" not in str(e.value)
+
+
+def test_after_a_restart_the_disk_prompt_cache_gives_the_fresh_bits(llms, tmp_path):
+    """The recurrent state at each kept boundary goes into the file beside the K/V."""
+    from test_prefix_cache import _submit_one
+
+    from sparrow.engine import disk_cache as dc
+    from sparrow.engine.engine import Engine
+    from sparrow.engine.runner import Runner
+
+    llm = llms["dense"]
+    params = SamplingParams(max_tokens=6, temperature=0.7, seed=2, ignore_eos=True, logprobs=0)
+    first = [int(t) for t in PROMPT[:140]]
+    second = first[:100] + [int(t) for t in PROMPT[:17]]
+
+    def run(ids, disk):
+        engine = Engine(llm, runner=Runner(llm.model, 32), kv_budget=1 << 28, disk_cache=disk)
+        engine.start(warmup=False)
+        try:
+            (out,), cached = _submit_one(engine, ids, params, None)
+        finally:
+            engine.stop()
+        if disk is not None:
+            disk.flush()
+        return out, cached
+
+    def disk():  # a new process's view of the folder
+        return dc.DiskCache(str(tmp_path), 1 << 30, dc.identity_for(llm.checkpoint, llm.model, 32), llm.model.new_cache)
+
+    run(first, disk())
+    (name,) = os.listdir(tmp_path)
+    meta = dc.read_header(str(tmp_path / name), {}).header["__metadata__"]
+    assert meta["ssm_shape"] == "3,6,12,10" and meta["conv_shape"] == "3,3,108"
+    d = disk()
+    out, cached = run(second, d)
+    assert cached == 96 and d.stats["hits"] == 1
+    assert out == run(second, None)[0]

@@ -17,6 +17,9 @@ tensors), so numpy can map it and any safetensors reader can inspect it:
     chunk.{j}.k_scale F32 [L, KVH, c] (int8 KV only), chunk.{j}.v_scale likewise
     chunk.{j}.importance F32 [L, (j+1)*c]: the prefill importance when the prefill stood at (j+1)*c,
                       for the boundaries listed in the metadata's `snapshots`
+    chunk.{j}.conv    F32 conv_shape and chunk.{j}.ssm F32 ssm_shape (a hybrid model's cache,
+    chunk.{j}.ssm     Qwen3.5): the recurrent state at (j+1)*c, at the same boundaries; the
+                      metadata's conv_shape / ssm_shape ("2,3,6144") say that the file has them
 Its `__metadata__` names what the bits depend on: the format, sparrow's version and a hash of
 its sources, the model (model_identity), the CPU architecture, the chunk size, and the entry's
 prefix-cache key (KV dtype, sparse prefill settings, input salt). A file that differs in any of
@@ -177,6 +180,9 @@ def _chunk_parts(cache, j: int, c: int, snapshot) -> list[tuple[str, str, list]]
         parts.append(("v_scale", "F32", [lc.v_scale[h, lo:hi] for lc in layers for h in range(lc.n_kv_heads)]))
     if snapshot is not None:
         parts.append(("importance", "F32", [np.ascontiguousarray(snapshot, np.float32)]))
+    state = (getattr(cache, "states", None) or {}).get(hi)
+    if state is not None:
+        parts += [("conv", "F32", [state[0]]), ("ssm", "F32", [state[1]])]
     return parts
 
 
@@ -197,6 +203,8 @@ def _shapes(meta: dict, j: int, bounds: set[int]) -> dict:
         out["importance"] = [L, (j + 1) * c]
     if meta["kv_dtype"] == "int8":
         out["k_scale"] = out["v_scale"] = [L, H, c]
+    if "ssm_shape" in meta and (j + 1) * c in bounds:
+        out["conv"], out["ssm"] = ([int(d) for d in meta[k].split(",")] for k in ("conv_shape", "ssm_shape"))
     return out
 
 
@@ -304,13 +312,13 @@ def read_chunks(path: str, entry: FileEntry, n: int, cache) -> dict:
     meta, header = entry.header["__metadata__"], entry.header
     c = int(meta["chunk"])
     crcs = meta["chunk_crcs"].split(",")
-    snapshots = {}
+    snapshots, states = {}, {}
     try:
         with open(path, "rb") as f:
             for j in range(n // c):
                 crc = 0
                 shapes = _shapes(meta, j, entry.bounds)
-                for part in ("k", "v", "k_scale", "v_scale", "importance"):
+                for part in ("k", "v", "k_scale", "v_scale", "importance", "conv", "ssm"):
                     if part not in shapes:
                         continue
                     t = header.get(f"chunk.{j}.{part}")
@@ -325,12 +333,19 @@ def read_chunks(path: str, entry: FileEntry, n: int, cache) -> dict:
                     if part == "importance":
                         snapshots[(j + 1) * c] = a
                         continue
+                    if part in ("conv", "ssm"):
+                        states.setdefault((j + 1) * c, []).append(a)
+                        continue
                     for lc, rows in zip(cache.layers, a):  # rows [KVH, c, ...]
                         getattr(lc, part)[:, j * c : (j + 1) * c] = rows
                 if _hex(crc) != crcs[j]:
                     raise EntryError(f"chunk {j}: checksum mismatch")
     except OSError as e:
         raise EntryError(f"cannot read it ({e.strerror or e})") from None
+    if getattr(cache, "recurrent", False):
+        if n not in states or any(a.shape != b.shape for a, b in zip(states[n], (cache.conv, cache.ssm))):
+            raise EntryError(f"no recurrent state of this model's shape at {n}")
+        cache.load_states({b: tuple(st) for b, st in states.items()}, n)
     cache.length = n
     return snapshots
 
@@ -464,6 +479,8 @@ class DiskCache:
         # The layers as they are now: a later resize moves the cache into new arrays, and these
         # keep the positions this entry covers (nothing rewrites them; prefix_cache.py).
         frozen = SimpleNamespace(layers=list(cache.layers), dtype=cache.dtype)
+        if cache.recurrent:  # copies: a later turn advances the live state in place
+            frozen.states = cache.states_at(snaps)
         self._queue.put((key, tokens, frozen, snaps))
 
     @property
@@ -497,6 +514,9 @@ class DiskCache:
                 pass
             return
         meta = dict(self.identity, key=key, kv_dtype=cache.dtype)
+        if getattr(cache, "states", None):
+            conv, ssm = next(iter(cache.states.values()))
+            meta.update(conv_shape=",".join(map(str, conv.shape)), ssm_shape=",".join(map(str, ssm.shape)))
         name = entry_name(key, tokens, self.identity)
         try:
             size = write_entry(self._path(name), meta, tokens, cache, snapshots)
@@ -601,7 +621,7 @@ def identity_for(llm_checkpoint, model, chunk: int) -> dict[str, str]:
         "model": model_identity(llm_checkpoint, model),
         "machine": platform.machine(),
         "chunk": chunk,
-        "layers": c.num_hidden_layers,
+        "layers": len(c.full_attention_layers),  # the layers with K/V
         "kv_heads": c.num_key_value_heads,
         "head_dim": c.head_dim,
     }

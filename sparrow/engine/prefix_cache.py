@@ -225,7 +225,7 @@ class PrefixCache:
                 if n == len(e.tokens) and e.pins == 0:  # the new entry covers this one
                     self._drop(e)
         cache.truncate(b)
-        if self.disk is not None and not cache.recurrent:  # files hold K/V, not a recurrent state (Qwen3.5)
+        if self.disk is not None:
             self.disk.save(key, tokens, cache, snapshots)
         # Shrinking the storage to b positions copies the whole cache (KVCache.resize), on the
         # thread that serves every stream; keep it when what that would free is small beside it.
