@@ -159,3 +159,11 @@ def test_the_new_apis_refuse_huge_prompts_at_once(served, path, body):  # noqa: 
     assert time.perf_counter() - t < 3.0
     err = r.json()["error"]
     assert "prompt has at least" in err["message"] and f"the context length {CTX}" in err["message"], err
+
+
+def test_a_batch_stops_at_its_first_prompt_over_the_context(served):  # noqa: F811
+    """2,000 prompts of ~3,000 tokens each (7.7 MB): refused at the first, not after tokenising all
+    (3.8 s before)."""
+    t = time.perf_counter()
+    err = error(post(served, "/v1/completions", {"prompt": ["the heat " * 430] * 2000, "max_tokens": 1}))
+    assert err["code"] == "context_length_exceeded" and time.perf_counter() - t < 1.5

@@ -442,6 +442,8 @@ def create_app(state: ServerState) -> FastAPI:
                     if isinstance(p, str):
                         await run_in_threadpool(prompt_size.check_text, llm.tokenizer, p, reserve, llm.ctx)
                         p = await run_in_threadpool(llm.prompt_ids, p)
+                        if p:  # a batch stops at its first prompt that cannot fit, not after tokenising all
+                            check_context(len(p), reserve, llm.ctx)
                     elif any(not 0 <= i < llm.config.vocab_size for i in p):
                         raise APIError(400, f"token ids must be in [0, {llm.config.vocab_size})", param="prompt")
                     prompts.append(p)
