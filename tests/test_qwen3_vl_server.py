@@ -18,6 +18,7 @@ from PIL import Image
 
 import sparrow
 from sparrow.server.app import ServerState
+from sparrow.server.local_media import REFUSED
 
 MAX_FILE = 1 << 20  # the served --max-image-file-size
 
@@ -113,3 +114,62 @@ def test_nul_in_an_image_url_is_400_naming_it(served):
     r = _chat(served[0], _msgs(f"file://{served[2]}/a\x00.png"))
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "messages[0].content[0].image_url.url"
+
+
+# ---------------------------------------------------------------------- issue 69
+# file:// is decided from the path before anything opens it (sparrow/server/local_media.py, unit
+# tests in tests/test_server_local_media.py); images through /v1/messages and /v1/responses.
+OUTSIDE = ["/etc/passwd", "/etc/no-such-file", "/root", "/dev/zero", "/dev/null", "/proc/self/environ"]
+
+
+def test_server_answers_outside_paths_alike(served):
+    base, _, media = served
+    answers = set()
+    for path in OUTSIDE + [f"{media}/../a.png"]:
+        for route, body in (
+            ("/v1/chat/completions", {"max_tokens": 1}),
+            ("/tokenize", {}),
+        ):
+            msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"file://{path}"}}]}]
+            r = httpx.post(base + route, json={"messages": msgs, **body}, timeout=300)
+            assert r.status_code == 400, r.text
+            answers.add((r.json()["error"]["message"], r.json()["error"]["param"]))
+    assert answers == {(REFUSED, "messages[0].content[0]")}
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"file://{media}/a.png"}}]}]
+    assert httpx.post(base + "/tokenize", json={"messages": msgs}, timeout=300).status_code == 200
+
+
+def test_images_through_the_new_apis_equal_chat(served):
+    """An image as an Anthropic image block and as a Responses input_image (a data URL, or a
+    file:// URL inside the folder) answers as the chat endpoint does; outside, the same refusal."""
+    import base64
+
+    import anthropic
+    import openai
+
+    base, _, media = served
+    data = base64.b64encode(_png(2)).decode()
+    url = "data:image/png;base64," + data
+    chat = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "What is this?"}]}]  # fmt: skip
+    want = httpx.post(base + "/v1/chat/completions", json={"messages": chat, "max_tokens": 4, "temperature": 0},
+                      timeout=300).json()  # fmt: skip
+    text = want["choices"][0]["message"]["content"]
+    name = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+    a = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=300)
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+    ask = [{"role": "user", "content": [block, {"type": "text", "text": "What is this?"}]}]
+    m = a.messages.create(model=name, max_tokens=4, extra_body={"temperature": 0}, messages=ask)
+    assert m.content[0].text == text and m.usage.input_tokens == want["usage"]["prompt_tokens"]
+    o = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+    for image in (url, f"file://{media}/b.png"):
+        if image.startswith("file:"):
+            (media / "b.png").write_bytes(_png(2))
+        parts = [{"type": "input_image", "image_url": image}, {"type": "input_text", "text": "What is this?"}]
+        r = o.responses.create(model=name, input=[{"role": "user", "content": parts}], max_output_tokens=4,
+                               temperature=0)  # fmt: skip
+        assert r.output_text == text
+    outside = {"type": "image", "source": {"type": "url", "url": "file:///etc/passwd"}}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        a.messages.create(model=name, max_tokens=4, messages=[{"role": "user", "content": [outside]}])
+    assert e.value.body["error"]["message"] == REFUSED

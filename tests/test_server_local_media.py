@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import threading
 
-import httpx
 import pytest
 
 from sparrow.errors import SparrowError
@@ -133,73 +132,4 @@ def test_resolve_replaces_file_parts_with_bytes_and_counts_images(folder):
     ]
 
 
-# ---------------------------------------------------------------------- through the server
-@pytest.fixture(scope="module")
-def vl_served(tmp_path_factory, tokenizer_dir):
-    import vl_reference as vr
-    from inprocess_server import serving
-    from test_qwen3_vl_server import _png
-
-    import sparrow
-    from sparrow.server.app import ServerState
-
-    folder = str(tmp_path_factory.mktemp("tiny_vl_media_paths"))
-    vr.build_tiny_vl(folder, tokenizer_dir)
-    media = tmp_path_factory.mktemp("allowed")
-    (media / "a.png").write_bytes(_png(1))
-    with serving(ServerState(allowed_local_media_path=str(media)), sparrow.load(folder)) as base:
-        yield base, media
-
-
-def test_server_answers_outside_paths_alike(vl_served):
-    base, media = vl_served
-    answers = set()
-    for path in OUTSIDE + [f"{media}/../a.png"]:
-        for route, body in (
-            ("/v1/chat/completions", {"max_tokens": 1}),
-            ("/tokenize", {}),
-        ):
-            msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"file://{path}"}}]}]
-            r = httpx.post(base + route, json={"messages": msgs, **body}, timeout=300)
-            assert r.status_code == 400, r.text
-            answers.add((r.json()["error"]["message"], r.json()["error"]["param"]))
-    assert answers == {(REFUSED, "messages[0].content[0]")}
-    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"file://{media}/a.png"}}]}]
-    assert httpx.post(base + "/tokenize", json={"messages": msgs}, timeout=300).status_code == 200
-
-
-def test_images_through_the_new_apis_equal_chat(vl_served):
-    """An image as an Anthropic image block and as a Responses input_image (a data URL, or a
-    file:// URL inside the folder) answers as the chat endpoint does; outside, the same refusal."""
-    import base64
-
-    import anthropic
-    import openai
-    from test_qwen3_vl_server import _png
-
-    base, media = vl_served
-    data = base64.b64encode(_png(2)).decode()
-    url = "data:image/png;base64," + data
-    chat = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                         {"type": "text", "text": "What is this?"}]}]  # fmt: skip
-    want = httpx.post(base + "/v1/chat/completions", json={"messages": chat, "max_tokens": 4, "temperature": 0},
-                      timeout=300).json()  # fmt: skip
-    text = want["choices"][0]["message"]["content"]
-    name = httpx.get(base + "/v1/models").json()["data"][0]["id"]
-    a = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=300)
-    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
-    ask = [{"role": "user", "content": [block, {"type": "text", "text": "What is this?"}]}]
-    m = a.messages.create(model=name, max_tokens=4, extra_body={"temperature": 0}, messages=ask)
-    assert m.content[0].text == text and m.usage.input_tokens == want["usage"]["prompt_tokens"]
-    o = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
-    for image in (url, f"file://{media}/b.png"):
-        if image.startswith("file:"):
-            (media / "b.png").write_bytes(_png(2))
-        parts = [{"type": "input_image", "image_url": image}, {"type": "input_text", "text": "What is this?"}]
-        r = o.responses.create(model=name, input=[{"role": "user", "content": parts}], max_output_tokens=4,
-                               temperature=0)  # fmt: skip
-        assert r.output_text == text
-    outside = {"type": "image", "source": {"type": "url", "url": "file:///etc/passwd"}}
-    with pytest.raises(anthropic.BadRequestError) as e:
-        a.messages.create(model=name, max_tokens=4, messages=[{"role": "user", "content": [outside]}])
-    assert e.value.body["error"]["message"] == REFUSED
+# Through the server (the tiny Qwen3-VL): tests/test_qwen3_vl_server.py, which shares its model.
