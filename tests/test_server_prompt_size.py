@@ -167,3 +167,15 @@ def test_a_batch_stops_at_its_first_prompt_over_the_context(served):  # noqa: F8
     t = time.perf_counter()
     err = error(post(served, "/v1/completions", {"prompt": ["the heat " * 430] * 2000, "max_tokens": 1}))
     assert err["code"] == "context_length_exceeded" and time.perf_counter() - t < 1.5
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize", "/v1/messages", "/v1/responses"])
+def test_too_many_messages_are_refused_before_validation(served, path):  # noqa: F811
+    """220,000 one-word messages (7.7 MB) took ~3 s to validate, one model each, before the size
+    check; more messages than any context holds are refused first."""
+    msgs = [{"role": "user", "content": "ab"}] * 220_000
+    body = {"input": msgs} if path == "/v1/responses" else {"messages": msgs, "max_tokens": 1}
+    t = time.perf_counter()
+    r = post(served, path, body)
+    assert r.status_code == 400 and "at most 32768 messages" in r.text, r.text[:200]
+    assert time.perf_counter() - t < 1.5
