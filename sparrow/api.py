@@ -16,8 +16,6 @@ from collections.abc import Iterator
 import numpy as np
 
 from .engine.generate import generate_step
-from .engine.kv_budget import KVPool, default_budget
-from .engine.prefix_cache import PrefixCache, prefix_key
 from .engine.runner import Runner
 from .engine.sequence import Sequence, StepOutput
 from .engine.speculative import check_supported, make_speculator
@@ -35,6 +33,8 @@ from .params import (
     check_kv_dtype,
     options_to_params,
 )
+from .state.budget import KVPool, default_budget
+from .state.prefix import PrefixCache, prefix_key
 from .structured import Structured, ToolFormat, tool_format
 from .tokenizer import SpecialText
 from .vision.media import DEFAULT_MAX_IMAGES, MAX_PIXELS_PER_REQUEST
@@ -324,7 +324,7 @@ class LLM:
         engine/disk_cache.py) for load_prefix, in this process or another. Only whole prefill
         chunks are kept, as in the prefix cache: those are what a later prompt reuses with the
         same bits. Returns how many positions the file holds."""
-        from .engine.disk_cache import identity_for, write_entry
+        from .state.disk import identity_for, write_entry
 
         kv = check_kv_dtype(kv_dtype or self.kv_dtype)
         ids = prompt if _is_token_ids(prompt) else self.prompt_ids(prompt, **prompt_options)
@@ -358,7 +358,7 @@ class LLM:
         cache, so the next prompt starting with its tokens skips their prefill. Returns how many
         positions it holds; SparrowError names why a file cannot be used (another model, KV
         dtype, sparrow version, or damage)."""
-        from .engine.disk_cache import EntryError, identity_for, read_chunks, read_header
+        from .state.disk import EntryError, identity_for, read_chunks, read_header
 
         try:
             f = read_header(path, identity_for(self.checkpoint, self.model, self.runner.prefill_chunk))
@@ -504,8 +504,8 @@ def load(
 def open_disk_cache(llm: LLM, folder: str, size: int | str | None = None, chunk: int | None = None):
     """The disk prefix cache in `folder` for llm's model (engine/disk_cache.py), for a runner
     whose prefill chunk is `chunk` (default llm.runner's)."""
-    from .engine.disk_cache import DEFAULT_SIZE, DiskCache, identity_for
-    from .engine.kv_budget import parse_size
+    from .state.budget import parse_size
+    from .state.disk import DEFAULT_SIZE, DiskCache, identity_for
 
     max_bytes = (
         DEFAULT_SIZE if size is None else parse_size(size, "prompt_cache_size") if isinstance(size, str) else int(size)

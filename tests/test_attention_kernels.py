@@ -8,9 +8,9 @@ import pytest
 
 from sparrow.errors import SparrowError
 from sparrow.kernels.attention.select import block_sums, probe_block_maxima, select_blocks
-from sparrow.kv_cache import KVCache
 from sparrow.models.attention import decode_attention, prefill_attention
 from sparrow.params import SparseParams
+from sparrow.state.cache import KVCache
 
 H, KVH, D, S = 4, 2, 32, 200  # S = 12 blocks of 16 plus a short block of 8
 G = H // KVH
@@ -498,7 +498,7 @@ def test_probe_key_copy_follows_rewrites(dtype):
 
 
 def test_int8_quantisation_rule():
-    from sparrow.kv_cache import quantize_int8
+    from sparrow.state.cache import quantize_int8
 
     rng = np.random.default_rng(21)
     x = rng.standard_normal((5, 3, 40)).astype(np.float32) * 3

@@ -27,11 +27,11 @@ from test_prefix_cache import _submit_one
 
 import sparrow
 from sparrow.api import open_disk_cache
-from sparrow.engine import disk_cache as dc
 from sparrow.engine.engine import Engine
 from sparrow.errors import SparrowError
-from sparrow.kv_cache import KVCache
 from sparrow.params import SamplingParams, SparseParams
+from sparrow.state import disk as dc
+from sparrow.state.cache import KVCache
 
 CHUNK = 16
 IDENTITY = {"format": dc.FORMAT, "sparrow": "test", "model": "m", "machine": "x", "chunk": CHUNK}

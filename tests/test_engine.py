@@ -11,8 +11,8 @@ import pytest
 from sparrow.engine.engine import Engine
 from sparrow.engine.runner import Runner, Slot
 from sparrow.engine.scheduler import Scheduler
-from sparrow.kv_cache import KVCache
 from sparrow.params import SamplingParams
+from sparrow.state.cache import KVCache
 
 V = 16
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from sparrow.errors import SparrowError
-from sparrow.kv_cache import KVCache
+from sparrow.state.cache import KVCache
 from sparrow_lab.eval import fidelity as fid
 from sparrow_lab.eval import prompts, report, scoring
 

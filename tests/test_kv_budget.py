@@ -14,12 +14,12 @@ import pytest
 
 from sparrow.engine.engine import Engine, EngineBusy
 from sparrow.engine.generate import generate_step
-from sparrow.engine.kv_budget import PAGE, KVPool, pages, parse_size
 from sparrow.engine.runner import Runner
 from sparrow.engine.sequence import Sequence
 from sparrow.errors import SparrowError
-from sparrow.kv_cache import KVCache
 from sparrow.params import SamplingParams
+from sparrow.state.budget import PAGE, KVPool, pages, parse_size
+from sparrow.state.cache import KVCache
 
 
 class Recording(Runner):

@@ -9,9 +9,11 @@ import sys
 import numpy as np
 import pytest
 
-from sparrow.engine.kv_budget import probe_of
 from sparrow.errors import SparrowError
-from sparrow.kv_cache import (
+from sparrow.models.attention import decode_attention
+from sparrow.params import KV_DTYPES, SparseParams
+from sparrow.state.budget import probe_of
+from sparrow.state.cache import (
     SNAPSHOT_COPIES,
     SNAPSHOT_RECENT,
     F16Layer,
@@ -23,8 +25,6 @@ from sparrow.kv_cache import (
     quantize_int8,
     thin_snapshots,
 )
-from sparrow.models.attention import decode_attention
-from sparrow.params import KV_DTYPES, SparseParams
 
 KVH, D = 2, 32
 
@@ -207,7 +207,7 @@ def test_decode_at_a_shorter_seq_len_stays_in_bounds(tmp_path):
     # it compile the kernels again with the checks in.
     script = """
 import numpy as np
-from sparrow.kv_cache import KVCache
+from sparrow.state.cache import KVCache
 from sparrow.models.attention import decode_attention
 from sparrow.params import SparseParams
 

@@ -34,8 +34,10 @@ TIERS = [
         "sparrow.structured.*",
         "sparrow.vision.*",
     ),
-    # 2: the KV cache: per-sequence state the models write and the attention kernels read
-    ("sparrow.kv_cache",),
+    # 2: a sequence's state (sparrow/state/): K/V storage, the selectors' side copies, a hybrid
+    #    model's recurrent state, the KV budget and its manager, the prefix and disk caches; the
+    #    models write it, the attention kernels read it, the engine reaches it through its interface
+    ("sparrow.state", "sparrow.state.*"),
     # 3: the models: layers and decoders built from kernels, weights and caches
     ("sparrow.models.*",),
     # 4: the engine: sequences, sampling, generation loop and batching scheduler over a model
@@ -339,7 +341,7 @@ def test_walker_sees_every_kind_of_import():
     # The checks above must not pass because the walker misses imports.
     src = (
         "import os\n"
-        "import sparrow.kv_cache\n"
+        "import sparrow.state.cache\n"
         "from sparrow import api\n"
         "from . import linear\n"
         "from ..models import decoder as d\n"
@@ -356,7 +358,7 @@ def test_walker_sees_every_kind_of_import():
     known = {
         "sparrow",
         "sparrow.api",
-        "sparrow.kv_cache",
+        "sparrow.state.cache",
         "sparrow.errors",
         "sparrow.params",
         "sparrow.models",
@@ -372,7 +374,7 @@ def test_walker_sees_every_kind_of_import():
     }
     got = imports_of(src, "sparrow.kernels.fake", False, known)
     assert got == [
-        (2, "sparrow.kv_cache"),
+        (2, "sparrow.state.cache"),
         (3, "sparrow.api"),
         (4, "sparrow.kernels.linear"),
         (5, "sparrow.models.decoder"),
@@ -400,7 +402,7 @@ def test_walker_sees_every_kind_of_import():
     )
     graph = {"sparrow.kernels.fake": got}
     assert upward_imports(graph) == [
-        "sparrow.kernels.fake:2 (tier 1) imports sparrow.kv_cache (tier 2)",
+        "sparrow.kernels.fake:2 (tier 1) imports sparrow.state.cache (tier 2)",
         "sparrow.kernels.fake:3 (tier 1) imports sparrow.api (tier 5)",
         "sparrow.kernels.fake:5 (tier 1) imports sparrow.models.decoder (tier 3)",
         "sparrow.kernels.fake:8 (tier 1) imports sparrow.engine.scheduler (tier 4)",

@@ -7,8 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from sparrow.kv_cache import KVCache
 from sparrow.models import decoder
+from sparrow.state.cache import KVCache
 from sparrow_lab.eval import fidelity as fid
 from sparrow_lab.eval import oracle
 

@@ -9,12 +9,12 @@ import pytest
 from test_kv_budget import Recording, solo
 
 from sparrow.engine.engine import Engine
-from sparrow.engine.kv_budget import KVPool
-from sparrow.engine.prefix_cache import PrefixCache, prefix_key
 from sparrow.engine.runner import Runner
-from sparrow.kv_cache import KVCache
 from sparrow.params import SamplingParams, SparseParams
 from sparrow.server.metrics import Metrics
+from sparrow.state.budget import KVPool
+from sparrow.state.cache import KVCache
+from sparrow.state.prefix import PrefixCache, prefix_key
 
 CHUNK = 16
 
@@ -263,7 +263,7 @@ def test_an_entry_keeps_its_storage_unless_much_of_it_is_unused():
     """Shrinking a finished cache to its prefix copies all of it: an entry keeps the request's
     arrays (charged at their capacity) while the slack is at most 1/KEEP_SLACK of the prefix,
     and is shrunk (a copy, charged at the prefix) past that."""
-    from sparrow.engine.prefix_cache import KEEP_SLACK
+    from sparrow.state.prefix import KEEP_SLACK
 
     pool = KVPool(1 << 24)
     pc = PrefixCache(pool, CHUNK)

@@ -26,9 +26,9 @@ from sparrow.engine.sequence import Sequence
 from sparrow.engine.speculative import make_speculator
 from sparrow.errors import SparrowError
 from sparrow.kernels.deltanet import causal_conv, gated_delta_rule
-from sparrow.kv_cache import HybridCache
 from sparrow.models.decoder import Segment
 from sparrow.params import SamplingParams, SparseParams, SpeculativeParams
+from sparrow.state.cache import HybridCache
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -451,9 +451,9 @@ def test_after_a_restart_the_disk_prompt_cache_gives_the_fresh_bits(llms, tmp_pa
     """The recurrent state at each kept boundary goes into the file beside the K/V."""
     from test_prefix_cache import _submit_one
 
-    from sparrow.engine import disk_cache as dc
     from sparrow.engine.engine import Engine
     from sparrow.engine.runner import Runner
+    from sparrow.state import disk as dc
 
     llm = llms["dense"]
     params = SamplingParams(max_tokens=6, temperature=0.7, seed=2, ignore_eos=True, logprobs=0)

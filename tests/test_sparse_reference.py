@@ -12,9 +12,9 @@ import math
 import numpy as np
 import pytest
 
-from sparrow.kv_cache import KVCache
 from sparrow.models.attention import decode_attention, prefill_attention
 from sparrow.params import SparseParams
+from sparrow.state.cache import KVCache
 
 H, KVH, D = 4, 2, 32
 G = H // KVH

@@ -13,9 +13,9 @@ from sparrow.kernels.attention.select import (
     reserve_importance_nb,
     select_blocks,
 )
-from sparrow.kv_cache import KVCache
 from sparrow.models.attention import decode_attention
 from sparrow.params import SparseParams
+from sparrow.state.cache import KVCache
 
 
 def nb_select(probe, imp, k):

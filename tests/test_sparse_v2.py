@@ -17,9 +17,9 @@ from test_sparse_reference import filled, spec_attend, spec_mass, stored_rows
 
 from sparrow.errors import SparrowError
 from sparrow.kernels.matmul.gemm import CPU_NAME
-from sparrow.kv_cache import KVCache
 from sparrow.models.attention import decode_attention, prefill_attention
 from sparrow.params import SparseParams
+from sparrow.state.cache import KVCache
 
 H, KVH, D = 4, 2, 32
 G = H // KVH

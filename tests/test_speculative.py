@@ -224,8 +224,8 @@ def test_fused_verification_of_k_quants_in_both_modes(tiny_k_quant, monkeypatch,
 def test_verify_attention_equals_decode_attention(kv):
     """The kernel alone, on a random cache: rows at positions start..start+R-1, from the first
     position on and across block edges, each equal decode_attention at its position."""
-    from sparrow.kv_cache import KVCache
     from sparrow.models.attention import decode_attention, verify_attention
+    from sparrow.state.cache import KVCache
 
     rng = np.random.default_rng(3)
     H, KVH, D, C = 6, 2, 64, 120
@@ -521,7 +521,7 @@ def test_engine_charges_a_draft_models_cache(default_llm, tiny_models):
     from sparrow.engine.engine import Engine
 
     llm = default_llm
-    from sparrow.engine.kv_budget import pages
+    from sparrow.state.budget import pages
 
     ids = _prompt(llm, 1)
     params = SamplingParams(max_tokens=pages(len(ids) + 12) - len(ids))  # whole pages: check_fits charges pages

@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import SparrowError
 from ..kernels.runtime import set_threads
 from ..params import SamplingParams, SparseParams, SpeculativeParams
-from .kv_manager import KVManager
+from ..state.manager import KVManager
 from .runner import Runner
 from .sampling import prompt_logprobs
 from .scheduler import Scheduler
@@ -101,7 +101,7 @@ class Engine:
         self.runner = runner or llm.runner
         self.scheduler = Scheduler(max_batch)
         self.metrics = metrics
-        self.kv = KVManager(llm, self.runner, self.scheduler, kv_budget, prefix_cache, disk_cache)
+        self.kv = KVManager(llm, self.runner, self.scheduler, self._new_sequence, kv_budget, prefix_cache, disk_cache)
         self.pool, self.prefix = self.kv.pool, self.kv.prefix
         self.max_queue = max_queue
         self.timeout = timeout  # seconds per request unless it says otherwise
@@ -111,6 +111,23 @@ class Engine:
         self._stop = False
         self._draining = False
         self._thread: threading.Thread | None = None
+
+    def _new_sequence(self, req: Request) -> Sequence:
+        """req's Sequence, with no KV cache yet (the KV manager admits it and gives it one)."""
+        return Sequence.create(
+            self.runner,
+            self.llm.tokenizer,
+            req.prompt_ids,
+            req.params,
+            self.llm.ctx,
+            req.kv_dtype or self.llm.kv_dtype,
+            req.sparse,
+            constraint=req.constraint,
+            allocate=False,
+            images=req.images,
+            trace=req.trace,
+            trace_mass=False,  # a live view needs the blocks only: arrays, on the fused path too
+        )
 
     # ------------------------------------------------------------------ client side (any thread)
     def start(

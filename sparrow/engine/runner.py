@@ -18,11 +18,11 @@ import numpy as np
 
 from ..errors import SparrowError
 from ..kernels import linear as _linear
-from ..kv_cache import KVCache, thin_snapshots
 from ..memory import drop_compiler_pages, release_memory
 from ..models.attention import Selections
 from ..models.decoder import Segment
 from ..params import SparseParams
+from ..state.cache import KVCache, thin_snapshots
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: keeps the activations of a long prompt small
 

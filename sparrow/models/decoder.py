@@ -16,11 +16,11 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import SparrowError
 from ..kernels.linear import linear, prepare
-from ..kv_cache import KVCache
 from ..loaders.tensor import StoredTensor
 from ..memory import MADV_DONTNEED, MADV_RANDOM, advise_mapped_pages, release_memory
 from ..params import SparseParams
 from ..quant import Weight
+from ..state.cache import KVCache
 from .attention import Selections, decode_attention, prefill_attention, verify_attention
 from .fused import FusedDecode
 from .layers import MLP, FusedLinear, Rope, RowRope, rms_norm

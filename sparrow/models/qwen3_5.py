@@ -30,8 +30,8 @@ from ..config import ModelConfig
 from ..errors import SparrowError
 from ..kernels.deltanet import causal_conv, gated_delta_rule
 from ..kernels.linear import linear, prepare
-from ..kv_cache import HybridCache
 from ..quant import Weight
+from ..state.cache import HybridCache
 from .attention import Selections
 from .decoder import Decoder, Segment, WeightSource, dense_mlp
 from .layers import MLP, FusedLinear, rms_norm, silu

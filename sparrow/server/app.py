@@ -26,13 +26,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..config import rope_scaling_from_flags
-from ..engine.disk_cache import prepare_folder
 from ..engine.engine import Engine, EngineBusy
-from ..engine.kv_budget import format_size, parse_size
-from ..engine.prefix_cache import check_disk_setting, prefix_key
 from ..engine.sequence import check_context
 from ..errors import ContextLengthError, SparrowError
 from ..params import SpeculativeParams
+from ..state.budget import format_size, parse_size
+from ..state.disk import prepare_folder
+from ..state.prefix import check_disk_setting, prefix_key
 from ..structured import StructuredError
 from ..vision.media import MAX_PIXELS_PER_REQUEST
 from ..vision.preprocess import image_salt

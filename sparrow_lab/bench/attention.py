@@ -14,9 +14,9 @@ import time
 import numba
 import numpy as np
 
-from sparrow.kv_cache import KVCache
 from sparrow.models.attention import decode_attention
 from sparrow.params import KV_DTYPES, SparseParams
+from sparrow.state.cache import KVCache
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
 _FILL_CHUNK = 2048

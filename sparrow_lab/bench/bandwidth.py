@@ -42,7 +42,7 @@ def _sum_chunks(a, parts):
 
 def buffer_bytes() -> int:
     """The read buffer: 512 MiB (16x a 32 MiB L3), 256 MiB where less than 4 GiB is available."""
-    from sparrow.engine.kv_budget import available_memory
+    from sparrow.state.budget import available_memory
 
     avail = available_memory()
     return 256 * MIB if avail and avail < 4 * (1 << 30) else 512 * MIB
@@ -128,7 +128,7 @@ def _read_per_token(sizes: dict, embed, head, expert_mark: str, used, experts) -
 def kv_bytes_per_position(config, kv_dtype: str) -> int:
     """K and V bytes of one position in one layer (int8: the per-head scales too), as the
     cache's storage kind counts them."""
-    from sparrow.kv_cache import LAYER_KINDS
+    from sparrow.state.cache import LAYER_KINDS
 
     return LAYER_KINDS[kv_dtype].bytes_at(config.num_key_value_heads, config.head_dim, 1)
 

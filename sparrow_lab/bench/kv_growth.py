@@ -9,8 +9,8 @@ import time
 import numpy as np
 
 import sparrow
-from sparrow.engine.kv_budget import GROW_FRACTION, PAGE
 from sparrow.engine.runner import Runner, Slot
+from sparrow.state.budget import GROW_FRACTION, PAGE
 
 
 def main() -> None:

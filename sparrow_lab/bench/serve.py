@@ -127,7 +127,7 @@ def _stop(proc) -> None:
 
 def _load(a, url, proc, out, argv) -> None:
     from sparrow import api
-    from sparrow.engine.kv_budget import parse_size
+    from sparrow.state.budget import parse_size
 
     from . import serve_load as sl
 

@@ -61,7 +61,7 @@ import numpy as np
 
 from ..errors import SparrowError
 from ..version import __version__
-from .prefix_cache import common_prefix
+from .prefix import common_prefix
 
 log = logging.getLogger("sparrow.prompt_cache")
 

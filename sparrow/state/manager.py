@@ -15,9 +15,8 @@ import logging
 
 from ..errors import SparrowError
 from ..params import SparseParams
-from .kv_budget import GROW_FRACTION, KVPool, default_budget, format_size, pages, probe_of
-from .prefix_cache import Hit, PrefixCache, check_disk_setting, prefix_key, reusable
-from .sequence import Sequence
+from .budget import GROW_FRACTION, KVPool, default_budget, format_size, pages, probe_of
+from .prefix import Hit, PrefixCache, check_disk_setting, prefix_key, reusable
 
 log = logging.getLogger("sparrow.engine")
 
@@ -28,12 +27,21 @@ def _copies(req) -> list:
 
 
 class KVManager:
-    """Works on the engine's Request objects (engine.py) and its scheduler's queues."""
+    """Works on the engine's Request objects (engine.py) and its scheduler's queues, duck-typed:
+    new_sequence(req) makes a request's Sequence with no cache (the engine's, so this package
+    imports nothing of the engine)."""
 
     def __init__(
-        self, llm, runner, scheduler, kv_budget: int | None = None, prefix_cache: bool = True, disk_cache=None
+        self,
+        llm,
+        runner,
+        scheduler,
+        new_sequence,
+        kv_budget: int | None = None,
+        prefix_cache: bool = True,
+        disk_cache=None,
     ):
-        self.llm, self.runner, self.scheduler = llm, runner, scheduler
+        self.llm, self.runner, self.scheduler, self.new_sequence = llm, runner, scheduler, new_sequence
         self.pool = KVPool(kv_budget or default_budget())
         check_disk_setting(prefix_cache, disk_cache is not None)
         self.prefix = PrefixCache(self.pool, runner.prefill_chunk, prefix_cache, disk=disk_cache)
@@ -85,20 +93,7 @@ class KVManager:
         """Gives req's sequence a KV cache for its prompt (and the tokens it already sampled, if
         it was preempted), from the prefix cache where it can; False if the budget is full."""
         if req.seq is None:
-            req.seq = Sequence.create(
-                self.runner,
-                self.llm.tokenizer,
-                req.prompt_ids,
-                req.params,
-                self.llm.ctx,
-                req.kv_dtype or self.llm.kv_dtype,
-                req.sparse,
-                constraint=req.constraint,
-                allocate=False,
-                images=req.images,
-                trace=req.trace,
-                trace_mass=False,  # a live view needs the blocks only: arrays, on the fused path too
-            )
+            req.seq = self.new_sequence(req)
         seq, slot = req.seq, req.seq.slot
         if slot.cache is not None:
             return True
