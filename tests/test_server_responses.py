@@ -215,3 +215,19 @@ def test_input_items_conversion():
         {"role": "tool", "tool_call_id": "c1", "content": "one"},
         {"role": "tool", "tool_call_id": "c2", "content": "two"},
     ]  # fmt: skip
+
+
+def test_store_is_bounded_in_count_and_bytes():
+    from sparrow.server.responses_api import Store
+
+    store = Store(size=3, max_bytes=1000)
+    msgs = [{"role": "user", "content": "x" * 300}]
+    for i in range(4):
+        store.put("k", f"r{i}", msgs, {"id": f"r{i}"})
+    assert store.get("k", "r1") is None and store.get("k", "r2") is not None  # bytes: three would pass 1000
+    assert store.get("other key", "r2") is None  # per API key
+    store.put("k", "big", [{"role": "user", "content": "x" * 2000}], {})
+    assert store.get("k", "big") is None  # larger than the whole store: not kept
+    assert store.delete("k", "r3") and not store.delete("k", "r3")
+    assert store.bytes == sum(item[2] for item in store.items.values())
+    assert len(store.items) <= 3

@@ -11,8 +11,8 @@ A Responses body is turned into a chat completions body and run by the chat path
 - `max_output_tokens`, `temperature`, `top_p`, function `tools`, `tool_choice`,
   `parallel_tool_calls`, `text.format` (text, json_object, json_schema) and sparrow's own
   sampling fields as on chat; `reasoning.effort` "none" / "minimal" turns Qwen3's thinking off;
-- `store` (default true) keeps the conversation in memory (at most STORED responses, the
-  oldest dropped first), for `previous_response_id` to continue it.
+- `store` (default true) keeps the conversation in memory (at most STORED responses and
+  STORED_BYTES of them, the least recently used dropped first), for `previous_response_id`.
 The answer's output holds a `reasoning` item (Qwen3 thinking), a `message` item with its
 `output_text`, and `function_call` items. What is not supported (built-in tools, background
 runs, conversations, prompt templates, input files, logprobs) is a 400 naming it.
@@ -35,6 +35,7 @@ from .schema import ChatCompletionRequest
 from .streaming import SSEResponse
 
 STORED = 512  # responses kept for previous_response_id (a bounded LRU, in memory)
+STORED_BYTES = 256 * 1024 * 1024  # and at most this much of their JSON
 PASSED = (
     "seed",
     "top_k",
@@ -290,10 +291,12 @@ def _param(param: str | None) -> str | None:
 # ---------------------------------------------------------------------- answers
 class Store:
     """Stored responses for previous_response_id: the whole conversation after each (the input
-    as chat messages plus the answer), by id, per API key, the least recently used dropped."""
+    as chat messages plus the answer), by id, per API key, the least recently used dropped past
+    `size` responses or `max_bytes` of their JSON (a conversation may hold 8 MB of images)."""
 
-    def __init__(self, size: int = STORED):
-        self.size, self.items = size, OrderedDict()
+    def __init__(self, size: int = STORED, max_bytes: int = STORED_BYTES):
+        self.size, self.max_bytes, self.bytes = size, max_bytes, 0
+        self.items: OrderedDict = OrderedDict()  # (key, id) -> (messages, response, bytes)
 
     def get(self, key, rid: str):
         item = self.items.get((key, rid))
@@ -302,12 +305,19 @@ class Store:
         return item
 
     def put(self, key, rid: str, messages: list[dict], response: dict) -> None:
-        self.items[(key, rid)] = (messages, response)
-        while len(self.items) > self.size:
-            self.items.popitem(last=False)
+        size = len(json.dumps([messages, response], ensure_ascii=False))
+        if size > self.max_bytes:
+            return  # larger than the whole store: not kept (previous_response_id then answers 404)
+        self.items[(key, rid)] = (messages, response, size)
+        self.bytes += size
+        while len(self.items) > self.size or self.bytes > self.max_bytes:
+            self.bytes -= self.items.popitem(last=False)[1][2]
 
     def delete(self, key, rid: str) -> bool:
-        return self.items.pop((key, rid), None) is not None
+        item = self.items.pop((key, rid), None)
+        if item is not None:
+            self.bytes -= item[2]
+        return item is not None
 
 
 def _usage(run: ChatRun) -> dict:
