@@ -25,10 +25,10 @@ from sparrow.engine.generate import generate_step
 from sparrow.engine.sequence import Sequence
 from sparrow.engine.speculative import make_speculator
 from sparrow.errors import SparrowError
-from sparrow.kernels.deltanet import causal_conv, gated_delta_rule
+from sparrow.kernels.deltanet import gated_deltanet
 from sparrow.models.decoder import Segment
 from sparrow.params import SamplingParams, SparseParams, SpeculativeParams
-from sparrow.state.cache import HybridCache
+from sparrow.state.recurrent import HybridCache
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -207,37 +207,52 @@ def test_greedy_continuation_equals_transformers_generate(models, llms, kind):
     assert got == want
 
 
-def test_the_delta_rule_and_conv_give_the_same_bits_however_tokens_are_split():
+def test_a_deltanet_layer_gives_the_same_bits_however_tokens_are_split():
     """The documented order (kernels/deltanet.py): a token's output and the state after it do
-    not depend on how the run was cut into calls (prefill chunks, decode steps, verification)."""
+    not depend on how the run was cut into calls (prefill chunks, decode steps, verification);
+    and the layer's mixing is the formula, written out here in float64."""
     rng = np.random.default_rng(0)
-    T, Hk, Hv, Dk, Dv = 37, 2, 6, 12, 10
-    q, k = (rng.normal(size=(T, Hk, Dk)) for _ in range(2))
-    q, k = ((a / np.linalg.norm(a, axis=-1, keepdims=True)).astype(np.float32) for a in (q, k))  # as the model's
-    v = rng.normal(size=(T, Hv, Dv)).astype(np.float32)
-    decay, beta = (rng.uniform(0.2, 1.0, (T, Hv)).astype(np.float32) for _ in range(2))
-    x, w = rng.normal(size=(T, 20)).astype(np.float32), rng.normal(size=(20, 4)).astype(np.float32)
+    T, Hk, Hv, Dk, Dv, K = 37, 2, 6, 12, 10, 4
+    C = 2 * Hk * Dk + Hv * Dv
+    qkv = rng.normal(size=(T, C)).astype(np.float32)
+    z = rng.normal(size=(T, Hv * Dv)).astype(np.float32)
+    b, a = (rng.normal(size=(T, Hv)).astype(np.float32) for _ in range(2))
+    w = rng.normal(0, 0.5, size=(C, K)).astype(np.float32)
+    neg_A = -rng.uniform(0.3, 3.0, Hv).astype(np.float32)
+    dt = rng.normal(0, 0.5, Hv).astype(np.float32)
+    norm_w = rng.uniform(0.5, 1.5, Dv).astype(np.float32)
+    heads = np.arange(Hv) // 3
     runs = []
     for cuts in ([0, T], [0, 1, 17, 18, T], list(range(T + 1))):
-        state, conv_state = np.zeros((Hv, Dk, Dv), np.float32), np.zeros((3, 20), np.float32)
-        heads = np.arange(Hv) // 3
-        o = [
-            gated_delta_rule(q[a:b], k[a:b], v[a:b], decay[a:b], beta[a:b], heads, state)
-            for a, b in zip(cuts, cuts[1:])
+        conv, S = np.zeros((K - 1, C), np.float32), np.zeros((Hv, Dk, Dv), np.float32)
+        ys = [
+            gated_deltanet(qkv[i:j], z[i:j], b[i:j], a[i:j], w, conv, neg_A, dt, norm_w, heads, Hk, Dk, 1e-6, S)
+            for i, j in zip(cuts, cuts[1:])
         ]
-        c = [causal_conv(x[a:b], w, conv_state) for a, b in zip(cuts, cuts[1:])]
-        runs.append((np.concatenate(o), state, np.concatenate(c), conv_state))
+        runs.append((np.concatenate(ys), S, conv))
     for run in runs[1:]:
-        for a, b in zip(run, runs[0]):
-            assert a.tobytes() == b.tobytes()
-    # the recurrence itself, against the formula written out in float64
+        for x, y in zip(run, runs[0]):
+            assert x.tobytes() == y.tobytes()
+    # float64 reference
+    x = np.concatenate([np.zeros((K - 1, C)), qkv.astype(np.float64)])
+    c = sum(x[j : j + T] * w[:, j] for j in range(K))
+    c = c / (1 + np.exp(-c))
     S = np.zeros((Hv, Dk, Dv))
+    want = np.zeros((T, Hv, Dv))
     for t in range(T):
         for h in range(Hv):
-            kt, qt = k[t, h // 3].astype(np.float64), q[t, h // 3].astype(np.float64)
-            S[h] *= decay[t, h]
-            S[h] += np.outer(kt, (v[t, h] - kt @ S[h]) * beta[t, h])
-            assert np.allclose(runs[0][0][t, h], qt @ S[h], rtol=1e-4, atol=1e-5)
+            kh = heads[h]
+            q = c[t, kh * Dk : (kh + 1) * Dk]
+            k = c[t, (Hk + kh) * Dk : (Hk + kh + 1) * Dk]
+            v = c[t, 2 * Hk * Dk + h * Dv : 2 * Hk * Dk + (h + 1) * Dv]
+            q = q / np.sqrt(q @ q + 1e-6) / np.sqrt(Dk)
+            k = k / np.sqrt(k @ k + 1e-6)
+            S[h] *= np.exp(neg_A[h] * np.log1p(np.exp(a[t, h] + dt[h])))
+            S[h] += np.outer(k, (v - k @ S[h]) / (1 + np.exp(-b[t, h])))
+            o = q @ S[h]
+            zz = z[t, h * Dv : (h + 1) * Dv]
+            want[t, h] = o / np.sqrt(np.mean(o * o) + 1e-6) * norm_w * zz / (1 + np.exp(-zz))
+    assert np.allclose(runs[0][0].reshape(T, Hv, Dv), want, rtol=1e-4, atol=1e-5)
 
 
 def test_hybrid_cache_rolls_back_only_to_positions_it_kept():

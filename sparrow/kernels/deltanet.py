@@ -18,58 +18,51 @@ token's output and the state after it have the same bits whether the token came 
 chunk of any length, a decode step or a speculative verification. Prefix-cache checkpoints
 and speculative rollbacks are therefore exact.
 
-Heads are independent, so a run's bits do not depend on the thread count.
+Heads are independent, so a run's bits do not depend on the thread count. Every multiply-add of
+the rule is an explicit fma (ir.fma32) and its sums run in the order written, so the bits do not
+depend on whether the CPU has FMA either; exp and log1p of the per-head gates are libm's.
+
+`gated_deltanet` is a whole layer's mixing for a run of one sequence's tokens in two launches:
+the convolution with SiLU over every channel, then per value head the L2 norms of its key
+head's q and k, the gates, the rule and the output's RMSNorm gated by silu(z). Prefill chunks,
+decode steps and verification rows all take it.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit
 
+from sparrow.kernels.elementwise import exp_parts
+from sparrow.kernels.ir import fma32, lane_dot
 from sparrow.kernels.options import KW as _KW
 from sparrow.kernels.parallel import run_parallel
 
 
 @njit(**_KW)
-def _head(h, q, k, v, decay, beta, key_head, state, out):
-    # value head h over tokens [T]: q, k [T, Hk, Dk] (head key_head[h]), v [T, Hv, Dv],
-    # decay (exp(g)) and beta [T, Hv], state [Hv, Dk, Dv], out [T, Hv, Dv]
-    kh = key_head[h]
-    S = state[h]
+def _rule_step(S, q, k, v, d, b, mem, o):
+    # one token of the gated delta rule on state S [Dk, Dv]: o [Dv] and S advanced; mem [Dv] scratch
     dk, dv = S.shape
-    mem = np.empty(dv, np.float32)
-    for t in range(q.shape[0]):
-        d = decay[t, h]
+    for j in range(dv):
+        mem[j] = np.float32(0)
+    for i in range(dk):
+        ki = k[i]
         for j in range(dv):
-            mem[j] = np.float32(0)
-        for i in range(dk):
-            ki = k[t, kh, i]
-            for j in range(dv):
-                s = S[i, j] * d
-                S[i, j] = s
-                mem[j] += s * ki
-        b = beta[t, h]
+            s = S[i, j] * d
+            S[i, j] = s
+            mem[j] = fma32(s, ki, mem[j])
+    for j in range(dv):
+        mem[j] = (v[j] - mem[j]) * b  # delta
+    for j in range(dv):
+        o[j] = np.float32(0)
+    for i in range(dk):
+        ki, qi = k[i], q[i]
         for j in range(dv):
-            mem[j] = (v[t, h, j] - mem[j]) * b  # delta
-        o = out[t, h]
-        for j in range(dv):
-            o[j] = np.float32(0)
-        for i in range(dk):
-            ki, qi = k[t, kh, i], q[t, kh, i]
-            for j in range(dv):
-                s = S[i, j] + ki * mem[j]
-                S[i, j] = s
-                o[j] += s * qi
-
-
-def gated_delta_rule(q, k, v, decay, beta, key_head, state) -> np.ndarray:
-    """q, k [T, Hk, Dk] (L2-normalised, q scaled), v [T, Hv, Dv], decay = exp(g) and beta [T, Hv],
-    all f32; key_head [Hv] int64, the key head each value head reads; state [Hv, Dk, Dv] f32,
-    advanced in place over the T tokens. Returns [T, Hv, Dv]."""
-    T, Hv, Dv = v.shape
-    out = np.empty((T, Hv, Dv), np.float32)
-    run_parallel(Hv, _head, (q, k, v, decay, beta, key_head, state, out))
-    return out
+            s = fma32(ki, mem[j], S[i, j])
+            S[i, j] = s
+            o[j] = fma32(s, qi, o[j])
 
 
 @njit(**_KW)
@@ -93,10 +86,69 @@ def _conv_rows(x, w, state, out):
         state[K - 1 - T :] = x
 
 
-def causal_conv(x: np.ndarray, w: np.ndarray, state: np.ndarray) -> np.ndarray:
-    """Depthwise causal convolution of x [T, C] with w [C, K] after the inputs in state
-    [K-1, C] (advanced in place); returns [T, C] before the activation. Row t's sum runs over
-    the K taps in order, so its bits do not depend on how the tokens were split into calls."""
-    out = np.empty(x.shape, np.float32)
-    _conv_rows(np.ascontiguousarray(x, dtype=np.float32), w, state, out)
-    return out
+@njit(**_KW)
+def _silu1(x):
+    # x / (1 + exp(-x)) with exp by exp_parts (elementwise.silu_mul's form)
+    p, k = exp_parts(min(max(-x, np.float32(-87.0)), np.float32(88.0)))
+    two_k = np.float32(math.ldexp(1.0, int(k)))  # exact: k in [-126, 128]
+    return x / fma32(p, two_k, np.float32(1))
+
+
+@njit(**_KW)
+def _conv_silu(x, w, state, out):
+    # causal conv of x [T, C] after state [K-1, C] (advanced), then SiLU -> out [T, C]
+    _conv_rows(x, w, state, out)
+    for t in range(out.shape[0]):
+        for c in range(out.shape[1]):
+            out[t, c] = _silu1(out[t, c])
+
+
+@njit(**_KW)
+def _inv_norm(x, eps):
+    return np.float32(1) / np.float32(math.sqrt(lane_dot(x, x) + eps))
+
+
+@njit(**_KW)
+def _layer_head(h, c, z, b, a, neg_A, dt_bias, norm_w, key_head, dims, eps, state, y):
+    # value head h of gated_deltanet over the run's tokens
+    hk, dk, dv = dims[0], dims[1], dims[2]
+    kh = key_head[h]
+    S = state[h]
+    q = np.empty(dk, np.float32)
+    k = np.empty(dk, np.float32)
+    mem = np.empty(dv, np.float32)
+    o = np.empty(dv, np.float32)
+    q_scale = np.float32(1) / np.float32(math.sqrt(dk))
+    for t in range(c.shape[0]):
+        qs = c[t, kh * dk : (kh + 1) * dk]
+        ks = c[t, (hk + kh) * dk : (hk + kh + 1) * dk]
+        vs = c[t, 2 * hk * dk + h * dv : 2 * hk * dk + (h + 1) * dv]
+        qn = _inv_norm(qs, np.float32(1e-6))
+        kn = _inv_norm(ks, np.float32(1e-6))
+        for i in range(dk):
+            q[i] = qs[i] * qn * q_scale
+            k[i] = ks[i] * kn
+        beta = np.float32(1) / (np.float32(1) + np.float32(math.exp(-b[t, h])))
+        x = a[t, h] + dt_bias[h]
+        sp = x if x > np.float32(20) else np.float32(math.log1p(math.exp(x)))  # torch's softplus
+        decay = np.float32(math.exp(neg_A[h] * sp))
+        _rule_step(S, q, k, vs, decay, beta, mem, o)
+        inv = np.float32(1) / np.float32(math.sqrt(lane_dot(o, o) / np.float32(dv) + eps))
+        for j in range(dv):
+            y[t, h * dv + j] = ((o[j] * inv) * norm_w[j]) * _silu1(z[t, h * dv + j])
+
+
+def gated_deltanet(qkv, z, b, a, conv_w, conv_state, neg_A, dt_bias, norm_w, key_head, hk, dk, eps, state):
+    """A Gated DeltaNet layer's mixing for T tokens of one sequence, from its projections qkv
+    [T, C], z [T, Hv*Dv], b, a [T, Hv]: returns y [T, Hv*Dv] (the input of out_proj) and
+    advances conv_state [K-1, C] and state [Hv, Dk, Dv] in place."""
+    T, Hv = b.shape
+    dv = state.shape[2]
+    c = np.empty(qkv.shape, np.float32)
+    _conv_silu(np.ascontiguousarray(qkv), conv_w, conv_state, c)
+    y = np.empty((T, Hv * dv), np.float32)
+    dims = np.array([hk, dk, dv], np.int64)
+    args = (c, np.ascontiguousarray(z), np.ascontiguousarray(b), np.ascontiguousarray(a))
+    args += (neg_A, dt_bias, norm_w, key_head, dims, np.float32(eps), state, y)
+    run_parallel(Hv, _layer_head, args)
+    return y

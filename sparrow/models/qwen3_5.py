@@ -28,30 +28,18 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import SparrowError
-from ..kernels.deltanet import causal_conv, gated_delta_rule
+from ..kernels.deltanet import gated_deltanet
 from ..kernels.linear import linear, prepare
 from ..quant import Weight
-from ..state.cache import HybridCache
+from ..state.recurrent import HybridCache
 from .attention import Selections
 from .decoder import Decoder, Segment, WeightSource, dense_mlp
-from .layers import MLP, FusedLinear, rms_norm, silu
+from .layers import MLP, FusedLinear, rms_norm
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):  # exp(-x) -> inf for very negative x gives 0, as wanted
         return (np.float32(1) / (np.float32(1) + np.exp(-x))).astype(np.float32)
-
-
-def softplus(x: np.ndarray) -> np.ndarray:
-    """torch's softplus (beta 1, threshold 20): x above the threshold, else log(1 + exp(x))."""
-    with np.errstate(over="ignore"):
-        return np.where(x > 20, x, np.log1p(np.exp(x))).astype(np.float32)
-
-
-def l2_normalize(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    """x * rsqrt(sum(x^2) + eps) over the last axis (transformers' l2norm, the FLA library's)."""
-    s = np.einsum("...i,...i->...", x, x)[..., None]
-    return (x * (np.float32(1) / np.sqrt(s + np.float32(eps)))).astype(np.float32)
 
 
 def _check(get: WeightSource, name: str, shape: tuple) -> None:
@@ -135,29 +123,22 @@ class GatedDeltaNet:
         self.norm = get.array(prefix + "norm.weight")  # [Dv], applied as is
         self.out = prepare(get.weight(prefix + "out_proj.weight"), get.activations)
         self.eps = cfg.rms_norm_eps
-        self.q_scale = np.float32(self.Dk**-0.5)
 
     def __call__(self, x: np.ndarray, segments: list[Segment], bounds: np.ndarray, rows: set) -> np.ndarray:
         """x [N, E] (normed) -> [N, E]; advances each segment's recurrent state. rows: the caches
         whose state is kept after each of their rows (several rows of one sequence: verification)."""
-        N, Hk, Hv, Dk, Dv = len(x), self.Hk, self.Hv, self.Dk, self.Dv
         qkv, z, b, a = self.proj(x)  # [N, C] [N, Hv*Dv] [N, Hv] [N, Hv]
-        beta = sigmoid(b)  # [N, Hv]
-        decay = np.exp(self.neg_A * softplus(a + self.dt_bias)).astype(np.float32)  # [N, Hv]: exp(g)
-        out = np.empty((N, Hv, Dv), np.float32)
+        y = np.empty((len(x), self.Hv * self.Dv), np.float32)  # [N, Hv*Dv]
         for j, s in enumerate(segments):
             lo, hi = bounds[j], bounds[j + 1]
-            cache = s.cache
-            c = silu(causal_conv(qkv[lo:hi], self.conv_w, cache.conv[self.index]))  # [T, C]
-            q = l2_normalize(c[:, : Hk * Dk].reshape(-1, Hk, Dk)) * self.q_scale  # [T, Hk, Dk]
-            k = l2_normalize(c[:, Hk * Dk : 2 * Hk * Dk].reshape(-1, Hk, Dk))  # [T, Hk, Dk]
-            v = np.ascontiguousarray(c[:, 2 * Hk * Dk :]).reshape(-1, Hv, Dv)  # [T, Hv, Dv]
-            ssm = cache.ssm[self.index]
-            out[lo:hi] = gated_delta_rule(q, k, v, decay[lo:hi], beta[lo:hi], self.key_head, ssm)  # [T, Hv, Dv]
+            cache, i = s.cache, self.index
+            y[lo:hi] = gated_deltanet(
+                qkv[lo:hi], z[lo:hi], b[lo:hi], a[lo:hi], self.conv_w, cache.conv[i], self.neg_A, self.dt_bias,
+                self.norm, self.key_head, self.Hk, self.Dk, self.eps, cache.ssm[i],
+            )  # fmt: skip
             if id(cache) in rows:
-                cache.keep_row(s.start + hi - lo, self.index)
-        y = rms_norm(out, self.norm, self.eps) * silu(z.reshape(N, Hv, Dv))  # [N, Hv, Dv]
-        return linear(np.ascontiguousarray(y, np.float32).reshape(N, Hv * Dv), self.out)  # [N, E]
+                cache.keep_row(s.start + hi - lo, i)
+        return linear(y, self.out)  # [N, E]
 
 
 class SharedExpertMoE:
