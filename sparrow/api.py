@@ -321,7 +321,7 @@ class LLM:
     ) -> int:
         """Prefills prompt (token ids, text or chat messages, as stream() takes them; reusing
         whatever the prefix cache holds) and writes its KV to `path` (the disk cache's format,
-        engine/disk_cache.py) for load_prefix, in this process or another. Only whole prefill
+        state/disk.py) for load_prefix, in this process or another. Only whole prefill
         chunks are kept, as in the prefix cache: those are what a later prompt reuses with the
         same bits. Returns how many positions the file holds."""
         from .state.disk import identity_for, write_entry
@@ -459,7 +459,7 @@ def load(
     (the default) takes the rule of models/activations.py: exact, unless exact decode of this
     model's weights would trail llama.cpp's by more than 10%; llm.activations_why says why.
     mmproj: llama.cpp's Qwen3-VL vision projector GGUF, with a qwen3vl text GGUF as path.
-    prompt_cache: a folder where prompts' KV is kept across processes (engine/disk_cache.py):
+    prompt_cache: a folder where prompts' KV is kept across processes (state/disk.py):
     stream() reuses what an earlier run left there, bit-identically; prompt_cache_size bounds it
     (bytes, or a size such as "20G"; default 20 GiB), least recently used first out.
     rope_scaling: replaces the model's own, as if its config said so, e.g. YaRN past a Qwen3's
@@ -502,7 +502,7 @@ def load(
 
 
 def open_disk_cache(llm: LLM, folder: str, size: int | str | None = None, chunk: int | None = None):
-    """The disk prefix cache in `folder` for llm's model (engine/disk_cache.py), for a runner
+    """The disk prefix cache in `folder` for llm's model (state/disk.py), for a runner
     whose prefill chunk is `chunk` (default llm.runner's)."""
     from .state.budget import parse_size
     from .state.disk import DEFAULT_SIZE, DiskCache, identity_for

@@ -480,7 +480,7 @@ def test_rows_sharing_blocks_equal_rows_alone(dim):
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
 def test_probe_key_copy_follows_rewrites(dtype):
-    # sparse decode reads the probe keys of full blocks from a copy (kv_cache.ProbeKeys); a
+    # sparse decode reads the probe keys of full blocks from a copy (state.sparse.ProbeKeys); a
     # rewritten position (cache rewound and refilled) must be seen exactly as a fresh cache sees it
     cache, q, K, V = make(dtype, seed=11)
     sp = SparseParams(k=7, block=16)  # no prefill: importance reserves blocks 0-3, probes pick 3
@@ -498,7 +498,7 @@ def test_probe_key_copy_follows_rewrites(dtype):
 
 
 def test_int8_quantisation_rule():
-    from sparrow.state.cache import quantize_int8
+    from sparrow.state.storage import quantize_int8
 
     rng = np.random.default_rng(21)
     x = rng.standard_normal((5, 3, 40)).astype(np.float32) * 3

@@ -4,7 +4,7 @@ resident memory within the bound the bench states."""
 
 import json
 
-from sparrow.state.cache import SNAPSHOT_COPIES
+from sparrow.state.sparse import SNAPSHOT_COPIES
 from sparrow_lab.bench import long_context
 
 

@@ -13,18 +13,9 @@ from sparrow.errors import SparrowError
 from sparrow.models.attention import decode_attention
 from sparrow.params import KV_DTYPES, SparseParams
 from sparrow.state.budget import probe_of
-from sparrow.state.cache import (
-    SNAPSHOT_COPIES,
-    SNAPSHOT_RECENT,
-    F16Layer,
-    F32Layer,
-    Int8Layer,
-    KVCache,
-    LayerCache,
-    layer_cache,
-    quantize_int8,
-    thin_snapshots,
-)
+from sparrow.state.cache import KVCache
+from sparrow.state.sparse import SNAPSHOT_COPIES, SNAPSHOT_RECENT, thin_snapshots
+from sparrow.state.storage import F16Layer, F32Layer, Int8Layer, LayerCache, layer_cache, quantize_int8
 
 KVH, D = 2, 32
 

@@ -9,9 +9,9 @@ Determinism under load: prefill chunks depend only on their own sequence, decode
 cut where the kernels stay row-independent (see runner.py), and each request samples with its
 own RNG, so a seeded request gives the same tokens alone or beside any other traffic.
 
-Memory: `KVManager` (kv_manager.py) admits requests against the KV budget, grows running
+Memory: `KVManager` (state/manager.py) admits requests against the KV budget, grows running
 caches and preempts when one cannot grow; finished requests leave their prompt's KV to the
-prefix cache (prefix_cache.py), which the budget evicts first.
+prefix cache (state/prefix.py), which the budget evicts first.
 """
 
 from __future__ import annotations

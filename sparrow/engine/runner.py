@@ -12,6 +12,7 @@ so all callers share the rules that keep results reproducible:
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,7 +23,8 @@ from ..memory import drop_compiler_pages, release_memory
 from ..models.attention import Selections
 from ..models.decoder import Segment
 from ..params import SparseParams
-from ..state.cache import KVCache, thin_snapshots
+from ..state.cache import KVCache
+from ..state.sparse import thin_snapshots
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: keeps the activations of a long prompt small
 
@@ -118,7 +120,7 @@ class Runner:
         if stop % self.prefill_chunk == 0:  # a boundary the prefix cache may reuse from
             slot.snapshots[stop] = slot.cache.importance_snapshot()  # [L, stop]
             thin_snapshots(slot.snapshots, self.prefill_chunk)
-            slot.cache.checkpoint(self.prefill_chunk)  # a hybrid model's recurrent state there
+            slot.cache.checkpoint(self.prefill_chunk)  # what the cache keeps at a boundary (state/)
         return logits
 
     def prefill(self, slot: Slot, end: int | None = None) -> np.ndarray | None:
@@ -166,14 +168,10 @@ class Runner:
         wrote, and a forward holds at most SMALL_T rows, so each row is computed as alone."""
         rows = [(i, j) for i, toks in enumerate(tokens) for j in range(len(toks))]
         out: list = [[None] * len(t) for t in tokens]
-        kept = [s.cache.keep_every_row for s in slots]
-        for s in slots:  # a recurrent state (HybridCache) keeps each row's, to roll back to
-            s.cache.keep_every_row = True
-        try:
+        with ExitStack() as rows_kept:  # a state that cannot be cut back keeps each row's, to roll back to
+            for s in slots:
+                rows_kept.enter_context(s.cache.keeping_every_row())
             self._verify_rows(slots, tokens, starts, rows, out)
-        finally:
-            for s, k in zip(slots, kept):
-                s.cache.keep_every_row = k
         drop_compiler_pages()  # if this step loaded kernels
         return [np.stack(o) for o in out]
 

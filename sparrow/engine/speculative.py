@@ -113,13 +113,12 @@ class SparseDrafter(Drafter):
         view = Slot(s.prompt, s.cache, self.sparse, None, s.mm)  # the same cache, sparse settings
         sampler = copy.deepcopy(seq.sampler)
         tok, out = seq.last_token, []
-        start, state = s.cache.length, s.cache.state()  # a recurrent state must not keep the draft
+        mark = s.cache.draft_mark()  # a state the verification does not rewrite must drop the draft
         for _ in range(n):
             tok = sampler(self.runner.decode([view], [tok])[0])
             sampler.observe(tok)
             out.append(tok)
-        if state is not None:
-            s.cache.restore(start, state)
+        s.cache.drop_draft(mark)
         return out
 
 
@@ -131,7 +130,7 @@ class DraftModelDrafter(Drafter):
     def __init__(self, draft_llm, target_vocab: int, capacity: int, kv_dtype: str):
         self.llm, self.runner, self.vocab = draft_llm, draft_llm.runner, target_vocab
         self.slot = self.runner.new_slot(np.zeros(1, np.int64), capacity, kv_dtype)
-        self.slot.cache.keep_every_row = True  # a recurrent state returns to any drafted position
+        self.slot.cache.keep_every_row = True  # it may return to any drafted position (settle)
 
     def propose(self, seq, n: int) -> list[int]:
         ctx = np.concatenate([seq.prompt, np.asarray(seq.output, np.int64)])  # [P + O]

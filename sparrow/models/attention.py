@@ -19,7 +19,7 @@ Accumulation order, per query head:
    out = ((acc0 + acc1) + (acc2 + acc3)) * (1 / den).
 Nothing is split across threads, so results do not depend on the thread count. Probes are the
 spec's raw q . K[p] (int8: with the scales); sparse decode reads the probe keys of full blocks
-below seq_len from a contiguous copy kept in the SparseState (kv_cache.ProbeKeys).
+below seq_len from a contiguous copy kept in the SparseState (state.sparse.ProbeKeys).
 
 Exact prefill runs kernels.attention.prefill: online softmax over 64-key steps, a few queries of
 every head per work item, scores in L1; f16/int8 keys and values are dequantised to f32 for it.

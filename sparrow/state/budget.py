@@ -3,7 +3,7 @@
 A cache starts at its prompt plus the first growth step below, in whole pages (the KV manager
 reserves it at admission, so an answer of up to an eighth of its prompt's length never grows
 its cache), and grows as it decodes. Growing means a copy (the kernels take each layer's K/V as
-one contiguous [KVH, C, D] array; see kv_cache.py), so capacity grows by the larger of one page
+one contiguous [KVH, C, D] array; see storage.py), so capacity grows by the larger of one page
 and an eighth of what it holds, rounded up to whole pages and never past what the request can
 use (prompt + max_tokens). Copied into memory the process has not touched before, a growth
 costs far more than the copy itself: 3.4 s for the 0.9 GB f32 cache of a 4K prompt on a

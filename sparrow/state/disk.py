@@ -2,9 +2,9 @@
 prefilled once and reused after a restart, by another process, or by another replica sharing
 the folder, with the same bits as a fresh prefill.
 
-What a file holds: one prefix-cache entry (prefix_cache.Entry), i.e. the KV of a prompt's first
+What a file holds: one prefix-cache entry (prefix.Entry), i.e. the KV of a prompt's first
 B positions, B a multiple of the prefill chunk, and the sparse prefill importance as it stood at
-the chunk boundaries b <= B the prefix cache keeps snapshots of (kv_cache.thin_snapshots: the
+the chunk boundaries b <= B the prefix cache keeps snapshots of (sparse.thin_snapshots: the
 newest and those at powers of two chunks). Those boundaries can be reused, exactly as in memory. The copies
 sparse decode derives from K (the seed's probe keys, v2's block summaries) are not stored:
 they are rebuilt from the loaded K on first use, with the same bits.
@@ -17,9 +17,10 @@ tensors), so numpy can map it and any safetensors reader can inspect it:
     chunk.{j}.k_scale F32 [L, KVH, c] (int8 KV only), chunk.{j}.v_scale likewise
     chunk.{j}.importance F32 [L, (j+1)*c]: the prefill importance when the prefill stood at (j+1)*c,
                       for the boundaries listed in the metadata's `snapshots`
-    chunk.{j}.conv    F32 conv_shape and chunk.{j}.ssm F32 ssm_shape (a hybrid model's cache,
-    chunk.{j}.ssm     Qwen3.5): the recurrent state at (j+1)*c, at the same boundaries; the
-                      metadata's conv_shape / ssm_shape ("2,3,6144") say that the file has them
+    chunk.{j}.{name}  F32 {name}_shape for each of the cache's state_parts (KVCache: none; a
+                      hybrid model's HybridCache, Qwen3.5: conv and ssm): its fixed-size state at
+                      (j+1)*c, at the same boundaries; the metadata's {name}_shape ("2,3,6144")
+                      says that the file has it
 Its `__metadata__` names what the bits depend on: the format, sparrow's version and a hash of
 its sources, the model (model_identity), the CPU architecture, the chunk size, and the entry's
 prefix-cache key (KV dtype, sparse prefill settings, input salt). A file that differs in any of
@@ -35,7 +36,7 @@ whole size.
 
 Writes happen on a background thread: an entry is queued when the prefix cache takes it (the
 arrays are held until written; the positions it covers are never rewritten, see
-prefix_cache.py) and written off the engine thread, which keeps streaming.
+prefix.py) and written off the engine thread, which keeps streaming.
 """
 
 from __future__ import annotations
@@ -180,9 +181,9 @@ def _chunk_parts(cache, j: int, c: int, snapshot) -> list[tuple[str, str, list]]
         parts.append(("v_scale", "F32", [lc.v_scale[h, lo:hi] for lc in layers for h in range(lc.n_kv_heads)]))
     if snapshot is not None:
         parts.append(("importance", "F32", [np.ascontiguousarray(snapshot, np.float32)]))
-    state = (getattr(cache, "states", None) or {}).get(hi)
+    state = cache.states.get(hi)  # a fixed-size state's copy at the chunk's end (KVCache.state_parts)
     if state is not None:
-        parts += [("conv", "F32", [state[0]]), ("ssm", "F32", [state[1]])]
+        parts += [(name, "F32", [a]) for name, a in zip(cache.state_parts, state)]
     return parts
 
 
@@ -194,17 +195,18 @@ def _bounds(meta: dict) -> set[int]:
         raise EntryError("malformed snapshots list") from None
 
 
-def _shapes(meta: dict, j: int, bounds: set[int]) -> dict:
+def _shapes(meta: dict, j: int, bounds: set[int], state_parts: tuple = ()) -> dict:
     """Expected shapes of chunk j's tensors, from the header's dimensions and its snapshot
-    boundaries (_bounds)."""
+    boundaries (_bounds); state_parts: the names of the reading cache's fixed-size state."""
     L, H, D, c = (int(meta[k]) for k in ("layers", "kv_heads", "head_dim", "chunk"))
     out = {"k": [L, H, c, D], "v": [L, H, c, D]}
     if (j + 1) * c in bounds:
         out["importance"] = [L, (j + 1) * c]
     if meta["kv_dtype"] == "int8":
         out["k_scale"] = out["v_scale"] = [L, H, c]
-    if "ssm_shape" in meta and (j + 1) * c in bounds:
-        out["conv"], out["ssm"] = ([int(d) for d in meta[k].split(",")] for k in ("conv_shape", "ssm_shape"))
+    for name in state_parts:
+        if f"{name}_shape" in meta and (j + 1) * c in bounds:
+            out[name] = [int(d) for d in meta[f"{name}_shape"].split(",")]
     return out
 
 
@@ -220,7 +222,7 @@ def write_entry(path: str, meta: dict, tokens: np.ndarray, cache, snapshots: dic
     tensors = {"tokens": {"dtype": "I64", "shape": [B], "data_offsets": [0, tokens.nbytes]}}
     sources, crcs, offset = [[tokens]], [], tokens.nbytes
     for j in range(B // c):
-        crc, shapes = 0, _shapes(meta, j, bounds)
+        crc, shapes = 0, _shapes(meta, j, bounds, cache.state_parts)
         for part, dtype, rows in _chunk_parts(cache, j, c, snapshots.get((j + 1) * c)):
             shape = shapes[part]
             nbytes = int(np.prod(shape)) * np.dtype(_ST_DTYPES[dtype]).itemsize
@@ -317,8 +319,8 @@ def read_chunks(path: str, entry: FileEntry, n: int, cache) -> dict:
         with open(path, "rb") as f:
             for j in range(n // c):
                 crc = 0
-                shapes = _shapes(meta, j, entry.bounds)
-                for part in ("k", "v", "k_scale", "v_scale", "importance", "conv", "ssm"):
+                shapes = _shapes(meta, j, entry.bounds, cache.state_parts)
+                for part in ("k", "v", "k_scale", "v_scale", "importance", *cache.state_parts):
                     if part not in shapes:
                         continue
                     t = header.get(f"chunk.{j}.{part}")
@@ -333,7 +335,7 @@ def read_chunks(path: str, entry: FileEntry, n: int, cache) -> dict:
                     if part == "importance":
                         snapshots[(j + 1) * c] = a
                         continue
-                    if part in ("conv", "ssm"):
+                    if part in cache.state_parts:
                         states.setdefault((j + 1) * c, []).append(a)
                         continue
                     for lc, rows in zip(cache.layers, a):  # rows [KVH, c, ...]
@@ -342,9 +344,9 @@ def read_chunks(path: str, entry: FileEntry, n: int, cache) -> dict:
                     raise EntryError(f"chunk {j}: checksum mismatch")
     except OSError as e:
         raise EntryError(f"cannot read it ({e.strerror or e})") from None
-    if getattr(cache, "recurrent", False):
-        if n not in states or any(a.shape != b.shape for a, b in zip(states[n], (cache.conv, cache.ssm))):
-            raise EntryError(f"no recurrent state of this model's shape at {n}")
+    if cache.state_parts:
+        if n not in states or any(a.shape != b.shape for a, b in zip(states[n], cache.live_state())):
+            raise EntryError(f"no {'/'.join(cache.state_parts)} state of this model's shape at {n}")
         cache.load_states({b: tuple(st) for b, st in states.items()}, n)
     cache.length = n
     return snapshots
@@ -477,10 +479,11 @@ class DiskCache:
             return
         snaps = {b: v for b, v in snapshots.items() if b <= len(tokens) and b % self.chunk == 0}
         # The layers as they are now: a later resize moves the cache into new arrays, and these
-        # keep the positions this entry covers (nothing rewrites them; prefix_cache.py).
-        frozen = SimpleNamespace(layers=list(cache.layers), dtype=cache.dtype)
-        if cache.recurrent:  # copies: a later turn advances the live state in place
-            frozen.states = cache.states_at(snaps)
+        # keep the positions this entry covers (nothing rewrites them; prefix.py).
+        # A fixed-size state's copies at the boundaries: a later turn advances the live one in place.
+        frozen = SimpleNamespace(
+            layers=list(cache.layers), dtype=cache.dtype, state_parts=cache.state_parts, states=cache.states_at(snaps)
+        )
         self._queue.put((key, tokens, frozen, snaps))
 
     @property
@@ -514,9 +517,9 @@ class DiskCache:
                 pass
             return
         meta = dict(self.identity, key=key, kv_dtype=cache.dtype)
-        if getattr(cache, "states", None):
-            conv, ssm = next(iter(cache.states.values()))
-            meta.update(conv_shape=",".join(map(str, conv.shape)), ssm_shape=",".join(map(str, ssm.shape)))
+        if cache.states:  # e.g. conv_shape, ssm_shape: the file holds a fixed-size state's parts
+            first = next(iter(cache.states.values()))
+            meta.update({f"{name}_shape": ",".join(map(str, a.shape)) for name, a in zip(cache.state_parts, first)})
         name = entry_name(key, tokens, self.identity)
         try:
             size = write_entry(self._path(name), meta, tokens, cache, snapshots)

@@ -22,7 +22,7 @@ log = logging.getLogger("sparrow.engine")
 
 
 def _copies(req) -> list:
-    """The selector copies a request's cache is charged for (kv_budget.probe_of)."""
+    """The selector copies a request's cache is charged for (budget.probe_of)."""
     return probe_of(req.sparse, req.speculative)
 
 
@@ -69,7 +69,7 @@ class KVManager:
             )
 
     def key(self, req):
-        """prefix_cache.prefix_key of req (None: never share its KV)."""
+        """prefix.prefix_key of req (None: never share its KV)."""
         seq = req.seq
         has_images = getattr(req, "images", None) or (seq is not None and getattr(seq.slot, "mm", None) is not None)
         if not req.cacheable:

@@ -21,7 +21,7 @@ f32 KV on an AMD EPYC Zen 4 under KVM), which stalled each long request's end an
 server, every other stream with it; a short prompt with a large max_tokens is still shrunk,
 where the copy is small and the memory saved large.
 
-With a disk cache (disk_cache.py) every entry is also written to disk when it is made, and a
+With a disk cache (disk.py) every entry is also written to disk when it is made, and a
 lookup that finds a longer prefix on disk than in memory loads it as a new entry first: after
 a restart, in another process, or once memory evicted it. Positions an entry covers are never
 rewritten (a request that takes an entry over only appends past it), which lets the disk
@@ -98,7 +98,7 @@ def check_disk_setting(prefix_cache: bool, disk: bool) -> None:
 class PrefixCache:
     def __init__(self, pool, chunk: int, enabled: bool = True, max_entries: int | None = None, disk=None):
         self.pool = pool
-        self.disk = disk  # disk_cache.DiskCache, or None
+        self.disk = disk  # disk.DiskCache, or None
         self.chunk = chunk
         self.enabled = enabled
         self.max_entries = max_entries  # None: as many as the budget holds

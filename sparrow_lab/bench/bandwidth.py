@@ -128,7 +128,7 @@ def _read_per_token(sizes: dict, embed, head, expert_mark: str, used, experts) -
 def kv_bytes_per_position(config, kv_dtype: str) -> int:
     """K and V bytes of one position in one layer (int8: the per-head scales too), as the
     cache's storage kind counts them."""
-    from sparrow.state.cache import LAYER_KINDS
+    from sparrow.state.storage import LAYER_KINDS
 
     return LAYER_KINDS[kv_dtype].bytes_at(config.num_key_value_heads, config.head_dim, 1)
 

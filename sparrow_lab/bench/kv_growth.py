@@ -1,4 +1,4 @@
-"""How much a KV cache's growth costs decode (the figure quoted in engine/kv_budget.py):
+"""How much a KV cache's growth costs decode (the figure quoted in state/budget.py):
 a decode step at ~4K positions beside one resize copy of that cache, on the default model.
 
 `python -m sparrow_lab.bench.kv_growth`

@@ -1,4 +1,4 @@
-"""Time to first token with the prompt cache on disk (engine/disk_cache.py), as users meet it:
+"""Time to first token with the prompt cache on disk (state/disk.py), as users meet it:
 through LLM.stream, a long document plus a short question, in fresh processes.
 
 Per context C, in a new temporary --prompt-cache folder:
