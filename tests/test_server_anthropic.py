@@ -268,3 +268,42 @@ def test_conversion_of_blocks():
     assert chat["chat_template_kwargs"] == {"enable_thinking": True} and chat["parallel_tool_calls"] is False
     assert chat["tool_choice"] == "auto" and chat["stop"] == ["END"] and chat["top_k"] == 3
     assert chat["tools"] == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def test_a_full_queue_is_an_overloaded_error(served, monkeypatch):  # noqa: F811
+    """The engine's queue full: 529 overloaded_error with Retry-After (the SDK retries it)."""
+    from sparrow.server import chat_runs
+
+    def full(self):
+        raise chat_runs.Busy("the queue is full", "3")
+
+    monkeypatch.setattr(chat_runs.ChatRun, "start", lambda self: _raise_async(full, self))
+    r = post(served, "/v1/messages", {"max_tokens": 2, "messages": USER})
+    assert r.status_code == 529 and r.headers["retry-after"] == "3"
+    assert r.json()["error"] == {"type": "overloaded_error", "message": "the queue is full"}
+    r = post(served, "/v1/responses", {"input": "x"})
+    assert r.status_code == 503 and r.headers["retry-after"] == "3" and r.json()["error"]["code"] == "server_busy"
+
+
+def test_busy_is_read_from_the_engines_503():
+    """ChatRun reads app.py's queue-full answer (its 503 JSONResponse) back as Busy."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from fastapi.responses import JSONResponse
+
+    from sparrow.server.chat_runs import Busy, ChatRun
+    from sparrow.server.protocol import error_body
+
+    async def prepare(body, chat):
+        return None, [[1]], [None], None, None, []
+
+    busy = JSONResponse(error_body("full", "server_error", code="server_busy"), 503, headers={"Retry-After": "7"})
+    core = SimpleNamespace(state=SimpleNamespace(llm=None), prepare=prepare, submit=lambda *a: (busy, None))
+    with pytest.raises(Busy) as e:
+        asyncio.run(ChatRun(core, None).start())
+    assert str(e.value) == "full" and e.value.retry_after == "7"
+
+
+async def _raise_async(fn, *args):
+    fn(*args)
