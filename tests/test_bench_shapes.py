@@ -522,3 +522,249 @@ def test_llama_no_repack_switches_only_inside(monkeypatch):
     with engines._extra_bufts(False):
         assert lib.llama_model_default_params().use_extra_bufts is False
     assert lib.llama_model_default_params is original and original().use_extra_bufts is True
+
+
+# ------------------------------------------------------------------------------------------- Qwen3.5
+
+# (hidden, layers, heads, kv heads, FFN, linear key heads, linear value heads, tied): the sources
+# in shapes.py's module doc
+QWEN35 = {
+    "qwen3.5-0.8b": (1024, 24, 8, 2, 3584, 16, 16, True),
+    "qwen3.5-2b": (2048, 24, 8, 2, 6144, 16, 16, True),
+    "qwen3.5-4b": (2560, 32, 16, 4, 9216, 16, 32, True),
+    "qwen3.5-9b": (4096, 32, 16, 4, 12288, 16, 32, False),
+    "qwen3.5-35b-a3b": (2048, 40, 16, 2, None, 16, 32, False),
+}
+_F32 = {"attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight"}
+_F32 |= {"ssm_norm.weight", "ssm_a", "ssm_dt.bias", "ssm_conv1d.weight", "ffn_gate_inp.weight"}
+_F32 |= {"ffn_gate_inp_shexp.weight"}
+
+
+def _more_bits(i, n):  # llama-quant.cpp's use_more_bits
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+@pytest.mark.parametrize("name", sorted(QWEN35))
+def test_qwen35_shape_tables(name):
+    h, n, heads, kv, ffn, lk, lv, tied = QWEN35[name]
+    s = shapes.SHAPES[name]
+    got = (s["hidden"], s["layers"], s["heads"], s["kv_heads"], s["ffn"], s["linear_k_heads"])
+    assert got == (h, n, heads, kv, ffn, lk)
+    assert (s["linear_v_heads"], s["tied"], s["head_dim"], s["vocab"], s["rotary_dim"]) == (lv, tied, 256, 248320, 64)
+    assert (s["linear_key_dim"], s["linear_value_dim"], s["conv_kernel"], s["rope_theta"]) == (128, 128, 4, 1e7)
+    moe = name.endswith("a3b")
+    kinds = shapes.layer_types(name)
+    assert kinds == ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
+    for qtype in shapes.TYPES:
+        tensors = shapes.plan(name, qtype)
+        by_name = {t[0]: t[1:] for t in tensors}
+        per_layer = {"linear_attention": 11, "full_attention": 8}
+        assert len(by_name) == len(tensors) == 2 + (not tied) + sum(per_layer[k] + (8 if moe else 3) for k in kinds)
+        for tname, (_, t) in by_name.items():  # llama.cpp keeps these f32 (converter and quantizer)
+            assert (t == "f32") == (tname.split(".", 2)[-1] in _F32 or tname == "output_norm.weight"), tname
+        assert by_name["token_embd.weight"][0] == (h, 248320)
+        conv = 2 * lk * 128 + lv * 128
+        assert by_name["blk.0.attn_qkv.weight"][0] == (h, conv)
+        assert by_name["blk.0.ssm_conv1d.weight"] == ((4, conv), "f32")
+        assert by_name["blk.0.attn_gate.weight"][0] == by_name["blk.0.ssm_out.weight"][0][::-1] == (h, lv * 128)
+        assert by_name["blk.0.ssm_alpha.weight"][0] == by_name["blk.0.ssm_beta.weight"][0] == (h, lv)
+        assert by_name["blk.0.ssm_a"][0] == by_name["blk.0.ssm_dt.bias"][0] == (lv,)
+        assert by_name["blk.3.attn_q.weight"][0] == (h, 2 * heads * 256)  # query and output gate
+        assert by_name["blk.3.attn_k.weight"][0] == by_name["blk.3.attn_v.weight"][0] == (h, kv * 256)
+        assert by_name["blk.3.attn_output.weight"][0] == (heads * 256, h)
+        assert "blk.3.attn_qkv.weight" not in by_name and "blk.0.attn_q.weight" not in by_name
+        if moe:
+            assert by_name["blk.0.ffn_down_exps.weight"][0] == (512, h, 256)
+            assert by_name["blk.0.ffn_gate_shexp.weight"][0] == (h, 512)
+            assert by_name["blk.0.ffn_gate_inp_shexp.weight"] == ((h, 1), "f32")
+        else:
+            assert by_name["blk.0.ffn_down.weight"][0] == (ffn, h)
+    m = shapes.metadata(name)
+    a = "qwen35moe" if moe else "qwen35"
+    assert m[f"{a}.attention.recurrent_layers"] == [k == "linear_attention" for k in kinds]
+    assert m[f"{a}.rope.dimension_sections"] == [11, 11, 10, 0] and m[f"{a}.rope.dimension_count"] == 64
+    assert (m[f"{a}.ssm.group_count"], m[f"{a}.ssm.time_step_rank"], m[f"{a}.ssm.inner_size"]) == (lk, lv, lv * 128)
+    assert (f"{a}.feed_forward_length" in m) == (not moe)
+
+
+def test_qwen35_q4_k_m_mix():
+    # llama-quant.cpp's Q4_K_M on a qwen35 file: attn_qkv and attn_v are one category (one a
+    # layer, one counter), q6_k in use_more_bits layers as ffn_down (and, by the layer in the name,
+    # the experts' and shared expert's down); ssm_alpha / ssm_beta / attn_gate / ssm_out q4_k
+    for name in ("qwen3.5-0.8b", "qwen3.5-9b", "qwen3.5-35b-a3b"):
+        n = shapes.SHAPES[name]["layers"]
+        by_name = {t[0]: t[2] for t in shapes.plan(name, "q4_k_m")}
+        for i in range(n):
+            b, want = f"blk.{i}.", "q6_k" if _more_bits(i, n) else "q4_k"
+            v = by_name.get(b + "attn_qkv.weight") or by_name[b + "attn_v.weight"]
+            downs = [
+                by_name[b + d]
+                for d in ("ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
+                if b + d in by_name
+            ]
+            assert v == want and set(downs) == {want}, (name, i)
+        special = ("down", "attn_qkv", "attn_v.", "token_embd", "output.")
+        assert {t for k, t in by_name.items() if t != "f32" and not any(m in k for m in special)} == {"q4_k"}
+        tied = shapes.SHAPES[name]["tied"]
+        assert (
+            by_name["token_embd.weight"] == ("q6_k" if tied else "q4_k")
+            and by_name.get("output.weight", "q6_k") == "q6_k"
+        )
+    # published sizes: a Qwen3.5-4B Q8_0 file of 4,482,403,424 bytes (tensor data + ~11 MB of
+    # vocabulary), Qwen3.5-9B Q4_K_M "5.23 GB" (GiB) / "5.6e9" as llama-quantize makes it
+    assert 4.482e9 - 20e6 < shapes.file_bytes("qwen3.5-4b", "q8_0") < 4.482e9
+    assert abs(shapes.file_bytes("qwen3.5-9b", "q4_k_m") / 2**30 - 5.23) < 0.01
+    assert abs(shapes.param_count("qwen3.5-9b") / 1e9 - 8.95) < 0.01  # llama.cpp's "8.95B"
+
+
+def _tiny35(moe: bool) -> dict:
+    """Qwen3.5's layout at small widths (key dim = value dim, as llama.cpp's qwen35 needs); the
+    default tokenizer's vocabulary so llama.cpp's converter can write the same config."""
+    real = shapes.SHAPES["qwen3.5-35b-a3b" if moe else "qwen3.5-0.8b"]
+    tiny = {k: v for k, v in real.items() if k != "bpe_tokens"}
+    tiny.update(
+        hidden=64, layers=4, heads=2, kv_heads=1, head_dim=32, rotary_dim=8, mrope_section=(2, 1, 1),
+        vocab=49152, context=1024, linear_k_heads=2, linear_v_heads=4, linear_key_dim=32, linear_value_dim=32,
+    )  # fmt: skip
+    if moe:
+        tiny.update(experts=8, experts_used=2, expert_ffn=32, shared_ffn=64)
+    else:
+        tiny.update(ffn=96)
+    return tiny
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen35", "qwen35moe"])
+def test_tiny_qwen35_writes_loads_and_decodes(tmp_path, moe):
+    """The writer's qwen35 / qwen35moe file read back (names, shapes, types, keys), loaded by
+    sparrow as Qwen3.5 and decoded: decode steps against the prefill's logits."""
+    import sparrow
+    from sparrow.models.decoder import Segment
+
+    tiny = _tiny35(moe)
+    path = shapes.write_gguf(str(tmp_path / "tiny35.gguf"), tiny, "q4_k_m", name="tiny")
+    f = GGUFFile(path)
+    assert [(t.name, tuple(t.shape), t.tensor_type.name.lower()) for t in f.tensors] == shapes.plan(tiny, "q4_k_m")
+    assert f.meta["general.architecture"] == ("qwen35moe" if moe else "qwen35")
+    assert f.meta["tokenizer.ggml.pre"] == "qwen35"
+    for key, val in shapes.metadata(tiny).items():
+        got = f.meta[key]
+        assert (list(got) if isinstance(val, list) else got) == pytest.approx(val), key
+    data = {t.name: np.asarray(t.data) for t in f.tensors if t.tensor_type.name == "F32"}
+    assert (-8 <= data["blk.0.ssm_a"]).all() and (data["blk.0.ssm_a"] <= -0.5).all()
+    assert abs(data["blk.0.ssm_dt.bias"].mean() + 3) < 1.0 and np.abs(data["blk.0.ssm_conv1d.weight"]).max() <= 0.5
+    llm = sparrow.load(path, threads=1)
+    cfg = llm.config
+    assert cfg.architecture == ("qwen3_5_moe" if moe else "qwen3_5") and cfg.gguf_layout
+    assert cfg.layer_types == tuple(shapes.layer_types(tiny)) and cfg.rotary_dim == 8
+    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_value_head_dim) == (2, 4, 32)
+    if moe:
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (8, 2, 32)
+        assert cfg.shared_expert_intermediate_size == 64
+    ids = np.array([5, 17, 300, 42, 7, 99, 250, 3])
+    full = llm.logits(ids)
+    assert full.shape == (8, 49152) and np.isfinite(full).all() and 0.05 < full.std() < 2.0
+    cache = llm.model.new_cache(len(ids))
+    llm.model.forward([Segment(ids[:4], cache, 0)])
+    steps = [llm.model.forward([Segment(ids[i : i + 1], cache, i, decode=True)])[0] for i in range(4, len(ids))]
+    assert np.abs(np.stack(steps) - full[4:]).max() < 1e-3 * np.abs(full).max()
+
+
+_CONVERTER = os.environ.get("SPARROW_LLAMA_CONVERTER", os.path.expanduser("~/.cache/sparrow/llama-cpp-python-0.3.36"))
+
+
+def _converted(folder: str, out: str, outtype: str) -> str:
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.path.join(_CONVERTER, "gguf-py"))
+    cmd = [sys.executable, os.path.join(_CONVERTER, "convert_hf_to_gguf.py"), folder, "--outfile", out]
+    r = subprocess.run(cmd + ["--outtype", outtype, "--no-mtp"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
+def _hf_folder(tiny: dict, folder: str, moe: bool) -> str:
+    """The same config saved by transformers (random weights) with the default tokenizer."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    from reference_models import save_default_tokenizer
+
+    cfg = dict(
+        vocab_size=tiny["vocab"], hidden_size=tiny["hidden"], num_hidden_layers=tiny["layers"],
+        num_attention_heads=tiny["heads"], num_key_value_heads=tiny["kv_heads"], head_dim=tiny["head_dim"],
+        linear_num_key_heads=tiny["linear_k_heads"], linear_num_value_heads=tiny["linear_v_heads"],
+        linear_key_head_dim=tiny["linear_key_dim"], linear_value_head_dim=tiny["linear_value_dim"],
+        linear_conv_kernel_dim=tiny["conv_kernel"], max_position_embeddings=tiny["context"],
+        rms_norm_eps=tiny["rms_eps"], tie_word_embeddings=tiny["tied"], layer_types=shapes.layer_types(tiny),
+        full_attention_interval=tiny["full_attention_interval"],
+        rope_parameters={
+            "rope_type": "default", "rope_theta": tiny["rope_theta"], "mrope_interleaved": True,
+            "partial_rotary_factor": tiny["rotary_dim"] / tiny["head_dim"],
+            "mrope_section": list(tiny["mrope_section"]),
+        },
+    )  # fmt: skip
+    if moe:
+        cfg.update(
+            num_experts=tiny["experts"], num_experts_per_tok=tiny["experts_used"],
+            moe_intermediate_size=tiny["expert_ffn"], shared_expert_intermediate_size=tiny["shared_ffn"],
+        )  # fmt: skip
+        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**cfg))
+    else:
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(intermediate_size=tiny["ffn"], **cfg))
+    model.save_pretrained(folder)
+    save_default_tokenizer(folder + "-tok")
+    for name in os.listdir(folder + "-tok"):
+        shutil.copy(os.path.join(folder + "-tok", name), folder)
+    if moe:  # the converter keys its pre-tokenizer on model_type (see test_qwen3_5_gguf.py): dense's
+        with open(os.path.join(folder, "config.json")) as fh:
+            c = json.load(fh)
+        c["model_type"] = "qwen3_5_text"
+        with open(os.path.join(folder, "config.json"), "w") as fh:
+            json.dump(c, fh)
+    return folder
+
+
+@pytest.mark.skipif(
+    not os.path.isfile(os.path.join(_CONVERTER, "convert_hf_to_gguf.py")),
+    reason="llama.cpp's converter is not installed",
+)
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen35", "qwen35moe"])
+def test_tiny_qwen35_layout_equals_llama_cpp_converter(tmp_path, moe):
+    """The writer's file against llama.cpp's converter on the same config at Q8_0: the same
+    tensor names, shapes and f32-or-quantised split, and the same model keys and values."""
+    import gguf
+
+    tiny = _tiny35(moe)
+    ref = gguf.GGUFReader(_converted(_hf_folder(tiny, str(tmp_path / "hf"), moe), str(tmp_path / "ref.gguf"), "q8_0"))
+    ours = gguf.GGUFReader(shapes.write_gguf(str(tmp_path / "ours.gguf"), tiny, "q8_0", name="tiny"))
+
+    def tensors(r):
+        return sorted((t.name, tuple(int(d) for d in t.shape), t.tensor_type.name) for t in r.tensors)
+
+    def keys(r):
+        a = r.fields["general.architecture"].contents()
+        return {k: f.contents() for k, f in r.fields.items() if k.startswith(a + ".")} | {"arch": a}
+
+    assert tensors(ours) == tensors(ref)
+    got, want = keys(ours), keys(ref)
+    if moe:  # the folder's model_type says qwen3_5_text (for the tokenizer), so the converter's
+        # AutoConfig fills the dense default intermediate_size (12288), which no tensor uses; a
+        # qwen3_5_moe config has none (Qwen3_5MoeTextConfig: None), so no feed_forward_length
+        assert want.pop("qwen35moe.feed_forward_length") == 12288
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k] == pytest.approx(want[k]), k
+    assert ours.fields["general.file_type"].contents() == ref.fields["general.file_type"].contents() == 7
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen35", "qwen35moe"])
+def test_tiny_qwen35_runs_in_llama_cpp(tmp_path, moe):
+    """llama.cpp (llama-cpp-python) loads the writer's file and gives finite logits."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    tiny = dict(_tiny35(moe), vocab=512)
+    path = shapes.write_gguf(str(tmp_path / "tiny35.gguf"), tiny, "q8_0", name="tiny")
+    llm = llama_cpp.Llama(model_path=path, n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    llm.eval([5, 17, 300, 42, 7, 99])
+    logits = np.asarray(llm.scores[:6])
+    assert logits.shape == (6, 512) and np.isfinite(logits).all() and logits.std() > 0

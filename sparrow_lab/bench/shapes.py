@@ -1,4 +1,4 @@
-"""Random-weight GGUF files with the exact tensor shapes of real Qwen3 models, for speed benchmarks.
+"""Random-weight GGUF files with the exact tensor shapes of real Qwen3 and Qwen3.5 models, for speed benchmarks.
 
 `sparrow bench speed --shape qwen3-1.7b --type q8_0` benches both engines on such a file. It is
 written once into `$XDG_CACHE_HOME/sparrow/shapes/<shape>-<type>.gguf` (default `~/.cache/...`),
@@ -38,6 +38,64 @@ i.e. -7..7 around the zero point; q5_0: 0..31 around 16, q6_k: 0..63 around 32, 
 scale of random sign; q4_k: 0..15 with each sub-block's min at -7.5 steps). That is what
 quantising a random matrix whose values lie on the quant grid would give; activations stay
 finite and logits sane (standard deviation ~1).
+
+Qwen3.5 shapes (`qwen35` / `qwen35moe` files, exactly as llama.cpp's converter (llama-cpp-python
+0.3.36: Qwen3_5TextModel / Qwen3_5MoeTextModel, run with --no-mtp) and llama-quantize write them;
+all: head_dim 256, 64 rotary dims (partial_rotary_factor 0.25), M-RoPE sections [11, 11, 10, 0],
+rope theta 1e7, rms eps 1e-6, context 262144, vocab 248320, every fourth layer gated full
+attention and the rest Gated DeltaNet with 128-wide key and value heads and a 4-tap conv):
+
+| shape           | hidden | layers | heads / kv | FFN        | DeltaNet k / v heads | tied | params  | sources |
+|-----------------|--------|--------|------------|------------|----------------------|------|---------|---------|
+| qwen3.5-0.8b    | 1024   | 24     | 8 / 2      | 3584       | 16 / 16              | yes* | 0.752 B | a, b, c |
+| qwen3.5-2b      | 2048   | 24     | 8 / 2      | 6144       | 16 / 16              | yes* | 1.882 B | b, d    |
+| qwen3.5-4b      | 2560   | 32     | 16 / 4     | 9216       | 16 / 32              | yes  | 4.206 B | b, e, f |
+| qwen3.5-9b      | 4096   | 32     | 16 / 4     | 12288      | 16 / 32              | no   | 8.954 B | g, h    |
+| qwen3.5-35b-a3b | 2048   | 40     | 16 / 2     | see below  | 16 / 32              | no   | 34.661 B | a, i, j |
+
+(qwen3.5-35b-a3b: 256 experts of FFN 512, 8 routed a token, plus a shared expert of FFN 512.)
+
+a: /work/shared/FACTS.md (0.8B layers / hidden / heads; 35B-A3B layers / hidden / experts).
+b: apxml.com/models/qwen35-{08b,2b,4b} (hidden, layers, heads, head dim 256, FFN, rope theta 1e7).
+c: a Gated DeltaNet tutorial's code comment (16 heads, d_k = d_v = 128 for Qwen3.5-0.8B).
+d: awesomeagents.ai/models/qwen-3-5-2b (the model card's layout: DeltaNet 16 V / 16 QK heads).
+e: quant.cpp issue 94, a Qwen3.5-4B GGUF's tensor table (ssm v 32 / k 16 heads, attn_qkv 8192 rows).
+f: a Qwen3.5-4B Q8_0 file of 4,482,403,424 bytes = this table tied (+ ~11 MB vocabulary).
+g: the Qwen3.5-9B model card as quoted on 2048ai.net (32 layers, 4096, DeltaNet 32 V / 16 QK
+   heads, attention 16 / 4, FFN 12288); transformers' Qwen3_5TextConfig defaults are the same.
+h: a Qwen3.5-9B Q4_K_M of "8.95B" params and 5.23 GiB (lzwjava.github.io) = this table untied.
+i: headlessmode.com on Qwen3.5-35B-A3B (256 experts, 8 routed + 1 shared, expert dim 512,
+   attention 16 / 2, DeltaNet 32 V / 16 QK); transformers' Qwen3_5MoeTextConfig defaults agree.
+j: the converter's comment: Qwen3.5's mrope_section is [11, 11, 10].
+*: no config.json was found for 0.8B / 2B; tied is inferred (the family's small models are, and
+   the names fit 0.75 B / 1.88 B, not 1.01 B / 2.39 B untied).
+Tensors: `attn_norm`, `post_attention_norm` and an FFN (`ffn_{gate,up,down}`; MoE: the router
+`ffn_gate_inp`, `ffn_{gate,up,down}_exps`, `ffn_{gate,up,down}_shexp`, `ffn_gate_inp_shexp`) in
+every layer; DeltaNet layers `attn_qkv` (q, k, v rows), `attn_gate` (z), `ssm_alpha`, `ssm_beta`,
+`ssm_a` (-exp(A_log)), `ssm_dt.bias`, `ssm_conv1d.weight` [kernel, q+k+v channels], `ssm_norm`,
+`ssm_out`; attention layers `attn_q` (query and output gate: 2 x heads x 256 rows), `attn_k`,
+`attn_v`, `attn_q_norm`, `attn_k_norm`, `attn_output`. In llama-quantize's order (tensors outside
+blocks by name, then block by block by name). f32 as llama.cpp keeps them: norms, `ssm_a`,
+`ssm_dt.bias`, `ssm_conv1d`, the routers (`ffn_gate_inp`, `ffn_gate_inp_shexp`, one row).
+q8_0 / q4_0: every other matrix in that type; q4_k_m as llama-quant.cpp's Q4_K_M does it: q6_k for
+the output matrix (the embedding when tied), and in use_more_bits layers for `attn_qkv` / `attn_v`
+(one "attn_v" counter over both) and `ffn_down` (experts' and shared expert's too); q4_k for the
+rest, `attn_gate`, `ssm_alpha`, `ssm_beta`, `ssm_out` included. Sizes (tensor data):
+
+| shape           | q8_0     | q4_0     | q4_k_m   |
+|-----------------|----------|----------|----------|
+| qwen3.5-0.8b    | 0.80 GB  | 0.43 GB  | 0.52 GB  |
+| qwen3.5-2b      | 2.00 GB  | 1.06 GB  | 1.26 GB  |
+| qwen3.5-4b      | 4.47 GB  | 2.37 GB  | 2.70 GB  |
+| qwen3.5-9b      | 9.52 GB  | 5.04 GB  | 5.62 GB  |
+| qwen3.5-35b-a3b | 36.89 GB | 19.57 GB | 21.16 GB |
+
+No MTP layer (`--no-mtp`), so no `nextn_predict_layers` key: decode never reads it. The
+35B-A3B writes no `feed_forward_length` (its config has no intermediate_size). Random f32 values:
+see _f32_values (a decay that stays between ~0.6 and ~0.98 a token). Vocabulary as below with
+Qwen3.5's sizes: 248,044 BPE tokens, Qwen3's 26 added tokens at 248044.. (`<|endoftext|>`,
+`<|im_start|>`, `<|im_end|>` = 248046, as the configs' ids say), `[PAD...]` to 248320, pre
+`qwen35` (Qwen3.5's later added tokens, past `</think>`, are left as padding).
 
 Vocabulary (`tokenizer.ggml.model` gpt2, pre qwen2): Qwen3's layout with synthesised BPE tokens:
 ids 0..255 the 256 byte-alphabet characters, then every 2-character then 3-character combination
@@ -99,6 +157,48 @@ SHAPES: dict[str, dict] = {
         ),
     ),
 }
+# Qwen3.5 (qwen35 / qwen35moe GGUFs, llama.cpp's converter layout without the MTP layer): every
+# fourth layer gated full attention, the rest Gated DeltaNet; sources in the module doc.
+_QWEN35 = dict(
+    head_dim=256,
+    vocab=248320,
+    bpe_tokens=248044,
+    rope_theta=1e7,
+    rms_eps=1e-6,
+    context=262144,
+    arch="qwen35",
+    rotary_dim=64,  # partial_rotary_factor 0.25 of head_dim 256
+    mrope_section=(11, 11, 10),
+    full_attention_interval=4,
+    conv_kernel=4,
+    linear_key_dim=128,
+    linear_value_dim=128,
+)
+SHAPES.update(
+    {
+        "qwen3.5-0.8b": dict(
+            _QWEN35, hidden=1024, layers=24, heads=8, kv_heads=2, ffn=3584, linear_k_heads=16, linear_v_heads=16,
+            tied=True,
+        ),
+        "qwen3.5-2b": dict(
+            _QWEN35, hidden=2048, layers=24, heads=8, kv_heads=2, ffn=6144, linear_k_heads=16, linear_v_heads=16,
+            tied=True,
+        ),
+        "qwen3.5-4b": dict(
+            _QWEN35, hidden=2560, layers=32, heads=16, kv_heads=4, ffn=9216, linear_k_heads=16, linear_v_heads=32,
+            tied=True,
+        ),
+        "qwen3.5-9b": dict(
+            _QWEN35, hidden=4096, layers=32, heads=16, kv_heads=4, ffn=12288, linear_k_heads=16, linear_v_heads=32,
+            tied=False,
+        ),
+        # no intermediate_size in its config (every layer sparse): no feed_forward_length key
+        "qwen3.5-35b-a3b": dict(
+            _QWEN35, hidden=2048, layers=40, heads=16, kv_heads=2, ffn=None, linear_k_heads=16, linear_v_heads=32,
+            tied=False, arch="qwen35moe", experts=256, experts_used=8, expert_ffn=512, shared_ffn=512,
+        ),
+    }
+)  # fmt: skip
 TYPES = ("q8_0", "q4_0", "q4_k_m")
 _BLOCK = {"q8_0": 32, "q4_0": 32, "q5_0": 32, "q4_k": 256, "q6_k": 256}  # values a block
 _BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q5_0": 22, "q4_k": 144, "q6_k": 210}
@@ -167,15 +267,11 @@ def plan(shape, qtype: str = "q8_0") -> list[tuple[str, tuple[int, ...], str]]:
     """The file's tensors in order: (GGUF name, ggml shape (ne0 = input width, ...), type)."""
     _check_type(qtype)
     s = _shape(shape)
+    if is_hybrid(s):
+        return _plan_qwen35(s, qtype)
     h, hd, f, v, n = s["hidden"], s["head_dim"], s["ffn"], s["vocab"], s["layers"]
     q, kv = s["heads"] * hd, s["kv_heads"] * hd
-    mixed = qtype == "q4_k_m"
-
-    def mat(ne, more_bits=False):
-        if not mixed:
-            return qtype
-        t = "q6_k" if more_bits else "q4_k"
-        return _FALLBACK[t] if ne[0] % _BLOCK[t] else t
+    mat = _mat_type(qtype)
 
     out = [("token_embd.weight", (h, v), mat((h, v), s["tied"]))]
     if not s["tied"]:
@@ -212,6 +308,93 @@ def plan(shape, qtype: str = "q8_0") -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
+def is_hybrid(shape) -> bool:
+    """A Qwen3.5 shape (qwen35 / qwen35moe: Gated DeltaNet and gated full attention)."""
+    return _shape(shape).get("arch", "qwen3").startswith("qwen35")
+
+
+def _mat_type(qtype: str):
+    """mat(ne, more_bits) -> the type of a quantised matrix: qtype, or Q4_K_M's q4_k / q6_k with
+    llama.cpp's fallback for rows that are not a multiple of 256."""
+
+    def mat(ne, more_bits=False):
+        if qtype != "q4_k_m":
+            return qtype
+        t = "q6_k" if more_bits else "q4_k"
+        return _FALLBACK[t] if ne[0] % _BLOCK[t] else t
+
+    return mat
+
+
+def layer_types(shape) -> list[str]:
+    """A Qwen3.5 shape's layer kinds: full attention every full_attention_interval-th layer."""
+    s = _shape(shape)
+    every = s["full_attention_interval"]
+    return ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(s["layers"])]
+
+
+def _plan_qwen35(s: dict, qtype: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """qwen35 / qwen35moe tensors in the order llama-quantize writes them (the loader's
+    weight_name_comparer: tensors outside blocks by name, then block by block, by name)."""
+    h, hd, v, n = s["hidden"], s["head_dim"], s["vocab"], s["layers"]
+    mat = _mat_type(qtype)
+    lk, lv, dk, dv = s["linear_k_heads"], s["linear_v_heads"], s["linear_key_dim"], s["linear_value_dim"]
+    conv = 2 * lk * dk + lv * dv  # the conv runs over q, k and v
+    head = [("token_embd.weight", (h, v), mat((h, v), s["tied"])), ("output_norm.weight", (h,), "f32")]
+    if not s["tied"]:
+        head.append(("output.weight", (h, v), mat((h, v), True)))
+    out = sorted(head)
+    for i, kind in enumerate(layer_types(s)):
+        b = f"blk.{i}."
+        # llama.cpp's use_more_bits: attn_qkv and attn_v share one counter (one of them a layer),
+        # ffn_down (the experts' and the shared expert's too) goes by layer: q6_k in these
+        more = i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+        t = [(b + "attn_norm.weight", (h,), "f32"), (b + "post_attention_norm.weight", (h,), "f32")]
+        if kind == "linear_attention":
+            t += [
+                (b + "attn_qkv.weight", (h, conv), mat((h, conv), more)),
+                (b + "attn_gate.weight", (h, lv * dv), mat((h, lv * dv))),
+                (b + "ssm_a", (lv,), "f32"),
+                (b + "ssm_alpha.weight", (h, lv), mat((h, lv))),
+                (b + "ssm_beta.weight", (h, lv), mat((h, lv))),
+                (b + "ssm_conv1d.weight", (s["conv_kernel"], conv), "f32"),
+                (b + "ssm_dt.bias", (lv,), "f32"),
+                (b + "ssm_norm.weight", (dv,), "f32"),
+                (b + "ssm_out.weight", (lv * dv, h), mat((lv * dv, h))),
+            ]
+        else:
+            q, kv = s["heads"] * hd, s["kv_heads"] * hd
+            t += [
+                (b + "attn_q.weight", (h, 2 * q), mat((h, 2 * q))),  # query and output gate per head
+                (b + "attn_k.weight", (h, kv), mat((h, kv))),
+                (b + "attn_v.weight", (h, kv), mat((h, kv), more)),
+                (b + "attn_q_norm.weight", (hd,), "f32"),
+                (b + "attn_k_norm.weight", (hd,), "f32"),
+                (b + "attn_output.weight", (q, h), mat((q, h))),
+            ]
+        if "experts" in s:
+            e, fe, fs = s["experts"], s["expert_ffn"], s["shared_ffn"]
+            t += [
+                (b + "ffn_gate_inp.weight", (h, e), "f32"),
+                (b + "ffn_gate_exps.weight", (h, fe, e), mat((h, fe, e))),
+                (b + "ffn_up_exps.weight", (h, fe, e), mat((h, fe, e))),
+                (b + "ffn_down_exps.weight", (fe, h, e), mat((fe, h, e), more)),
+                (b + "ffn_gate_inp_shexp.weight", (h, 1), "f32"),  # one row: ggml counts it 1-D, kept
+                (b + "ffn_gate_shexp.weight", (h, fs), mat((h, fs))),
+                (b + "ffn_up_shexp.weight", (h, fs), mat((h, fs))),
+                (b + "ffn_down_shexp.weight", (fs, h), mat((fs, h), more)),
+            ]
+        else:
+            f = s["ffn"]
+            t += [
+                (b + "ffn_gate.weight", (h, f), mat((h, f))),
+                (b + "ffn_up.weight", (h, f), mat((h, f))),
+                (b + "ffn_down.weight", (f, h), mat((f, h), more)),
+            ]
+        out += sorted(t)
+    return out
+
+
 def _nbytes(ne, ttype) -> int:
     n = int(np.prod(ne))
     return n * 4 if ttype == "f32" else n // _BLOCK[ttype] * _BLOCK_BYTES[ttype]
@@ -231,6 +414,8 @@ def metadata(shape) -> dict:
     """The `qwen3.*` (or `qwen3vl.*`) model keys the file carries (llama.cpp's names)."""
     s = _shape(shape)
     a = s.get("arch", "qwen3")
+    if is_hybrid(s):
+        return _metadata_qwen35(s)
     keys = {
         f"{a}.context_length": s["context"],
         f"{a}.embedding_length": s["hidden"],
@@ -250,6 +435,45 @@ def metadata(shape) -> dict:
     if "mrope_section" in s:
         keys[f"{a}.rope.dimension_sections"] = [*s["mrope_section"], 0]
         keys[f"{a}.n_deepstack_layers"] = len(s["vision"]["deepstack"])
+    return keys
+
+
+def _metadata_qwen35(s: dict) -> dict:
+    """The keys llama.cpp's converter writes for a Qwen3.5 text config (Qwen3NextModel and
+    _Qwen35MRopeMixin; without the MTP layer: no nextn_predict_layers, block_count = layers)."""
+    a = s["arch"]
+    keys = {
+        f"{a}.block_count": s["layers"],
+        f"{a}.context_length": s["context"],
+        f"{a}.embedding_length": s["hidden"],
+    }
+    if s.get("ffn"):
+        keys[f"{a}.feed_forward_length"] = s["ffn"]
+    keys |= {
+        f"{a}.attention.head_count": s["heads"],
+        f"{a}.attention.head_count_kv": s["kv_heads"],
+        f"{a}.rope.dimension_sections": [*s["mrope_section"], 0],
+        f"{a}.rope.freq_base": s["rope_theta"],
+        f"{a}.attention.layer_norm_rms_epsilon": s["rms_eps"],
+    }
+    if "experts" in s:
+        keys[f"{a}.expert_count"] = s["experts"]
+        keys[f"{a}.expert_used_count"] = s["experts_used"]
+    keys[f"{a}.attention.key_length"] = s["head_dim"]
+    keys[f"{a}.attention.value_length"] = s["head_dim"]
+    if "experts" in s:
+        keys[f"{a}.expert_feed_forward_length"] = s["expert_ffn"]
+        keys[f"{a}.expert_shared_feed_forward_length"] = s["shared_ffn"]
+    keys |= {
+        f"{a}.ssm.conv_kernel": s["conv_kernel"],
+        f"{a}.ssm.state_size": s["linear_key_dim"],
+        f"{a}.ssm.group_count": s["linear_k_heads"],
+        f"{a}.ssm.time_step_rank": s["linear_v_heads"],
+        f"{a}.ssm.inner_size": s["linear_value_dim"] * s["linear_v_heads"],
+        f"{a}.attention.recurrent_layers": [t == "linear_attention" for t in layer_types(s)],
+        f"{a}.full_attention_interval": s["full_attention_interval"],
+        f"{a}.rope.dimension_count": s["rotary_dim"],
+    }
     return keys
 
 
@@ -334,6 +558,23 @@ def _random_blocks(rng, rows: int, k: int, qtype: str) -> np.ndarray:
     return blk.reshape(rows, -1)
 
 
+def _f32_values(rng, name: str, ne) -> np.ndarray:
+    """An f32 tensor's values: norms are ones (a qwen35 file stores 1 + weight: weight 0); the
+    routers and the shared expert's gate random (ones would tie every expert); the DeltaNet's
+    A = -exp(A_log) in -8..-0.5 with dt bias -3 +- 0.5 (decay exp(-A softplus(a + dt)) ~ 0.6..0.98
+    a token) and its depthwise conv kernel uniform in +-0.5 (1 / sqrt(kernel), torch's init)."""
+    shape = ne[::-1]
+    if name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")):
+        return rng.standard_normal(shape, np.float32) * np.float32(_STD)
+    if name.endswith(".ssm_a"):
+        return -rng.uniform(0.5, 8.0, shape).astype(np.float32)
+    if name.endswith(".ssm_dt.bias"):
+        return rng.normal(-3.0, 0.5, shape).astype(np.float32)
+    if name.endswith(".ssm_conv1d.weight"):
+        return rng.uniform(-0.5, 0.5, shape).astype(np.float32)
+    return np.ones(shape, np.float32)
+
+
 @contextmanager
 def gguf_writer(path: str, arch: str):
     """A gguf.GGUFWriter on a temporary file that becomes `path` only when the block completes;
@@ -374,7 +615,7 @@ def write_gguf(path: str, shape, qtype: str, *, seed: int = 0, name: str | None 
                 (w.add_float32 if isinstance(val, float) else w.add_uint32)(key, val)
         voc = vocabulary(s)
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("qwen2")
+        w.add_tokenizer_pre("qwen35" if is_hybrid(s) else "qwen2")
         w.add_token_list(voc["tokens"])
         w.add_token_types(voc["types"])
         w.add_token_merges(voc["merges"])
@@ -399,10 +640,8 @@ def write_gguf(path: str, shape, qtype: str, *, seed: int = 0, name: str | None 
         for tname, ne, t in tensors:
             # stream each tensor in row chunks (~16 MB), with GGUFWriter's alignment padding
             w.write_padding(fout, fout.tell())
-            if tname.endswith("ffn_gate_inp.weight"):  # a router of ones would tie every expert
-                (rng.standard_normal(ne[::-1], np.float32) * np.float32(_STD)).tofile(fout)
-            elif t == "f32":
-                np.ones(ne[::-1], np.float32).tofile(fout)
+            if t == "f32":
+                _f32_values(rng, tname, ne).tofile(fout)
             else:
                 k, rows = ne[0], int(np.prod(ne[1:]))
                 step = max(1, (16 << 20) // (k // _BLOCK[t] * _BLOCK_BYTES[t]))
