@@ -536,7 +536,7 @@ def test_rope_frequencies_do_not_depend_on_the_cpu(theta, head_dim):
     or numpy's pow (numpy's f32 power, taken before, dispatched to SVML on AVX-512 and was 1 ulp
     off for 5 of SmolLM2's 32 frequencies)."""
     from sparrow.kernels.elementwise import rope_powers
-    from sparrow.models.layers import Rope
+    from sparrow.models.rope import Rope
 
     powers = rope_powers(theta, head_dim)
     assert np.array_equal(Rope(head_dim, theta, None).inv_freq, np.float32(1) / powers)

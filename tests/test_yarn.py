@@ -28,7 +28,7 @@ import sparrow
 from conftest import Tiny, decode_logits, prompt
 from sparrow.config import ModelConfig
 from sparrow.errors import SparrowError
-from sparrow.models.layers import Rope
+from sparrow.models.rope import Rope
 
 EXACT = 1e-4
 YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}

@@ -23,7 +23,8 @@ from ..quant import Weight
 from ..state.cache import KVCache
 from .attention import Selections, decode_attention, prefill_attention, verify_attention
 from .fused import FusedDecode
-from .layers import MLP, FusedLinear, Rope, RowRope, rms_norm
+from .layers import MLP, FusedLinear, rms_norm
+from .rope import RowRope, model_rope
 
 
 @dataclass
@@ -74,7 +75,7 @@ class Attention:
         self.eps = cfg.rms_norm_eps
         self.scale = 1.0 / math.sqrt(self.head_dim)
 
-    def qkv(self, x: np.ndarray, rope: Rope, positions: np.ndarray):
+    def qkv(self, x: np.ndarray, rope, positions: np.ndarray):
         T, H, KV, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
         q, k, v = self.qkv_proj(x)  # [T, H*D] [T, KV*D] [T, KV*D]
         if self.q_b is not None:
@@ -202,7 +203,7 @@ class Decoder:
         # window or large folio around its row) had filled with most of it (~190 MiB of
         # Qwen3-1.7B's 166 MiB table and its neighbours) beside the head's copy.
         self._lookup_only = self.lm_head is not self.embed and advise_mapped_pages(self.embed.data, MADV_RANDOM)
-        self.rope = Rope(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.mrope_section)
+        self.rope = model_rope(cfg)
         # The fused decode step (models/fused.py), planned at the first decode; use_fused=False
         # (or SPARROW_FUSED=0) keeps every forward on the staged path, e.g. to time its stages.
         self.use_fused = os.environ.get("SPARROW_FUSED", "1") != "0"
