@@ -482,6 +482,8 @@ def test_weight_and_kv_bytes(tmp_path, monkeypatch):
     assert bandwidth.kv_bytes_per_position(cfg, "f16") == 2 * 2 * 16 * 2
     assert bandwidth.kv_bytes_per_position(cfg, "int8") == 2 * 2 * (16 + 4)
     assert bandwidth.kv_read_bytes(cfg, 1000, "f32") == 4 * 1000 * 2 * 2 * 16 * 4
+    hybrid = SimpleNamespace(**vars(cfg), layer_types=("linear_attention",) * 3 + ("full_attention",))
+    assert bandwidth.kv_read_bytes(hybrid, 1000, "f32") == 1000 * 2 * 2 * 16 * 4  # KV in one layer of four
     sp = SparseParams(k=4, block=32, select="v2", dense_layers=1)
     per = 2 * 2 * 16 * 4
     assert bandwidth.kv_read_bytes(cfg, 1000, "f32", sp, 8.0) == 1000 * per + 3 * 128 * per + 8.0 * 1000

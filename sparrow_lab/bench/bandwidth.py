@@ -133,13 +133,20 @@ def kv_bytes_per_position(config, kv_dtype: str) -> int:
     return LAYER_KINDS[kv_dtype].bytes_at(config.num_key_value_heads, config.head_dim, 1)
 
 
+def kv_layers(config) -> int:
+    """Layers with a KV cache: all, or a hybrid model's (Qwen3.5) full-attention layers (its
+    Gated DeltaNet layers keep a fixed-size recurrent state instead)."""
+    types = getattr(config, "layer_types", None)
+    return sum(t == "full_attention" for t in types) if types else config.num_hidden_layers
+
+
 def kv_read_bytes(config, context: int, kv_dtype: str, sparse=None, copy_bytes_per_position: float = 0.0) -> float:
     """KV bytes a decode step at `context` positions reads over all layers: every position with
     exact attention; with sparse attention k blocks in the sparse layers (the dense ones read
     all), plus the selector's copy (probe keys or block summaries, copy_bytes_per_position over
     all layers, as KVCache.probe_nbytes / capacity gives it)."""
     per = kv_bytes_per_position(config, kv_dtype)
-    layers = config.num_hidden_layers
+    layers = kv_layers(config)
     if sparse is None:
         return float(layers * context * per)
     dense = min(layers, sparse.dense_layers or 0)
