@@ -497,3 +497,18 @@ def test_after_a_restart_the_disk_prompt_cache_gives_the_fresh_bits(llms, tmp_pa
     out, cached = run(second, d)
     assert cached == 96 and d.stats["hits"] == 1
     assert out == run(second, None)[0]
+
+
+def test_save_prefix_and_load_prefix_carry_the_recurrent_state(models, tmp_path):
+    folder = models["dense"][0]
+    ids = [int(t) for t in PROMPT[:140]]
+    params = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+    writer, reader = sparrow.load(folder, threads=2), sparrow.load(folder, threads=2)
+    writer.runner.prefill_chunk = reader.runner.prefill_chunk = 32  # the tiny prompt's whole chunks
+    n = writer.save_prefix(ids[:130], str(tmp_path / "p.safetensors"))
+    assert n == 128
+    assert reader.load_prefix(str(tmp_path / "p.safetensors")) == n
+    got = list(reader.stream(ids, **params))
+    assert got[0].cached_tokens == n
+    fresh = sparrow.load(folder, threads=2)
+    assert [o.token_id for o in got] == [o.token_id for o in fresh.stream(ids, **params)]

@@ -218,6 +218,9 @@ def write_entry(path: str, meta: dict, tokens: np.ndarray, cache, snapshots: dic
     B = len(tokens)
     bounds = {b for b in snapshots if b <= B and b % c == 0}
     meta = dict(meta, snapshots=",".join(map(str, sorted(bounds))))
+    if cache.states:  # e.g. conv_shape, ssm_shape: the file holds a fixed-size state's parts
+        first = next(iter(cache.states.values()))
+        meta.update({f"{name}_shape": ",".join(map(str, a.shape)) for name, a in zip(cache.state_parts, first)})
     tokens = np.ascontiguousarray(tokens, np.int64)
     tensors = {"tokens": {"dtype": "I64", "shape": [B], "data_offsets": [0, tokens.nbytes]}}
     sources, crcs, offset = [[tokens]], [], tokens.nbytes
@@ -517,9 +520,6 @@ class DiskCache:
                 pass
             return
         meta = dict(self.identity, key=key, kv_dtype=cache.dtype)
-        if cache.states:  # e.g. conv_shape, ssm_shape: the file holds a fixed-size state's parts
-            first = next(iter(cache.states.values()))
-            meta.update({f"{name}_shape": ",".join(map(str, a.shape)) for name, a in zip(cache.state_parts, first)})
         name = entry_name(key, tokens, self.identity)
         try:
             size = write_entry(self._path(name), meta, tokens, cache, snapshots)
