@@ -386,9 +386,7 @@ async def _events(run: ChatRun, mid: str, model: str):
         nonlocal open_kind
         out = []
         if open_kind == "thinking":
-            out.append(
-                _sse("content_block_delta", {"index": index, "delta": {"type": "signature_delta", "signature": ""}})
-            )
+            out.append(_delta(index, {"type": "signature_delta", "signature": ""}))
         if open_kind is not None:
             out.append(_sse("content_block_stop", {"index": index}))
         open_kind = None
@@ -408,10 +406,7 @@ async def _events(run: ChatRun, mid: str, model: str):
                 if open_kind != "thinking":
                     for e in start("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
                         yield e
-                yield _sse(
-                    "content_block_delta",
-                    {"index": index, "delta": {"type": "thinking_delta", "thinking": p.reasoning}},
-                )
+                yield _delta(index, {"type": "thinking_delta", "thinking": p.reasoning})
             if p.content:
                 if open_kind != "text":
                     for e in start("text", {"type": "text", "text": ""}):
