@@ -73,7 +73,14 @@ class SparrowRunner:
             c.append(i, 0, src.k[:, :n].transpose(1, 0, 2), src.v[:, :n].transpose(1, 0, 2))  # [n, KVH, D]
             c.sparse[i].importance[:n] = self.cache.sparse[i].importance[:n]
         c.length = n
+        if c.state_parts:  # a hybrid model's recurrent state at n (Qwen3.5)
+            c.load_states({n: self.cache.live_state()}, n)
         return c
+
+    @staticmethod
+    def _rewind(cache, mark, start) -> None:
+        cache.drop_draft(mark)
+        cache.truncate(start)
 
     def decode(self, feed, start, mode="exact", sparse_k=32):
         """Per-token seconds of len(feed) decode steps after start (the path users get: the
@@ -89,16 +96,19 @@ class SparrowRunner:
         slot = Slot(np.zeros(start, np.int64), cache, sp)
         times, parts = [], []
         runner = self._llm(act).runner
+        mark = cache.draft_mark()  # a recurrent state returns to start with its copy (K/V: truncate)
         for tok in feed:
             t0 = time.perf_counter()
             runner.decode([slot], [tok])
             times.append(time.perf_counter() - t0)
-        cache.truncate(start)
+        self._rewind(cache, mark, start)
         for tok in feed[:SPLIT_STEPS]:
             with timed(self.model) as timer:
                 self.llm.runner.decode([slot], [tok])
             parts.append((timer.total, timer.matmul, timer.attn, timer.total - timer.matmul - timer.attn))
-        self.cache.truncate(start)
+        self._rewind(cache, mark, start)
+        if cache is not self.cache:
+            self.cache.truncate(start)
         # medians per component, like the per-token time (a one-off stall does not count)
         split = {
             k: statistics.median(p[j] for p in parts) * 1e3
