@@ -24,15 +24,14 @@ from .kernels.runtime import set_threads
 from .loaders import open_checkpoint
 from .params import (
     QUANTIZE,
-    SAMPLING_OPTIONS,
     SPARSE_OPTIONS,
     SPECULATIVE_OPTIONS,
     SamplingParams,
     SparseParams,
     SpeculativeParams,
     check_kv_dtype,
-    options_to_params,
 )
+from .request import GenerationRequest, sampling_and_sparse, speculative_params
 from .state.budget import KVPool, default_budget
 from .state.prefix import PrefixCache, prefix_key
 from .structured import Structured, ToolFormat, tool_format
@@ -199,7 +198,7 @@ class LLM:
             raise SparrowError(f"token id out of range [0, {self.config.vocab_size})")
         if set(sparse_options) - set(SPARSE_OPTIONS):
             raise SparrowError(f"logits() takes only sparse_* options, got {sorted(sparse_options)}")
-        _, sparse = _params(None, sparse, sparse_options)
+        _, sparse = sampling_and_sparse(sparse_options, None, sparse)
         slot = self.runner.new_slot(ids, len(ids), check_kv_dtype(kv_dtype or self.kv_dtype), images=images)
         vision = slot.mm.segment(0, len(ids)) if slot.mm is not None else None
         return self.model.forward([Segment(ids, slot.cache, 0, sparse, vision=vision)], all_logits=True)
@@ -269,9 +268,50 @@ class LLM:
         tools, tool_choice, response_format, parallel_tool_calls: as in OpenAI's chat API (see
         chat() for the parsed answer); a forced tool call or a JSON response_format constrains the
         tokens to the grammar."""
+        request = self.request(
+            prompt,
+            sampling=sampling,
+            sparse=sparse,
+            speculative=speculative,
+            kv_dtype=kv_dtype,
+            chat=chat,
+            system=system,
+            chat_template_kwargs=chat_template_kwargs,
+            assistant_prefix=assistant_prefix,
+            trace=trace is not None,
+            tools=tools,
+            tool_choice=tool_choice,
+            response_format=response_format,
+            parallel_tool_calls=parallel_tool_calls,
+            **options,
+        )
+        yield from self.run(request, timings=timings, trace=trace)
+
+    def request(
+        self,
+        prompt,
+        *,
+        sampling: SamplingParams | None = None,
+        sparse: SparseParams | None = None,
+        speculative: SpeculativeParams | str | None = None,
+        kv_dtype: str | None = None,
+        chat: bool | None = None,
+        system: str | None = None,
+        chat_template_kwargs: dict | None = None,
+        assistant_prefix: str = "",
+        trace: bool = False,
+        tools: list[dict] | None = None,
+        tool_choice=None,
+        response_format: dict | None = None,
+        parallel_tool_calls: bool | None = None,
+        **options,
+    ) -> GenerationRequest:
+        """The GenerationRequest (sparrow/request.py) that stream() runs for these arguments:
+        the prompt tokenized (with its images), each option parsed and checked once."""
         set_threads(self.threads)
-        speculative = _speculative(speculative, options)
-        sampling, sparse = _params(sampling, sparse, options)
+        spec_options = {k: options.pop(k) for k in list(options) if k in SPECULATIVE_OPTIONS}
+        speculative = speculative_params(speculative, spec_options)
+        sampling, sparse = sampling_and_sparse(options, sampling, sparse)
         sampling.check_vocab(self.config.vocab_size)
         kv = check_kv_dtype(kv_dtype or self.kv_dtype)
         structured = Structured.parse(tools, tool_choice, response_format, parallel_tool_calls)
@@ -283,17 +323,37 @@ class LLM:
             )
         )
         constraint = structured.constraint(self.tokenizer, self.config.vocab_size, self.tool_format)
+        return GenerationRequest(
+            ids,
+            sampling,
+            sparse,
+            speculative,
+            kv,
+            constraints=None if constraint is None else [constraint],
+            images=images,
+            trace=trace,
+        )
+
+    def run(self, request: GenerationRequest, *, timings: bool = False, trace: list | None = None):
+        """Generates one answer to `request` in this thread, yielding StepOutputs; the prompt's
+        KV stays in llm.prefix for the next call that starts the same way. trace: a list that
+        receives, per decoded token, the sparse selections (request.trace must be set)."""
+        set_threads(self.threads)
+        if request.n != 1 or request.prompt_logprobs is not None or request.score_only:
+            raise SparrowError("LLM.run generates one choice: n, prompt_logprobs and score_only are the server's")
+        kv = check_kv_dtype(request.kv_dtype or self.kv_dtype)
+        sparse, speculative = request.sparse, request.speculative
         seq = Sequence.create(
             self.runner,
             self.tokenizer,
-            list(ids),
-            sampling,
+            request.prompt_ids,
+            request.sampling,
             self.ctx,
             kv,
             sparse,
-            trace is not None,
-            constraint,
-            images,
+            request.trace,
+            request.constraints[0] if request.constraints else None,
+            request.images,
         )
         check_supported(seq, speculative)
         spec = make_speculator(self, self.runner, speculative, seq, kv) if speculative is not None else None
@@ -404,26 +464,6 @@ class LLM:
         for out in self.stream(prompt, **kwargs):
             if out.text:
                 yield out.text
-
-
-def _params(sampling, sparse, options) -> tuple[SamplingParams, SparseParams | None]:
-    """Objects win, keywords are the convenience; giving both for one kind is an error."""
-    kw_sampling, kw_sparse = options_to_params(options)  # also rejects unknown names
-    if sampling is not None and any(k in SAMPLING_OPTIONS for k in options):
-        raise SparrowError("pass sampling settings as `sampling=SamplingParams(...)` or as keywords, not both")
-    if sparse is not None and any(k in SPARSE_OPTIONS for k in options):
-        raise SparrowError("pass sparse settings as `sparse=SparseParams(...)` or as sparse_* keywords, not both")
-    return (sampling or kw_sampling).validate(), sparse or kw_sparse
-
-
-def _speculative(speculative, options: dict) -> SpeculativeParams | None:
-    """The speculative settings from the object or the keywords (taken out of options)."""
-    kw = {k: options.pop(k) for k in list(options) if k in SPECULATIVE_OPTIONS}
-    if isinstance(speculative, SpeculativeParams) and kw:
-        raise SparrowError("pass speculative settings as `speculative=SpeculativeParams(...)` or as keywords, not both")
-    if isinstance(speculative, str):  # speculative="ngram" with the spec_* keywords
-        return SpeculativeParams.from_options(speculative, **kw)
-    return speculative if speculative is not None else SpeculativeParams.from_options(**kw)
 
 
 def _is_token_ids(prompt) -> bool:

@@ -12,7 +12,8 @@ import sys
 import time
 
 from .errors import SparrowError
-from .params import KV_DTYPES, QUANTIZE, SELECTORS, SPECULATIVE_METHODS, SamplingParams, SparseParams, SpeculativeParams
+from .params import KV_DTYPES, QUANTIZE, SELECTORS, SPECULATIVE_METHODS, SamplingParams, SparseParams
+from .request import sampling_from_flags, speculative_from_flags
 
 DEMO_PROMPT = "In three sentences, why is the sky blue?"
 
@@ -133,33 +134,12 @@ def check_draft_path(a) -> None:
         raise SparrowError(f"--draft-model path not found: {path}")
 
 
-def speculative_from_args(a, serve: bool = False) -> SpeculativeParams | None:
-    """The --speculative settings; a server may hold a draft model that only some requests use."""
-    check_draft_path(a)
-    draft = a.draft_model if (a.speculative == "draft" or not serve) else None
-    return SpeculativeParams.from_options(
-        a.speculative, a.spec_tokens, a.spec_ngram, draft, a.spec_sparse_k, a.spec_sparse_select
-    )
-
-
 def _params(a) -> tuple[SamplingParams, SparseParams | None]:
-    """The sampling and sparse settings of the command line, built and validated once."""
-    sampling = SamplingParams(
-        max_tokens=a.max_tokens,
-        temperature=a.temperature,
-        top_p=a.top_p,
-        top_k=a.top_k,
-        min_p=a.min_p,
-        repetition_penalty=a.repetition_penalty,
-        presence_penalty=a.presence_penalty,
-        frequency_penalty=a.frequency_penalty,
-        seed=a.seed,
-        stop=a.stop or [],
-    ).validate()
-    sparse = SparseParams.from_options(
-        a.sparse_attn, a.sparse_k, a.sparse_block, a.sparse_probe, a.sparse_prefill, a.sparse_select
-    )
-    a.speculative_params = speculative_from_args(a)
+    """The sampling and sparse settings of the command line, built and validated once (and its
+    speculative settings, as a.speculative_params)."""
+    sampling, sparse = sampling_from_flags(a)
+    check_draft_path(a)
+    a.speculative_params = speculative_from_flags(a)
     return sampling, sparse
 
 

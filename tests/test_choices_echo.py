@@ -20,6 +20,7 @@ from test_fuzz_files import tiny_gguf  # noqa: F401 - the fixture, shared
 
 import sparrow
 from sparrow.engine.sampling import log_softmax
+from sparrow.request import GenerationRequest
 from sparrow.server.app import ServerState
 
 CHAT_PATH, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -196,10 +197,10 @@ def test_n_limits(server, llm):
 
     engine = Engine(llm, max_queue=6)  # not started: submissions stay queued
     ids = llm.tokenizer.encode("the heat")
-    engine.submit(ids, SamplingParams(max_tokens=2), None, lambda *a: None, n=4)
+    engine.submit(GenerationRequest(ids, SamplingParams(max_tokens=2), n=4), lambda *a: None)
     with pytest.raises(EngineBusy):
-        engine.submit(ids, SamplingParams(max_tokens=2), None, lambda *a: None, n=3)
-    engine.submit(ids, SamplingParams(max_tokens=2), None, lambda *a: None, n=2)
+        engine.submit(GenerationRequest(ids, SamplingParams(max_tokens=2), n=3), lambda *a: None)
+    engine.submit(GenerationRequest(ids, SamplingParams(max_tokens=2), n=2), lambda *a: None)
 
 
 def test_n_beyond_the_kv_budget_and_batch_still_matches(llm):
@@ -222,7 +223,7 @@ def test_n_beyond_the_kv_budget_and_batch_still_matches(llm):
 
         engine.start(warmup=False)
         try:
-            engine.submit(ids, params, None, emit, n=n)
+            engine.submit(GenerationRequest(ids, params, n=n), emit)
             assert done.wait(120)
         finally:
             engine.stop()

@@ -17,6 +17,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 
 import httpx
 import numpy as np
@@ -234,7 +235,7 @@ def test_after_a_restart_the_disk_gives_the_fresh_prefill_bits(llm, tmp_path, kv
 
 
 def _with_dtype(submit, kv):
-    return lambda ids, params, sparse, emit, *a, **kw: submit(ids, params, sparse, emit, kv, *a, **kw)
+    return lambda request, emit: submit(replace(request, kv_dtype=kv), emit)
 
 
 def test_two_processes_share_one_folder(llm, tmp_path):

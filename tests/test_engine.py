@@ -12,6 +12,7 @@ from sparrow.engine.engine import Engine
 from sparrow.engine.runner import Runner, Slot
 from sparrow.engine.scheduler import Scheduler
 from sparrow.params import SamplingParams
+from sparrow.request import GenerationRequest
 from sparrow.state.cache import KVCache
 
 V = 16
@@ -135,7 +136,7 @@ def _run(engine, submits, timeout=30):
     """Submits (ids, params, emit) tuples, runs the engine until every request ended."""
     engine.start(warmup=False)
     try:
-        reqs = [engine.submit(ids, p, None, emit) for ids, p, emit in submits]
+        reqs = [engine.submit(GenerationRequest(ids, p), emit) for ids, p, emit in submits]
         deadline = threading.Event()
         for _ in range(int(timeout * 100)):
             if all(r.finished for r in reqs):
@@ -198,7 +199,7 @@ def test_engine_applies_the_requests_kv_dtype():
     eng.start(warmup=False)
     try:
         done = threading.Event()
-        eng.submit([1, 2], SamplingParams(max_tokens=1), None, lambda k, o: done.set(), kv_dtype="int8")
+        eng.submit(GenerationRequest([1, 2], SamplingParams(max_tokens=1), kv_dtype="int8"), lambda k, o: done.set())
         assert done.wait(30)
     finally:
         eng.stop()

@@ -18,6 +18,7 @@ from sparrow.engine.runner import Runner
 from sparrow.engine.sequence import Sequence
 from sparrow.errors import SparrowError
 from sparrow.params import SamplingParams
+from sparrow.request import GenerationRequest
 from sparrow.state.budget import PAGE, KVPool, pages, parse_size
 from sparrow.state.cache import KVCache
 
@@ -80,7 +81,7 @@ def run_engine(engine, jobs, timeout=300):
     engine.start(warmup=False)
     try:
         for i, (ids, params) in enumerate(jobs):
-            engine.submit(ids, params, None, emit_for(i))
+            engine.submit(GenerationRequest(ids, params), emit_for(i))
         for _ in jobs:
             assert done.acquire(timeout=timeout), "the engine stalled"
     finally:
@@ -158,10 +159,13 @@ def test_tiny_budget_preempts_and_every_output_equals_its_solo_run(llm):
 def test_requests_larger_than_the_budget_are_refused_and_the_queue_is_bounded(llm):
     engine = Engine(llm, runner=Runner(llm.model, 16), kv_budget=llm.model.new_cache(1).bytes_at(64), max_queue=2)
     with pytest.raises(SparrowError, match="KV budget"):
-        engine.submit(list(range(100, 140)), SamplingParams(max_tokens=30), None, lambda k, o: None)
-    ok = [engine.submit(list(range(100, 110)), SamplingParams(max_tokens=4), None, lambda k, o: None) for _ in range(2)]
+        engine.submit(GenerationRequest(list(range(100, 140)), SamplingParams(max_tokens=30)), lambda k, o: None)
+    ok = [
+        engine.submit(GenerationRequest(list(range(100, 110)), SamplingParams(max_tokens=4)), lambda k, o: None)
+        for _ in range(2)
+    ]
     with pytest.raises(EngineBusy) as e:  # not started: both wait in the queue
-        engine.submit(list(range(100, 110)), SamplingParams(max_tokens=4), None, lambda k, o: None)
+        engine.submit(GenerationRequest(list(range(100, 110)), SamplingParams(max_tokens=4)), lambda k, o: None)
     assert e.value.retry_after >= 1 and len(ok) == 2
 
 
@@ -177,7 +181,7 @@ def test_request_timeout_fails_the_request_and_frees_its_kv(llm):
 
     engine.start(warmup=False)
     try:
-        engine.submit(list(range(100, 140)), SamplingParams(max_tokens=4000, ignore_eos=True), None, emit)
+        engine.submit(GenerationRequest(list(range(100, 140)), SamplingParams(max_tokens=4000, ignore_eos=True)), emit)
         assert done.wait(600)  # a hang guard: a cold numba cache compiles first
     finally:
         engine.stop()

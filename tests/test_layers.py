@@ -17,9 +17,10 @@ from pathlib import Path
 # Bottom to top. A module may import modules of its own tier or below, never above.
 # "pkg.*" is the package pkg and every module in it.
 TIERS = [
-    # 0: definitions everything shares: errors, model config, option objects; the process's
-    #    memory as the OS sees it (madvise, heap trim, the compiler's pages)
-    ("sparrow.errors", "sparrow.config", "sparrow.params", "sparrow.version", "sparrow.memory"),
+    # 0: definitions everything shares: errors, model config, option objects and the request that
+    #    carries them to the engine; the process's memory as the OS sees it (madvise, heap trim,
+    #    the compiler's pages)
+    ("sparrow.errors", "sparrow.config", "sparrow.params", "sparrow.request", "sparrow.version", "sparrow.memory"),
     # 1: leaf machinery on plain arrays and files: numba kernels, weight storage (its formats
     #    are the kernels' format table), checkpoint readers (which build the tokenizer),
     #    tokenizer and chat template, structured output (tool specs, llguidance grammars and

@@ -4,6 +4,8 @@ requests with non-token inputs are never matched on token ids alone."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from test_kv_budget import Recording, solo
@@ -11,6 +13,7 @@ from test_kv_budget import Recording, solo
 from sparrow.engine.engine import Engine
 from sparrow.engine.runner import Runner
 from sparrow.params import SamplingParams, SparseParams
+from sparrow.request import GenerationRequest
 from sparrow.server.metrics import Metrics
 from sparrow.state.budget import KVPool
 from sparrow.state.cache import KVCache
@@ -137,7 +140,7 @@ def _submit_many(engine, prompts, params, sparse=None):
             if out.finish_reason:
                 ev.set()
 
-        engine.submit(ids, params, sparse, emit)
+        engine.submit(GenerationRequest(ids, params, sparse), emit)
     assert all(ev.wait(300) for ev in done)
     return [(toks, cached[0]) for toks, cached in got]
 
@@ -155,13 +158,13 @@ def test_the_prefix_cache_holds_a_request_when_its_last_token_arrives(llm):
     held = []
     submit = engine.submit
 
-    def watching(ids, params, sparse, emit, **kw):
+    def watching(request, emit):
         def on_token(kind, out):
             if kind == "token" and out.finish_reason:
                 held.append(len(engine.prefix))
             emit(kind, out)
 
-        return submit(ids, params, sparse, on_token, **kw)
+        return submit(request, on_token)
 
     engine.submit = watching
     engine.start(warmup=False)
@@ -228,7 +231,7 @@ def test_opted_out_requests_are_not_matched(llm):
     ids = np.random.default_rng(5).integers(100, 40000, 40).tolist()
     engine = Engine(llm, runner=Runner(llm.model, CHUNK), kv_budget=1 << 28)
     submit = engine.submit
-    engine.submit = lambda *a, **kw: submit(*a, **kw, cacheable=False)  # as a request with unsalted images
+    engine.submit = lambda request, emit: submit(replace(request, cacheable=False), emit)  # as unsalted images
     engine.start(warmup=False)
     try:
         (out,), _ = _submit_one(engine, ids, _params(1, 2), None)

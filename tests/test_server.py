@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from sparrow.engine.runner import decode_groups
+from sparrow.request import GenerationRequest
 from sparrow.server.metrics import parse_prometheus
 from sparrow.server.protocol import APIError, ReasoningSplitter, parse_chat, parse_completion, starts_in_reasoning
 
@@ -457,7 +458,7 @@ def test_engine_batches_match_solo(ref, monkeypatch):
 
     engine = Engine(ref, max_batch=16)
     for i, p in enumerate(prompts):
-        engine.submit(p, SamplingParams(max_tokens=6, temperature=0.9, seed=i), None, emitter(i))
+        engine.submit(GenerationRequest(p, SamplingParams(max_tokens=6, temperature=0.9, seed=i)), emitter(i))
     engine.start(warmup=False)
     try:
         for _ in prompts:

@@ -23,6 +23,7 @@ from sparrow.errors import SparrowError
 from sparrow.loaders import default_model_path
 from sparrow.models.decoder import Segment
 from sparrow.params import SamplingParams, SparseParams, SpeculativeParams
+from sparrow.request import GenerationRequest
 
 TEXT = (
     "The committee met on Tuesday to review the budget. It agreed that the library would stay open "
@@ -421,7 +422,7 @@ def _engine_run(engine, jobs, timeout=600):
     engine.start(warmup=False)
     try:
         for i, (ids, params, spec, kv) in enumerate(jobs):
-            engine.submit(ids, params, None, emit_for(i), kv, speculative=spec)
+            engine.submit(GenerationRequest(ids, params, None, spec, kv), emit_for(i))
         for _ in jobs:
             assert done.acquire(timeout=timeout), "the engine stalled"
     finally:
@@ -475,13 +476,13 @@ def _metrics_at_last_token(llm, spec):
     engine = Engine(llm, metrics=metrics, kv_budget=1 << 28)
     submit = engine.submit
 
-    def watching(ids, params, sparse, emit, *a, **kw):
+    def watching(request, emit):
         def on_token(kind, out):
             if kind == "token" and out.finish_reason:
                 seen.append(metrics.snapshot())
             emit(kind, out)
 
-        return submit(ids, params, sparse, on_token, *a, **kw)
+        return submit(request, on_token)
 
     engine.submit = watching
     (outs,) = _engine_run(engine, [(_prompt(llm, 1), SamplingParams(max_tokens=24, ignore_eos=True), spec, "f32")])

@@ -13,6 +13,7 @@ from sparrow.engine.engine import Engine
 from sparrow.engine.warmup import PATHS, SERVER_PATHS, warm
 from sparrow.errors import SparrowError
 from sparrow.params import SamplingParams, SparseParams
+from sparrow.request import GenerationRequest
 
 WARM = True
 
@@ -44,7 +45,7 @@ def _run_together(eng, group):
         return f
 
     for i, (ids, sp, *trace) in enumerate(group):
-        eng.submit(ids, SamplingParams(max_tokens=4), sp, emit(i), trace=bool(trace))
+        eng.submit(GenerationRequest(ids, SamplingParams(max_tokens=4), sp, trace=bool(trace)), emit(i))
     assert all(d.wait(600) for d in done) and not errors, errors
 
 

@@ -28,6 +28,7 @@ import numpy as np
 from ..errors import SparrowError
 from ..kernels.runtime import set_threads
 from ..params import SamplingParams, SparseParams, SpeculativeParams
+from ..request import GenerationRequest
 from ..state.manager import KVManager
 from .runner import Runner
 from .sampling import prompt_logprobs
@@ -42,38 +43,70 @@ _ids = itertools.count(1)
 
 @dataclass
 class Request:
-    """One generation in the engine; the caller keeps it to cancel."""
+    """One choice of a generation in the engine; the caller keeps choice 0's to cancel them all.
+    Its settings are `request`'s (sparrow/request.py); what changes per choice (the seed, the
+    grammar state, speculation turned off for want of KV) and the engine's bookkeeping are here."""
 
-    prompt_ids: list[int]
-    params: SamplingParams
-    sparse: SparseParams | None
+    request: GenerationRequest
     emit: Callable[[str, object], None]  # ("token", StepOutput) | ("error", message)
-    kv_dtype: str | None = None  # None: the model's default
+    params: SamplingParams  # request.sampling, with choice i's seed
     constraint: object | None = None  # structured output: the grammar state Sequence applies (see sequence.py)
-    deadline: float | None = None  # time.monotonic() past which it fails with a timeout
-    # Prefix-cache hook for inputs that are not token ids (images): a salt naming them (e.g. a hash
-    # of their bytes) so only requests with the same inputs share KV; cacheable=False opts out.
-    cache_salt: str | None = None
-    cacheable: bool = True
-    images: list | None = None  # the prompt's preprocessed images (vision.preprocess.PixelImage)
     speculative: SpeculativeParams | None = None  # None: plain decoding
+    deadline: float | None = None  # time.monotonic() past which it fails with a timeout
     spec: Speculator | None = None  # its drafter and counts, made at its first decode step
-    trace: bool = False  # sparse decode: each output carries its step's block selections (StepOutput.trace)
     id: int = field(default_factory=lambda: next(_ids))
     seq: Sequence | None = None
     cancelled: bool = False  # set by the client side; the engine drops it before its next step
     timed_out: bool = False
     finished: bool = False
     cached_tokens: int = 0  # prompt positions whose KV came from the prefix cache
-    # n choices of one prompt: this request is choice 0 and prefills the prompt once; after the
-    # prefill it forks choices 1..n-1 (their own Requests, in `family`) from its KV (_fork).
-    n: int = 1
+    # n choices of one prompt: choice 0 prefills the prompt once; after the prefill it forks
+    # choices 1..n-1 (their own Requests, in `family`) from its KV (_fork).
     index: int = 0
-    fork_constraints: list | None = None  # the grammar states of choices 1..n-1
     family: list = field(default_factory=list)  # every choice's Request, this one first
-    prompt_logprobs: int | None = None  # report each prompt token's logprob (with this many alternatives)
-    score_only: bool = False  # generate nothing: prefill (for prompt_logprobs) and finish
     scored: list = field(default_factory=list)  # prompt logprobs so far (StepOutput.prompt_logprobs)
+
+    # the request's settings, as the KV manager (state/manager.py) and the scheduler read them
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_ids
+
+    @property
+    def sparse(self) -> SparseParams | None:
+        return self.request.sparse
+
+    @property
+    def kv_dtype(self) -> str | None:
+        return self.request.kv_dtype
+
+    @property
+    def images(self) -> list | None:
+        return self.request.images or None
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.request.cache_salt
+
+    @property
+    def cacheable(self) -> bool:
+        return self.request.cacheable
+
+    # choice 0's alone: it forks the others, and the prompt is scored and traced once
+    @property
+    def n(self) -> int:
+        return self.request.n if self.index == 0 else 1
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return self.request.prompt_logprobs if self.index == 0 else None
+
+    @property
+    def score_only(self) -> bool:
+        return self.request.score_only and self.index == 0
+
+    @property
+    def trace(self) -> bool:
+        return self.request.traced and self.index == 0
 
 
 class EngineBusy(SparrowError):
@@ -146,55 +179,30 @@ class Engine:
         )
         self._thread.start()
 
-    def submit(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        sparse: SparseParams | None,
-        emit: Callable[[str, object], None],
-        kv_dtype: str | None = None,
-        constraint=None,
-        *,
-        timeout: float | None = None,
-        cache_salt: str | None = None,
-        cacheable: bool = True,
-        images: list | None = None,
-        n: int = 1,
-        prompt_logprobs: int | None = None,
-        score_only: bool = False,
-        speculative: SpeculativeParams | None = None,
-        trace: bool = False,
-    ) -> Request:
-        """Queues a request. Raises EngineBusy when the queue is full or the engine is draining,
+    def submit(self, request: GenerationRequest, emit: Callable[[str, object], None]) -> Request:
+        """Queues a request; its outputs leave through emit(kind, payload), called on the engine
+        thread. Raises EngineBusy when the queue is full or the engine is draining,
         SparrowError when prompt + max_tokens cannot fit in the whole KV budget.
 
         n: choices of the prompt, sharing its prefill; each choice's outputs carry its `index`.
         Choice i samples with seed + i (vLLM's rule): each choice is the answer a request of
-        n=1 with that seed gets. constraint: with n > 1, a list of n grammar states (or None).
-        The queue limit counts the n choices as n requests. prompt_logprobs: the first output
-        carries each prompt token's logprob with that many alternatives (the prefix cache is not
-        used for such a prompt: every position's logits are needed). score_only: nothing is
-        generated; one output per choice, finish_reason "length", no token. trace: with sparse,
-        each decoded output carries the blocks its step read (StepOutput.trace: a
-        models.attention.Selections step; same bits)."""
-        self.kv.check_fits(len(prompt_ids), params.max_tokens, kv_dtype, sparse, speculative)
+        n=1 with that seed gets. The queue limit counts the n choices as n requests.
+        prompt_logprobs: the first output carries each prompt token's logprob with that many
+        alternatives (the prefix cache is not used for such a prompt: every position's logits
+        are needed). score_only: nothing is generated; one output per choice, finish_reason
+        "length", no token. trace: with sparse, each decoded output carries the blocks its step
+        read (StepOutput.trace: a models.attention.Selections step; same bits)."""
+        r, n = request, request.n
+        self.kv.check_fits(len(r.prompt_ids), r.sampling.max_tokens, r.kv_dtype, r.sparse, r.speculative)
         if self.max_queue is not None and n > self.max_queue:
             e = SparrowError(f"n={n} choices exceed the server's queue limit of {self.max_queue} (--max-queue)")
             e.param = "n"
             raise e
-        timeout = timeout if timeout is not None else self.timeout
+        timeout = r.timeout if r.timeout is not None else self.timeout
         deadline = time.monotonic() + timeout if timeout else None
-        constraints = constraint if n > 1 else [constraint]
-        if constraints is None:
-            constraints = [None] * n
-        if len(constraints) != n:
-            raise ValueError(f"{n} choices but {len(constraints)} grammar states")
-        req = Request(list(prompt_ids), params, sparse, emit, kv_dtype, constraints[0], deadline, cache_salt, cacheable)
-        req.images = images or None
-        req.n, req.fork_constraints, req.family = n, constraints[1:], [req]
-        req.prompt_logprobs, req.score_only = prompt_logprobs, score_only
-        req.speculative = speculative
-        req.trace = bool(trace and sparse is not None)
+        constraint = r.constraints[0] if r.constraints is not None else None
+        req = Request(r, emit, r.sampling, constraint, r.speculative, deadline)
+        req.family = [req]
         with self._cv:
             if self._draining or self._stop:
                 raise EngineBusy("the server is shutting down", retry_after=5)
@@ -415,21 +423,10 @@ class Engine:
         waiting = 0
         for i in range(1, req.n):
             seed = None if req.params.seed is None else (req.params.seed + i) % 2**64
-            child = Request(
-                req.prompt_ids,
-                replace(req.params, seed=seed),
-                req.sparse,
-                req.emit,
-                req.kv_dtype,
-                req.fork_constraints[i - 1],
-                req.deadline,
-                req.cache_salt,
-                req.cacheable,
-                images=req.images,
-                index=i,
-                family=req.family,
-                speculative=req.speculative,
-            )
+            constraint = req.request.constraints[i] if req.request.constraints is not None else None
+            params = replace(req.params, seed=seed)
+            child = Request(req.request, req.emit, params, constraint, req.speculative, req.deadline, index=i)
+            child.family = req.family
             req.family.append(child)
             child.cancelled = req.cancelled  # after joining the family: cancel() sees it or this does
             child.seq = req.seq.fork(self.llm.tokenizer, child.params, child.constraint, None)

@@ -30,6 +30,7 @@ from ..engine.engine import Engine, EngineBusy
 from ..engine.sequence import check_context
 from ..errors import ContextLengthError, SparrowError
 from ..params import SpeculativeParams
+from ..request import GenerationRequest, speculative_from_flags, speculative_params
 from ..state.budget import format_size, parse_size
 from ..state.disk import prepare_folder
 from ..state.prefix import check_disk_setting, prefix_key
@@ -572,28 +573,16 @@ def create_app(state: ServerState) -> FastAPI:
         return {"object": "cache.cleared", "entries": entries, "files": files}
 
     def _speculative(req) -> SpeculativeParams | None:
-        """The request's speculative settings: its own options over the server's default. A
-        spec_* setting the method does not use is ignored, as sparse_k is without sparse_attn."""
-        o, default = req.speculative, state.speculative
-        if o is None:
-            return default
-        method = o["speculative"] or (default.method if default is not None else None)
-        if method in (None, "none"):
-            return None
-        if method == "draft" and state.draft_model is None:
-            raise APIError(
-                400, "this server has no draft model (start it with --draft-model PATH)", param="speculative"
-            )
-        base = default if default is not None and default.method == method else None
-        sparse = base.sparse if base is not None else None
+        """The request's speculative settings: its own options over the server's default
+        (request.speculative_params)."""
+        o = req.speculative
         try:
-            return SpeculativeParams.from_options(
-                method,
-                o.get("spec_tokens", base.tokens if base else 4),
-                o.get("spec_ngram", base.ngram if base else 3),
-                state.draft_model if method == "draft" else None,
-                o.get("spec_sparse_k", sparse.k if sparse else None) if method == "sparse" else None,
-                o.get("spec_sparse_select", sparse.select if sparse else None) if method == "sparse" else None,
+            return speculative_params(
+                None if o is None else o["speculative"],
+                None if o is None else {k: v for k, v in o.items() if k != "speculative"},
+                default=state.speculative,
+                draft_model=state.draft_model,
+                lenient=True,
             )
         except SparrowError as e:
             raise APIError(400, str(e), param="speculative") from None
@@ -617,23 +606,21 @@ def create_app(state: ServerState) -> FastAPI:
         spec = None if req.sparse_trace else _speculative(req)
         try:
             for p, (ids, sampling) in enumerate(zip(prompts, params)):
-                handles.append(
-                    state.engine.submit(
-                        ids,
-                        sampling,
-                        req.sparse,
-                        emitter(p),
-                        req.kv_dtype,
-                        constraints if constraints is None or req.n > 1 else constraints[0],
-                        images=images,
-                        cache_salt=salt,
-                        n=req.n,
-                        prompt_logprobs=top if scoring else None,
-                        score_only=req.max_tokens == 0,
-                        speculative=spec,
-                        trace=req.sparse_trace,
-                    )
+                request = GenerationRequest(
+                    ids,
+                    sampling,
+                    req.sparse,
+                    spec,
+                    req.kv_dtype,
+                    constraints,
+                    images,
+                    n=req.n,
+                    prompt_logprobs=top if scoring else None,
+                    score_only=req.max_tokens == 0,
+                    trace=req.sparse_trace,
+                    cache_salt=salt,
                 )
+                handles.append(state.engine.submit(request, emitter(p)))
         except EngineBusy as e:  # OpenAI clients retry a 503 after Retry-After
             for h in handles:
                 state.engine.cancel(h)
@@ -774,29 +761,11 @@ def state_from_args(args) -> ServerState:
         special_tokens_in_content=getattr(args, "allow_special_tokens_in_content", False),
         body_timeout=_limit(getattr(args, "body_timeout", BODY_TIMEOUT)),
         prompt_cache=getattr(args, "prompt_cache", None),
-        speculative=_default_speculative(args),
+        speculative=speculative_from_flags(args, serve=True),
         draft_model=getattr(args, "draft_model", None),
         prompt_cache_size=parse_size(size, "--prompt-cache-size")
         if (size := getattr(args, "prompt_cache_size", None))
         else None,
-    )
-
-
-def _default_speculative(args) -> SpeculativeParams | None:
-    """`sparrow serve --speculative ...`: the default of requests that do not say. The
-    --draft-model is loaded whatever the default, for requests that ask for 'draft'."""
-    method = getattr(args, "speculative", None)
-    return (
-        SpeculativeParams.from_options(
-            method,
-            args.spec_tokens,
-            args.spec_ngram,
-            args.draft_model if method == "draft" else None,
-            args.spec_sparse_k,
-            args.spec_sparse_select,
-        )
-        if method is not None
-        else None
     )
 
 
