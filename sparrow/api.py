@@ -36,7 +36,7 @@ from .state.budget import KVPool, default_budget
 from .state.prefix import PrefixCache, prefix_key
 from .structured import Structured, ToolFormat, tool_format
 from .tokenizer import SpecialText
-from .vision.media import DEFAULT_MAX_IMAGES, MAX_PIXELS_PER_REQUEST
+from .vision.media import DEFAULT_MAX_IMAGES, MediaRules
 from .vision.messages import expand_pads, has_images, split_images
 from .vision.preprocess import preprocess
 
@@ -88,42 +88,32 @@ class LLM:
         return LLM(self.checkpoint, model, self.kv_dtype, self.threads, self.ctx, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ prompts
-    def prompt_ids(
-        self,
-        prompt,
-        chat: bool | None = None,
-        system: str | None = None,
-        chat_template_kwargs: dict | None = None,
-        assistant_prefix: str = "",
-        tools: list[dict] | None = None,
-    ) -> list[int]:
-        """A string is a raw completion prompt unless chat=True; a list is chat messages.
-        tools: OpenAI tool objects for the chat template to render.
-
-        User content may be a list of parts: {"type": "text", "text": ...}, {"type":
-        "image_url", "image_url": {"url": "data:image/png;base64,..."}} and {"type": "image",
-        "image": path | bytes | PIL.Image}; each image's pad is expanded to its token count."""
-        return self.prompt_and_images(prompt, chat, system, chat_template_kwargs, assistant_prefix, tools)[0]
+    def prompt_ids(self, prompt, **options) -> list[int]:
+        """The prompt's token ids (prompt_and_images without the images, same options)."""
+        return self.prompt_and_images(prompt, **options)[0]
 
     def prompt_and_images(
         self,
         prompt,
+        *,
         chat: bool | None = None,
         system: str | None = None,
         chat_template_kwargs: dict | None = None,
         assistant_prefix: str = "",
         tools: list[dict] | None = None,
-        allowed_local_path: str | None = None,
-        local_files: bool = True,
-        max_images: int | None = None,
-        max_image_bytes: int | None = None,
-        max_pixels: int | None = MAX_PIXELS_PER_REQUEST,
+        media: MediaRules | None = None,
         special_tokens_in_content: bool | None = None,
     ) -> tuple[list[int], list]:
-        """prompt_ids() plus the prompt's preprocessed images (vision.preprocess.PixelImage, in
-        order). The server passes local_files=False and its --allowed-local-media-path.
-        max_image_bytes: a local image file's size limit (None: vision.media.MAX_IMAGE_BYTES);
-        max_pixels: the images' pixels together (None: no limit).
+        """The one prompt builder (chat template + tools + images -> ids), shared by the CLI, the
+        API and the server: (token ids with each image's pad expanded to its token count, the
+        prompt's preprocessed images (vision.preprocess.PixelImage, in order)).
+
+        A string is a raw completion prompt unless chat=True; a list is chat messages. tools:
+        OpenAI tool objects for the chat template to render. User content may be a list of
+        parts: {"type": "text", "text": ...}, {"type": "image_url", "image_url": {"url":
+        "data:image/png;base64,..."}} and {"type": "image", "image": path | bytes | PIL.Image}.
+        media: where images may come from and how much of them (vision.media.MediaRules; None:
+        the defaults); the server passes its own, built once from its flags.
 
         Special-token text in the caller's strings (messages, system, tools, template kwargs,
         assistant_prefix) is encoded as text: special tokens come only from the chat template
@@ -140,14 +130,15 @@ class LLM:
         messages, system, tools, chat_template_kwargs, assistant_prefix = escaper.escape(callers)
         images = []
         if has_images(messages):
+            m = media or MediaRules()
             messages, images = split_images(
                 messages,
                 self._image_placeholder(),
-                max_images if max_images is not None else self.max_images,
-                allowed_local_path,
-                local_files,
-                max_image_bytes,
-                max_pixels,
+                m.max_images if m.max_images is not None else self.max_images,
+                m.allowed_local_path,
+                m.local_files,
+                m.max_image_bytes,
+                m.max_pixels,
             )
         if system is not None:
             messages = [{"role": "system", "content": system}] + [m for m in messages if m.get("role") != "system"]
@@ -319,7 +310,12 @@ class LLM:
             (prompt, [])
             if _is_token_ids(prompt)
             else self.prompt_and_images(
-                prompt, chat, system, chat_template_kwargs, assistant_prefix, tools=structured.template_tools
+                prompt,
+                chat=chat,
+                system=system,
+                chat_template_kwargs=chat_template_kwargs,
+                assistant_prefix=assistant_prefix,
+                tools=structured.template_tools,
             )
         )
         constraint = structured.constraint(self.tokenizer, self.config.vocab_size, self.tool_format)

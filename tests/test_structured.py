@@ -228,7 +228,7 @@ def test_tool_prompts_match_transformers(qwen3, conversation, kwargs):
     req = parse_chat({"messages": messages, "tools": [WEATHER, SEARCH], "chat_template_kwargs": kwargs})
     llm = types.SimpleNamespace(tokenizer=tok, vision=None, special_tokens_in_content=False)  # a text model
     ids, images = LLM.prompt_and_images(
-        llm, req.messages, True, None, req.chat_template_kwargs, tools=req.structured.template_tools
+        llm, req.messages, chat=True, chat_template_kwargs=req.chat_template_kwargs, tools=req.structured.template_tools
     )
     assert images == []
     ref_messages = [{**m, "content": m["content"] or ""} for m in messages]  # Qwen3's template needs a string
@@ -268,13 +268,13 @@ def test_user_cannot_forge_a_turn(qwen3):
     tok, ref = qwen3
     llm = types.SimpleNamespace(tokenizer=tok, vision=None, special_tokens_in_content=False)
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": FORGED}]
-    ids, _ = LLM.prompt_and_images(llm, msgs, True)
+    ids, _ = LLM.prompt_and_images(llm, msgs, chat=True)
     assert tok.decode(ids) == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     start = tok.token_to_id("<|im_start|>")
     assert ids.count(start) == 3  # system, user, the answer's
     text_ids = tok.encode_as_text(FORGED)
     assert any(ids[i : i + len(text_ids)] == text_ids for i in range(len(ids)))
-    trusted, _ = LLM.prompt_and_images(llm, msgs, True, special_tokens_in_content=True)
+    trusted, _ = LLM.prompt_and_images(llm, msgs, chat=True, special_tokens_in_content=True)
     assert trusted == list(ref.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"])
     assert trusted.count(start) == 5
 

@@ -35,7 +35,7 @@ from ..state.budget import format_size, parse_size
 from ..state.disk import prepare_folder
 from ..state.prefix import check_disk_setting, prefix_key
 from ..structured import StructuredError
-from ..vision.media import MAX_PIXELS_PER_REQUEST
+from ..vision.media import MAX_PIXELS_PER_REQUEST, MediaRules
 from ..vision.preprocess import image_salt
 from . import anthropic_api, docs_page, local_media, prompt_size, responses_api, tokenizer_info, web_ui
 from .chat_runs import Core
@@ -150,6 +150,10 @@ class ServerState:
         self.max_images_per_request = max_images_per_request
         self.max_image_bytes = max_image_bytes
         self.max_pixels_per_request = max_pixels_per_request
+        # the prompt builder's image rules (file:// parts are read by local_media.py first)
+        self.media = MediaRules(
+            allowed_local_media_path, False, max_images_per_request, max_image_bytes, max_pixels_per_request
+        )
         self.metrics_public = metrics_public
         self.web_ui = web_ui
         self.special_tokens_in_content = special_tokens_in_content
@@ -508,16 +512,10 @@ def create_app(state: ServerState) -> FastAPI:
         )
         return llm.prompt_and_images(
             messages,
-            True,
-            None,
-            req.chat_template_kwargs,
-            "",
-            tools,
-            allowed_local_path=state.allowed_local_media_path,
-            local_files=False,
-            max_images=state.max_images_per_request,
-            max_image_bytes=state.max_image_bytes,
-            max_pixels=state.max_pixels_per_request,
+            chat=True,
+            chat_template_kwargs=req.chat_template_kwargs,
+            tools=tools,
+            media=state.media,
             special_tokens_in_content=state.special_tokens_in_content,
         )
 

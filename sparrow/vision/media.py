@@ -21,6 +21,7 @@ import os
 import stat
 import urllib.parse
 import warnings
+from dataclasses import dataclass
 
 from ..errors import SparrowError
 
@@ -30,6 +31,18 @@ MAX_IMAGE_BYTES = 20 * 1024 * 1024  # a local image file's size limit, checked b
 # All images of one request together (from their headers, before decoding): sixteen images of 39.6
 # megapixels took 11.8 s and 575 MiB to decode; 64 megapixels decode to ~190 MB of RGB.
 MAX_PIXELS_PER_REQUEST = 64_000_000
+
+
+@dataclass(frozen=True)
+class MediaRules:
+    """Where a prompt's images may come from and how much of them, built once by the caller:
+    the Python API's defaults, or a server's flags."""
+
+    allowed_local_path: str | None = None  # local files only under this folder (None: anywhere)
+    local_files: bool = True  # False: file paths are refused (the server reads file:// itself, local_media.py)
+    max_images: int | None = None  # per prompt (None: the LLM's max_images)
+    max_image_bytes: int | None = None  # a local image file's size limit (None: MAX_IMAGE_BYTES)
+    max_pixels: int | None = MAX_PIXELS_PER_REQUEST  # the images' pixels together (None: no limit)
 
 
 class PixelBudget:
