@@ -9,6 +9,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import numpy as np
+
+from ..models.decoder import Segment
+from ..models.step import FUSED, choose
 from ..models.timing import Timer, timed
 from .runner import Runner
 from .sequence import Sequence, StepOutput
@@ -63,8 +67,9 @@ def generate_step(runner: Runner, seq: Sequence, timings: bool = False, spec=Non
 
 
 def _runs_fused(model, slot) -> bool:
-    """Whether a decode step of slot alone takes the fused path (Decoder.forward's rule)."""
-    return hasattr(model, "fuses") and model.fuses(slot.trace)
+    """Whether a decode step of slot alone takes the fused path (models.step.choose decides)."""
+    row = Segment(np.zeros(1, np.int64), slot.cache, slot.cache.length, slot.sparse, decode=True, trace=slot.trace)
+    return choose(model, [row]) == FUSED
 
 
 def _split(timer: Timer) -> dict:

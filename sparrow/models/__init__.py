@@ -5,11 +5,19 @@ from __future__ import annotations
 
 from ..errors import SparrowError
 from .decoder import Decoder
+from .step import fused_switch
 
 
 def build_model(ckpt, quantize: str | None = None, progress: bool = False, activations: str = "f32") -> Decoder:
     """The checkpoint's model, its weights prepared for activations mode `activations`
-    (kernels.linear.ACTIVATIONS; fixed for the model's life)."""
+    (kernels.linear.ACTIVATIONS; fixed for the model's life). SPARROW_FUSED=0 builds it with
+    the fused decode step off (models.step.fused_switch)."""
+    model = _build(ckpt, quantize, progress, activations)
+    model.use_fused = model.use_fused and fused_switch()
+    return model
+
+
+def _build(ckpt, quantize, progress, activations) -> Decoder:
     cfg = ckpt.config
     bar = None
     if progress:

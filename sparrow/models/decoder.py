@@ -8,7 +8,6 @@ at once; attention runs per segment against that sequence's KV cache.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +24,7 @@ from .attention import Selections, decode_attention, prefill_attention, verify_a
 from .fused import FusedDecode
 from .layers import MLP, FusedLinear, rms_norm
 from .rope import RowRope, model_rope
+from .step import BACKOFF, FUSED, FUSED_BATCH, choose
 
 
 @dataclass
@@ -205,8 +205,9 @@ class Decoder:
         self._lookup_only = self.lm_head is not self.embed and advise_mapped_pages(self.embed.data, MADV_RANDOM)
         self.rope = model_rope(cfg)
         # The fused decode step (models/fused.py), planned at the first decode; use_fused=False
-        # (or SPARROW_FUSED=0) keeps every forward on the staged path, e.g. to time its stages.
-        self.use_fused = os.environ.get("SPARROW_FUSED", "1") != "0"
+        # keeps every forward on the staged path (models.build_model sets it from SPARROW_FUSED;
+        # models.step.choose reads it).
+        self.use_fused = True
         self._fused: FusedDecode | None | bool = False  # False: not planned yet
         # Verification rows of one sequence attend in one pass over its K/V (_verify_run);
         # False attends them one by one, as decode steps would, on the staged path (the
@@ -230,18 +231,9 @@ class Decoder:
             advise_mapped_pages(self.embed.data, MADV_DONTNEED)
         return x
 
-    def fuses(self, trace) -> bool:
-        """Whether a decode step with this trace (Segment.trace; None for verification's and a
-        batch's rows) takes the fused path: not for per-head records with their mass (a list),
-        and not while it backs off after contention (models/fused.py)."""
-        return (
-            not isinstance(trace, list)
-            and self.use_fused
-            and self.fused_step() is not None
-            and self._fused.backoff == 0
-        )
-
     def fused_step(self) -> FusedDecode | None:
+        """The model's fused decode step, planned once (FusedDecode.plan decides whether the
+        model can fuse at all: None where it cannot; a family with no fused step returns None)."""
         if self._fused is False:
             self._fused = FusedDecode.plan(self)
         return self._fused
@@ -257,26 +249,17 @@ class Decoder:
         the bits the forward without all_logits gives: the head's summation order depends on
         how many rows it takes).
 
-        The stages are methods so that models.timing can time them from outside. A single
-        sequence's decode step, or the decode rows of one or several sequences (verification's
-        rows included; FusedDecode.batches says which) runs fused instead when the model allows it
-        (same bits)."""
-        if len(segments) == 1 and segments[0].decode and not all_logits:
-            if self.fuses(segments[0].trace):
-                return self._fused(segments[0])  # [1, V]
-            if self._backing_off():
-                return self._fused.staged_step(self._staged, segments)  # [1, V], timed
-        elif not all_logits and self.use_fused and self.fused_step() is not None and self._fused.batches(segments):
-            # [R, V]: decode rows of several sequences, or one sequence's verification rows
-            if self.fuses(None):
-                return self._fused.batch(segments)
-            if self._backing_off():
-                return self._fused.staged_step(self._staged, segments)  # timed
+        A single sequence's decode step, or the decode rows of one or several sequences
+        (verification's rows included) runs fused instead when the model allows it (same bits):
+        models.step.choose decides."""
+        path = choose(self, segments, all_logits)
+        if path == FUSED:
+            return self._fused(segments[0])  # [1, V]
+        if path == FUSED_BATCH:  # [R, V]: decode rows of several sequences, or one sequence's verification rows
+            return self._fused.batch(segments)
+        if path == BACKOFF:  # a step the fused path would take, staged after contention (models/fused.py)
+            return self._fused.staged_step(self._staged, segments)
         return self._staged(segments, all_logits, with_last)
-
-    def _backing_off(self) -> bool:
-        """Whether the fused path's steps run staged for now, after contention (models/fused.py)."""
-        return bool(self._fused) and self._fused.backoff > 0 and self.use_fused
 
     def _staged(self, segments: list[Segment], all_logits: bool = False, with_last: bool = False):
         tokens = np.concatenate([s.tokens for s in segments]).astype(np.int64)  # [N]
