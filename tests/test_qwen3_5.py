@@ -512,3 +512,19 @@ def test_save_prefix_and_load_prefix_carry_the_recurrent_state(models, tmp_path)
     assert got[0].cached_tokens == n
     fresh = sparrow.load(folder, threads=2)
     assert [o.token_id for o in got] == [o.token_id for o in fresh.stream(ids, **params)]
+
+
+def test_timing_reports_every_stage_and_changes_nothing(llms):
+    """The staged forward's stages report to the model's timer (models.timing): the gated
+    attention's projections, its attention, the Gated DeltaNet's mixing (as attention), the
+    MLP and the head; the bits are those of an untimed forward."""
+    from sparrow.models.timing import timed
+
+    llm = llms["dense"]
+    ids = [int(t) for t in PROMPT[:20]]
+    plain = llm.logits(ids)
+    with timed(llm.model) as timer:
+        got = llm.logits(ids)
+    assert got.tobytes() == plain.tobytes() and llm.model.timer is None
+    assert timer.attn > 0 and timer.matmul > 0 and timer.mlp > 0 and timer.total >= timer.matmul + timer.attn
+    assert timer.paths == {"staged": 1}

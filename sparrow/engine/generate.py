@@ -9,10 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-import numpy as np
-
-from ..models.decoder import Segment
-from ..models.step import FUSED, choose
+from ..models.step import FUSED, FUSED_BATCH
 from ..models.timing import Timer, timed
 from .runner import Runner
 from .sequence import Sequence, StepOutput
@@ -28,8 +25,9 @@ def generate_step(runner: Runner, seq: Sequence, timings: bool = False, spec=Non
 
     With timings, the first output's `timing` holds prefill stats and every later output its
     own decode step in ms: {"total", "attn", "mlp"}. A fused decode step (models/fused.py) is
-    one compiled call, so it reports its total only (attn and mlp None); with the fused step
-    off (model.use_fused = False, SPARROW_FUSED=0) every step is split by stage.
+    one compiled call, so it reports its total only (attn and mlp None); a staged one (the fused
+    step off: model.use_fused = False, SPARROW_FUSED=0; or models.step.choose's other reasons)
+    is split by stage, reported through the model's timer (models.timing).
     """
     t0 = time.perf_counter()
     logits = runner.prefill(seq.slot)  # [V]
@@ -51,25 +49,17 @@ def generate_step(runner: Runner, seq: Sequence, timings: bool = False, spec=Non
                 out.speculative = spec.counts
             yield out
     while not seq.done:
-        if timings and _runs_fused(runner.model, seq.slot):
+        if timings:  # each step takes its usual path; a staged one reports its stages
             t0 = time.perf_counter()
-            logits = runner.decode([seq.slot], [seq.last_token])  # [1, V]
-            out = seq.accept(logits[0])
-            out.timing = {"total": (time.perf_counter() - t0) * 1e3, "attn": None, "mlp": None}
-        elif timings:
-            with timed(runner.model) as timer:
+            with timed(runner.model, stages=False) as timer:
                 logits = runner.decode([seq.slot], [seq.last_token])  # [1, V]
+            wall = (time.perf_counter() - t0) * 1e3
             out = seq.accept(logits[0])
-            out.timing = _split(timer)
+            fused = timer.paths.get(FUSED, 0) + timer.paths.get(FUSED_BATCH, 0)
+            out.timing = {"total": wall, "attn": None, "mlp": None} if fused else _split(timer)
         else:
             out = seq.accept(runner.decode([seq.slot], [seq.last_token])[0])
         yield out
-
-
-def _runs_fused(model, slot) -> bool:
-    """Whether a decode step of slot alone takes the fused path (models.step.choose decides)."""
-    row = Segment(np.zeros(1, np.int64), slot.cache, slot.cache.length, slot.sparse, decode=True, trace=slot.trace)
-    return choose(model, [row]) == FUSED
 
 
 def _split(timer: Timer) -> dict:

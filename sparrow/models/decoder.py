@@ -8,6 +8,7 @@ at once; attention runs per segment against that sequence's KV cache.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -213,6 +214,9 @@ class Decoder:
         # False attends them one by one, as decode steps would, on the staged path (the
         # benchmark's old path).
         self.verify_one_pass = True
+        # models.timing.Timer while a forward is timed, else None: each stage checks it once and
+        # reports its seconds (Timer.add)
+        self.timer = None
         release_memory()  # the build's transient arrays (fused and interleaved copies' sources)
 
     # What a model family changes (models/qwen3_5.py): its layers and how its norms store weights.
@@ -253,13 +257,18 @@ class Decoder:
         (verification's rows included) runs fused instead when the model allows it (same bits):
         models.step.choose decides."""
         path = choose(self, segments, all_logits)
+        t0 = time.perf_counter()
         if path == FUSED:
-            return self._fused(segments[0])  # [1, V]
-        if path == FUSED_BATCH:  # [R, V]: decode rows of several sequences, or one sequence's verification rows
-            return self._fused.batch(segments)
-        if path == BACKOFF:  # a step the fused path would take, staged after contention (models/fused.py)
-            return self._fused.staged_step(self._staged, segments)
-        return self._staged(segments, all_logits, with_last)
+            out = self._fused(segments[0])  # [1, V]
+        elif path == FUSED_BATCH:  # [R, V]: decode rows of several sequences, or one sequence's verification rows
+            out = self._fused.batch(segments)
+        elif path == BACKOFF:  # a step the fused path would take, staged after contention (models/fused.py)
+            out = self._fused.staged_step(self._staged, segments)
+        else:
+            out = self._staged(segments, all_logits, with_last)
+        if self.timer is not None:
+            self.timer.forward(path, t0)
+        return out
 
     def _staged(self, segments: list[Segment], all_logits: bool = False, with_last: bool = False):
         tokens = np.concatenate([s.tokens for s in segments]).astype(np.int64)  # [N]
@@ -321,12 +330,19 @@ class Decoder:
                 x[a + v.rows] += v.deepstack[i]
 
     # ------------------------------------------------------------------ stages
+    # Each reports its seconds to self.timer when one is set (models.timing): one check a stage.
     def project_qkv(self, layer: DecoderLayer, h: np.ndarray, positions: np.ndarray, rope=None):
-        """q, k, v with bias, q/k norm and RoPE applied: [N, H, D] [N, KV, D] [N, KV, D]."""
-        return layer.attn.qkv(h, rope or self.rope, positions)
+        """q, k, v with bias, q/k norm and RoPE applied: [N, H, D] [N, KV, D] [N, KV, D] (and,
+        for a layer whose attention is gated, Qwen3.5's, the gate [N, H*D])."""
+        t0 = time.perf_counter()
+        out = layer.attn.qkv(h, rope or self.rope, positions)
+        if self.timer is not None:
+            self.timer.add("project_qkv", t0)
+        return out
 
     def attend(self, layer: DecoderLayer, segments: list[Segment], bounds: np.ndarray, q, k, v) -> np.ndarray:
         """Appends each segment's k, v to its cache and attends its queries over it -> [N, H, D]."""
+        t0 = time.perf_counter()
         out = np.empty_like(q)  # [N, H, D]
         j = 0
         while j < len(segments):
@@ -353,14 +369,28 @@ class Decoder:
                     s.trace.append((layer.index, tr))
             else:
                 out[a:b] = prefill_attention(q[a:b], kv, st, s.start, layer.attn.scale, sp)
+        if self.timer is not None:
+            self.timer.add("attend", t0)
         return out
 
     def project_out(self, layer: DecoderLayer, out: np.ndarray) -> np.ndarray:
-        return linear(out.reshape(len(out), -1), layer.attn.o)  # [N, H*D] -> [N, E]
+        t0 = time.perf_counter()
+        y = linear(out.reshape(len(out), -1), layer.attn.o)  # [N, H*D] -> [N, E]
+        if self.timer is not None:
+            self.timer.add("project_out", t0)
+        return y
 
     def mlp_block(self, layer: DecoderLayer, x: np.ndarray) -> np.ndarray:
-        return layer.mlp(rms_norm(x, layer.post_norm, layer.eps))  # [N, E]
+        t0 = time.perf_counter()
+        y = layer.mlp(rms_norm(x, layer.post_norm, layer.eps))  # [N, E]
+        if self.timer is not None:
+            self.timer.add("mlp_block", t0)
+        return y
 
     def head(self, x: np.ndarray) -> np.ndarray:
+        t0 = time.perf_counter()
         x = rms_norm(x, self.norm, self.config.rms_norm_eps)  # [*, E]
-        return linear(np.ascontiguousarray(x), self.lm_head)  # [*, V]
+        y = linear(np.ascontiguousarray(x), self.lm_head)  # [*, V]
+        if self.timer is not None:
+            self.timer.add("head", t0)
+        return y

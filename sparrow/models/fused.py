@@ -12,8 +12,8 @@ A batch, one decode row of each of several sequences (the server's steps), runs 
 the weights read once for all of them (a MoE layer's routed experts once for the rows they
 serve). Not here: f16/bf16/f32 projections or experts, batches with traced rows (staged),
 sparse traces with each head's softmax mass (a list of records; a trace without it,
-models.attention.Selections, is filled here), and timing (models/timing.py times the staged
-path's stages, which this path does not have).
+models.attention.Selections, is filled here), and timing by stage (a models.timing.Timer
+with stages runs the staged path, whose stages report to it; models.step.choose).
 """
 
 from __future__ import annotations

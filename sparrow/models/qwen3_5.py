@@ -23,6 +23,7 @@ The fused decode step does not know these layers: every step runs the staged for
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
@@ -240,13 +241,16 @@ class Qwen3_5(Decoder):
         x = self.embed_rows(tokens)  # [N, E]
         for layer in self.layers:
             h = rms_norm(x, layer.input_norm, layer.eps)  # [N, E]
-            if layer.full:
-                q, k, v, gate = layer.attn.qkv(h, self.rope, positions)  # [N, H, D] [N, KV, D] x2, [N, H*D]
+            if layer.full:  # the stages report to self.timer (models.timing)
+                q, k, v, gate = self.project_qkv(layer, h, positions)  # [N, H, D] [N, KV, D] x2, [N, H*D]
                 out = self.attend(layer, segments, bounds, q, k, v).reshape(len(x), -1)  # [N, H*D]
                 del q, k, v
-                x += linear(out * sigmoid(gate), layer.attn.o)  # [N, E]
+                x += self.project_out(layer, out * sigmoid(gate))  # [N, E]
             else:
+                t0 = time.perf_counter()
                 x += layer.deltanet(h, segments, bounds, rows)  # [N, E]
+                if self.timer is not None:  # the DeltaNet's mixing counts as attention
+                    self.timer.add("attend", t0)
             del h
             x += self.mlp_block(layer, x)  # [N, E]
         for s in segments:

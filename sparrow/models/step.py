@@ -30,8 +30,9 @@ def choose(model, segments, all_logits: bool = False) -> str:
 
     - STAGED when every position's logits are asked for (all_logits: the fused steps give each
       segment's last row only), when the model's fused step is off (`model.use_fused`: the
-      SPARROW_FUSED switch, or a test or benchmark that wants the staged path), or when the
-      model has no fused step (`model.fused_step()` is None: FusedDecode.plan refused its
+      SPARROW_FUSED switch, or a test or benchmark that wants the staged path), while a timer
+      times the stages (`model.timer`, a models.timing.Timer with stages: the fused step is
+      one call), or when the model has no fused step (`model.fused_step()` is None: FusedDecode.plan refused its
       weights, or its family has none, as Qwen3.5).
     - A single sequence's decode step (one segment, decode): FUSED unless its trace is a list
       (per-head records with their softmax mass, which the fused step does not write; a
@@ -46,6 +47,8 @@ def choose(model, segments, all_logits: bool = False) -> str:
       until FusedDecode.backoff runs out.
     """
     if all_logits or not model.use_fused:
+        return STAGED
+    if model.timer is not None and model.timer.stages:
         return STAGED
     plan = model.fused_step()
     if plan is None:
