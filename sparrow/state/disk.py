@@ -36,7 +36,11 @@ whole size.
 
 Writes happen on a background thread: an entry is queued when the prefix cache takes it (the
 arrays are held until written; the positions it covers are never rewritten, see
-prefix.py) and written off the engine thread, which keeps streaming.
+prefix.py) and written off the engine thread, which keeps streaming. So do the engine's reads
+(read_async): the KV manager (manager.py) finds a hit at admission, a reader thread fills the
+cache the request will own, and the request is admitted when the read is done while the
+running streams keep stepping (reading a 16K-token prompt's file on the engine thread stalled
+every stream for seconds). The Python API's lookups (LLM.stream, load_prefix) read in place.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ import struct
 import threading
 import uuid
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import numpy as np
@@ -149,6 +153,24 @@ class FileEntry:
 
 class EntryError(Exception):
     """A file that cannot be used; the message is the one-line reason that is logged."""
+
+
+class ReadStopped(Exception):
+    """A read given up part-way (PendingRead.stop): the file is fine, nobody wants it now."""
+
+
+@dataclass(eq=False)
+class PendingRead:
+    """A read on DiskCache's reader thread: positions 0..n-1 of `entry` into `cache`.
+    `snapshots` is load's answer (None: the file is gone or damaged) once `done` is set;
+    `stop` gives it up between chunks."""
+
+    entry: FileEntry
+    n: int
+    cache: object
+    snapshots: dict | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    stop: threading.Event = field(default_factory=threading.Event)
 
 
 def _crc_arrays(arrays, crc=0) -> int:
@@ -309,11 +331,11 @@ def read_header(path: str, expect: dict) -> FileEntry:
     return FileEntry(os.path.basename(path), meta["key"], tokens, header, 8 + n)
 
 
-def read_chunks(path: str, entry: FileEntry, n: int, cache) -> dict:
+def read_chunks(path: str, entry: FileEntry, n: int, cache, stop: threading.Event | None = None) -> dict:
     """Reads positions 0..n-1 (n one of the file's snapshot boundaries) of `entry` into `cache`
     (capacity >= n, same dimensions and KV dtype), checking each chunk's CRC; returns the
     importance snapshots {b: [L, b]} for b <= n. EntryError when a chunk is damaged or the file
-    changed."""
+    changed; ReadStopped when `stop` is set before a chunk."""
     meta, header = entry.header["__metadata__"], entry.header
     c = int(meta["chunk"])
     crcs = meta["chunk_crcs"].split(",")
@@ -321,6 +343,8 @@ def read_chunks(path: str, entry: FileEntry, n: int, cache) -> dict:
     try:
         with open(path, "rb") as f:
             for j in range(n // c):
+                if stop is not None and stop.is_set():
+                    raise ReadStopped
                 crc = 0
                 shapes = _shapes(meta, j, entry.bounds, cache.state_parts)
                 for part in ("k", "v", "k_scale", "v_scale", "importance", *cache.state_parts):
@@ -392,6 +416,8 @@ class DiskCache:
         self._skip: dict[str, tuple] = {}  # name -> (size, mtime) of files not ours or damaged
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
+        self._reads: queue.Queue = queue.Queue()  # PendingRead, for the reader thread
+        self._reader: threading.Thread | None = None
         self._writer = threading.Thread(target=self._write_loop, name="sparrow-prompt-cache", daemon=True)
         self._writer.start()
         # The writer is a daemon thread; an entry queued just before exit is written first.
@@ -446,14 +472,16 @@ class DiskCache:
                     best, n_best = e, n
         return best, (n_best if best is not None else 0)
 
-    def load(self, entry: FileEntry, n: int, cache) -> dict | None:
+    def load(self, entry: FileEntry, n: int, cache, stop: threading.Event | None = None) -> dict | None:
         """Reads positions 0..n-1 of entry into cache (capacity >= n) and returns its
-        importance snapshots, or None (logged) if the file is gone or damaged."""
+        importance snapshots, or None if the file is gone or damaged (logged) or `stop` was set."""
         path = self._path(entry.name)
         try:
             if entry.header["__metadata__"].get("kv_dtype") != cache.dtype:
                 raise EntryError(f"holds {entry.header['__metadata__'].get('kv_dtype')} KV, not {cache.dtype}")
-            snapshots = read_chunks(path, entry, n, cache)
+            snapshots = read_chunks(path, entry, n, cache, stop)
+        except ReadStopped:
+            return None
         except EntryError as e:
             self.stats["rejected"] += 1
             log.warning("prompt cache: ignoring %s: %s", entry.name, e)
@@ -469,9 +497,32 @@ class DiskCache:
             os.utime(path)  # least recently used is by mtime
         except OSError:
             pass
-        self.stats["hits"] += 1
-        self.stats["hit_tokens"] += n
+        with self._lock:  # the reader thread's loads and the engine thread's
+            self.stats["hits"] += 1
+            self.stats["hit_tokens"] += n
         return snapshots
+
+    def read_async(self, entry: FileEntry, n: int, cache) -> PendingRead:
+        """Queues load(entry, n, cache) for the reader thread (started on first use)."""
+        read = PendingRead(entry, n, cache)
+        with self._lock:
+            if self._reader is None:
+                self._reader = threading.Thread(target=self._read_loop, name="sparrow-prompt-cache-reader", daemon=True)
+                self._reader.start()
+        self._reads.put(read)
+        return read
+
+    def _read_loop(self) -> None:
+        while True:
+            read = self._reads.get()
+            try:
+                if not read.stop.is_set():
+                    read.snapshots = self.load(read.entry, read.n, read.cache, read.stop)
+            except Exception:  # an unexpected failure costs only the prefill the file would have saved
+                log.exception("prompt cache: reading %s failed", read.entry.name)
+                read.snapshots = None
+            finally:
+                read.done.set()
 
     # ------------------------------------------------------------------ writing
     def save(self, key: str, tokens: np.ndarray, cache, snapshots: dict) -> None:

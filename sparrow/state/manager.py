@@ -7,6 +7,13 @@ a running sequence that cannot grow preempts the newest holder of KV (possibly i
 is freed and, when it is admitted again, its prompt is prefilled in the same chunks and its
 sampled tokens are fed back one decode step each (`Sequence.next_input`), the same forwards
 that made them, so its K/V, logits and tokens are bit-identical to an uninterrupted run.
+
+A prompt whose longest reusable prefix is in the disk cache (disk.py) is read off the engine
+thread: admission finds the file, charges the request's cache, and a reader thread fills it;
+until the read is done the request stays at the head of the queue and admit answers False,
+so the engine decodes the running requests meanwhile (with none running it waits for the
+read). The cache is then the request's, as a prefix-cache entry taken over is (the same bits
+as a fresh prefill: disk.py).
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ class KVManager:
         self.pool.evictor = self.prefix.evict_one
         self.preemptions = 0
         self._templates: dict = {}  # kv dtype -> a 1-position cache that prices capacities
+        self._reads: dict = {}  # request id -> disk.PendingRead of its prefix, its cache charged
 
     def kv_bytes(
         self, positions: int, kv_dtype: str | None = None, sparse: SparseParams | None = None, speculative=None
@@ -78,6 +86,7 @@ class KVManager:
 
     def free(self, req) -> None:
         """Drops req's sequence; its KV goes to the prefix cache (which keeps what it can reuse)."""
+        self._drop_read(req.id)
         seq, req.seq = req.seq, None
         cache = seq.slot.cache if seq is not None else None
         if cache is None:
@@ -102,8 +111,12 @@ class KVManager:
         key = self.key(req)
         # Scoring the prompt needs the logits of every position: none of it may come from the cache.
         scoring = getattr(req, "prompt_logprobs", None) is not None and n_out == 0
+        if not scoring and key is not None and self.prefix.disk is not None and self.prefix.enabled:
+            from_disk = self._from_disk(req, key, capacity)
+            if from_disk is not None:
+                return from_disk
         for use_prefix in (not scoring, False):  # a pinned entry may be what is in the way: retry without it
-            hit = self.prefix.lookup(key, slot.prompt) if use_prefix and key is not None else Hit()
+            hit = self.prefix.lookup(key, slot.prompt, disk=False) if use_prefix and key is not None else Hit()
             live = self._running_prefix(req, key, hit.tokens) if use_prefix and key is not None else None
             if live is not None:  # a running request's prompt reaches further than any entry
                 self.prefix.unpin(hit, False)
@@ -145,6 +158,50 @@ class KVManager:
             if hit.entry is None:
                 return False
         return False
+
+    def _from_disk(self, req, key, capacity: int) -> bool | None:
+        """Admission from the disk cache: True when req's cache holds the prefix read from disk;
+        False while the read runs on the reader thread (with no request running, it waits for
+        it: nothing else would step meanwhile); None when the disk has nothing longer than
+        memory or a running request, no room for the cache, or the read failed (logged): admit
+        as without the disk."""
+        read = self._reads.get(req.id)
+        if read is None:
+            prompt = req.seq.slot.prompt
+            have = self.prefix.longest(key, prompt)
+            live = self._running_prefix(req, key, have)
+            entry, n = self.prefix.disk.best(key, prompt, self.prefix.chunk, live[1] if live is not None else have)
+            if entry is None:
+                return None
+            cache = self.runner.model.new_cache(1, req.kv_dtype or self.llm.kv_dtype)
+            if not self.pool.resize(cache, capacity, _copies(req)):
+                return None
+            read = self._reads[req.id] = self.prefix.disk.read_async(entry, n, cache)
+        if self.scheduler.running and not read.done.is_set():
+            return False
+        read.done.wait()
+        del self._reads[req.id]
+        cache, n, snapshots = read.cache, read.n, read.snapshots
+        if snapshots is None:
+            self.pool.release(cache)
+            return None
+        cache.restore_importance(snapshots[n])  # as a taken entry's (PrefixCache.take)
+        slot = req.seq.slot
+        slot.cache, slot.snapshots = cache, {b: v for b, v in snapshots.items() if b <= n}
+        if not req.seq.output:
+            req.cached_tokens = n
+        st = self.prefix.stats
+        st.lookups, st.hits, st.cached_tokens = st.lookups + 1, st.hits + 1, st.cached_tokens + n
+        return True
+
+    def _drop_read(self, req_id: int) -> bool:
+        """Gives up req's read from disk, if any, and refunds its cache; whether there was one."""
+        read = self._reads.pop(req_id, None)
+        if read is None:
+            return False
+        read.stop.set()  # the reader stops before its next chunk
+        self.pool.release(read.cache)
+        return True
 
     def _running_prefix(self, req, key, longer_than: int):
         """(cache, positions, snapshots) of the running request whose prompt's prefilled K/V
@@ -237,6 +294,8 @@ class KVManager:
                 continue
             ceiling = len(slot.prompt) + r.params.max_tokens
             while not self.pool.grow(slot.cache, slot.cache.length + 1, ceiling, _copies(r)):
+                if self._reads and self._drop_read(next(reversed(self._reads))):
+                    continue  # the head's read from disk first: it reads again when admitted
                 holders = [h for h in self.scheduler.running if h.seq.slot.cache is not None]
                 victim = self.admitted_head() or holders[-1]
                 if victim is r and len(holders) == 1:  # check_fits makes this unreachable

@@ -23,7 +23,8 @@ where the copy is small and the memory saved large.
 
 With a disk cache (disk.py) every entry is also written to disk when it is made, and a
 lookup that finds a longer prefix on disk than in memory loads it as a new entry first: after
-a restart, in another process, or once memory evicted it. Positions an entry covers are never
+a restart, in another process, or once memory evicted it. (The engine's admission reads it
+off the engine thread instead, into the request's own cache: KVManager.) Positions an entry covers are never
 rewritten (a request that takes an entry over only appends past it), which lets the disk
 writer read them on its own thread.
 """
@@ -113,12 +114,14 @@ class PrefixCache:
     def nbytes(self) -> int:
         return sum(getattr(e.cache, "charged", 0) for e in self._entries.values())
 
-    def lookup(self, key: str, prompt: np.ndarray) -> Hit:
+    def lookup(self, key: str, prompt: np.ndarray, disk: bool = True) -> Hit:
         """The entry sharing the longest reusable prefix with prompt, pinned (call unpin after
-        copying). At least one prompt token is always left to run: its logits start decoding."""
+        copying). At least one prompt token is always left to run: its logits start decoding.
+        disk: a longer prefix in the disk cache is read first, on this thread (the engine's
+        admission reads off its thread instead: KVManager, disk.read_async)."""
         if not self.enabled:
             return Hit()
-        if self.disk is not None:
+        if disk and self.disk is not None:
             self._load_from_disk(key, prompt)
         with self._lock:
             best = self._longest(key, prompt)
@@ -126,6 +129,13 @@ class PrefixCache:
                 best.entry.pins += 1
                 self._entries.move_to_end(id(best.entry))
             return best
+
+    def longest(self, key: str, prompt: np.ndarray) -> int:
+        """How many positions of prompt the entries in memory could give (0 when disabled)."""
+        if not self.enabled:
+            return 0
+        with self._lock:
+            return self._longest(key, prompt).tokens
 
     def _longest(self, key, prompt) -> Hit:
         best = Hit()

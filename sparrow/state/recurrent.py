@@ -104,8 +104,10 @@ class HybridCache(KVCache):
         return self.conv, self.ssm
 
     def load_states(self, states: dict, n: int) -> None:
-        """The states read back from a file ({b: (conv, ssm)}), the one at n made live."""
-        self.states = {b: st for b, st in states.items() if b < n}
+        """The states read back from a file ({b: (conv, ssm)}), the one at n made live and
+        kept, as checkpoint() keeps it at a boundary: a request that takes this cache over
+        returns to n when it leaves its prompt to the prefix cache (truncate)."""
+        self.states = {b: st for b, st in states.items() if b <= n}
         self.row_states.clear()
         self.conv[:], self.ssm[:] = states[n]
 
