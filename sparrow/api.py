@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from .engine.generate import generate_step
+from .engine.handle import ModelHandle
 from .engine.runner import Runner
 from .engine.sequence import Sequence, StepOutput
 from .engine.speculative import check_supported, make_speculator
@@ -73,6 +74,14 @@ class LLM:
             check_draft_model(self, draft)
             self._drafts[path] = draft
         return self._drafts[path]
+
+    @property
+    def handle(self) -> ModelHandle:
+        """This model as the engine takes it (engine/handle.py): its runner, tokenizer, context,
+        KV storage, threads, and its draft models."""
+        return ModelHandle(
+            self.runner, self.tokenizer, self.ctx, self.kv_dtype, self.threads, lambda path: self.draft_llm(path).handle
+        )
 
     def with_activations(self, mode: str) -> LLM:
         """This checkpoint as an LLM whose model runs activations mode `mode` (a model's mode is
@@ -352,7 +361,7 @@ class LLM:
             request.images,
         )
         check_supported(seq, speculative)
-        spec = make_speculator(self, self.runner, speculative, seq, kv) if speculative is not None else None
+        spec = make_speculator(self.handle, self.runner, speculative, seq, kv) if speculative is not None else None
         key = prefix_key(kv, sparse, has_images=getattr(seq.slot, "mm", None) is not None)
         cached = self.prefix.seed(key, seq.slot) if key is not None else 0
         try:

@@ -195,7 +195,7 @@ def test_n_limits(server, llm):
     from sparrow.engine.engine import Engine, EngineBusy
     from sparrow.params import SamplingParams
 
-    engine = Engine(llm, max_queue=6)  # not started: submissions stay queued
+    engine = Engine(llm.handle, max_queue=6)  # not started: submissions stay queued
     ids = llm.tokenizer.encode("the heat")
     engine.submit(GenerationRequest(ids, SamplingParams(max_tokens=2), n=4), lambda *a: None)
     with pytest.raises(EngineBusy):
@@ -231,10 +231,10 @@ def test_n_beyond_the_kv_budget_and_batch_still_matches(llm):
 
     from sparrow.server.metrics import Metrics
 
-    roomy, engine = run(Engine(llm, metrics=Metrics()), 5)
+    roomy, engine = run(Engine(llm.handle, metrics=Metrics()), 5)
     assert engine.metrics.prompt_tokens == len(ids)  # one prefill for the 5 choices
     need = engine.kv.kv_bytes(len(ids) + 40)
-    tight, engine = run(Engine(llm, kv_budget=int(2.5 * need), max_batch=2, metrics=Metrics()), 5)
+    tight, engine = run(Engine(llm.handle, kv_budget=int(2.5 * need), max_batch=2, metrics=Metrics()), 5)
     assert tight == roomy and len({tuple(v) for v in roomy.values()}) == 5
     assert engine.pool.peak <= engine.pool.budget
     assert engine.metrics.prompt_tokens >= 4 * len(ids)  # the choices that waited were prefilled again

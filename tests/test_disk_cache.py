@@ -210,7 +210,7 @@ def test_after_a_restart_the_disk_gives_the_fresh_prefill_bits(llm, tmp_path, kv
 
     def run(ids, disk):
         runner = Recording(llm.model, CHUNK)
-        engine = Engine(llm, runner=runner, kv_budget=1 << 28, disk_cache=disk)
+        engine = Engine(llm.handle, runner=runner, kv_budget=1 << 28, disk_cache=disk)
         engine.submit = _with_dtype(engine.submit, kv)
         engine.start(warmup=False)
         try:

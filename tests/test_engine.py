@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from sparrow.engine.engine import Engine
+from sparrow.engine.handle import ModelHandle
 from sparrow.engine.runner import Runner, Slot
 from sparrow.engine.scheduler import Scheduler
 from sparrow.params import SamplingParams
@@ -53,9 +54,7 @@ class StubTokenizer:
 
 
 def _llm(model, ctx=1000, kv="f32"):
-    return SimpleNamespace(
-        runner=Runner(model, prefill_chunk=4), tokenizer=StubTokenizer(), ctx=ctx, kv_dtype=kv, threads=1
-    )
+    return ModelHandle(Runner(model, prefill_chunk=4), StubTokenizer(), ctx, kv, 1)
 
 
 # ---------------------------------------------------------------------- scheduler policy

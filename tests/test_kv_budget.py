@@ -143,7 +143,7 @@ def test_tiny_budget_preempts_and_every_output_equals_its_solo_run(llm):
     jobs = _jobs(llm, 5, 20, 40)  # 60 positions each: one page at admission, two to finish
     runner = Recording(llm.model, 16)
     per_seq = runner.model.new_cache(1).bytes_at(60)
-    engine = Engine(llm, max_batch=8, runner=runner, kv_budget=int(per_seq * 1.6), prefix_cache=False)
+    engine = Engine(llm.handle, max_batch=8, runner=runner, kv_budget=int(per_seq * 1.6), prefix_cache=False)
     outs, errors = run_engine(engine, jobs)
     assert errors == [None] * len(jobs)
     assert engine.preemptions > 0 and runner.repeats > 0  # sequences were preempted and re-ran positions
@@ -157,7 +157,8 @@ def test_tiny_budget_preempts_and_every_output_equals_its_solo_run(llm):
 
 
 def test_requests_larger_than_the_budget_are_refused_and_the_queue_is_bounded(llm):
-    engine = Engine(llm, runner=Runner(llm.model, 16), kv_budget=llm.model.new_cache(1).bytes_at(64), max_queue=2)
+    budget = llm.model.new_cache(1).bytes_at(64)
+    engine = Engine(llm.handle, runner=Runner(llm.model, 16), kv_budget=budget, max_queue=2)
     with pytest.raises(SparrowError, match="KV budget"):
         engine.submit(GenerationRequest(list(range(100, 140)), SamplingParams(max_tokens=30)), lambda k, o: None)
     ok = [
@@ -170,7 +171,7 @@ def test_requests_larger_than_the_budget_are_refused_and_the_queue_is_bounded(ll
 
 
 def test_request_timeout_fails_the_request_and_frees_its_kv(llm):
-    engine = Engine(llm, runner=Runner(llm.model, 16), kv_budget=1 << 28, prefix_cache=False, timeout=0.5)
+    engine = Engine(llm.handle, runner=Runner(llm.model, 16), kv_budget=1 << 28, prefix_cache=False, timeout=0.5)
     got = []
     done = threading.Event()
 

@@ -312,6 +312,30 @@ def test_engine_never_imports_the_lab():
     ]
 
 
+API_NAMES = ("llm", "LLM", "draft_llm")  # the public API's model object and its methods
+
+
+def api_ties(source: str) -> list[int]:
+    """Lines where source names the API's model object (a name, an attribute or an argument):
+    an upward tie no import shows, as when the engine was handed `api.LLM` and called back into it."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        name = getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "arg", None)
+        if name in API_NAMES:
+            found.add(node.lineno)
+    return sorted(found)
+
+
+def test_engine_takes_a_model_handle_not_the_api():
+    """The engine is handed an engine.handle.ModelHandle (runner, tokenizer, context, draft
+    factory), never the public api.LLM: no engine module names it or calls back into it."""
+    engine = {m: path for m, (path, _) in package_modules(ROOT).items() if m.startswith("sparrow.engine.")}
+    ties = [f"{m}:{line}" for m, path in engine.items() for line in api_ties(path.read_text())]
+    assert not ties, "the engine reaches up to the API's LLM:\n  " + "\n  ".join(ties)
+    assert api_ties("def f(llm):\n    return x.draft_llm(p)\n") == [1, 2]  # the check sees a tie
+    assert api_ties('"""an llm in a docstring"""\n') == []
+
+
 def test_bench_without_the_lab_says_how_to_get_it(monkeypatch, capsys):
     """Where sparrow_lab is not importable, `sparrow bench` fails in one line that says how to get it."""
     import sys

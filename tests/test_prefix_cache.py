@@ -90,7 +90,7 @@ def test_second_turn_reuses_kv_and_matches_the_cache_off_bits(llm, sparse):
     rng = np.random.default_rng(3)
     first = rng.integers(100, 40000, 90).tolist()
     runner, metrics = Recording(llm.model, CHUNK), Metrics()
-    engine = Engine(llm, runner=runner, metrics=metrics, kv_budget=1 << 28)
+    engine = Engine(llm.handle, runner=runner, metrics=metrics, kv_budget=1 << 28)
     engine.start(warmup=False)
     try:
         (out1,), _ = _submit_one(engine, first, _params(1), sparse)
@@ -154,7 +154,7 @@ def test_the_prefix_cache_holds_a_request_when_its_last_token_arrives(llm):
     """A client that sends the next turn (or /v1/cache/save that waits for the disk write) right
     after the last token must find the finished prompt's entry already taken."""
     ids = np.random.default_rng(7).integers(100, 40000, 40).tolist()
-    engine = Engine(llm, runner=Runner(llm.model, CHUNK), kv_budget=1 << 28)
+    engine = Engine(llm.handle, runner=Runner(llm.model, CHUNK), kv_budget=1 << 28)
     held = []
     submit = engine.submit
 
@@ -180,7 +180,7 @@ def test_requests_sharing_a_cached_prompt_all_reuse_it(llm):
     budget has room (the first no longer takes it over, leaving the others to prefill it all),
     or the first one's running copy, which reaches as far."""
     ids = np.random.default_rng(11).integers(100, 40000, 90).tolist()
-    engine = Engine(llm, runner=Runner(llm.model, CHUNK), kv_budget=1 << 28)
+    engine = Engine(llm.handle, runner=Runner(llm.model, CHUNK), kv_budget=1 << 28)
     engine.start(warmup=False)
     try:
         (first,), _ = _submit_one(engine, ids, _params(1), None)
@@ -198,7 +198,7 @@ def test_requests_arriving_together_copy_the_first_one_s_prefill(llm):
     rng = np.random.default_rng(13)
     ids = rng.integers(100, 40000, 90).tolist()
     other = ids[:40] + rng.integers(100, 40000, 30).tolist()  # shares two chunks
-    engine = Engine(llm, runner=Runner(llm.model, CHUNK), kv_budget=1 << 28)
+    engine = Engine(llm.handle, runner=Runner(llm.model, CHUNK), kv_budget=1 << 28)
     engine.start(warmup=False)
     try:
         got = _submit_many(engine, [ids, ids, other], _params(1))
@@ -215,7 +215,7 @@ def test_a_budget_holding_one_conversation_serves_its_next_turn(llm):
     rng = np.random.default_rng(12)
     first = rng.integers(100, 40000, 90).tolist()
     budget = llm.model.new_cache(1).bytes_at(160)  # the first's 96 positions, or the second's 125: not both
-    engine = Engine(llm, runner=Runner(llm.model, CHUNK), kv_budget=budget)
+    engine = Engine(llm.handle, runner=Runner(llm.model, CHUNK), kv_budget=budget)
     engine.start(warmup=False)
     try:
         (out1,), _ = _submit_one(engine, first, _params(1), None)
@@ -229,7 +229,7 @@ def test_a_budget_holding_one_conversation_serves_its_next_turn(llm):
 
 def test_opted_out_requests_are_not_matched(llm):
     ids = np.random.default_rng(5).integers(100, 40000, 40).tolist()
-    engine = Engine(llm, runner=Runner(llm.model, CHUNK), kv_budget=1 << 28)
+    engine = Engine(llm.handle, runner=Runner(llm.model, CHUNK), kv_budget=1 << 28)
     submit = engine.submit
     engine.submit = lambda request, emit: submit(replace(request, cacheable=False), emit)  # as unsalted images
     engine.start(warmup=False)

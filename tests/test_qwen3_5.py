@@ -278,7 +278,7 @@ def _run(llm, ids, sampling, sparse=None, spec=None):
     seen = []
     accept = seq.accept
     seq.accept = lambda logits: (seen.append(np.array(logits)), accept(logits))[1]
-    speculator = make_speculator(llm, llm.runner, spec, seq, "f32") if spec is not None else None
+    speculator = make_speculator(llm.handle, llm.runner, spec, seq, "f32") if spec is not None else None
     toks = [o.token_id for o in generate_step(llm.runner, seq, spec=speculator)]
     return toks, np.stack(seen), seq.slot.cache
 
@@ -347,7 +347,7 @@ def test_a_second_request_reuses_the_prefix_cache_with_the_same_bits(llms):
     llm = llms["moe"]
     params = SamplingParams(max_tokens=8, temperature=0.7, seed=1, ignore_eos=True, logprobs=0)
     first = [int(t) for t in PROMPT[:140]]
-    engine = Engine(llm, kv_budget=1 << 28)
+    engine = Engine(llm.handle, kv_budget=1 << 28)
     engine.runner.prefill_chunk = 32
     engine.start(warmup=False)
     try:
@@ -476,7 +476,7 @@ def test_after_a_restart_the_disk_prompt_cache_gives_the_fresh_bits(llms, tmp_pa
     second = first[:100] + [int(t) for t in PROMPT[:17]]
 
     def run(ids, disk):
-        engine = Engine(llm, runner=Runner(llm.model, 32), kv_budget=1 << 28, disk_cache=disk)
+        engine = Engine(llm.handle, runner=Runner(llm.model, 32), kv_budget=1 << 28, disk_cache=disk)
         engine.start(warmup=False)
         try:
             (out,), cached = _submit_one(engine, ids, params, None)

@@ -456,7 +456,7 @@ def test_engine_batches_match_solo(ref, monkeypatch):
 
         return emit
 
-    engine = Engine(ref, max_batch=16)
+    engine = Engine(ref.handle, max_batch=16)
     for i, p in enumerate(prompts):
         engine.submit(GenerationRequest(p, SamplingParams(max_tokens=6, temperature=0.9, seed=i)), emitter(i))
     engine.start(warmup=False)

@@ -53,7 +53,7 @@ def _run(llm, ids, sampling, kv="f32", sparse=None, spec=None, constraint=None):
     seen = []
     accept = seq.accept
     seq.accept = lambda logits: (seen.append(np.array(logits)), accept(logits))[1]
-    speculator = make_speculator(llm, llm.runner, spec, seq, kv) if spec is not None else None
+    speculator = make_speculator(llm.handle, llm.runner, spec, seq, kv) if spec is not None else None
     toks = [o.token_id for o in generate_step(llm.runner, seq, spec=speculator)]
     return toks, np.stack(seen), seq.slot.cache, speculator
 
@@ -457,7 +457,7 @@ def test_engine_batch_equals_solo_runs(default_llm):
 
     llm, metrics = default_llm, Metrics()
     jobs = _jobs(llm)
-    outs = _engine_run(Engine(llm, max_batch=8, metrics=metrics, kv_budget=1 << 28), jobs)
+    outs = _engine_run(Engine(llm.handle, max_batch=8, metrics=metrics, kv_budget=1 << 28), jobs)
     for (ids, params, spec, kv), got in zip(jobs, outs):
         assert [(o.token_id, o.logprob, o.text) for o in got] == _solo(llm, ids, params, kv)
         if spec is not None and len(got) > 1:
@@ -473,7 +473,7 @@ def _metrics_at_last_token(llm, spec):
     from sparrow.server.metrics import Metrics
 
     metrics, seen = Metrics(), []
-    engine = Engine(llm, metrics=metrics, kv_budget=1 << 28)
+    engine = Engine(llm.handle, metrics=metrics, kv_budget=1 << 28)
     submit = engine.submit
 
     def watching(request, emit):
@@ -509,7 +509,7 @@ def test_engine_tight_kv_budget(default_llm):
     llm = default_llm
     jobs = _jobs(llm)[:4]
     per_seq = llm.model.new_cache(1).bytes_at(len(jobs[0][0]) + 40)
-    engine = Engine(llm, max_batch=8, kv_budget=int(per_seq * 2.2), prefix_cache=False)
+    engine = Engine(llm.handle, max_batch=8, kv_budget=int(per_seq * 2.2), prefix_cache=False)
     outs = _engine_run(engine, jobs)
     for (ids, params, _spec, kv), got in zip(jobs, outs):
         assert [(o.token_id, o.logprob, o.text) for o in got] == _solo(llm, ids, params, kv)
@@ -531,7 +531,7 @@ def test_engine_charges_a_draft_models_cache(default_llm, tiny_models):
     draft = llm.draft_llm(spec.draft_model).model.new_cache(1).bytes_at(len(ids) + params.max_tokens + spec.tokens)
     want = _solo(llm, ids, params, "f32")
     for budget, drafts in ((target + draft, True), (target + draft - 1, False)):
-        engine = Engine(llm, max_batch=8, kv_budget=budget, prefix_cache=False)
+        engine = Engine(llm.handle, max_batch=8, kv_budget=budget, prefix_cache=False)
         got = _engine_run(engine, [(ids, params, spec, "f32")])[0]
         assert [(o.token_id, o.logprob, o.text) for o in got] == want
         assert engine.pool.peak == (target + draft if drafts else target) and engine.pool.used == 0

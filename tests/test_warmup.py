@@ -56,7 +56,7 @@ def test_no_request_compiles_after_the_servers_warm_up(default_llm):
     cache."""
     ready = threading.Event()
     warmed = []
-    eng = Engine(default_llm, max_batch=4)
+    eng = Engine(default_llm.handle, max_batch=4)
     eng.start(warmup=WARM, on_ready=ready.set, on_warm=lambda name, i, n, s: warmed.append((name, i, n)))
     try:
         assert ready.wait(1800)  # a cold cache compiles every path first

@@ -30,6 +30,7 @@ from ..kernels.runtime import set_threads
 from ..params import SamplingParams, SparseParams, SpeculativeParams
 from ..request import GenerationRequest
 from ..state.manager import KVManager
+from .handle import ModelHandle
 from .runner import Runner
 from .sampling import prompt_logprobs
 from .scheduler import Scheduler
@@ -120,7 +121,7 @@ class EngineBusy(SparrowError):
 class Engine:
     def __init__(
         self,
-        llm,
+        model: ModelHandle,
         max_batch: int = 16,
         runner: Runner | None = None,
         metrics=None,
@@ -130,11 +131,11 @@ class Engine:
         timeout: float | None = None,
         disk_cache=None,
     ):
-        self.llm = llm
-        self.runner = runner or llm.runner
+        self.model = model  # api.LLM.handle: runner, tokenizer, context, KV storage, draft models
+        self.runner = runner or model.runner
         self.scheduler = Scheduler(max_batch)
         self.metrics = metrics
-        self.kv = KVManager(llm, self.runner, self.scheduler, self._new_sequence, kv_budget, prefix_cache, disk_cache)
+        self.kv = KVManager(model, self.runner, self.scheduler, self._new_sequence, kv_budget, prefix_cache, disk_cache)
         self.pool, self.prefix = self.kv.pool, self.kv.prefix
         self.max_queue = max_queue
         self.timeout = timeout  # seconds per request unless it says otherwise
@@ -149,11 +150,11 @@ class Engine:
         """req's Sequence, with no KV cache yet (the KV manager admits it and gives it one)."""
         return Sequence.create(
             self.runner,
-            self.llm.tokenizer,
+            self.model.tokenizer,
             req.prompt_ids,
             req.params,
-            self.llm.ctx,
-            req.kv_dtype or self.llm.kv_dtype,
+            self.model.ctx,
+            req.kv_dtype or self.model.kv_dtype,
             req.sparse,
             constraint=req.constraint,
             allocate=False,
@@ -254,7 +255,7 @@ class Engine:
 
     # ------------------------------------------------------------------ engine thread
     def _main(self, warmup, on_ready, on_warm) -> None:
-        set_threads(self.llm.threads)  # numba's thread count is per thread
+        set_threads(self.model.threads)  # numba's thread count is per thread
         if warmup:
             self._warmup(warmup, on_warm)
         if on_ready is not None:
@@ -289,7 +290,7 @@ class Engine:
         """Runs each path a request may take once (engine/warmup.py), so that no request
         compiles kernels while others stream."""
         try:
-            warm(self.runner, self.llm.tokenizer, self.llm.kv_dtype, paths, on_warm)
+            warm(self.runner, self.model.tokenizer, self.model.kv_dtype, paths, on_warm)
         except Exception:  # a failed warm-up only costs speed on the first request
             log.exception("warm-up failed")
 
@@ -429,7 +430,7 @@ class Engine:
             child.family = req.family
             req.family.append(child)
             child.cancelled = req.cancelled  # after joining the family: cancel() sees it or this does
-            child.seq = req.seq.fork(self.llm.tokenizer, child.params, child.constraint, None)
+            child.seq = req.seq.fork(self.model.tokenizer, child.params, child.constraint, None)
             if len(sched.running) < sched.max_batch and not waiting and self.kv.fork(req, child):
                 child_out = child.seq.accept(logits)
                 if not child_out.finish_reason:
@@ -496,7 +497,7 @@ class Engine:
                 # read before drafting: the sparse drafter moves the cache's length on
                 live, start, first, draft = seq.caught_up, seq.slot.cache.length, seq.next_input, []
                 if live and r.speculative is not None and r.spec is None:
-                    r.spec = make_speculator(self.llm, self.runner, r.speculative, seq, seq.slot.cache.dtype)
+                    r.spec = make_speculator(self.model, self.runner, r.speculative, seq, seq.slot.cache.dtype)
                     if not self.kv.charge_drafter(r):  # no room for a draft model's cache: decode plainly
                         log.info("request %d: no KV budget for its draft model's cache; not speculating", r.id)
                         r.spec.release()

@@ -40,6 +40,7 @@ import numpy as np
 
 from ..errors import SparrowError
 from ..params import SpeculativeParams
+from .handle import ModelHandle
 from .runner import Runner, Slot
 
 # Adaptive K: a sequence starts drafting FIRST_K tokens; a draft kept whole doubles K (up to
@@ -127,8 +128,8 @@ class DraftModelDrafter(Drafter):
     sequence's text: it catches up with a prefill, drafts by decoding, and drops what the
     verification rejected."""
 
-    def __init__(self, draft_llm, target_vocab: int, capacity: int, kv_dtype: str):
-        self.llm, self.runner, self.vocab = draft_llm, draft_llm.runner, target_vocab
+    def __init__(self, draft: ModelHandle, target_vocab: int, capacity: int, kv_dtype: str):
+        self.runner, self.vocab = draft.runner, target_vocab
         self.slot = self.runner.new_slot(np.zeros(1, np.int64), capacity, kv_dtype)
         self.slot.cache.keep_every_row = True  # it may return to any drafted position (settle)
 
@@ -217,14 +218,16 @@ class Speculator:
         self.drafter.release()
 
 
-def make_speculator(llm, runner: Runner, params: SpeculativeParams, seq, kv_dtype: str) -> Speculator:
-    """The speculator of one sequence; llm.draft_llm(path) gives a draft model (loaded once)."""
+def make_speculator(model: ModelHandle, runner: Runner, params: SpeculativeParams, seq, kv_dtype: str) -> Speculator:
+    """The speculator of one sequence; model.draft(path) gives a draft model (loaded once)."""
     if params.method == "ngram":
         drafter = NgramDrafter(params.ngram)
     elif params.method == "sparse":
         drafter = SparseDrafter(runner, params)
     else:
-        draft = llm.draft_llm(params.draft_model)
+        if model.draft is None:
+            raise SparrowError("speculative 'draft': this model has no draft models")
+        draft = model.draft(params.draft_model)
         capacity = len(seq.prompt) + seq.params.max_tokens + params.tokens
         drafter = DraftModelDrafter(draft, runner.model.config.vocab_size, capacity, kv_dtype)
     return Speculator(params, drafter)

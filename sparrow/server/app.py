@@ -182,7 +182,7 @@ class ServerState:
             runner = self.engine_options.get("runner") or llm.runner  # the chunk its entries are cut at
             disk = open_disk_cache(llm, self.prompt_cache, self.prompt_cache_size, runner.prefill_chunk)
         self.engine = Engine(
-            llm, max_batch=self.max_batch, metrics=self.metrics, disk_cache=disk, **self.engine_options
+            llm.handle, max_batch=self.max_batch, metrics=self.metrics, disk_cache=disk, **self.engine_options
         )
         self.engine.start(warmup=warmup, on_ready=self._ready, on_warm=on_warm)
 

@@ -97,7 +97,7 @@ def _run(llm, ids, prefilled, sampling, kv, spec_params) -> tuple:
     runner = llm.runner
     seq = Sequence.create(runner, llm.tokenizer, ids, sampling, llm.ctx, kv)
     seq.slot.cache.copy_prefix(prefilled, len(ids) - 1, prefilled.importance_snapshot())
-    spec = make_speculator(llm, runner, spec_params, seq, kv) if spec_params else None
+    spec = make_speculator(llm.handle, runner, spec_params, seq, kv) if spec_params else None
     verify, cycles = runner.verify, []
     runner.verify = lambda *args: (cycles.append(1), verify(*args))[1]  # counts verifications
     try:
@@ -228,7 +228,7 @@ def _generate(llm, seq, params, kv_dtype) -> tuple[list[int], dict]:
     from sparrow.engine.generate import generate_step
     from sparrow.engine.speculative import make_speculator
 
-    spec = make_speculator(llm, llm.runner, params, seq, kv_dtype) if params else None
+    spec = make_speculator(llm.handle, llm.runner, params, seq, kv_dtype) if params else None
     gen = generate_step(llm.runner, seq, spec=spec)
     toks = [next(gen).token_id]
     t0 = time.perf_counter()
