@@ -1,10 +1,18 @@
-"""Model families. Llama, Qwen2 and Qwen3 share one decoder; Qwen3-MoE swaps in its MoE block;
-Qwen3.5 (qwen3_5.py) builds its hybrid layers on the same decoder."""
+"""Model families, one file each (llama.py, qwen2.py, qwen3.py, qwen3_moe.py, qwen3_vl.py,
+qwen3_5.py), composed from the shared decoder (decoder.py) and layers (layers.py, rope.py,
+attention.py); build_model picks the family from FAMILIES by the config's architecture."""
 
 from __future__ import annotations
 
+from ..config import HYBRID
 from ..errors import SparrowError
 from .decoder import Decoder
+from .llama import Llama
+from .qwen2 import Qwen2
+from .qwen3 import Qwen3
+from .qwen3_5 import Qwen3_5
+from .qwen3_moe import moe_mlp_factory
+from .qwen3_vl import Qwen3VL
 from .step import fused_switch
 
 
@@ -17,6 +25,23 @@ def build_model(ckpt, quantize: str | None = None, progress: bool = False, activ
     return model
 
 
+def _qwen3_moe(cfg, tensors, **kw) -> Decoder:
+    """Qwen3-MoE (qwen3_moe.py): the shared decoder with its MoE block as the MLP. A factory rather
+    than a Decoder subclass in qwen3_moe.py: the fused step (fused.py) reads that module's MoE
+    tables, and the decoder imports the fused step, so qwen3_moe.py cannot import the decoder."""
+    return Decoder(cfg, tensors, mlp_factory=moe_mlp_factory, **kw)
+
+
+# architecture (ModelConfig.architecture) -> the family that builds it
+FAMILIES = {
+    "llama": Llama,
+    "qwen2": Qwen2,
+    "qwen3": Qwen3,
+    "qwen3_moe": _qwen3_moe,
+    **{arch: Qwen3_5 for arch in HYBRID},
+}
+
+
 def _build(ckpt, quantize, progress, activations) -> Decoder:
     cfg = ckpt.config
     bar = None
@@ -25,20 +50,10 @@ def _build(ckpt, quantize, progress, activations) -> Decoder:
 
         bar = lambda it: tqdm(it, desc="loading layers", unit="layer", leave=False)  # noqa: E731
 
-    if getattr(ckpt, "vision", None) is not None:
-        from .qwen3_vl import Qwen3VL
-
-        return Qwen3VL(cfg, ckpt.tensors, ckpt.vision, quantize=quantize, progress=bar, activations=activations)
-    if cfg.architecture in ("llama", "qwen2", "qwen3"):
-        return Decoder(cfg, ckpt.tensors, quantize=quantize, progress=bar, activations=activations)
-    if cfg.is_hybrid:
-        from .qwen3_5 import Qwen3_5
-
-        return Qwen3_5(cfg, ckpt.tensors, quantize=quantize, progress=bar, activations=activations)
-    if cfg.architecture == "qwen3_moe":
-        from .qwen3_moe import moe_mlp_factory
-
-        return Decoder(
-            cfg, ckpt.tensors, quantize=quantize, mlp_factory=moe_mlp_factory, progress=bar, activations=activations
-        )
-    raise SparrowError(f"unsupported architecture {cfg.architecture!r}")
+    kw = dict(quantize=quantize, progress=bar, activations=activations)
+    if getattr(ckpt, "vision", None) is not None:  # a checkpoint with a vision tower: Qwen3-VL
+        return Qwen3VL(cfg, ckpt.tensors, ckpt.vision, **kw)
+    family = FAMILIES.get(cfg.architecture)
+    if family is None:
+        raise SparrowError(f"unsupported architecture {cfg.architecture!r}")
+    return family(cfg, ckpt.tensors, **kw)
