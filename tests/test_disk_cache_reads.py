@@ -56,7 +56,7 @@ class Stream:
 
 
 def _engine(llm, disk):
-    engine = Engine(llm, runner=Runner(llm.model, CHUNK), kv_budget=1 << 28, disk_cache=disk)
+    engine = Engine(llm.handle, runner=Runner(llm.model, CHUNK), kv_budget=1 << 28, disk_cache=disk)
     engine.start(warmup=False)
     return engine
 
