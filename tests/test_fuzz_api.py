@@ -60,7 +60,14 @@ def test_server_still_answers(served):  # noqa: F811
     """After the fuzzing above: healthy, and a plain request still generates."""
     assert sum(SEEN.values()) >= 7 * EXAMPLES // 2, SEEN  # the fuzzing ran (it is not skipped)
     ok = {label for (label, kind) in SEEN if kind == 2}
-    assert {"POST /v1/chat/completions", "POST /v1/completions"} <= ok, SEEN  # valid bodies got through
+    assert {
+        "POST /v1/chat/completions",
+        "POST /v1/completions",
+        "POST /v1/responses",
+        "POST /v1/messages",
+        "POST /v1/messages/count_tokens",
+        "GET /tokenizer_info",
+    } <= ok, SEEN  # valid bodies got through
     assert any(kind == 4 for _, kind in SEEN), SEEN  # and invalid ones were refused
     assert httpx.get(served + "/health").json()["status"] == "ok"
     r = httpx.post(served + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2}, timeout=60)

@@ -78,12 +78,40 @@ REFUSED = {
 }  # context_management (clearing old tool results) is accepted: the whole conversation is kept
 
 
+_TEXT_BLOCK = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+}
+_MESSAGES = {  # the published schema of `messages` (chat_body checks every block)
+    "items": {
+        "type": "object",
+        "required": ["role", "content"],
+        "properties": {
+            "role": {"enum": ["user", "assistant", "system"]},
+            "content": {
+                "anyOf": [
+                    {"type": "string"},
+                    {
+                        "type": "array",
+                        "items": {"anyOf": [_TEXT_BLOCK, {"type": "object"}]},
+                        "description": "text, image, tool_use, tool_result and thinking blocks",
+                    },
+                ]
+            },
+        },
+    }
+}
+
+
 class MessagesRequest(BaseModel):
     """The fields /v1/messages reads (documentation and fuzzing; the module doc has the rules)."""
 
     model: str | None = None
     max_tokens: int = Field(ge=1)
-    messages: list[dict[str, Any]] = Field(min_length=1, description="role user or assistant (system accepted)")
+    messages: list[dict[str, Any]] = Field(
+        min_length=1, description="role user or assistant (system accepted)", json_schema_extra=_MESSAGES
+    )
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(None, ge=0, le=2)
@@ -98,7 +126,7 @@ class MessagesRequest(BaseModel):
 
 class CountTokensRequest(BaseModel):
     model: str | None = None
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[dict[str, Any]] = Field(min_length=1, json_schema_extra=_MESSAGES)
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
