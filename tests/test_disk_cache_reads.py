@@ -22,7 +22,7 @@ from sparrow.params import SamplingParams
 from sparrow.request import GenerationRequest
 from sparrow.state import disk as dc
 
-SLOW = 1.0  # seconds each read of a file's chunks sleeps first
+SLOW = 2.0  # seconds each read of a file's chunks sleeps first
 
 
 @pytest.fixture(scope="module")
