@@ -37,7 +37,7 @@ from ..state.prefix import check_disk_setting, prefix_key
 from ..structured import StructuredError
 from ..vision.media import MAX_PIXELS_PER_REQUEST, MediaRules
 from ..vision.preprocess import image_salt
-from . import anthropic_api, docs_page, local_media, prompt_size, responses_api, tokenizer_info, web_ui
+from . import anthropic_api, cache_api, docs_page, local_media, prompt_size, responses_api, tokenizer_info, web_ui
 from .chat_runs import Core
 from .limits import BODY_TIMEOUT, HEADER_TIMEOUT, BodyLimit, http_protocol
 from .metrics import Metrics
@@ -60,8 +60,6 @@ from .protocol import (
 )
 from .schema import (
     ERRORS,
-    CacheCleared,
-    CacheSaved,
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
@@ -188,6 +186,39 @@ class ServerState:
 
     def _ready(self) -> None:
         self.ready = self.metrics.ready = True
+
+    # ------------------------------------------------------------------ what the routes ask of the engine
+    @property
+    def kv_budget(self) -> int:
+        """The KV budget in bytes."""
+        return self.engine.pool.budget
+
+    @property
+    def keeps_prompt_cache(self) -> bool:
+        """Whether prompts' KV is kept on disk (--prompt-cache)."""
+        return self.engine.prefix.disk is not None
+
+    def cancel(self, handles) -> None:
+        for h in handles:
+            self.engine.cancel(h)  # no-op once finished
+
+    def saved_tokens(self, ids, kv_dtype, sparse, images) -> int:
+        """Waits for the disk cache's writes, then how many of the prompt's positions its folder
+        holds (0 when the write failed: the log says why). Blocking: run it in a thread."""
+        disk = self.engine.prefix.disk
+        disk.flush()
+        key = prefix_key(kv_dtype or self.llm.kv_dtype, sparse, image_salt(images), bool(images))
+        if key is None:
+            return 0
+        return disk.best(key, np.append(ids, -1), self.engine.runner.prefill_chunk)[1]
+
+    def clear_prompt_cache(self) -> tuple[int, int]:
+        """Drops every prefix-cache entry, in memory and on disk -> (entries, files) dropped.
+        Blocking: run it in a thread."""
+        prefix = self.engine.prefix
+        entries = len(prefix)
+        prefix.clear()
+        return entries, prefix.disk.clear() if prefix.disk is not None else 0
 
     def require_ready(self) -> None:
         if not self.ready:
@@ -519,57 +550,6 @@ def create_app(state: ServerState) -> FastAPI:
             special_tokens_in_content=state.special_tokens_in_content,
         )
 
-    @app.post("/v1/cache/save", dependencies=[Depends(ready)], responses={200: {"model": CacheSaved}, **ERRORS})
-    async def cache_save(request: Request):
-        """Prefills a prompt (a completions body's `prompt`) or a conversation (a chat body's
-        `messages`, with its `tools` and `chat_template_kwargs`) and waits until its KV is in
-        the --prompt-cache folder; the body's kv_dtype and sparse_prefill settings pick the
-        entry as they would for a request. Only whole 512-token chunks are kept (their reuse
-        is bit-identical)."""
-        disk = state.engine.prefix.disk
-        if disk is None:
-            raise APIError(400, "this server keeps no prompt cache on disk (start it with --prompt-cache DIR)")
-        try:
-            data = await request.json()
-        except ValueError:
-            raise APIError(400, "the request body is not valid JSON") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        chat = "messages" in data
-        data = {**data, "max_tokens": 1, "temperature": 0.0, "stream": False}
-        body = validate(ChatCompletionRequest if chat else CompletionRequest, data)
-        req, [ids], [params], _, _, images = await _prepare(body, chat)
-        handle, queue = _submit(req, [ids], [params], None, images)
-        if queue is None:
-            return handle
-        try:
-            while True:
-                _, kind, payload = await queue.get()
-                if kind != "token":
-                    raise APIError(500 if kind == "error" else 504, str(payload), type="server_error")
-                if payload.finish_reason:
-                    break
-        finally:
-            state.engine.cancel(handle[0])
-        await run_in_threadpool(disk.flush)
-        # What the folder holds for the prompt now (0 when the write failed: the log says why).
-        key = prefix_key(req.kv_dtype or state.llm.kv_dtype, req.sparse, image_salt(images), bool(images))
-        chunk = state.engine.runner.prefill_chunk
-        saved = 0
-        if key is not None:
-            _, saved = await run_in_threadpool(disk.best, key, np.append(ids, -1), chunk)
-        return {"object": "cache.save", "prompt_tokens": len(ids), "saved_tokens": saved}
-
-    @app.delete("/v1/cache", dependencies=[Depends(ready)], responses={200: {"model": CacheCleared}, **ERRORS})
-    async def cache_clear(request: Request):
-        """Drops every prefix-cache entry: those in memory and this model's files in the
-        --prompt-cache folder."""
-        prefix = state.engine.prefix
-        entries = len(prefix)
-        await run_in_threadpool(prefix.clear)
-        files = await run_in_threadpool(prefix.disk.clear) if prefix.disk is not None else 0
-        return {"object": "cache.cleared", "entries": entries, "files": files}
-
     def _speculative(req) -> SpeculativeParams | None:
         """The request's speculative settings: its own options over the server's default
         (request.speculative_params)."""
@@ -635,6 +615,10 @@ def create_app(state: ServerState) -> FastAPI:
             code = "kv_budget_exceeded" if param == "max_tokens" else None
             raise APIError(400, str(e), param=param, code=code) from None
         return handles, queue
+
+    # the request path, shared with the routes in their own modules
+    core = Core(state, _prepare, _submit, check_model, chat_prompt, check_chat_size, ready)
+    cache_api.add_routes(app, core)
 
     async def _generate(request: Request, body, chat: bool):
         req, prompts, params, in_reasoning, constraints, images = await _prepare(body, chat)
@@ -707,8 +691,6 @@ def create_app(state: ServerState) -> FastAPI:
         return {"id": rid, "object": obj, "created": created, "model": llm.name, "choices": out,
                 "usage": choices.usage()}  # fmt: skip
 
-    # the request path, shared with the APIs in their own modules
-    core = Core(state, _prepare, _submit, check_model, chat_prompt, check_chat_size, ready)
     anthropic_api.add_routes(app, core)
     responses_api.add_routes(app, core)
 
@@ -840,7 +822,7 @@ def serve(args) -> None:
         try:
             llm = api.load(**options)
             state.attach(llm, on_warm=_warm_line)
-            kv = format_size(state.engine.pool.budget)
+            kv = format_size(state.kv_budget)
             print(
                 f"sparrow: {llm.name} loaded in {llm.load_seconds:.1f} s ({llm.threads} threads, ctx {llm.ctx}, "
                 f"KV budget {kv}, activations {llm.model.activations}: {llm.activations_why})",
