@@ -30,10 +30,11 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from ..errors import SparrowError
-from .chat_runs import Busy, ChatRun, Core
+from .chat_runs import Busy, ChatRun
 from .protocol import APIError, new_id, validate
 from .protocol import chat_request as gen_request
 from .schema import ChatCompletionRequest
+from .service import Service
 from .streaming import SSEResponse
 
 ERROR_TYPES = {
@@ -488,7 +489,7 @@ async def _json(request: Request):
 
 
 # ---------------------------------------------------------------------- routes
-def add_routes(app: FastAPI, core: Core) -> None:
+def add_routes(app: FastAPI, core: Service) -> None:
     state = core.state
 
     async def chat_request(body, count_only: bool = False):

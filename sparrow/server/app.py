@@ -7,7 +7,6 @@ model loads and warms up in a background thread.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import os
@@ -15,7 +14,6 @@ import signal
 import sys
 import threading
 import traceback
-from dataclasses import replace
 
 import numpy as np
 from fastapi import Depends, FastAPI, Request
@@ -26,34 +24,27 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..config import rope_scaling_from_flags
-from ..engine.engine import Engine, EngineBusy
-from ..engine.sequence import check_context
+from ..engine.engine import Engine
 from ..errors import ContextLengthError, SparrowError
 from ..params import SpeculativeParams
-from ..request import GenerationRequest, speculative_from_flags, speculative_params
+from ..request import speculative_from_flags
 from ..state.budget import format_size, parse_size
 from ..state.disk import prepare_folder
 from ..state.prefix import check_disk_setting, prefix_key
-from ..structured import StructuredError
 from ..vision.media import MAX_PIXELS_PER_REQUEST, MediaRules
 from ..vision.preprocess import image_salt
-from . import anthropic_api, cache_api, docs_page, local_media, prompt_size, responses_api, tokenizer_info, web_ui
-from .chat_runs import Core
+from . import anthropic_api, cache_api, docs_page, prompt_size, responses_api, tokenizer_info, web_ui
 from .limits import BODY_TIMEOUT, HEADER_TIMEOUT, BodyLimit, http_protocol
 from .metrics import Metrics
 from .protocol import (
-    COMPLETION_MAX_TOKENS,
-    DEFAULT_MAX_TOKENS,
     APIError,
     ReasoningSplitter,
     chat_logprobs,
     chat_request,
     completion_logprobs,
-    completion_request,
     error_body,
     new_id,
     now,
-    starts_in_reasoning,
     usage,
     validate,
     validation_error,
@@ -72,6 +63,7 @@ from .schema import (
     TokenizeResponse,
     openapi,
 )
+from .service import Service
 from .sparse_trace import Tracer
 from .streaming import Accumulator, Choices, SSEResponse, collect, sse, stream
 
@@ -339,16 +331,7 @@ def create_app(state: ServerState) -> FastAPI:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
 
-    def check_model(name) -> None:
-        if name is not None and not isinstance(name, str):
-            raise APIError(400, "'model' must be a string", param="model")
-        if name is not None and name not in state.aliases:
-            raise APIError(
-                404,
-                f"the model '{name}' does not exist; this server serves '{state.llm.name}'",
-                param="model",
-                code="model_not_found",
-            )
+    service = Service(state)  # the request path (service.py), shared with the routes in their own modules
 
     if state.web_ui:
         web_ui.add_routes(app)
@@ -368,11 +351,6 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/metrics")  # needs the API key unless --metrics-public (_Auth)
     async def get_metrics():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
-
-    def ready(request: Request) -> None:
-        """Readiness (the key was checked by _Auth): run before FastAPI validates a body (a
-        malformed JSON body comes first)."""
-        state.require_ready()
 
     def model_card() -> dict:
         llm = state.llm
@@ -396,23 +374,25 @@ def create_app(state: ServerState) -> FastAPI:
     async def model(request: Request, model: str):
         """One model (the client's `models.retrieve`): this server's, by its name or file stem."""
         state.require_ready()
-        check_model(model)
+        service.check_model(model)
         return model_card()
 
-    @app.post("/tokenize", dependencies=[Depends(ready)], responses={200: {"model": TokenizeResponse}, **ERRORS})
+    @app.post(
+        "/tokenize", dependencies=[Depends(service.ready)], responses={200: {"model": TokenizeResponse}, **ERRORS}
+    )
     async def tokenize(request: Request, body: TokenizeRequest):
         llm = state.llm
         limit = max(llm.ctx, prompt_size.TOKENIZE_MAX)
         what = "/tokenize's limit of"
-        check_model(body.model)
+        service.check_model(body.model)
         try:
             if body.messages is not None:
                 keys = ("messages", "chat_template_kwargs", "tools", "tool_choice")
                 chat = body.model_dump(include=set(keys), by_alias=True, exclude_unset=True)  # as sent: no nulls
                 req = chat_request(validate(ChatCompletionRequest, chat), images=llm.vision is not None)
                 # a prompt may be counted past the context (vLLM's /tokenize counts it all), up to a bound
-                await run_in_threadpool(check_chat_size, llm, req, 0, limit, what)
-                ids = (await run_in_threadpool(chat_prompt, llm, req))[0]  # image pads expanded
+                await run_in_threadpool(service.check_chat_size, llm, req, 0, limit, what)
+                ids = (await run_in_threadpool(service.chat_prompt, llm, req))[0]  # image pads expanded
             elif body.prompt is not None:
                 await run_in_threadpool(prompt_size.check_text, llm.tokenizer, body.prompt, 0, limit, what)
                 ids = await run_in_threadpool(llm.tokenizer.encode, body.prompt, body.add_special_tokens)
@@ -428,18 +408,20 @@ def create_app(state: ServerState) -> FastAPI:
             out["token_strs"] = [llm.tokenizer.id_to_token(i) for i in ids]
         return out
 
-    @app.post("/detokenize", dependencies=[Depends(ready)], responses={200: {"model": DetokenizeResponse}, **ERRORS})
+    @app.post(
+        "/detokenize", dependencies=[Depends(service.ready)], responses={200: {"model": DetokenizeResponse}, **ERRORS}
+    )
     async def detokenize(request: Request, body: DetokenizeRequest):
         llm = state.llm
         ids = body.tokens
-        check_model(body.model)
+        service.check_model(body.model)
         if any(not 0 <= i < llm.tokenizer.vocab_size for i in ids):
             raise APIError(400, f"token ids must be in [0, {llm.tokenizer.vocab_size})", param="tokens")
         return {"prompt": llm.tokenizer.decode(ids)}
 
     @app.post(
         "/v1/chat/completions",
-        dependencies=[Depends(ready)],
+        dependencies=[Depends(service.ready)],
         response_model=None,
         responses={200: {"model": ChatCompletion}, **ERRORS},
     )
@@ -448,180 +430,17 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post(
         "/v1/completions",
-        dependencies=[Depends(ready)],
+        dependencies=[Depends(service.ready)],
         response_model=None,
         responses={200: {"model": Completion}, **ERRORS},
     )
     async def completions(request: Request, body: CompletionRequest):
         return await _generate(request, body, chat=False)
 
-    async def _prepare(body, chat: bool):
-        """The request checked and tokenized: (req, prompts [token ids each], their sampling
-        params, the choices' reasoning splitter start (None: no splitter), the grammar states
-        (per prompt, one per choice, or None), images)."""
-        llm = state.llm
-        defaults = llm.checkpoint.generation_defaults
-        takes_images = llm.vision is not None
-        req = chat_request(body, defaults, takes_images) if chat else completion_request(body, defaults)
-        check_model(req.model)
-        param = "messages" if chat else "prompt"
-        images = []
-        reserve = 1 if req.max_tokens is None else req.max_tokens  # the least the answer may take
-        try:
-            if chat:
-                await run_in_threadpool(check_chat_size, llm, req, reserve)
-                ids, images = await run_in_threadpool(chat_prompt, llm, req)
-                prompts = [ids]
-            else:
-                prompts = []
-                for p in req.prompts:
-                    if isinstance(p, str):
-                        await run_in_threadpool(prompt_size.check_text, llm.tokenizer, p, reserve, llm.ctx)
-                        p = await run_in_threadpool(llm.prompt_ids, p)
-                        if p:  # a batch stops at its first prompt that cannot fit, not after tokenising all
-                            check_context(len(p), reserve, llm.ctx)
-                    elif any(not 0 <= i < llm.config.vocab_size for i in p):
-                        raise APIError(400, f"token ids must be in [0, {llm.config.vocab_size})", param="prompt")
-                    prompts.append(p)
-            params = []
-            for ids in prompts:
-                if not ids:
-                    raise APIError(400, "the prompt is empty", param=param)
-                max_tokens = req.max_tokens
-                if max_tokens is None:
-                    max_tokens = max(1, min(DEFAULT_MAX_TOKENS if chat else COMPLETION_MAX_TOKENS, llm.ctx - len(ids)))
-                # scoring a prompt (echo + logprobs) with max_tokens 0 still runs it in the engine,
-                # whose sequences hold at least one position past the prompt
-                check_context(len(ids), max(1, max_tokens) if req.echo and req.logprobs else max_tokens, llm.ctx)
-                # 0 generates nothing (_generate); SamplingParams keeps its minimum of 1
-                params.append(replace(req.params, max_tokens=max(1, max_tokens)).validate())
-            try:
-                req.params.check_vocab(llm.config.vocab_size)
-            except SparrowError as e:
-                raise APIError(400, str(e), param="logit_bias") from None
-        except ContextLengthError as e:
-            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
-        except SparrowError as e:
-            raise APIError(400, str(e), param=getattr(e, "param", None) or param) from None
-        in_reasoning = None
-        # Constrained output is the answer from its first token: nothing of it is reasoning.
-        if chat and llm.tokenizer.token_to_id(ReasoningSplitter.CLOSE) is not None and not req.structured.constrained:
-            in_reasoning = starts_in_reasoning(llm.tokenizer.decode(prompts[0][-16:]))
-
-        def grammars():  # one state per choice
-            make = req.structured.constraint
-            first = make(llm.tokenizer, llm.config.vocab_size, llm.tool_format)
-            if first is None:
-                return None
-            rest = [make(llm.tokenizer, llm.config.vocab_size, llm.tool_format) for _ in range(req.n - 1)]
-            return [first, *rest]
-
-        try:  # compiling a grammar takes ~1.4 ms; the first for a tokenizer also indexes it (0.35-1.3 s)
-            constraints = await run_in_threadpool(grammars)
-        except StructuredError as e:
-            raise APIError(400, str(e), param=e.param) from None
-        return req, prompts, params, in_reasoning, constraints, images
-
-    def check_chat_size(llm, req, reserve: int, ctx: int | None = None, what: str = "the context length") -> None:
-        """A conversation that cannot fit in ctx (None: the model's) with `reserve` tokens of
-        answer is refused before it is tokenised whole (prompt_size.py)."""
-        kwargs, ctx = req.chat_template_kwargs, llm.ctx if ctx is None else ctx
-        tools = req.structured.template_tools
-        prompt_size.check_chat(llm.tokenizer, req.messages, tools, kwargs, reserve, ctx, what)
-
-    def chat_prompt(llm, req):
-        """(ids with image pads expanded, preprocessed images) under the server's media rules."""
-        tools = req.structured.template_tools
-        max_images = state.max_images_per_request
-        # file:// parts are read here, inside the allowed folder only (local_media.py): the vision
-        # code gets their bytes and never opens a request's path
-        messages = local_media.resolve(
-            req.messages,
-            state.allowed_local_media_path,
-            state.max_image_bytes,
-            llm.max_images if max_images is None else max_images,
-        )
-        return llm.prompt_and_images(
-            messages,
-            chat=True,
-            chat_template_kwargs=req.chat_template_kwargs,
-            tools=tools,
-            media=state.media,
-            special_tokens_in_content=state.special_tokens_in_content,
-        )
-
-    def _speculative(req) -> SpeculativeParams | None:
-        """The request's speculative settings: its own options over the server's default
-        (request.speculative_params)."""
-        o = req.speculative
-        try:
-            return speculative_params(
-                None if o is None else o["speculative"],
-                None if o is None else {k: v for k, v in o.items() if k != "speculative"},
-                default=state.speculative,
-                draft_model=state.draft_model,
-                lenient=True,
-            )
-        except SparrowError as e:
-            raise APIError(400, str(e), param="speculative") from None
-
-    def _submit(req, prompts, params, constraints, images, scoring: bool = False):
-        """(the engine's handles, one per prompt, and the queue of their outputs: (prompt index,
-        kind, payload)), or (the 503 response, None)."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def emitter(p):
-            def emit(kind, payload):  # engine thread
-                loop.call_soon_threadsafe(queue.put_nowait, (p, kind, payload))
-
-            return emit
-
-        salt = image_salt(images)  # the prefix cache shares KV only between prompts with the same images
-        top = req.params.logprobs or 0
-        handles = []
-        # a bad setting is a 400 before anything is queued; a traced request decodes plainly
-        spec = None if req.sparse_trace else _speculative(req)
-        try:
-            for p, (ids, sampling) in enumerate(zip(prompts, params)):
-                request = GenerationRequest(
-                    ids,
-                    sampling,
-                    req.sparse,
-                    spec,
-                    req.kv_dtype,
-                    constraints,
-                    images,
-                    n=req.n,
-                    prompt_logprobs=top if scoring else None,
-                    score_only=req.max_tokens == 0,
-                    trace=req.sparse_trace,
-                    cache_salt=salt,
-                )
-                handles.append(state.engine.submit(request, emitter(p)))
-        except EngineBusy as e:  # OpenAI clients retry a 503 after Retry-After
-            for h in handles:
-                state.engine.cancel(h)
-            busy = JSONResponse(
-                error_body(str(e), "server_error", code="server_busy"),
-                status_code=503,
-                headers={"Retry-After": str(e.retry_after)},
-            )
-            return busy, None
-        except SparrowError as e:  # prompt + max_tokens exceed the whole KV budget; n over the queue
-            for h in handles:
-                state.engine.cancel(h)
-            param = getattr(e, "param", None) or "max_tokens"
-            code = "kv_budget_exceeded" if param == "max_tokens" else None
-            raise APIError(400, str(e), param=param, code=code) from None
-        return handles, queue
-
-    # the request path, shared with the routes in their own modules
-    core = Core(state, _prepare, _submit, check_model, chat_prompt, check_chat_size, ready)
-    cache_api.add_routes(app, core)
+    cache_api.add_routes(app, service)
 
     async def _generate(request: Request, body, chat: bool):
-        req, prompts, params, in_reasoning, constraints, images = await _prepare(body, chat)
+        req, prompts, params, in_reasoning, constraints, images = await service.prepare(body, chat)
         llm, engine = state.llm, state.engine
         tok = llm.tokenizer
         echo = [p if isinstance(p, str) else tok.decode(p) for p in req.prompts] if req.echo else None
@@ -630,7 +449,7 @@ def create_app(state: ServerState) -> FastAPI:
             return _no_tokens(req, prompts, echo)
         if len(prompts) > 1 and constraints is not None:  # completions take no grammar; kept general
             raise APIError(400, "a grammar applies to one prompt", param="prompt")
-        handles, queue = _submit(req, prompts, params, constraints, images, scoring)
+        handles, queue = service.submit(req, prompts, params, constraints, images, scoring)
         if queue is None:
             return handles
 
@@ -691,8 +510,8 @@ def create_app(state: ServerState) -> FastAPI:
         return {"id": rid, "object": obj, "created": created, "model": llm.name, "choices": out,
                 "usage": choices.usage()}  # fmt: skip
 
-    anthropic_api.add_routes(app, core)
-    responses_api.add_routes(app, core)
+    anthropic_api.add_routes(app, service)
+    responses_api.add_routes(app, service)
 
     def _no_tokens(req, prompts, echo):
         """A completion of max_tokens 0 (not scoring its prompt): each choice's text is empty (or

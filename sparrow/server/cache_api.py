@@ -1,5 +1,5 @@
 """The prompt cache's routes: /v1/cache/save (prefill a prompt and keep its KV in the
---prompt-cache folder) and DELETE /v1/cache, over the request path app.py shares (chat_runs.Core)
+--prompt-cache folder) and DELETE /v1/cache, over the request path (service.py)
 and the server state's cache methods."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ from __future__ import annotations
 from fastapi import Depends, FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
-from .chat_runs import Core
 from .protocol import APIError, validate
 from .schema import ERRORS, CacheCleared, CacheSaved, ChatCompletionRequest, CompletionRequest
+from .service import Service
 
 
-def add_routes(app: FastAPI, core: Core) -> None:
+def add_routes(app: FastAPI, core: Service) -> None:
     state = core.state
 
     @app.post("/v1/cache/save", dependencies=[Depends(core.ready)], responses={200: {"model": CacheSaved}, **ERRORS})

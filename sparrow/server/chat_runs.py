@@ -1,35 +1,23 @@
 """One chat generation driven by an API other than chat completions (Anthropic's Messages,
 OpenAI's Responses): the same request path (a ChatCompletionRequest checked, tokenised and
-submitted by app.py's _prepare and _submit) and the same Accumulator, so the text, reasoning
-and tool calls at temperature 0 are the chat endpoint's; only the shape of the answer differs.
+submitted by service.py's Service.prepare and Service.submit) and the same Accumulator, so the
+text, reasoning and tool calls at temperature 0 are the chat endpoint's; only the shape of the
+answer differs.
 
-app.py hands its request path over as a `Core`; each API module turns its own body into a
+app.py hands its request path over as a `Service`; each API module turns its own body into a
 chat body, runs it here and writes the pieces in its own shape.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .protocol import APIError, ReasoningSplitter
 from .schema import ChatCompletionRequest
+from .service import Service
 from .streaming import Accumulator, _failure
-
-
-@dataclass
-class Core:
-    """What app.py's create_app shares with the API modules."""
-
-    state: Any
-    prepare: Callable  # async (ChatCompletionRequest, chat=True) -> (req, prompts, params, in_reasoning, ...)
-    submit: Callable  # (req, prompts, params, constraints, images) -> (handles, queue) or (503 response, None)
-    check_model: Callable
-    chat_prompt: Callable  # (llm, req) -> (ids, images)
-    check_chat_size: Callable  # (llm, req, reserve)
-    ready: Callable  # a FastAPI dependency: 503 while the model loads
 
 
 class Busy(Exception):
@@ -50,7 +38,7 @@ class Piece:
 
 @dataclass
 class ChatRun:
-    core: Core
+    core: Service
     body: ChatCompletionRequest
     req: Any = None
     acc: Accumulator | None = None

@@ -29,9 +29,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from .chat_runs import Busy, ChatRun, Core
+from .chat_runs import Busy, ChatRun
 from .protocol import APIError, error_body, new_id, validate
 from .schema import ChatCompletionRequest
+from .service import Service
 from .streaming import SSEResponse
 
 STORED = 512  # responses kept for previous_response_id (a bounded LRU, in memory)
@@ -429,7 +430,7 @@ def _conversation(messages: list[dict], output: list[dict]) -> list[dict]:
 
 
 # ---------------------------------------------------------------------- routes
-def add_routes(app: FastAPI, core: Core) -> None:
+def add_routes(app: FastAPI, core: Service) -> None:
     state = core.state
     store = Store()
 
