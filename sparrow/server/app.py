@@ -16,16 +16,15 @@ import threading
 import traceback
 
 import numpy as np
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..config import rope_scaling_from_flags
 from ..engine.engine import Engine
-from ..errors import ContextLengthError, SparrowError
+from ..errors import SparrowError
 from ..params import SpeculativeParams
 from ..request import speculative_from_flags
 from ..state.budget import format_size, parse_size
@@ -33,26 +32,28 @@ from ..state.disk import prepare_folder
 from ..state.prefix import check_disk_setting, prefix_key
 from ..vision.media import MAX_PIXELS_PER_REQUEST, MediaRules
 from ..vision.preprocess import image_salt
-from . import anthropic_api, cache_api, completions_api, docs_page, prompt_size, responses_api, tokenizer_info, web_ui
+from . import (
+    anthropic_api,
+    cache_api,
+    completions_api,
+    docs_page,
+    responses_api,
+    tokenize_api,
+    tokenizer_info,
+    web_ui,
+)
 from .limits import BODY_TIMEOUT, HEADER_TIMEOUT, BodyLimit, http_protocol
 from .metrics import Metrics
 from .protocol import (
     APIError,
-    chat_request,
     error_body,
     now,
-    validate,
     validation_error,
 )
 from .schema import (
     ERRORS,
-    ChatCompletionRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
     openapi,
 )
 from .service import Service
@@ -367,48 +368,7 @@ def create_app(state: ServerState) -> FastAPI:
         service.check_model(model)
         return model_card()
 
-    @app.post(
-        "/tokenize", dependencies=[Depends(service.ready)], responses={200: {"model": TokenizeResponse}, **ERRORS}
-    )
-    async def tokenize(request: Request, body: TokenizeRequest):
-        llm = state.llm
-        limit = max(llm.ctx, prompt_size.TOKENIZE_MAX)
-        what = "/tokenize's limit of"
-        service.check_model(body.model)
-        try:
-            if body.messages is not None:
-                keys = ("messages", "chat_template_kwargs", "tools", "tool_choice")
-                chat = body.model_dump(include=set(keys), by_alias=True, exclude_unset=True)  # as sent: no nulls
-                req = chat_request(validate(ChatCompletionRequest, chat), images=llm.vision is not None)
-                # a prompt may be counted past the context (vLLM's /tokenize counts it all), up to a bound
-                await run_in_threadpool(service.check_chat_size, llm, req, 0, limit, what)
-                ids = (await run_in_threadpool(service.chat_prompt, llm, req))[0]  # image pads expanded
-            elif body.prompt is not None:
-                await run_in_threadpool(prompt_size.check_text, llm.tokenizer, body.prompt, 0, limit, what)
-                ids = await run_in_threadpool(llm.tokenizer.encode, body.prompt, body.add_special_tokens)
-            else:
-                raise APIError(400, "send 'prompt' (a string) or 'messages'", param="prompt")
-        except ContextLengthError as e:
-            param = "messages" if body.messages is not None else "prompt"
-            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
-        except SparrowError as e:
-            raise APIError(400, str(e), param=getattr(e, "param", None)) from None
-        out = {"count": len(ids), "max_model_len": llm.ctx, "tokens": ids}
-        if body.return_token_strs:
-            out["token_strs"] = [llm.tokenizer.id_to_token(i) for i in ids]
-        return out
-
-    @app.post(
-        "/detokenize", dependencies=[Depends(service.ready)], responses={200: {"model": DetokenizeResponse}, **ERRORS}
-    )
-    async def detokenize(request: Request, body: DetokenizeRequest):
-        llm = state.llm
-        ids = body.tokens
-        service.check_model(body.model)
-        if any(not 0 <= i < llm.tokenizer.vocab_size for i in ids):
-            raise APIError(400, f"token ids must be in [0, {llm.tokenizer.vocab_size})", param="tokens")
-        return {"prompt": llm.tokenizer.decode(ids)}
-
+    tokenize_api.add_routes(app, service)
     completions_api.add_routes(app, service)
     cache_api.add_routes(app, service)
 
