@@ -244,14 +244,22 @@ class LlamaRunner:
         return time.perf_counter() - t0
 
     def decode(self, feed, start, mode="exact", sparse_k=32):
+        # A recurrent model's memory (qwen35) cannot drop positions: the context is saved
+        # before the timed steps and loaded back after them (outside the timing)
+        saved = self.llm.save_state() if self._recurrent() else None
         self.llm.n_tokens = start
         times = []
         for tok in feed:
             t0 = time.perf_counter()
             self.llm.eval([int(tok)])
             times.append(time.perf_counter() - t0)
+        if saved is not None:
+            self.llm.load_state(saved)
         self.llm.n_tokens = start
         return times, None, None
+
+    def _recurrent(self) -> bool:
+        return self.llm.metadata.get("general.architecture") in ("qwen35", "qwen35moe")
 
 
 def random_ids(rng, config, n) -> np.ndarray:
