@@ -17,12 +17,13 @@ import pytest
 from llvmlite import ir
 from numba import njit
 
-from sparrow.kernels import cpu, default_threads
+from sparrow.kernels import cpu
 from sparrow.kernels.fused import sync
 from sparrow.kernels.ir import I64
 from sparrow.kernels.matmul import gemm, widen
 from sparrow.kernels.matmul.q8 import groups
 from sparrow.kernels.matmul.q8 import ir as q8ir
+from sparrow.kernels.runtime import default_threads
 from sparrow_lab import cross
 
 AARCH64 = "aarch64-unknown-linux-gnu"

@@ -270,7 +270,10 @@ class Decoder:
             self.timer.forward(path, t0)
         return out
 
-    def _staged(self, segments: list[Segment], all_logits: bool = False, with_last: bool = False):
+    @staticmethod
+    def staged_inputs(segments: list[Segment]):
+        """tokens [N], positions [N] and segment bounds [B + 1] of a staged forward's rows;
+        a segment past its cache's capacity is refused."""
         tokens = np.concatenate([s.tokens for s in segments]).astype(np.int64)  # [N]
         positions = np.concatenate([np.arange(s.start, s.start + len(s.tokens)) for s in segments])  # [N]
         bounds = np.cumsum([0] + [len(s.tokens) for s in segments])  # [B + 1]
@@ -278,14 +281,33 @@ class Decoder:
             end = s.start + len(s.tokens)
             if end > s.cache.capacity:
                 raise SparrowError(f"sequence of {end} tokens exceeds the KV cache capacity {s.cache.capacity}")
+        return tokens, positions, bounds
+
+    def start_traces(self, segments: list[Segment]) -> None:
+        """Sparse decode rows that record their selections as arrays: one row per KV layer."""
+        for s in segments:
+            if s.decode and isinstance(s.trace, Selections) and s.sparse is not None:  # arrays attend fills
+                n_kv = len(self.config.full_attention_layers)
+                s.trace.start(n_kv, self.config.num_attention_heads, -(-(s.start + 1) // s.sparse.block))
+
+    def staged_logits(self, segments: list[Segment], x: np.ndarray, bounds, all_logits: bool, with_last: bool):
+        """Advances each cache's length and runs the head: [B, V] for each segment's last row,
+        or every row's [N, V] (with with_last, also the last rows' own [B, V])."""
+        for s in segments:
+            s.cache.length = s.start + len(s.tokens)
+        last = x[bounds[1:] - 1]  # [B, E] last token of each segment
+        if not all_logits:
+            return self.head(last)  # [B, V]
+        return (self.head(x), self.head(last)) if with_last else self.head(x)  # [N, V] (, [B, V])
+
+    def _staged(self, segments: list[Segment], all_logits: bool = False, with_last: bool = False):
+        tokens, positions, bounds = self.staged_inputs(segments)
         x = self.embed_rows(tokens)  # [N, E]
         rope = None
         vis = [(bounds[j], s.vision) for j, s in enumerate(segments) if s.vision is not None]
         if vis or any(s.rope_delta for s in segments):  # Qwen3-VL after images only
             x, rope, positions = self._multimodal_inputs(segments, bounds, x, vis)
-        for s in segments:
-            if s.decode and isinstance(s.trace, Selections) and s.sparse is not None:  # arrays attend fills
-                s.trace.start(len(self.layers), self.config.num_attention_heads, -(-(s.start + 1) // s.sparse.block))
+        self.start_traces(segments)
         for layer in self.layers:
             # Each stage's inputs are dropped once used, so that a prefill chunk's arrays are
             # not all resident at the MLP's peak (x is this forward's own: added in place).
@@ -299,12 +321,7 @@ class Decoder:
             x += self.mlp_block(layer, x)  # [N, E]
             if vis:
                 self._deepstack(layer.index, x, vis)
-        for s in segments:
-            s.cache.length = s.start + len(s.tokens)
-        last = x[bounds[1:] - 1]  # [B, E] last token of each segment
-        if not all_logits:
-            return self.head(last)  # [B, V]
-        return (self.head(x), self.head(last)) if with_last else self.head(x)  # [N, V] (, [B, V])
+        return self.staged_logits(segments, x, bounds, all_logits, with_last)
 
     def _multimodal_inputs(self, segments, bounds, x, vis):
         """Image embeddings scattered over their pad tokens, and a per-token M-RoPE table:

@@ -33,7 +33,6 @@ from ..kernels.deltanet import gated_deltanet
 from ..kernels.linear import linear, prepare
 from ..quant import Weight
 from ..state.recurrent import HybridCache
-from .attention import Selections
 from .decoder import Decoder, Segment, WeightSource, dense_mlp
 from .layers import MLP, FusedLinear, rms_norm
 
@@ -222,22 +221,13 @@ class Qwen3_5(Decoder):
         )
 
     def _staged(self, segments: list[Segment], all_logits: bool = False, with_last: bool = False):
-        tokens = np.concatenate([s.tokens for s in segments]).astype(np.int64)  # [N]
-        positions = np.concatenate([np.arange(s.start, s.start + len(s.tokens)) for s in segments])  # [N]
-        bounds = np.cumsum([0] + [len(s.tokens) for s in segments])  # [B + 1]
-        for s in segments:
-            end = s.start + len(s.tokens)
-            if end > s.cache.capacity:
-                raise SparrowError(f"sequence of {end} tokens exceeds the KV cache capacity {s.cache.capacity}")
-            if s.vision is not None or s.rope_delta:
-                raise SparrowError("Qwen3.5 images are not supported yet")
+        tokens, positions, bounds = self.staged_inputs(segments)
+        if any(s.vision is not None or s.rope_delta for s in segments):
+            raise SparrowError("Qwen3.5 images are not supported yet")
         # caches that keep the state after each decoded row, to roll back to (verification, a
         # draft model's cache: KVCache.keep_every_row)
         rows = {id(s.cache) for s in segments if s.decode and s.cache.keep_every_row}
-        n_full = len(self.config.full_attention_layers)
-        for s in segments:
-            if s.decode and isinstance(s.trace, Selections) and s.sparse is not None:
-                s.trace.start(n_full, self.config.num_attention_heads, -(-(s.start + 1) // s.sparse.block))
+        self.start_traces(segments)
         x = self.embed_rows(tokens)  # [N, E]
         for layer in self.layers:
             h = rms_norm(x, layer.input_norm, layer.eps)  # [N, E]
@@ -253,9 +243,4 @@ class Qwen3_5(Decoder):
                     self.timer.add("attend", t0)
             del h
             x += self.mlp_block(layer, x)  # [N, E]
-        for s in segments:
-            s.cache.length = s.start + len(s.tokens)
-        last = x[bounds[1:] - 1]  # [B, E] last token of each segment
-        if not all_logits:
-            return self.head(last)  # [B, V]
-        return (self.head(x), self.head(last)) if with_last else self.head(x)  # [N, V] (, [B, V])
+        return self.staged_logits(segments, x, bounds, all_logits, with_last)

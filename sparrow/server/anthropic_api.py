@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from ..errors import SparrowError
-from .chat_runs import Busy, ChatRun
+from .chat_runs import SPARROW_FIELDS, Busy, ChatRun
 from .protocol import APIError, new_id, validate
 from .protocol import chat_request as gen_request
 from .schema import ChatCompletionRequest
@@ -49,30 +49,7 @@ ERROR_TYPES = {
 }
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 # sparrow's chat fields a Messages body may carry too (the SDK's extra_body)
-PASSED = (
-    "seed",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "stop_token_ids",
-    "ignore_eos",
-    "logit_bias",
-    "kv_dtype",
-    "sparse_attn",
-    "sparse_k",
-    "sparse_block",
-    "sparse_probe",
-    "sparse_prefill",
-    "sparse_select",
-    "speculative",
-    "spec_tokens",
-    "spec_ngram",
-    "spec_sparse_k",
-    "spec_sparse_select",
-    "chat_template_kwargs",
-    "response_format",
-)
+PASSED = (*SPARROW_FIELDS, "response_format")
 REFUSED = {
     "mcp_servers": "MCP servers are not supported",
     "container": "containers are not supported",

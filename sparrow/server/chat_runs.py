@@ -36,6 +36,32 @@ class Piece:
     finish: str | None  # OpenAI's finish reason once the answer ended: stop, length, tool_calls
 
 
+# sparrow's own chat fields that the Messages and Responses bodies may carry too (the SDKs' extra_body)
+SPARROW_FIELDS = (
+    "seed",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "stop_token_ids",
+    "ignore_eos",
+    "logit_bias",
+    "kv_dtype",
+    "sparse_attn",
+    "sparse_k",
+    "sparse_block",
+    "sparse_probe",
+    "sparse_prefill",
+    "sparse_select",
+    "speculative",
+    "spec_tokens",
+    "spec_ngram",
+    "spec_sparse_k",
+    "spec_sparse_select",
+    "chat_template_kwargs",
+)
+
+
 @dataclass
 class ChatRun:
     core: Service

@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from .chat_runs import Busy, ChatRun
+from .chat_runs import SPARROW_FIELDS, Busy, ChatRun
 from .protocol import APIError, error_body, new_id, validate
 from .schema import ChatCompletionRequest
 from .service import Service
@@ -37,31 +37,7 @@ from .streaming import SSEResponse
 
 STORED = 512  # responses kept for previous_response_id (a bounded LRU, in memory)
 STORED_BYTES = 256 * 1024 * 1024  # and at most this much of their JSON
-PASSED = (
-    "seed",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "logit_bias",
-    "kv_dtype",
-    "sparse_attn",
-    "sparse_k",
-    "sparse_block",
-    "sparse_probe",
-    "sparse_prefill",
-    "sparse_select",
-    "speculative",
-    "spec_tokens",
-    "spec_ngram",
-    "spec_sparse_k",
-    "spec_sparse_select",
-    "chat_template_kwargs",
-)
+PASSED = (*SPARROW_FIELDS, "top_k", "stop")  # sparrow's chat fields (extra_body)
 REFUSED = {  # name: (values that ask for nothing, why)
     "background": ((None, False), "background responses are not supported"),
     "conversation": ((None,), "'conversation' is not supported: use previous_response_id"),
