@@ -246,6 +246,7 @@ def test_errors():
 def test_fused_small_ops_against_numpy():
     from sparrow.kernels import elementwise as El
     from sparrow.models import layers as Ly
+    from sparrow.models.rope import Rope
 
     rng = np.random.default_rng(20)
     x = rng.standard_normal((5, 7, 64)).astype(np.float32)
@@ -261,7 +262,7 @@ def test_fused_small_ops_against_numpy():
     many = rng.standard_normal((3 * El.PAR_ROWS + 5, 64)).astype(np.float32)
     rows = np.concatenate([Ly.rms_norm(many[i : i + 1], w, 1e-5) for i in range(len(many))])
     assert np.array_equal(Ly.rms_norm(many, w, 1e-5).view(np.uint32), rows.view(np.uint32))
-    rope = Ly.Rope(64, 10000.0, None)
+    rope = Rope(64, 10000.0, None)
     pos = np.array([0, 3, 100, 7, 2000])
     got = rope.apply(x, pos)  # grows the cos / sin tables to position 2000
     c, s = rope.cos[pos][:, None, :], rope.sin[pos][:, None, :]  # [T, 1, 32]
