@@ -87,8 +87,9 @@ class GatedAttention:
 class GatedDeltaNet:
     """Linear attention with the gated delta rule; `index` is its slot in HybridCache.conv / ssm."""
 
-    def __init__(self, cfg: ModelConfig, get: WeightSource, prefix: str):
+    def __init__(self, cfg: ModelConfig, get: WeightSource, prefix: str, index: int):
         E = cfg.hidden_size
+        self.index = index
         self.Hk, self.Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.Dk, self.Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.K = cfg.linear_conv_kernel_dim
@@ -172,15 +173,12 @@ class HybridLayer:
 
     def __init__(self, cfg: ModelConfig, get: WeightSource, i: int, mlp_factory):
         p = f"model.layers.{i}."
-        self.number = i
         self.full = cfg.layer_types[i] == "full_attention"
         self.index = sum(1 for t in cfg.layer_types[:i] if t == cfg.layer_types[i])
         self.input_norm = _offset_norm(get, p + "input_layernorm.weight", cfg)
         self.post_norm = _offset_norm(get, p + "post_attention_layernorm.weight", cfg)
         self.attn = GatedAttention(cfg, get, p + "self_attn.") if self.full else None
-        self.deltanet = None if self.full else GatedDeltaNet(cfg, get, p + "linear_attn.")
-        if self.deltanet is not None:
-            self.deltanet.index = self.index
+        self.deltanet = None if self.full else GatedDeltaNet(cfg, get, p + "linear_attn.", self.index)
         self.mlp = mlp_factory(cfg, get, i, p + "mlp.")
         self.eps = cfg.rms_norm_eps
 

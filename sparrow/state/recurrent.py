@@ -46,8 +46,24 @@ class HybridCache(KVCache):
         # the live state, the boundary copies (at most SNAPSHOT_COPIES) and a verification's rows
         return super().bytes_at(capacity, probe) + self.state_nbytes * (1 + SNAPSHOT_COPIES + 8)
 
+    def _copy(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.conv.copy(), self.ssm.copy()
+
+    def state_at(self, n: int) -> tuple:
+        """(conv, ssm) after n positions: the live state at the current length, a kept copy
+        (a verification row's or a chunk boundary's), zeros at 0; SparrowError where none is
+        kept. The live arrays are returned as they are, not copied."""
+        if n == self.length:
+            return self.conv, self.ssm
+        st = self.row_states.get(n) or self.states.get(n)
+        if st is not None:
+            return st
+        if n == 0:
+            return np.float32(0), np.float32(0)
+        raise SparrowError(f"recurrent state: no copy at position {n} (the state stands at {self.length})")
+
     def draft_mark(self):
-        return self.length, (self.conv.copy(), self.ssm.copy())
+        return self.length, self._copy()
 
     def drop_draft(self, mark) -> None:
         length, state = mark
@@ -57,13 +73,13 @@ class HybridCache(KVCache):
     def checkpoint(self, chunk: int) -> None:
         """Keeps a copy of the state at a prefill chunk boundary (the current length); the
         copies are thinned by the prefix snapshots' rule (thin_snapshots)."""
-        self.states[self.length] = (self.conv.copy(), self.ssm.copy())
+        self.states[self.length] = self._copy()
         thin_snapshots(self.states, chunk)
 
     def keep_row(self, position: int, layer: int) -> None:
         """Keeps a copy of Gated DeltaNet layer `layer`'s state after `position` tokens: each
-        row of a forward that runs several rows of this sequence (verification); the forward
-        clears the previous rows' copies first."""
+        row of a forward whose cache keeps every row (verification, a draft model's cache);
+        the next truncate clears them."""
         st = self.row_states.get(position)
         if st is None:
             st = self.row_states[position] = (np.empty_like(self.conv), np.empty_like(self.ssm))
@@ -71,14 +87,8 @@ class HybridCache(KVCache):
 
     def _restore(self, n: int) -> None:
         if n != self.length:
-            if n == 0:
-                self.conv[:] = 0
-                self.ssm[:] = 0
-            elif n in self.row_states or n in self.states:
-                conv, ssm = self.row_states.get(n) or self.states[n]
-                self.conv[:], self.ssm[:] = conv, ssm
-            else:
-                raise SparrowError(f"recurrent state: no copy at position {n} to return to (at {self.length})")
+            conv, ssm = self.state_at(n)
+            self.conv[:], self.ssm[:] = conv, ssm
             for b in [b for b in self.states if b > n]:
                 del self.states[b]
         self.row_states.clear()
@@ -90,15 +100,7 @@ class HybridCache(KVCache):
 
     def states_at(self, bounds) -> dict:
         """Copies of the state at each position of `bounds` (the disk prompt cache's file)."""
-        out = {}
-        for b in bounds:
-            if b == self.length:
-                out[b] = (self.conv.copy(), self.ssm.copy())
-            elif b in self.states:
-                out[b] = self.states[b]
-            else:
-                raise SparrowError(f"recurrent state: no copy at position {b}")
-        return out
+        return {b: self._copy() if b == self.length else self.state_at(b) for b in bounds}
 
     def live_state(self) -> tuple:
         return self.conv, self.ssm
@@ -112,14 +114,7 @@ class HybridCache(KVCache):
         self.conv[:], self.ssm[:] = states[n]
 
     def copy_prefix(self, src, n, importance):
-        if n == src.length:
-            conv, ssm = src.conv, src.ssm
-        elif n in src.states or n in src.row_states:
-            conv, ssm = src.states.get(n) or src.row_states[n]
-        elif n == 0:
-            conv, ssm = 0, 0
-        else:
-            raise SparrowError(f"recurrent state: the source holds no copy at position {n}")
+        conv, ssm = src.state_at(n)
         super().copy_prefix(src, n, importance)
         self.conv[:], self.ssm[:] = conv, ssm
         self.states = {b: (c.copy(), s.copy()) for b, (c, s) in src.states.items() if b <= n}
