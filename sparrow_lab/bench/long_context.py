@@ -169,11 +169,13 @@ class SparrowEngine:
         from sparrow.engine.runner import Slot
 
         slot = Slot(np.zeros(start, np.int64), self.cache, self.sparse.get(mode))
+        mark = self.cache.draft_mark()  # a recurrent state returns to start with its copy (K/V: truncate)
         times = []
         for tok in self.feed[: n or len(self.feed)]:
             t0 = time.perf_counter()
             self.llm.runner.decode([slot], [tok])
             times.append(time.perf_counter() - t0)
+        self.cache.drop_draft(mark)
         self.cache.truncate(start)
         return {"times": times}
 
@@ -204,6 +206,9 @@ def fill_random(cache, length: int) -> None:
             layer.k_scale[:, :length] = rng.uniform(0.01, 0.05, (layer.k_scale.shape[0], length))
             layer.v_scale[:, :length] = rng.uniform(0.01, 0.05, (layer.v_scale.shape[0], length))
         st.importance[:length] = rng.exponential(1.0, length)
+    for part in cache.state_parts:  # a hybrid model's recurrent state (Qwen3.5): small values
+        arr = getattr(cache, part)
+        arr[:] = rng.uniform(-0.05, 0.05, arr.shape).astype(np.float32)
     cache.length = length
 
 
@@ -242,12 +247,18 @@ class LlamaEngine:
         return {"s": time.perf_counter() - t0}
 
     def decode(self, start, mode="exact", n=None):
+        # A recurrent model's memory (qwen35) cannot drop positions: the context is saved
+        # before the timed steps and loaded back after them (outside the timing)
+        recurrent = self.llm.metadata.get("general.architecture") in ("qwen35", "qwen35moe")
+        saved = self.llm.save_state() if recurrent else None
         self.llm.n_tokens = start
         times = []
         for tok in self.feed[: n or len(self.feed)]:
             t0 = time.perf_counter()
             self.llm.eval([tok])
             times.append(time.perf_counter() - t0)
+        if saved is not None:
+            self.llm.load_state(saved)
         self.llm.n_tokens = start
         return {"times": times}
 
