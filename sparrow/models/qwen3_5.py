@@ -29,17 +29,12 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import SparrowError
-from ..kernels.deltanet import gated_deltanet
+from ..kernels.deltanet import gated_deltanet, sigmoid
 from ..kernels.linear import linear, prepare
 from ..quant import Weight
 from ..state.recurrent import HybridCache
 from .decoder import Decoder, Segment, WeightSource, dense_mlp
 from .layers import MLP, FusedLinear, rms_norm
-
-
-def sigmoid(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):  # exp(-x) -> inf for very negative x gives 0, as wanted
-        return (np.float32(1) / (np.float32(1) + np.exp(-x))).astype(np.float32)
 
 
 def _check(get: WeightSource, name: str, shape: tuple) -> None:
