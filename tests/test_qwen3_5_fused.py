@@ -5,8 +5,9 @@ back to) and speculative decoding, in both activations modes and with sparse att
 full-attention layers; the fused path is checked to have run (FusedDecode's counters).
 
 One tiny block-shaped model (test_qwen3_5.BLOCK_SHAPED: Gated DeltaNet and gated full attention
-layers, partial rotary, more value heads than key heads), quantised at load: three compiled
-variants of the step (exact, q8 activations, exact with block selection)."""
+layers, partial rotary, more value heads than key heads), quantised at load, and tiny qwen35 /
+qwen35moe files (the MoE layers: routed experts and a shared expert): four compiled variants
+of the step (exact, q8 activations, exact with block selection, exact MoE)."""
 
 from __future__ import annotations
 
@@ -55,13 +56,16 @@ TINY = dict(
     ffn=512, vocab=512, bpe_tokens=480, tied=False, context=256, full_attention_interval=2, linear_k_heads=2,
     linear_v_heads=4, linear_key_dim=32, linear_value_dim=32,
 )  # fmt: skip
+# and a qwen35moe one: every layer's MLP routed experts plus a shared expert with its sigmoid gate
+TINY_MOE = dict(TINY, ffn=None, arch="qwen35moe", experts=4, experts_used=2, expert_ffn=128, shared_ffn=96)
 
 
 @pytest.fixture(scope="module")
 def llms(folder, tmp_path_factory):
     """name -> the loaded model, on 2 threads: the HF model quantised to q8_0 at load, exact
     ("q8_0") and with q8 activations ("q8act"); the qwen35 files in q4_0 and q4_k_m (q4_k and
-    q6_k, and a DeltaNet in_proj whose parts differ in format)."""
+    q6_k, and a DeltaNet in_proj whose parts differ in format); the qwen35moe file in q8_0 and
+    q4_k_m ("moe_q8_0", "moe_q4_k_m")."""
     root = tmp_path_factory.mktemp("qwen35_files")
     out = {
         "q8_0": sparrow.load(folder, quantize="q8_0", threads=2, activations="f32"),
@@ -69,7 +73,12 @@ def llms(folder, tmp_path_factory):
     }
     for q in ("q4_0", "q4_k_m"):
         out[q] = sparrow.load(shapes.write_gguf(str(root / f"tiny-{q}.gguf"), TINY, q, name="tiny"), threads=2)
+    for q in ("q8_0", "q4_k_m"):
+        path = shapes.write_gguf(str(root / f"tiny-moe-{q}.gguf"), TINY_MOE, q, name="tiny")
+        out["moe_" + q] = sparrow.load(path, threads=2)
     assert out["q4_k_m"].model.layers[2].deltanet.proj.fused is None  # q6_k qkv beside q4_k z, b, a
+    assert all(type(lay.mlp).__name__ == "SharedExpertMoE" for lay in out["moe_q8_0"].model.layers)
+    assert out["moe_q8_0"].model.fused_step().moe is not None
     return out
 
 
@@ -113,7 +122,7 @@ def _same_state(a, b) -> bool:
     )
 
 
-@pytest.mark.parametrize("key", ["q8_0", "q8act", "q4_0", "q4_k_m"])
+@pytest.mark.parametrize("key", ["q8_0", "q8act", "q4_0", "q4_k_m", "moe_q8_0", "moe_q4_k_m"])
 def test_decode_steps_run_fused_with_the_staged_bits(llms, key):
     """A sequence's decode steps: the logits and the state left behind (conv, delta rule state,
     K/V of the full-attention layers) bit for bit the staged path's."""
@@ -157,7 +166,7 @@ def _batch(llm, seqs, fused, sparse=None):
         model.use_fused = True
 
 
-@pytest.mark.parametrize("key", ["q8_0", "q8act", "q4_k_m"])
+@pytest.mark.parametrize("key", ["q8_0", "q8act", "q4_k_m", "moe_q8_0"])
 def test_a_batch_runs_fused_with_each_sequence_s_own_bits(llms, key):
     """Rows of three sequences (different lengths: positions, states and caches) in one fused
     step: each row's logits and its sequence's state are those of its step alone and of the
@@ -176,7 +185,7 @@ def test_a_batch_runs_fused_with_each_sequence_s_own_bits(llms, key):
         assert alone.tobytes() == fused.tobytes()
 
 
-@pytest.mark.parametrize("key", ["q8_0", "q8act", "q4_k_m"])
+@pytest.mark.parametrize("key", ["q8_0", "q8act", "q4_k_m", "moe_q4_k_m"])
 def test_verification_rows_keep_each_row_s_state_and_roll_back_to_plain_decoding(llms, key):
     """A sequence's rows in one fused verification step: each row's logits those of plain decode
     steps, the state kept after every row (keep_every_row) equal to plain decoding's state at

@@ -105,6 +105,16 @@ def _n(w):
     return w.shape[0] if w is not None else 0
 
 
+def _shared_expert(mlp):
+    """The shared expert (an MLP) of a Qwen3.5-MoE block (qwen3_5.SharedExpertMoE), else None."""
+    return getattr(mlp, "shared", None) if hasattr(mlp, "routed") else None
+
+
+def _dense_mlp(mlp):
+    """The MLP whose rows take the step's gate/up/down slots: a dense layer's, or a shared expert."""
+    return mlp if isinstance(mlp, MLP) else _shared_expert(mlp)
+
+
 class FusedDecode:
     """Built once per Decoder (None when its weights do not allow the fused step)."""
 
@@ -115,6 +125,14 @@ class FusedDecode:
         for layer in model.layers:
             a, m = layer.attn, layer.mlp
             dn = getattr(layer, "deltanet", None)  # Qwen3.5's Gated DeltaNet layers: no attn
+            shared = _shared_expert(m)  # Qwen3.5-MoE: routed experts and a shared expert
+            if shared is not None:
+                g = m.gate.data
+                if not (_group_ok(shared.gate_up) and _block_weight(shared.down) and m.gate.qtype == "f32"):
+                    return None
+                if g.dtype != np.float32 or g.shape[0] != 1:
+                    return None
+                m = m.routed
             dense = isinstance(m, MLP) and _group_ok(m.gate_up) and _block_weight(m.down)
             if dn is not None:
                 mixer = _group_ok(dn.proj) and _block_weight(dn.out)
@@ -136,7 +154,7 @@ class FusedDecode:
         self.hybrid = _Hybrid(layers) if any(getattr(lay, "deltanet", None) is not None for lay in layers) else None
         qw = 2 if self.hybrid is not None else 1  # a query head's width in q_proj: the query, then its gate
         self.H, self.KV, self.D = a0.n_heads, a0.n_kv, a0.head_dim
-        dense = [lay.mlp for lay in layers if isinstance(lay.mlp, MLP)]
+        dense = [_dense_mlp(lay.mlp) for lay in layers if _dense_mlp(lay.mlp) is not None]
         self.F = dense[0].gate_up.sizes[0] if dense else 0
         self.moe = moe  # the MoE layers' record (kernels/fused/moe_phase.StepMoE), None for a dense model
         self.E = cfg.hidden_size
@@ -145,7 +163,10 @@ class FusedDecode:
         self._qkv = [
             _pieces(lay.attn.qkv_proj, 3) if lay.attn is not None else [(None, 0)] * 3 for lay in layers
         ]  # [(weight | None, offset)] x 3
-        self._gu = [_pieces(lay.mlp.gate_up, 2) if isinstance(lay.mlp, MLP) else [(None, 0)] * 2 for lay in layers]
+        self._gu = [
+            _pieces(_dense_mlp(lay.mlp).gate_up, 2) if _dense_mlp(lay.mlp) is not None else [(None, 0)] * 2
+            for lay in layers
+        ]
         self.offs = np.array(
             [[off for _, off in q] + [off for _, off in g] for q, g in zip(self._qkv, self._gu)], np.int64
         )  # [L, 5]
@@ -214,7 +235,7 @@ class FusedDecode:
                 [w for w, _ in q]
                 + [lay.attn.o if lay.attn else None]
                 + [w for w, _ in g]
-                + [getattr(lay.mlp, "down", None)]
+                + [getattr(_dense_mlp(lay.mlp), "down", None)]
                 for q, g, lay in zip(self._qkv, self._gu, layers)
             ]  # [L][7]
             self._rows = [[_rows_kind(w) for w in ws] for ws in pieces]
@@ -484,6 +505,13 @@ class _Hybrid:
         self.conv = np.empty((R, self.C), np.float32)
         self.yv = np.empty((R, self.VD), np.float32)
         self.like3, self.like4 = np.zeros((0, 0, 0), np.float32), np.zeros((0, 0, 0, 0), np.float32)
+        E = layers[0].input_norm.shape[0]
+        self.shared = np.array([_shared_expert(lay.mlp) is not None for lay in layers], np.int64)  # [L]
+        self.sgate = np.zeros((len(layers), E), np.float32)  # [L, E]
+        for i, lay in enumerate(layers):
+            if self.shared[i]:
+                self.sgate[i] = lay.mlp.gate.data.reshape(-1)
+        self.moe_out = np.empty((R, E), np.float32)
         self._weights = None
 
     def weights(self):
@@ -519,5 +547,6 @@ class _Hybrid:
             full=self.full, index=self.index, dwtab=wtab, dkinds=kinds, doffs=self.offs, drows=self.rows,
             conv_w=self.conv_w, neg_A=self.neg_A, dt_bias=self.dt_bias, norm=self.norm, key_head=self.key_head,
             dims=self.dims, C=self.C, VD=self.VD, Hv=self.Hv, proj=self.proj, conv=self.conv, yv=self.yv,
-            stab=stab, keep=keep, like3=self.like3, like4=self.like4,
+            stab=stab, keep=keep, like3=self.like3, like4=self.like4, shared=self.shared, sgate=self.sgate,
+            moe_out=self.moe_out,
         )  # fmt: skip

@@ -43,8 +43,8 @@ from sparrow.kernels.matmul.q8.groups import GROUP
 from sparrow.kernels.matmul.q8.quantized import quantize as _q8_quantize
 from sparrow.kernels.matmul.q8.quantized import rows_address as _q8_rows_address
 from sparrow.kernels.matmul.q8.quantized import x_sums as _q8_x_sums
+from sparrow.kernels.matmul.widen import dot, exact_sums
 from sparrow.kernels.matmul.widen import exact_rows_address as _exact_rows_address
-from sparrow.kernels.matmul.widen import exact_sums
 from sparrow.kernels.matmul.widen import kq_rows_address as _kq_rows_address
 from sparrow.kernels.native_call import address_checked, call_checked, call_native, view
 from sparrow.kernels.options import KW
@@ -222,6 +222,10 @@ class StepHybrid(NamedTuple):
     keep: np.ndarray  # [R, 2, 5] per row: where the state after it is kept (HybridCache.row_states), 0: nowhere
     like3: np.ndarray  # [0, 0, 0] float32, writable: the type view() gives a conv state (a global would be read-only)
     like4: np.ndarray  # [0, 0, 0, 0] float32: a delta rule state's
+    shared: np.ndarray  # [L] int64: 1 where the MLP is a MoE block with a shared expert (its rows in StepModel's
+    # gate/up/down slots)
+    sgate: np.ndarray  # [L, E] f32: that expert's gate row (zeros elsewhere)
+    moe_out: np.ndarray  # [>= R, E] the routed experts' sum
 
 
 @njit(**KW)
@@ -275,6 +279,33 @@ def _deltanet_phase(tid, nt, sync, layer, h, x, at, y, eps, hyb, q8, exact):
             x[r, o] = x[r, o] + y[r, o]
     barrier(sync, nt)
     return True
+
+
+@njit(**KW)
+def _zeroed(buf, R, tid, nt):
+    """buf[:R] with this worker's share of its columns zeroed (moe_phase's combine adds each
+    worker's share of the columns into it, after barriers)."""
+    out = buf[:R]
+    a, b = _share(out.shape[1], tid, nt)
+    for r in range(R):
+        for o in range(a, b):
+            out[r, o] = np.float32(0)
+    return out
+
+
+@njit(**KW)
+def _shared_residual(x, y, h, a, b, shared, layer, hyb):
+    """Columns [a, b) of the residual after Qwen3.5's MLP: x + y for a dense MLP; for a MoE
+    layer with a shared expert (y its output), x + (routed + y * sigmoid(gate . h)), the sum
+    the staged SharedExpertMoE returns (the gate row dotted by widen.dot, as linear's f32 rows)."""
+    for r in range(x.shape[0]):
+        if shared:
+            g = _sigmoid1(dot(hyb.sgate[layer], h[r]))
+            for o in range(a, b):
+                x[r, o] = x[r, o] + (hyb.moe_out[r, o] + y[r, o] * g)
+        else:
+            for o in range(a, b):
+                x[r, o] = x[r, o] + y[r, o]
 
 
 @njit(**KW)
@@ -489,18 +520,27 @@ def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, h
             barrier(sync, nt)
         _rms_rows(x, post_norm[layer], eps, h)
         sparse_mlp = False
+        shared = False  # Qwen3.5-MoE: the routed experts' sum goes to hybrid.moe_out, the shared expert follows
         if moe is not None:
-            sparse_mlp = moe_phase(tid, nt, sync, layer, h, x, moe)
-        if not sparse_mlp:
+            if hybrid is not None:
+                shared = hybrid.shared[layer] != 0
+            if shared:
+                sparse_mlp = moe_phase(tid, nt, sync, layer, h, _zeroed(hybrid.moe_out, R, tid, nt), moe)
+            else:
+                sparse_mlp = moe_phase(tid, nt, sync, layer, h, x, moe)
+        if not sparse_mlp or shared:  # the dense MLP, or the shared expert (its rows in the same slots)
             _matvec_at(_w(wtab, layer, 4), kinds[layer, 4], h, gu, offs[layer, 3], rows[layer, 3], tid, nt, q8, exact)
             _matvec_at(_w(wtab, layer, 5), kinds[layer, 5], h, gu, offs[layer, 4], rows[layer, 4], tid, nt, q8, exact)
             barrier(sync, nt)
             _silu_mul(gu, F, act)
             _matvec_at(_w(wtab, layer, 6), kinds[layer, 6], act, y, np.int64(0), E, tid, nt, q8, exact)
             a, b = _own_rows(_w(wtab, layer, 6), kinds[layer, 6], E, tid, nt)
-            for r in range(R):
-                for o in range(a, b):
-                    x[r, o] = x[r, o] + y[r, o]
+            if hybrid is not None:
+                _shared_residual(x, y, h, a, b, shared, layer, hybrid)
+            else:
+                for r in range(R):
+                    for o in range(a, b):
+                        x[r, o] = x[r, o] + y[r, o]
             barrier(sync, nt)
     if head_kind >= 0:
         _rms_rows(x, head_norm, eps, h)
