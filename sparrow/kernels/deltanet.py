@@ -24,8 +24,12 @@ depend on whether the CPU has FMA either; exp and log1p of the per-head gates ar
 
 `gated_deltanet` is a whole layer's mixing for a run of one sequence's tokens in two launches:
 the convolution with SiLU over every channel, then per value head the L2 norms of its key
-head's q and k, the gates, the rule and the output's RMSNorm gated by silu(z). Prefill chunks,
-decode steps and verification rows all take it.
+head's q and k, the gates, the rule and the output's RMSNorm gated by silu(z). Prefill chunks
+and the staged path's decode steps and verification rows take it; the fused decode step
+(kernels/fused/decode_step._deltanet_phase) calls the same helpers on each worker's share
+(_conv_silu_channels over a range of channels, _layer_head per value head), so its bits are
+these. The sigmoid gates of Qwen3.5's attention output and shared expert are here too
+(sigmoid, _sigmoid1), for the same reason.
 """
 
 from __future__ import annotations

@@ -3,10 +3,15 @@ for a single sequence's decode when the model allows it, and for the rows specul
 verification checks of one sequence with exact attention (FusedDecode.verify); everything else
 takes the staged path (Decoder.forward's stage methods), which gives the same bits.
 
-It applies to decoders (Llama, Qwen2, Qwen3, Qwen3-MoE) whose projections are stored in a block
+It applies to decoders (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3.5 dense and MoE) whose projections are stored in a block
 format (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k) with matching formats inside each
 fused group (q/k/v, gate/up); MoE layers whose experts are in a block format run
 kernels/fused/moe_phase.py's phases (models/qwen3_moe.step_moe builds their tables).
+Qwen3.5's layers come as one more record, _Hybrid's decode_step.StepHybrid (None for the other
+families, whose step compiles none of it): its Gated DeltaNet layers (in_proj group and
+out_proj in a block format; conv and delta rule state read and advanced in its HybridCache,
+and kept after each row where the cache keeps every row, as the staged path's keep_row), its
+gated full attention and its shared experts.
 A batch, one decode row of each of several sequences (the server's steps), runs fused too
 (FusedDecode.batch): one step for the rows that share their attention settings and KV storage,
 the weights read once for all of them (a MoE layer's routed experts once for the rows they

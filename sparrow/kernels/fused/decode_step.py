@@ -23,6 +23,13 @@ KV head's K/V is read once for all of them (attention.decode.verify_head, a deco
 bits at each position), and every elementwise helper works row by row. Block formats run
 here: q8_0, q4_0, q4_1, and q5_0, q5_1 and the K-quants (q4_k, q5_k, q6_k) through
 kernels/matmul/kquants.py's row dots.
+
+Qwen3.5 (StepHybrid, None for every other family): a Gated DeltaNet layer runs
+_deltanet_phase in place of the attention (in_proj rows | conv + SiLU by channel | the delta
+rule by value head, kernels/deltanet.py's helpers | out_proj rows, residual |), a gated
+full-attention layer takes queries of twice the width (query, then gate, per head), rotates
+the first rotary dims and multiplies each head's output by sigmoid(gate) before o_proj, and a
+MoE layer with a shared expert adds routed + shared * sigmoid(gate . h) (_shared_residual).
 """
 
 import functools
