@@ -20,6 +20,7 @@ from test_qwen3_5 import BLOCK_SHAPED, PROMPT, REPEATING, _run, _seed
 
 import sparrow
 from reference_models import save_default_tokenizer
+from sparrow.kernels.runtime import set_threads
 from sparrow.models import fused as fused_mod
 from sparrow.models.decoder import Segment
 from sparrow.params import SamplingParams, SparseParams, SpeculativeParams
@@ -125,13 +126,20 @@ def _same_state(a, b) -> bool:
 @pytest.mark.parametrize("key", ["q8_0", "q8act", "q4_0", "q4_k_m", "moe_q8_0", "moe_q4_k_m"])
 def test_decode_steps_run_fused_with_the_staged_bits(llms, key):
     """A sequence's decode steps: the logits and the state left behind (conv, delta rule state,
-    K/V of the full-attention layers) bit for bit the staged path's."""
+    K/V of the full-attention layers) bit for bit the staged path's, on 2 threads and on 1."""
     llm = llms[key]
     ids = _ids(key, 60)
     fused, fc = _decode(llm, ids, 40, fused=True)
     staged, sc = _decode(llm, ids, 40, fused=False)
     assert fused.tobytes() == staged.tobytes()
     assert _same_state(fc, sc)
+    try:
+        set_threads(1)
+        one, oc = _decode(llm, ids, 40, fused=True)
+    finally:
+        set_threads(llm.threads)
+    assert one.tobytes() == fused.tobytes()
+    assert _same_state(oc, fc)
 
 
 @pytest.mark.parametrize(
