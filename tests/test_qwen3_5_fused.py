@@ -22,6 +22,7 @@ import sparrow
 from reference_models import save_default_tokenizer
 from sparrow.kernels.runtime import set_threads
 from sparrow.models import fused as fused_mod
+from sparrow.models.attention import Selections
 from sparrow.models.decoder import Segment
 from sparrow.params import SamplingParams, SparseParams, SpeculativeParams
 from sparrow_lab.bench import shapes
@@ -158,6 +159,30 @@ def test_sparse_decode_runs_fused_with_the_staged_bits(llms, sp):
     assert fused.tobytes() == staged.tobytes()
     exact, _ = _decode(llm, ids, 40, fused=True)
     assert not np.array_equal(fused, exact)
+    # the selections a trace records (models.attention.Selections, the server's sparse_trace):
+    # one row per full-attention layer, the same from either path
+    got = {}
+    for path in (True, False):
+        model = llm.model
+        model.use_fused = path
+        try:
+            cache = model.new_cache(64)
+            model.forward([Segment(ids[:50], cache, 0)])
+            trace = Selections()
+            before = _plan(llm).steps
+            model.forward([Segment(ids[50:51], cache, 50, sp, decode=True, trace=trace)])
+            assert _plan(llm).steps == before + path  # the traced step took the path meant
+            got[path] = trace.take()
+        finally:
+            model.use_fused = True
+    sel, stages, nsel = got[True]
+    assert sel.shape[0] == 2 and (nsel[1] > 0).all()  # two full-attention layers; the second selects
+    for layer in (0, 1) if sp.dense_layers == 0 else (1,):  # v2's exact first layer: unspecified rows
+        n = nsel[layer]
+        assert np.array_equal(n, got[False][2][layer])
+        for h in range(len(n)):
+            assert np.array_equal(sel[layer, h, : n[h]], got[False][0][layer, h, : n[h]])
+            assert np.array_equal(stages[layer, h, : n[h]], got[False][1][layer, h, : n[h]])
 
 
 def _batch(llm, seqs, fused, sparse=None):
