@@ -11,6 +11,7 @@ of the step (exact, q8 activations, exact with block selection, exact MoE)."""
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 
@@ -252,6 +253,37 @@ def test_verification_rows_keep_each_row_s_state_and_roll_back_to_plain_decoding
     )
     assert again.tobytes() == plain[2:].tobytes()
     assert _same_state(cache, pc)
+
+
+def test_verification_rows_of_several_sequences_run_as_one_fused_batch(llms):
+    """Speculating sequences verified together (Runner.verify with several slots): each
+    sequence's rows at consecutive positions beside another's go through one fused batch step,
+    every row with the bits of a decode step at its position and each sequence's state kept
+    after each of its rows, as plain decoding leaves it."""
+    llm = llms["moe_q8_0"]
+    model = llm.model
+    plan = _plan(llm)
+    seqs = [_ids("moe", n) for n in (12, 20)]
+    feed = [_ids("moe", 4), _ids("moe", 5)]
+    counts = (3, 2)
+    plain, states, caches = [], {}, []
+    for s, (ids, toks, n) in enumerate(zip(seqs, feed, counts)):
+        cache = model.new_cache(len(ids) + n)
+        model.forward([Segment(ids, cache, 0)])
+        caches.append(copy.deepcopy(cache))
+        for j in range(n):
+            plain.append(model.forward([Segment(toks[j : j + 1], cache, len(ids) + j, decode=True)])[0])
+            states[s, len(ids) + j + 1] = (cache.conv.copy(), cache.ssm.copy())
+    segs = [Segment(toks[j : j + 1], cache, len(ids) + j, decode=True)
+            for ids, toks, n, cache in zip(seqs, feed, counts, caches) for j in range(n)]  # fmt: skip
+    before = plan.batched
+    with caches[0].keeping_every_row(), caches[1].keeping_every_row():
+        rows = model.forward(segs)
+    assert plan.batched == before + 1
+    assert rows.tobytes() == np.stack(plain).tobytes()
+    for (s, p), (conv, ssm) in states.items():
+        got = caches[s].state_at(p)
+        assert np.array_equal(got[0], conv) and np.array_equal(got[1], ssm), (s, p)
 
 
 def test_speculative_decoding_on_the_fused_step_equals_plain(llms):
