@@ -229,13 +229,17 @@ def test_verification_rows_keep_each_row_s_state_and_roll_back_to_plain_decoding
     plan = _plan(llm)
     ids = _ids(key, 48)
     n = 40
-    plain, pc = _decode(llm, ids, n, fused=True)  # logits of rows n.. as plain steps
+    plain, pc = _decode(llm, ids, n, fused=False)  # logits of rows n.. as plain (staged) steps
     states = {}  # position -> plain decoding's (conv, ssm) after it
     cache = model.new_cache(len(ids) + 8)
     model.forward([Segment(ids[:n], cache, 0)])
-    for i in range(n, len(ids)):
-        model.forward([Segment(ids[i : i + 1], cache, i, decode=True)])
-        states[i + 1] = (cache.conv.copy(), cache.ssm.copy())
+    model.use_fused = False
+    try:
+        for i in range(n, len(ids)):
+            model.forward([Segment(ids[i : i + 1], cache, i, decode=True)])
+            states[i + 1] = (cache.conv.copy(), cache.ssm.copy())
+    finally:
+        model.use_fused = True
     cache = model.new_cache(len(ids) + 8)
     model.forward([Segment(ids[:n], cache, 0)])
     before = plan.verified
@@ -266,14 +270,18 @@ def test_verification_rows_of_several_sequences_run_as_one_fused_batch(llms):
     seqs = [_ids("moe", n) for n in (12, 20)]
     feed = [_ids("moe", 4), _ids("moe", 5)]
     counts = (3, 2)
-    plain, states, caches = [], {}, []
+    plain, states, caches = [], {}, []  # plain: staged decode steps
     for s, (ids, toks, n) in enumerate(zip(seqs, feed, counts)):
         cache = model.new_cache(len(ids) + n)
         model.forward([Segment(ids, cache, 0)])
         caches.append(copy.deepcopy(cache))
-        for j in range(n):
-            plain.append(model.forward([Segment(toks[j : j + 1], cache, len(ids) + j, decode=True)])[0])
-            states[s, len(ids) + j + 1] = (cache.conv.copy(), cache.ssm.copy())
+        model.use_fused = False
+        try:
+            for j in range(n):
+                plain.append(model.forward([Segment(toks[j : j + 1], cache, len(ids) + j, decode=True)])[0])
+                states[s, len(ids) + j + 1] = (cache.conv.copy(), cache.ssm.copy())
+        finally:
+            model.use_fused = True
     segs = [Segment(toks[j : j + 1], cache, len(ids) + j, decode=True)
             for ids, toks, n, cache in zip(seqs, feed, counts, caches) for j in range(n)]  # fmt: skip
     before = plan.batched
