@@ -24,8 +24,12 @@ depend on whether the CPU has FMA either; exp and log1p of the per-head gates ar
 
 `gated_deltanet` is a whole layer's mixing for a run of one sequence's tokens in two launches:
 the convolution with SiLU over every channel, then per value head the L2 norms of its key
-head's q and k, the gates, the rule and the output's RMSNorm gated by silu(z). Prefill chunks,
-decode steps and verification rows all take it.
+head's q and k, the gates, the rule and the output's RMSNorm gated by silu(z). Prefill chunks
+and the staged path's decode steps and verification rows take it; the fused decode step
+(kernels/fused/decode_step._deltanet_phase) calls the same helpers on each worker's share
+(_conv_silu_channels over a range of channels, _layer_head per value head), so its bits are
+these. The sigmoid gates of Qwen3.5's attention output and shared expert are here too
+(sigmoid, _sigmoid1), for the same reason.
 """
 
 from __future__ import annotations
@@ -66,12 +70,15 @@ def _rule_step(S, q, k, v, d, b, mem, o):
 
 
 @njit(**_KW)
-def _conv_rows(x, w, state, out):
-    # x [T, C] new inputs; w [C, K]; state [K-1, C] the K-1 inputs before x (zeros at the start)
+def _conv_channels(x, w, state, out, c0, c1):
+    # channels [c0, c1) of the causal conv: x [T, C] new inputs; w [C, K]; state [K-1, C] the
+    # K-1 inputs before x (zeros at the start), advanced to the last K-1 inputs. Channels are
+    # independent: a range gives each channel the bits of the whole run (the fused step splits
+    # them between its workers)
     K = w.shape[1]
-    T, C = x.shape
+    T = x.shape[0]
     for t in range(T):
-        for c in range(C):
+        for c in range(c0, c1):
             acc = np.float32(0)
             for j in range(K):
                 r = t + j - (K - 1)  # input row: < 0 reads the state
@@ -79,11 +86,15 @@ def _conv_rows(x, w, state, out):
                 acc += w[c, j] * xv
             out[t, c] = acc
     # the state becomes the last K-1 inputs
-    if T >= K - 1:
-        state[:] = x[T - (K - 1) :]
-    else:
-        state[: K - 1 - T] = state[T:].copy()
-        state[K - 1 - T :] = x
+    for c in range(c0, c1):
+        if T >= K - 1:
+            for j in range(K - 1):
+                state[j, c] = x[T - (K - 1) + j, c]
+        else:
+            for j in range(K - 1 - T):
+                state[j, c] = state[j + T, c]
+            for j in range(T):
+                state[K - 1 - T + j, c] = x[j, c]
 
 
 @njit(**_KW)
@@ -95,11 +106,37 @@ def _silu1(x):
 
 
 @njit(**_KW)
-def _conv_silu(x, w, state, out):
-    # causal conv of x [T, C] after state [K-1, C] (advanced), then SiLU -> out [T, C]
-    _conv_rows(x, w, state, out)
+def _sigmoid1(x):
+    # 1 / (1 + exp(-x)) with exp by exp_parts, as _silu1 (Qwen3.5's attention output gate and
+    # shared expert gate)
+    p, k = exp_parts(min(max(-x, np.float32(-87.0)), np.float32(88.0)))
+    two_k = np.float32(math.ldexp(1.0, int(k)))
+    return np.float32(1) / fma32(p, two_k, np.float32(1))
+
+
+@njit(**_KW)
+def _sigmoid_rows(x, out):
+    for t in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            out[t, i] = _sigmoid1(x[t, i])
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """sigmoid(x) in f32 (a new array), each value by _sigmoid1: the fused decode step gates
+    with the same helper."""
+    x2 = np.ascontiguousarray(x, np.float32).reshape(-1, x.shape[-1] if x.ndim else 1)
+    out = np.empty(x2.shape, np.float32)
+    _sigmoid_rows(x2, out)
+    return out.reshape(x.shape)
+
+
+@njit(**_KW)
+def _conv_silu_channels(x, w, state, out, c0, c1):
+    # channels [c0, c1) of the causal conv of x [T, C] after state [K-1, C] (advanced), then
+    # SiLU -> out [T, C]
+    _conv_channels(x, w, state, out, c0, c1)
     for t in range(out.shape[0]):
-        for c in range(out.shape[1]):
+        for c in range(c0, c1):
             out[t, c] = _silu1(out[t, c])
 
 
@@ -145,7 +182,7 @@ def gated_deltanet(qkv, z, b, a, conv_w, conv_state, neg_A, dt_bias, norm_w, key
     T, Hv = b.shape
     dv = state.shape[2]
     c = np.empty(qkv.shape, np.float32)
-    _conv_silu(np.ascontiguousarray(qkv), conv_w, conv_state, c)
+    _conv_silu_channels(np.ascontiguousarray(qkv), conv_w, conv_state, c, 0, c.shape[1])
     y = np.empty((T, Hv * dv), np.float32)
     dims = np.array([hk, dk, dv], np.int64)
     args = (c, np.ascontiguousarray(z), np.ascontiguousarray(b), np.ascontiguousarray(a))

@@ -3,10 +3,15 @@ for a single sequence's decode when the model allows it, and for the rows specul
 verification checks of one sequence with exact attention (FusedDecode.verify); everything else
 takes the staged path (Decoder.forward's stage methods), which gives the same bits.
 
-It applies to decoders (Llama, Qwen2, Qwen3, Qwen3-MoE) whose projections are stored in a block
+It applies to decoders (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3.5 dense and MoE) whose projections are stored in a block
 format (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k) with matching formats inside each
 fused group (q/k/v, gate/up); MoE layers whose experts are in a block format run
 kernels/fused/moe_phase.py's phases (models/qwen3_moe.step_moe builds their tables).
+Qwen3.5's layers come as one more record, _Hybrid's decode_step.StepHybrid (None for the other
+families, whose step compiles none of it): its Gated DeltaNet layers (in_proj group and
+out_proj in a block format; conv and delta rule state read and advanced in its HybridCache,
+and kept after each row where the cache keeps every row, as the staged path's keep_row), its
+gated full attention and its shared experts.
 A batch, one decode row of each of several sequences (the server's steps), runs fused too
 (FusedDecode.batch): one step for the rows that share their attention settings and KV storage,
 the weights read once for all of them (a MoE layer's routed experts once for the rows they
@@ -105,6 +110,16 @@ def _n(w):
     return w.shape[0] if w is not None else 0
 
 
+def _shared_expert(mlp):
+    """The shared expert (an MLP) of a Qwen3.5-MoE block (qwen3_5.SharedExpertMoE), else None."""
+    return getattr(mlp, "shared", None) if hasattr(mlp, "routed") else None
+
+
+def _dense_mlp(mlp):
+    """The MLP whose rows take the step's gate/up/down slots: a dense layer's, or a shared expert."""
+    return mlp if isinstance(mlp, MLP) else _shared_expert(mlp)
+
+
 class FusedDecode:
     """Built once per Decoder (None when its weights do not allow the fused step)."""
 
@@ -114,8 +129,21 @@ class FusedDecode:
 
         for layer in model.layers:
             a, m = layer.attn, layer.mlp
+            dn = getattr(layer, "deltanet", None)  # Qwen3.5's Gated DeltaNet layers: no attn
+            shared = _shared_expert(m)  # Qwen3.5-MoE: routed experts and a shared expert
+            if shared is not None:
+                g = m.gate.data
+                if not (_group_ok(shared.gate_up) and _block_weight(shared.down) and m.gate.qtype == "f32"):
+                    return None
+                if g.dtype != np.float32 or g.shape[0] != 1:
+                    return None
+                m = m.routed
             dense = isinstance(m, MLP) and _group_ok(m.gate_up) and _block_weight(m.down)
-            if not ((dense or fused_moe_ok(m)) and _group_ok(a.qkv_proj) and _block_weight(a.o)):
+            if dn is not None:
+                mixer = _group_ok(dn.proj) and _block_weight(dn.out)
+            else:
+                mixer = _group_ok(a.qkv_proj) and _block_weight(a.o)
+            if not ((dense or fused_moe_ok(m)) and mixer):
                 return None
         try:
             moe = step_moe(model.layers)  # None for a dense model
@@ -125,17 +153,25 @@ class FusedDecode:
 
     def __init__(self, model, moe=None):
         cfg, layers = model.config, model.layers
-        a0 = layers[0].attn
+        a0 = next(lay.attn for lay in layers if lay.attn is not None)
         self.model = model
+        # Qwen3.5 (HybridLayer): Gated DeltaNet layers beside gated full attention (_Hybrid)
+        self.hybrid = _Hybrid(layers) if any(getattr(lay, "deltanet", None) is not None for lay in layers) else None
+        qw = 2 if self.hybrid is not None else 1  # a query head's width in q_proj: the query, then its gate
         self.H, self.KV, self.D = a0.n_heads, a0.n_kv, a0.head_dim
-        dense = [lay.mlp for lay in layers if isinstance(lay.mlp, MLP)]
+        dense = [_dense_mlp(lay.mlp) for lay in layers if _dense_mlp(lay.mlp) is not None]
         self.F = dense[0].gate_up.sizes[0] if dense else 0
         self.moe = moe  # the MoE layers' record (kernels/fused/moe_phase.StepMoE), None for a dense model
         self.E = cfg.hidden_size
         self.eps = np.float32(cfg.rms_norm_eps)
         self.scale = np.float32(a0.scale)
-        self._qkv = [_pieces(lay.attn.qkv_proj, 3) for lay in layers]  # [(weight | None, offset)] x 3
-        self._gu = [_pieces(lay.mlp.gate_up, 2) if isinstance(lay.mlp, MLP) else [(None, 0)] * 2 for lay in layers]
+        self._qkv = [
+            _pieces(lay.attn.qkv_proj, 3) if lay.attn is not None else [(None, 0)] * 3 for lay in layers
+        ]  # [(weight | None, offset)] x 3
+        self._gu = [
+            _pieces(_dense_mlp(lay.mlp).gate_up, 2) if _dense_mlp(lay.mlp) is not None else [(None, 0)] * 2
+            for lay in layers
+        ]
         self.offs = np.array(
             [[off for _, off in q] + [off for _, off in g] for q, g in zip(self._qkv, self._gu)], np.int64
         )  # [L, 5]
@@ -146,15 +182,16 @@ class FusedDecode:
         self.kquants = False  # whether any of them takes kquants' row dots (set by weights)
         self.in_norm = np.stack([lay.input_norm for lay in layers]).astype(np.float32)  # [L, E]
         self.post_norm = np.stack([lay.post_norm for lay in layers]).astype(np.float32)  # [L, E]
-        L, QKV = len(layers), (self.H + 2 * self.KV) * self.D
-        if a0.q_b is not None:
+        L, QKV = len(layers), (qw * self.H + 2 * self.KV) * self.D
+        if getattr(a0, "q_b", None) is not None:
             self.bias = np.stack([np.concatenate([lay.attn.q_b, lay.attn.k_b, lay.attn.v_b]) for lay in layers])
         else:
             self.bias = np.zeros((L, 0), np.float32)
         self.bias = self.bias.astype(np.float32)  # [L, QKV | 0]
-        if a0.q_norm is not None:
-            self.q_norm = np.stack([lay.attn.q_norm for lay in layers]).astype(np.float32)  # [L, D]
-            self.k_norm = np.stack([lay.attn.k_norm for lay in layers]).astype(np.float32)  # [L, D]
+        if a0.q_norm is not None:  # a DeltaNet layer's rows: zeros, never read
+            zero = np.zeros(self.D, np.float32)
+            self.q_norm = np.stack([lay.attn.q_norm if lay.attn else zero for lay in layers]).astype(np.float32)
+            self.k_norm = np.stack([lay.attn.k_norm if lay.attn else zero for lay in layers]).astype(np.float32)
         else:
             self.q_norm = self.k_norm = np.zeros((L, 0), np.float32)
         head = model.lm_head
@@ -200,7 +237,10 @@ class FusedDecode:
         if got is None:
             layers = self.model.layers
             pieces = [
-                [w for w, _ in q] + [lay.attn.o] + [w for w, _ in g] + [getattr(lay.mlp, "down", None)]
+                [w for w, _ in q]
+                + [lay.attn.o if lay.attn else None]
+                + [w for w, _ in g]
+                + [getattr(_dense_mlp(lay.mlp), "down", None)]
                 for q, g, lay in zip(self._qkv, self._gu, layers)
             ]  # [L][7]
             self._rows = [[_rows_kind(w) for w in ws] for ws in pieces]
@@ -215,6 +255,8 @@ class FusedDecode:
                 raise SparrowError("fused decode: the head's rows are not a read-only C array of bytes")
             got = self._weights = (wtab, kinds, head_w, head_kind)
             every = np.append(kinds.ravel(), head_kind)
+            if self.hybrid is not None:
+                every = np.append(every, self.hybrid.weights()[1].ravel())
             self.kquants = bool(((every >= KQ_FIRST) & (every < X8_FIRST)).any())  # K-quant row dots
         return got
 
@@ -251,7 +293,7 @@ class FusedDecode:
         the cache's dtypes, the activations mode, the selection switch, the probe copies' dtype
         and the RoPE tables' layout, which make the key (typing the arguments costs ~0.3 ms,
         numba's dispatch ~0.17 ms a step)."""
-        model_t, cache_t, mode, select = args[5], args[6], args[9], args[10]
+        model_t, cache_t, mode, select = args[5], args[6], args[9], args[10]  # args[12]: hybrid
         cos, sin = model_t.cos, model_t.sin
         key = (id(self), mode, select, cache_t.p_like.dtype, cos.flags.c_contiguous, sin.flags.c_contiguous)
         memo = cache.__dict__.setdefault("_fused_entries", {})
@@ -416,8 +458,8 @@ class FusedDecode:
             attn_t = _ds.StepAttention(
                 sparse_on=False, k_blocks=int(nb), block=int(bs), n_probe=1, flags=0, dense=0, lut=F16_LUT
             )
-        if seg.trace is not None and sp is not None:  # traced: every layer's selection, kept
-            sel, stages, nsel = seg.trace.start(L, self.H, nb)
+        if seg.trace is not None and sp is not None:  # traced: every KV layer's selection, kept
+            sel, stages, nsel = seg.trace.start(len(cache.layers), self.H, nb)
         else:  # one layer's, reused (the same types: tracing compiles nothing more)
             sel, stages, nsel = np.empty((1, self.H, nb), np.int64), np.empty((1, self.H, nb), np.int8), self.nsel
         scratch = _ds.StepScratch(**self.buffers(R), logits=logits, sel=sel, stages=stages, nsel=nsel)
@@ -427,7 +469,8 @@ class FusedDecode:
         nt = numba.get_num_threads()
         self.sync[:3] = self.sync[4] = 0
         t0 = time.perf_counter()
-        self._run(cache, (0, nt, self.sync, x, at, model_t, cache_t, attn_t, scratch, mode, select, self.moe))
+        hybrid = self.hybrid.step(segs, at, batch is None) if self.hybrid is not None else None
+        self._run(cache, (0, nt, self.sync, x, at, model_t, cache_t, attn_t, scratch, mode, select, self.moe, hybrid))
         if batch is None:
             cache.length = pos + R
         else:
@@ -440,3 +483,75 @@ class FusedDecode:
         if head_kind < 0:
             return model.head(x)
         return logits
+
+
+class _Hybrid:
+    """Qwen3.5's side of a fused step (decode_step.StepHybrid): the Gated DeltaNet layers'
+    weights and parameters, built once, and each step's state tables (step)."""
+
+    def __init__(self, layers):
+        self.layers = layers
+        self.full = np.array([lay.attn is not None for lay in layers], np.int64)  # [L]
+        self.index = np.array([lay.index for lay in layers], np.int64)  # [L]
+        dns = [lay.deltanet for lay in layers if lay.deltanet is not None]
+        d0 = dns[0]
+        self.pieces = [_pieces(lay.deltanet.proj, 4) if lay.deltanet else [(None, 0)] * 4 for lay in layers]
+        self.offs = np.array([[o for _, o in p] for p in self.pieces], np.int64)  # [L, 4]
+        self.rows = np.array([[_n(w) for w, _ in p] for p in self.pieces], np.int64)  # [L, 4]
+        self.conv_w = np.ascontiguousarray(np.stack([d.conv_w for d in dns]), np.float32)  # [Ll, C, K]
+        self.neg_A = np.ascontiguousarray(np.stack([d.neg_A for d in dns]), np.float32)  # [Ll, Hv]
+        self.dt_bias = np.ascontiguousarray(np.stack([d.dt_bias for d in dns]), np.float32)
+        self.norm = np.ascontiguousarray(np.stack([d.norm for d in dns]), np.float32)  # [Ll, Dv]
+        self.key_head = np.ascontiguousarray(np.stack([d.key_head for d in dns]), np.int64)  # [Ll, Hv]
+        self.dims = np.array([d0.Hk, d0.Dk, d0.Dv], np.int64)
+        self.C, self.VD, self.Hv = d0.channels, d0.Hv * d0.Dv, d0.Hv
+        R = SMALL_T
+        self.proj = np.empty((R, self.C + self.VD + 2 * self.Hv), np.float32)
+        self.conv = np.empty((R, self.C), np.float32)
+        self.yv = np.empty((R, self.VD), np.float32)
+        self.like3, self.like4 = np.zeros((0, 0, 0), np.float32), np.zeros((0, 0, 0, 0), np.float32)
+        E = layers[0].input_norm.shape[0]
+        self.shared = np.array([_shared_expert(lay.mlp) is not None for lay in layers], np.int64)  # [L]
+        self.sgate = np.zeros((len(layers), E), np.float32)  # [L, E]
+        for i, lay in enumerate(layers):
+            if self.shared[i]:
+                self.sgate[i] = lay.mlp.gate.data.reshape(-1)
+        self.moe_out = np.empty((R, E), np.float32)
+        self._weights = None
+
+    def weights(self):
+        """(dwtab [L, 5, 3], dkinds [L, 5]): the in_proj pieces and out_proj as FusedDecode.weights."""
+        if self._weights is None:
+            pieces = [
+                [w for w, _ in p] + [lay.deltanet.out if lay.deltanet else None]
+                for p, lay in zip(self.pieces, self.layers)
+            ]  # [L][5]
+            self._rows = [[_rows_kind(w) for w in ws] for ws in pieces]
+            kinds = np.array([[k for _, k in rs] for rs in self._rows], np.int64)
+            wtab = np.array([[_entry(r) for r, _ in rs] for rs in self._rows], np.int64)
+            self._weights = (wtab, kinds)
+        return self._weights
+
+    def step(self, segs, at, one_sequence: bool):
+        """The StepHybrid of a step over rows `at` (FusedDecode._step's [R, 3]) of segs' caches:
+        each sequence's conv / ssm, and where each row's state is kept: after every row of a
+        cache that keeps every row (verification, a draft model's cache), as the staged path's
+        keep_row, in the cache's row_states."""
+        stab = np.array([[_entry(s.cache.conv, 4), _entry(s.cache.ssm, 4)] for s in segs], np.int64)  # [S, 2, 5]
+        keep = np.zeros((len(at), 2, 5), np.int64)  # [R, 2, 5]
+        for r in range(len(at)):
+            cache = segs[0 if one_sequence else r].cache
+            if cache.keep_every_row:
+                p = int(at[r, 1]) + 1
+                st = cache.row_states.get(p)
+                if st is None:
+                    st = cache.row_states[p] = (np.empty_like(cache.conv), np.empty_like(cache.ssm))
+                keep[r] = [_entry(st[0], 4), _entry(st[1], 4)]
+        wtab, kinds = self.weights()
+        return _ds.StepHybrid(
+            full=self.full, index=self.index, dwtab=wtab, dkinds=kinds, doffs=self.offs, drows=self.rows,
+            conv_w=self.conv_w, neg_A=self.neg_A, dt_bias=self.dt_bias, norm=self.norm, key_head=self.key_head,
+            dims=self.dims, C=self.C, VD=self.VD, Hv=self.Hv, proj=self.proj, conv=self.conv, yv=self.yv,
+            stab=stab, keep=keep, like3=self.like3, like4=self.like4, shared=self.shared, sgate=self.sgate,
+            moe_out=self.moe_out,
+        )  # fmt: skip

@@ -17,7 +17,10 @@ What differs from Qwen3, layer by layer:
   Hv / Hk value heads each), then RMSNorm over Dv gated by silu(z) (weight as is), out_proj.
 - MoE layers add a shared expert whose output is scaled by sigmoid(shared_expert_gate(x)).
 
-The fused decode step does not know these layers: every step runs the staged forward below.
+Decode steps (a sequence's, a batch's, verification's) take the fused step where the weights
+allow it (models/fused.py: its StepHybrid record runs the DeltaNet layers through
+kernels/deltanet.py's helpers and gates the attention), with the staged forward's bits;
+prefill and everything else run the staged forward below.
 """
 
 from __future__ import annotations
@@ -29,17 +32,12 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import SparrowError
-from ..kernels.deltanet import gated_deltanet
+from ..kernels.deltanet import gated_deltanet, sigmoid
 from ..kernels.linear import linear, prepare
 from ..quant import Weight
 from ..state.recurrent import HybridCache
 from .decoder import Decoder, Segment, WeightSource, dense_mlp
 from .layers import MLP, FusedLinear, rms_norm
-
-
-def sigmoid(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):  # exp(-x) -> inf for very negative x gives 0, as wanted
-        return (np.float32(1) / (np.float32(1) + np.exp(-x))).astype(np.float32)
 
 
 def _check(get: WeightSource, name: str, shape: tuple) -> None:
@@ -184,12 +182,11 @@ class HybridLayer:
 
 
 class Qwen3_5(Decoder):
-    """The hybrid decoder. Decoder gives it the embedding, head, attention over the KV cache and
-    the forward's dispatch; it never takes the fused step (fused_step is None)."""
+    """The hybrid decoder. Decoder gives it the embedding, head, attention over the KV cache,
+    the forward's dispatch and the fused decode step (FusedDecode plans Qwen3.5's layers too)."""
 
     def __init__(self, cfg: ModelConfig, tensors, quantize=None, progress=None, activations="f32"):
         super().__init__(cfg, tensors, quantize, qwen3_5_mlp, progress, activations)
-        self.use_fused = False
 
     @staticmethod
     def build_layer(cfg, get, i, mlp_factory):
@@ -197,9 +194,6 @@ class Qwen3_5(Decoder):
 
     def norm_weight(self, get: WeightSource, name: str) -> np.ndarray:
         return _offset_norm(get, name, self.config)
-
-    def fused_step(self):
-        return None
 
     def new_cache(self, capacity: int, kv_dtype: str = "f32") -> HybridCache:
         c = self.config

@@ -143,7 +143,8 @@ def step_moe(layers):
     they differ in expert count, top-k or expert shapes (the fused step then does not apply)."""
     from ..kernels.fused.moe_phase import StepMoE
 
-    blocks = [lay.mlp if isinstance(lay.mlp, MoEBlock) else None for lay in layers]
+    mlps = [getattr(lay.mlp, "routed", lay.mlp) for lay in layers]  # Qwen3.5-MoE: the routed part
+    blocks = [m if isinstance(m, MoEBlock) else None for m in mlps]
     first = next((b for b in blocks if b is not None), None)
     if first is None:
         return None

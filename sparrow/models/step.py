@@ -3,8 +3,7 @@
 `Decoder.forward` asks `choose` and runs what it names; every path gives the same bits, so the
 choice changes speed only. Whether a model can take the fused step at all is decided once,
 when it is planned (`FusedDecode.plan`: block-format projections with matching formats inside
-each fused group; None for any other model, and a family with no fused step, Qwen3.5, has
-none to plan).
+each fused group, Qwen3.5's Gated DeltaNet layers included; None for any other model).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ def choose(model, segments, all_logits: bool = False) -> str:
       SPARROW_FUSED switch, or a test or benchmark that wants the staged path), while a timer
       times the stages (`model.timer`, a models.timing.Timer with stages: the fused step is
       one call), or when the model has no fused step (`model.fused_step()` is None: FusedDecode.plan refused its
-      weights, or its family has none, as Qwen3.5).
+      weights).
     - A single sequence's decode step (one segment, decode): FUSED unless its trace is a list
       (per-head records with their softmax mass, which the fused step does not write; a
       models.attention.Selections trace is filled by either path), which runs STAGED.

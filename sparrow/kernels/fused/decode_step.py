@@ -23,6 +23,13 @@ KV head's K/V is read once for all of them (attention.decode.verify_head, a deco
 bits at each position), and every elementwise helper works row by row. Block formats run
 here: q8_0, q4_0, q4_1, and q5_0, q5_1 and the K-quants (q4_k, q5_k, q6_k) through
 kernels/matmul/kquants.py's row dots.
+
+Qwen3.5 (StepHybrid, None for every other family): a Gated DeltaNet layer runs
+_deltanet_phase in place of the attention (in_proj rows | conv + SiLU by channel | the delta
+rule by value head, kernels/deltanet.py's helpers | out_proj rows, residual |), a gated
+full-attention layer takes queries of twice the width (query, then gate, per head), rotates
+the first rotary dims and multiplies each head's output by sigmoid(gate) before o_proj, and a
+MoE layer with a shared expert adds routed + shared * sigmoid(gate . h) (_shared_residual).
 """
 
 import functools
@@ -33,6 +40,7 @@ from numba import njit, typeof, types
 
 from sparrow.kernels.attention.decode import _attend_group, _group, importance_per_block, verify_head
 from sparrow.kernels.attention.select import reserve_importance_nb
+from sparrow.kernels.deltanet import _conv_silu_channels, _layer_head, _sigmoid1
 from sparrow.kernels.elementwise import _quant_rows, _rms_rows, _rope, _silu_mul
 from sparrow.kernels.formats import X8_FIRST
 from sparrow.kernels.fused.moe_phase import moe_phase
@@ -42,8 +50,8 @@ from sparrow.kernels.matmul.q8.groups import GROUP
 from sparrow.kernels.matmul.q8.quantized import quantize as _q8_quantize
 from sparrow.kernels.matmul.q8.quantized import rows_address as _q8_rows_address
 from sparrow.kernels.matmul.q8.quantized import x_sums as _q8_x_sums
+from sparrow.kernels.matmul.widen import dot, exact_sums
 from sparrow.kernels.matmul.widen import exact_rows_address as _exact_rows_address
-from sparrow.kernels.matmul.widen import exact_sums
 from sparrow.kernels.matmul.widen import kq_rows_address as _kq_rows_address
 from sparrow.kernels.native_call import address_checked, call_checked, call_native, view
 from sparrow.kernels.options import KW
@@ -194,10 +202,129 @@ class StepScratch(NamedTuple):
     nsel: np.ndarray  # [L | 1, H] int64
 
 
+class StepHybrid(NamedTuple):
+    """Qwen3.5's layers (models/fused.py builds it; None for every other family, whose step
+    then compiles none of this): Gated DeltaNet layers and gated full attention."""
+
+    full: np.ndarray  # [L] int64: 1 for a gated full-attention layer, 0 for a Gated DeltaNet one
+    index: np.ndarray  # [L] int64: the layer's slot in its kind's state (the KV cache's layers, or conv / ssm)
+    dwtab: np.ndarray  # [L, 5, 3] a DeltaNet layer's rows as StepModel.wtab: the in_proj pieces
+    # (qkv | z | b | a as one piece, then three empty ones, or each), out_proj
+    dkinds: np.ndarray  # [L, 5]
+    doffs: np.ndarray  # [L, 4] output offsets of the in_proj pieces in proj
+    drows: np.ndarray  # [L, 4] their output rows (0: no piece)
+    conv_w: np.ndarray  # [Ll, C, K]
+    neg_A: np.ndarray  # [Ll, Hv]
+    dt_bias: np.ndarray  # [Ll, Hv]
+    norm: np.ndarray  # [Ll, Dv]
+    key_head: np.ndarray  # [Ll, Hv] int64
+    dims: np.ndarray  # [3] int64: Hk, Dk, Dv
+    C: int  # conv channels (q | k | v)
+    VD: int  # Hv * Dv
+    Hv: int
+    proj: np.ndarray  # [>= R, C + VD + 2 Hv] the in_proj outputs: qkv | z | b | a
+    conv: np.ndarray  # [>= R, C] after the conv and SiLU
+    yv: np.ndarray  # [>= R, VD] out_proj's input
+    stab: np.ndarray  # [S, 2, 5] per sequence: its HybridCache's conv [Ll, K-1, C] and ssm [Ll, Hv, Dk, Dv]
+    keep: np.ndarray  # [R, 2, 5] per row: where the state after it is kept (HybridCache.row_states), 0: nowhere
+    like3: np.ndarray  # [0, 0, 0] float32, writable: the type view() gives a conv state (a global would be read-only)
+    like4: np.ndarray  # [0, 0, 0, 0] float32: a delta rule state's
+    shared: np.ndarray  # [L] int64: 1 where the MLP is a MoE block with a shared expert (its rows in StepModel's
+    # gate/up/down slots)
+    sgate: np.ndarray  # [L, E] f32: that expert's gate row (zeros elsewhere)
+    moe_out: np.ndarray  # [>= R, E] the routed experts' sum
+
+
+@njit(**KW)
+def _deltanet_phase(tid, nt, sync, layer, h, x, at, y, eps, hyb, q8, exact):
+    """Layer `layer`'s Gated DeltaNet mixing for worker tid over the rows of h and x [R, E]
+    (x gets out_proj's output added); False, doing nothing, where the layer is full attention.
+    Three phases, as kernels/deltanet.gated_deltanet runs one row of a sequence: in_proj rows
+    | -> conv + SiLU, each worker its channels, row after row | -> per value head
+    (deltanet._layer_head, each worker its heads, row after row) | -> out_proj rows, residual |.
+    A row's state is its own sequence's (at[r, 0]); rows of one sequence (verification) follow
+    each other in a channel's and a head's state, which one worker owns, and the state after a
+    row is copied where keep says (the staged path's HybridCache.keep_row)."""
+    if hyb.full[layer]:
+        return False
+    li = hyb.index[layer]
+    R, E = x.shape[0], x.shape[1]
+    C, VD, Hv = hyb.C, hyb.VD, hyb.Hv
+    proj, conv, yv = hyb.proj[:R], hyb.conv[:R], hyb.yv[:R]
+    for j in range(4):
+        _matvec_at(_w(hyb.dwtab, layer, j), hyb.dkinds[layer, j], h, proj, hyb.doffs[layer, j], hyb.drows[layer, j],
+                   tid, nt, q8, exact)  # fmt: skip
+    barrier(sync, nt)
+    c0, c1 = _share(C, tid, nt)
+    w = hyb.conv_w[li]
+    for r in range(R):
+        st = _at3(hyb.stab, at[r, 0], 0, hyb.like3)[li]  # [K-1, C]
+        _conv_silu_channels(proj[r : r + 1, :C], w, st, conv[r : r + 1], c0, c1)
+        if hyb.keep[r, 0, 0] != 0:
+            kept = _at3(hyb.keep, r, 0, hyb.like3)[li]
+            for j in range(st.shape[0]):
+                for c in range(c0, c1):
+                    kept[j, c] = st[j, c]
+    barrier(sync, nt)
+    v0, v1 = _share(Hv, tid, nt)
+    for r in range(R):
+        S = _at4(hyb.stab, at[r, 0], 1, hyb.like4)[li]  # [Hv, Dk, Dv]
+        for hh in range(v0, v1):
+            _layer_head(hh, conv[r : r + 1], proj[r : r + 1, C : C + VD], proj[r : r + 1, C + VD : C + VD + Hv],
+                        proj[r : r + 1, C + VD + Hv : C + VD + 2 * Hv], hyb.neg_A[li], hyb.dt_bias[li], hyb.norm[li],
+                        hyb.key_head[li], hyb.dims, eps, S, yv[r : r + 1])  # fmt: skip
+            if hyb.keep[r, 1, 0] != 0:
+                kept = _at4(hyb.keep, r, 1, hyb.like4)[li, hh]
+                for i in range(S.shape[1]):
+                    for j in range(S.shape[2]):
+                        kept[i, j] = S[hh, i, j]
+    barrier(sync, nt)
+    _matvec_at(_w(hyb.dwtab, layer, 4), hyb.dkinds[layer, 4], yv, y, np.int64(0), E, tid, nt, q8, exact)
+    a, b = _own_rows(_w(hyb.dwtab, layer, 4), hyb.dkinds[layer, 4], E, tid, nt)
+    for r in range(R):
+        for o in range(a, b):
+            x[r, o] = x[r, o] + y[r, o]
+    barrier(sync, nt)
+    return True
+
+
+@njit(**KW)
+def _zeroed(buf, R, tid, nt):
+    """buf[:R] with this worker's share of its columns zeroed (moe_phase's combine adds each
+    worker's share of the columns into it, after barriers)."""
+    out = buf[:R]
+    a, b = _share(out.shape[1], tid, nt)
+    for r in range(R):
+        for o in range(a, b):
+            out[r, o] = np.float32(0)
+    return out
+
+
+@njit(**KW)
+def _shared_residual(x, y, h, a, b, shared, layer, hyb):
+    """Columns [a, b) of the residual after Qwen3.5's MLP: x + y for a dense MLP; for a MoE
+    layer with a shared expert (y its output), x + (routed + y * sigmoid(gate . h)), the sum
+    the staged SharedExpertMoE returns (the gate row dotted by widen.dot, as linear's f32 rows)."""
+    for r in range(x.shape[0]):
+        if shared:
+            g = _sigmoid1(dot(hyb.sgate[layer], h[r]))
+            for o in range(a, b):
+                x[r, o] = x[r, o] + (hyb.moe_out[r, o] + y[r, o] * g)
+        else:
+            for o in range(a, b):
+                x[r, o] = x[r, o] + y[r, o]
+
+
 @njit(**KW)
 def _at3(tab, i, j, like):
     """The 3-d array tab[i, j] describes (address, dimensions), of like's type (native_call.view)."""
     return view(tab[i, j, 0], (tab[i, j, 1], tab[i, j, 2], tab[i, j, 3]), like)
+
+
+@njit(**KW)
+def _at4(tab, i, j, like):
+    """The 4-d array tab[i, j] describes (a delta rule state)."""
+    return view(tab[i, j, 0], (tab[i, j, 1], tab[i, j, 2], tab[i, j, 3], tab[i, j, 4]), like)
 
 
 @njit(**KW)
@@ -213,7 +340,7 @@ def _w(wtab, i, j):
 
 
 @njit(**KW)
-def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, calls):
+def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, hybrid, calls):
     """Worker tid of nt: decodes the token at position at[0, 1] of sequence 0 (at [R, 3]: each
     row's sequence, an index into cache's tables, its position there, and its rope position:
     the position plus its prompt's rope delta, Qwen3-VL after images), x [1, E] being its embedding
@@ -226,7 +353,10 @@ def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, c
     takes before typing them): q8, None for exact activations or the q8 row kernel's address
     (see _matvec); select, None for exact attention (no selection code) or True where attn's
     settings may select; moe, None for a dense model or its MoE layers (moe_phase.StepMoE),
-    which run moe_phase. calls: (the exact row dots' address and their kq
+    which run moe_phase; hybrid, None but for Qwen3.5 (StepHybrid: its Gated DeltaNet layers
+    run _deltanet_phase, its full-attention layers gate their output, rotate the first
+    2 cos.shape[1] dims of each head and read the KV cache's layer hybrid.index[layer]).
+    calls: (the exact row dots' address and their kq
     (exact_rows_address), used where q8 is None; the address and type key of the attention
     for these types (attention_call)): called through them, the row dots and the attention
     compile once on their own, not again into this function (kernels/native_call.py); then
@@ -256,7 +386,11 @@ def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, c
     exact = (calls[0], calls[1])
     R, E = x.shape[0], x.shape[1]  # rows: 1, a batch's or verification's
     G = H // KV
-    QO, KO = H * D, H * D + KV * D
+    qw = 1  # a query head's width in qkv, in heads: 2 where a gate follows each query (Qwen3.5)
+    if hybrid is not None:
+        qw = 2
+    QO, KO = qw * H * D, qw * H * D + KV * D
+    r2 = 2 * cos.shape[1]  # the rotated dims of a head (D but for partial rotary)
     h = np.empty((R, E), np.float32)  # this worker's normed copy of x
     act = np.empty((R, F), np.float32)  # silu(gate) * up, each worker its own full copy
     one = np.empty((1, D), np.float32)  # one head's row, for the row-wise helpers
@@ -275,117 +409,145 @@ def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, c
     has_norm = q_norm.shape[1] > 0
     for layer in range(wtab.shape[0]):
         _rms_rows(x, in_norm[layer], eps, h)
-        _matvec_at(_w(wtab, layer, 0), kinds[layer, 0], h, qkv, offs[layer, 0], rows[layer, 0], tid, nt, q8, exact)
-        _matvec_at(_w(wtab, layer, 1), kinds[layer, 1], h, qkv, offs[layer, 1], rows[layer, 1], tid, nt, q8, exact)
-        _matvec_at(_w(wtab, layer, 2), kinds[layer, 2], h, qkv, offs[layer, 2], rows[layer, 2], tid, nt, q8, exact)
-        barrier(sync, nt)
-        for r in range(R):
-            positions[0] = at[r, 2]
-            kvr, str_ = kvtab[at[r, 0]], stab[at[r, 0]]  # the row's sequence's cache
-            # q heads: bias, q norm, RoPE, then the form the attention kernel takes
-            for hh in range(h0, h1):
-                for d in range(D):
-                    v = qkv[r, hh * D + d]
-                    src[0, 0, d] = v + bias[layer, hh * D + d] if has_bias else v
-                if has_norm:
-                    _rms_rows(src[0], q_norm[layer], eps, normed)
-                    for d in range(D):
-                        src[0, 0, d] = normed[0, d]
-                _rope(src, cos, sin, positions, rot)
-                if kv_kind == KV_INT8:
-                    _quant_rows(rot[0], codes, sc)
-                    for d in range(D):
-                        qd3[r, hh, d] = np.float32(codes[0, d])
-                        qa3[r, hh, d] = qd3[r, hh, d]
-                    qs2[r, hh] = sc[0]
-                else:
-                    for d in range(D):
-                        qd3[r, hh, d] = rot[0, 0, d]
-                        qa3[r, hh, d] = rot[0, 0, d] * scale
-                    qs2[r, hh] = np.float32(0)
-            # KV heads: bias, k norm, RoPE for k; bias for v; append at the row's position
-            for kh in range(k0, k1):
-                for d in range(D):
-                    v = qkv[r, QO + kh * D + d]
-                    src[0, 0, d] = v + bias[layer, QO + kh * D + d] if has_bias else v
-                if has_norm:
-                    _rms_rows(src[0], k_norm[layer], eps, normed)
-                    for d in range(D):
-                        src[0, 0, d] = normed[0, d]
-                _rope(src, cos, sin, positions, rot)
-                _store_kv(_at3(kvr, layer, 0, kv_like), _at2(str_, layer, 0, s_like), kv_kind, kh, at[r, 1],
-                          rot[0, 0], one, codes, sc)  # fmt: skip
-                for d in range(D):
-                    v = qkv[r, KO + kh * D + d]
-                    one[0, d] = v + bias[layer, KO + kh * D + d] if has_bias else v
-                _store_kv(_at3(kvr, layer, 1, kv_like), _at2(str_, layer, 1, s_like), kv_kind, kh, at[r, 1],
-                          one[0].copy(), one, codes, sc)  # fmt: skip
-        barrier(sync, nt)
-        # attention of this worker's query heads, in runs that share a KV head (v2: the first
-        # `dense` layers exact)
-        sparse = sparse_on and layer >= dense
-        t = min(layer, sel3.shape[0] - 1)  # where this layer's selection goes (StepScratch.sel)
-        sel, stages, nsel = sel3[t], stages3[t], nsel2[t]
-        int8 = kv_kind == KV_INT8
-        if R > 1 and not batch:  # verification: this worker's KV heads, each reading its K/V once for all rows
-            Kl, Vl = _at3(kvtab[0], layer, 0, kv_like), _at3(kvtab[0], layer, 1, kv_like)
-            KSl, VSl = _at2(stab[0], layer, 0, s_like), _at2(stab[0], layer, 1, s_like)
-            for kh in range(k0, k1):
-                if not call_checked(calls[4], calls[5], (np.int64(kh), qa3, qs2, Kl, Vl, KSl, VSl, int8, pos, scale,
-                                    np.int64(G), bs, att3)):  # fmt: skip
-                    sync[4] = 1
-        else:  # a decode step's row, or a batch's rows, one a sequence: this worker's query heads, over the row's cache
+        mixed = False  # a Gated DeltaNet layer's mixing ran (Qwen3.5)
+        kl = layer  # the KV cache's layer
+        if hybrid is not None:
+            mixed = _deltanet_phase(tid, nt, sync, layer, h, x, at, y, eps, hybrid, q8, exact)
+            kl = hybrid.index[layer]
+        if not mixed:
+            _matvec_at(_w(wtab, layer, 0), kinds[layer, 0], h, qkv, offs[layer, 0], rows[layer, 0], tid, nt, q8, exact)
+            _matvec_at(_w(wtab, layer, 1), kinds[layer, 1], h, qkv, offs[layer, 1], rows[layer, 1], tid, nt, q8, exact)
+            _matvec_at(_w(wtab, layer, 2), kinds[layer, 2], h, qkv, offs[layer, 2], rows[layer, 2], tid, nt, q8, exact)
+            barrier(sync, nt)
             for r in range(R):
-                c, n_r = at[r, 0], at[r, 1] + 1  # the row's sequence and length
-                nb_r = (n_r + bs - 1) // bs
-                Kr, Vr = _at3(kvtab[c], layer, 0, kv_like), _at3(kvtab[c], layer, 1, kv_like)
-                KSr, VSr = _at2(stab[c], layer, 0, s_like), _at2(stab[c], layer, 1, s_like)
-                Pr, PSr = _at3(ptab[c], layer, 0, p_like), _at2(ptab[c], layer, 1, s_like)
-                if select is not None and sparse and not flags:
-                    imp = _at2(stab[c], layer, 2, s_like)[0]
-                    reserved = reserve_importance_nb(importance_per_block(imp, n_r, bs), k_blocks, nb_r)
-                else:
-                    reserved = np.full(nb_r, -1, dtype=np.int8)
-                nc = min(n_copied[c, layer], n_r // bs)
-                hh = h0
-                while hh < h1:
-                    kh = hh // G
-                    n = min(h1, (kh + 1) * G) - hh
-                    if select is not None:  # block selection, then attention (attention.decode._group)
-                        called = call_checked(calls[2], calls[3], (qd3[r], qa3[r], qs2[r], Kr[kh], Vr[kh], KSr[kh],
-                                              VSr[kh], int8, hh, n, n_r, scale, sparse, reserved, k_blocks, bs,
-                                              n_probe, Pr[kh], PSr[kh], per_block, nc, att3[r], sel, stages, nsel,
-                                              False, pdummy, flags, lut, select))  # fmt: skip
-                    else:  # every block, as _group marks them when nothing selects, straight to the kernel
-                        mark = np.ones((n, nb_r), np.bool_)
-                        ntok = np.full(n, n_r, np.int64)
-                        called = call_checked(calls[2], calls[3], (qa3[r], qs2[r], Kr[kh], Vr[kh], KSr[kh], VSr[kh],
-                                              int8, hh, n, n_r, scale, bs, mark, ntok, att3[r], False,
-                                              pdummy))  # fmt: skip
-                    if not called:
-                        sync[4] = 1  # the caller raises
-                    hh += n
-        barrier(sync, nt)
-        _matvec_at(_w(wtab, layer, 3), kinds[layer, 3], att_flat, y, np.int64(0), E, tid, nt, q8, exact)
-        a, b = _own_rows(_w(wtab, layer, 3), kinds[layer, 3], E, tid, nt)
-        for r in range(R):
-            for o in range(a, b):
-                x[r, o] = x[r, o] + y[r, o]
-        barrier(sync, nt)
+                positions[0] = at[r, 2]
+                kvr, str_ = kvtab[at[r, 0]], stab[at[r, 0]]  # the row's sequence's cache
+                # q heads: bias, q norm, RoPE, then the form the attention kernel takes
+                for hh in range(h0, h1):
+                    for d in range(D):
+                        v = qkv[r, hh * qw * D + d]
+                        src[0, 0, d] = v + bias[layer, hh * D + d] if has_bias else v
+                    if has_norm:
+                        _rms_rows(src[0], q_norm[layer], eps, normed)
+                        for d in range(D):
+                            src[0, 0, d] = normed[0, d]
+                    _rope(src, cos, sin, positions, rot)
+                    for d in range(r2, D):  # partial rotary: the rest as it is
+                        rot[0, 0, d] = src[0, 0, d]
+                    if kv_kind == KV_INT8:
+                        _quant_rows(rot[0], codes, sc)
+                        for d in range(D):
+                            qd3[r, hh, d] = np.float32(codes[0, d])
+                            qa3[r, hh, d] = qd3[r, hh, d]
+                        qs2[r, hh] = sc[0]
+                    else:
+                        for d in range(D):
+                            qd3[r, hh, d] = rot[0, 0, d]
+                            qa3[r, hh, d] = rot[0, 0, d] * scale
+                        qs2[r, hh] = np.float32(0)
+                # KV heads: bias, k norm, RoPE for k; bias for v; append at the row's position
+                for kh in range(k0, k1):
+                    for d in range(D):
+                        v = qkv[r, QO + kh * D + d]
+                        src[0, 0, d] = v + bias[layer, QO + kh * D + d] if has_bias else v
+                    if has_norm:
+                        _rms_rows(src[0], k_norm[layer], eps, normed)
+                        for d in range(D):
+                            src[0, 0, d] = normed[0, d]
+                    _rope(src, cos, sin, positions, rot)
+                    for d in range(r2, D):  # partial rotary: the rest as it is
+                        rot[0, 0, d] = src[0, 0, d]
+                    _store_kv(_at3(kvr, kl, 0, kv_like), _at2(str_, kl, 0, s_like), kv_kind, kh, at[r, 1],
+                              rot[0, 0], one, codes, sc)  # fmt: skip
+                    for d in range(D):
+                        v = qkv[r, KO + kh * D + d]
+                        one[0, d] = v + bias[layer, KO + kh * D + d] if has_bias else v
+                    _store_kv(_at3(kvr, kl, 1, kv_like), _at2(str_, kl, 1, s_like), kv_kind, kh, at[r, 1],
+                              one[0].copy(), one, codes, sc)  # fmt: skip
+            barrier(sync, nt)
+            # attention of this worker's query heads, in runs that share a KV head (v2: the first
+            # `dense` layers exact)
+            sparse = sparse_on and kl >= dense
+            t = min(kl, sel3.shape[0] - 1)  # where this layer's selection goes (StepScratch.sel)
+            sel, stages, nsel = sel3[t], stages3[t], nsel2[t]
+            int8 = kv_kind == KV_INT8
+            if R > 1 and not batch:  # verification: this worker's KV heads, each reading its K/V once for all rows
+                Kl, Vl = _at3(kvtab[0], kl, 0, kv_like), _at3(kvtab[0], kl, 1, kv_like)
+                KSl, VSl = _at2(stab[0], kl, 0, s_like), _at2(stab[0], kl, 1, s_like)
+                for kh in range(k0, k1):
+                    if not call_checked(calls[4], calls[5], (np.int64(kh), qa3, qs2, Kl, Vl, KSl, VSl, int8, pos, scale,
+                                        np.int64(G), bs, att3)):  # fmt: skip
+                        sync[4] = 1
+            else:  # a decode step's row, or a batch's rows, one a sequence: this worker's query heads,
+                # over the row's cache
+                for r in range(R):
+                    c, n_r = at[r, 0], at[r, 1] + 1  # the row's sequence and length
+                    nb_r = (n_r + bs - 1) // bs
+                    Kr, Vr = _at3(kvtab[c], kl, 0, kv_like), _at3(kvtab[c], kl, 1, kv_like)
+                    KSr, VSr = _at2(stab[c], kl, 0, s_like), _at2(stab[c], kl, 1, s_like)
+                    Pr, PSr = _at3(ptab[c], kl, 0, p_like), _at2(ptab[c], kl, 1, s_like)
+                    if select is not None and sparse and not flags:
+                        imp = _at2(stab[c], kl, 2, s_like)[0]
+                        reserved = reserve_importance_nb(importance_per_block(imp, n_r, bs), k_blocks, nb_r)
+                    else:
+                        reserved = np.full(nb_r, -1, dtype=np.int8)
+                    nc = min(n_copied[c, kl], n_r // bs)
+                    hh = h0
+                    while hh < h1:
+                        kh = hh // G
+                        n = min(h1, (kh + 1) * G) - hh
+                        if select is not None:  # block selection, then attention (attention.decode._group)
+                            called = call_checked(calls[2], calls[3], (qd3[r], qa3[r], qs2[r], Kr[kh], Vr[kh], KSr[kh],
+                                                  VSr[kh], int8, hh, n, n_r, scale, sparse, reserved, k_blocks, bs,
+                                                  n_probe, Pr[kh], PSr[kh], per_block, nc, att3[r], sel, stages, nsel,
+                                                  False, pdummy, flags, lut, select))  # fmt: skip
+                        else:  # every block, as _group marks them when nothing selects, straight to the kernel
+                            mark = np.ones((n, nb_r), np.bool_)
+                            ntok = np.full(n, n_r, np.int64)
+                            called = call_checked(calls[2], calls[3], (qa3[r], qs2[r], Kr[kh], Vr[kh], KSr[kh], VSr[kh],
+                                                  int8, hh, n, n_r, scale, bs, mark, ntok, att3[r], False,
+                                                  pdummy))  # fmt: skip
+                        if not called:
+                            sync[4] = 1  # the caller raises
+                        hh += n
+            if hybrid is not None:  # Qwen3.5: each head's output times sigmoid(its gate), heads this worker wrote
+                g0, g1 = h0, h1
+                if R > 1 and not batch:  # verify_head wrote this worker's KV heads' query heads
+                    g0, g1 = k0 * G, k1 * G
+                for r in range(R):
+                    for hh in range(g0, g1):
+                        for d in range(D):
+                            att3[r, hh, d] = att3[r, hh, d] * _sigmoid1(qkv[r, (2 * hh + 1) * D + d])
+            barrier(sync, nt)
+            _matvec_at(_w(wtab, layer, 3), kinds[layer, 3], att_flat, y, np.int64(0), E, tid, nt, q8, exact)
+            a, b = _own_rows(_w(wtab, layer, 3), kinds[layer, 3], E, tid, nt)
+            for r in range(R):
+                for o in range(a, b):
+                    x[r, o] = x[r, o] + y[r, o]
+            barrier(sync, nt)
         _rms_rows(x, post_norm[layer], eps, h)
         sparse_mlp = False
+        shared = False  # Qwen3.5-MoE: the routed experts' sum goes to hybrid.moe_out, the shared expert follows
         if moe is not None:
-            sparse_mlp = moe_phase(tid, nt, sync, layer, h, x, moe)
-        if not sparse_mlp:
+            if hybrid is not None:
+                shared = hybrid.shared[layer] != 0
+            if shared:
+                sparse_mlp = moe_phase(tid, nt, sync, layer, h, _zeroed(hybrid.moe_out, R, tid, nt), moe)
+            else:
+                sparse_mlp = moe_phase(tid, nt, sync, layer, h, x, moe)
+        if not sparse_mlp or shared:  # the dense MLP, or the shared expert (its rows in the same slots)
             _matvec_at(_w(wtab, layer, 4), kinds[layer, 4], h, gu, offs[layer, 3], rows[layer, 3], tid, nt, q8, exact)
             _matvec_at(_w(wtab, layer, 5), kinds[layer, 5], h, gu, offs[layer, 4], rows[layer, 4], tid, nt, q8, exact)
             barrier(sync, nt)
             _silu_mul(gu, F, act)
             _matvec_at(_w(wtab, layer, 6), kinds[layer, 6], act, y, np.int64(0), E, tid, nt, q8, exact)
             a, b = _own_rows(_w(wtab, layer, 6), kinds[layer, 6], E, tid, nt)
-            for r in range(R):
-                for o in range(a, b):
-                    x[r, o] = x[r, o] + y[r, o]
+            if hybrid is not None:
+                _shared_residual(x, y, h, a, b, shared, layer, hybrid)
+            else:
+                for r in range(R):
+                    for o in range(a, b):
+                        x[r, o] = x[r, o] + y[r, o]
             barrier(sync, nt)
     if head_kind >= 0:
         _rms_rows(x, head_norm, eps, h)
