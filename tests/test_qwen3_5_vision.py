@@ -19,6 +19,7 @@ import vl_reference as vr
 from PIL import Image
 
 import sparrow
+from sparrow.errors import SparrowError
 from sparrow.params import SamplingParams
 from sparrow.vision.positions import rope_positions
 
@@ -197,3 +198,73 @@ def test_prefix_and_disk_caches_give_a_conversation_with_images_the_fresh_bits(l
     assert ids2 == ids
     (first, _) = _engine_run(llm, ids2, pixels2, params)
     assert first[2] == 0 and first[1] != fresh[1]
+
+
+@pytest.fixture(scope="module")
+def converted(tiny, tmp_path_factory):
+    """llama.cpp's converter on the dense folder: (text GGUF, mmproj GGUF)."""
+    import json
+    import shutil
+
+    from test_qwen3_5_gguf import convert  # skips (or, in CI, fails) without the converter
+
+    root = tmp_path_factory.mktemp("qwen3_5_vl_gguf")
+    src = str(root / "src")
+    shutil.copytree(tiny["dense"][0], src)
+    # the model_type picks transformers' tokenizer class, which for qwen3_5 swaps in Qwen3.5's
+    # own pre-tokenizer, whose hash the converter does not know for this vocabulary; the model
+    # class comes from `architectures` (Qwen3_5ForConditionalGeneration) whatever it says
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["model_type"] = "qwen3_5_text"
+    with open(os.path.join(src, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return convert(src, str(root / "text.gguf")), convert(src, str(root / "mmproj.gguf"), mmproj=True)
+
+
+def test_converted_gguf_and_mmproj_equal_the_folder(llms, converted):
+    """The pair llama.cpp's converter writes (qwen35 text GGUF, qwen3vl_merger mmproj, f32): the
+    same tower config (but the pixel limits, which the converter does not write: the mmproj
+    gets Qwen3.5's own, 65536 .. 16777216), the same image embeddings bit for bit, and the
+    conversation's logits in prefill and decode within test_qwen3_5_gguf.py's tolerance."""
+    import dataclasses
+
+    from sparrow.models.qwen3_5 import Qwen3_5VL
+    from sparrow.vision.config import MAX_PIXELS, MIN_PIXELS
+
+    hf = llms["dense"]
+    llm = sparrow.load(converted[0], mmproj=converted[1], threads=2)
+    assert isinstance(llm.model, Qwen3_5VL) and llm.config.gguf_layout
+    assert llm.config.mrope_section == hf.config.mrope_section == (2, 1, 3)
+    assert (llm.vision.min_pixels, llm.vision.max_pixels) == (MIN_PIXELS, MAX_PIXELS)
+    assert dataclasses.replace(llm.vision, min_pixels=4096, max_pixels=160 * 160) == hf.vision
+    ids, pixels = hf.prompt_and_images(_conversation(), chat=True)
+    for im in pixels:
+        np.testing.assert_array_equal(llm.model.vision(im.pixels, im.grid)[0], hf.model.vision(im.pixels, im.grid)[0])
+    more = [101, 202, 303, 404]
+
+    def run(m):
+        slot = m.runner.new_slot(ids, len(ids) + len(more), images=pixels)
+        rows = [m.runner.prefill(slot)] + [m.runner.decode([slot], [t])[0] for t in more]
+        assert slot.mm.rope_delta < 0
+        return np.stack(rows)
+
+    got, want = run(llm), run(hf)
+    # the same values; sums over tiled value heads run in another order than over grouped ones
+    assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
+    assert np.array_equal(got.argmax(1), want.argmax(1))
+
+
+def test_an_mmproj_of_another_model_is_refused(converted, tokenizer_dir, tmp_path):
+    """Qwen3-VL's mmproj (DeepStack mergers) with the Qwen3.5 text GGUF, and Qwen3.5's with a
+    Qwen3-VL text GGUF (same hidden size, 64): one-line errors before the model is built."""
+    vl = vr.build_tiny_vl(str(tmp_path / "vl"), tokenizer_dir)
+    vl_text, vl_mmproj = str(tmp_path / "vl.gguf"), str(tmp_path / "mmproj-vl.gguf")
+    vr.write_vl_gguf(vl, vl_text, vl_mmproj)
+    for text, mmproj, match in (
+        (converted[0], vl_mmproj, "its vision tower has 2 DeepStack mergers, the text model takes 0"),
+        (vl_text, converted[1], "its vision tower has 0 DeepStack mergers, the text model takes 2"),
+    ):
+        with pytest.raises(SparrowError, match=match) as e:
+            sparrow.load(text, mmproj=mmproj)
+        assert "\n" not in str(e.value) and "an mmproj of another model" in str(e.value)

@@ -46,8 +46,34 @@ def open_checkpoint(path: str | None, mmproj: str | None = None) -> Checkpoint:
         if os.path.isdir(ckpt.path) or ckpt.vision is not None:
             raise SparrowError("--mmproj goes with a text GGUF (a Hugging Face folder holds its own vision tower)")
         ckpt.vision, vision_tensors = open_mmproj(mmproj, ckpt.tokenizer)
+        _check_pair(ckpt, mmproj)
         ckpt.tensors.update(vision_tensors)
     return ckpt
+
+
+# text GGUF architecture -> its vision tower's DeepStack mergers (None: read from the file)
+_MMPROJ_TEXT = {"qwen3vl": None, "qwen35": 0, "qwen35moe": 0}
+
+
+def _check_pair(ckpt: Checkpoint, mmproj: str) -> None:
+    """Refuses an mmproj of another model: the text GGUF must be one that takes images, and the
+    tower's DeepStack mergers must be those the text model adds (Qwen3-VL's n_deepstack_layers;
+    Qwen3.5 has none). The hidden sizes are checked when the model is built."""
+    from .gguf import open_gguf
+
+    _, meta = open_gguf(ckpt.path)
+    arch = meta.get("general.architecture")
+    if arch not in _MMPROJ_TEXT:
+        raise SparrowError(f"--mmproj goes with a Qwen3-VL or Qwen3.5 text GGUF; {ckpt.name} is {arch!r}")
+    want = _MMPROJ_TEXT[arch]
+    if want is None:
+        want = int(meta.get(f"{arch}.n_deepstack_layers", 0) or 0)
+    got = len(ckpt.vision.deepstack_visual_indexes)
+    if got != want:
+        raise SparrowError(
+            f"{os.path.basename(mmproj)} is not {ckpt.name}'s: its vision tower has {got} DeepStack mergers, "
+            f"the text model takes {want} (an mmproj of another model)"
+        )
 
 
 def _open_checkpoint(path: str | None) -> Checkpoint:

@@ -256,9 +256,7 @@ class Qwen3_5VL(ImageInput, Qwen3_5):
     def __init__(self, cfg, tensors, vision, quantize=None, progress=None, activations="f32"):
         self.check_vision(cfg, vision)
         if vision.deepstack_visual_indexes:
-            raise SparrowError(
-                "the vision tower has DeepStack mergers (Qwen3-VL's); Qwen3.5's has none: "
-                "the mmproj belongs to another model"
-            )
+            ds = vision.deepstack_visual_indexes
+            raise SparrowError(f"Qwen3.5's vision tower has no DeepStack mergers; this one has {len(ds)}")
         super().__init__(cfg, tensors, quantize, progress, activations)
         self.attach_vision(tensors, vision)
