@@ -196,7 +196,7 @@ class _TextPart:
         return out
 
 
-def write_vl_gguf(model, text_path: str, mmproj_path: str) -> None:
+def write_vl_gguf(model, text_path: str, mmproj_path: str, text_arch: str = "qwen3vl") -> None:
     """llama.cpp's pair for the model: a qwen3vl text GGUF (F16 matrices; the default model's
     tokenizer plus the three vision tokens) and an mmproj GGUF (clip.* metadata, v.*/mm.*
     tensors, F16 matrices, the Conv3d split into its two temporal slices), named and laid out
@@ -218,7 +218,7 @@ def write_vl_gguf(model, text_path: str, mmproj_path: str) -> None:
         w.add_rope_dimension_sections(sec)
         w.add_num_deepstack_layers(n_ds)
 
-    rm.write_gguf(_TextPart(model), "qwen3vl", text_path, "F16", tok, extra=text_meta)
+    rm.write_gguf(_TextPart(model), text_arch, text_path, "F16", tok, extra=text_meta)
 
     v = model.config.vision_config
     w = gguf.GGUFWriter(mmproj_path, "clip")
