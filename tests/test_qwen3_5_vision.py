@@ -272,3 +272,74 @@ def test_an_mmproj_of_another_model_is_refused(converted, tokenizer_dir, tmp_pat
         with pytest.raises(SparrowError, match=match) as e:
             sparrow.load(text, mmproj=mmproj)
         assert "\n" not in str(e.value)
+
+
+def test_images_through_the_server_and_the_cli(tiny, llms, tmp_path, capsys, monkeypatch):
+    """Chat completions with two images (a data URL and a file:// URL inside the allowed media
+    folder) answer as the Python API does, count the image pads in usage, and a second identical
+    request comes from the prefix cache with the same answer; /v1/responses and /v1/messages
+    answer the same; `sparrow generate --image` too."""
+    import anthropic
+    import httpx
+    import openai
+    from inprocess_server import serving
+
+    from sparrow import cli
+    from sparrow.engine.runner import Runner
+    from sparrow.server.app import ServerState
+
+    folder = tiny["dense"][0]
+    media = tmp_path / "media"
+    media.mkdir()
+    PICTURES[1].save(media / "b.png")
+    url = _data_url(PICTURES[0])
+    parts = [
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "image_url", "image_url": {"url": f"file://{media}/b.png"}},
+        {"type": "text", "text": "What is this?"},
+    ]
+    msgs = [{"role": "user", "content": parts}]
+    api_msgs = [{"role": "user", "content": [{"type": "image", "image": p} for p in PICTURES] + parts[2:]}]
+    llm = llms["dense"]
+    ids = llm.prompt_ids(api_msgs)
+    want = "".join(llm.generate(api_msgs, chat=True, max_tokens=6))
+    served = sparrow.load(folder, threads=2)
+    # prefill chunks of 16: the prefix cache keeps whole chunks of the short prompt
+    state = ServerState(allowed_local_media_path=str(media), runner=Runner(served.model, 16))
+    with serving(state, served) as base:
+        body = {"messages": msgs, "max_tokens": 6, "temperature": 0}
+        rs = [httpx.post(base + "/v1/chat/completions", json=body, timeout=300) for _ in range(2)]
+        for r in rs:
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == want
+            assert r.json()["usage"]["prompt_tokens"] == len(ids) and ids.count(vr.PAD) == 10
+        cached = [r.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens") for r in rs]
+        assert not cached[0] and cached[1] > 0, cached
+        name = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+        o = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+        inputs = [
+            {"type": "input_image", "image_url": url},
+            {"type": "input_image", "image_url": f"file://{media}/b.png"},
+        ]
+        inputs.append({"type": "input_text", "text": "What is this?"})
+        r = o.responses.create(
+            model=name, input=[{"role": "user", "content": inputs}], max_output_tokens=6, temperature=0
+        )
+        assert r.output_text == want
+        a = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=300)
+        data = url.split(",", 1)[1]
+        blocks = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}]
+        blocks.append({"type": "image", "source": {"type": "url", "url": f"file://{media}/b.png"}})
+        m = a.messages.create(
+            model=name,
+            max_tokens=6,
+            extra_body={"temperature": 0},
+            messages=[{"role": "user", "content": blocks + [{"type": "text", "text": "What is this?"}]}],
+        )
+        assert m.content[0].text == want  # the same images: the prompt's chunks from the prefix cache
+        assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(ids)
+    PICTURES[0].save(tmp_path / "a.png")
+    monkeypatch.setattr("sys.stdin.isatty", lambda: True, raising=False)
+    argv = ["generate", "--model", folder, "--image", str(tmp_path / "a.png"), "--image", str(media / "b.png")]
+    assert cli.main(argv + ["-p", "What is this?", "-n", "6"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == want
