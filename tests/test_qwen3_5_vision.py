@@ -343,3 +343,17 @@ def test_images_through_the_server_and_the_cli(tiny, llms, tmp_path, capsys, mon
     argv = ["generate", "--model", folder, "--image", str(tmp_path / "a.png"), "--image", str(media / "b.png")]
     assert cli.main(argv + ["-p", "What is this?", "-n", "6"]) == 0
     assert capsys.readouterr().out.rstrip("\n") == want
+
+
+def test_a_folder_whose_tower_has_deepstack_is_refused(tiny, tmp_path):
+    """Qwen3.5's text model adds no DeepStack features: a vision_config naming DeepStack mergers
+    is refused rather than run without them."""
+    import shutil
+
+    import reference_models as rm
+
+    folder = str(tmp_path / "deepstack")
+    shutil.copytree(tiny["dense"][0], folder)
+    rm.rewrite_config(folder, lambda cfg: cfg["vision_config"].update(deepstack_visual_indexes=[1, 2]))
+    with pytest.raises(SparrowError, match="Qwen3.5's vision tower has no DeepStack mergers; this one has 2"):
+        sparrow.load(folder)
