@@ -170,7 +170,7 @@ class LLM:
         ids = (vc.vision_start_token_id, vc.image_token_id, vc.vision_end_token_id)
         toks = [self.tokenizer.id_to_token(i) for i in ids]
         if None in toks:
-            raise SparrowError(f"the tokenizer lacks Qwen3-VL's vision tokens {ids}")
+            raise SparrowError(f"the tokenizer lacks the vision tokens {ids}")
         return "".join(toks)
 
     # ------------------------------------------------------------------ forward
@@ -503,7 +503,8 @@ def load(
     quantise activations to 8 bits as llama.cpp does (not exact; README, "Activations"). None
     (the default) takes the rule of models/activations.py: exact, unless exact decode of this
     model's weights would trail llama.cpp's by more than 10%; llm.activations_why says why.
-    mmproj: llama.cpp's Qwen3-VL vision projector GGUF, with a qwen3vl text GGUF as path.
+    mmproj: llama.cpp's Qwen3-VL or Qwen3.5 vision projector GGUF, with its qwen3vl / qwen35 /
+    qwen35moe text GGUF as path.
     prompt_cache: a folder where prompts' KV is kept across processes (state/disk.py):
     stream() reuses what an earlier run left there, bit-identically; prompt_cache_size bounds it
     (bytes, or a size such as "20G"; default 20 GiB), least recently used first out.

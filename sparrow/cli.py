@@ -23,7 +23,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model", "-m", default=None, help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)"
     )
-    g.add_argument("--mmproj", default=None, metavar="GGUF", help="Qwen3-VL mmproj (with a .gguf model)")
+    g.add_argument("--mmproj", default=None, metavar="GGUF", help="Qwen3-VL or Qwen3.5 mmproj (with a .gguf model)")
     g.add_argument("--ctx", type=int, default=None, help="context length (default: the model's)")
     g.add_argument(
         "--rope-scaling",

@@ -168,7 +168,8 @@ class ModelConfig:
             norm_topk_prob=bool(cfg.get("norm_topk_prob", arch == "qwen3_5_moe")),
             decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1) or 1),
             mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
-            mrope_section=_mrope_section(scaling or rope),
+            # Qwen3.5 always runs interleaved M-RoPE, [11, 11, 10] where the config names none
+            mrope_section=_mrope_section(scaling or rope) or ((11, 11, 10) if arch in HYBRID else ()),
             **hybrid,
         )
 

@@ -7,7 +7,7 @@ exercised): more value heads than key heads, key and value head dims that differ
 rotary, a layer pattern with full attention in the middle, and prompts over several of
 transformers' 64-token delta-rule chunks. Each model is also saved in the layout of the real
 checkpoints (Qwen3_5ForConditionalGeneration: the text decoder under model.language_model., a
-vision tower and mtp.* tensors beside it).
+vision tower and mtp.* tensors beside it); images: test_qwen3_5_vision.py.
 """
 
 from __future__ import annotations
@@ -120,8 +120,10 @@ def _build(kind: str, folder: str, tok_dir: str):
 
 def _as_conditional_generation(src: str, dst: str, kind: str) -> None:
     """The same weights in the layout of a real checkpoint: Qwen3_5(Moe)ForConditionalGeneration's
-    config (text_config, vision_config) and tensor names, plus an mtp.* tensor sparrow ignores."""
+    config (text_config, vision_config) and tensor names, a tiny vision tower (loaded, never fed
+    here) and an mtp.* tensor sparrow ignores."""
     from safetensors.numpy import load_file, save_file
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionConfig, Qwen3_5VisionModel
 
     os.makedirs(dst)
     tensors = load_file(os.path.join(src, "model.safetensors"))
@@ -129,7 +131,10 @@ def _as_conditional_generation(src: str, dst: str, kind: str) -> None:
         ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v for k, v in tensors.items()
     }
     out["mtp.fc.weight"] = np.zeros((4, 4), np.float32)
-    out["model.visual.patch_embed.proj.bias"] = np.zeros(8, np.float32)
+    vision = dict(depth=1, hidden_size=8, intermediate_size=16, num_heads=1, out_hidden_size=48)
+    vision["num_position_embeddings"] = 4
+    tower = Qwen3_5VisionModel(Qwen3_5VisionConfig(**vision))
+    out.update({"model.visual." + k: v.detach().numpy() for k, v in tower.state_dict().items()})
     save_file(out, os.path.join(dst, "model.safetensors"))
     with open(os.path.join(src, "config.json")) as f:
         text = json.load(f)
@@ -140,7 +145,7 @@ def _as_conditional_generation(src: str, dst: str, kind: str) -> None:
         "architectures": [arch],
         "model_type": "qwen3_5_moe" if kind == "moe" else "qwen3_5",
         "text_config": text,
-        "vision_config": {"depth": 1, "hidden_size": 8, "num_heads": 1, "out_hidden_size": 48},
+        "vision_config": vision,
         "tie_word_embeddings": False,
     }
     with open(os.path.join(dst, "config.json"), "w") as f:

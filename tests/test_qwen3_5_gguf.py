@@ -33,9 +33,10 @@ if not os.path.isfile(SCRIPT):
     pytest.skip("llama.cpp's converter is not installed (see .ci/run)", allow_module_level=True)
 
 
-def convert(folder: str, out: str, outtype: str = "f32") -> str:
+def convert(folder: str, out: str, outtype: str = "f32", mmproj: bool = False) -> str:
+    """The text GGUF, or with mmproj the vision tower's GGUF (test_qwen3_5_vision.py)."""
     env = dict(os.environ, PYTHONPATH=os.path.join(CONVERTER, "gguf-py"))
-    cmd = [sys.executable, SCRIPT, folder, "--outfile", out, "--outtype", outtype, "--no-mtp"]
+    cmd = [sys.executable, SCRIPT, folder, "--outfile", out, "--outtype", outtype, "--mmproj" if mmproj else "--no-mtp"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     return out

@@ -51,10 +51,7 @@ PREPROCESSOR = {
 def build_tiny_vl(out_dir: str, tokenizer_dir: str):
     """Saves the seeded model (f32 safetensors), the tokenizer and preprocessor_config.json to
     out_dir; returns the transformers model (f32, eval)."""
-    import json
-
     import torch
-    from tokenizers import AddedToken, Tokenizer
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     torch.manual_seed(13)
@@ -69,6 +66,16 @@ def build_tiny_vl(out_dir: str, tokenizer_dir: str):
             elif "bias" in name or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.05)  # non-trivial norms and biases
     model.save_pretrained(out_dir)
+    _tokenizer_and_preprocessor(out_dir, tokenizer_dir)
+    return model
+
+
+def _tokenizer_and_preprocessor(out_dir: str, tokenizer_dir: str) -> None:
+    """The default model's tokenizer plus the three vision tokens, and preprocessor_config.json."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer
+
     rm.copy_tokenizer(tokenizer_dir, out_dir)
     tj = os.path.join(out_dir, "tokenizer.json")
     tok = Tokenizer.from_file(tj)
@@ -79,6 +86,78 @@ def build_tiny_vl(out_dir: str, tokenizer_dir: str):
     tok.save(tj)
     with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
         json.dump(PREPROCESSOR, f)
+
+
+# Qwen3.5 with images: the hybrid text decoder (odd sizes as tests/test_qwen3_5.py's: more value
+# heads than key heads, key and value head dims that differ, 12 of 24 head dims rotating) and
+# Qwen3-VL's vision tower without DeepStack. The dense model names mrope_section [2, 1, 3] (not
+# the default); the MoE model names none, so transformers' default [11, 11, 10] applies.
+QWEN3_5_TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=80,
+    num_attention_heads=3,
+    num_key_value_heads=1,
+    head_dim=24,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=12,
+    linear_value_head_dim=10,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=1024,
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    tie_word_embeddings=False,
+)
+QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+QWEN3_5_SPECS = {
+    "dense": dict(QWEN3_5_TEXT, rope_parameters=dict(QWEN3_5_ROPE, mrope_section=[2, 1, 3], mrope_interleaved=True)),
+    "moe": dict(
+        QWEN3_5_TEXT,
+        rope_parameters=dict(QWEN3_5_ROPE),
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+        num_experts=4,
+        num_experts_per_tok=2,
+    ),
+}
+QWEN3_5_VISION = {k: v for k, v in VISION.items() if k != "deepstack_visual_indexes"}
+
+
+def build_tiny_qwen3_5_vl(out_dir: str, tokenizer_dir: str, kind: str = "dense"):
+    """Qwen3_5ForConditionalGeneration (kind "dense") or Qwen3_5MoeForConditionalGeneration
+    ("moe"), seeded, saved as build_tiny_vl saves its model; returns the transformers model."""
+    import torch
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+    )
+
+    cfg_cls, model_cls = {
+        "dense": (Qwen3_5Config, Qwen3_5ForConditionalGeneration),
+        "moe": (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration),
+    }[kind]
+    torch.manual_seed(17 if kind == "dense" else 18)
+    cfg = cfg_cls(
+        text_config=QWEN3_5_SPECS[kind],
+        vision_config=QWEN3_5_VISION,
+        image_token_id=PAD,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
+    )
+    model = model_cls(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty_like(p).uniform_(0.3, 3.0)))
+            elif p.dim() >= 2:
+                p.normal_(0.0, 0.2 if "language_model" in name or "lm_head" in name else 0.08)
+            else:  # norms (1 + w in the text model), biases, dt_bias
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out_dir)
+    _tokenizer_and_preprocessor(out_dir, tokenizer_dir)
     return model
 
 
@@ -117,7 +196,7 @@ class _TextPart:
         return out
 
 
-def write_vl_gguf(model, text_path: str, mmproj_path: str) -> None:
+def write_vl_gguf(model, text_path: str, mmproj_path: str, text_arch: str = "qwen3vl") -> None:
     """llama.cpp's pair for the model: a qwen3vl text GGUF (F16 matrices; the default model's
     tokenizer plus the three vision tokens) and an mmproj GGUF (clip.* metadata, v.*/mm.*
     tensors, F16 matrices, the Conv3d split into its two temporal slices), named and laid out
@@ -139,7 +218,7 @@ def write_vl_gguf(model, text_path: str, mmproj_path: str) -> None:
         w.add_rope_dimension_sections(sec)
         w.add_num_deepstack_layers(n_ds)
 
-    rm.write_gguf(_TextPart(model), "qwen3vl", text_path, "F16", tok, extra=text_meta)
+    rm.write_gguf(_TextPart(model), text_arch, text_path, "F16", tok, extra=text_meta)
 
     v = model.config.vision_config
     w = gguf.GGUFWriter(mmproj_path, "clip")

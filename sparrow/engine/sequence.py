@@ -69,7 +69,7 @@ class Sequence:
     ) -> Sequence:
         """Checks the request against the context and allocates exactly the KV it can use.
         `params` were validated where they were built (CLI, HTTP request, API keywords).
-        images: the prompt's preprocessed images (Qwen3-VL), encoded into the slot here."""
+        images: the prompt's preprocessed images (Qwen3-VL, Qwen3.5), encoded into the slot here."""
         check_context(len(prompt_ids), params.max_tokens, ctx)
         capacity = len(prompt_ids) + params.max_tokens if allocate else None  # None: the engine's KV budget
         slot = runner.new_slot(prompt_ids, capacity, kv_dtype, sparse, trace, images, trace_mass)

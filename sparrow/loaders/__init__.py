@@ -7,7 +7,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from ..config import ModelConfig
+from ..config import HYBRID, ModelConfig
 from ..errors import SparrowError
 from .names import normalize_hf
 from .tensor import StoredTensor
@@ -23,7 +23,7 @@ class Checkpoint:
     tensors: dict[str, StoredTensor]
     tokenizer: object  # sparrow.tokenizer.Tokenizer
     generation_defaults: dict = field(default_factory=dict)  # from generation_config.json
-    vision: object | None = None  # vision.config.VisionConfig of a Qwen3-VL checkpoint, else None
+    vision: object | None = None  # vision.config.VisionConfig of a Qwen3-VL or Qwen3.5 checkpoint, else None
 
 
 def default_model_path() -> str:
@@ -38,7 +38,7 @@ def default_model_path() -> str:
 
 
 def open_checkpoint(path: str | None, mmproj: str | None = None) -> Checkpoint:
-    """mmproj: llama.cpp's vision projector GGUF to go with a Qwen3-VL text GGUF."""
+    """mmproj: llama.cpp's vision projector GGUF to go with a Qwen3-VL or Qwen3.5 text GGUF."""
     ckpt = _open_checkpoint(path)
     if mmproj is not None:
         from .mmproj import open_mmproj
@@ -46,8 +46,34 @@ def open_checkpoint(path: str | None, mmproj: str | None = None) -> Checkpoint:
         if os.path.isdir(ckpt.path) or ckpt.vision is not None:
             raise SparrowError("--mmproj goes with a text GGUF (a Hugging Face folder holds its own vision tower)")
         ckpt.vision, vision_tensors = open_mmproj(mmproj, ckpt.tokenizer)
+        _check_pair(ckpt, mmproj)
         ckpt.tensors.update(vision_tensors)
     return ckpt
+
+
+# text GGUF architecture -> its vision tower's DeepStack mergers (None: read from the file)
+_MMPROJ_TEXT = {"qwen3vl": None, "qwen35": 0, "qwen35moe": 0}
+
+
+def _check_pair(ckpt: Checkpoint, mmproj: str) -> None:
+    """Refuses an mmproj of another model: the text GGUF must be one that takes images, and the
+    tower's DeepStack mergers must be those the text model adds (Qwen3-VL's n_deepstack_layers;
+    Qwen3.5 has none). The hidden sizes are checked when the model is built."""
+    from .gguf import open_gguf
+
+    _, meta = open_gguf(ckpt.path)
+    arch = meta.get("general.architecture")
+    if arch not in _MMPROJ_TEXT:
+        raise SparrowError(f"--mmproj goes with a Qwen3-VL or Qwen3.5 text GGUF; {ckpt.name} is {arch!r}")
+    want = _MMPROJ_TEXT[arch]
+    if want is None:
+        want = int(meta.get(f"{arch}.n_deepstack_layers", 0) or 0)
+    got = len(ckpt.vision.deepstack_visual_indexes)
+    if got != want:
+        raise SparrowError(
+            f"{os.path.basename(mmproj)} is not {ckpt.name}'s: its vision tower has {got} DeepStack mergers, "
+            f"the text model takes {want} (an mmproj of another model)"
+        )
 
 
 def _open_checkpoint(path: str | None) -> Checkpoint:
@@ -82,11 +108,6 @@ def _read_json(path: str) -> dict:
         raise SparrowError(f"{os.path.basename(path)}: cannot parse: {e}") from None
 
 
-def _is_qwen3_5(raw: dict) -> bool:
-    # Qwen3.5's vision tower (no DeepStack) is not run yet: its text decoder is
-    return any(a.startswith("Qwen3_5") for a in raw.get("architectures") or [])
-
-
 def _open_hf_dir(path: str) -> Checkpoint:
     from ..tokenizer import Tokenizer
     from .safetensors import read_safetensors_dir
@@ -96,7 +117,7 @@ def _open_hf_dir(path: str) -> Checkpoint:
         raise SparrowError(f"{path}: no config.json (expected a Hugging Face model folder)")
     raw = _read_json(cfg_path)
     vision = None
-    if "vision_config" in raw and "text_config" in raw and not _is_qwen3_5(raw):
+    if "vision_config" in raw and "text_config" in raw:
         from ..vision.config import VisionConfig
 
         pre_path = os.path.join(path, "preprocessor_config.json")
@@ -106,7 +127,7 @@ def _open_hf_dir(path: str) -> Checkpoint:
         except (KeyError, TypeError, ValueError) as e:
             raise SparrowError(f"{cfg_path}: bad vision_config: {e}") from None
     if "text_config" in raw and "num_hidden_layers" not in raw:
-        # Multimodal wrappers (Qwen3-VL): the text decoder is what sparrow runs.
+        # Multimodal wrappers (Qwen3-VL, Qwen3.5): the text decoder is what sparrow runs.
         raw = dict(
             raw["text_config"],
             architectures=raw.get("architectures"),
@@ -120,7 +141,7 @@ def _open_hf_dir(path: str) -> Checkpoint:
         cfg = ModelConfig.from_hf(raw)
     except KeyError as e:
         raise SparrowError(f"{cfg_path}: missing key {e}") from None
-    if vision is not None and cfg.architecture != "qwen3":
+    if vision is not None and cfg.architecture not in ("qwen3", *HYBRID):
         vision = None  # Qwen3-VL-MoE: sparrow runs its text decoder only
     tensors = {normalize_hf(k): v for k, v in read_safetensors_dir(path).items()}
     gen_path = os.path.join(path, "generation_config.json")

@@ -1,5 +1,6 @@
-"""llama.cpp's mmproj GGUF for Qwen3-VL (clip.projector_type qwen3vl_merger): the vision
-tower's config and tensors under Hugging Face names, to go with a qwen3vl text GGUF."""
+"""llama.cpp's mmproj GGUF for Qwen3-VL and Qwen3.5 (clip.projector_type qwen3vl_merger; Qwen3.5's
+without DeepStack): the vision tower's config and tensors under Hugging Face names, to go with a
+qwen3vl, qwen35 or qwen35moe text GGUF (loaders/__init__.py refuses a pair that does not fit)."""
 
 from __future__ import annotations
 

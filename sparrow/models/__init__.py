@@ -10,7 +10,7 @@ from .decoder import Decoder
 from .llama import Llama
 from .qwen2 import Qwen2
 from .qwen3 import Qwen3
-from .qwen3_5 import Qwen3_5
+from .qwen3_5 import Qwen3_5, Qwen3_5VL
 from .qwen3_moe import moe_mlp_factory
 from .qwen3_vl import Qwen3VL
 from .step import fused_switch
@@ -51,8 +51,9 @@ def _build(ckpt, quantize, progress, activations) -> Decoder:
         bar = lambda it: tqdm(it, desc="loading layers", unit="layer", leave=False)  # noqa: E731
 
     kw = dict(quantize=quantize, progress=bar, activations=activations)
-    if getattr(ckpt, "vision", None) is not None:  # a checkpoint with a vision tower: Qwen3-VL
-        return Qwen3VL(cfg, ckpt.tensors, ckpt.vision, **kw)
+    if getattr(ckpt, "vision", None) is not None:  # a checkpoint with a vision tower: Qwen3-VL or Qwen3.5
+        family = Qwen3_5VL if cfg.architecture in HYBRID else Qwen3VL
+        return family(cfg, ckpt.tensors, ckpt.vision, **kw)
     family = FAMILIES.get(cfg.architecture)
     if family is None:
         raise SparrowError(f"unsupported architecture {cfg.architecture!r}")

@@ -7,7 +7,8 @@ What differs from Qwen3, layer by layer:
   1 + weight, so the shared rms_norm kernel applies it as is.
 - Full attention: q_proj gives, per head, the query and an output gate ([T, H, 2, D]); q/k
   RMSNorm; rotary on the first rotary_dim dims of each head only (partial_rotary_factor; text
-  tokens see plain positions, where interleaved M-RoPE equals RoPE); the attention output is
+  tokens see plain positions, where interleaved M-RoPE equals RoPE; image pads and the tokens
+  after them, Qwen3_5VL's 3-axis M-RoPE positions); the attention output is
   multiplied by sigmoid(gate) before o_proj. Its K/V and attention are sparrow's own (exact or
   block-sparse), indexed by full-attention layer.
 - Gated DeltaNet: in_proj_qkv / z / b / a of the same input (one fused projection), a depthwise
@@ -38,6 +39,7 @@ from ..quant import Weight
 from ..state.recurrent import HybridCache
 from .decoder import Decoder, Segment, WeightSource, dense_mlp
 from .layers import MLP, FusedLinear, rms_norm
+from .qwen3_vl import ImageInput
 
 
 def _check(get: WeightSource, name: str, shape: tuple) -> None:
@@ -214,17 +216,19 @@ class Qwen3_5(Decoder):
 
     def _staged(self, segments: list[Segment], all_logits: bool = False, with_last: bool = False):
         tokens, positions, bounds = self.staged_inputs(segments)
-        if any(s.vision is not None or s.rope_delta for s in segments):
-            raise SparrowError("Qwen3.5 images are not supported yet")
         # caches that keep the state after each decoded row, to roll back to (verification, a
         # draft model's cache: KVCache.keep_every_row)
         rows = {id(s.cache) for s in segments if s.decode and s.cache.keep_every_row}
         self.start_traces(segments)
         x = self.embed_rows(tokens)  # [N, E]
+        rope = None
+        vis = [(bounds[j], s.vision) for j, s in enumerate(segments) if s.vision is not None]
+        if vis or any(s.rope_delta for s in segments):  # after images (Qwen3_5VL): M-RoPE rows, no DeepStack
+            x, rope, positions = self._multimodal_inputs(segments, bounds, x, vis)
         for layer in self.layers:
             h = rms_norm(x, layer.input_norm, layer.eps)  # [N, E]
             if layer.full:  # the stages report to self.timer (models.timing)
-                q, k, v, gate = self.project_qkv(layer, h, positions)  # [N, H, D] [N, KV, D] x2, [N, H*D]
+                q, k, v, gate = self.project_qkv(layer, h, positions, rope)  # [N, H, D] [N, KV, D] x2, [N, H*D]
                 out = self.attend(layer, segments, bounds, q, k, v).reshape(len(x), -1)  # [N, H*D]
                 del q, k, v
                 x += self.project_out(layer, out * sigmoid(gate))  # [N, E]
@@ -236,3 +240,17 @@ class Qwen3_5(Decoder):
             del h
             x += self.mlp_block(layer, x)  # [N, E]
         return self.staged_logits(segments, x, bounds, all_logits, with_last)
+
+
+class Qwen3_5VL(ImageInput, Qwen3_5):
+    """Qwen3.5 with its vision tower (Qwen3-VL's without DeepStack): image embeddings replace the
+    image pads before the first layer, so the Gated DeltaNet layers just see them; the gated
+    full-attention layers take the 3-axis M-RoPE positions on their rotary dims."""
+
+    def __init__(self, cfg, tensors, vision, quantize=None, progress=None, activations="f32"):
+        self.check_vision(cfg, vision)
+        if vision.deepstack_visual_indexes:
+            ds = vision.deepstack_visual_indexes
+            raise SparrowError(f"Qwen3.5's vision tower has no DeepStack mergers; this one has {len(ds)}")
+        super().__init__(cfg, tensors, quantize, progress, activations)
+        self.attach_vision(tensors, vision)

@@ -1,4 +1,5 @@
-"""Qwen3-VL: the Qwen3 decoder with interleaved M-RoPE plus the vision tower.
+"""Qwen3-VL: the Qwen3 decoder with interleaved M-RoPE plus the vision tower (ImageInput, which
+Qwen3.5's image model, qwen3_5.Qwen3_5VL, shares).
 
 A prompt's images are encoded once, when its sequence is created (`prepare`); the result, a
 `MultimodalPrompt`, travels with the sequence's slot. Each prefill chunk takes its slice
@@ -47,15 +48,20 @@ class MultimodalPrompt:
         )
 
 
-class Qwen3VL(Decoder):
-    def __init__(self, cfg, tensors, vision: VisionConfig, quantize=None, progress=None, activations="f32"):
-        super().__init__(cfg, tensors, quantize=quantize, progress=progress, activations=activations)
+class ImageInput:
+    """What a decoder with a vision tower adds, shared by Qwen3-VL and Qwen3.5 (qwen3_5.Qwen3_5VL):
+    the tower, the image-pad count of an image (`image_tokens`) and the encoding of a prompt's
+    images over its pads (`prepare`, which the runner looks for: a model without it is text-only)."""
+
+    @staticmethod
+    def check_vision(cfg, vision: VisionConfig) -> None:
+        """Refuses a tower that does not fit the text model (before the text model is built)."""
         if vision.out_hidden_size != cfg.hidden_size:
             raise SparrowError(
                 f"the vision tower outputs {vision.out_hidden_size} features, the text model takes {cfg.hidden_size}"
             )
-        if len(vision.deepstack_visual_indexes) > cfg.num_hidden_layers:
-            raise SparrowError("more DeepStack mergers than text layers")
+
+    def attach_vision(self, tensors, vision: VisionConfig) -> None:
         self.vision_config = vision
         # --quantize applies to the text model: the vision tower runs once per image, in stored form
         self.vision = VisionTower(vision, WeightSource(tensors, None))
@@ -79,3 +85,12 @@ class Qwen3VL(Decoder):
             deep.append(d)
         rows = np.concatenate([np.arange(a, b) for a, b in runs]).astype(np.int64)
         return MultimodalPrompt(pos, delta, rows, np.concatenate(embeds), np.concatenate(deep, axis=1), timings)
+
+
+class Qwen3VL(ImageInput, Decoder):
+    def __init__(self, cfg, tensors, vision: VisionConfig, quantize=None, progress=None, activations="f32"):
+        self.check_vision(cfg, vision)
+        if len(vision.deepstack_visual_indexes) > cfg.num_hidden_layers:
+            raise SparrowError("more DeepStack mergers than text layers")
+        super().__init__(cfg, tensors, quantize=quantize, progress=progress, activations=activations)
+        self.attach_vision(tensors, vision)

@@ -1,4 +1,4 @@
-"""The vision tower's settings: from a Qwen3-VL config.json (+ preprocessor_config.json) or an
+"""The vision tower's settings: from a Qwen3-VL or Qwen3.5 config.json (+ preprocessor_config.json) or an
 mmproj GGUF's clip.* metadata."""
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def vision_config_from_gguf(meta: dict, shapes: dict[str, tuple[int, ...]], toke
     token_ids: the text model tokenizer's ids of <|vision_start|>, <|image_pad|>, <|vision_end|>."""
     kind = meta.get("clip.vision.projector_type", meta.get("clip.projector_type"))
     if kind != "qwen3vl_merger":
-        raise SparrowError(f"unsupported mmproj projector {kind!r}: sparrow runs Qwen3-VL's (qwen3vl_merger)")
+        raise SparrowError(f"unsupported mmproj projector {kind!r}: sparrow runs qwen3vl_merger (Qwen3-VL, Qwen3.5)")
     v = "clip.vision."
     depth = int(meta[v + "block_count"])
     flags = list(meta.get(v + "is_deepstack_layers", ()))
