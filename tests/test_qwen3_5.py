@@ -120,7 +120,8 @@ def _build(kind: str, folder: str, tok_dir: str):
 
 def _as_conditional_generation(src: str, dst: str, kind: str) -> None:
     """The same weights in the layout of a real checkpoint: Qwen3_5(Moe)ForConditionalGeneration's
-    config (text_config, vision_config) and tensor names, plus an mtp.* tensor sparrow ignores."""
+    config (text_config, vision_config) and tensor names, and a vision tensor sparrow ignores
+    (mtp.* tensors, where src has them, keep their names: test_qwen3_5_mtp.py)."""
     from safetensors.numpy import load_file, save_file
 
     os.makedirs(dst)
@@ -128,7 +129,6 @@ def _as_conditional_generation(src: str, dst: str, kind: str) -> None:
     out = {
         ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v for k, v in tensors.items()
     }
-    out["mtp.fc.weight"] = np.zeros((4, 4), np.float32)
     out["model.visual.patch_embed.proj.bias"] = np.zeros(8, np.float32)
     save_file(out, os.path.join(dst, "model.safetensors"))
     with open(os.path.join(src, "config.json")) as f:

@@ -185,7 +185,10 @@ class HybridLayer:
 
 class Qwen3_5(Decoder):
     """The hybrid decoder. Decoder gives it the embedding, head, attention over the KV cache and
-    the forward's dispatch; it never takes the fused step (fused_step is None)."""
+    the forward's dispatch; it never takes the fused step (fused_step is None). `mtp`: its MTP
+    layer (qwen3_5_mtp.MTPHead, set by models.build_model), None where the checkpoint has none."""
+
+    mtp = None
 
     def __init__(self, cfg: ModelConfig, tensors, quantize=None, progress=None, activations="f32"):
         super().__init__(cfg, tensors, quantize, qwen3_5_mlp, progress, activations)
