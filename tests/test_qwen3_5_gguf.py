@@ -19,6 +19,7 @@ import sys
 import numpy as np
 import pytest
 from test_qwen3_5 import PROMPT, _build, _prefill_then_decode
+from test_qwen3_5_mtp import _add_mtp, _head_logits, _hidden_rows, _mtp_layer_model, _random_head
 
 import sparrow
 from reference_models import save_default_tokenizer
@@ -33,9 +34,10 @@ if not os.path.isfile(SCRIPT):
     pytest.skip("llama.cpp's converter is not installed (see .ci/run)", allow_module_level=True)
 
 
-def convert(folder: str, out: str, outtype: str = "f32") -> str:
+def convert(folder: str, out: str, outtype: str = "f32", mtp: bool = False) -> str:
+    """mtp: keep the folder's MTP layer (the converter asserts where there is none)."""
     env = dict(os.environ, PYTHONPATH=os.path.join(CONVERTER, "gguf-py"))
-    cmd = [sys.executable, SCRIPT, folder, "--outfile", out, "--outtype", outtype, "--no-mtp"]
+    cmd = [sys.executable, SCRIPT, folder, "--outfile", out, "--outtype", outtype, *([] if mtp else ["--no-mtp"])]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     return out
@@ -116,3 +118,27 @@ def test_a_gguf_missing_a_deltanet_tensor_names_it(converted, tmp_path):
     with pytest.raises(SparrowError, match="missing tensor model.layers.2.linear_attn.out_proj.weight") as e:
         sparrow.load(str(tmp_path / "broken.gguf"))
     assert "\n" not in str(e.value)
+
+
+def test_a_gguf_with_the_mtp_layer_loads_the_head_of_the_hf_folder(tmp_path):
+    """llama.cpp's converter, without --no-mtp, writes the MTP layer as block num_hidden_layers
+    (nextn.* and the layer's usual names, norms holding 1 + weight): the head sparrow builds from
+    it is the HF folder's, bit for bit on the same hidden rows; the file without it has none."""
+    save_default_tokenizer(str(tmp_path / "tok"))
+    folder = str(tmp_path / "dense")
+    _build("dense", folder, str(tmp_path / "tok"))
+    _, layer = _mtp_layer_model("dense", 107, 1.0, str(tmp_path / "one"))
+    _add_mtp(folder, {**layer, **_random_head(np.random.default_rng(207))})
+    gguf_llm = sparrow.load(convert(folder, str(tmp_path / "mtp.gguf"), mtp=True), threads=2)
+    hf = sparrow.load(folder, threads=2).model
+    cfg = gguf_llm.config
+    assert (cfg.num_hidden_layers, cfg.mtp_layers, len(cfg.layer_types)) == (5, 1, 5)
+    got, want = gguf_llm.model.mtp, hf.mtp
+    assert got is not None and want is not None
+    for name in ("norm_e", "norm_h", "norm"):
+        assert np.array_equal(getattr(got, name), getattr(want, name)), name
+    hidden = _hidden_rows(hf, PROMPT)
+    a = _head_logits(gguf_llm.model, PROMPT, hidden, 90)
+    b = _head_logits(hf, PROMPT, hidden, 90)
+    assert np.array_equal(a, b)
+    assert sparrow.load(convert(folder, str(tmp_path / "plain.gguf")), threads=2).model.mtp is None
