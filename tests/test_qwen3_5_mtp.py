@@ -344,3 +344,28 @@ def test_mtp_bad_input_gets_one_line_errors(mtp_models, tmp_path):
         with pytest.raises(SparrowError, match=message) as e:
             sparrow.load(edited(edit.__name__, edit))
         assert "\n" not in str(e.value)
+
+
+def test_the_server_takes_speculative_mtp_per_request(predictable, mtp_models):
+    """A request's `speculative: "mtp"` gives plain decoding's tokens through the engine (the
+    prompt's hidden rows kept from its prefill, the drafter made after it); a server on a model
+    without the layer answers 400 naming the field, and refuses to start with it as its default."""
+    import httpx
+    from inprocess_server import serving
+
+    from sparrow.server.app import ServerState
+
+    body = {"prompt": [int(t) for t in PROMPT[:30]], "max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    with serving(ServerState(), predictable["dense"], timeout=300) as base:
+        plain = httpx.post(base + "/v1/completions", json=body, timeout=300)
+        spec = httpx.post(base + "/v1/completions", json={**body, "speculative": "mtp"}, timeout=300)
+    assert plain.status_code == 200 and spec.status_code == 200, spec.text
+    assert spec.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    details = spec.json()["usage"]["completion_tokens_details"]  # drafts kept and refused
+    assert details["accepted_prediction_tokens"] > 0 and details["rejected_prediction_tokens"] > 0, details
+    llm = sparrow.load(mtp_models["dense"][2], threads=2)  # no MTP layer
+    with serving(ServerState(), llm, timeout=300) as base:
+        r = httpx.post(base + "/v1/completions", json={**body, "speculative": "mtp"}, timeout=300)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "speculative", r.text
+    with pytest.raises(SparrowError, match="has no MTP layer"):
+        ServerState(speculative=SpeculativeParams(method="mtp")).attach(llm)
