@@ -174,7 +174,8 @@ def test_mtp_head_matches_transformers_modules(mtp_models, kind):
         for split in (len(PROMPT) - 1, 90):  # every row in one forward; 90, then row by row
             got = _head_logits(model, PROMPT, hidden, split)
             # f32 noise of the target's hidden state (the delta rule's two orders, see
-            # test_qwen3_5) carried through the head: measured within 2e-5 of the largest logit
+            # test_qwen3_5) carried through the head: measured 9.5e-6 (dense) and 1.8e-5 (MoE)
+            # of the largest logit, 2026-12-07
             err = np.abs(got - want).max()
             assert err <= 1e-4 * np.abs(want).max(), (path, split, err)
             assert np.array_equal(got.argmax(1), want.argmax(1))
