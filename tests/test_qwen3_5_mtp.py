@@ -357,9 +357,17 @@ def test_the_server_takes_speculative_mtp_per_request(predictable, mtp_models):
     from sparrow.server.app import ServerState
 
     body = {"prompt": [int(t) for t in PROMPT[:30]], "max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
-    with serving(ServerState(), predictable["dense"], timeout=300) as base:
+    state = ServerState()
+    with serving(state, predictable["dense"], timeout=300) as base:
+        kv, freed = state.engine.kv, []  # what each request's cache holds when the engine frees it
+        free = kv.free
+        kv.free = lambda req: (freed.append(req.seq.slot.cache.hidden), free(req))[1]
         plain = httpx.post(base + "/v1/completions", json=body, timeout=300)
         spec = httpx.post(base + "/v1/completions", json={**body, "speculative": "mtp"}, timeout=300)
+        # one token: done at its prefill, before any drafter: its cache keeps no hidden rows either
+        one = {**body, "max_tokens": 1, "speculative": "mtp"}
+        assert httpx.post(base + "/v1/completions", json=one, timeout=300).status_code == 200
+    assert freed == [None, None, None]  # (the prefix cache may keep these caches)
     assert plain.status_code == 200 and spec.status_code == 200, spec.text
     assert spec.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
     details = spec.json()["usage"]["completion_tokens_details"]  # drafts kept and refused

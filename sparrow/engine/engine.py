@@ -349,6 +349,9 @@ class Engine:
         if req.spec is not None:
             self.kv.release_drafter(req)
             req.spec.release()
+        slot = getattr(req.seq, "slot", None)
+        if slot is not None and slot.cache is not None:
+            slot.cache.hidden = None  # set at its prefill for an MTP drafter that may never have come
         self.kv.free(req)
 
     def _fail(self, req: Request, message: str) -> None:
