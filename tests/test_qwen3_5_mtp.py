@@ -378,3 +378,24 @@ def test_the_server_takes_speculative_mtp_per_request(predictable, mtp_models):
     assert r.status_code == 400 and r.json()["error"]["param"] == "speculative", r.text
     with pytest.raises(SparrowError, match="has no MTP layer"):
         ServerState(speculative=SpeculativeParams(method="mtp")).attach(llm)
+
+
+def test_mtp_drafter_restarts_where_hidden_rows_are_missing(predictable):
+    """Positions whose hidden rows the target never computed (a prompt prefix from the prefix
+    cache) are not in the head's cache: it starts at the first position it has rows for, and
+    the tokens are plain decoding's."""
+    llm = predictable["dense"]
+    ids = [int(t) for t in PROMPT[:30]]
+    sampling = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    plain = _run(llm, ids, sampling)[0]
+    set_threads(llm.threads)
+    seq = Sequence.create(llm.runner, llm.tokenizer, ids, sampling, llm.ctx, "f32", None)
+    spec = make_speculator(llm.handle, llm.runner, SpeculativeParams(method="mtp", tokens=3), seq, "f32")
+    gen = generate_step(llm.runner, seq, spec=spec)
+    toks = [next(gen).token_id]  # after the prefill, before the first draft
+    for p in range(20):
+        del seq.slot.cache.hidden[p]
+    toks += [o.token_id for o in gen]
+    assert toks == plain
+    assert spec.drafter.base == 20 and spec.drafted > 0
+    spec.release()

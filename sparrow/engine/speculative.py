@@ -197,6 +197,8 @@ class MTPDrafter(Drafter):
 
     def propose(self, seq, n: int) -> list[int]:
         self.watch(seq.slot.cache)
+        if self.target.hidden is None:  # cleared by someone else: keep them from now on
+            self.target.hidden = {}
         hidden, L = self.target.hidden, self.target.length  # positions 0..L-1 fed; L: the last sample's
         m = self.base + self.cache.length  # the head's next row
         if any(p not in hidden for p in range(m, L)):  # a gap: restart at the run of rows ending at L - 1
