@@ -120,19 +120,30 @@ def test_a_gguf_missing_a_deltanet_tensor_names_it(converted, tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_a_gguf_with_the_mtp_layer_loads_the_head_of_the_hf_folder(tmp_path):
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_gguf_with_the_mtp_layer_loads_the_head_of_the_hf_folder(converted, kind, tmp_path):
     """llama.cpp's converter, without --no-mtp, writes the MTP layer as block num_hidden_layers
     (nextn.* and the layer's usual names, norms holding 1 + weight): the head sparrow builds from
-    it is the HF folder's, bit for bit on the same hidden rows; the file without it has none."""
+    it is the HF folder's, bit for bit on the same hidden rows; a file without it has none."""
     save_default_tokenizer(str(tmp_path / "tok"))
-    folder = str(tmp_path / "dense")
-    _build("dense", folder, str(tmp_path / "tok"))
-    _, layer = _mtp_layer_model("dense", 107, 1.0, str(tmp_path / "one"))
+    folder = str(tmp_path / kind)
+    _build(kind, folder, str(tmp_path / "tok"))
+    _, layer = _mtp_layer_model(kind, 107, 1.0, str(tmp_path / "one"))
     _add_mtp(folder, {**layer, **_random_head(np.random.default_rng(207))})
-    gguf_llm = sparrow.load(convert(folder, str(tmp_path / "mtp.gguf"), mtp=True), threads=2)
+    src = folder
+    if kind == "moe":  # the dense model type for the converter's tokenizer check (converted's note)
+        src = str(tmp_path / "moe_for_converter")
+        shutil.copytree(folder, src)
+        with open(os.path.join(src, "config.json")) as f:
+            cfg = json.load(f)
+        cfg["model_type"] = "qwen3_5_text"
+        with open(os.path.join(src, "config.json"), "w") as f:
+            json.dump(cfg, f)
+    gguf_llm = sparrow.load(convert(src, str(tmp_path / "mtp.gguf"), mtp=True), threads=2)
     hf = sparrow.load(folder, threads=2).model
     cfg = gguf_llm.config
-    assert (cfg.num_hidden_layers, cfg.mtp_layers, len(cfg.layer_types)) == (5, 1, 5)
+    n = hf.config.num_hidden_layers
+    assert (cfg.num_hidden_layers, cfg.mtp_layers, cfg.layer_types) == (n, 1, hf.config.layer_types)
     got, want = gguf_llm.model.mtp, hf.mtp
     assert got is not None and want is not None
     for name in ("norm_e", "norm_h", "norm"):
@@ -141,4 +152,4 @@ def test_a_gguf_with_the_mtp_layer_loads_the_head_of_the_hf_folder(tmp_path):
     a = _head_logits(gguf_llm.model, PROMPT, hidden, 90)
     b = _head_logits(hf, PROMPT, hidden, 90)
     assert np.array_equal(a, b)
-    assert sparrow.load(convert(folder, str(tmp_path / "plain.gguf")), threads=2).model.mtp is None
+    assert sparrow.load(converted[kind][1], threads=2).model.mtp is None  # converted with --no-mtp
