@@ -152,4 +152,8 @@ def test_a_gguf_with_the_mtp_layer_loads_the_head_of_the_hf_folder(converted, ki
     a = _head_logits(gguf_llm.model, PROMPT, hidden, 90)
     b = _head_logits(hf, PROMPT, hidden, 90)
     assert np.array_equal(a, b)
-    assert sparrow.load(converted[kind][1], threads=2).model.mtp is None  # converted with --no-mtp
+    plain = sparrow.load(converted[kind][1], threads=2).model  # the same model converted with --no-mtp
+    assert plain.mtp is None
+    # the MTP block is not run as one more decoder layer: the model's logits are the plain file's
+    with_mtp, _ = _prefill_then_decode(gguf_llm.model, PROMPT, 140)
+    assert np.array_equal(with_mtp, _prefill_then_decode(plain, PROMPT, 140)[0])
