@@ -424,17 +424,18 @@ def mtp_cost(a) -> None:
     the tokens checked equal, at the acceptance random weights give (about none: stated)."""
     import sparrow
     from sparrow.engine.sequence import Sequence
+    from sparrow.errors import SparrowError
     from sparrow.params import SamplingParams, SpeculativeParams
     from sparrow_lab.bench import shapes
     from sparrow_lab.bench.engines import random_ids
 
+    if not a.shape or not shapes.is_hybrid(a.shape):
+        raise SparrowError(f"--mtp needs a Qwen3.5 shape (--shape qwen3.5-...), got {a.shape!r}")
     cpu = cpu_info()
     print(f"# speculative decoding with the MTP layer, the cost side: CPU {cpu.get('model', '?')}; load {load_avg()}")
     path = shapes.ensure(a.shape, a.type)
     llm = sparrow.load(path, threads=a.threads, kv_dtype=a.kv_dtype, activations=a.activations)
     model = llm.model
-    if not model.config.is_hybrid:
-        raise SystemExit("--mtp needs a Qwen3.5 shape (qwen3.5-*)")
     model.mtp = synthetic_mtp(llm, path, a.type)
     ctx, Ks = a.draft_context, [int(t) for t in a.tokens.split(",")]
     rows = sorted({2, 3} | {K + 1 for K in Ks})
