@@ -260,7 +260,7 @@ class LLM:
         sparse_probe, sparse_prefill, sparse_select. trace: a list that receives, per decoded token, the
         sparse selections [(layer, [(head, blocks, stages, mass)])].
 
-        speculative (or the keywords speculative="ngram" | "draft" | "sparse", spec_tokens=4,
+        speculative (or the keywords speculative="ngram" | "draft" | "sparse" | "mtp", spec_tokens=4,
         spec_ngram, draft_model=PATH, spec_sparse_k, spec_sparse_select, spec_adaptive):
         speculative decoding, which yields the same tokens and logits as without it; the last
         output's `speculative` counts the drafted and accepted tokens.

@@ -112,7 +112,8 @@ def _speculative_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
         choices=SPECULATIVE_METHODS,
         default=None,
         help="draft tokens and check them in one forward: ngram (prompt lookup), draft (--draft-model), "
-        "sparse (this model with sparse attention)" + ("; the default of requests that do not say" if serve else ""),
+        "sparse (this model with sparse attention), "
+        "mtp (the model's own draft layer: Qwen3.5)" + ("; the default of requests that do not say" if serve else ""),
     )
     g.add_argument("--spec-tokens", type=int, default=4, metavar="K", help="most tokens drafted per step")
     g.add_argument("--spec-ngram", type=int, default=3, metavar="N", help="ngram: longest suffix looked up")

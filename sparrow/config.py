@@ -100,6 +100,10 @@ class ModelConfig:
     # llama.cpp's qwen35 layout (loaders/names.py): norms hold 1 + weight, A = -exp(A_log) is
     # stored, value heads are tiled over the key heads (h % Hk) rather than grouped (h // ratio)
     gguf_layout: bool = False
+    # Qwen3.5's multi-token-prediction layers the file declares (HF mtp_num_hidden_layers, GGUF
+    # nextn_predict_layers; the GGUF's block_count counts them, num_hidden_layers does not).
+    # Whether the head is there is decided by its tensors (models/qwen3_5_mtp.py).
+    mtp_layers: int = 0
 
     @property
     def is_hybrid(self) -> bool:
@@ -198,12 +202,13 @@ class ModelConfig:
                 scaling.update(_gguf_yarn(get, scaling["factor"]))
         max_positions = int(get("context_length", 4096))
         head_dim = int(get("attention.key_length", hidden // heads))
+        nextn = int(get("nextn_predict_layers", 0) or 0) if arch in HYBRID else 0  # the MTP blocks, last
         return cls(
             architecture=arch,
             vocab_size=vocab_size,
             hidden_size=hidden,
             intermediate_size=int(get("feed_forward_length", 0) or 0),
-            num_hidden_layers=int(get("block_count")),
+            num_hidden_layers=int(get("block_count")) - nextn,
             num_attention_heads=heads,
             num_key_value_heads=int(kv_heads),
             head_dim=head_dim,
@@ -222,7 +227,7 @@ class ModelConfig:
             mrope_section=tuple(int(s) for s in get("rope.dimension_sections", ()))[:3]
             if garch in ("qwen3vl", "qwen35", "qwen35moe")
             else (),
-            **(_gguf_hybrid(get, int(get("block_count")), head_dim) if arch in HYBRID else {}),
+            **(_gguf_hybrid(get, int(get("block_count")) - nextn, head_dim, nextn) if arch in HYBRID else {}),
         )
 
 
@@ -265,6 +270,7 @@ def _hf_hybrid(cfg: dict, arch: str, head_dim: int, rope: dict) -> dict:
         linear_value_head_dim=int(cfg["linear_value_head_dim"]),
         linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0),
+        mtp_layers=int(cfg.get("mtp_num_hidden_layers", 0) or 0),
     )
     if out["linear_num_value_heads"] % out["linear_num_key_heads"]:
         raise SparrowError(
@@ -274,9 +280,12 @@ def _hf_hybrid(cfg: dict, arch: str, head_dim: int, rope: dict) -> dict:
     return out
 
 
-def _gguf_hybrid(get, n_layers: int, head_dim: int) -> dict:
-    """Qwen3.5's fields from llama.cpp's qwen35 keys (the converter's Mamba-style names)."""
+def _gguf_hybrid(get, n_layers: int, head_dim: int, nextn: int = 0) -> dict:
+    """Qwen3.5's fields from llama.cpp's qwen35 keys (the converter's Mamba-style names); the
+    `nextn` MTP blocks after the n_layers decoder layers have recurrent_layers entries too."""
     recurrent = get("attention.recurrent_layers")
+    if recurrent is not None and nextn and len(recurrent) == n_layers + nextn:
+        recurrent = recurrent[:n_layers]
     if recurrent is None:
         every = int(get("full_attention_interval", 4))
         recurrent = [(i + 1) % every != 0 for i in range(n_layers)]
@@ -296,6 +305,7 @@ def _gguf_hybrid(get, n_layers: int, head_dim: int) -> dict:
         linear_conv_kernel_dim=int(get("ssm.conv_kernel", 4)),
         shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0) or 0),
         gguf_layout=True,
+        mtp_layers=nextn,
     )
 
 

@@ -118,7 +118,7 @@ class SparseParams:
 SPARSE_OPTIONS = ("sparse_attn", "sparse_k", "sparse_block", "sparse_probe", "sparse_prefill", "sparse_select")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft", "sparse")
+SPECULATIVE_METHODS = ("ngram", "draft", "sparse", "mtp")
 MAX_SPEC_TOKENS = 32  # most tokens drafted per verification
 
 
@@ -128,7 +128,9 @@ class SpeculativeParams:
     `tokens` tokens, one forward of the target checks them all, and the tokens, logits and KV
     cache are plain decoding's, bit for bit (engine/speculative.py says why)."""
 
-    method: str = "ngram"  # ngram: prompt lookup; draft: a smaller model; sparse: this model, sparse attention
+    # ngram: prompt lookup; draft: a smaller model; sparse: this model, sparse attention; mtp: the
+    # model's own multi-token-prediction layer (Qwen3.5)
+    method: str = "ngram"
     tokens: int = 4  # K: most tokens drafted per verification
     ngram: int = 3  # ngram: the longest suffix of the text so far looked up (then shorter ones, down to 1)
     draft_model: str | None = None  # draft: the smaller model's path (sharing the target's tokenizer)

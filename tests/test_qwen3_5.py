@@ -121,7 +121,7 @@ def _build(kind: str, folder: str, tok_dir: str):
 def _as_conditional_generation(src: str, dst: str, kind: str) -> None:
     """The same weights in the layout of a real checkpoint: Qwen3_5(Moe)ForConditionalGeneration's
     config (text_config, vision_config) and tensor names, a tiny vision tower (loaded, never fed
-    here) and an mtp.* tensor sparrow ignores."""
+    here); mtp.* tensors, where src has them, keep their names (test_qwen3_5_mtp.py)."""
     from safetensors.numpy import load_file, save_file
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionConfig, Qwen3_5VisionModel
 
@@ -130,7 +130,6 @@ def _as_conditional_generation(src: str, dst: str, kind: str) -> None:
     out = {
         ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v for k, v in tensors.items()
     }
-    out["mtp.fc.weight"] = np.zeros((4, 4), np.float32)
     vision = dict(depth=1, hidden_size=8, intermediate_size=16, num_heads=1, out_hidden_size=48)
     vision["num_position_embeddings"] = 4
     tower = Qwen3_5VisionModel(Qwen3_5VisionConfig(**vision))

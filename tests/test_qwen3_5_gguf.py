@@ -19,6 +19,7 @@ import sys
 import numpy as np
 import pytest
 from test_qwen3_5 import PROMPT, _build, _prefill_then_decode
+from test_qwen3_5_mtp import _add_mtp, _head_logits, _hidden_rows, _mtp_layer_model, _random_head
 
 import sparrow
 from reference_models import save_default_tokenizer
@@ -33,10 +34,12 @@ if not os.path.isfile(SCRIPT):
     pytest.skip("llama.cpp's converter is not installed (see .ci/run)", allow_module_level=True)
 
 
-def convert(folder: str, out: str, outtype: str = "f32", mmproj: bool = False) -> str:
-    """The text GGUF, or with mmproj the vision tower's GGUF (test_qwen3_5_vision.py)."""
+def convert(folder: str, out: str, outtype: str = "f32", mmproj: bool = False, mtp: bool = False) -> str:
+    """The text GGUF, or with mmproj the vision tower's GGUF (test_qwen3_5_vision.py). mtp: keep
+    the folder's MTP layer (the converter asserts where there is none)."""
     env = dict(os.environ, PYTHONPATH=os.path.join(CONVERTER, "gguf-py"))
-    cmd = [sys.executable, SCRIPT, folder, "--outfile", out, "--outtype", outtype, "--mmproj" if mmproj else "--no-mtp"]
+    mode = ["--mmproj"] if mmproj else [] if mtp else ["--no-mtp"]
+    cmd = [sys.executable, SCRIPT, folder, "--outfile", out, "--outtype", outtype, *mode]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     return out
@@ -117,3 +120,42 @@ def test_a_gguf_missing_a_deltanet_tensor_names_it(converted, tmp_path):
     with pytest.raises(SparrowError, match="missing tensor model.layers.2.linear_attn.out_proj.weight") as e:
         sparrow.load(str(tmp_path / "broken.gguf"))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_gguf_with_the_mtp_layer_loads_the_head_of_the_hf_folder(converted, kind, tmp_path):
+    """llama.cpp's converter, without --no-mtp, writes the MTP layer as block num_hidden_layers
+    (nextn.* and the layer's usual names, norms holding 1 + weight): the head sparrow builds from
+    it is the HF folder's, bit for bit on the same hidden rows; a file without it has none."""
+    save_default_tokenizer(str(tmp_path / "tok"))
+    folder = str(tmp_path / kind)
+    _build(kind, folder, str(tmp_path / "tok"))
+    _, layer = _mtp_layer_model(kind, 107, 1.0, str(tmp_path / "one"))
+    _add_mtp(folder, {**layer, **_random_head(np.random.default_rng(207))})
+    src = folder
+    if kind == "moe":  # the dense model type for the converter's tokenizer check (converted's note)
+        src = str(tmp_path / "moe_for_converter")
+        shutil.copytree(folder, src)
+        with open(os.path.join(src, "config.json")) as f:
+            cfg = json.load(f)
+        cfg["model_type"] = "qwen3_5_text"
+        with open(os.path.join(src, "config.json"), "w") as f:
+            json.dump(cfg, f)
+    gguf_llm = sparrow.load(convert(src, str(tmp_path / "mtp.gguf"), mtp=True), threads=2)
+    hf = sparrow.load(folder, threads=2).model
+    cfg = gguf_llm.config
+    n = hf.config.num_hidden_layers
+    assert (cfg.num_hidden_layers, cfg.mtp_layers, cfg.layer_types) == (n, 1, hf.config.layer_types)
+    got, want = gguf_llm.model.mtp, hf.mtp
+    assert got is not None and want is not None
+    for name in ("norm_e", "norm_h", "norm"):
+        assert np.array_equal(getattr(got, name), getattr(want, name)), name
+    hidden = _hidden_rows(hf, PROMPT)
+    a = _head_logits(gguf_llm.model, PROMPT, hidden, 90)
+    b = _head_logits(hf, PROMPT, hidden, 90)
+    assert np.array_equal(a, b)
+    plain = sparrow.load(converted[kind][1], threads=2).model  # the same model converted with --no-mtp
+    assert plain.mtp is None
+    # the MTP block is not run as one more decoder layer: the model's logits are the plain file's
+    with_mtp, _ = _prefill_then_decode(gguf_llm.model, PROMPT, 140)
+    assert np.array_equal(with_mtp, _prefill_then_decode(plain, PROMPT, 140)[0])

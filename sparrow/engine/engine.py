@@ -35,7 +35,7 @@ from .runner import Runner
 from .sampling import prompt_logprobs
 from .scheduler import Scheduler
 from .sequence import Sequence, StepOutput
-from .speculative import Speculator, accept_drafts, make_speculator
+from .speculative import Speculator, accept_drafts, check_mtp, make_speculator
 from .warmup import SERVER_PATHS, warm
 
 log = logging.getLogger("sparrow.engine")
@@ -194,6 +194,12 @@ class Engine:
         "length", no token. trace: with sparse, each decoded output carries the blocks its step
         read (StepOutput.trace: a models.attention.Selections step; same bits)."""
         r, n = request, request.n
+        if r.speculative is not None and r.speculative.method == "mtp":
+            try:
+                check_mtp(self.runner.model)
+            except SparrowError as e:
+                e.param = "speculative"
+                raise
         self.kv.check_fits(len(r.prompt_ids), r.sampling.max_tokens, r.kv_dtype, r.sparse, r.speculative)
         if self.max_queue is not None and n > self.max_queue:
             e = SparrowError(f"n={n} choices exceed the server's queue limit of {self.max_queue} (--max-queue)")
@@ -343,6 +349,9 @@ class Engine:
         if req.spec is not None:
             self.kv.release_drafter(req)
             req.spec.release()
+        slot = getattr(req.seq, "slot", None)
+        if slot is not None and slot.cache is not None:
+            slot.cache.hidden = None  # set at its prefill for an MTP drafter that may never have come
         self.kv.free(req)
 
     def _fail(self, req: Request, message: str) -> None:
@@ -371,6 +380,8 @@ class Engine:
                 raise SparrowError("the KV budget cannot hold this request")  # check_fits makes this unreachable
             seq = req.seq
             slot = seq.slot
+            if req.speculative is not None and req.speculative.method == "mtp" and slot.cache.hidden is None:
+                slot.cache.hidden = {}  # the prompt's hidden rows, for the MTP drafter made after the prefill
             t0, n0 = time.perf_counter(), slot.cache.length
             scoring = req.prompt_logprobs is not None and not seq.output
             rows: list = []

@@ -27,9 +27,11 @@ sample equals the drafted token. What makes this exact rather than "the same at 
   also clears their K/V rows and the sparse copies of blocks they touched, so the cache equals
   plain decoding's bit for bit (importance is written by prefill only).
 
-Drafters: ngram (prompt lookup, no model), draft (a smaller model with its own cache) and
+Drafters: ngram (prompt lookup, no model), draft (a smaller model with its own cache),
 sparse (this model and cache with block-sparse attention: its rows at the drafted positions
-are overwritten by the exact verification rows before anything reads them).
+are overwritten by the exact verification rows before anything reads them) and mtp (the
+model's own multi-token-prediction layer, Qwen3.5's, with a one-layer cache of its own, fed
+the target's hidden states).
 """
 
 from __future__ import annotations
@@ -160,6 +162,85 @@ class DraftModelDrafter(Drafter):
         return self.slot.cache
 
 
+class MTPDrafter(Drafter):
+    """The model's MTP layer (models/qwen3_5_mtp.py). Its row for position i takes the target's
+    final-normed hidden state h_i and the token at i + 1, and gives the logits of the token at
+    i + 2; its own one-layer K/V cache holds a row per position, row r at position base + r.
+
+    The target's forwards leave their hidden rows in the sequence cache (KVCache.hidden, which
+    a rollback cuts back with the positions). propose() first feeds the head the positions the
+    target has made final since the last call (one forward over those rows, exact hidden
+    states), whose last row drafts the first token; each further token feeds the head's own
+    output y as the next h. The rows made from y are dropped after drafting, so the head's cache
+    only ever holds rows of verified positions and its drafts do not depend on what earlier
+    drafts were. Where the hidden rows of some positions were never computed (a prompt prefix
+    reused from the prefix cache, a cache rebuilt after preemption), the head's cache restarts
+    at the first position it has rows for: the drafts attend to less, the tokens are the same."""
+
+    def __init__(self, model, seq, capacity: int, kv_dtype: str):
+        self.model, self.head = model, model.mtp
+        self.cache = self.head.new_cache(capacity, kv_dtype)
+        self.base = 0  # the position of the head's cache row 0
+        self.target = None  # the sequence cache whose hidden rows it reads
+        self.watch(seq.slot.cache)  # before the prompt's prefill, where the drafter comes first
+
+    def watch(self, cache) -> None:
+        """Starts following `cache` (the sequence's; the engine hands a preempted sequence a new
+        one): its forwards keep their hidden rows from now on."""
+        if cache is self.target:
+            return
+        self.release()
+        self.target, self.base = cache, 0
+        self.cache.truncate(0)
+        if cache is not None and cache.hidden is None:
+            cache.hidden = {}
+
+    def propose(self, seq, n: int) -> list[int]:
+        self.watch(seq.slot.cache)
+        if self.target.hidden is None:  # cleared by someone else: keep them from now on
+            self.target.hidden = {}
+        hidden, L = self.target.hidden, self.target.length  # positions 0..L-1 fed; L: the last sample's
+        m = self.base + self.cache.length  # the head's next row
+        if any(p not in hidden for p in range(m, L)):  # a gap: restart at the run of rows ending at L - 1
+            if L - 1 not in hidden:
+                return []
+            p = L - 1
+            while p - 1 >= m and p - 1 in hidden:
+                p -= 1
+            self.base = m = p
+            self.cache.truncate(0)
+        n = min(n, self.cache.capacity - (L - 1 - self.base))
+        if m >= L or n < 1:
+            return []
+        ctx = np.concatenate([seq.prompt, np.asarray(seq.output, np.int64)])  # [P + O]; ctx[L] is the last sample
+        rows = np.stack([hidden.pop(p) for p in range(m, L)])  # [L - m, E]
+        logits, y = self.head.forward(self.model, ctx[m + 1 : L + 1], rows, self.cache, m - self.base, range(m, L))
+        sampler = copy.deepcopy(seq.sampler)
+        tok = sampler(logits[0])
+        sampler.observe(tok)
+        out = [tok]
+        for j in range(1, n):
+            p = L - 1 + j
+            logits, y = self.head.forward(self.model, [tok], y[-1:], self.cache, p - self.base, [p])
+            tok = sampler(logits[0])
+            sampler.observe(tok)
+            out.append(tok)
+        self.cache.truncate(L - self.base)  # rows made from the head's own y: not kept
+        return out
+
+    def settle(self, seq, length: int) -> None:
+        self.cache.truncate(min(self.cache.length, max(0, length - self.base)))
+
+    def release(self) -> None:
+        if self.target is not None:
+            self.target.hidden = None
+            self.target = None
+
+    @property
+    def own_cache(self):
+        return self.cache
+
+
 def check_draft_model(target, draft) -> None:
     """A draft model must share the target's tokenizer: the same ids for the same text."""
     probe = "Speculative decoding, 2026: ü 你好 def f(x):\n    return x"
@@ -224,6 +305,10 @@ def make_speculator(model: ModelHandle, runner: Runner, params: SpeculativeParam
         drafter = NgramDrafter(params.ngram)
     elif params.method == "sparse":
         drafter = SparseDrafter(runner, params)
+    elif params.method == "mtp":
+        check_mtp(runner.model)
+        capacity = len(seq.prompt) + seq.params.max_tokens + params.tokens
+        drafter = MTPDrafter(runner.model, seq, capacity, kv_dtype)
     else:
         if model.draft is None:
             raise SparrowError("speculative 'draft': this model has no draft models")
@@ -231,6 +316,15 @@ def make_speculator(model: ModelHandle, runner: Runner, params: SpeculativeParam
         capacity = len(seq.prompt) + seq.params.max_tokens + params.tokens
         drafter = DraftModelDrafter(draft, runner.model.config.vocab_size, capacity, kv_dtype)
     return Speculator(params, drafter)
+
+
+def check_mtp(model) -> None:
+    """speculative 'mtp' needs a model with an MTP layer (Qwen3.5 checkpoints that carry one)."""
+    if getattr(model, "mtp", None) is None:
+        raise SparrowError(
+            "speculative 'mtp': this model has no MTP layer (a Qwen3.5 checkpoint with its mtp.* tensors, "
+            "or a GGUF converted without --no-mtp)"
+        )
 
 
 def check_supported(seq, params: SpeculativeParams | None) -> None:

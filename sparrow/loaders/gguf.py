@@ -36,8 +36,9 @@ def gguf_tensors(reader, cfg: ModelConfig) -> dict[str, StoredTensor]:
 
     native = {gguf.GGMLQuantizationType.F32: "f32", gguf.GGMLQuantizationType.F16: "f16"}
     out: dict[str, StoredTensor] = {}
+    mtp_block = cfg.num_hidden_layers if cfg.mtp_layers else None  # Qwen3.5's MTP layer, after the decoder's
     for t in reader.tensors:
-        hf = gguf_to_hf(t.name)
+        hf = gguf_to_hf(t.name, mtp_block)
         if hf is None:
             continue
         if t.tensor_type not in native and gguf_support(t.tensor_type) is None:

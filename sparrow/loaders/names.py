@@ -50,26 +50,45 @@ _GGUF_BLOCK.update(
         "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     }
 )
+# Qwen3.5's MTP layer: llama.cpp's converter writes it as block num_hidden_layers (its decoder
+# layer under the usual names, the head's own tensors under nextn.); HF keeps it under mtp.
+_GGUF_NEXTN = {
+    "eh_proj": "mtp.fc",
+    "enorm": "mtp.pre_fc_norm_embedding",
+    "hnorm": "mtp.pre_fc_norm_hidden",
+    "shared_head_norm": "mtp.norm",
+}
+_NEXTN = re.compile(r"^blk\.(\d+)\.nextn\.([a-z0-9_]+)\.weight$")
 _GGUF_BARE = {"ssm_a": "linear_attn.A", "ssm_dt.bias": "linear_attn.dt_bias"}  # no .weight / .bias in HF
 _BARE = re.compile(r"^blk\.(\d+)\.(ssm_a|ssm_dt\.bias)$")
 _BLK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 
 
-def gguf_to_hf(name: str) -> str | None:
-    """HF name for a GGUF tensor, or None for tensors sparrow does not use (e.g. rope_freqs)."""
+def gguf_to_hf(name: str, mtp_block: int | None = None) -> str | None:
+    """HF name for a GGUF tensor, or None for tensors sparrow does not use (e.g. rope_freqs).
+    mtp_block: the block that holds Qwen3.5's MTP layer (its tensors become mtp.*), if any."""
     if name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[name]
-    m = _BARE.match(name)
+    m = _NEXTN.match(name)
     if m:
-        return f"model.layers.{m.group(1)}.{_GGUF_BARE[m.group(2)]}"
-    m = _BLK.match(name)
-    if not m or m.group(2) not in _GGUF_BLOCK:
+        ok = mtp_block is not None and int(m.group(1)) == mtp_block and m.group(2) in _GGUF_NEXTN
+        return _GGUF_NEXTN[m.group(2)] + ".weight" if ok else None
+    m = _BARE.match(name) or _BLK.match(name)
+    if not m:
         return None
-    return f"model.layers.{m.group(1)}.{_GGUF_BLOCK[m.group(2)]}.{m.group(3)}"
+    block = "mtp.layers.0" if mtp_block is not None and int(m.group(1)) == mtp_block else f"model.layers.{m.group(1)}"
+    if m.re is _BARE:
+        return f"{block}.{_GGUF_BARE[m.group(2)]}"
+    if m.group(2) not in _GGUF_BLOCK:
+        return None
+    return f"{block}.{_GGUF_BLOCK[m.group(2)]}.{m.group(3)}"
 
 
 def normalize_hf(name: str) -> str:
-    """Checkpoint-specific prefixes -> the plain causal-LM names (Qwen3-VL nests the text model)."""
+    """Checkpoint-specific prefixes -> the plain causal-LM names (Qwen3-VL nests the text model;
+    Qwen3.5's MTP layer is mtp.*, model.mtp.* in some exports)."""
+    if name.startswith("model.mtp."):
+        return name[len("model.") :]
     if name.startswith("model.language_model."):
         return "model." + name[len("model.language_model.") :]
     return name

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from ..config import HYBRID
 from ..errors import SparrowError
-from .decoder import Decoder
+from .decoder import Decoder, WeightSource
 from .llama import Llama
 from .qwen2 import Qwen2
 from .qwen3 import Qwen3
 from .qwen3_5 import Qwen3_5, Qwen3_5VL
+from .qwen3_5_mtp import MTPHead, has_mtp
 from .qwen3_moe import moe_mlp_factory
 from .qwen3_vl import Qwen3VL
 from .step import fused_switch
@@ -32,13 +33,26 @@ def _qwen3_moe(cfg, tensors, **kw) -> Decoder:
     return Decoder(cfg, tensors, mlp_factory=moe_mlp_factory, **kw)
 
 
+def _qwen3_5(cfg, tensors, **kw) -> Qwen3_5:
+    """Qwen3.5 (qwen3_5.py), with its MTP layer (qwen3_5_mtp.py: model.mtp, the `mtp` drafter's
+    head) where the checkpoint carries one. Built here, after the decoder: the head is built from
+    the MTP module, which imports the family's layers."""
+    return _with_mtp(Qwen3_5(cfg, tensors, **kw), cfg, tensors, kw)
+
+
+def _with_mtp(model, cfg, tensors, kw):
+    get = WeightSource(tensors, kw.get("quantize"), kw.get("activations", "f32"))
+    model.mtp = MTPHead(cfg, get) if has_mtp(get) else None
+    return model
+
+
 # architecture (ModelConfig.architecture) -> the family that builds it
 FAMILIES = {
     "llama": Llama,
     "qwen2": Qwen2,
     "qwen3": Qwen3,
     "qwen3_moe": _qwen3_moe,
-    **{arch: Qwen3_5 for arch in HYBRID},
+    **{arch: _qwen3_5 for arch in HYBRID},
 }
 
 
@@ -52,8 +66,9 @@ def _build(ckpt, quantize, progress, activations) -> Decoder:
 
     kw = dict(quantize=quantize, progress=bar, activations=activations)
     if getattr(ckpt, "vision", None) is not None:  # a checkpoint with a vision tower: Qwen3-VL or Qwen3.5
-        family = Qwen3_5VL if cfg.architecture in HYBRID else Qwen3VL
-        return family(cfg, ckpt.tensors, ckpt.vision, **kw)
+        if cfg.architecture in HYBRID:  # every real Qwen3.5 checkpoint, with its MTP layer
+            return _with_mtp(Qwen3_5VL(cfg, ckpt.tensors, ckpt.vision, **kw), cfg, ckpt.tensors, kw)
+        return Qwen3VL(cfg, ckpt.tensors, ckpt.vision, **kw)
     family = FAMILIES.get(cfg.architecture)
     if family is None:
         raise SparrowError(f"unsupported architecture {cfg.architecture!r}")

@@ -292,9 +292,13 @@ class Decoder:
 
     def staged_logits(self, segments: list[Segment], x: np.ndarray, bounds, all_logits: bool, with_last: bool):
         """Advances each cache's length and runs the head: [B, V] for each segment's last row,
-        or every row's [N, V] (with with_last, also the last rows' own [B, V])."""
-        for s in segments:
+        or every row's [N, V] (with with_last, also the last rows' own [B, V]). A cache whose
+        `hidden` is a dict gets each of its rows' final-normed hidden state (the head's input)."""
+        for j, s in enumerate(segments):
             s.cache.length = s.start + len(s.tokens)
+            if s.cache.hidden is not None:  # the rows the head normalises, kept for an MTP drafter
+                rows = rms_norm(x[bounds[j] : bounds[j + 1]], self.norm, self.config.rms_norm_eps)  # [T, E]
+                s.cache.hidden.update(zip(range(s.start, s.start + len(rows)), rows))
         last = x[bounds[1:] - 1]  # [B, E] last token of each segment
         if not all_logits:
             return self.head(last)  # [B, V]

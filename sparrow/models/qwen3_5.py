@@ -185,7 +185,11 @@ class HybridLayer:
 
 class Qwen3_5(Decoder):
     """The hybrid decoder. Decoder gives it the embedding, head, attention over the KV cache,
-    the forward's dispatch and the fused decode step (FusedDecode plans Qwen3.5's layers too)."""
+    the forward's dispatch and the fused decode step (FusedDecode plans Qwen3.5's layers too).
+    `mtp`: its MTP layer (qwen3_5_mtp.MTPHead, set by models.build_model), None where the
+    checkpoint has none."""
+
+    mtp = None
 
     def __init__(self, cfg: ModelConfig, tensors, quantize=None, progress=None, activations="f32"):
         super().__init__(cfg, tensors, quantize, qwen3_5_mlp, progress, activations)

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..config import rope_scaling_from_flags
 from ..engine.engine import Engine
+from ..engine.speculative import check_mtp
 from ..errors import SparrowError
 from ..params import SpeculativeParams
 from ..request import speculative_from_flags
@@ -154,6 +155,8 @@ class ServerState:
         self.llm = llm
         if self.draft_model is not None:  # loaded now: no request waits for it, a bad path fails the start
             llm.draft_llm(self.draft_model)
+        if self.speculative is not None and self.speculative.method == "mtp":  # a model without one fails the start
+            check_mtp(llm.model)
         self.aliases = {llm.name, os.path.splitext(llm.name)[0]}
         self.created = now()
         disk = None

@@ -258,7 +258,8 @@ class _Sampling(_Model):
     speculative: SpecMethod | None = Field(
         None,
         description="speculative decoding (same tokens and logits as without it): ngram, draft (the server's "
-        "--draft-model), sparse, or none; default: the server's --speculative",
+        "--draft-model), sparse, mtp (the model's own draft layer: Qwen3.5), or none; "
+        "default: the server's --speculative",
     )
     spec_tokens: int | None = Field(None, ge=1, le=MAX_SPEC_TOKENS, description="most tokens drafted per step")
     spec_ngram: int | None = Field(None, ge=1, le=64, description="ngram: longest suffix looked up")

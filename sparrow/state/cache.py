@@ -50,6 +50,9 @@ class KVCache:
         self.length = n
         for st in self.sparse:
             st.truncate(n)
+        if self.hidden:
+            for p in [p for p in self.hidden if p >= n]:
+                del self.hidden[p]
 
     def rollback(self, n):
         """Drops positions >= n as truncate does and zeroes their K/V rows (and scales), so that
@@ -131,6 +134,9 @@ class KVCache:
     state_parts: tuple[str, ...] = ()  # names of a fixed-size state's arrays (f32), in order
     states: Mapping[int, tuple] = MappingProxyType({})  # prefill boundary -> copies of those arrays
     keep_every_row = False  # the model keeps a copy after each row of this cache (verification)
+    # position -> the model's final-normed hidden row there ([E] f32), written by each forward
+    # while this is a dict (the `mtp` drafter's, which takes them; models.Decoder.staged_logits)
+    hidden: dict | None = None
 
     def checkpoint(self, chunk: int) -> None:
         """A prefill chunk boundary at the current length (the runner, after each whole chunk)."""

@@ -33,6 +33,8 @@ With --synth: the cost side of sparse drafting at long context on a model shape 
 (bench/speculative_cost.py): `sparrow bench speculative --synth 16384,32768 --shape qwen3-1.7b
 --type q4_0 --kv-dtype f16`. With --draft-shape: the cost side of a draft model, one shape
 drafting for another: `sparrow bench speculative --draft-shape qwen3-0.6b --shape qwen3-4b --type q4_0`.
+With --mtp: the cost side of Qwen3.5's own MTP layer on a Qwen3.5 shape (a synthetic layer at its
+sizes): `sparrow bench speculative --mtp --shape qwen3.5-0.8b --type q8_0`.
 """
 
 from __future__ import annotations
@@ -320,6 +322,7 @@ def main(argv=None) -> None:
     g.add_argument("--draft-type", default="q8_0", help="its weight type")
     g.add_argument("--draft-model", default="", help="a model drafting for --shape instead of --draft-shape")
     g.add_argument("--draft-context", type=int, default=512, help="positions before the measured steps")
+    g.add_argument("--mtp", action="store_true", help="the cost side of Qwen3.5's MTP layer on --shape instead")
     a = ap.parse_args(argv)
     skip = set(a.skip.split(",")) - {""}
     if a.compare:
@@ -332,6 +335,11 @@ def main(argv=None) -> None:
         raise SparrowError("give --draft-shape or --draft-model, not both")
     if a.synth and (a.draft_shape or a.draft_model):
         raise SparrowError("give --synth or --draft-shape / --draft-model, not both")
+    if a.mtp:
+        from sparrow_lab.bench import speculative_cost
+
+        speculative_cost.mtp_cost(a)
+        return
     if a.draft_shape or a.draft_model:
         from sparrow_lab.bench import speculative_cost
 

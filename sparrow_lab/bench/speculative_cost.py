@@ -389,3 +389,130 @@ def draft_model_cost(a) -> None:
             print(f"# end to end: {label}: {r['tok_s']:.2f} tok/s ({r['tok_s'] / base:.2f}x plain){kept}, same tokens")
         print("# (tokens after the first over the time after it: the draft model's prefill of the prompt included)")
     print(f"# load average at end {load_avg()}")
+
+
+def synthetic_mtp(llm, path: str, qtype: str):
+    """An MTP layer at the shape's sizes (the shape files carry none): the decoder layer is the
+    file's last full-attention layer (its tensors, in the file's formats), fc random values in
+    `qtype`, the norms ones. Its cost does not depend on the values."""
+    from sparrow.loaders import open_checkpoint
+    from sparrow.loaders.tensor import StoredTensor
+    from sparrow.models.decoder import WeightSource
+    from sparrow.models.qwen3_5_mtp import MTPHead
+
+    cfg = llm.model.config
+    tensors = open_checkpoint(path).tensors
+    j, E = cfg.full_attention_layers[-1], cfg.hidden_size
+    pre = f"model.layers.{j}."
+    mtp = {"mtp.layers.0." + k[len(pre) :]: t for k, t in tensors.items() if k.startswith(pre)}
+    fc = np.random.default_rng(5).normal(0.0, 0.02, (E, 2 * E)).astype(np.float32)
+    mtp["mtp.fc.weight"] = StoredTensor("mtp.fc.weight", fc, "f32", fc.shape)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{name}.weight"] = StoredTensor(name, np.ones(E, np.float32), "f32", (E,))
+    return MTPHead(cfg, WeightSource(mtp, qtype if qtype in ("q8_0", "q4_0") else None, llm.model.activations))
+
+
+def mtp_cost(a) -> None:
+    """The cost side of `mtp` (Qwen3.5's own draft layer) on a Qwen3.5 shape (--shape / --type,
+    random weights, a synthetic MTP layer: synthetic_mtp). After --draft-context positions: the
+    target's plain decode step, the head's one-row draft step, its catch-up forward over n rows
+    (what each verification that kept n - 1 drafts feeds it) and the target's one-pass
+    verification of K + 1 rows (medians of --rounds interleaved rounds). A cycle drafting K
+    tokens at a per-token acceptance rate p emits E = (1 - p^(K+1)) / (1 - p) tokens and costs
+    catch-up(E rows) + (K - 1) draft steps + verify(K + 1): E * t_plain / that against plain
+    decoding. Then one end-to-end run, plain against mtp speculation (K = the largest --tokens),
+    the tokens checked equal, at the acceptance random weights give (about none: stated)."""
+    import sparrow
+    from sparrow.engine.sequence import Sequence
+    from sparrow.errors import SparrowError
+    from sparrow.params import SamplingParams, SpeculativeParams
+    from sparrow_lab.bench import shapes
+    from sparrow_lab.bench.engines import random_ids
+
+    if not a.shape or not shapes.is_hybrid(a.shape):
+        raise SparrowError(f"--mtp needs a Qwen3.5 shape (--shape qwen3.5-...), got {a.shape!r}")
+    cpu = cpu_info()
+    print(f"# speculative decoding with the MTP layer, the cost side: CPU {cpu.get('model', '?')}; load {load_avg()}")
+    path = shapes.ensure(a.shape, a.type)
+    llm = sparrow.load(path, threads=a.threads, kv_dtype=a.kv_dtype, activations=a.activations)
+    model = llm.model
+    model.mtp = synthetic_mtp(llm, path, a.type)
+    ctx, Ks = a.draft_context, [int(t) for t in a.tokens.split(",")]
+    rows = sorted({2, 3} | {K + 1 for K in Ks})
+    ids = random_ids(np.random.default_rng(3), model.config, ctx).tolist()
+    feed = random_ids(np.random.default_rng(4), model.config, max(rows)).tolist()
+    slot = llm.runner.new_slot(np.asarray(ids), ctx + max(rows) + 1, a.kv_dtype)
+    slot.cache.hidden = {}
+    llm.runner.prefill(slot)
+    hidden = np.stack([slot.cache.hidden[p] for p in range(ctx)])  # [ctx, E]
+    slot.cache.hidden = None
+    head = model.mtp.new_cache(ctx + max(rows) + 1, a.kv_dtype)
+    t_catch_prompt = _timed(lambda: model.mtp.forward(model, ids[1:ctx], hidden[: ctx - 1], head, 0, range(ctx - 1)))
+
+    def step():
+        n = slot.cache.length
+        llm.runner.decode([slot], feed[:1])
+        slot.cache.truncate(n)
+
+    def verify(n):
+        at = slot.cache.length
+        slot.cache.hidden = {}  # as with the drafter: the rows keep their hidden states
+        llm.runner.verify([slot], [feed[:n]], [at])
+        slot.cache.truncate(at)
+        slot.cache.hidden = None
+
+    def head_rows(n):
+        at = head.length
+        model.mtp.forward(model, feed[:n], hidden[-n:], head, at, range(at, at + n))
+        head.truncate(at)
+
+    jobs = {"plain": step, ("draft", "mtp", 0): lambda: head_rows(1)}
+    catch = range(2, max(Ks) + 2)
+    jobs.update({("catch", n): (lambda n=n: head_rows(n)) for n in catch})
+    jobs.update({("new", n): (lambda n=n: verify(n)) for n in rows})
+    c = _medians(jobs, a.rounds)
+    t_p, t_d = c["plain"], c[("draft", "mtp", 0)]
+    print(
+        f"# target {a.shape} {a.type} (activations {model.activations}) with a synthetic MTP layer, KV {a.kv_dtype}, "
+        f"{a.threads} threads, {ctx}-position context, median of {a.rounds} interleaved rounds"
+    )
+    print(
+        f"# plain step {t_p * 1e3:.1f} ms, MTP draft step {t_d * 1e3:.1f} ms ({t_d / t_p:.2f} of a plain step); "
+        f"the head's catch-up over the {ctx - 1}-token prompt: {t_catch_prompt:.2f} s (first run)"
+    )
+    print("| rows n | MTP catch-up ms | target verify ms |")
+    print("|---|---|---|")
+    for n in catch:
+        v = f"{c[('new', n)] * 1e3:.1f}" if ("new", n) in c else ""
+        print(f"| {n} | {c[('catch', n)] * 1e3:.1f} | {v} |")
+    rates = (0.5, 0.7, 0.8, 0.9)
+    print("| K | " + " | ".join(f"p = {p}" for p in rates) + " | every draft kept | all rejected (adaptive) |")
+    print("|---|" + "---|" * (len(rates) + 2))
+    for K in Ks:
+        t_v = c[("new", K + 1)]
+
+        def cycle(E):
+            n = min(max(catch), max(1, round(E)))
+            return c[("catch", n)] if n > 1 else t_d
+
+        cells = []
+        for p in rates:
+            E = (1 - p ** (K + 1)) / (1 - p)
+            cells.append(f"{E * t_p / (cycle(E) + (K - 1) * t_d + t_v):.2f}x")
+        kept = (K + 1) * t_p / (cycle(K + 1) + (K - 1) * t_d + t_v)
+        worst = worst_case(c, "mtp", 0, K, a.max_tokens)
+        print(f"| {K} | " + " | ".join(cells) + f" | {kept:.2f}x | {worst:.2f}x |")
+    if a.e2e_tokens > 0:
+        K, n = max(Ks), a.e2e_tokens
+        sampling = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        res, ref = {}, None
+        for label, p in (("plain", None), (f"mtp K={K}", SpeculativeParams("mtp", K))):
+            seq = Sequence.create(llm.runner, llm.tokenizer, ids, sampling, ctx + n + K + 1, a.kv_dtype)
+            toks, res[label] = _generate(llm, seq, p, a.kv_dtype)
+            ref = ref or toks
+            assert toks == ref, f"{label} changed the output"
+        base = res["plain"]["tok_s"]
+        for label, r in res.items():
+            kept = f", {r['accepted']}/{r['drafted']} drafts kept" if r["drafted"] else ""
+            print(f"# end to end: {label}: {r['tok_s']:.2f} tok/s ({r['tok_s'] / base:.2f}x plain){kept}, same tokens")
+    print(f"# load average at end {load_avg()}")
