@@ -142,6 +142,31 @@ def test_conversation_with_images_matches_transformers(tiny, llms, kind):
     assert out == want
 
 
+def test_decode_after_images_runs_fused_with_the_staged_bits(tokenizer_dir, tmp_path):
+    """A q8_0 model (shapes the fused step takes) answering the conversation with images: its
+    decode steps after the rope delta take the fused step (text rows: every M-RoPE section at
+    position + delta, one rotation on the rotary dims) with the staged path's tokens and logprob
+    bits."""
+    vr.build_tiny_qwen3_5_vl(str(tmp_path), tokenizer_dir, "blocks")
+    llm = sparrow.load(str(tmp_path), quantize="q8_0", threads=2, activations="f32")
+    plan = llm.model.fused_step()
+    assert plan is not None and plan.hybrid is not None
+    msgs = _conversation()
+
+    def run(fused):
+        llm.model.use_fused, plan.backoff, before = fused, 0, plan.steps
+        try:
+            out = list(llm.stream(msgs, chat=True, max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True))
+        finally:
+            llm.model.use_fused = True
+        assert plan.steps - before == (11 if fused else 0)  # every decode step took the path meant
+        return [o.token_id for o in out], np.array([o.logprob for o in out], np.float32)
+
+    fused_ids, fused_lp = run(True)
+    staged_ids, staged_lp = run(False)
+    assert fused_ids == staged_ids and fused_lp.tobytes() == staged_lp.tobytes()
+
+
 def _engine_run(llm, ids, pixels, params, disk=None):
     import threading
 

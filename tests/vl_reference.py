@@ -120,13 +120,24 @@ QWEN3_5_SPECS = {
         num_experts=4,
         num_experts_per_tok=2,
     ),
+    # every projection's input a multiple of 32, so a q8_0 model takes the fused decode step
+    "blocks": dict(
+        QWEN3_5_TEXT,
+        rope_parameters=dict(QWEN3_5_ROPE, mrope_section=[3, 3, 2], mrope_interleaved=True),
+        intermediate_size=96,
+        num_attention_heads=2,
+        head_dim=32,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    ),
 }
 QWEN3_5_VISION = {k: v for k, v in VISION.items() if k != "deepstack_visual_indexes"}
 
 
 def build_tiny_qwen3_5_vl(out_dir: str, tokenizer_dir: str, kind: str = "dense"):
     """Qwen3_5ForConditionalGeneration (kind "dense") or Qwen3_5MoeForConditionalGeneration
-    ("moe"), seeded, saved as build_tiny_vl saves its model; returns the transformers model."""
+    ("moe"; "blocks": dense with block-format-friendly shapes), seeded, saved as build_tiny_vl saves
+    its model; returns the transformers model."""
     import torch
     from transformers import (
         Qwen3_5Config,
@@ -138,6 +149,7 @@ def build_tiny_qwen3_5_vl(out_dir: str, tokenizer_dir: str, kind: str = "dense")
     cfg_cls, model_cls = {
         "dense": (Qwen3_5Config, Qwen3_5ForConditionalGeneration),
         "moe": (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration),
+        "blocks": (Qwen3_5Config, Qwen3_5ForConditionalGeneration),
     }[kind]
     torch.manual_seed(17 if kind == "dense" else 18)
     cfg = cfg_cls(
