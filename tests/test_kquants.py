@@ -315,7 +315,7 @@ def test_gguf_loader_refuses_types_it_cannot_run():
     from sparrow.loaders.gguf import gguf_tensors
     from sparrow.loaders.gguf_file import GGUFTensor
 
-    cfg = SimpleNamespace(architecture="qwen3")
+    cfg = SimpleNamespace(architecture="qwen3", num_hidden_layers=1, mtp_layers=0)  # the ModelConfig fields read
     bad = GGUFTensor("blk.0.ffn_down.weight", (256, 2), GT.Q8_K, np.zeros((2, 292), np.uint8))
     with pytest.raises(SparrowError, match=r"^m.gguf: tensor 'blk.0.ffn_down.weight' has GGML type Q8_K, which"):
         gguf_tensors(SimpleNamespace(path="/x/m.gguf", tensors=[bad]), cfg)
