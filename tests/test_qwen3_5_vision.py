@@ -142,11 +142,14 @@ def test_conversation_with_images_matches_transformers(tiny, llms, kind):
     assert out == want
 
 
-def test_decode_after_images_runs_fused_with_the_staged_bits(tokenizer_dir, tmp_path):
+def test_decode_after_images_runs_fused_with_the_staged_bits(tokenizer_dir, tmp_path, monkeypatch):
     """A q8_0 model (shapes the fused step takes) answering the conversation with images: its
     decode steps after the rope delta take the fused step (text rows: every M-RoPE section at
     position + delta, one rotation on the rotary dims) with the staged path's tokens and logprob
     bits."""
+    from sparrow.models import fused as fused_mod
+
+    monkeypatch.setattr(fused_mod, "BACKOFF_STEPS", 0)  # a busy machine must not send steps to the staged path
     vr.build_tiny_qwen3_5_vl(str(tmp_path), tokenizer_dir, "blocks")
     llm = sparrow.load(str(tmp_path), quantize="q8_0", threads=2, activations="f32")
     plan = llm.model.fused_step()
