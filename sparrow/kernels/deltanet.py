@@ -11,12 +11,13 @@ The rule, per value head with state S [Dk, Dv] (f32, updated in place), for each
 
 Order of the math (documented, as every numerical order in sparrow): tokens one at a time in
 this recurrent form, for prefill as for decode. transformers' prefill reorders the same math
-into 64-token chunks (torch_chunk_gated_delta_rule) to feed GPU matmuls; on a CPU the rule is
-Dk * Dv * 4 flops a token and head, ~1% of a prefill's projection flops at Qwen3.5's shapes,
-and its state stays in L2, so the recurrent order costs little and buys one property: a
-token's output and the state after it have the same bits whether the token came in a prefill
-chunk of any length, a decode step or a speculative verification. Prefix-cache checkpoints
-and speculative rollbacks are therefore exact.
+into 64-token chunks (torch_chunk_gated_delta_rule) to feed GPU matmuls. The recurrent order
+buys one property: a token's output and the state after it have the same bits whether the
+token came in a prefill chunk of any length, a decode step or a speculative verification, so
+prefix-cache checkpoints and speculative rollbacks are exact. Its price is prefill time: the
+rule is only Dk * Dv * 4 flops a token and head (~1% of a prefill's projection flops at
+Qwen3.5's shapes), but at vector-loop speed it is ~37% of a 512-token prefill at the 0.8B
+shapes (docs/qwen3_5.md).
 
 Heads are independent, so a run's bits do not depend on the thread count. Every multiply-add of
 the rule is an explicit fma (ir.fma32) and its sums run in the order written, so the bits do not
