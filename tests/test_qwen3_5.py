@@ -380,11 +380,11 @@ BLOCK_SHAPED = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def block_shaped(tmp_path_factory):
+def save_block_shaped(root) -> tuple[str, object]:
+    """The BLOCK_SHAPED model (seed 9) saved with the default tokenizer under root / "m":
+    (folder, the transformers model)."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    root = tmp_path_factory.mktemp("qwen3_5_blocks")
     save_default_tokenizer(str(root / "tok"))
     model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**BLOCK_SHAPED)).float().eval()
     _seed(model, 9)
@@ -392,6 +392,11 @@ def block_shaped(tmp_path_factory):
     for f in os.listdir(root / "tok"):
         shutil.copy(root / "tok" / f, root / "m")
     return str(root / "m"), model
+
+
+@pytest.fixture(scope="module")
+def block_shaped(tmp_path_factory):
+    return save_block_shaped(tmp_path_factory.mktemp("qwen3_5_blocks"))
 
 
 def _quantized_by_sparrow(name, p) -> bool:

@@ -12,15 +12,12 @@ of the step (exact, q8 activations, exact with block selection, exact MoE)."""
 from __future__ import annotations
 
 import copy
-import os
-import shutil
 
 import numpy as np
 import pytest
-from test_qwen3_5 import BLOCK_SHAPED, PROMPT, REPEATING, _run, _seed
+from test_qwen3_5 import PROMPT, REPEATING, _run, save_block_shaped
 
 import sparrow
-from reference_models import save_default_tokenizer
 from sparrow.kernels.runtime import set_threads
 from sparrow.models import fused as fused_mod
 from sparrow.models.attention import Selections
@@ -40,16 +37,7 @@ def _no_backoff(monkeypatch):
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-    root = tmp_path_factory.mktemp("qwen3_5_fused")
-    save_default_tokenizer(str(root / "tok"))
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**BLOCK_SHAPED)).float().eval()
-    _seed(model, 9)
-    model.save_pretrained(str(root / "m"))
-    for f in os.listdir(root / "tok"):
-        shutil.copy(root / "tok" / f, root / "m")
-    return str(root / "m")
+    return save_block_shaped(tmp_path_factory.mktemp("qwen3_5_fused"))[0]
 
 
 # a qwen35 file as llama.cpp's converter lays it out (sparrow_lab.bench.shapes, random weights),

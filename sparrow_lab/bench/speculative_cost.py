@@ -310,9 +310,8 @@ def draft_model_cost(a) -> None:
     against draft speculation (K = the largest --tokens), checks the tokens equal and gives the
     speed at the acceptance random weights give (stated)."""
     import sparrow
-    from sparrow.engine.sequence import Sequence
     from sparrow.loaders import default_model_path
-    from sparrow.params import SamplingParams, SpeculativeParams
+    from sparrow.params import SpeculativeParams
     from sparrow_lab.bench import shapes
     from sparrow_lab.bench.engines import random_ids
 
@@ -375,20 +374,30 @@ def draft_model_cost(a) -> None:
         worst = worst_case(c, "model", 0, K, a.max_tokens)
         print(f"| {K} | {t_v * 1e3:.0f} | " + " | ".join(cells) + f" | {kept:.2f}x | {worst:.2f}x |")
     if a.e2e_tokens > 0:
-        K, n = max(Ks), a.e2e_tokens
-        sampling = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        res, ref = {}, None
-        for label, p in (("plain", None), (f"draft K={K}", SpeculativeParams("draft", K, draft_model=draft_path))):
-            seq = Sequence.create(llm.runner, llm.tokenizer, ids, sampling, ctx + n + K + 1, a.kv_dtype)
-            toks, res[label] = _generate(llm, seq, p, a.kv_dtype)
-            ref = ref or toks
-            assert toks == ref, f"{label} changed the output"
-        base = res["plain"]["tok_s"]
-        for label, r in res.items():
-            kept = f", {r['accepted']}/{r['drafted']} drafts kept" if r["drafted"] else ""
-            print(f"# end to end: {label}: {r['tok_s']:.2f} tok/s ({r['tok_s'] / base:.2f}x plain){kept}, same tokens")
+        K = max(Ks)
+        _end_to_end(llm, ids, ctx, a, K, SpeculativeParams("draft", K, draft_model=draft_path))
         print("# (tokens after the first over the time after it: the draft model's prefill of the prompt included)")
     print(f"# load average at end {load_avg()}")
+
+
+def _end_to_end(llm, ids, ctx, a, K, spec) -> None:
+    """Plain decoding and decoding with `spec` (K drafts) of a.e2e_tokens tokens after the prompt
+    ids: tok/s of each, the tokens checked equal."""
+    from sparrow.engine.sequence import Sequence
+    from sparrow.params import SamplingParams
+
+    n = a.e2e_tokens
+    sampling = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    res, ref = {}, None
+    for label, p in (("plain", None), (f"{spec.method} K={K}", spec)):
+        seq = Sequence.create(llm.runner, llm.tokenizer, ids, sampling, ctx + n + K + 1, a.kv_dtype)
+        toks, res[label] = _generate(llm, seq, p, a.kv_dtype)
+        ref = ref or toks
+        assert toks == ref, f"{label} changed the output"
+    base = res["plain"]["tok_s"]
+    for label, r in res.items():
+        kept = f", {r['accepted']}/{r['drafted']} drafts kept" if r["drafted"] else ""
+        print(f"# end to end: {label}: {r['tok_s']:.2f} tok/s ({r['tok_s'] / base:.2f}x plain){kept}, same tokens")
 
 
 def synthetic_mtp(llm, path: str, qtype: str):
@@ -423,9 +432,8 @@ def mtp_cost(a) -> None:
     decoding. Then one end-to-end run, plain against mtp speculation (K = the largest --tokens),
     the tokens checked equal, at the acceptance random weights give (about none: stated)."""
     import sparrow
-    from sparrow.engine.sequence import Sequence
     from sparrow.errors import SparrowError
-    from sparrow.params import SamplingParams, SpeculativeParams
+    from sparrow.params import SpeculativeParams
     from sparrow_lab.bench import shapes
     from sparrow_lab.bench.engines import random_ids
 
@@ -503,16 +511,6 @@ def mtp_cost(a) -> None:
         worst = worst_case(c, "mtp", 0, K, a.max_tokens)
         print(f"| {K} | " + " | ".join(cells) + f" | {kept:.2f}x | {worst:.2f}x |")
     if a.e2e_tokens > 0:
-        K, n = max(Ks), a.e2e_tokens
-        sampling = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        res, ref = {}, None
-        for label, p in (("plain", None), (f"mtp K={K}", SpeculativeParams("mtp", K))):
-            seq = Sequence.create(llm.runner, llm.tokenizer, ids, sampling, ctx + n + K + 1, a.kv_dtype)
-            toks, res[label] = _generate(llm, seq, p, a.kv_dtype)
-            ref = ref or toks
-            assert toks == ref, f"{label} changed the output"
-        base = res["plain"]["tok_s"]
-        for label, r in res.items():
-            kept = f", {r['accepted']}/{r['drafted']} drafts kept" if r["drafted"] else ""
-            print(f"# end to end: {label}: {r['tok_s']:.2f} tok/s ({r['tok_s'] / base:.2f}x plain){kept}, same tokens")
+        K = max(Ks)
+        _end_to_end(llm, ids, ctx, a, K, SpeculativeParams("mtp", K))
     print(f"# load average at end {load_avg()}")
