@@ -274,7 +274,8 @@ def test_hybrid_cache_rolls_back_only_to_positions_it_kept():
     assert c.length == 0 and not c.ssm.any()
 
 
-def _run(llm, ids, sampling, sparse=None, spec=None):
+def _run(llm, ids, sampling, sparse=None, spec=None, with_speculator=False):
+    """(tokens, every sampled position's logits, the sequence cache[, the speculator, released])."""
     from sparrow.api import set_threads
 
     set_threads(llm.threads)
@@ -284,7 +285,10 @@ def _run(llm, ids, sampling, sparse=None, spec=None):
     seq.accept = lambda logits: (seen.append(np.array(logits)), accept(logits))[1]
     speculator = make_speculator(llm.handle, llm.runner, spec, seq, "f32") if spec is not None else None
     toks = [o.token_id for o in generate_step(llm.runner, seq, spec=speculator)]
-    return toks, np.stack(seen), seq.slot.cache
+    if speculator is not None:
+        speculator.release()
+    out = toks, np.stack(seen), seq.slot.cache
+    return (*out, speculator) if with_speculator else out
 
 
 REPEATING = [int(t) for t in np.tile(PROMPT[:12], 6)]  # an ngram drafter finds drafts here

@@ -17,6 +17,7 @@ import shutil
 import numpy as np
 import pytest
 from test_qwen3_5 import PROMPT, SPECS, _as_conditional_generation, _build, _seed
+from test_qwen3_5 import _run as run_sequence
 
 import sparrow
 from reference_models import save_default_tokenizer
@@ -235,16 +236,7 @@ def predictable(tmp_path_factory):
 
 def _run(llm, ids, sampling, spec=None):
     """(tokens, every sampled position's logits, the sequence cache, the speculator)."""
-    set_threads(llm.threads)
-    seq = Sequence.create(llm.runner, llm.tokenizer, ids, sampling, llm.ctx, "f32", None)
-    seen = []
-    accept = seq.accept
-    seq.accept = lambda logits: (seen.append(np.array(logits)), accept(logits))[1]
-    speculator = make_speculator(llm.handle, llm.runner, spec, seq, "f32") if spec is not None else None
-    toks = [o.token_id for o in generate_step(llm.runner, seq, spec=speculator)]
-    if speculator is not None:
-        speculator.release()
-    return toks, np.stack(seen), seq.slot.cache, speculator
+    return run_sequence(llm, ids, sampling, spec=spec, with_speculator=True)
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
