@@ -315,6 +315,11 @@ def test_speculative_decoding_equals_plain(llms, kind, spec, sampling):
     llm = llms[kind]
     plain = _run(llm, REPEATING, sampling)
     got = _run(llm, REPEATING, sampling, spec=spec)
+    assert_same_run(got, plain)
+
+
+def assert_same_run(got, plain) -> None:
+    """Two _run results: the same tokens, logits bytes, recurrent state and K rows."""
     assert got[0] == plain[0]
     assert got[1].tobytes() == plain[1].tobytes()
     a, b = got[2], plain[2]

@@ -45,6 +45,20 @@ def convert(folder: str, out: str, outtype: str = "f32", mmproj: bool = False, m
     return out
 
 
+def for_converter(folder: str, dst: str) -> str:
+    """A copy of folder at dst whose config names the model type qwen3_5_text: transformers
+    gives other Qwen3.5 model types Qwen3.5's own pre-tokenizer whatever tokenizer.json says,
+    whose hash the converter does not know for the test vocabulary; the converter picks its
+    model class from `architectures`, so the copy converts the same weights."""
+    shutil.copytree(folder, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["model_type"] = "qwen3_5_text"
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return dst
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """kind -> (HF folder, GGUF path, transformers' logits over PROMPT)."""
@@ -62,13 +76,7 @@ def converted(tmp_path_factory):
             # tokenizer.json says, whose hash the converter does not know for this vocabulary;
             # the converter picks its model class from `architectures`, so a copy that names
             # the dense model type converts the same MoE weights with the file's tokenizer
-            src = str(root / "moe_for_converter")
-            shutil.copytree(folder, src)
-            with open(os.path.join(src, "config.json")) as f:
-                cfg = json.load(f)
-            cfg["model_type"] = "qwen3_5_text"
-            with open(os.path.join(src, "config.json"), "w") as f:
-                json.dump(cfg, f)
+            src = for_converter(folder, str(root / "moe_for_converter"))
         out[kind] = (folder, convert(src, str(root / f"{kind}.gguf")), ref)
     return out
 
@@ -134,13 +142,7 @@ def test_a_gguf_with_the_mtp_layer_loads_the_head_of_the_hf_folder(converted, ki
     _add_mtp(folder, {**layer, **_random_head(np.random.default_rng(207))})
     src = folder
     if kind == "moe":  # the dense model type for the converter's tokenizer check (converted's note)
-        src = str(tmp_path / "moe_for_converter")
-        shutil.copytree(folder, src)
-        with open(os.path.join(src, "config.json")) as f:
-            cfg = json.load(f)
-        cfg["model_type"] = "qwen3_5_text"
-        with open(os.path.join(src, "config.json"), "w") as f:
-            json.dump(cfg, f)
+        src = for_converter(folder, str(tmp_path / "moe_for_converter"))
     gguf_llm = sparrow.load(convert(src, str(tmp_path / "mtp.gguf"), mtp=True), threads=2)
     hf = sparrow.load(folder, threads=2).model
     cfg = gguf_llm.config

@@ -16,7 +16,7 @@ import shutil
 
 import numpy as np
 import pytest
-from test_qwen3_5 import PROMPT, SPECS, _as_conditional_generation, _build, _seed
+from test_qwen3_5 import PROMPT, SPECS, _as_conditional_generation, _build, _seed, assert_same_run
 from test_qwen3_5 import _run as run_sequence
 
 import sparrow
@@ -256,17 +256,11 @@ def test_mtp_speculative_decoding_equals_plain(predictable, kind, sampling):
     # distributions): drafting at every step gives several kept and refused ones in 40 tokens
     spec = SpeculativeParams(method="mtp", tokens=3, adaptive=sampling.temperature == 0)
     got = _run(llm, ids, sampling, spec)
-    assert got[0] == plain[0]
-    assert got[1].tobytes() == plain[1].tobytes()
-    a, b = got[2], plain[2]
-    assert a.length == b.length
-    assert a.ssm.tobytes() == b.ssm.tobytes() and a.conv.tobytes() == b.conv.tobytes()
-    for la, lb in zip(a.layers, b.layers):
-        assert la.k[:, : a.length].tobytes() == lb.k[:, : b.length].tobytes()
+    assert_same_run(got, plain)
     counts = got[3].counts
     # several rounds, drafts kept and drafts refused
     assert 0 < counts["accepted_tokens"] < counts["drafted_tokens"], counts
-    assert a.hidden is None  # released: the prefix cache keeps no hidden rows
+    assert got[2].hidden is None  # released: the prefix cache keeps no hidden rows
 
 
 def test_mtp_drafter_keeps_only_verified_rows_in_its_cache(predictable):

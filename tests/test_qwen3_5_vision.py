@@ -231,22 +231,11 @@ def test_prefix_and_disk_caches_give_a_conversation_with_images_the_fresh_bits(l
 @pytest.fixture(scope="module")
 def converted(tiny, tmp_path_factory):
     """llama.cpp's converter on the dense folder: (text GGUF, mmproj GGUF)."""
-    import json
-    import shutil
 
-    from test_qwen3_5_gguf import convert  # skips (or, in CI, fails) without the converter
+    from test_qwen3_5_gguf import convert, for_converter  # skips (or, in CI, fails) without the converter
 
     root = tmp_path_factory.mktemp("qwen3_5_vl_gguf")
-    src = str(root / "src")
-    shutil.copytree(tiny["dense"][0], src)
-    # the model_type picks transformers' tokenizer class, which for qwen3_5 swaps in Qwen3.5's
-    # own pre-tokenizer, whose hash the converter does not know for this vocabulary; the model
-    # class comes from `architectures` (Qwen3_5ForConditionalGeneration) whatever it says
-    with open(os.path.join(src, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["model_type"] = "qwen3_5_text"
-    with open(os.path.join(src, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    src = for_converter(tiny["dense"][0], str(root / "src"))  # still Qwen3_5ForConditionalGeneration
     return convert(src, str(root / "text.gguf")), convert(src, str(root / "mmproj.gguf"), mmproj=True)
 
 
