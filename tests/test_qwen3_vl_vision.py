@@ -96,12 +96,12 @@ def test_all_prompt_logits_match_transformers(tiny_vl, vl_llm):
     assert np.abs(got - ref).max() < 1e-3
 
 
-@pytest.mark.parametrize("rows", [1024, 5])  # 5: attention scores in blocks of query rows
+@pytest.mark.parametrize("rows", [64, 5])  # 5: attention in several work items of query rows
 def test_vision_tower_matches_transformers(tiny_vl, vl_llm, rows, monkeypatch):
     """Embeddings and DeepStack features of one image, directly."""
-    from sparrow.vision import encoder
+    from sparrow.kernels import vision
 
-    monkeypatch.setattr(encoder, "ROWS", rows)
+    monkeypatch.setattr(vision, "QT", rows)
     model = tiny_vl[1]
     im = _images(7)[0]
     with torch.no_grad():
@@ -111,6 +111,29 @@ def test_vision_tower_matches_transformers(tiny_vl, vl_llm, rows, monkeypatch):
     assert len(deep) == 2
     for ours, ref in zip(deep, out.deepstack_features):
         assert np.abs(ours - ref.numpy()).max() < 1e-4
+
+
+def test_vision_attention_over_several_key_blocks():
+    """The tower's attention kernel against float64 softmax(q k^T / sqrt(d)) v with 150 patches
+    (key blocks of 64: two full, one partial), the same bits on one thread as on two."""
+    import numba
+
+    from sparrow.kernels.vision import attention
+
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((150, 3, 40), dtype=np.float32) * 2 for _ in range(3))
+    s = np.einsum("nhd,mhd->hnm", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(40)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    ref = np.einsum("hnm,mhd->nhd", p / p.sum(-1, keepdims=True), v.astype(np.float64))
+    old = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = attention(q, k, v, 40**-0.5)
+    finally:
+        numba.set_num_threads(old)
+    two = attention(q, k, v, 40**-0.5)
+    assert np.abs(two - ref).max() < 5e-5  # f32 scores of size ~8: a few ulps
+    assert np.array_equal(one, two)
 
 
 def test_gguf_and_mmproj_twins_match(tiny_vl, tmp_path):

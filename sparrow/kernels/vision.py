@@ -1,4 +1,4 @@
-"""Row-wise kernels of the vision tower: LayerNorm and the two GELUs (tanh and exact erf).
+"""Kernels of the vision tower: LayerNorm, the two GELUs (tanh and exact erf) and full attention.
 
 Prefill-sized work (hundreds to thousands of patch rows), so rows run in parallel; each row's
 arithmetic is serial and fixed, so results do not depend on the thread count.
@@ -11,7 +11,13 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from sparrow.kernels.attention.prefill import BK, key_blocks
+from sparrow.kernels.attention.rows import exp_sum, row_max
+from sparrow.kernels.attention.tile import mm_add
+from sparrow.kernels.elementwise import exp_parts
+from sparrow.kernels.ir import fma32
 from sparrow.kernels.options import KW
+from sparrow.kernels.parallel import run_parallel
 
 _KW = dict(KW, parallel=True)
 
@@ -49,12 +55,91 @@ def _gelu_erf(x, out):
             out[t, i] = 0.5 * v * (1.0 + math.erf(v * r))
 
 
+_C = np.float32(2.0 * math.sqrt(2.0 / math.pi))
+
+
+@njit(**_KW)
+def _gelu_tanh(x, out):
+    """0.5 x (1 + tanh(u)) with u = sqrt(2 / pi) (x + 0.044715 x^3), as x / (1 + exp(-2u)) (the
+    same function: 0.5 (1 + tanh(u)) = sigmoid(2u)), exp by exp_parts so that the loop
+    vectorises; the argument clamped to [-87, 88] (finite f32)."""
+    n = x.shape[1]
+    for t in prange(x.shape[0]):
+        ebits = np.empty(n, np.int32)
+        fb = ebits.view(np.float32)
+        o = out[t]
+        for i in range(n):
+            v = x[t, i]
+            u = _C * fma32(np.float32(0.044715) * v * v, v, v)  # 2u
+            p, k = exp_parts(min(max(-u, np.float32(-87.0)), np.float32(88.0)))
+            o[i] = p
+            ebits[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
+        for i in range(n):
+            o[i] = x[t, i] / fma32(o[i], fb[i], np.float32(1))
+
+
 def gelu(x: np.ndarray, approximate: str) -> np.ndarray:
     """GELU of x [T, n]: approximate "tanh" (gelu_pytorch_tanh) or "none" (exact, erf)."""
     x = np.ascontiguousarray(x, np.float32)
-    if approximate == "tanh":  # numpy's SIMD f32 tanh: 2x a scalar f64 loop, within 5e-7 of torch's
-        c = np.float32(math.sqrt(2.0 / math.pi))
-        return np.float32(0.5) * x * (np.float32(1) + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
     out = np.empty(x.shape, np.float32)
-    _gelu_erf(x, out)
+    (_gelu_tanh if approximate == "tanh" else _gelu_erf)(x, out)
+    return out
+
+
+QT = 64  # query rows of a work item: its Q, score and output tiles stay in L1 with BK keys a step
+
+
+@njit(cache=True, nogil=True)
+def _attend_item(i, qt, q, KT, V, out):
+    """Work item i: query rows t0..t0+qt-1 of head h, over every key of the image, in key
+    blocks of BK with a running max and sum (as the text prefill's attention, without a mask):
+      s = q' K_b^T (q' = q * scale);  mx = max(s); if mx > m: c = exp(m - mx), o *= c, l *= c, m = mx
+      e = exp_shifted(s - m); l += sum(e); o += e V_b;  out = o * (1 / l)
+    Each row's arithmetic depends only on its query and the keys, so any thread count or work
+    split gives the same bits. q [N, H, D], KT [H, nblk, D, BK], V [H, N, D], out [N, H, D]."""
+    N, _, D = q.shape
+    nq = (N + qt - 1) // qt
+    h, t0 = i // nq, (i % nq) * qt
+    R = min(qt, N - t0)
+    Q = np.empty((R, D), np.float32)
+    S = np.empty((R, BK), np.float32)  # scores, then the block's weights in place
+    O = np.zeros((R, D), np.float32)
+    m = np.empty(R, np.float32)
+    m[:] = -np.inf
+    den = np.zeros(R, np.float32)
+    for r in range(R):
+        for d in range(D):
+            Q[r, d] = q[t0 + r, h, d]
+    for b in range(KT.shape[1]):
+        k0 = b * BK
+        kn = min(BK, N - k0)
+        S[:] = 0
+        mm_add(Q, KT[h, b], S, D)  # [R, BK]
+        for r in range(R):
+            row = S[r]
+            mx = row_max(row, 0, kn)
+            if mx > m[r]:
+                if m[r] > -np.inf:
+                    c = np.float32(np.exp(m[r] - mx))
+                    for d in range(D):
+                        O[r, d] *= c
+                    den[r] *= c
+                m[r] = mx
+            den[r] += exp_sum(row, m[r], kn, row)  # row[:kn] = exp(row - m), row[kn:] = 0
+        mm_add(S, V[h, k0 : k0 + kn], O, kn)  # [R, D]
+    for r in range(R):
+        inv = np.float32(1.0) / den[r]
+        for d in range(D):
+            out[t0 + r, h, d] = O[r, d] * inv
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """Full (non-causal) attention of every head: softmax(q k^T * scale) v for q, k, v
+    [N, H, D] f32 -> [N, H, D], one pass over the keys per query tile (scores never leave L1)."""
+    N, H, _ = q.shape
+    qs = np.ascontiguousarray(q * np.float32(scale), np.float32)  # [N, H, D]
+    KT = key_blocks(np.ascontiguousarray(k.transpose(1, 0, 2), np.float32), N)  # [H, nblk, D, BK]
+    V = np.ascontiguousarray(v.transpose(1, 0, 2), np.float32)  # [H, N, D]
+    out = np.empty(q.shape, np.float32)
+    run_parallel(H * ((N + QT - 1) // QT), _attend_item, (QT, qs, KT, V, out))
     return out

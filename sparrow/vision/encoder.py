@@ -11,9 +11,8 @@ import numpy as np
 
 from ..kernels.elementwise import rope, rope_powers
 from ..kernels.linear import linear
-from ..kernels.vision import gelu, layer_norm
+from ..kernels.vision import attention, gelu, layer_norm
 from ..loaders.tensor import StoredTensor
-from ..quant import Weight
 from .config import VisionConfig
 
 PREFIX = "model.visual."
@@ -56,27 +55,9 @@ class _Block:
         v = qkv[:, 2]  # [N, H, d]
         out = np.empty((N, H, d), np.float32)
         for f in frames:  # full, non-causal attention within each frame
-            for h in range(H):
-                out[f, h] = _attend(q[f, h], k[f, h], v[f, h], d**-0.5)
+            out[f] = attention(q[f], k[f], v[f], d**-0.5)
         x = x + self.proj(out.reshape(N, H * d))  # [N, hid]
         return x + self.fc2(gelu(self.fc1(self.norm2(x)), self.act))  # [N, hid]
-
-
-ROWS = 1024  # query rows per score block: a 4096x4096 image has 65536 patches, [T, T] would be 17 GB
-
-
-def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
-    """softmax(q k^T * scale) v for one head: q, k, v [T, d] -> [T, d] (GEMMs in kernels.linear),
-    over blocks of query rows so that the scores stay small for large images."""
-    kw = Weight.from_array(np.ascontiguousarray(k))  # [T, d]
-    vw = Weight.from_array(np.ascontiguousarray(v.T))  # [d, T]
-    out = np.empty(q.shape, np.float32)
-    for a in range(0, len(q), ROWS):
-        s = linear(np.ascontiguousarray(q[a : a + ROWS]), kw) * np.float32(scale)  # [r, T]
-        s = np.exp(s - s.max(axis=1, keepdims=True))
-        p = np.ascontiguousarray(s / s.sum(axis=1, keepdims=True), np.float32)  # [r, T]
-        out[a : a + ROWS] = linear(p, vw)  # [r, d]
-    return out
 
 
 class _Merger:
