@@ -770,3 +770,24 @@ def test_tiny_qwen35_runs_in_llama_cpp(tmp_path, moe):
     llm.eval([5, 17, 300, 42, 7, 99])
     logits = np.asarray(llm.scores[:6])
     assert logits.shape == (6, 512) and np.isfinite(logits).all() and logits.std() > 0
+
+
+def test_image_rows_only_for_shapes_with_a_vision_tower():
+    """`bench speed --images` benches a shape's vision tower: refused (one line) for a shape
+    without one; a qwen3vl text file always goes to the image rows, a Qwen3.5 shape only when
+    asked; sides are parsed and bounded."""
+    from sparrow_lab.bench import shapes_vl, speed_vl
+
+    assert shapes.image_bench("qwen3-vl-2b", None) and shapes.image_bench("qwen3.5-0.8b", "448")
+    assert not shapes.image_bench("qwen3.5-0.8b", None)
+    with pytest.raises(SparrowError, match="qwen3-1.7b has no vision tower"):
+        shapes.image_bench("qwen3-1.7b", "448")
+    assert speed_vl._sides(SimpleNamespace(images="448,1024")) == (448, 1024)
+    for bad in ("448,x", "16"):
+        with pytest.raises(SparrowError, match="--images"):
+            speed_vl._sides(SimpleNamespace(images=bad))
+    # the Qwen3.5-0.8B tower: no DeepStack tensors, 12 blocks of width 768
+    names = dict(shapes_vl.plan("qwen3.5-0.8b"))
+    assert not any(n.startswith("v.deepstack") for n in names)
+    assert names["v.blk.11.ffn_up.weight"] == (3072, 768) and "v.blk.12.ln1.weight" not in names
+    assert names["mm.2.weight"] == (1024, 4 * 768)  # the merger projects to the text width

@@ -18,7 +18,7 @@ def run(text: str, mmproj: str, image, prompt_text: str, threads: int, decode: i
     import llama_cpp
     import llama_cpp.mtmd_cpp as M
 
-    llm = llama_cpp.Llama(model_path=text, n_ctx=1024, n_threads=threads, n_batch=512, verbose=False)
+    llm = llama_cpp.Llama(model_path=text, n_ctx=8192, n_threads=threads, n_batch=512, verbose=False)
     p = M.mtmd_context_params_default()
     p.use_gpu = False
     p.n_threads = threads

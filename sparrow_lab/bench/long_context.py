@@ -577,7 +577,7 @@ def main(argv=None):
 
     ap = argparse.ArgumentParser(prog="sparrow bench long-context", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="GGUF or HF folder (default: SmolLM2-135M-Instruct Q4_1)")
-    ap.add_argument("--shape", choices=[s for s in shapes.SHAPES if not shapes.SHAPES[s].get("vision")])
+    ap.add_argument("--shape", choices=[s for s in shapes.SHAPES if not shapes.image_bench(s, None)])
     ap.add_argument("--type", default="q8_0", choices=shapes.TYPES, help="weight type of the --shape file")
     ap.add_argument("--kv", default="f16", choices=KV_DTYPES, help="the KV kind of this run")
     ap.add_argument("--contexts", default="8192,16384,32768", help="prefilled contexts, comma-separated")

@@ -67,6 +67,9 @@ h: a Qwen3.5-9B Q4_K_M of "8.95B" params and 5.23 GiB (lzwjava.github.io) = this
 i: headlessmode.com on Qwen3.5-35B-A3B (256 experts, 8 routed + 1 shared, expert dim 512,
    attention 16 / 2, DeltaNet 32 V / 16 QK); transformers' Qwen3_5MoeTextConfig defaults agree.
 j: the converter's comment: Qwen3.5's mrope_section is [11, 11, 10].
+k: the vision_config of Qwen3.5-0.8B and -4B's config.json as quoted in public repositories'
+   tests (0.8B: depth 12, width 768, 12 heads, FFN 3072; 4B: 24, 1024, 16, 4096; both patch 16,
+   merge 2, 2304 position embeddings, gelu_pytorch_tanh, no DeepStack layers).
 *: no config.json was found for 0.8B / 2B; tied is inferred (the family's small models are, and
    the names fit 0.75 B / 1.88 B, not 1.01 B / 2.39 B untied).
 Tensors: `attn_norm`, `post_attention_norm` and an FFN (`ffn_{gate,up,down}`; MoE: the router
@@ -174,11 +177,15 @@ _QWEN35 = dict(
     linear_key_dim=128,
     linear_value_dim=128,
 )
+# Their vision towers (every Qwen3.5 checkpoint has one: Qwen3-VL's without DeepStack; source k),
+# benched with `--images` (bench/speed_vl.py) and written as a separate random mmproj.
+_QWEN35_VISION_08B = dict(depth=12, hidden=768, ffn=3072, heads=12, patch=16, merge=2, positions=2304, deepstack=())
+_QWEN35_VISION_4B = dict(depth=24, hidden=1024, ffn=4096, heads=16, patch=16, merge=2, positions=2304, deepstack=())
 SHAPES.update(
     {
         "qwen3.5-0.8b": dict(
             _QWEN35, hidden=1024, layers=24, heads=8, kv_heads=2, ffn=3584, linear_k_heads=16, linear_v_heads=16,
-            tied=True,
+            tied=True, vision=_QWEN35_VISION_08B,
         ),
         "qwen3.5-2b": dict(
             _QWEN35, hidden=2048, layers=24, heads=8, kv_heads=2, ffn=6144, linear_k_heads=16, linear_v_heads=16,
@@ -186,7 +193,7 @@ SHAPES.update(
         ),
         "qwen3.5-4b": dict(
             _QWEN35, hidden=2560, layers=32, heads=16, kv_heads=4, ffn=9216, linear_k_heads=16, linear_v_heads=32,
-            tied=True,
+            tied=True, vision=_QWEN35_VISION_4B,
         ),
         "qwen3.5-9b": dict(
             _QWEN35, hidden=4096, layers=32, heads=16, kv_heads=4, ffn=12288, linear_k_heads=16, linear_v_heads=32,
@@ -200,6 +207,17 @@ SHAPES.update(
     }
 )  # fmt: skip
 TYPES = ("q8_0", "q4_0", "q4_k_m")
+
+
+def image_bench(name: str, images: str | None) -> bool:
+    """Whether `bench speed --shape name` benches images: asked with --images (a shape with a
+    vision tower), or always for a qwen3vl text file, which has no text-only rows of its own."""
+    s = SHAPES[name]
+    if images and not s.get("vision"):
+        raise SparrowError(f"--images: the shape {name} has no vision tower")
+    return bool(images) or s.get("arch") == "qwen3vl"
+
+
 _BLOCK = {"q8_0": 32, "q4_0": 32, "q5_0": 32, "q4_k": 256, "q6_k": 256}  # values a block
 _BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q5_0": 22, "q4_k": 144, "q6_k": 210}
 _FILE_TYPE = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15}  # gguf.LlamaFileType.MOSTLY_Q8_0 / _Q4_0 / _Q4_K_M

@@ -153,6 +153,11 @@ def main(argv=None):
         help="q8: add prefill and decode rows with 8-bit activations (the named non-exact mode)",
     )
     ap.add_argument("--moe", action="store_true", help="add the MoE layer row (sparrow_lab.bench.speed_moe)")
+    ap.add_argument(
+        "--images",
+        help="square image sides, e.g. 448,1024: bench a --shape with a vision tower on images "
+        "(sparrow_lab.bench.speed_vl; qwen3-vl-2b always, at 448 unless given)",
+    )
     ap.add_argument("--json", help="write the JSON record here (default runs/speed-<timestamp>/speed.json)")
     ap.add_argument("--md", help="write the markdown table here")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
@@ -161,7 +166,7 @@ def main(argv=None):
         return startup_child(a.model, a.threads)
     if a._child == "llama_rss":
         return llama_rss(a.model, a.threads)
-    if a.shape and shapes.SHAPES[a.shape].get("vision"):  # an image model: its own rows (speed_vl.py)
+    if a.shape and shapes.image_bench(a.shape, a.images):  # images through the vision tower (speed_vl.py)
         from sparrow_lab.bench import speed_vl
 
         return speed_vl.main(a)

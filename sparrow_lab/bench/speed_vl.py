@@ -1,10 +1,11 @@
-"""`sparrow bench speed --shape qwen3-vl-2b`: Qwen3-VL speed with random weights and the real
-shapes (text GGUF from bench/shapes.py, mmproj from bench/shapes_vl.py) on one 448x448 image.
+"""`sparrow bench speed --shape qwen3-vl-2b` or `--shape qwen3.5-0.8b --images 448,1024`: an
+image model's speed with random weights and the real shapes (text GGUF from bench/shapes.py,
+mmproj from bench/shapes_vl.py) on one square image per side given (448 by default).
 
-Per round: the vision encoder (ms, and the image's tokens), the prefill of the whole prompt
-(image pads included) and greedy decode after it; beside it, step for step (alternating), decode
-after a text-only prompt of the same length, so the cost of images on decode (none is expected:
-only the rope position shifts) reads as a ratio. Medians over the rounds.
+Per side and round: the vision encoder (ms, and the image's tokens), the prefill of the whole
+prompt (image pads included) and greedy decode after it; beside it, step for step (alternating),
+decode after a text-only prompt of the same length, so the cost of images on decode (none is
+expected: only the rope position shifts) reads as a ratio. Medians over the rounds.
 """
 
 from __future__ import annotations
@@ -17,15 +18,30 @@ import time
 
 import numpy as np
 
-IMAGE_SIDE = 448
+DEFAULT_SIDES = (448,)
 
 
-def _image():
+def _image(side: int):
     from PIL import Image
 
     rng = np.random.default_rng(0)
-    small = rng.integers(0, 256, (IMAGE_SIDE // 16, IMAGE_SIDE // 16, 3), dtype=np.uint8)
-    return Image.fromarray(small).resize((IMAGE_SIDE, IMAGE_SIDE), Image.Resampling.BICUBIC)
+    small = rng.integers(0, 256, (side // 16, side // 16, 3), dtype=np.uint8)
+    return Image.fromarray(small).resize((side, side), Image.Resampling.BICUBIC)
+
+
+def _sides(a) -> tuple[int, ...]:
+    from sparrow.errors import SparrowError
+
+    text = getattr(a, "images", None)
+    if not text:
+        return DEFAULT_SIDES
+    try:
+        sides = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise SparrowError(f"--images: comma-separated image sides, got {text!r}") from None
+    if not sides or min(sides) < 32 or max(sides) > 4096:
+        raise SparrowError(f"--images: sides between 32 and 4096 pixels, got {text!r}")
+    return sides
 
 
 def _decode_pair(llm, slots, firsts, n: int) -> list[float]:
@@ -40,17 +56,9 @@ def _decode_pair(llm, slots, firsts, n: int) -> list[float]:
     return secs
 
 
-def run(a, log=sys.stderr.write) -> dict:
-    import sparrow
-
-    from . import shapes, shapes_vl
-
-    text = shapes.ensure(a.shape, a.type, log=log)
-    mmproj = shapes_vl.ensure_mmproj(a.shape, log=log)
-    llm = sparrow.load(text, mmproj=mmproj, threads=a.threads)
-    parts = [{"type": "image", "image": _image()}, {"type": "text", "text": "Describe it."}]
-    msgs = [{"role": "user", "content": parts}]
-    ids, images = llm.prompt_and_images(msgs, chat=True)
+def _sparrow_rounds(llm, side: int, a, log) -> list[dict]:
+    parts = [{"type": "image", "image": _image(side)}, {"type": "text", "text": "Describe it."}]
+    ids, images = llm.prompt_and_images([{"role": "user", "content": parts}], chat=True)
     plain = [i for i in ids if i != llm.vision.image_token_id]
     plain = (plain * (len(ids) // len(plain) + 1))[: len(ids)]  # a text-only prompt of the same length
     rows = []
@@ -74,58 +82,93 @@ def run(a, log=sys.stderr.write) -> dict:
             "text_only_decode_tok_s": a.decode / text_dec_s,
             "loadavg": os.getloadavg()[0],
         }
+        del slot, tslot
         if r:
             rows.append(row)
-        log(f"round {r}{' (warm-up)' if not r else ''}: " + json.dumps({k: round(v, 2) for k, v in row.items()}) + "\n")
-    med = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
-    rec = {"shape": a.shape, "type": a.type, "threads": a.threads, "decode": a.decode, "rounds": rows, "median": med}
+        tag = f"{side}px round {r}{' (warm-up)' if not r else ''}"
+        log(f"{tag}: " + json.dumps({k: round(v, 2) for k, v in row.items()}) + "\n")
+    return rows
+
+
+def _median(rows: list[dict]) -> dict:
+    return {k: statistics.median(x[k] for x in rows) for k in rows[0]}
+
+
+def run(a, log=sys.stderr.write) -> dict:
+    import sparrow
+
+    from . import shapes, shapes_vl
+
+    sides = _sides(a)
+    text = shapes.ensure(a.shape, a.type, log=log)
+    mmproj = shapes_vl.ensure_mmproj(a.shape, log=log)
+    llm = sparrow.load(text, mmproj=mmproj, threads=a.threads)
+    rec = {"shape": a.shape, "type": a.type, "threads": a.threads, "decode": a.decode, "sides": {}}
+    rec["arch"] = shapes.SHAPES[a.shape].get("arch", "qwen3")
+    for side in sides:
+        rows = _sparrow_rounds(llm, side, a, log)
+        rec["sides"][str(side)] = {"rounds": rows, "median": _median(rows)}
     if getattr(a, "compare", None) == "llama-cpp":
         from . import llama_vl
 
         chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "<image>Describe it."}])
-        del llm, slot, tslot  # the text weights are memory-mapped; llama.cpp maps the same file
-        lrows = llama_vl.run(text, mmproj, _image(), chat, a.threads, a.decode, a.rounds)
-        for r in lrows:
-            log("llama.cpp: " + json.dumps({k: round(v, 2) for k, v in r.items()}) + "\n")
-        rec["llama_cpp"] = {"rounds": lrows, "median": {k: statistics.median(x[k] for x in lrows) for k in lrows[0]}}
+        del llm  # the text weights are memory-mapped; llama.cpp maps the same file
+        for side in sides:
+            lrows = llama_vl.run(text, mmproj, _image(side), chat, a.threads, a.decode, a.rounds)
+            for r in lrows:
+                log(f"llama.cpp {side}px: " + json.dumps({k: round(v, 2) for k, v in r.items()}) + "\n")
+            rec["sides"][str(side)]["llama_cpp"] = {"rounds": lrows, "median": _median(lrows)}
     return rec
 
 
+_FAMILY = {"qwen3vl": "Qwen3-VL", "qwen35": "Qwen3.5", "qwen35moe": "Qwen3.5-MoE"}
+
+
 def markdown(rec) -> str:
-    m = rec["median"]
-    return "\n".join(
-        [
-            f"Qwen3-VL speed, random weights with {rec['shape']} shapes (text {rec['type']}, vision f16), "
-            f"{rec['threads']} threads, one {IMAGE_SIDE}x{IMAGE_SIDE} image, medians of {len(rec['rounds'])} rounds",
-            "",
-            "| vision encoder | image tokens | prompt tokens | prefill | decode after the image | "
-            "decode after text only | ratio |",
-            "|---|---|---|---|---|---|---|",
-            f"| {m['vision_ms']:.0f} ms | {m['image_tokens']:.0f} | {m['prompt_tokens']:.0f} | "
+    family = _FAMILY.get(rec.get("arch"), rec.get("arch"))
+    lines = [
+        f"{family} speed, random weights with {rec['shape']} shapes (text {rec['type']}, vision f16), "
+        f"{rec['threads']} threads, one square image per row, medians of "
+        f"{len(next(iter(rec['sides'].values()))['rounds'])} rounds",
+        "",
+        "| image | vision encoder | image tokens | prompt tokens | prefill | decode after the image | "
+        "decode after text only | ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for side, r in rec["sides"].items():
+        m = r["median"]
+        lines.append(
+            f"| {side}x{side} | {m['vision_ms']:.0f} ms | {m['image_tokens']:.0f} | {m['prompt_tokens']:.0f} | "
             f"{m['prefill_tok_s']:.1f} tok/s | {m['decode_tok_s']:.2f} tok/s | "
-            f"{m['text_only_decode_tok_s']:.2f} tok/s | "
-            f"{m['decode_tok_s'] / m['text_only_decode_tok_s']:.2f} |",
-        ]
-        + _llama_rows(rec)
-    )
+            f"{m['text_only_decode_tok_s']:.2f} tok/s | {m['decode_tok_s'] / m['text_only_decode_tok_s']:.2f} |"
+        )
+    return "\n".join(lines + _llama_rows(rec))
 
 
 def _llama_rows(rec) -> list[str]:
-    if "llama_cpp" not in rec:
+    sides = [(side, r) for side, r in rec["sides"].items() if "llama_cpp" in r]
+    if not sides:
         return []
-    m, lm = rec["median"], rec["llama_cpp"]["median"]
-    return [
+    out = [
         "",
-        "| engine | vision encoder | image tokens | prompt tokens | prefill (text side) | image + prefill | decode |",
-        "|---|---|---|---|---|---|---|",
-        f"| sparrow | {m['vision_ms']:.0f} ms | {m['image_tokens']:.0f} | {m['prompt_tokens']:.0f} | "
-        f"{m['prefill_tok_s']:.1f} tok/s | {m['prompt_s']:.1f} s | {m['decode_tok_s']:.2f} tok/s |",
-        f"| llama.cpp (mtmd) | {lm['vision_ms']:.0f} ms | {lm['image_tokens']:.0f} | {lm['prompt_tokens']:.0f} | "
-        f"{lm['prefill_tok_s']:.1f} tok/s | {lm['prompt_s']:.1f} s | {lm['decode_tok_s']:.2f} tok/s |",
-        f"| sparrow / llama.cpp | {m['vision_ms'] / lm['vision_ms']:.2f}x time | | | "
-        f"{m['prefill_tok_s'] / lm['prefill_tok_s']:.2f}x | {m['prompt_s'] / lm['prompt_s']:.2f}x time | "
-        f"{m['decode_tok_s'] / lm['decode_tok_s']:.2f}x |",
+        "| image | engine | vision encoder | image tokens | prompt tokens | prefill (text side) | "
+        "image + prefill | decode |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    for side, r in sides:
+        m, lm = r["median"], r["llama_cpp"]["median"]
+        out += [
+            f"| {side}x{side} | sparrow | {m['vision_ms']:.0f} ms | {m['image_tokens']:.0f} | "
+            f"{m['prompt_tokens']:.0f} | {m['prefill_tok_s']:.1f} tok/s | {m['prompt_s']:.2f} s | "
+            f"{m['decode_tok_s']:.2f} tok/s |",
+            f"| | llama.cpp (mtmd) | {lm['vision_ms']:.0f} ms | {lm['image_tokens']:.0f} | "
+            f"{lm['prompt_tokens']:.0f} | {lm['prefill_tok_s']:.1f} tok/s | {lm['prompt_s']:.2f} s | "
+            f"{lm['decode_tok_s']:.2f} tok/s |",
+            f"| | sparrow / llama.cpp | **{m['vision_ms'] / lm['vision_ms']:.2f}x time** | | | "
+            f"{m['prefill_tok_s'] / lm['prefill_tok_s']:.2f}x | {m['prompt_s'] / lm['prompt_s']:.2f}x time | "
+            f"{m['decode_tok_s'] / lm['decode_tok_s']:.2f}x |",
+        ]
+    return out
 
 
 def main(a) -> int:
