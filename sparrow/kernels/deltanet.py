@@ -1,7 +1,9 @@
 """The Gated DeltaNet's recurrence (Qwen3.5's linear-attention layers): the gated delta rule over
 a run of tokens, one value head per parallel item, and its depthwise causal convolution.
 
-The rule, per value head with state S [Dk, Dv] (f32, updated in place), for each token t:
+The rule, per value head with state S [Dk, Dv] (f32, updated in place), for each token t (one
+pass over S per token: _rule_run interleaves token t's update with token t+1's decay, each
+element and sum keeping this order):
 
     S      = S * exp(g_t)                      # decay
     kv_mem = k_t @ S                           # [Dv], sum over Dk in ascending order
@@ -16,7 +18,7 @@ buys one property: a token's output and the state after it have the same bits wh
 token came in a prefill chunk of any length, a decode step or a speculative verification, so
 prefix-cache checkpoints and speculative rollbacks are exact. Its price is prefill time: the
 rule is only Dk * Dv * 4 flops a token and head (~1% of a prefill's projection flops at
-Qwen3.5's shapes), but at vector-loop speed it is ~37% of a 512-token prefill at the 0.8B
+Qwen3.5's shapes), but at vector-loop speed it is ~12% of a 512-token prefill at the 0.8B
 shapes (docs/qwen3_5.md).
 
 Heads are independent, so a run's bits do not depend on the thread count. Every multiply-add of
@@ -47,55 +49,53 @@ from sparrow.kernels.parallel import run_parallel
 
 
 @njit(**_KW)
-def _rule_step(S, q, k, v, d, b, mem, o):
-    # one token of the gated delta rule on state S [Dk, Dv]: o [Dv] and S advanced; mem [Dv] scratch
+def _rule_run(S, Q, K, V, dec, beta, O, mem, nxt):
+    # tokens 0..T-1 of the gated delta rule on S [Dk, Dv] (Q, K [T, Dk], V [T, Dv], dec and
+    # beta [T]) -> O [T, Dv]; mem, nxt [Dv] scratch. Token t's update and output and token
+    # t+1's decay and k @ S share one pass over S (half the state's memory traffic), and every
+    # element and every sum sees the operations of the rule as written above, in its order:
+    #   decay and k @ S:  s = S * d;  S = s;  mem += s * k_i        (fma, i ascending)
+    #   update, output:   s = S + k_i * delta;  S = s;  o += s * q_i (fma, i ascending)
     dk, dv = S.shape
+    T = Q.shape[0]
+    if T == 0:
+        return
+    d = dec[0]
     for j in range(dv):
         mem[j] = np.float32(0)
     for i in range(dk):
-        ki = k[i]
+        ki = K[0, i]
         for j in range(dv):
             s = S[i, j] * d
             S[i, j] = s
             mem[j] = fma32(s, ki, mem[j])
-    for j in range(dv):
-        mem[j] = (v[j] - mem[j]) * b  # delta
-    for j in range(dv):
-        o[j] = np.float32(0)
-    for i in range(dk):
-        ki, qi = k[i], q[i]
-        for j in range(dv):
-            s = fma32(ki, mem[j], S[i, j])
-            S[i, j] = s
-            o[j] = fma32(s, qi, o[j])
-
-
-@njit(**_KW)
-def _conv_channels(x, w, state, out, c0, c1):
-    # channels [c0, c1) of the causal conv: x [T, C] new inputs; w [C, K]; state [K-1, C] the
-    # K-1 inputs before x (zeros at the start), advanced to the last K-1 inputs. Channels are
-    # independent: a range gives each channel the bits of the whole run (the fused step splits
-    # them between its workers)
-    K = w.shape[1]
-    T = x.shape[0]
     for t in range(T):
-        for c in range(c0, c1):
-            acc = np.float32(0)
-            for j in range(K):
-                r = t + j - (K - 1)  # input row: < 0 reads the state
-                xv = state[K - 1 + r, c] if r < 0 else x[r, c]
-                acc += w[c, j] * xv
-            out[t, c] = acc
-    # the state becomes the last K-1 inputs
-    for c in range(c0, c1):
-        if T >= K - 1:
-            for j in range(K - 1):
-                state[j, c] = x[T - (K - 1) + j, c]
+        b = beta[t]
+        for j in range(dv):
+            mem[j] = (V[t, j] - mem[j]) * b  # delta
+        o = O[t]
+        for j in range(dv):
+            o[j] = np.float32(0)
+        if t + 1 < T:
+            dn = dec[t + 1]
+            for j in range(dv):
+                nxt[j] = np.float32(0)
+            for i in range(dk):
+                ki, qi, kn = K[t, i], Q[t, i], K[t + 1, i]
+                for j in range(dv):
+                    s = fma32(ki, mem[j], S[i, j])
+                    o[j] = fma32(s, qi, o[j])
+                    s = s * dn
+                    S[i, j] = s
+                    nxt[j] = fma32(s, kn, nxt[j])
+            mem, nxt = nxt, mem
         else:
-            for j in range(K - 1 - T):
-                state[j, c] = state[j + T, c]
-            for j in range(T):
-                state[K - 1 - T + j, c] = x[j, c]
+            for i in range(dk):
+                ki, qi = K[t, i], Q[t, i]
+                for j in range(dv):
+                    s = fma32(ki, mem[j], S[i, j])
+                    S[i, j] = s
+                    o[j] = fma32(s, qi, o[j])
 
 
 @njit(**_KW)
@@ -104,6 +104,23 @@ def _silu1(x):
     p, k = exp_parts(min(max(-x, np.float32(-87.0)), np.float32(88.0)))
     two_k = np.float32(math.ldexp(1.0, int(k)))  # exact: k in [-126, 128]
     return x / fma32(p, two_k, np.float32(1))
+
+
+@njit(**_KW)
+def _silu_into(x, out, n0, n1, pbuf, ebits):
+    # out[i] = _silu1(x[i]) for i in [n0, n1) (out may be x), in loops that vectorise: 2**k is
+    # built in exponent bits (k in [-125, 127] after the clamp: the value ldexp gives), and no
+    # loop writes an array it reads at another index (an in-place write would fail LLVM's
+    # overlap check and run the scalar loop)
+    fb = ebits.view(np.float32)
+    for i in range(n0, n1):
+        p, k = exp_parts(min(max(-x[i], np.float32(-87.0)), np.float32(88.0)))
+        pbuf[i] = p
+        ebits[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
+    for i in range(n0, n1):
+        pbuf[i] = x[i] / fma32(pbuf[i], fb[i], np.float32(1))
+    for i in range(n0, n1):
+        out[i] = pbuf[i]
 
 
 @njit(**_KW)
@@ -133,12 +150,41 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 
 @njit(**_KW)
 def _conv_silu_channels(x, w, state, out, c0, c1):
-    # channels [c0, c1) of the causal conv of x [T, C] after state [K-1, C] (advanced), then
-    # SiLU -> out [T, C]
-    _conv_channels(x, w, state, out, c0, c1)
-    for t in range(out.shape[0]):
-        for c in range(c0, c1):
-            out[t, c] = _silu1(out[t, c])
+    # channels [c0, c1) of the causal conv of x [T, C] (new inputs) after state [K-1, C] (the
+    # K-1 inputs before x, zeros at the start; advanced to the last K-1 inputs), then SiLU ->
+    # out [T, C]; w [C, K]. Channels are independent: a range gives each channel the bits of
+    # the whole run (the fused step splits them between its workers). Each output is
+    # 0 + w_0 x_0 + w_1 x_1 + ... in tap order, the channel loop innermost so that it vectorises
+    K = w.shape[1]
+    T = x.shape[0]
+    n = c1 - c0
+    wt = np.empty((K, n), np.float32)  # [K, channels]: taps as rows, read contiguously
+    for c in range(c0, c1):
+        for j in range(K):
+            wt[j, c - c0] = w[c, j]
+    raw = np.empty(n, np.float32)
+    pbuf = np.empty(n, np.float32)
+    ebits = np.empty(n, np.int32)
+    for t in range(T):
+        for c in range(n):
+            raw[c] = np.float32(0)
+        for j in range(K):
+            r = t + j - (K - 1)  # input row: < 0 reads the state
+            src = state[K - 1 + r, c0:c1] if r < 0 else x[r, c0:c1]
+            wj = wt[j]
+            for c in range(n):
+                raw[c] += wj[c] * src[c]
+        _silu_into(raw, out[t, c0:c1], 0, n, pbuf, ebits)
+    # the state becomes the last K-1 inputs
+    for c in range(c0, c1):
+        if T >= K - 1:
+            for j in range(K - 1):
+                state[j, c] = x[T - (K - 1) + j, c]
+        else:
+            for j in range(K - 1 - T):
+                state[j, c] = state[j + T, c]
+            for j in range(T):
+                state[K - 1 - T + j, c] = x[j, c]
 
 
 @njit(**_KW)
@@ -148,32 +194,50 @@ def _inv_norm(x, eps):
 
 @njit(**_KW)
 def _layer_head(h, c, z, b, a, neg_A, dt_bias, norm_w, key_head, dims, eps, state, y):
-    # value head h of gated_deltanet over the run's tokens
+    # value head h of gated_deltanet over the run's tokens: each token's normalised q and k and
+    # its gates, then the rule over the run, then the gated RMSNorm of each output
     hk, dk, dv = dims[0], dims[1], dims[2]
     kh = key_head[h]
-    S = state[h]
-    q = np.empty(dk, np.float32)
-    k = np.empty(dk, np.float32)
-    mem = np.empty(dv, np.float32)
-    o = np.empty(dv, np.float32)
+    T = c.shape[0]
+    Q = np.empty((T, dk), np.float32)
+    K = np.empty((T, dk), np.float32)
+    dec = np.empty(T, np.float32)
+    beta = np.empty(T, np.float32)
     q_scale = np.float32(1) / np.float32(math.sqrt(dk))
-    for t in range(c.shape[0]):
+    for t in range(T):
         qs = c[t, kh * dk : (kh + 1) * dk]
         ks = c[t, (hk + kh) * dk : (hk + kh + 1) * dk]
-        vs = c[t, 2 * hk * dk + h * dv : 2 * hk * dk + (h + 1) * dv]
         qn = _inv_norm(qs, np.float32(1e-6))
         kn = _inv_norm(ks, np.float32(1e-6))
         for i in range(dk):
-            q[i] = qs[i] * qn * q_scale
-            k[i] = ks[i] * kn
-        beta = np.float32(1) / (np.float32(1) + np.float32(math.exp(-b[t, h])))
+            Q[t, i] = qs[i] * qn * q_scale
+            K[t, i] = ks[i] * kn
+        beta[t] = np.float32(1) / (np.float32(1) + np.float32(math.exp(-b[t, h])))
         x = a[t, h] + dt_bias[h]
         sp = x if x > np.float32(20) else np.float32(math.log1p(math.exp(x)))  # torch's softplus
-        decay = np.float32(math.exp(neg_A[h] * sp))
-        _rule_step(S, q, k, vs, decay, beta, mem, o)
+        dec[t] = np.float32(math.exp(neg_A[h] * sp))
+    v0 = 2 * hk * dk + h * dv
+    O = np.empty((T, dv), np.float32)
+    mem = np.empty(dv, np.float32)
+    nxt = np.empty(dv, np.float32)
+    _rule_run(state[h], Q, K, c[:, v0 : v0 + dv], dec, beta, O, mem, nxt)
+    gate = np.empty(dv, np.float32)
+    ebits = np.empty(dv, np.int32)
+    for t in range(T):
+        _silu_into(z[t, h * dv : (h + 1) * dv], gate, 0, dv, mem, ebits)  # silu(z), mem as scratch
+        o = O[t]
         inv = np.float32(1) / np.float32(math.sqrt(lane_dot(o, o) / np.float32(dv) + eps))
         for j in range(dv):
-            y[t, h * dv + j] = ((o[j] * inv) * norm_w[j]) * _silu1(z[t, h * dv + j])
+            y[t, h * dv + j] = ((o[j] * inv) * norm_w[j]) * gate[j]
+
+
+CONV_CHUNK = 512  # channels a work item of the staged convolution takes
+
+
+@njit(**_KW)
+def _conv_silu_chunk(i, x, w, state, out):
+    c0 = i * CONV_CHUNK
+    _conv_silu_channels(x, w, state, out, c0, min(c0 + CONV_CHUNK, x.shape[1]))
 
 
 def gated_deltanet(qkv, z, b, a, conv_w, conv_state, neg_A, dt_bias, norm_w, key_head, hk, dk, eps, state):
@@ -183,7 +247,8 @@ def gated_deltanet(qkv, z, b, a, conv_w, conv_state, neg_A, dt_bias, norm_w, key
     T, Hv = b.shape
     dv = state.shape[2]
     c = np.empty(qkv.shape, np.float32)
-    _conv_silu_channels(np.ascontiguousarray(qkv), conv_w, conv_state, c, 0, c.shape[1])
+    n_chunks = (c.shape[1] + CONV_CHUNK - 1) // CONV_CHUNK
+    run_parallel(n_chunks, _conv_silu_chunk, (np.ascontiguousarray(qkv), conv_w, conv_state, c))
     y = np.empty((T, Hv * dv), np.float32)
     dims = np.array([hk, dk, dv], np.int64)
     args = (c, np.ascontiguousarray(z), np.ascontiguousarray(b), np.ascontiguousarray(a))
