@@ -53,6 +53,8 @@ SPARROW_FIELDS = (
     "sparse_probe",
     "sparse_prefill",
     "sparse_select",
+    "sparse_p",
+    "sparse_min_blocks",
     "speculative",
     "spec_tokens",
     "spec_ngram",
