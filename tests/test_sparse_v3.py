@@ -326,3 +326,15 @@ def test_cli_flags_and_server_fields_reach_the_settings():
         with pytest.raises(APIError) as e:
             parse_chat({**body, **bad})
         assert e.value.param == param, bad
+
+
+def test_the_oracle_gap_is_read_at_as_many_blocks():
+    from sparrow_lab.eval.report import oracle_gap
+
+    oracle = [{"selector": "oracle", "blocks": b, "kl": kl} for b, kl in ((8.0, 0.04), (16.0, 0.01), (32.0, 0.001))]
+    at = lambda blocks, kl, sel="v3": oracle_gap({"selector": sel, "blocks": blocks, "kl": kl}, oracle)  # noqa: E731
+    assert at(16.0, 0.02) == pytest.approx(2.0)  # an oracle row at exactly as many blocks
+    assert at(math.sqrt(8 * 16), 0.02) == pytest.approx(0.02 / math.sqrt(0.04 * 0.01))  # halfway in log(blocks)
+    assert at(32.0, 0.001) == pytest.approx(1.0)
+    assert at(4.0, 0.1) is None and at(40.0, 0.1) is None  # outside the oracle rows
+    assert at(16.0, 0.02, sel="oracle") is None and oracle_gap({"selector": None, "kl": 0.0}, oracle) is None

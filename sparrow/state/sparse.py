@@ -48,16 +48,11 @@ class SparseState:
         strided walk (one row in four by default) that ran ~5x slower per byte than a
         contiguous read here. The copy costs n_probe / block of K's bytes and is filled once
         per block, on first use."""
-        p = self._probes.get((block, n_probe))
-        if p is None:
-            p = self._probes[(block, n_probe)] = ProbeKeys(layer, block, n_probe)
-        full = seq_len // block
-        p.extend(layer, full)
-        return p, min(p.blocks, full)
+        return self._copy(layer, (block, n_probe), lambda: ProbeKeys(layer, block, n_probe), seq_len)
 
     def copy_for(self, layer, sparse, seq_len):
         """(copy, n) of what `sparse`'s selector reads: probe_keys for the seed, block_summaries
-        for v2 (SparseParams.copy_key names it)."""
+        for v2, the int8 key codes (KeyCodes) for v3 (SparseParams.copy_key names it)."""
         block, what = sparse.copy_key
         if what == "v2":
             return self.block_summaries(layer, block, seq_len)
@@ -79,12 +74,7 @@ class SparseState:
         """(summaries, n): v2's per-block key mean and variance of layer's full blocks
         (BlockSummaries), and how many of them a decode over 0..seq_len-1 may read. Kept
         beside the probe copies (same invalidation), filled once per block on first use."""
-        p = self._probes.get((block, "v2"))
-        if p is None:
-            p = self._probes[(block, "v2")] = BlockSummaries(layer, block)
-        full = seq_len // block
-        p.extend(layer, full)
-        return p, min(p.blocks, full)
+        return self._copy(layer, (block, "v2"), lambda: BlockSummaries(layer, block), seq_len)
 
     @property
     def nbytes(self):
