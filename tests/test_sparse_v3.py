@@ -14,11 +14,11 @@ import math
 import numpy as np
 import pytest
 from test_sparse_reference import filled, spec_attend, spec_mass, stored_rows
+from test_sparse_v2 import decoded_growing, one_head_cache
 
 from sparrow.errors import SparrowError
 from sparrow.models.attention import decode_attention, prefill_attention
-from sparrow.params import SparseParams
-from sparrow.state.cache import KVCache
+from sparrow.params import KV_DTYPES, SparseParams
 
 H, KVH, D = 4, 2, 32
 G = H // KVH
@@ -105,16 +105,6 @@ def test_reference_reads_the_doc():
     assert ref_select(flat, 3, p=1.0) == [0, 1, 2]  # at most k
 
 
-def one_head_cache(keys, dtype="f32"):
-    """A cache whose KV head 0 holds `keys` [S, D] (head 1 and all values: ones)."""
-    S = len(keys)
-    K = np.ones((S, KVH, D), np.float32)
-    K[:, 0] = keys
-    cache = KVCache(1, KVH, D, 64, dtype)
-    cache.append(0, 0, K, np.ones((S, KVH, D), np.float32))
-    return cache
-
-
 @pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
 def test_mass_finds_the_needle_and_p_takes_what_it_needs(dtype):
     # block 1 holds one key far along q among keys against it; block 2 is uniform, mildly along
@@ -142,11 +132,12 @@ def test_mass_finds_the_needle_and_p_takes_what_it_needs(dtype):
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 def test_identical_blocks_tie_to_the_lower_index(dtype):
-    rng = np.random.default_rng(3)
-    block = rng.integers(-2, 3, (4, D)).astype(np.float32)
-    keys = np.concatenate([np.zeros((4, D)), block, block, block, np.zeros((4, D))]).astype(np.float32)
-    cache = one_head_cache(keys, dtype)
-    q = np.tile(np.sign(block[0]), (H, 1)).astype(np.float32)  # along the blocks' first key
+    # blocks 1, 2 and 3 hold the same small-integer keys, blocks 0 and 4 zeros: the three
+    # estimates are equal bits, and the lower indices win
+    same = np.random.default_rng(5).integers(-2, 3, (4, D)).astype(np.float32)
+    zeros = np.zeros((4, D), np.float32)
+    cache = one_head_cache(np.concatenate([zeros, same, same, same, zeros]), dtype)
+    q = np.tile(np.sign(same[0]), (H, 1)).astype(np.float32)  # along the blocks' first key
     for k, want in [(1, [1]), (2, [1, 2])]:
         trace = []
         decode_attention(q, cache.layers[0], cache.sparse[0], 20, SCALE, SparseParams(k=k, block=4, select="v3"), trace)
@@ -176,27 +167,17 @@ def test_p_chooses_a_budget_per_head():
 def test_growing_cache_step_by_step_equals_a_fresh_cache(dtype):
     # the key-code copy grows block by block; rows not in it yet are quantised on the fly:
     # either way the same bits as a fresh cache decoded once
-    n = 100
-    cache, q, K, V = filled(dtype, n, seed=9)
-    grow = KVCache(1, KVH, D, n, dtype)
     sp = SparseParams(k=3, block=16, select="v3", p=0.7)
-    for t in range(n):
-        grow.append(0, t, K[t : t + 1], V[t : t + 1])
-        got = decode_attention(q[t], grow.layers[0], grow.sparse[0], t + 1, SCALE, sp)
-        fresh = KVCache(1, KVH, D, n, dtype)
-        fresh.append(0, 0, K[: t + 1], V[: t + 1])
-        want = decode_attention(q[t], fresh.layers[0], fresh.sparse[0], t + 1, SCALE, sp)
-        assert np.array_equal(got, want), t
-    check_v3(grow, q[-1], n, sp)
+    grow, q = decoded_growing(dtype, 100, sp)
+    check_v3(grow, q[-1], 100, sp)
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
-def test_all_blocks_is_exact_bit_for_bit(dtype):
-    cache, q, _, _ = filled(dtype, 150, seed=2)
-    layer, st = cache.layers[0], cache.sparse[0]
-    exact = decode_attention(q[-1], layer, st, 150, SCALE, None)
-    for sp in (SparseParams(k=10, block=16, select="v3"), SparseParams(k=64, block=16, select="v3", p=0.5)):
-        assert np.array_equal(decode_attention(q[-1], layer, st, 150, SCALE, sp), exact)
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+def test_k_covering_every_block_is_exact_bit_for_bit(dtype):
+    cache, q, _, _ = filled(dtype, 170, seed=12)
+    exact = decode_attention(q[-1], cache.layers[0], cache.sparse[0], 170, SCALE, None)
+    for sp in (SparseParams(k=11, block=16, select="v3"), SparseParams(k=64, block=16, select="v3", p=0.5)):
+        assert np.array_equal(decode_attention(q[-1], cache.layers[0], cache.sparse[0], 170, SCALE, sp), exact)
 
 
 def test_int8_codes_are_the_cache_itself():
