@@ -319,3 +319,16 @@ def test_the_oracle_gap_is_read_at_as_many_blocks():
     assert at(32.0, 0.001) == pytest.approx(1.0)
     assert at(4.0, 0.1) is None and at(40.0, 0.1) is None  # outside the oracle rows
     assert at(16.0, 0.02, sel="oracle") is None and oracle_gap({"selector": None, "kl": 0.0}, oracle) is None
+
+
+def test_top_p_walks_the_prefix_of_the_full_ranking():
+    """select_v3_nb's ranking of the k candidates (one pass for the k-th largest, then a sort of
+    k) is the first k entries of a stable argsort of -mass, repeats and ties included."""
+    from sparrow.kernels.attention.select import _top_in_order
+
+    rng = np.random.default_rng(17)
+    for trial in range(500):
+        n = int(rng.integers(1, 300))
+        mass = (rng.integers(-3, 4, n) if trial % 2 else rng.standard_normal(n)).astype(np.float32)
+        want = int(rng.integers(1, n + 1))
+        assert np.array_equal(_top_in_order(mass, want), np.argsort(-mass, kind="stable")[:want]), (trial, n, want)
