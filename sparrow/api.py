@@ -257,8 +257,9 @@ class LLM:
         Settings come as objects (`sampling`, `sparse`) or as keyword conveniences: any
         SamplingParams field (max_tokens=256, temperature=0.0, top_p, top_k, min_p, the
         penalties, seed, stop, logprobs) and sparse_attn, sparse_k, sparse_block,
-        sparse_probe, sparse_prefill, sparse_select. trace: a list that receives, per decoded token, the
-        sparse selections [(layer, [(head, blocks, stages, mass)])].
+        sparse_probe, sparse_prefill, sparse_select, sparse_p, sparse_min_blocks (v3's top-p
+        budget). trace: a list that receives, per decoded token, the sparse selections
+        [(layer, [(head, blocks, stages, mass)])].
 
         speculative (or the keywords speculative="ngram" | "draft" | "sparse" | "mtp", spec_tokens=4,
         spec_ngram, draft_model=PATH, spec_sparse_k, spec_sparse_select, spec_adaptive):

@@ -95,7 +95,19 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
         "--sparse-select",
         choices=SELECTORS,
         default="seed",
-        help="block selector: seed (the article's, default) or v2 (block summaries; docs/SPARSE_SELECT_V2.md)",
+        help="block selector: seed (the article's, default), v2 (block summaries; docs/SPARSE_SELECT_V2.md) or v3 "
+        "(every key scored in int8, blocks by estimated softmax mass; docs/SPARSE_SELECT_V3.md)",
+    )
+    g.add_argument(
+        "--sparse-p",
+        type=float,
+        default=None,
+        metavar="P",
+        help="v3: per head and step, blocks in order of estimated mass until they hold P of it (e.g. 0.95), "
+        "at most --sparse-k (default: always --sparse-k blocks)",
+    )
+    g.add_argument(
+        "--sparse-min-blocks", type=int, default=1, metavar="N", help="v3 with --sparse-p: at least N blocks"
     )
     g.add_argument("--sparse-prefill", action="store_true", help="select blocks during prefill too")
     g.add_argument(

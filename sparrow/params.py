@@ -11,8 +11,11 @@ from dataclasses import dataclass, field, fields
 from .errors import SparrowError
 
 KV_DTYPES = ("f32", "f16", "int8")
-SELECTORS = ("seed", "v2")  # block selectors: the article's (spec) and sparrow's (docs/SPARSE_SELECT_V2.md)
+# block selectors: the article's (spec) and sparrow's (docs/SPARSE_SELECT_V2.md, docs/SPARSE_SELECT_V3.md)
+SELECTORS = ("seed", "v2", "v3")
 V2_DENSE_LAYERS = 2  # v2 runs the first layers exact: they hold most of k=8's loss (docs/evaluation.md, "Selector v2")
+# v3's flags word (kernels/attention/select.py reads it back: V3_ON, V3_MIN_SHIFT, V3_P_SHIFT)
+V3_ON, V3_MIN_SHIFT, V3_P_SHIFT, V3_P_ONE = 8, 8, 24, 1 << 16
 QUANTIZE = (None, "q8_0")  # weight conversions at load: none, or f32/f16/bf16 -> q8_0
 
 
@@ -31,8 +34,14 @@ class SparseParams:
     block: int = 32  # tokens per block
     probe: int = 8  # probe keys per block
     prefill: bool = False  # also select blocks for prefill queries (causal prefix, no importance)
-    select: str = "seed"  # "seed": the article's rule; "v2": block-summary scores (docs/SPARSE_SELECT_V2.md)
-    dense_layers: int | None = None  # v2: layers 0..dense_layers-1 exact (None: V2_DENSE_LAYERS)
+    # "seed": the article's rule; "v2": block-summary scores (docs/SPARSE_SELECT_V2.md); "v3": every
+    # key scored in int8, blocks ranked by estimated softmax mass (docs/SPARSE_SELECT_V3.md)
+    select: str = "seed"
+    dense_layers: int | None = None  # v2, v3: layers 0..dense_layers-1 exact (None: V2_DENSE_LAYERS)
+    # v3's top-p budget: per head and step, blocks in order of estimated mass until their share
+    # reaches p (None: always k), at least min_blocks and at most k
+    p: float | None = None
+    min_blocks: int = 1
     # v2 ablation switches (bench --selectors v2-nosink, v2-norecent): always take block 0 / the last block
     sink: bool = True
     recent: bool = True
@@ -48,12 +57,31 @@ class SparseParams:
         if self.select not in SELECTORS:
             raise SparrowError(f"sparse_select must be one of {', '.join(SELECTORS)}, got {self.select!r}")
         if self.dense_layers is None:
-            self.dense_layers = V2_DENSE_LAYERS if self.select == "v2" else 0
+            self.dense_layers = 0 if self.select == "seed" else V2_DENSE_LAYERS
         d = self.dense_layers
         if isinstance(d, bool) or not isinstance(d, int) or d < 0:
             raise SparrowError(f"dense_layers must be an integer >= 0, got {d!r}")
         if self.select == "seed" and (d or not (self.sink and self.recent)):
             raise SparrowError("dense_layers, sink and recent are v2 settings (sparse_select='v2')")
+        if self.select == "v3" and not (self.sink and self.recent):
+            raise SparrowError("sink and recent are v2 settings: v3 forces no block in (sparse_select='v3')")
+        self._check_budget()
+
+    def _check_budget(self):
+        """p and min_blocks: v3's top-p budget (each error names the field)."""
+        if self.p is not None:
+            if self.select != "v3":
+                raise SparrowError(f"sparse_p is a v3 setting (sparse_select='v3'), got sparse_select={self.select!r}")
+            if isinstance(self.p, bool) or not isinstance(self.p, (int, float)) or not 0 < self.p <= 1:
+                raise SparrowError(f"sparse_p must be a number in (0, 1], got {self.p!r}")
+            self.p = float(self.p)
+        m = self.min_blocks
+        if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= 0xFFFF:
+            raise SparrowError(f"sparse_min_blocks must be an integer in [1, 65535], got {m!r}")
+        if m != 1 and self.p is None:
+            raise SparrowError("sparse_min_blocks needs sparse_p (a fixed k takes k blocks)")
+        if m > self.k:
+            raise SparrowError(f"sparse_min_blocks ({m}) must not exceed sparse_k ({self.k}), the most blocks taken")
 
     def for_layer(self, index: int) -> SparseParams | None:
         """These settings for layer `index`, or None where v2 keeps the layer exact."""
@@ -63,20 +91,29 @@ class SparseParams:
     def copy_key(self) -> tuple:
         """Which copy beside the KV this selector's decode reads (SparseState.copy_for, the KV
         budget's charge): (block, n_probe) the seed's probe keys, (block, "v2") v2's summaries."""
-        return (self.block, "v2") if self.select == "v2" else (self.block, self.probe)
+        return (self.block, self.select) if self.select != "seed" else (self.block, self.probe)
 
     @property
     def flags(self) -> int:
-        """The selector as the kernels take it: 0 seed; v2 = 1, + 2 with the sink, + 4 with recency."""
+        """The selector as the kernels take it: 0 seed; v2 = 1, + 2 with the sink, + 4 with recency;
+        v3 = 8 + min_blocks << 8 + p << 24, p in units of 2**-16 rounded to nearest (0: fixed k)."""
         if self.select == "seed":
             return 0
+        if self.select == "v3":
+            p = 0 if self.p is None else max(1, round(self.p * V3_P_ONE))
+            return V3_ON | (self.min_blocks << V3_MIN_SHIFT) | (p << V3_P_SHIFT)
         return 1 | (2 if self.sink else 0) | (4 if self.recent else 0)
 
     @property
     def label(self) -> str:
-        """Short name for tables and records: seed, v2, v2-nosink, v2-norecent, v2-dense0, ..."""
+        """Short name for tables and records: seed, v2, v2-nosink, v2-norecent, v2-dense0, v3,
+        v3-p0.95, v3-p0.9-min4, ..."""
         if self.select == "seed":
             return "seed"
+        if self.select == "v3":
+            parts = ["v3"] + ([f"p{self.p:g}"] if self.p is not None else [])
+            parts += [f"min{self.min_blocks}"] if self.min_blocks != 1 else []
+            return "-".join(parts + ([f"dense{self.dense_layers}"] if self.dense_layers != V2_DENSE_LAYERS else []))
         parts = ["v2"] + (["nosink"] if not self.sink else []) + (["norecent"] if not self.recent else [])
         if self.dense_layers != V2_DENSE_LAYERS:
             parts.append(f"dense{self.dense_layers}")
@@ -84,18 +121,26 @@ class SparseParams:
 
     @classmethod
     def from_label(cls, label: str, **kw) -> SparseParams:
-        """Inverse of `label` (bench --selectors): "seed", "v2", "v2-nosink-norecent-dense0", ..."""
+        """Inverse of `label` (bench --selectors): "seed", "v2", "v2-nosink-norecent-dense0", "v3-p0.95", ..."""
         head, *mods = label.strip().split("-")
         if head not in SELECTORS or (head == "seed" and mods):
-            raise SparrowError(f"unknown selector {label!r} (seed, v2, v2-nosink, v2-norecent, v2-dense<N>)")
+            raise SparrowError(
+                f"unknown selector {label!r} (seed, v2, v2-nosink, v2-norecent, v2-dense<N>, v3, v3-p<P>, v3-min<N>)"
+            )
         opts = {"select": head}
         for m in mods:
             if m in ("nosink", "norecent"):
                 opts["sink" if m == "nosink" else "recent"] = False
             elif m.startswith("dense") and m[5:].isdigit():
                 opts["dense_layers"] = int(m[5:])
+            elif head == "v3" and m.startswith("min") and m[3:].isdigit():
+                opts["min_blocks"] = int(m[3:])
+            elif head == "v3" and m.startswith("p") and _is_number(m[1:]):
+                opts["p"] = float(m[1:])
             else:
-                raise SparrowError(f"unknown selector modifier {m!r} in {label!r} (nosink, norecent, dense<N>)")
+                raise SparrowError(
+                    f"unknown selector modifier {m!r} in {label!r} (nosink, norecent, dense<N>; v3: p<P>, min<N>)"
+                )
         return cls(**opts, **kw)
 
     @classmethod
@@ -107,15 +152,42 @@ class SparseParams:
         sparse_probe: int = 8,
         sparse_prefill: bool = False,
         sparse_select: str = "seed",
+        sparse_p: float | None = None,
+        sparse_min_blocks: int = 1,
     ) -> SparseParams | None:
         """The flat option names the CLI, the HTTP API and `LLM` keywords use -> settings or
         None (exact attention)."""
         if not sparse_attn:
             return None
-        return cls(k=sparse_k, block=sparse_block, probe=sparse_probe, prefill=sparse_prefill, select=sparse_select)
+        return cls(
+            k=sparse_k,
+            block=sparse_block,
+            probe=sparse_probe,
+            prefill=sparse_prefill,
+            select=sparse_select,
+            p=sparse_p,
+            min_blocks=sparse_min_blocks,
+        )
 
 
-SPARSE_OPTIONS = ("sparse_attn", "sparse_k", "sparse_block", "sparse_probe", "sparse_prefill", "sparse_select")
+SPARSE_OPTIONS = (
+    "sparse_attn",
+    "sparse_k",
+    "sparse_block",
+    "sparse_probe",
+    "sparse_prefill",
+    "sparse_select",
+    "sparse_p",
+    "sparse_min_blocks",
+)
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
 
 
 SPECULATIVE_METHODS = ("ngram", "draft", "sparse", "mtp")

@@ -207,10 +207,17 @@ def test_ablation_switches_match_reference(sink, recent):
 def test_growing_cache_step_by_step_equals_a_fresh_cache(dtype):
     # the summary copy grows block by block; a block not in it yet is summarised on the fly:
     # either way the same bits as a fresh cache decoded once
-    n = 120
-    cache, q, K, V = filled(dtype, n, seed=9)
-    grow = KVCache(1, KVH, D, n, dtype)
     sp = SparseParams(k=2, block=16, select="v2", recent=False)  # the last block is scored too
+    grow, q = decoded_growing(dtype, 120, sp)
+    check_v2(grow, q[-1], 120, sp)
+
+
+def decoded_growing(dtype, n, sp):
+    """(cache, queries): a cache of n random positions grown one a step, each step decoded with
+    sp and checked equal, bit for bit, to the same step on a fresh cache of those positions
+    (a selector's copy beside the cache never changes a bit)."""
+    _, q, K, V = filled(dtype, n, seed=9)
+    grow = KVCache(1, KVH, D, n, dtype)
     for t in range(n):
         grow.append(0, t, K[t : t + 1], V[t : t + 1])
         got = decode_attention(q[t], grow.layers[0], grow.sparse[0], t + 1, SCALE, sp)
@@ -218,7 +225,7 @@ def test_growing_cache_step_by_step_equals_a_fresh_cache(dtype):
         fresh.append(0, 0, K[: t + 1], V[: t + 1])
         want = decode_attention(q[t], fresh.layers[0], fresh.sparse[0], t + 1, SCALE, sp)
         assert np.array_equal(got, want), t
-    check_v2(grow, q[-1], n, sp)
+    return grow, q
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])

@@ -98,7 +98,7 @@ def decode_attention(q, layer, state, seq_len, scale, sparse=None, trace=None, i
         sel, stages, nsel = into
     out = np.empty((H, D), np.float32)
     if sparse is not None and sparse.k < nb:
-        pk, n_copied = state.copy_for(layer, sparse, seq_len)  # seed: probe keys; v2: block summaries [n, 2D]
+        pk, n_copied = state.copy_for(layer, sparse, seq_len)  # seed: probe keys; v2: summaries; v3: key codes
         probe_rows, probe_scale, per_block = pk.rows, pk.scale, pk.per_block  # [KVH, n, D | 2D], [KVH, n | 1]
     else:  # nothing is probed: K stands in for the copy (n_copied 0, never read)
         probe_rows, probe_scale, per_block, n_copied = layer.k, layer.k_scale, 1, 0
@@ -189,10 +189,10 @@ def prefill_attention(q, layer, state, start, scale, sparse=None, record_importa
         qd, qa, qs = layer.query(q, scale)  # [T, H, D], [T, H, D], [T, H]
         out = np.empty((T, H, D), np.float32)
         pacc = np.zeros((H, S) if record_importance else (H, 1), np.float32)
-        if sparse.flags:  # v2 scores blocks by their summaries: those of the full blocks below S
+        if sparse.select == "v2":  # v2 scores blocks by their summaries: those of the full blocks below S
             summ, n_summ = state.block_summaries(layer, sparse.block, S)
             P = summ.rows  # [KVH, n, 2D]
-        else:  # the seed probes K itself
+        else:  # the seed probes K itself; v3 quantises each prefix's keys as it scores them
             P, n_summ = layer.k, 0
         sparse_prefill_kernel(
             qd,

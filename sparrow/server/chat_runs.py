@@ -14,6 +14,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..params import SPARSE_OPTIONS
 from .protocol import APIError, ReasoningSplitter
 from .schema import ChatCompletionRequest
 from .service import Service
@@ -47,12 +48,7 @@ SPARROW_FIELDS = (
     "ignore_eos",
     "logit_bias",
     "kv_dtype",
-    "sparse_attn",
-    "sparse_k",
-    "sparse_block",
-    "sparse_probe",
-    "sparse_prefill",
-    "sparse_select",
+    *SPARSE_OPTIONS,
     "speculative",
     "spec_tokens",
     "spec_ngram",

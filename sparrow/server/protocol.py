@@ -243,6 +243,8 @@ def _common(r, chat: bool, defaults: dict | None) -> GenRequest:
                 probe=8 if r.sparse_probe is None else r.sparse_probe,
                 prefill=bool(r.sparse_prefill),
                 select=r.sparse_select or "seed",
+                p=r.sparse_p,
+                min_blocks=1 if r.sparse_min_blocks is None else r.sparse_min_blocks,
             )
         except SparrowError as e:
             raise _bad("sparse_attn", str(e)) from None

@@ -253,7 +253,15 @@ class _Sampling(_Model):
     sparse_block: int | None = Field(None, ge=1)
     sparse_probe: int | None = Field(None, ge=1)
     sparse_prefill: bool | None = None
-    sparse_select: Selector | None = Field(None, description="block selector: seed (default) or v2")
+    sparse_select: Selector | None = Field(None, description="block selector: seed (default), v2 or v3")
+    sparse_p: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="v3: per head and step, blocks in order of estimated mass until they hold this share of it, "
+        "at most sparse_k (default: always sparse_k blocks)",
+    )
+    sparse_min_blocks: int | None = Field(None, ge=1, description="v3 with sparse_p: at least this many blocks")
     kv_dtype: KVDType | None = Field(None, description="KV cache type for this request (default: the server's)")
     speculative: SpecMethod | None = Field(
         None,

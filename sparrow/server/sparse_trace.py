@@ -45,6 +45,7 @@ def header(llm, sparse, prompt_ids) -> dict:
     return {
         "block": bs,
         "k": sparse.k,
+        "p": sparse.p,  # v3's top-p budget (None: k blocks a head); each head's count is its bitmap's bits
         "selector": sparse.label,
         "layers": layers,
         "heads": cfg.num_attention_heads,

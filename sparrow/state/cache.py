@@ -12,7 +12,7 @@ import numpy as np
 
 from sparrow.errors import SparrowError
 
-from .sparse import SNAPSHOT_COPIES, BlockSummaries, ProbeKeys, SparseState
+from .sparse import SNAPSHOT_COPIES, BlockSummaries, KeyCodes, ProbeKeys, SparseState
 from .storage import layer_cache
 
 
@@ -90,8 +90,8 @@ class KVCache:
         """Bytes this cache takes at `capacity` positions: K/V storage and importance, the
         importance snapshots kept for the prefix cache (at most SNAPSHOT_COPIES importance
         arrays), plus the copies sparse decode makes: the seed's probe keys when probe = (block,
-        n_probe), v2's block summaries when probe = (block, "v2"); probe may be a list of such
-        keys (a sparse target and its sparse drafter), each copy charged once."""
+        n_probe), v2's block summaries when probe = (block, "v2"), v3's key codes when (block,
+        "v3"); probe may be a list of such keys (a sparse target and its sparse drafter), each copy charged once."""
         kind = type(self.layers[0])
         kvh, d = self.layers[0].n_kv_heads, self.layers[0].head_dim
         per_layer = kind.bytes_at(kvh, d, capacity) + 4 * capacity * (1 + SNAPSHOT_COPIES)
@@ -99,6 +99,8 @@ class KVCache:
         for key in dict.fromkeys(keys):  # SparseState keeps one copy per key
             if key[1] == "v2":
                 per_layer += BlockSummaries.bytes_at(kvh, d, capacity, key[0])
+            elif key[1] == "v3":
+                per_layer += KeyCodes.bytes_at(kind, kvh, d, capacity, key[0])
             else:
                 per_layer += ProbeKeys.bytes_at(kind, kvh, d, capacity, *key)
         return len(self.layers) * per_layer

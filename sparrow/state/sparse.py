@@ -1,6 +1,7 @@
 """What block-sparse attention keeps beside one layer's K/V (SparseState): the prefill
 importance of each position, and the copies sparse decode reads instead of K: the seed
-selector's probe keys (ProbeKeys) and v2's block summaries (BlockSummaries). They describe the
+selector's probe keys (ProbeKeys), v2's block summaries (BlockSummaries) and v3's int8 key
+codes (KeyCodes). They describe the
 cache's contents, so rewriting or dropping positions clears them there. Also the rule that
 thins the prefill's importance snapshots (and a recurrent state's copies) at chunk boundaries.
 """
@@ -30,8 +31,9 @@ class SparseState:
     def clear_copies_past(self):
         """Zeroes each copy's rows past its valid blocks (KVCache.rollback)."""
         for p in self._probes.values():
-            p.rows[:, p.blocks * p.per_block :] = 0
-            p.scale[:, p.blocks * p.per_block :] = 0
+            if not p.aliases_cache:  # v3's codes of an int8 cache are K itself
+                p.rows[:, p.blocks * p.per_block :] = 0
+                p.scale[:, p.blocks * p.per_block :] = 0
 
     def _forget_blocks_from(self, pos):
         for p in self._probes.values():
@@ -46,31 +48,33 @@ class SparseState:
         strided walk (one row in four by default) that ran ~5x slower per byte than a
         contiguous read here. The copy costs n_probe / block of K's bytes and is filled once
         per block, on first use."""
-        p = self._probes.get((block, n_probe))
-        if p is None:
-            p = self._probes[(block, n_probe)] = ProbeKeys(layer, block, n_probe)
-        full = seq_len // block
-        p.extend(layer, full)
-        return p, min(p.blocks, full)
+        return self._copy(layer, (block, n_probe), lambda: ProbeKeys(layer, block, n_probe), seq_len)
 
     def copy_for(self, layer, sparse, seq_len):
         """(copy, n) of what `sparse`'s selector reads: probe_keys for the seed, block_summaries
-        for v2 (SparseParams.copy_key names it)."""
+        for v2, the int8 key codes (KeyCodes) for v3 (SparseParams.copy_key names it)."""
         block, what = sparse.copy_key
         if what == "v2":
             return self.block_summaries(layer, block, seq_len)
+        if what == "v3":
+            return self._copy(layer, (block, "v3"), lambda: KeyCodes(layer, block), seq_len)
         return self.probe_keys(layer, block, what, seq_len)
+
+    def _copy(self, layer, key, make, seq_len):
+        """(copy, n): the copy kept under key (made by make() on first use), extended to layer's
+        full blocks below seq_len, and how many of its blocks a decode over 0..seq_len-1 reads."""
+        p = self._probes.get(key)
+        if p is None:
+            p = self._probes[key] = make()
+        full = seq_len // p.block
+        p.extend(layer, full)
+        return p, min(p.blocks, full)
 
     def block_summaries(self, layer, block, seq_len):
         """(summaries, n): v2's per-block key mean and variance of layer's full blocks
         (BlockSummaries), and how many of them a decode over 0..seq_len-1 may read. Kept
         beside the probe copies (same invalidation), filled once per block on first use."""
-        p = self._probes.get((block, "v2"))
-        if p is None:
-            p = self._probes[(block, "v2")] = BlockSummaries(layer, block)
-        full = seq_len // block
-        p.extend(layer, full)
-        return p, min(p.blocks, full)
+        return self._copy(layer, (block, "v2"), lambda: BlockSummaries(layer, block), seq_len)
 
     @property
     def nbytes(self):
@@ -94,6 +98,8 @@ class ProbeKeys:
     """Probe rows of full blocks: rows[kh, b * per_block + j] = K[kh, b * block + j * step]
     (step = max(1, block // n_probe), the spec's probe positions of a full block), with their
     int8 scales; the first `blocks` full blocks are valid."""
+
+    aliases_cache = False  # a copy of its own (KeyCodes of an int8 cache are K itself)
 
     def __init__(self, layer, block, n_probe):
         self.block, self.n_probe, self.step = block, n_probe, max(1, block // n_probe)
@@ -146,6 +152,7 @@ class BlockSummaries:
     1/8 of an int8 one, where the seed's probe copy is 1/4 of K's bytes."""
 
     per_block = 1
+    aliases_cache = False
 
     def __init__(self, layer, block):
         self.block = block
@@ -177,6 +184,55 @@ class BlockSummaries:
         out = BlockSummaries(layer, self.block)
         blocks = min(blocks, out.rows.shape[1])
         out.rows[:, :blocks] = self.rows[:, :blocks]
+        out.blocks = blocks
+        return out
+
+
+class KeyCodes:
+    """v3's int8 key codes (docs/SPARSE_SELECT_V3.md): rows[kh, t] and scale[kh, t] for the rows
+    of the first `blocks` full blocks, as the int8 cache stores a key (absmax / 127 per row).
+    A float cache's keys are quantised once per block, on first use (D + 4 bytes a key: 1/4 of
+    an f32 K, 1/2 of an f16 one); an int8 cache's own K and scales are the codes (no copy)."""
+
+    def __init__(self, layer, block):
+        self.block, self.per_block = block, block
+        self.aliases_cache = layer.scaled
+        if self.aliases_cache:
+            self.rows, self.scale = layer.k, layer.k_scale  # [KVH, C, D] int8, [KVH, C]
+        else:
+            n = (layer.capacity // block) * block
+            self.rows = np.zeros((layer.n_kv_heads, n, layer.head_dim), np.int8)  # [KVH, n, D]
+            self.scale = np.zeros((layer.n_kv_heads, n), np.float32)  # [KVH, n]
+        self.blocks = 0
+
+    def extend(self, layer, full_blocks):
+        """Quantise the keys of blocks blocks..full_blocks-1 of layer (nothing if already there)."""
+        from sparrow.kernels.attention.select import quantize_keys
+        from sparrow.kernels.matmul.widen import F16_LUT
+
+        if full_blocks > self.blocks:
+            if not self.aliases_cache:
+                quantize_keys(
+                    layer.k, layer.k_scale, F16_LUT, self.block, self.blocks, full_blocks, self.rows, self.scale
+                )
+            self.blocks = full_blocks
+
+    @property
+    def nbytes(self):
+        return 0 if self.aliases_cache else self.rows.nbytes + self.scale.nbytes
+
+    @staticmethod
+    def bytes_at(layer_kind, n_kv_heads, head_dim, capacity, block):
+        """nbytes of KeyCodes(layer, block) for a layer of `capacity` (0 for an int8 cache)."""
+        return 0 if layer_kind.scaled else n_kv_heads * (capacity // block) * block * (head_dim + 4)
+
+    def resized(self, layer, blocks):
+        """A copy for `layer` (resized) keeping the first `blocks` full blocks."""
+        out = KeyCodes(layer, self.block)
+        blocks = min(blocks, layer.capacity // self.block)
+        if not out.aliases_cache:
+            r = blocks * self.block
+            out.rows[:, :r], out.scale[:, :r] = self.rows[:, :r], self.scale[:, :r]
         out.blocks = blocks
         return out
 

@@ -127,7 +127,9 @@ def main(argv=None):
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     p.add_argument("--ks", type=int, nargs="+", default=[32, 16, 8])
     p.add_argument(
-        "--selectors", default="seed", help="comma list of block selectors timed at every k: seed, v2 (and ablations)"
+        "--selectors",
+        default="seed",
+        help="comma list of block selectors timed at every k: seed, v2 (and ablations), v3, v3-p<P>",
     )
     p.add_argument("--kv-dtypes", nargs="+", default=["f32", "int8"], choices=KV_DTYPES)
     p.add_argument("--repeats", type=int, default=7)

@@ -41,8 +41,9 @@ def add_common_args(p: argparse.ArgumentParser, lengths: str, depths: str, ks: s
         "--selectors",
         default="seed",
         help="comma list of block selectors run at every k: seed, v2, v2 ablations "
-        "(v2-nosink, v2-norecent, v2-dense<N>), and oracle (each head's k blocks of largest exact softmax "
-        "mass, v2's dense layers; a reference that reads every key, sparrow_lab.eval.oracle)",
+        "(v2-nosink, v2-norecent, v2-dense<N>), v3 (v3-p<P>: top-p with at most k blocks, v3-p<P>-min<N>), "
+        "and oracle (each head's k blocks of largest exact softmax mass, v2's dense layers; a reference that reads "
+        "every key, sparrow_lab.eval.oracle)",
     )
     p.add_argument(
         "--sparse-prefill",

@@ -161,11 +161,15 @@ def selected_mass(q, layer_cache, seq_len, scale, block, heads_blocks) -> dict[i
 
 # ---------------------------------------------------------------- summaries
 def mass_summary(traces) -> dict:
-    """Per layer (median, 5th percentile) over heads and steps, plus the same over all layers."""
+    """Per layer (median, 5th percentile) over heads and steps, plus the same over all layers,
+    and `blocks`: the mean number of blocks a head read in a selecting layer (k, or fewer where
+    a top-p budget stopped early)."""
     per = {}
+    counts = []
     for step in traces:
         for li, recs in step:
             per.setdefault(li, []).extend(r[3] for r in recs)
+            counts.extend(len(r[1]) for r in recs)
     allm = [m for v in per.values() for m in v]
     if not allm:
         return {}
@@ -175,6 +179,7 @@ def mass_summary(traces) -> dict:
         "median": q(allm, 50),
         "p5": q(allm, 5),
         "min_layer_median": min(q(v, 50) for v in per.values()),
+        "blocks": float(np.mean(counts)),
     }
 
 

@@ -7,6 +7,7 @@ install): `plots_or_notice` turns a missing matplotlib or any plotting error int
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -109,7 +110,9 @@ def _median(vals):
 
 
 def summary_rows(rows: list[dict]) -> list[dict]:
-    """One line per configuration: recall over prompts, medians of ms, means of KL/top-1."""
+    """One line per configuration: recall over prompts, medians of ms, means of KL/top-1 and of
+    the blocks a head read, and each selector's KL over the oracle's at as many blocks
+    (oracle_ratio, oracle_gap)."""
     out = []
     for name, rs in group_rows(rows).items():
         mass = [r["mass"]["median"] for r in rs if r.get("mass")]
@@ -128,10 +131,27 @@ def summary_rows(rows: list[dict]) -> list[dict]:
                 "kl_prompt": _mean([r.get("kl_prompt") for r in rs]),
                 "mass_median": _median(mass),
                 "mass_p5": _median(p5),
+                "blocks": _mean([r["mass"].get("blocks") for r in rs if r.get("mass")]),
                 "example": rs[len(rs) // 2].get("text", ""),
             }
         )
+    for s in out:
+        s["oracle_ratio"] = oracle_gap(s, out)
     return out
+
+
+def oracle_gap(s: dict, summaries: list[dict]) -> float | None:
+    """s's KL over the oracle's at s's mean blocks read: the oracle's KL interpolated linearly in
+    log(blocks) and log(KL) between the two oracle rows around it (an oracle row at exactly as
+    many blocks is read as is); None for the oracle, exact, or outside the oracle rows run."""
+    if s.get("selector") in (None, "oracle") or s.get("blocks") is None or s.get("kl") is None:
+        return None
+    pts = sorted((o["blocks"], o["kl"]) for o in summaries if o.get("selector") == "oracle" and o.get("blocks"))
+    for (b0, k0), (b1, k1) in zip(pts, pts[1:] + pts[-1:]):
+        if b0 <= s["blocks"] <= b1 and k0 > 0 and k1 > 0:
+            t = 0.0 if b1 == b0 else math.log(s["blocks"] / b0) / math.log(b1 / b0)
+            return s["kl"] / math.exp(math.log(k0) + t * math.log(k1 / k0))
+    return None
 
 
 def markdown_table(rows: list[dict], title: str = "") -> str:
@@ -140,15 +160,16 @@ def markdown_table(rows: list[dict], title: str = "") -> str:
     lines = [f"### {title}", ""] if title else []
     lines += [
         "| configuration | recall | generated text (middle prompt) | attn ms/tok | total ms/tok | KL | top-1 "
-        "| mass median / p5 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mass median / p5 | blocks read | KL / oracle's |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary_rows(rows):
         rec = "-" if s["recall"] is None else f"{s['recall']:.0%} ({s['n']})"
         mass = "-" if s["mass_median"] is None else f"{s['mass_median']:.3f} / {s['mass_p5']:.3f}"
         lines.append(
             f"| {s['config']} | {rec} | {_cell(s['example'])} | {_fmt(s['attn_ms'])} | {_fmt(s['total_ms'])} "
-            f"| {_fmt(s['kl'], 3)} | {_fmt(s['top1'], 2)} | {mass} |"
+            f"| {_fmt(s['kl'], 3)} | {_fmt(s['top1'], 2)} | {mass} | {_fmt(s['blocks'])} "
+            f"| {_fmt(s['oracle_ratio'], 2)} |"
         )
     lines += [
         "",

@@ -8,6 +8,8 @@ in attention.rows), so results do not depend on the thread count; exact attentio
 attention with every block.
 """
 
+import math
+
 import numpy as np
 from numba import njit, prange
 
@@ -16,11 +18,15 @@ from sparrow.kernels.attention.select import (
     STAGE_PROBE,
     STAGE_SCORE,
     V2_ON,
+    V3_ON,
     fill_probe_nb,
+    quantize_key_rows,
     reserve_importance_nb,
     select_v2_nb,
+    select_v3_nb,
     summarise_block,
     v2_query,
+    v3_query,
 )
 
 # ---------------------------------------------------------------- one KV head's group
@@ -244,6 +250,49 @@ def _v2_scores(q, qs, int8, scale, h0, K2, ks, lut, seq_len, bs, S2, n_summ, U, 
             dots(U[g], row, 0, 1, 1, score[g], b, 0)
 
 
+_V3_CHUNK = 256  # key-code rows scored by every head of a group in turn: 32 KB at D=128, L1/L2-resident
+
+
+@njit(cache=True, nogil=True)
+def _v3_scores(query, keys, codes, seq_len, bs, mass):
+    """mass[g, b] = v3's estimated log softmax mass of block b for query head h0 + g
+    (docs/SPARSE_SELECT_V3.md): every key scored with int8 codes of the query and the key,
+    then per block max + log(sum of exp(score - max)).
+
+    query (q, qs, int8, scale, h0): the probe queries as _group takes them; keys (K2, ks, lut):
+    the cache's rows; codes (P2, ps, n_copied): the key codes of the first n_copied full blocks
+    ([n, D] int8 and their scales: state.sparse.KeyCodes), walked in chunks that every head of
+    the group dots while the chunk is in cache. Later rows are quantised here with the same
+    arithmetic, so the copy never changes a bit of the result."""
+    q, qs, int8, scale, h0 = query
+    K2, ks, lut = keys
+    P2, ps, n_copied = codes
+    G, nb = mass.shape
+    D = q.shape[1]
+    qc = np.empty((G, D), dtype=np.float32)  # [G, D] query codes as exact float32 integers
+    f = np.empty(G, dtype=np.float32)  # query scale * softmax scale
+    for g in range(G):
+        f[g] = v3_query(q[h0 + g], qs[h0 + g], int8, qc[g]) * scale
+    c_end = n_copied * bs
+    tail = np.empty((seq_len - c_end, D), dtype=np.int8)  # [n, D] the rows past the copy
+    tail_scale = np.empty(seq_len - c_end, dtype=np.float32)
+    quantize_key_rows(K2, ks, lut, c_end, seq_len, tail, tail_scale)
+    est = np.empty((G, seq_len), dtype=np.float32)  # [G, S] every key's estimated score
+    for c0 in range(0, c_end, _V3_CHUNK):
+        c1 = min(c0 + _V3_CHUNK, c_end)
+        for g in range(G):
+            n = dots(qc[g], P2, c0, c1, 1, est[g], c0, min(c1 + _V3_CHUNK, c_end) if g == 0 else c0)
+            _scale_rows(est[g], c0, n, f[g], ps, c0, 1)
+    for g in range(G):
+        n = dots(qc[g], tail, 0, seq_len - c_end, 1, est[g], c_end, 0)
+        _scale_rows(est[g], c_end, n, f[g], tail_scale, 0, 1)
+        for b in range(nb):  # the block's log-sum-exp; its exp weights overwrite its scores
+            p0, p1 = b * bs, min(b * bs + bs, seq_len)
+            m = row_max(est[g], p0, p1 - p0)
+            total = exp_sum(est[g][p0:p1], m, p1 - p0, est[g][p0:p1])
+            mass[g, b] = m + np.float32(math.log(np.float64(total)))
+
+
 @njit(cache=True, nogil=True)
 def _group(
     q,
@@ -283,8 +332,9 @@ def _group(
     P2 / ps: contiguous copies of the probe keys (and int8 scales) of the first n_copied
     blocks, per_block rows each (the cache's probe-key copy; n_copied <= seq_len // bs, so
     only full blocks below seq_len); later blocks are probed in K itself.
-    flags: 0 the seed selector, else v2's bits (sparse_select.V2_*); for v2, P2 holds the
-    block summaries [n, 2D] (kv_cache.BlockSummaries) and lut widens f16 keys.
+    flags: 0 the seed selector, else v2's bits (select.V2_*) or v3's word (select.V3_*); for
+    v2, P2 holds the block summaries [n, 2D] (state.sparse.BlockSummaries), for v3 the int8 key
+    codes [n * bs, D] and ps their scales (state.sparse.KeyCodes); lut widens f16 keys.
     select: None where no caller ever selects (the fused step of exact requests): a type,
     so numba prunes the selection code before typing it; True elsewhere, `sparse` decides."""
     nb = (seq_len + bs - 1) // bs
@@ -306,15 +356,19 @@ def _select(
     if select is not None and sparse and k_blocks < nb:  # with k >= nb every block is taken whatever the probes say
         probe = np.empty(nb, dtype=np.float32)
         tmp = np.empty(max(bs, n_copied * per_block), dtype=np.float32)
-        scores = np.empty((G, nb) if flags & V2_ON else (1, 1), dtype=np.float32)
-        if flags & V2_ON:
+        scores = np.empty((G, nb) if flags & (V2_ON | V3_ON) else (1, 1), dtype=np.float32)
+        if flags & V3_ON:
+            _v3_scores((q, qs, int8, scale, h0), (K2, ks, lut), (P2, ps, n_copied), seq_len, bs, scores)
+        elif flags & V2_ON:
             D = q.shape[1]
             U = np.empty((G, 2 * D), dtype=np.float32)
             row = np.empty((1, 2 * D), dtype=np.uint16)
             _v2_scores(q, qs, int8, scale, h0, K2, ks, lut, seq_len, bs, P2, n_copied, U, row, scores)
         for g in range(G):
             h = h0 + g
-            if flags & V2_ON:
+            if flags & V3_ON:
+                n = select_v3_nb(scores[g], flags, k_blocks, sel[h], stages[h])
+            elif flags & V2_ON:
                 n = select_v2_nb(scores[g], flags, k_blocks, sel[h], stages[h])
             else:
                 _probe(q[h], qs[h], K2, ks, int8, seq_len, bs, n_probe, P2, ps, per_block, n_copied, tmp, probe)

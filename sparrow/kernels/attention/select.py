@@ -9,13 +9,19 @@ seed, the four-stage rule twice over:
   per layer), the fill once per query head.
 v2: `summarise_block` (a block's key mean and variance, the row its score is a dot with),
 `v2_query` (the query side of that dot) and `select_v2_nb` (recency, sink, then top scores).
+v3 (spec: docs/SPARSE_SELECT_V3.md): `quantize_keys` (the int8 key codes every block's mass
+is estimated from), `v3_query` (the query's codes) and `select_v3_nb` (top k, or top p of the
+estimated mass); the scores themselves are attention.decode's `_v3_scores`.
 Selections are block ids in ascending order with the stage that chose each block.
 """
+
+import math
 
 import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
+from sparrow.kernels.elementwise import _quant_rows
 from sparrow.kernels.ir import f16_bits
 
 STAGE_IMPORTANCE = 0
@@ -25,6 +31,10 @@ STAGE_SINK = 3
 STAGE_SCORE = 4
 STAGE_NAMES = ("importance", "probe", "recency", "sink", "score")
 V2_ON, V2_SINK, V2_RECENT = 1, 2, 4  # SparseParams.flags bits
+# v3's SparseParams.flags: bit 3, then its budget in the same int (the kernels' signatures carry
+# one selector word): bits 8..23 min_blocks, bits 24..40 p in units of 2**-16 (0: a fixed k)
+V3_ON = 8
+V3_MIN_SHIFT, V3_P_SHIFT, V3_P_ONE = 8, 24, 1 << 16
 
 PROBE_START = -1e30
 
@@ -291,4 +301,111 @@ def select_v2_nb(score, flags, k, sel, stages):
             if mark[b] < 0 and score[b] == thr:
                 mark[b] = STAGE_SCORE
                 want -= 1
+    return _emit(mark, sel, stages)
+
+
+# ---------------------------------------------------------------- v3 (docs/SPARSE_SELECT_V3.md)
+def quantize_key_rows(K2, ks, lut, t0, t1, codes, scale):
+    """codes[j], scale[j] = K2[t0 + j] as the int8 cache stores a row (codes and absmax / 127),
+    for t0 <= t0 + j < t1: an int8 cache's rows as stored, float rows widened and quantised."""
+
+
+@overload(quantize_key_rows, inline="always")
+def _quantize_key_rows(K2, ks, lut, t0, t1, codes, scale):
+    if K2.dtype == types.int8:
+
+        def stored(K2, ks, lut, t0, t1, codes, scale):
+            for t in range(t0, t1):
+                codes[t - t0] = K2[t]
+                scale[t - t0] = ks[t]
+
+        return stored
+
+    def quantised(K2, ks, lut, t0, t1, codes, scale):
+        wide = np.empty((1, K2.shape[1]), dtype=np.float32)
+        for t in range(t0, t1):
+            for d in range(K2.shape[1]):
+                wide[0, d] = key_f32(K2, ks, lut, t, d)
+            _quant_rows(wide, codes[t - t0 : t - t0 + 1], scale[t - t0 : t - t0 + 1])
+
+    return quantised
+
+
+@njit(cache=True, nogil=True)
+def quantize_keys(K, ks, lut, block, b0, b1, codes, scale):
+    """codes[kh, t], scale[kh, t] for the rows t of full blocks b0 <= b < b1 of every KV head
+    (state.sparse.KeyCodes of a float cache): the rows quantize_key_rows gives."""
+    for kh in range(K.shape[0]):
+        t0, t1 = b0 * block, b1 * block
+        quantize_key_rows(K[kh], ks[kh], lut, t0, t1, codes[kh, t0:t1], scale[kh, t0:t1])
+
+
+@njit(cache=True, nogil=True)
+def v3_query(qh, qsh, int8, codes):
+    """codes = the int8 codes of one head's query as float32 (exact small integers); returns
+    their scale. With an int8 cache qh already holds them (the attention's query, scale qsh)."""
+    if int8:
+        codes[:] = qh
+        return qsh
+    c = np.empty((1, qh.shape[0]), dtype=np.int8)
+    sc = np.empty(1, dtype=np.float32)
+    _quant_rows(qh.reshape((1, qh.shape[0])), c, sc)
+    for d in range(qh.shape[0]):
+        codes[d] = np.float32(c[0, d])
+    return sc[0]
+
+
+@njit(cache=True, nogil=True)
+def v3_budget(flags):
+    """(min_blocks, p in units of 2**-16, 0 for a fixed k) from SparseParams.flags."""
+    return (flags >> V3_MIN_SHIFT) & 0xFFFF, (flags >> V3_P_SHIFT) & 0x1FFFF
+
+
+@njit(cache=True, nogil=True)
+def _top_in_order(mass, want):
+    """The want blocks of largest mass, by falling mass, ties by index: the first want entries of
+    a stable argsort of -mass, from one pass for the want-th largest and a sort of want blocks
+    (k = 32 of 1,024 blocks at 32K: the full sort was most of top-p's cost)."""
+    thr = _kth_largest_free(mass, np.full(mass.shape[0], -1, dtype=np.int8), want)
+    top = np.empty(want, dtype=np.int64)  # those above thr, then as many at it, each in index order
+    m = 0
+    for b in range(mass.shape[0]):
+        if mass[b] > thr:
+            top[m] = b
+            m += 1
+    for b in range(mass.shape[0]):
+        if m == want:
+            break
+        if mass[b] == thr:
+            top[m] = b
+            m += 1
+    return top[np.argsort(-mass[top], kind="mergesort")]
+
+
+@njit(cache=True, nogil=True)
+def select_v3_nb(mass, flags, k, sel, stages):
+    """v3 selection over n = len(mass) blocks by estimated log mass: the k largest, ties to the
+    lower index, or (a p in flags) blocks in that order until their estimated share of the
+    mass reaches p, at least min_blocks and at most k; writes ascending ids to sel[:m], stage
+    codes to stages[:m], returns m."""
+    min_blocks, p_units = v3_budget(flags)
+    if p_units == 0:
+        return select_v2_nb(mass, V2_ON, k, sel, stages)  # no sink or recency: the top k alone
+    n = mass.shape[0]
+    order = _top_in_order(mass, min(k, n))
+    top = np.float64(mass[order[0]])
+    share = np.empty(n, dtype=np.float64)  # each block's mass relative to the heaviest's
+    total = 0.0
+    for b in range(n):
+        share[b] = math.exp(np.float64(mass[b]) - top)
+        total += share[b]
+    target = (p_units / V3_P_ONE) * total
+    mark = np.full(n, -1, dtype=np.int8)
+    taken, covered = 0, 0.0
+    for r in range(order.shape[0]):
+        if taken >= min_blocks and covered >= target:
+            break
+        mark[order[r]] = STAGE_SCORE
+        covered += share[order[r]]
+        taken += 1
     return _emit(mark, sel, stages)
