@@ -161,7 +161,7 @@ def _driver(pairs):
         t_n = xq.shape[0]
         for c in range(0, g1, GROUP_CHUNK):
             for t0 in range(0, t_n, pt.PAIR_X_ROWS):
-                pairs(data, c, min(g1, c + GROUP_CHUNK), xq, dx, sx, bs, y, t0, min(pt.PAIR_X_ROWS, t_n - t0))
+                pairs(data, c, min(g1, c + GROUP_CHUNK), (xq, dx, sx, bs), y, t0, min(pt.PAIR_X_ROWS, t_n - t0))
 
     return run
 

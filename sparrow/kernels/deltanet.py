@@ -147,8 +147,11 @@ def _inv_norm(x, eps):
 
 
 @njit(**_KW)
-def _layer_head(h, c, z, b, a, neg_A, dt_bias, norm_w, key_head, dims, eps, state, y):
-    # value head h of gated_deltanet over the run's tokens
+def _layer_head(h, inputs, weights, state, y):
+    # value head h of gated_deltanet over the run's tokens: inputs (c, z, b, a) as
+    # gated_deltanet's after the conv, weights (neg_A, dt_bias, norm_w, key_head, dims, eps)
+    c, z, b, a = inputs
+    neg_A, dt_bias, norm_w, key_head, dims, eps = weights
     hk, dk, dv = dims[0], dims[1], dims[2]
     kh = key_head[h]
     S = state[h]
@@ -176,17 +179,21 @@ def _layer_head(h, c, z, b, a, neg_A, dt_bias, norm_w, key_head, dims, eps, stat
             y[t, h * dv + j] = ((o[j] * inv) * norm_w[j]) * _silu1(z[t, h * dv + j])
 
 
-def gated_deltanet(qkv, z, b, a, conv_w, conv_state, neg_A, dt_bias, norm_w, key_head, hk, dk, eps, state):
-    """A Gated DeltaNet layer's mixing for T tokens of one sequence, from its projections qkv
-    [T, C], z [T, Hv*Dv], b, a [T, Hv]: returns y [T, Hv*Dv] (the input of out_proj) and
-    advances conv_state [K-1, C] and state [Hv, Dk, Dv] in place."""
+def gated_deltanet(proj, layer, conv_state, state):
+    """A Gated DeltaNet layer's mixing for T tokens of one sequence, from its projections proj
+    (qkv [T, C], z [T, Hv*Dv], b, a [T, Hv]) and the layer's weights and shapes layer (conv_w
+    [C, K], neg_A, dt_bias [Hv], norm_w [Dv], key_head [Hv], hk, dk, eps): returns y [T,
+    Hv*Dv] (the input of out_proj) and advances conv_state [K-1, C] and state [Hv, Dk, Dv] in
+    place."""
+    qkv, z, b, a = proj
+    conv_w, neg_A, dt_bias, norm_w, key_head, hk, dk, eps = layer
     T, Hv = b.shape
     dv = state.shape[2]
     c = np.empty(qkv.shape, np.float32)
     _conv_silu_channels(np.ascontiguousarray(qkv), conv_w, conv_state, c, 0, c.shape[1])
     y = np.empty((T, Hv * dv), np.float32)
     dims = np.array([hk, dk, dv], np.int64)
-    args = (c, np.ascontiguousarray(z), np.ascontiguousarray(b), np.ascontiguousarray(a))
-    args += (neg_A, dt_bias, norm_w, key_head, dims, np.float32(eps), state, y)
-    run_parallel(Hv, _layer_head, args)
+    inputs = (c, np.ascontiguousarray(z), np.ascontiguousarray(b), np.ascontiguousarray(a))
+    weights = (neg_A, dt_bias, norm_w, key_head, dims, np.float32(eps))
+    run_parallel(Hv, _layer_head, (inputs, weights, state, y))
     return y

@@ -348,11 +348,15 @@ def _pack_stored(data, kind, lut, o0, n, tmp, bp, kq):
 
 
 @njit(**KW)
-def _gemm_panels(i, data, kind, lut, y, xp, bps, tmps, nxt, n_p, kq, calls):
-    """Thread i of matmul_widened: claims panels from the counter nxt until none of n_p are
-    left, packing each into its own scratch bps[i] / tmps[i] and sweeping x over it. calls:
-    the addresses of _pack_stored and _sweep (panel_addresses), called through them so that
-    each compiles once, not again here (kernels/native_call.py)."""
+def _gemm_panels(i, weight, y, scratch, counter, calls):
+    """Thread i of matmul_widened: claims panels from the counter (nxt, n_p) until none of n_p
+    are left, packing each panel of weight (data, kind, lut, kq) into its own scratch bps[i] /
+    tmps[i] (scratch: (xp, bps, tmps)) and sweeping x over it. calls: the addresses of
+    _pack_stored and _sweep (panel_addresses), called through them so that each compiles
+    once, not again here (kernels/native_call.py)."""
+    data, kind, lut, kq = weight
+    xp, bps, tmps = scratch
+    nxt, n_p = counter
     bp, tmp = bps[i], tmps[i]
     o_n = data.shape[0]
     p = _claim(nxt)
@@ -409,5 +413,6 @@ def matmul_widened(x, w, out):
     call_slp(_pack_x, x, xp)
     calls = panel_addresses(data, kind, out, xp, bps, tmps, kq)
     nxt = np.zeros(1, np.int64)  # the panel counter
-    run_parallel(p_n, _gemm_panels, (data, kind, F16_LUT, out, xp, bps, tmps, nxt, n_p, kq, calls), slp=True)
+    weight, scratch = (data, kind, F16_LUT, kq), (xp, bps, tmps)
+    run_parallel(p_n, _gemm_panels, (weight, out, scratch, (nxt, n_p), calls), slp=True)
     return out

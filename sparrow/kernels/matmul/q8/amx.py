@@ -366,7 +366,10 @@ _tiles_q8_0, _tiles_q4_0, _tiles_q4_1, _tiles_q4_k, _tiles_q6_k = (_tiles(q) for
 
 
 @njit(**KW)
-def _run_tiles(kind, cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n):
+def _run_tiles(kind, cfg, x, pan, cbuf, y, o0, t_n):
+    # the tiles of kind: x (xa, dx, sx) in tile_major's layout, pan (bpan, dpan, mpan, span) panel's
+    xa, dx, sx = x
+    bpan, dpan, mpan, span = pan
     if kind == Q8_0:
         _tiles_q8_0(cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n)
     elif kind == Q4_0:
@@ -404,7 +407,7 @@ def _matmul(kind, cfg, data, bb, lut, xa, dx, sx, y):
         span = np.empty((nb, 2, TILE), np.int32)
         cbuf = np.empty((5 * TILE, TILE), np.int32)
         panel(kind, data, 2 * pi, bb, lut, bpan, dpan, mpan, span)
-        _run_tiles(kind, cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, TILE * pi, t_n)
+        _run_tiles(kind, cfg, (xa, dx, sx), (bpan, dpan, mpan, span), cbuf, y, TILE * pi, t_n)
 
 
 def matmul(xa, dxa, sxa, data, qtype, y):
