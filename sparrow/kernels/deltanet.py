@@ -28,7 +28,7 @@ the convolution with SiLU over every channel, then per value head the L2 norms o
 head's q and k, the gates, the rule and the output's RMSNorm gated by silu(z). Prefill chunks
 and the staged path's decode steps and verification rows take it; the fused decode step
 (kernels/fused/decode_step._deltanet_phase) calls the same helpers on each worker's share
-(_conv_silu_channels over a range of channels, _layer_head per value head), so its bits are
+(_conv_silu_channels over a range of channels, _deltanet_value_head per value head), so its bits are
 these. The sigmoid gates of Qwen3.5's attention output and shared expert are here too
 (sigmoid, _sigmoid1), for the same reason.
 """
@@ -147,7 +147,7 @@ def _inv_norm(x, eps):
 
 
 @njit(**_KW)
-def _layer_head(h, inputs, weights, state, y):
+def _deltanet_value_head(h, inputs, weights, state, y):
     # value head h of gated_deltanet over the run's tokens: inputs (c, z, b, a) as
     # gated_deltanet's after the conv, weights (neg_A, dt_bias, norm_w, key_head, dims, eps)
     c, z, b, a = inputs
@@ -195,5 +195,5 @@ def gated_deltanet(proj, layer, conv_state, state):
     dims = np.array([hk, dk, dv], np.int64)
     inputs = (c, np.ascontiguousarray(z), np.ascontiguousarray(b), np.ascontiguousarray(a))
     weights = (neg_A, dt_bias, norm_w, key_head, dims, np.float32(eps))
-    run_parallel(Hv, _layer_head, (inputs, weights, state, y))
+    run_parallel(Hv, _deltanet_value_head, (inputs, weights, state, y))
     return y

@@ -46,7 +46,7 @@ def items_of(T: int) -> int:
 
 
 @njit(cache=True, nogil=True)
-def _item(qa, kv, start, group, t0, t1, out, probs):
+def _prefill_attention_item(qa, kv, start, group, t0, t1, out, probs):
     """Queries t0..t1-1 (positions start + t) of every head over kv (KT, V), keys as
     key_blocks gives them and values [KVH, S, D]; with probs (want_p, pacc), adds importance
     into the rows of pacc [chunk queries / SUB, S] of its SUB-query groups (t0 is a multiple
@@ -138,10 +138,10 @@ def _item(qa, kv, start, group, t0, t1, out, probs):
 
 
 @njit(cache=True, nogil=True)
-def _pair(j, items, qa, kv, start, group, out, probs):
+def _prefill_item_pair(j, items, qa, kv, start, group, out, probs):
     """Query item j of n (items (n, qt, addr): qt queries each) and its mirror n-1-j (the
     middle item of an odd count runs once): their key counts add up to the same total, so any
-    split of the pairs between threads is balanced. addr: _item's machine code for these types
+    split of the pairs between threads is balanced. addr: _prefill_attention_item's machine code for these types
     (item_address), called through it so that it compiles once, not again here
     (kernels/native_call.py)."""
     n, qt, addr = items
@@ -153,8 +153,8 @@ def _pair(j, items, qa, kv, start, group, out, probs):
 
 
 def item_address(qa, kv, start, group, out, probs) -> int:
-    """The address of _item for the types _pair calls it with."""
-    return address_for(_item, (qa, kv, start, group, 0, 0, out, probs))
+    """The address of _prefill_attention_item for the types _prefill_item_pair calls it with."""
+    return address_for(_prefill_attention_item, (qa, kv, start, group, 0, 0, out, probs))
 
 
 def key_blocks(K, S):
@@ -228,5 +228,5 @@ def prefill_attention(qa, K, V, start, group, want_p, ks=None, vs=None, scaled=F
     args = (np.ascontiguousarray(qa, np.float32), (KT, V), int(start), int(group), out, (bool(want_p), pacc))
     qt = items_of(T)
     n = (T + qt - 1) // qt  # query items of qt rows, run in pairs
-    run_parallel((n + 1) // 2, _pair, ((n, qt, item_address(*args)), *args))
+    run_parallel((n + 1) // 2, _prefill_item_pair, ((n, qt, item_address(*args)), *args))
     return out, (pacc.sum(axis=0)[:S] if want_p else None)

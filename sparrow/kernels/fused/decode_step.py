@@ -40,7 +40,7 @@ from numba import njit, typeof, types
 
 from sparrow.kernels.attention.decode import attend_group, importance_per_block, select_and_attend, verify_head
 from sparrow.kernels.attention.select import reserve_importance_nb
-from sparrow.kernels.deltanet import _conv_silu_channels, _layer_head, _sigmoid1
+from sparrow.kernels.deltanet import _conv_silu_channels, _deltanet_value_head, _sigmoid1
 from sparrow.kernels.elementwise import _quant_rows, _rms_rows, _rope, _silu_mul
 from sparrow.kernels.formats import X8_FIRST
 from sparrow.kernels.fused.moe_phase import moe_phase
@@ -110,7 +110,7 @@ def _own_rows(w, kind, n, tid, nt):
 @njit(**KW)
 def _store_kv(X, XS, kv_kind, kh, pos, row, one, codes, sc):
     """Writes the f32 row [D] (one: its [1, D] buffer) as KV head kh's entry at pos.
-    Copies here and in worker are element loops: numba's shape-checked array assignment
+    Copies here and in fused_decode_step are element loops: numba's shape-checked array assignment
     costs seconds of compile."""
     D = row.shape[0]
     if kv_kind == KV_F32:
@@ -242,7 +242,7 @@ def _deltanet_phase(team, layer, h, x, at, y, eps, hyb, q8, exact):
     nothing, where the layer is full attention.
     Three phases, as kernels/deltanet.gated_deltanet runs one row of a sequence: in_proj rows
     | -> conv + SiLU, each worker its channels, row after row | -> per value head
-    (deltanet._layer_head, each worker its heads, row after row) | -> out_proj rows, residual |.
+    (deltanet._deltanet_value_head, each worker its heads, row after row) | -> out_proj rows, residual |.
     A row's state is its own sequence's (at[r, 0]); rows of one sequence (verification) follow
     each other in a channel's and a head's state, which one worker owns, and the state after a
     row is copied where keep says (the staged path's HybridCache.keep_row)."""
@@ -275,7 +275,7 @@ def _deltanet_phase(team, layer, h, x, at, y, eps, hyb, q8, exact):
             inputs = (conv[r : r + 1], proj[r : r + 1, C : C + VD], proj[r : r + 1, C + VD : C + VD + Hv],
                       proj[r : r + 1, C + VD + Hv : C + VD + 2 * Hv])  # fmt: skip
             weights = (hyb.neg_A[li], hyb.dt_bias[li], hyb.norm[li], hyb.key_head[li], hyb.dims, eps)
-            _layer_head(hh, inputs, weights, S, yv[r : r + 1])
+            _deltanet_value_head(hh, inputs, weights, S, yv[r : r + 1])
             if hyb.keep[r, 1, 0] != 0:
                 kept = _at4(hyb.keep, r, 1, hyb.like4)[li, hh]
                 for i in range(S.shape[1]):
@@ -343,7 +343,7 @@ def _w(wtab, i, j):
 
 
 @njit(**KW)
-def worker(tid, nt, sync, x, at, step, q8, select, moe, hybrid):
+def fused_decode_step(tid, nt, sync, x, at, step, q8, select, moe, hybrid):
     """Worker tid of nt: decodes the token at position at[0, 1] of sequence 0 (at [R, 3]: each
     row's sequence, an index into cache's tables, its position there, and its rope position:
     the position plus its prompt's rope delta, Qwen3-VL after images), x [1, E] being its embedding
@@ -574,10 +574,10 @@ def exact_rows_address(kquants: bool) -> tuple[int, int]:
 
 
 def attention_call(args) -> tuple[int, int]:
-    """(address, type key) of the attention worker calls, for the argument types it
+    """(address, type key) of the attention fused_decode_step calls, for the argument types it
     calls it with, args being its own (models/fused.py's, records flat):
     attention.decode.select_and_attend where the request may select blocks, else its kernel,
-    attend_group (call_checked verifies the types when worker compiles: a mismatch
+    attend_group (call_checked verifies the types when fused_decode_step compiles: a mismatch
     sets sync[4] instead of calling)."""
     cache, attn, scratch = _record_types(args)
     i64, f32, b = types.int64, types.float32, types.boolean
@@ -605,7 +605,7 @@ def attention_call(args) -> tuple[int, int]:
 
 
 def verify_call(args) -> tuple[int, int]:
-    """(address, type key) of attention.decode.verify_head for the types worker calls
+    """(address, type key) of attention.decode.verify_head for the types fused_decode_step calls
     it with on verification's rows (R > 1), args as attention_call's."""
     cache, attn, scratch = _record_types(args)
     i64 = types.int64
@@ -617,7 +617,7 @@ def verify_call(args) -> tuple[int, int]:
 
 
 def _record_types(args) -> tuple[dict, dict, dict]:
-    """The numba types of worker's StepCache, StepAttention and StepScratch (args[6:9]) by field."""
+    """The numba types of fused_decode_step's StepCache, StepAttention and StepScratch (args[6:9]) by field."""
     return tuple(dict(zip(typeof(a).fields, typeof(a).types)) for a in args[6:9])
 
 

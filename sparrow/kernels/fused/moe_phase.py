@@ -1,6 +1,6 @@
 """The fused decode step's MoE phase: the sparse MLP block (Qwen3-MoE) of a step's rows on every thread.
 
-Called by decode_step.worker in place of the dense gate/up/down phases for a layer whose MLP is
+Called by decode_step.fused_decode_step in place of the dense gate/up/down phases for a layer whose MLP is
 a MoE block, with h the worker's normed copy of x [R, E] (R rows: a decode step's one, a
 batch's, or verification's); x (the residual stream) gets the block's output added. Three
 barriers:
