@@ -40,23 +40,9 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from sparrow.kernels.formats import BLOCK_BYTES  # one row's block, as stored
-from sparrow.kernels.ir import F32, I8, I32, I64, c64, fma, shuffle, splat16, zeroed
-from sparrow.kernels.matmul.q8.ir import (
-    AVX2,
-    DOT4,
-    I8MM,
-    V8F,
-    V8I32,
-    V32I8,
-    absb,
-    bcast4,
-    dpbssd,
-    dpbusd,
-    maddubs,
-    maddwd,
-    smmla,
-    splat,
-)
+from sparrow.kernels.ir import F32, I8, I32, I64, V8F, V8I32, V32I8, c64, fma, shuffle, splat16, zeroed
+from sparrow.kernels.matmul.q8.arch.arm64 import smmla
+from sparrow.kernels.matmul.q8.ir import AVX2, DOT4, I8MM, absb, bcast4, dpbssd, dpbusd, maddubs, maddwd, splat
 
 GROUP = 8
 # A stored block's byte ranges (src, dst, length, width): bytes src .. src + length - 1 of a

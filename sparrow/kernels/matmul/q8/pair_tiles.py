@@ -19,7 +19,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from sparrow.kernels.ir import I8, V16F, V16I32, c64, fma, shuffle, splat16, zeroed
+from sparrow.kernels.ir import I8, V8I8, V16F, V16I8, V16I32, V32I8, V64I8, c64, fma, shuffle, splat16, zeroed
 from sparrow.kernels.matmul.q8.groups import (
     CODES_AT,
     GROUP,
@@ -34,7 +34,7 @@ from sparrow.kernels.matmul.q8.groups import (
     tile_arrays,
     tile_rows,
 )
-from sparrow.kernels.matmul.q8.ir import V8I8, V16I8, V32I8, V64I8, bcast4, dpbusd16, splat
+from sparrow.kernels.matmul.q8.ir import bcast4, dpbusd16, splat
 from sparrow.kernels.matmul.q8.kquant_groups import _CODES, _Q6_QH, _Q6_QL, _Q6_SC
 
 PAIR_X_ROWS = 6  # x rows a pair tile reads each unpacked chunk for

@@ -40,7 +40,7 @@ from sparrow.kernels.formats import (
     X8_Q8_0,
     ZMM_PAIR_KINDS,
 )
-from sparrow.kernels.ir import F32, I8, I32, V16F, V16I32, c64, shuffle, splat16
+from sparrow.kernels.ir import F32, I8, I32, V16F, V16I8, V16I32, c64, call, shuffle, splat16
 from sparrow.kernels.matmul.q8 import amx
 from sparrow.kernels.matmul.q8.groups import (
     GROUP,
@@ -52,7 +52,7 @@ from sparrow.kernels.matmul.q8.groups import (
     groups_q8_0,
     interleave,
 )
-from sparrow.kernels.matmul.q8.ir import AVX2, V16I8, VNNI512, call
+from sparrow.kernels.matmul.q8.ir import AVX2, VNNI512
 from sparrow.kernels.matmul.q8.kquant_groups import groups_q4_k, groups_q5_k, groups_q6_k
 from sparrow.kernels.matmul.q8.pair_tiles import (
     PAIR_X_ROWS,
