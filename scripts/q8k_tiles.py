@@ -28,15 +28,13 @@ from llvmlite import ir
 from numba import njit
 from numba.core import cgutils
 
-from sparrow.kernels.ir import V16F, V16I32, c64, fma, shuffle, splat16, zeroed
+from sparrow.kernels.ir import V8I8, V16F, V16I8, V16I32, V32I8, V32I16, V64I8, c64, call, fma, shuffle, splat16, zeroed
 from sparrow.kernels.matmul.q8 import pair_tiles as pt
 from sparrow.kernels.matmul.q8.groups import GROUP, GROUP_BYTES, V8H, nibble
-from sparrow.kernels.matmul.q8.ir import V8I8, V16I8, V32I8, V64I8, VNNI512, bcast4, call, dpbusd16, splat
+from sparrow.kernels.matmul.q8.ir import VNNI512, bcast4, dpbusd16, splat
 from sparrow.kernels.matmul.q8.quantized import GROUP_CHUNK, Q8Weight, quantize, x_sums
 from sparrow.quant import Weight
 from sparrow_lab.bench.rows import random_rows
-
-V32I16 = ir.VectorType(ir.IntType(16), 32)
 
 
 def _dpwssd(b, acc, u, v):
@@ -161,7 +159,7 @@ def _driver(pairs):
         t_n = xq.shape[0]
         for c in range(0, g1, GROUP_CHUNK):
             for t0 in range(0, t_n, pt.PAIR_X_ROWS):
-                pairs(data, c, min(g1, c + GROUP_CHUNK), xq, dx, sx, bs, y, t0, min(pt.PAIR_X_ROWS, t_n - t0))
+                pairs(data, c, min(g1, c + GROUP_CHUNK), (xq, dx, sx, bs), y, t0, min(pt.PAIR_X_ROWS, t_n - t0))
 
     return run
 

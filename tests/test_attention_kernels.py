@@ -444,10 +444,10 @@ def test_widened_rows_give_the_stored_rows_bits(dim):
 
 @pytest.mark.parametrize("dim", [64, 128, 80, 40])
 def test_rows_sharing_blocks_equal_rows_alone(dim):
-    """_attend_rows over G rows that share blocks (widened once for all of them) gives every
+    """attend_rows over G rows that share blocks (widened once for all of them) gives every
     row the bits of that row attended alone (the stored rows read directly), for random marks
     and lengths that cut blocks, every KV storage, with and without int8 scales."""
-    from sparrow.kernels.attention.decode import _attend_rows
+    from sparrow.kernels.attention.decode import attend_rows
 
     rng = np.random.default_rng(dim + 1)
     n, bs, G = 150, 32, 10
@@ -469,11 +469,12 @@ def test_rows_sharing_blocks_equal_rows_alone(dim):
     for (name, K2, _), (_, V2, _) in zip(keys, values):
         int8 = name == "int8"
         out, pacc = np.zeros((G, dim), np.float32), np.zeros((G, n), np.float32)
-        _attend_rows(qa, qs, K2, V2, ks, vs, int8, 0, G, lens, scale, bs, mark, ntok, out, True, pacc)
+        kv = (K2, V2, ks, vs, int8)
+        attend_rows((qa, qs), kv, 0, lens, scale, bs, (mark, ntok), out, (True, pacc))
         for g in range(G):
             one, pone = np.zeros((G, dim), np.float32), np.zeros((G, n), np.float32)
             sl = slice(g, g + 1)
-            _attend_rows(qa, qs, K2, V2, ks, vs, int8, g, 1, lens[sl], scale, bs, mark[sl], ntok[sl], one, True, pone)
+            attend_rows((qa, qs), kv, g, lens[sl], scale, bs, (mark[sl], ntok[sl]), one, (True, pone))
             assert one[g].tobytes() == out[g].tobytes(), (name, g)
             assert pone[g].tobytes() == pacc[g].tobytes(), (name, g)
 

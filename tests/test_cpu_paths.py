@@ -100,7 +100,7 @@ info.update(sparrow=sparrow.__file__)
 if sys.argv[3:] == ["asm"]:  # a fresh cache: the code compiled here, not loaded; one GEMM and one decode
     for q, shape, t in (GEMM_CASES[0], DECODE_CASES[0]):
         linear(acts(t, shape[1]), make(q, shape))
-    asm = "".join(gemm._sweep.inspect_asm().values()) + "".join(_widen._rows_blocks.inspect_asm().values())
+    asm = "".join(gemm._panel_tiles.inspect_asm().values()) + "".join(_widen._rows_blocks.inspect_asm().values())
     info.update(ymm="ymm" in asm, zmm="zmm" in asm)
     out = {}
 else:

@@ -263,14 +263,14 @@ def test_batch_and_thread_invariance(qtype):
     # the parallel and serial decode kernels (matvec_widened picks by size) give the same bits
     yk = np.empty_like(y)
     addrs = (_widen.exact_rows_address(w.data), _widen.kq_rows_address(w.data))
-    _widen._mv_rows(addrs, w.data, KIND[qtype], x, yk, True)
+    _widen._matvec_rows(addrs, w.data, KIND[qtype], x, yk, True)
     assert np.array_equal(bits(yk), bits(y))
     threads = numba.get_num_threads()
     try:
         for n in (1, 2):
             if n <= numba.config.NUMBA_NUM_THREADS:
                 numba.set_num_threads(n)
-                _widen._mv_rows(addrs, w.data, KIND[qtype], x, yk, True)
+                _widen._matvec_rows(addrs, w.data, KIND[qtype], x, yk, True)
                 assert np.array_equal(bits(yk), bits(y))
                 assert np.array_equal(bits(L.linear(xp, w)), bits(yp))
     finally:

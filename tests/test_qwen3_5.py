@@ -230,7 +230,7 @@ def test_a_deltanet_layer_gives_the_same_bits_however_tokens_are_split():
     for cuts in ([0, T], [0, 1, 17, 18, T], list(range(T + 1))):
         conv, S = np.zeros((K - 1, C), np.float32), np.zeros((Hv, Dk, Dv), np.float32)
         ys = [
-            gated_deltanet(qkv[i:j], z[i:j], b[i:j], a[i:j], w, conv, neg_A, dt, norm_w, heads, Hk, Dk, 1e-6, S)
+            gated_deltanet((qkv[i:j], z[i:j], b[i:j], a[i:j]), (w, neg_A, dt, norm_w, heads, Hk, Dk, 1e-6), conv, S)
             for i, j in zip(cuts, cuts[1:])
         ]
         runs.append((np.concatenate(ys), S, conv))

@@ -30,7 +30,7 @@ the convolution with SiLU over every channel, then per value head the L2 norms o
 head's q and k, the gates, the rule and the output's RMSNorm gated by silu(z). Prefill chunks
 and the staged path's decode steps and verification rows take it; the fused decode step
 (kernels/fused/decode_step._deltanet_phase) calls the same helpers on each worker's share
-(_conv_silu_channels over a range of channels, _layer_head per value head), so its bits are
+(_conv_silu_channels over a range of channels, _deltanet_value_head per value head), so its bits are
 these. The sigmoid gates of Qwen3.5's attention output and shared expert are here too
 (sigmoid, _sigmoid1), for the same reason.
 """
@@ -193,9 +193,13 @@ def _inv_norm(x, eps):
 
 
 @njit(**_KW)
-def _layer_head(h, c, z, b, a, neg_A, dt_bias, norm_w, key_head, dims, eps, state, y):
+def _deltanet_value_head(h, inputs, weights, state, y):
     # value head h of gated_deltanet over the run's tokens: each token's normalised q and k and
-    # its gates, then the rule over the run, then the gated RMSNorm of each output
+    # its gates, then the rule over the run, then the gated RMSNorm of each output; inputs
+    # (c, z, b, a) as gated_deltanet's after the conv, weights (neg_A, dt_bias, norm_w,
+    # key_head, dims, eps)
+    c, z, b, a = inputs
+    neg_A, dt_bias, norm_w, key_head, dims, eps = weights
     hk, dk, dv = dims[0], dims[1], dims[2]
     kh = key_head[h]
     T = c.shape[0]
@@ -240,10 +244,14 @@ def _conv_silu_chunk(i, x, w, state, out):
     _conv_silu_channels(x, w, state, out, c0, min(c0 + CONV_CHUNK, x.shape[1]))
 
 
-def gated_deltanet(qkv, z, b, a, conv_w, conv_state, neg_A, dt_bias, norm_w, key_head, hk, dk, eps, state):
-    """A Gated DeltaNet layer's mixing for T tokens of one sequence, from its projections qkv
-    [T, C], z [T, Hv*Dv], b, a [T, Hv]: returns y [T, Hv*Dv] (the input of out_proj) and
-    advances conv_state [K-1, C] and state [Hv, Dk, Dv] in place."""
+def gated_deltanet(proj, layer, conv_state, state):
+    """A Gated DeltaNet layer's mixing for T tokens of one sequence, from its projections proj
+    (qkv [T, C], z [T, Hv*Dv], b, a [T, Hv]) and the layer's weights and shapes layer (conv_w
+    [C, K], neg_A, dt_bias [Hv], norm_w [Dv], key_head [Hv], hk, dk, eps): returns y [T,
+    Hv*Dv] (the input of out_proj) and advances conv_state [K-1, C] and state [Hv, Dk, Dv] in
+    place."""
+    qkv, z, b, a = proj
+    conv_w, neg_A, dt_bias, norm_w, key_head, hk, dk, eps = layer
     T, Hv = b.shape
     dv = state.shape[2]
     c = np.empty(qkv.shape, np.float32)
@@ -251,7 +259,7 @@ def gated_deltanet(qkv, z, b, a, conv_w, conv_state, neg_A, dt_bias, norm_w, key
     run_parallel(n_chunks, _conv_silu_chunk, (np.ascontiguousarray(qkv), conv_w, conv_state, c))
     y = np.empty((T, Hv * dv), np.float32)
     dims = np.array([hk, dk, dv], np.int64)
-    args = (c, np.ascontiguousarray(z), np.ascontiguousarray(b), np.ascontiguousarray(a))
-    args += (neg_A, dt_bias, norm_w, key_head, dims, np.float32(eps), state, y)
-    run_parallel(Hv, _layer_head, args)
+    inputs = (c, np.ascontiguousarray(z), np.ascontiguousarray(b), np.ascontiguousarray(a))
+    weights = (neg_A, dt_bias, norm_w, key_head, dims, np.float32(eps))
+    run_parallel(Hv, _deltanet_value_head, (inputs, weights, state, y))
     return y

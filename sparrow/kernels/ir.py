@@ -22,8 +22,16 @@ from numba.extending import intrinsic
 from sparrow.kernels.cpu import AVX512F
 
 F32, I8, I16, I32, I64 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-V16F = ir.VectorType(F32, 16)
-V16I32 = ir.VectorType(I32, 16)
+V8F, V16F = (ir.VectorType(F32, n) for n in (8, 16))
+V4I32, V8I32, V16I32, V32I32 = (ir.VectorType(I32, n) for n in (4, 8, 16, 32))
+V8I16, V16I16, V32I16 = (ir.VectorType(I16, n) for n in (8, 16, 32))
+V8I8, V16I8, V32I8, V64I8 = (ir.VectorType(I8, n) for n in (8, 16, 32, 64))
+
+
+def call(builder, name, ret, args):
+    """A call of the LLVM intrinsic (or function) `name` returning ret, declared on first use."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
 
 
 def c64(v):

@@ -89,9 +89,10 @@ def route(logits, k, norm):
 
 
 @njit(parallel=True, **KW)
-def _gate_up(x, tok, gstart, gexp, gates, ups, kg, ku, lut, h):
+def _gate_up(x, tok, groups, gates, ups, kg, ku, lut, h):
     # h[p, f] = silu(gate_e[f] . x[tok[p]]) * (up_e[f] . x[tok[p]]) for the pairs p of group
-    # g (expert e = gexp[g]); each weight row is widened once per group.
+    # g (groups (gstart, gexp): expert e = gexp[g]); each weight row is widened once per group.
+    gstart, gexp = groups
     f_n = h.shape[1]
     k = x.shape[1]
     nc = (f_n + _ROWS - 1) // _ROWS
@@ -115,8 +116,9 @@ def _gate_up(x, tok, gstart, gexp, gates, ups, kg, ku, lut, h):
 
 
 @njit(parallel=True, **KW)
-def _down(h, gstart, gexp, downs, kd, lut, y):
+def _down(h, groups, downs, kd, lut, y):
     # y[p, o] = down_e[o] . h[p] for the pairs p of group g (expert e = gexp[g])
+    gstart, gexp = groups
     o_n = y.shape[1]
     k = h.shape[1]
     nc = (o_n + _ROWS - 1) // _ROWS
@@ -158,11 +160,16 @@ class ExpertTable:
         kq = bool((self.kinds >= KQ_FIRST).any())
         self.addrs = (exact_rows_address(ROWS_LIKE), kq_rows_address(ROWS_LIKE) if kq else 0)
 
+    def kernel_form(self):
+        """(etab, dims, kinds, addrs): the experts as the row kernels take them (experts)."""
+        return self.etab, self.dims, self.kinds, self.addrs
+
 
 @njit(**KW)
-def _rows(etab, dims, kinds, j, e, x, sx, y, o0, o1, addrs):
+def _rows(experts, j, e, x, sx, y, o0, o1):
     # y[t, o] = row o of projection j (0 gate, 1 up, 2 down) of expert e . x[t], o0 <= o < o1:
     # the exact row dots (widen.rows_exact) through their address; x, sx C [T, K], [T, K / 32]
+    etab, dims, kinds, addrs = experts
     w = view(etab[j, e], (dims[j, 0], dims[j, 1]), ROWS_LIKE)
     call_native(addrs[0], (w, kinds[j], x, sx, y[:, 0 : y.shape[1]], np.int64(o0), np.int64(o1), addrs[1]))
 
@@ -174,21 +181,24 @@ def silu_up(g, u):
 
 
 @njit(**KW)
-def gate_up_rows(etab, dims, kinds, e, x, sxg, sxu, g, u, act, f0, f1, addrs):
-    """Rows f0..f1-1 of expert e's gate and up dotted with each row of x [T, hidden] (C; sxg,
-    sxu: its sums for gate's and up's formats, exact_sums) into g, u [T, F], then act[t, f] =
-    silu(g) * u. A row's bits do not depend on T (the row dots are row-wise)."""
-    _rows(etab, dims, kinds, 0, e, x, sxg, g, f0, f1, addrs)
-    _rows(etab, dims, kinds, 1, e, x, sxu, u, f0, f1, addrs)
+def gate_up_rows(experts, e, x, sums, outs, f0, f1):
+    """Rows f0..f1-1 of expert e's gate and up (experts: (etab, dims, kinds, addrs), an
+    ExpertTable's kernel_form) dotted with each row of x [T, hidden] (C; sums (sxg, sxu): its
+    sums for gate's and up's formats, exact_sums) into outs (g, u, act) [T, F], then act[t, f]
+    = silu(g) * u. A row's bits do not depend on T (the row dots are row-wise)."""
+    sxg, sxu = sums
+    g, u, act = outs
+    _rows(experts, 0, e, x, sxg, g, f0, f1)
+    _rows(experts, 1, e, x, sxu, u, f0, f1)
     for t in range(x.shape[0]):
         for f in range(f0, f1):
             act[t, f] = silu_up(g[t, f], u[t, f])
 
 
 @njit(**KW)
-def down_rows(etab, dims, kinds, e, act, sxa, y, o0, o1, addrs):
+def down_rows(experts, e, act, sxa, y, o0, o1):
     """Rows o0..o1-1 of expert e's down dotted with each row of act [T, F] (C; sxa: its sums) into y [T, hidden]."""
-    _rows(etab, dims, kinds, 2, e, act, sxa, y, o0, o1, addrs)
+    _rows(experts, 2, e, act, sxa, y, o0, o1)
 
 
 @njit(**KW)
@@ -204,25 +214,29 @@ def combine_rows(ys, ws, ps, x, r, o0, o1):
 
 
 @njit(**KW)
-def _gate_up_chunk(c, nc, xs, sxg, sxu, gstart, gexp, etab, dims, kinds, addrs, g, u, act):
+def _gate_up_chunk(c, nc, xs, sums, groups, experts, outs):
     # work item c: rows [f0, f0 + ROWS) of group c // nc's expert, for all of its pairs at once
-    # (xs: the pairs' activation rows, grouped by expert)
+    # (xs: the pairs' activation rows, grouped by expert; groups (gstart, gexp))
+    sxg, sxu = sums
+    gstart, gexp = groups
+    g, u, act = outs
     gi = c // nc
     f0 = (c % nc) * _ROWS
     f1 = min(g.shape[1], f0 + _ROWS)
     p0, p1 = gstart[gi], gstart[gi + 1]
-    gate_up_rows(etab, dims, kinds, gexp[gi], np.ascontiguousarray(xs[p0:p1]), np.ascontiguousarray(sxg[p0:p1]),
-                 np.ascontiguousarray(sxu[p0:p1]), g[p0:p1], u[p0:p1], act[p0:p1], f0, f1, addrs)  # fmt: skip
+    gate_up_rows(experts, gexp[gi], np.ascontiguousarray(xs[p0:p1]),
+                 (np.ascontiguousarray(sxg[p0:p1]), np.ascontiguousarray(sxu[p0:p1])),
+                 (g[p0:p1], u[p0:p1], act[p0:p1]), f0, f1)  # fmt: skip
 
 
 @njit(**KW)
-def _down_chunk(c, nc, act, sxa, gstart, gexp, etab, dims, kinds, addrs, y):
+def _down_chunk(c, nc, act, sxa, groups, experts, y):
+    gstart, gexp = groups
     gi = c // nc
     o0 = (c % nc) * _ROWS
     o1 = min(y.shape[1], o0 + _ROWS)
     p0, p1 = gstart[gi], gstart[gi + 1]
-    down_rows(etab, dims, kinds, gexp[gi], np.ascontiguousarray(act[p0:p1]),
-              np.ascontiguousarray(sxa[p0:p1]), y[p0:p1], o0, o1, addrs)  # fmt: skip
+    down_rows(experts, gexp[gi], np.ascontiguousarray(act[p0:p1]), np.ascontiguousarray(sxa[p0:p1]), y[p0:p1], o0, o1)
 
 
 class StackedExperts:
@@ -267,13 +281,13 @@ def expert_pairs(x, tok, exp, stacked):
         else:
             h = np.empty((len(tok), stacked.ffn), np.float32)  # [P, F]
             (gates, ups, downs), (kg, ku, kd) = stacked.lists, stacked.kinds
-            call_slp(_gate_up, x, tok, gstart, gexp, gates, ups, kg, ku, F16_LUT, h)
-            call_slp(_down, h, gstart, gexp, downs, kd, F16_LUT, y)
+            call_slp(_gate_up, x, tok, (gstart, gexp), gates, ups, kg, ku, F16_LUT, h)
+            call_slp(_down, h, (gstart, gexp), downs, kd, F16_LUT, y)
     return y
 
 
 def _table_pairs(x, tok, gstart, gexp, t, y):
-    etab, dims, kinds, addrs = t.etab, t.dims, t.kinds, t.addrs
+    experts, kinds, groups = t.kernel_form(), t.kinds, (gstart, gexp)
     P, F = len(tok), t.ffn
     g = np.empty((P, F), np.float32)  # [P, F]
     u = np.empty((P, F), np.float32)
@@ -282,7 +296,7 @@ def _table_pairs(x, tok, gstart, gexp, t, y):
     sxg = exact_sums(xs, kinds[0], True)  # [P, hidden / 32]
     sxu = sxg if kinds[1] == kinds[0] else exact_sums(xs, kinds[1], True)
     nc = (F + _ROWS - 1) // _ROWS
-    run_parallel(len(gexp) * nc, _gate_up_chunk, (nc, xs, sxg, sxu, gstart, gexp, etab, dims, kinds, addrs, g, u, act))
+    run_parallel(len(gexp) * nc, _gate_up_chunk, (nc, xs, (sxg, sxu), groups, experts, (g, u, act)))
     sxa = exact_sums(act, kinds[2], True)  # [P, F / 32]
     nc = (t.hidden + _ROWS - 1) // _ROWS
-    run_parallel(len(gexp) * nc, _down_chunk, (nc, act, sxa, gstart, gexp, etab, dims, kinds, addrs, y))
+    run_parallel(len(gexp) * nc, _down_chunk, (nc, act, sxa, groups, experts, y))

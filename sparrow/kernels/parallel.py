@@ -2,7 +2,7 @@
 
 A `parallel=True` kernel costs 1-2 s of compile per argument types on top of its body (numba
 builds, types and optimises a gufunc for the prange loop, and its wrapper; five such kernels
-were a sixth of a cold start). Here one prange loop, `_launch`, is compiled once, for int64
+were a sixth of a cold start). Here one prange loop, `_launch_on_threads`, is compiled once, for int64
 arguments only: it calls, on each thread, an adapter that reads the call's arguments from a
 tuple the caller put in its own stack frame and calls the body through its address
 (native_call.py). Per argument types, what compiles is the adapter and `_stash_and_launch`,
@@ -45,7 +45,7 @@ def _call_adapter(typingctx, addr, i, ctx):
 
 
 @njit(parallel=True, **KW)
-def _launch(adapter, n, ctx):
+def _launch_on_threads(adapter, n, ctx):
     """adapter(i, ctx) for i in range(n), on numba's threads (prange's split)."""
     for i in prange(n):
         # prange's index is unsigned in the parallel region: the adapter takes it signed
@@ -102,7 +102,7 @@ def launcher(body, args: tuple, slp: bool = False):
     or loading them from the disk cache. Errors body raises are not propagated."""
     global _launch_address
     if _launch_address is None:
-        _launch_address = address(_launch, (_I64, _I64, _I64))
+        _launch_address = address(_launch_on_threads, (_I64, _I64, _I64))
     sig = (_I64,) + tuple(numba.typeof(a) for a in args)
     body_addr = address(body, sig, slp)
     T = types.BaseTuple.from_types(sig)  # (body's address, *args)

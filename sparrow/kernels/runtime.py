@@ -118,27 +118,6 @@ COMPILE_NOTICE_Q8 = (
     "sparrow: compiling kernels for this CPU (first run only: about 45 s on 2 cores for the q8 activations mode)."
 )
 
-# What the kernels that take a second or more to compile do, for the progress lines
-KERNEL_ROLES = {
-    "worker": "fused decode step",
-    "_launch": "thread launcher",
-    "_gemm_panels": "prefill matmul",
-    "_pack_stored": "prefill matmul (packing)",
-    "_sweep": "prefill matmul (tiles)",
-    "_item": "prefill attention",
-    "sparse_prefill_kernel": "sparse prefill attention",
-    "decode_kernel": "decode attention",
-    "_mv_rows": "matvec",
-    "rows_exact": "exact row dots",
-    "_group": "decode attention (fused step, sparse)",
-    "_attend_group": "decode attention (fused step)",
-    "verify_head": "verification attention (speculative decoding)",
-    "rows_q8_xs": "q8 matvec",
-    "_mv_rows_serial": "matvec",
-    "_mv_stored": "matvec (f16/bf16)",
-}
-
-
 _progress = None  # the numba listener announce_compiles registered (one a process)
 
 
@@ -165,14 +144,22 @@ def announce_compiles(write, min_seconds: float = 1.0, notice: str = COMPILE_NOT
             dt = time.perf_counter() - self.starts.pop()
             if self.starts or dt < min_seconds:
                 return
-            fn = getattr(ev.data.get("dispatcher"), "py_func", None)
-            name = getattr(fn, "__name__", "?")
-            self.write(f"sparrow: compiled {KERNEL_ROLES.get(name, name)} in {dt:.0f} s")
+            self.write(f"sparrow: compiled {kernel_name(ev.data.get('dispatcher'))} in {dt:.0f} s")
 
     if _progress is None:
         _progress = _Progress()
         event.register("numba:compile", _progress)
     _progress.write = write
+
+
+def kernel_name(dispatcher) -> str:
+    """A compiled kernel's name for the progress lines: its module below sparrow.kernels and
+    its own name (attention.decode.decode_kernel, fused.decode_step.fused_decode_step)."""
+    fn = getattr(dispatcher, "py_func", None)
+    if fn is None:
+        return "?"
+    module = fn.__module__.removeprefix("sparrow.kernels.")
+    return f"{module}.{fn.__qualname__}"
 
 
 _pinned = None

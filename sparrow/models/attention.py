@@ -102,34 +102,9 @@ def decode_attention(q, layer, state, seq_len, scale, sparse=None, trace=None, i
         probe_rows, probe_scale, per_block = pk.rows, pk.scale, pk.per_block  # [KVH, n, D | 2D], [KVH, n | 1]
     else:  # nothing is probed: K stands in for the copy (n_copied 0, never read)
         probe_rows, probe_scale, per_block, n_copied = layer.k, layer.k_scale, 1, 0
-    decode_kernel(
-        qd,
-        qa,
-        qs,
-        layer.k,
-        layer.v,
-        layer.k_scale,
-        layer.v_scale,
-        layer.scaled,
-        state.importance,
-        seq_len,
-        np.float32(scale),
-        group,
-        sparse is not None,
-        sparse.k if sparse is not None else nb,
-        bs,
-        sparse.probe if sparse is not None else 1,
-        probe_rows,
-        probe_scale,
-        per_block,
-        n_copied,
-        out,
-        sel,
-        stages,
-        nsel,
-        sparse.flags if sparse is not None else 0,
-        F16_LUT,
-    )
+    copy = (probe_rows, probe_scale, per_block, n_copied)
+    settings = _settings(scale, bs, sparse, nb)
+    decode_kernel((qd, qa, qs), _kv(layer), state.importance, seq_len, group, settings, copy, out, (sel, stages, nsel))
     if trace is not None and sparse is not None:
         for h in range(H):
             n = nsel[h]
@@ -154,10 +129,22 @@ def verify_attention(q, layer, start, scale):
         raise ValueError(f"verify positions {start}..{start + R - 1} outside capacity {layer.capacity}")
     _, qa, qs = layer.query(q, scale)  # [R, H, D], [R, H]
     out = np.empty((R, H, D), np.float32)
-    args = (qa, qs, layer.k, layer.v, layer.k_scale, layer.v_scale, layer.scaled, int(start), np.float32(scale),
-            int(group), _DEFAULT_BLOCK, out)  # fmt: skip
+    args = ((qa, qs), _kv(layer), int(start), np.float32(scale), int(group), _DEFAULT_BLOCK, out)
     run_parallel(layer.n_kv_heads, verify_head, args)
     return out
+
+
+def _kv(layer):
+    """The layer's cache as the attention kernels take it (attention.decode: kv)."""
+    return layer.k, layer.v, layer.k_scale, layer.v_scale, layer.scaled
+
+
+def _settings(scale, bs, sparse, nb):
+    """The request's attention settings as the kernels take them (attention.decode: settings);
+    exact attention (sparse None) as k = nb blocks, every block taken."""
+    if sparse is None:
+        return np.float32(scale), bs, False, nb, 1, 0, F16_LUT
+    return np.float32(scale), bs, True, sparse.k, sparse.probe, sparse.flags, F16_LUT
 
 
 def _selected_mass(qh, layer, kh, seq_len, scale, bs, blocks):
@@ -194,29 +181,9 @@ def prefill_attention(q, layer, state, start, scale, sparse=None, record_importa
             P = summ.rows  # [KVH, n, 2D]
         else:  # the seed probes K itself; v3 quantises each prefix's keys as it scores them
             P, n_summ = layer.k, 0
-        sparse_prefill_kernel(
-            qd,
-            qa,
-            qs,
-            layer.k,
-            layer.v,
-            layer.k_scale,
-            layer.v_scale,
-            layer.scaled,
-            start,
-            scale,
-            group,
-            sparse.k,
-            sparse.block,
-            sparse.probe,
-            out,
-            pacc,
-            record_importance,
-            sparse.flags,
-            P,
-            n_summ,
-            F16_LUT,
-        )
+        settings = _settings(scale, sparse.block, sparse, None)
+        sparse_prefill_kernel((qd, qa, qs), _kv(layer), start, group, settings, (P, n_summ), out,
+                              (record_importance, pacc))  # fmt: skip
         if record_importance:
             state.importance[:S] += pacc.sum(axis=0)
         return out

@@ -286,9 +286,10 @@ class FusedDecode:
         return got
 
     def _run(self, cache, args) -> None:
-        """`worker` on every thread (kernels/parallel.py's launcher), or on this one alone; args:
-        its arguments but `calls`, which are the exact row dots' addresses (0 in the q8 mode)
-        and the attention's address and type key (decode_step.attention_call). The
+        """`fused_decode_step` on every thread (kernels/parallel.py's launcher), or on this one alone;
+        args: its arguments with the records flat and without `calls` (its step tuple takes the
+        records and calls), which are the exact row dots' addresses (0 in the q8 mode) and the
+        attention's address and type key (decode_step.attention_call). The
         addresses and the launcher are memoised in the cache: the argument types are fixed by
         the cache's dtypes, the activations mode, the selection switch, the probe copies' dtype
         and the RoPE tables' layout, which make the key (typing the arguments costs ~0.3 ms,
@@ -305,12 +306,14 @@ class FusedDecode:
         verifying = args[3].shape[0] > 1 and cache_t.kvtab.shape[0] == 1  # several rows of one sequence
         if verifying and calls[4] == 0:  # verification's rows: verify_head's address too
             calls = got[0] = (*calls[:4], *_ds.verify_call(args))
+        step = (*args[5:9], calls)  # fused_decode_step's step: the records and calls
+        kernel_args = (*args[1:5], step, *args[9:])
         if nt == 1:
-            _ds.worker(*args, calls)
+            _ds.fused_decode_step(0, *kernel_args)
         else:
             if got[1] is None:
-                got[1] = launcher(_ds.worker, (*args[1:], calls))
-            got[1](nt, (*args[1:], calls))
+                got[1] = launcher(_ds.fused_decode_step, kernel_args)
+            got[1](nt, kernel_args)
         if self.sync[4]:
             raise SparrowError("fused decode: the attention kernel's argument types do not match its address")
 

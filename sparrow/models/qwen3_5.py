@@ -133,10 +133,9 @@ class GatedDeltaNet:
         for j, s in enumerate(segments):
             lo, hi = bounds[j], bounds[j + 1]
             cache, i = s.cache, self.index
-            y[lo:hi] = gated_deltanet(
-                qkv[lo:hi], z[lo:hi], b[lo:hi], a[lo:hi], self.conv_w, cache.conv[i], self.neg_A, self.dt_bias,
-                self.norm, self.key_head, self.Hk, self.Dk, self.eps, cache.ssm[i],
-            )  # fmt: skip
+            proj = (qkv[lo:hi], z[lo:hi], b[lo:hi], a[lo:hi])
+            layer = (self.conv_w, self.neg_A, self.dt_bias, self.norm, self.key_head, self.Hk, self.Dk, self.eps)
+            y[lo:hi] = gated_deltanet(proj, layer, cache.conv[i], cache.ssm[i])
             if id(cache) in rows:
                 cache.keep_row(s.start + hi - lo, i)
         return linear(y, self.out)  # [N, E]

@@ -6,6 +6,24 @@ and attend over them; a block's K/V rows are read from memory once for the whole
 Everything here is serial per KV head and sums in orders fixed by the code (the row kernels
 in attention.rows), so results do not depend on the thread count; exact attention is sparse
 attention with every block.
+
+Arguments that travel together come as tuples, unpacked where a kernel starts:
+- queries: (q, qa, qs) [H, D], [H, D], [H]: the probe queries (raw, or int8 codes), the
+  attention queries (times the scale for float caches, else the codes again) and the codes'
+  scales; (qa, qs) where only attention reads them.
+- kv: (K, V, ks, vs, int8): the cache's rows [KVH, C, D] and int8 scales [KVH, C] (or one KV
+  head's, [C, D] and [C]), int8 whether K / V hold int8 codes.
+- settings: (scale, bs, sparse, k_blocks, n_probe, flags, lut): the request's attention
+  (flags 0: the seed selector, else v2's bits; lut widens f16 keys).
+- side: (reserved, P, ps, per_block, n_copied): what the selector keeps of the sequence beside
+  its K/V: the stage codes after the importance reservation (all -1 without importance) and
+  the contiguous copy of the probe keys (seed) or block summaries (v2) of its first n_copied
+  blocks, per_block rows each, with their int8 scales.
+- selection: (sel [H, nb], stages [H, nb], nsel [H]): the blocks each head read and the rule
+  that chose each, as the kernels write them.
+- marks: (mark [G, nb], ntok [G]): the blocks each attention row reads, and how many keys
+  that makes for the row.
+- probs: (want_p, pacc [H, C]): whether each row's softmax probabilities are added to pacc.
 """
 
 import math
@@ -73,17 +91,18 @@ def _block_users(mark, lens, b, p0, bs, G):
 
 
 @njit(cache=True, nogil=True)
-def _attend_group(qa, qs, K2, V2, ks, vs, int8, h0, G, seq_len, scale, bs, mark, ntok, out, want_p, pacc):
-    """Softmax attention of query heads h0..h0+G-1 over their marked blocks (mark [G, nb]) of
-    positions 0..seq_len-1: _attend_rows with every head seeing seq_len keys."""
-    lens = np.full(G, seq_len, dtype=np.int64)
-    _attend_rows(qa, qs, K2, V2, ks, vs, int8, h0, G, lens, scale, bs, mark, ntok, out, want_p, pacc)
+def attend_group(queries, kv, h0, seq_len, scale, bs, marks, out, probs):
+    """Softmax attention of query heads h0..h0+G-1 (G: marks' rows) over their marked blocks
+    of positions 0..seq_len-1 of one KV head (kv): attend_rows with every head seeing seq_len keys."""
+    lens = np.full(marks[0].shape[0], seq_len, dtype=np.int64)
+    attend_rows(queries, kv, h0, lens, scale, bs, marks, out, probs)
 
 
 @njit(cache=True, nogil=True)
-def _attend_rows(qa, qs, K2, V2, ks, vs, int8, h0, G, lens, scale, bs, mark, ntok, out, want_p, pacc):
-    """Softmax attention of query rows h0..h0+G-1 over their marked blocks (mark [G, nb]), row
-    g over positions below lens[g] only (a marked block is cut at lens[g]).
+def attend_rows(queries, kv, h0, lens, scale, bs, marks, out, probs):
+    """Softmax attention of query rows h0..h0+G-1 (queries (qa, qs), G: marks' rows) over their
+    marked blocks (mark [G, nb]) of one KV head (kv), row g over positions below lens[g] only
+    (a marked block is cut at lens[g]).
 
     qa: queries pre-multiplied by `scale` (float caches), or int8 codes as float32 whose
     scores get (qs * ks[t]) then `scale`. Blocks are visited in ascending order and, inside
@@ -92,7 +111,11 @@ def _attend_rows(qa, qs, K2, V2, ks, vs, int8, h0, G, lens, scale, bs, mark, nto
     query heads of one KV group (decode), or those of several positions of one sequence
     (verification: verify_head), each with its own length. f16 / int8 blocks that
     _SHARE_MIN or more rows mark are widened to float32 once (wide) and every row reads that."""
-    nb, D = mark.shape[1], K2.shape[1]
+    qa, qs = queries
+    K2, V2, ks, vs, int8 = kv
+    mark, ntok = marks
+    want_p, pacc = probs
+    G, nb, D = mark.shape[0], mark.shape[1], K2.shape[1]
     narrow = K2.itemsize < 4  # f16 bits or int8 codes (K and V alike)
     wide = np.empty((bs if narrow else 0, D), dtype=np.float32)  # [bs, D] a block of K, then of V
     seq_len = lens.max()
@@ -173,14 +196,17 @@ def _attend_rows(qa, qs, K2, V2, ks, vs, int8, h0, G, lens, scale, bs, mark, nto
 
 
 @njit(cache=True, nogil=True)
-def verify_head(kh, qa, qs, K, V, ks, vs, int8, start, scale, G, bs, out):
+def verify_head(kh, queries, kv, start, scale, G, bs, out):
     """Exact attention of KV head kh's query heads at R consecutive positions of one sequence
-    (qa [R, H, D], qs [R, H]: positions start..start+R-1, whose K/V are in K, V already) ->
-    out [R, H, D]: row r over positions 0..start+r, the bits a decode step at start+r gives.
+    (queries (qa [R, H, D], qs [R, H]): positions start..start+R-1, whose K/V are in kv's
+    already) -> out [R, H, D]: row r over positions 0..start+r, the bits a decode step at
+    start+r gives.
 
-    The R x G (position, head) rows go to _attend_rows as one group, so each block of K/V is
+    The R x G (position, head) rows go to attend_rows as one group, so each block of K/V is
     read from memory once for all of them rather than once per position; each row's marks,
     length and key count are its own decode step's (exact: every block up to its position)."""
+    qa, qs = queries
+    K, V, ks, vs, int8 = kv
     R, D = qa.shape[0], qa.shape[2]
     RG = R * G
     nb = (start + R + bs - 1) // bs
@@ -200,7 +226,7 @@ def verify_head(kh, qa, qs, K, V, ks, vs, int8, start, scale, G, bs, out):
             rs[row] = qs[r, kh * G + g]
     ro = np.empty((RG, D), dtype=np.float32)
     pdummy = np.zeros((1, 1), dtype=np.float32)
-    _attend_rows(rq, rs, K[kh], V[kh], ks[kh], vs[kh], int8, 0, RG, lens, scale, bs, mark, lens, ro, False, pdummy)
+    attend_rows((rq, rs), (K[kh], V[kh], ks[kh], vs[kh], int8), 0, lens, scale, bs, (mark, lens), ro, (False, pdummy))
     for r in range(R):
         for g in range(G):
             for d in range(D):
@@ -208,9 +234,12 @@ def verify_head(kh, qa, qs, K, V, ks, vs, int8, start, scale, G, bs, out):
 
 
 @njit(cache=True, nogil=True)
-def _probe(q, qs, K2, ks, int8, seq_len, bs, n_probe, P2, ps, per_block, n_copied, tmp, probe):
-    """probe[b] = max over block b's probe keys of q . K (int8: times qs * ks), spec stage 1.
-    Blocks below n_copied read the contiguous copy P2 (one dots call for all of them)."""
+def _probe(q, qs, kv, seq_len, bs, n_probe, side, tmp, probe):
+    """probe[b] = max over block b's probe keys of q . K (int8: times qs * ks), spec stage 1,
+    for one query head q [D] and KV head (kv). Blocks below n_copied read side's contiguous
+    copy P2 (one dots call for all of them)."""
+    K2, _, ks, _, int8 = kv
+    _, P2, ps, per_block, n_copied = side
     nb = probe.shape[0]
     if n_copied > 0:
         n = dots(q, P2, 0, n_copied * per_block, 1, tmp, 0, n_copied * per_block)
@@ -232,12 +261,18 @@ _V2_CHUNK = 64  # summary rows scored by every head of a group in turn: 32 KB at
 
 
 @njit(cache=True, nogil=True)
-def _v2_scores(q, qs, int8, scale, h0, K2, ks, lut, seq_len, bs, S2, n_summ, U, row, score):
+def _v2_scores(q, qs, kv, h0, seq_len, settings, side, score):
     """score[g, b] = u_g . [mean, var] of block b for query heads h0 + g (docs/SPARSE_SELECT_V2.md):
-    blocks below n_summ from the summary copy S2 [n, 2D], walked in chunks that every head of
-    the group dots while the chunk is in cache (the group reads the copy once); later blocks are
-    summarised here with the same arithmetic, so the copy never changes a bit of the result."""
+    blocks below n_summ from the summary copy S2 [n, 2D] (side's P and n_copied), walked in
+    chunks that every head of the group dots while the chunk is in cache (the group reads the
+    copy once); later blocks are summarised here with the same arithmetic, so the copy never
+    changes a bit of the result."""
+    K2, _, ks, _, int8 = kv
+    scale, bs, _, _, _, _, lut = settings
+    _, S2, _, _, n_summ = side
     G, nb = score.shape
+    U = np.empty((G, 2 * q.shape[1]), dtype=np.float32)  # each head's u
+    row = np.empty((1, 2 * q.shape[1]), dtype=np.uint16)  # a block summarised here
     for g in range(G):
         v2_query(q[h0 + g], qs[h0 + g], int8, scale, U[g])
     for c0 in range(0, n_summ, _V2_CHUNK):
@@ -259,7 +294,7 @@ def _v3_scores(query, keys, codes, seq_len, bs, mass):
     (docs/SPARSE_SELECT_V3.md): every key scored with int8 codes of the query and the key,
     then per block max + log(sum of exp(score - max)).
 
-    query (q, qs, int8, scale, h0): the probe queries as _group takes them; keys (K2, ks, lut):
+    query (q, qs, int8, scale, h0): the probe queries as select_and_attend takes them; keys (K2, ks, lut):
     the cache's rows; codes (P2, ps, n_copied): the key codes of the first n_copied full blocks
     ([n, D] int8 and their scales: state.sparse.KeyCodes), walked in chunks that every head of
     the group dots while the chunk is in cache. Later rows are quantised here with the same
@@ -294,76 +329,44 @@ def _v3_scores(query, keys, codes, seq_len, bs, mass):
 
 
 @njit(cache=True, nogil=True)
-def _group(
-    q,
-    qa,
-    qs,
-    K2,
-    V2,
-    ks,
-    vs,
-    int8,
-    h0,
-    G,
-    seq_len,
-    scale,
-    sparse,
-    reserved,
-    k_blocks,
-    bs,
-    n_probe,
-    P2,
-    ps,
-    per_block,
-    n_copied,
-    out,
-    sel,
-    stages,
-    nsel,
-    want_p,
-    pacc,
-    flags,
-    lut,
-    select,
-):
-    """Select blocks for query heads h0..h0+G-1 (all of them unless sparse) and attend.
-    q: probe queries (raw q, or int8 codes); qa: attention queries (see _attend_group).
-    reserved: stage codes after the importance reservation (all -1 without importance).
-    P2 / ps: contiguous copies of the probe keys (and int8 scales) of the first n_copied
-    blocks, per_block rows each (the cache's probe-key copy; n_copied <= seq_len // bs, so
-    only full blocks below seq_len); later blocks are probed in K itself.
-    flags: 0 the seed selector, else v2's bits (select.V2_*) or v3's word (select.V3_*); for
-    v2, P2 holds the block summaries [n, 2D] (state.sparse.BlockSummaries), for v3 the int8 key
-    codes [n * bs, D] and ps their scales (state.sparse.KeyCodes); lut widens f16 keys.
+def select_and_attend(queries, kv, h0, G, seq_len, settings, side, out, selection, select):
+    """Select blocks for query heads h0..h0+G-1 of one KV head (all of them unless sparse) and
+    attend. side: for v2 (flags' V2 bits), P holds the block summaries [n, 2D]
+    (state.sparse.BlockSummaries), for v3 (flags' V3 word) the int8 key codes [n * bs, D] with
+    their scales in ps (state.sparse.KeyCodes); n_copied <= seq_len // bs, so only full blocks
+    below seq_len are read from the copy, later blocks are probed in K itself.
     select: None where no caller ever selects (the fused step of exact requests): a type,
     so numba prunes the selection code before typing it; True elsewhere, `sparse` decides."""
+    bs = settings[1]
     nb = (seq_len + bs - 1) // bs
     mark = np.zeros((G, nb), dtype=np.bool_)
     ntok = np.zeros(G, dtype=np.int64)
-    _select(q, qs, K2, ks, int8, h0, G, seq_len, scale, sparse, reserved, k_blocks, bs, n_probe, P2, ps, per_block,
-            n_copied, sel, stages, nsel, flags, lut, select, mark, ntok)  # fmt: skip
-    _attend_group(qa, qs, K2, V2, ks, vs, int8, h0, G, seq_len, scale, bs, mark, ntok, out, want_p, pacc)
+    _select(queries, kv, h0, seq_len, settings, side, selection + (mark, ntok), select)
+    pdummy = np.zeros((1, 1), dtype=np.float32)
+    attend_group(queries[1:], kv, h0, seq_len, settings[0], bs, (mark, ntok), out, (False, pdummy))
 
 
 @njit(cache=True, nogil=True)
-def _select(
-    q, qs, K2, ks, int8, h0, G, seq_len, scale, sparse, reserved, k_blocks, bs, n_probe, P2, ps, per_block, n_copied,
-    sel, stages, nsel, flags, lut, select, mark, ntok,
-):  # fmt: skip
-    """_group's selection: sel, stages and nsel of heads h0..h0+G-1, and mark [G, >= nb] (all
-    False on entry) and ntok [G] (0 on entry) as the attention takes them."""
+def _select(queries, kv, h0, seq_len, settings, side, picks, select):
+    """select_and_attend's selection: picks (sel, stages, nsel, mark, ntok) for heads
+    h0..h0+G-1 (G: mark's rows), mark [G, >= nb] (all False on entry) and ntok [G] (0 on
+    entry) as the attention takes them."""
+    q, _, qs = queries
+    scale, bs, sparse, k_blocks, n_probe, flags, lut = settings
+    reserved, _, _, per_block, n_copied = side
+    sel, stages, nsel, mark, ntok = picks
+    G = mark.shape[0]
     nb = (seq_len + bs - 1) // bs
     if select is not None and sparse and k_blocks < nb:  # with k >= nb every block is taken whatever the probes say
         probe = np.empty(nb, dtype=np.float32)
         tmp = np.empty(max(bs, n_copied * per_block), dtype=np.float32)
         scores = np.empty((G, nb) if flags & (V2_ON | V3_ON) else (1, 1), dtype=np.float32)
         if flags & V3_ON:
+            K2, _, ks, _, int8 = kv
+            _, P2, ps, _, _ = side
             _v3_scores((q, qs, int8, scale, h0), (K2, ks, lut), (P2, ps, n_copied), seq_len, bs, scores)
         elif flags & V2_ON:
-            D = q.shape[1]
-            U = np.empty((G, 2 * D), dtype=np.float32)
-            row = np.empty((1, 2 * D), dtype=np.uint16)
-            _v2_scores(q, qs, int8, scale, h0, K2, ks, lut, seq_len, bs, P2, n_copied, U, row, scores)
+            _v2_scores(q, qs, kv, h0, seq_len, settings, side, scores)
         for g in range(G):
             h = h0 + g
             if flags & V3_ON:
@@ -371,7 +374,7 @@ def _select(
             elif flags & V2_ON:
                 n = select_v2_nb(scores[g], flags, k_blocks, sel[h], stages[h])
             else:
-                _probe(q[h], qs[h], K2, ks, int8, seq_len, bs, n_probe, P2, ps, per_block, n_copied, tmp, probe)
+                _probe(q[h], qs[h], kv, seq_len, bs, n_probe, side, tmp, probe)
                 n = fill_probe_nb(probe, reserved, k_blocks, sel[h], stages[h])
             nsel[h] = n
             for j in range(n):
@@ -403,37 +406,17 @@ def importance_per_block(imp, seq_len, bs):
 
 
 @njit(cache=True, nogil=True)
-def decode_kernel(
-    q,
-    qa,
-    qs,
-    K,
-    V,
-    ks,
-    vs,
-    int8,
-    imp,
-    seq_len,
-    scale,
-    G,
-    sparse,
-    k_blocks,
-    bs,
-    n_probe,
-    P,
-    ps,
-    per_block,
-    n_copied,
-    out,
-    sel,
-    stages,
-    nsel,
-    flags,
-    lut,
-):
+def decode_kernel(queries, kv, imp, seq_len, G, settings, copy, out, selection):
+    """Decode attention of one query position over positions 0..seq_len-1 of a cache (kv),
+    every KV head's group in turn: queries [H, D] -> out [H, D], the selection in selection.
+    imp: the cache's prefill importance per position (seed selector only); copy: (P [KVH, n,
+    D | 2D], ps, per_block, n_copied), the probe-key copy or block summaries (side's tail)."""
     # Serial over KV heads: with 3 KV heads on 2 cores a prange over them measured slower at
     # every context up to 7K and every KV type (sparse f32 at 7K: 16.5 vs 12.6 ms a token,
     # workers pinned), the launch and the 2:1 split costing more than the second core gives.
+    K, V, ks, vs, int8 = kv
+    P, ps, per_block, n_copied = copy
+    _, bs, sparse, k_blocks, _, flags, _ = settings
     nb = (seq_len + bs - 1) // bs
     # a copy made for a longer seq_len holds blocks at or past seq_len: never read them
     # (unchecked indexing would write past `probe`); the caller passes a clamped count too
@@ -442,60 +425,34 @@ def decode_kernel(
         reserved = reserve_importance_nb(importance_per_block(imp, seq_len, bs), k_blocks, nb)
     else:  # exact, or v2 (which does not use importance)
         reserved = np.full(nb, -1, dtype=np.int8)
-    pdummy = np.zeros((1, 1), dtype=np.float32)
     for kh in range(K.shape[0]):
-        _group(
-            q,
-            qa,
-            qs,
-            K[kh],
-            V[kh],
-            ks[kh],
-            vs[kh],
-            int8,
-            kh * G,
-            G,
-            seq_len,
-            scale,
-            sparse,
-            reserved,
-            k_blocks,
-            bs,
-            n_probe,
-            P[kh],
-            ps[kh],
-            per_block,
-            n_copied,
-            out,
-            sel,
-            stages,
-            nsel,
-            False,
-            pdummy,
-            flags,
-            lut,
-            True,
-        )
+        side = (reserved, P[kh], ps[kh], per_block, n_copied)
+        select_and_attend(queries, (K[kh], V[kh], ks[kh], vs[kh], int8), kh * G, G, seq_len, settings, side, out,
+                          selection, True)  # fmt: skip
 
 
 # queries of a sparse prefill attended together (sparse_prefill_kernel): their G heads each
-# make R * G rows of one _attend_rows pass, which reads (and widens) a block once for every row
+# make R * G rows of one attend_rows pass, which reads (and widens) a block once for every row
 # that selected it
 _PREFILL_ROWS = 8
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def sparse_prefill_kernel(
-    q, qa, qs, K, V, ks, vs, int8, start, scale, G, k_blocks, bs, n_probe, out, pacc, want_p, flags, P, n_summ, lut
-):
-    """P [KVH, n, 2D] / n_summ: v2's block summaries of the full blocks below start + T (flags
-    set); the seed probes K itself (P unused).
+def sparse_prefill_kernel(queries, kv, start, G, settings, summaries, out, probs):
+    """Sparse attention of queries [T, H, D] at positions start..start+T-1 (their K/V in kv
+    already) -> out [T, H, D]. summaries: (P [KVH, n, 2D], n_summ), v2's block summaries of
+    the full blocks below start + T (flags set); the seed probes K itself (P unused).
 
     Each query selects its blocks over its own causal prefix as a decode step at its position
     would (_select, no importance), and runs of _PREFILL_ROWS queries attend in one
-    _attend_rows pass, each (query, head) row with its own marks and length: each row's bits
+    attend_rows pass, each (query, head) row with its own marks and length: each row's bits
     are its own decode step's. A row's probabilities land in pacc[head] in query order, as one
     query at a time would add them (each goes to a zeroed row first: 0 + p is p)."""
+    q, qa, qs = queries
+    K, V, ks, vs, int8 = kv
+    scale, bs, _, k_blocks, n_probe, flags, lut = settings
+    P, n_summ = summaries
+    want_p, pacc = probs
     T, H = q.shape[0], q.shape[1]
     S = start + T
     nbmax = (S + bs - 1) // bs
@@ -512,6 +469,7 @@ def sparse_prefill_kernel(
         ro = np.empty((R * G, q.shape[2]), dtype=np.float32)
         rp = np.zeros((R * G if want_p else 1, S if want_p else 1), dtype=np.float32)
         none = np.full(nbmax, -1, dtype=np.int8)  # prefill: no importance (_select reads a query's blocks only)
+        head_kv = (K[kh], V[kh], ks[kh], vs[kh], int8)
         for t0 in range(0, T, R):
             n_rows = min(R, T - t0) * G
             for r in range(n_rows // G):
@@ -520,16 +478,16 @@ def sparse_prefill_kernel(
                 rows = mark[r * G : r * G + G]
                 rows[:] = False
                 ntok[r * G : r * G + G] = 0
-                _select(q[t], qs[t], K[kh], ks[kh], int8, kh * G, G, n, scale, True, none, k_blocks, bs, n_probe,
-                        P[kh], ks[kh], 1, min(n_summ, n // bs) if flags else 0, sel, stages, nsel, flags, lut, True,
-                        rows, ntok[r * G : r * G + G])  # fmt: skip
+                side = (none, P[kh], ks[kh], 1, min(n_summ, n // bs) if flags else 0)
+                _select((q[t], qa[t], qs[t]), head_kv, kh * G, n, settings, side,
+                        (sel, stages, nsel, rows, ntok[r * G : r * G + G]), True)  # fmt: skip
                 for g in range(G):
                     lens[r * G + g] = n
                     rq[r * G + g] = qa[t, kh * G + g]
                     rs[r * G + g] = qs[t, kh * G + g]
             nb = (start + t0 + n_rows // G + bs - 1) // bs
-            _attend_rows(rq[:n_rows], rs[:n_rows], K[kh], V[kh], ks[kh], vs[kh], int8, 0, n_rows, lens[:n_rows], scale,
-                         bs, mark[:n_rows], ntok[:n_rows], ro, want_p, rp)  # fmt: skip
+            attend_rows((rq[:n_rows], rs[:n_rows]), head_kv, 0, lens[:n_rows], scale, bs,
+                        (mark[:n_rows], ntok[:n_rows]), ro, (want_p, rp))  # fmt: skip
             for r in range(n_rows // G):
                 for g in range(G):
                     row = r * G + g

@@ -46,13 +46,17 @@ def items_of(T: int) -> int:
 
 
 @njit(cache=True, nogil=True)
-def _item(qa, KT, V, start, group, t0, t1, out, pacc, want_p):
-    """Queries t0..t1-1 (positions start + t) of every head; adds importance into the rows of
-    pacc [chunk queries / SUB, S] of its SUB-query groups (t0 is a multiple of SUB).
+def _prefill_attention_item(qa, kv, start, group, t0, t1, out, probs):
+    """Queries t0..t1-1 (positions start + t) of every head over kv (KT, V), keys as
+    key_blocks gives them and values [KVH, S, D]; with probs (want_p, pacc), adds importance
+    into the rows of pacc [chunk queries / SUB, S] of its SUB-query groups (t0 is a multiple
+    of SUB).
 
     Rows of one KV head go by SUB-query group s, then head g of the group, then query i of the
     group, so each group's rows are contiguous and in the order an item of just those queries
     has: its importance row is summed in the same order whatever the item size."""
+    KT, V = kv
+    want_p, pacc = probs
     D = qa.shape[2]
     nq = t1 - t0
     R = group * nq
@@ -134,21 +138,23 @@ def _item(qa, KT, V, start, group, t0, t1, out, pacc, want_p):
 
 
 @njit(cache=True, nogil=True)
-def _pair(j, n, qt, addr, qa, KT, V, start, group, out, pacc, want_p):
-    """Query item j of n (qt queries each) and its mirror n-1-j (the middle item of an odd count
-    runs once): their key counts add up to the same total, so any split of the pairs between
-    threads is balanced. addr: _item's machine code for these types (item_address), called
-    through it so that it compiles once, not again here (kernels/native_call.py)."""
+def _prefill_item_pair(j, items, qa, kv, start, group, out, probs):
+    """Query item j of n (items (n, qt, addr): qt queries each) and its mirror n-1-j (the
+    middle item of an odd count runs once): their key counts add up to the same total, so any
+    split of the pairs between threads is balanced. addr: _prefill_attention_item's machine code for these types
+    (item_address), called through it so that it compiles once, not again here
+    (kernels/native_call.py)."""
+    n, qt, addr = items
     T = qa.shape[0]
     for k in range(1 if n - 1 - j == j else 2):
         it = j if k == 0 else n - 1 - j
         t0, t1 = np.int64(it * qt), np.int64(min(T, it * qt + qt))
-        call_native(addr, (qa, KT, V, start, group, t0, t1, out, pacc, want_p))
+        call_native(addr, (qa, kv, start, group, t0, t1, out, probs))
 
 
-def item_address(qa, KT, V, start, group, out, pacc, want_p) -> int:
-    """The address of _item for the types _pair calls it with."""
-    return address_for(_item, (qa, KT, V, start, group, 0, 0, out, pacc, want_p))
+def item_address(qa, kv, start, group, out, probs) -> int:
+    """The address of _prefill_attention_item for the types _prefill_item_pair calls it with."""
+    return address_for(_prefill_attention_item, (qa, kv, start, group, 0, 0, out, probs))
 
 
 def key_blocks(K, S):
@@ -166,11 +172,13 @@ def key_blocks(K, S):
 
 
 @njit(cache=True, nogil=True)
-def _widen_block(i, K, V, ks, vs, scaled, lut, S, KT, Vf):
-    """Block i % nblk of KV head i // nblk from f16 or int8 storage: keys widened to float32 and
-    transposed into KT[kh, b] ([D, BK], zeros past S), values widened into Vf[kh]. f16 bits go
-    through lut (exact); an int8 code becomes float32(code) * its row's scale, the product
-    LayerCache.keys_f32 / values_f32 give, so the attention sees the same floats."""
+def _widen_block(i, kv, lut, S, KT, Vf):
+    """Block i % nblk of KV head i // nblk from f16 or int8 storage (kv: (K, V, ks, vs,
+    scaled), as attention.decode's): keys widened to float32 and transposed into KT[kh, b]
+    ([D, BK], zeros past S), values widened into Vf[kh]. f16 bits go through lut (exact); an
+    int8 code becomes float32(code) * its row's scale, the product LayerCache.keys_f32 /
+    values_f32 give, so the attention sees the same floats."""
+    K, V, ks, vs, scaled = kv
     nblk = KT.shape[1]
     kh, b = i // nblk, i % nblk
     D = K.shape[2]
@@ -200,7 +208,7 @@ def widened_blocks(K, V, ks, vs, scaled, lut, S):
     nblk = (S + BK - 1) // BK
     KT = np.empty((KVH, nblk, D, BK), np.float32)
     Vf = np.empty((KVH, S, D), np.float32)
-    run_parallel(KVH * nblk, _widen_block, (K, V, ks, vs, bool(scaled), lut, int(S), KT, Vf))
+    run_parallel(KVH * nblk, _widen_block, ((K, V, ks, vs, bool(scaled)), lut, int(S), KT, Vf))
     return KT, Vf
 
 
@@ -217,8 +225,8 @@ def prefill_attention(qa, K, V, start, group, want_p, ks=None, vs=None, scaled=F
         KT, V = widened_blocks(K, V, ks, vs, scaled, lut, S)
     out = np.empty((T, H, D), np.float32)
     pacc = np.zeros(((T + SUB - 1) // SUB, KT.shape[1] * BK) if want_p else (1, 1), np.float32)
-    args = (np.ascontiguousarray(qa, np.float32), KT, V, int(start), int(group), out, pacc, bool(want_p))
+    args = (np.ascontiguousarray(qa, np.float32), (KT, V), int(start), int(group), out, (bool(want_p), pacc))
     qt = items_of(T)
     n = (T + qt - 1) // qt  # query items of qt rows, run in pairs
-    run_parallel((n + 1) // 2, _pair, (n, qt, item_address(*args), *args))
+    run_parallel((n + 1) // 2, _prefill_item_pair, ((n, qt, item_address(*args)), *args))
     return out, (pacc.sum(axis=0)[:S] if want_p else None)

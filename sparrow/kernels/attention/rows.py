@@ -136,8 +136,12 @@ def _hsum4(builder, a):
     return builder.fadd(sh(z, z, [0, 2, 4, 6]), sh(z, z, [1, 3, 5, 7]))
 
 
-def _dots_generic(builder, kind, qp, kp, sp, d, t0v, stepv, offv, j0, n):
-    """Rows j0..n-1: one row at a time, any head_dim."""
+def _dots_generic(builder, kind, ptrs, d, walk, j0, n):
+    """Rows j0..n-1: one row at a time, any head_dim. ptrs: (qp, kp, sp), the query's, the
+    rows' and the scores' pointers; walk: (t0v, stepv, offv), the first row, the step between
+    rows and the first score's index."""
+    qp, kp, sp = ptrs
+    t0v, stepv, offv = walk
     nch = builder.lshr(d, ir.Constant(_I64, 4))
     acc = cgutils.alloca_once_value(builder, _ZERO)
     tot = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
@@ -160,11 +164,13 @@ def _dots_generic(builder, kind, qp, kp, sp, d, t0v, stepv, offv, j0, n):
         builder.store(builder.load(tot), builder.gep(sp, [builder.add(offv, j)]))
 
 
-def _dots_fixed(builder, kind, qp, kp, sp, dim, t0v, stepv, offv, n, aheadv):
+def _dots_fixed(builder, kind, ptrs, dim, walk, n, aheadv):
     """head_dim == dim (a multiple of 16): q stays in registers and rows go four at a time
     through _hsum4; the same fma chain and tree as _dots_generic, so the same bits. With step
     1, each group of four prefetches the four rows _ahead_rows later, while they are below
-    aheadv."""
+    aheadv. ptrs, walk: as _dots_generic's."""
+    qp, kp, sp = ptrs
+    t0v, stepv, offv = walk
     i64 = lambda x: ir.Constant(_I64, x)  # noqa: E731
     qv = [_load16(builder, "f32", qp, i64(c * 16)) for c in range(dim // 16)]
     ngroups = builder.lshr(n, i64(2))
@@ -185,7 +191,7 @@ def _dots_fixed(builder, kind, qp, kp, sp, dim, t0v, stepv, offv, n, aheadv):
             accs.append(acc)
         out = builder.bitcast(builder.gep(sp, [builder.add(offv, j0)]), ir.VectorType(_F32, 4).as_pointer())
         builder.store(_hsum4(builder, accs), out, align=4)
-    _dots_generic(builder, kind, qp, kp, sp, i64(dim), t0v, stepv, offv, builder.shl(ngroups, i64(2)), n)
+    _dots_generic(builder, kind, ptrs, i64(dim), walk, builder.shl(ngroups, i64(2)), n)
 
 
 @intrinsic
@@ -202,19 +208,20 @@ def dots(typingctx, q, K2, t0, t1, step, s, off, ahead):
         kp, karr = _ptr(context, builder, signature.args[1], args[1], _elem(kind))
         sp, _ = _ptr(context, builder, signature.args[5], args[5], _F32)
         t0v, t1v, stepv, offv = args[2], args[3], args[4], args[6]
+        ptrs, walk = (qp, kp, sp), (t0v, stepv, offv)
         d = builder.extract_value(karr.shape, 1)
         span = builder.sub(t1v, t0v)
         n = builder.sdiv(builder.add(span, builder.sub(stepv, ir.Constant(_I64, 1))), stepv)
         n = builder.select(builder.icmp_signed(">", span, ir.Constant(_I64, 0)), n, ir.Constant(_I64, 0))
         with builder.if_else(builder.icmp_signed("==", d, ir.Constant(_I64, 64))) as (d64, other):
             with d64:
-                _dots_fixed(builder, kind, qp, kp, sp, 64, t0v, stepv, offv, n, args[7])
+                _dots_fixed(builder, kind, ptrs, 64, walk, n, args[7])
             with other:
                 with builder.if_else(builder.icmp_signed("==", d, ir.Constant(_I64, 128))) as (d128, rest):
                     with d128:
-                        _dots_fixed(builder, kind, qp, kp, sp, 128, t0v, stepv, offv, n, args[7])
+                        _dots_fixed(builder, kind, ptrs, 128, walk, n, args[7])
                     with rest:
-                        _dots_generic(builder, kind, qp, kp, sp, d, t0v, stepv, offv, ir.Constant(_I64, 0), n)
+                        _dots_generic(builder, kind, ptrs, d, walk, ir.Constant(_I64, 0), n)
         return n
 
     return sig, codegen
@@ -280,11 +287,13 @@ def prefetch(typingctx, X2, t0, t1):
     return sig, codegen
 
 
-def _accum_chunks(builder, kind, wp, vp, ap, d, offv, t0v, n, chunks, ahead=None):
+def _accum_chunks(builder, kind, ptrs, d, offv, t0v, n, chunks, ahead=None):
     """acc += weighted rows for the 16-lane chunks `chunks` (constants, at most 4, so the
     4 x len(chunks) accumulators stay in registers and each weight is splat once per row).
+    ptrs: (wp, vp, ap), the weights', the rows' and the accumulators' pointers.
     ahead (head_dim d a constant, the first pass over the rows): each group of four prefetches
     the four rows _ahead_rows later, while they are below it."""
+    wp, vp, ap = ptrs
     i64 = lambda x: ir.Constant(_I64, x)  # noqa: E731
     rot = builder.and_(offv, i64(3))
     # regs[j][c] holds accumulator (off + j) % 4, so row j of every group of four is static
@@ -337,6 +346,7 @@ def accum(typingctx, w, off, V2, t0, t1, acc, ahead):
         vp, varr = _ptr(context, builder, signature.args[2], args[2], _elem(kind))
         ap, _ = _ptr(context, builder, signature.args[5], args[5], _F32)
         offv, t0v, t1v = args[1], args[3], args[4]
+        ptrs = (wp, vp, ap)
         i64 = lambda x: ir.Constant(_I64, x)  # noqa: E731
         d = builder.extract_value(varr.shape, 1)
         nch = builder.lshr(d, i64(4))
@@ -346,17 +356,17 @@ def accum(typingctx, w, off, V2, t0, t1, acc, ahead):
         with builder.if_else(builder.icmp_signed("==", d, i64(64))) as (d64, other):
             with d64:
                 chunks = [i64(c * 16) for c in range(4)]
-                _accum_chunks(builder, kind, wp, vp, ap, i64(64), offv, t0v, n, chunks, args[6])
+                _accum_chunks(builder, kind, ptrs, i64(64), offv, t0v, n, chunks, args[6])
             with other:
                 with builder.if_else(builder.icmp_signed("==", d, i64(128))) as (d128, rest):
                     with d128:
                         for half in (0, 4):  # the first pass over the rows prefetches
                             chunks = [i64((half + c) * 16) for c in range(4)]
                             ahead = args[6] if half == 0 else None
-                            _accum_chunks(builder, kind, wp, vp, ap, i64(128), offv, t0v, n, chunks, ahead)
+                            _accum_chunks(builder, kind, ptrs, i64(128), offv, t0v, n, chunks, ahead)
                     with rest:
                         with cgutils.for_range(builder, nch) as ch:
-                            _accum_chunks(builder, kind, wp, vp, ap, d, offv, t0v, n, [builder.shl(ch.index, i64(4))])
+                            _accum_chunks(builder, kind, ptrs, d, offv, t0v, n, [builder.shl(ch.index, i64(4))])
         with cgutils.for_range(builder, n) as r:  # head_dim tail (not a multiple of 16)
             wr = builder.load(builder.gep(wp, [builder.add(offv, r.index)]))
             slot = builder.mul(builder.and_(builder.add(offv, r.index), i64(3)), d)

@@ -46,9 +46,11 @@ def _store(b, val, ptr, lanes):
         b.store(val, ptr)
 
 
-def _tile(b, ap, bp, cp, sa, sb, sc, r0, c0, n, rows, nvec, lanes):
+def _tile(b, mats, r0, c0, n, rows, nvec, lanes):
     """C[r0:r0+rows, c0:c0+nvec*lanes] += A[r0:r0+rows, :n] @ B[:n, c0:c0+nvec*lanes] (lanes 1:
-    scalar columns)."""
+    scalar columns). mats: (ap, bp, cp, sa, sb, sc), A's, B's and C's float pointers and row
+    strides (in elements)."""
+    ap, bp, cp, sa, sb, sc = mats
     cptrs = [[_at(b, cp, sc, b.add(r0, _c(i)), b.add(c0, _c(lanes * v))) for v in range(nvec)] for i in range(rows)]
     accs = [[cgutils.alloca_once_value(b, _load(b, p, lanes)) for p in row] for row in cptrs]
     with cgutils.for_range(b, n) as loop:
@@ -64,29 +66,29 @@ def _tile(b, ap, bp, cp, sa, sb, sc, r0, c0, n, rows, nvec, lanes):
             _store(b, b.load(accs[i][v]), cptrs[i][v], lanes)
 
 
-def _columns(b, ap, bp, cp, sa, sb, sc, r0, n, cols, rows):
+def _columns(b, mats, r0, n, cols, rows):
     """All columns of rows r0..r0+rows-1: NW * LANES at a time, then LANES, then 8, then one."""
     width = NW * LANES
     nw = b.udiv(cols, _c(width))
     with cgutils.for_range(b, nw) as loop:
-        _tile(b, ap, bp, cp, sa, sb, sc, r0, b.mul(loop.index, _c(width)), n, rows, NW, LANES)
+        _tile(b, mats, r0, b.mul(loop.index, _c(width)), n, rows, NW, LANES)
     done = b.mul(nw, _c(width))
     for lanes in sorted({LANES, 8}, reverse=True):  # one vector at a time, wide then 8 lanes
         if lanes >= width:
             continue
         with cgutils.for_range_slice(b, done, b.sub(cols, _c(lanes - 1)), _c(lanes)) as (c, _):
-            _tile(b, ap, bp, cp, sa, sb, sc, r0, c, n, rows, 1, lanes)
+            _tile(b, mats, r0, c, n, rows, 1, lanes)
         left = b.sub(cols, done)
         done = b.add(done, b.mul(b.udiv(left, _c(lanes)), _c(lanes)))
     with cgutils.for_range_slice(b, done, cols, _c(1)) as (c, _):
-        _tile(b, ap, bp, cp, sa, sb, sc, r0, c, n, rows, 1, 1)
+        _tile(b, mats, r0, c, n, rows, 1, 1)
 
 
-def _rows(b, ap, bp, cp, sa, sb, sc, n, cols, r0, r1, mr):
+def _rows(b, mats, n, cols, r0, r1, mr):
     """Rows r0..r1-1 in tiles of mr rows; returns the first row not done."""
     nt = b.udiv(b.sub(r1, r0), _c(mr))
     with cgutils.for_range(b, nt) as loop:
-        _columns(b, ap, bp, cp, sa, sb, sc, b.add(r0, b.mul(loop.index, _c(mr))), n, cols, mr)
+        _columns(b, mats, b.add(r0, b.mul(loop.index, _c(mr))), n, cols, mr)
     return b.add(r0, b.mul(nt, _c(mr)))
 
 
@@ -101,14 +103,15 @@ def mm_add(typingctx, A, B, C, n):
     def codegen(context, builder, signature, args):
         b = builder
         arrs = [context.make_array(t)(context, b, a) for t, a in zip(signature.args[:3], args[:3])]
-        ap, bp, cp = (b.bitcast(x.data, F32.as_pointer()) for x in arrs)
-        sa, sb, sc = (b.lshr(b.extract_value(x.strides, 0), _c(2)) for x in arrs)  # row strides
+        pointers = tuple(b.bitcast(x.data, F32.as_pointer()) for x in arrs)
+        strides = tuple(b.lshr(b.extract_value(x.strides, 0), _c(2)) for x in arrs)  # row strides
+        mats = pointers + strides
         cols = b.extract_value(arrs[1].shape, 1)
         rows = b.extract_value(arrs[0].shape, 0)
         n = args[3]
         r = _c(0)
         for mr in sorted({MR, 4, 1}, reverse=True):
-            r = _rows(b, ap, bp, cp, sa, sb, sc, n, cols, r, rows, mr)
+            r = _rows(b, mats, n, cols, r, rows, mr)
         return context.get_dummy_value()
 
     return sig, codegen

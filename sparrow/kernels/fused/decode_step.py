@@ -15,8 +15,8 @@ workers meet at a spin barrier (sync.barrier, ~0.2 us) between dependent phases:
 
 Bit-identical to the staged path: every value is computed by the same compiled helpers on
 arrays of the same types (rows by rowdot_*, norms by _rms_rows, RoPE by _rope, silu by
-_silu_mul, attention by _group or, for exact requests, its kernel _attend_group on every
-block, as _group gives it), and splitting rows or heads between workers never changes
+_silu_mul, attention by select_and_attend or, for exact requests, its kernel attend_group on
+every block, as select_and_attend gives it), and splitting rows or heads between workers never changes
 what one row or head computes. Verification's R rows go through each phase together: the row
 dots take them as one x [R, E] (each row's bits those of its own dot, ir.make_rows_x), each
 KV head's K/V is read once for all of them (attention.decode.verify_head, a decode step's
@@ -38,9 +38,9 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit, typeof, types
 
-from sparrow.kernels.attention.decode import _attend_group, _group, importance_per_block, verify_head
+from sparrow.kernels.attention.decode import attend_group, importance_per_block, select_and_attend, verify_head
 from sparrow.kernels.attention.select import reserve_importance_nb
-from sparrow.kernels.deltanet import _conv_silu_channels, _layer_head, _sigmoid1
+from sparrow.kernels.deltanet import _conv_silu_channels, _deltanet_value_head, _sigmoid1
 from sparrow.kernels.elementwise import _quant_rows, _rms_rows, _rope, _silu_mul
 from sparrow.kernels.formats import X8_FIRST
 from sparrow.kernels.fused.moe_phase import moe_phase
@@ -110,7 +110,7 @@ def _own_rows(w, kind, n, tid, nt):
 @njit(**KW)
 def _store_kv(X, XS, kv_kind, kh, pos, row, one, codes, sc):
     """Writes the f32 row [D] (one: its [1, D] buffer) as KV head kh's entry at pos.
-    Copies here and in worker are element loops: numba's shape-checked array assignment
+    Copies here and in fused_decode_step are element loops: numba's shape-checked array assignment
     costs seconds of compile."""
     D = row.shape[0]
     if kv_kind == KV_F32:
@@ -194,7 +194,7 @@ class StepScratch(NamedTuple):
     gu: np.ndarray  # [R, 2F]
     y: np.ndarray  # [R, E]
     logits: np.ndarray  # [R, Vocab]
-    # each layer's block selection, as attention.decode._group writes it: [L, ...] when the
+    # each layer's block selection, as attention.decode.select_and_attend writes it: [L, ...] when the
     # step is traced (models.attention.Selections keeps every layer's), else [1, ...], one
     # reused by every layer: the same types either way, so tracing compiles nothing more
     sel: np.ndarray  # [L | 1, H, nb] int64: head h read blocks sel[., h, :nsel[., h]], ascending
@@ -236,17 +236,19 @@ class StepHybrid(NamedTuple):
 
 
 @njit(**KW)
-def _deltanet_phase(tid, nt, sync, layer, h, x, at, y, eps, hyb, q8, exact):
-    """Layer `layer`'s Gated DeltaNet mixing for worker tid over the rows of h and x [R, E]
-    (x gets out_proj's output added); False, doing nothing, where the layer is full attention.
+def _deltanet_phase(team, layer, h, x, at, y, eps, hyb, q8, exact):
+    """Layer `layer`'s Gated DeltaNet mixing for worker tid of team (tid, nt, sync) over the
+    rows of h and x [R, E] (x gets out_proj's output added, y [R, E] its scratch); False, doing
+    nothing, where the layer is full attention.
     Three phases, as kernels/deltanet.gated_deltanet runs one row of a sequence: in_proj rows
     | -> conv + SiLU, each worker its channels, row after row | -> per value head
-    (deltanet._layer_head, each worker its heads, row after row) | -> out_proj rows, residual |.
+    (deltanet._deltanet_value_head, each worker its heads, row after row) | -> out_proj rows, residual |.
     A row's state is its own sequence's (at[r, 0]); rows of one sequence (verification) follow
     each other in a channel's and a head's state, which one worker owns, and the state after a
     row is copied where keep says (the staged path's HybridCache.keep_row)."""
     if hyb.full[layer]:
         return False
+    tid, nt, sync = team
     li = hyb.index[layer]
     R, E = x.shape[0], x.shape[1]
     C, VD, Hv = hyb.C, hyb.VD, hyb.Hv
@@ -270,9 +272,10 @@ def _deltanet_phase(tid, nt, sync, layer, h, x, at, y, eps, hyb, q8, exact):
     for r in range(R):
         S = _at4(hyb.stab, at[r, 0], 1, hyb.like4)[li]  # [Hv, Dk, Dv]
         for hh in range(v0, v1):
-            _layer_head(hh, conv[r : r + 1], proj[r : r + 1, C : C + VD], proj[r : r + 1, C + VD : C + VD + Hv],
-                        proj[r : r + 1, C + VD + Hv : C + VD + 2 * Hv], hyb.neg_A[li], hyb.dt_bias[li], hyb.norm[li],
-                        hyb.key_head[li], hyb.dims, eps, S, yv[r : r + 1])  # fmt: skip
+            inputs = (conv[r : r + 1], proj[r : r + 1, C : C + VD], proj[r : r + 1, C + VD : C + VD + Hv],
+                      proj[r : r + 1, C + VD + Hv : C + VD + 2 * Hv])  # fmt: skip
+            weights = (hyb.neg_A[li], hyb.dt_bias[li], hyb.norm[li], hyb.key_head[li], hyb.dims, eps)
+            _deltanet_value_head(hh, inputs, weights, S, yv[r : r + 1])
             if hyb.keep[r, 1, 0] != 0:
                 kept = _at4(hyb.keep, r, 1, hyb.like4)[li, hh]
                 for i in range(S.shape[1]):
@@ -340,16 +343,16 @@ def _w(wtab, i, j):
 
 
 @njit(**KW)
-def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, hybrid, calls):
+def fused_decode_step(tid, nt, sync, x, at, step, q8, select, moe, hybrid):
     """Worker tid of nt: decodes the token at position at[0, 1] of sequence 0 (at [R, 3]: each
     row's sequence, an index into cache's tables, its position there, and its rope position:
     the position plus its prompt's rope delta, Qwen3-VL after images), x [1, E] being its embedding
     (the residual stream, updated in place); or, x [R, E] with 1 < R <= SMALL_T, either
     verification's rows at consecutive positions of one sequence with exact attention, or a
     batch: R sequences' decode rows, one each, with the same attention settings (each row
-    selects from its own cache's state). model, cache, attn and
-    scratch are the records above (StepModel, StepCache, StepAttention, StepScratch), built by
-    models/fused.py. Two types choose what is compiled (numba prunes the branches a None never
+    selects from its own cache's state). step: (model, cache, attn, scratch, calls), the records
+    above (StepModel, StepCache, StepAttention, StepScratch), built by models/fused.py, and calls
+    (below). Two types choose what is compiled (numba prunes the branches a None never
     takes before typing them): q8, None for exact activations or the q8 row kernel's address
     (see _matvec); select, None for exact attention (no selection code) or True where attn's
     settings may select; moe, None for a dense model or its MoE layers (moe_phase.StepMoE),
@@ -362,6 +365,7 @@ def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, h
     compile once on their own, not again into this function (kernels/native_call.py); then
     the address and type key of verify_head for these types (verify_call), or zeros where R
     is 1. sync[4] is set where a key does not match."""
+    model, cache, attn, scratch, calls = step
     # by name, so the records' field order is nobody's concern
     wtab = model.wtab
     kinds, offs, rows, bias, q_norm, k_norm = (
@@ -412,7 +416,7 @@ def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, h
         mixed = False  # a Gated DeltaNet layer's mixing ran (Qwen3.5)
         kl = layer  # the KV cache's layer
         if hybrid is not None:
-            mixed = _deltanet_phase(tid, nt, sync, layer, h, x, at, y, eps, hybrid, q8, exact)
+            mixed = _deltanet_phase((tid, nt, sync), layer, h, x, at, y, eps, hybrid, q8, exact)
             kl = hybrid.index[layer]
         if not mixed:
             _matvec_at(_w(wtab, layer, 0), kinds[layer, 0], h, qkv, offs[layer, 0], rows[layer, 0], tid, nt, q8, exact)
@@ -475,8 +479,8 @@ def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, h
                 Kl, Vl = _at3(kvtab[0], kl, 0, kv_like), _at3(kvtab[0], kl, 1, kv_like)
                 KSl, VSl = _at2(stab[0], kl, 0, s_like), _at2(stab[0], kl, 1, s_like)
                 for kh in range(k0, k1):
-                    if not call_checked(calls[4], calls[5], (np.int64(kh), qa3, qs2, Kl, Vl, KSl, VSl, int8, pos, scale,
-                                        np.int64(G), bs, att3)):  # fmt: skip
+                    if not call_checked(calls[4], calls[5], (np.int64(kh), (qa3, qs2), (Kl, Vl, KSl, VSl, int8), pos,
+                                                             scale, np.int64(G), bs, att3)):  # fmt: skip
                         sync[4] = 1
             else:  # a decode step's row, or a batch's rows, one a sequence: this worker's query heads,
                 # over the row's cache
@@ -492,21 +496,21 @@ def worker(tid, nt, sync, x, at, model, cache, attn, scratch, q8, select, moe, h
                     else:
                         reserved = np.full(nb_r, -1, dtype=np.int8)
                     nc = min(n_copied[c, kl], n_r // bs)
+                    settings = (scale, bs, sparse, k_blocks, n_probe, flags, lut)
                     hh = h0
                     while hh < h1:
                         kh = hh // G
                         n = min(h1, (kh + 1) * G) - hh
-                        if select is not None:  # block selection, then attention (attention.decode._group)
-                            called = call_checked(calls[2], calls[3], (qd3[r], qa3[r], qs2[r], Kr[kh], Vr[kh], KSr[kh],
-                                                  VSr[kh], int8, hh, n, n_r, scale, sparse, reserved, k_blocks, bs,
-                                                  n_probe, Pr[kh], PSr[kh], per_block, nc, att3[r], sel, stages, nsel,
-                                                  False, pdummy, flags, lut, select))  # fmt: skip
-                        else:  # every block, as _group marks them when nothing selects, straight to the kernel
+                        kv = (Kr[kh], Vr[kh], KSr[kh], VSr[kh], int8)
+                        if select is not None:  # block selection, then attention (attention.decode.select_and_attend)
+                            side = (reserved, Pr[kh], PSr[kh], per_block, nc)
+                            called = call_checked(calls[2], calls[3], ((qd3[r], qa3[r], qs2[r]), kv, hh, n, n_r,
+                                                  settings, side, att3[r], (sel, stages, nsel), select))  # fmt: skip
+                        else:  # every block, as select_and_attend marks them when nothing selects: the kernel
                             mark = np.ones((n, nb_r), np.bool_)
                             ntok = np.full(n, n_r, np.int64)
-                            called = call_checked(calls[2], calls[3], (qa3[r], qs2[r], Kr[kh], Vr[kh], KSr[kh], VSr[kh],
-                                                  int8, hh, n, n_r, scale, bs, mark, ntok, att3[r], False,
-                                                  pdummy))  # fmt: skip
+                            called = call_checked(calls[2], calls[3], ((qa3[r], qs2[r]), kv, hh, n_r, scale, bs,
+                                                  (mark, ntok), att3[r], (False, pdummy)))  # fmt: skip
                         if not called:
                             sync[4] = 1  # the caller raises
                         hh += n
@@ -570,10 +574,11 @@ def exact_rows_address(kquants: bool) -> tuple[int, int]:
 
 
 def attention_call(args) -> tuple[int, int]:
-    """(address, type key) of the attention worker calls, for the argument types it calls it
-    with, args being worker's: attention.decode._group where the request may select blocks,
-    else its kernel, _attend_group (call_checked verifies the types when worker compiles: a
-    mismatch sets sync[4] instead of calling)."""
+    """(address, type key) of the attention fused_decode_step calls, for the argument types it
+    calls it with, args being its own (models/fused.py's, records flat):
+    attention.decode.select_and_attend where the request may select blocks, else its kernel,
+    attend_group (call_checked verifies the types when fused_decode_step compiles: a mismatch
+    sets sync[4] instead of calling)."""
     cache, attn, scratch = _record_types(args)
     i64, f32, b = types.int64, types.float32, types.boolean
 
@@ -583,35 +588,36 @@ def attention_call(args) -> tuple[int, int]:
     def arr(dtype, nd):
         return types.Array(dtype, nd, "C")
 
+    tup = types.BaseTuple.from_types
     K, S, P = head(cache["kv_like"]), head(cache["s_like"]), head(cache["p_like"])
-    kv = (K, K, S, S, b, i64, i64, i64)
+    kv = tup((K, K, S, S, b))
     scale, select = typeof(args[5].scale), typeof(args[10])
     qd, qa, qs, att = (head(scratch[n]) for n in ("qd", "qa", "qs", "att"))  # the step's row 0
     if args[10] is None:
-        sig = (qa, qs, *kv, scale, attn["block"], arr(b, 2), arr(i64, 1), att, b, arr(f32, 2))
-        return address_checked(_attend_group, sig)
-    sig = (
-        qd, qa, qs, *kv, scale, b, arr(types.int8, 1), attn["k_blocks"],
-        attn["block"], attn["n_probe"], P, S, cache["per_block"], i64, att,
-        head(scratch["sel"]), head(scratch["stages"]), head(scratch["nsel"]), b, arr(f32, 2), attn["flags"],
-        attn["lut"], select,
-    )  # fmt: skip
-    return address_checked(_group, sig)
+        marks, probs = tup((arr(b, 2), arr(i64, 1))), tup((b, arr(f32, 2)))
+        sig = (tup((qa, qs)), kv, i64, i64, scale, attn["block"], marks, att, probs)
+        return address_checked(attend_group, sig)
+    settings = tup((scale, attn["block"], b, attn["k_blocks"], attn["n_probe"], attn["flags"], attn["lut"]))
+    side = tup((arr(types.int8, 1), P, S, cache["per_block"], i64))
+    selection = tup((head(scratch["sel"]), head(scratch["stages"]), head(scratch["nsel"])))
+    sig = (tup((qd, qa, qs)), kv, i64, i64, i64, settings, side, att, selection, select)
+    return address_checked(select_and_attend, sig)
 
 
 def verify_call(args) -> tuple[int, int]:
-    """(address, type key) of attention.decode.verify_head for the types worker calls it with
-    on verification's rows (R > 1), args being worker's."""
+    """(address, type key) of attention.decode.verify_head for the types fused_decode_step calls
+    it with on verification's rows (R > 1), args as attention_call's."""
     cache, attn, scratch = _record_types(args)
     i64 = types.int64
+    tup = types.BaseTuple.from_types
     K, S = _c_array(cache["kv_like"], 3), _c_array(cache["s_like"], 2)  # a layer's arrays, as _at3 / _at2 view them
-    sig = (i64, scratch["qa"], scratch["qs"], K, K, S, S, types.boolean, i64, typeof(args[5].scale), i64,
-           attn["block"], scratch["att"])  # fmt: skip
+    sig = (i64, tup((scratch["qa"], scratch["qs"])), tup((K, K, S, S, types.boolean)), i64, typeof(args[5].scale),
+           i64, attn["block"], scratch["att"])  # fmt: skip
     return address_checked(verify_head, sig)
 
 
 def _record_types(args) -> tuple[dict, dict, dict]:
-    """The numba types of worker's StepCache, StepAttention and StepScratch (args[6:9]) by field."""
+    """The numba types of fused_decode_step's StepCache, StepAttention and StepScratch (args[6:9]) by field."""
     return tuple(dict(zip(typeof(a).fields, typeof(a).types)) for a in args[6:9])
 
 

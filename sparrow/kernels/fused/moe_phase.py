@@ -1,6 +1,6 @@
 """The fused decode step's MoE phase: the sparse MLP block (Qwen3-MoE) of a step's rows on every thread.
 
-Called by decode_step.worker in place of the dense gate/up/down phases for a layer whose MLP is
+Called by decode_step.fused_decode_step in place of the dense gate/up/down phases for a layer whose MLP is
 a MoE block, with h the worker's normed copy of x [R, E] (R rows: a decode step's one, a
 batch's, or verification's); x (the residual stream) gets the block's output added. Three
 barriers:
@@ -101,7 +101,8 @@ def moe_phase(tid, nt, sync, layer, h, x, moe):
             gs[ng] = p
             ng += 1
     gs[ng] = P
-    etab, dims, kinds, addrs = moe.etab[layer], moe.dims[layer], moe.kinds[layer], moe.addrs
+    experts = (moe.etab[layer], moe.dims[layer], moe.kinds[layer], moe.addrs)  # moe.ExpertTable.kernel_form
+    dims, kinds = experts[1], experts[2]
     g, u, act, ys = moe.g, moe.u, moe.act, moe.ys
     f_n = dims[0, 0]
     a, b = _share(ng * f_n, tid, nt)
@@ -112,15 +113,15 @@ def moe_phase(tid, nt, sync, layer, h, x, moe):
             xg = np.empty((p1 - p0, e_n), np.float32)  # the group's rows of h
             for p in range(p0, p1):
                 xg[p - p0] = h[pr[p]]
-            gate_up_rows(etab, dims, kinds, pe[p0], xg, exact_sums(xg, kinds[0], True), exact_sums(xg, kinds[1], True),
-                         g[p0:p1], u[p0:p1], act[p0:p1], f0, f1, addrs)  # fmt: skip
+            sums = (exact_sums(xg, kinds[0], True), exact_sums(xg, kinds[1], True))
+            gate_up_rows(experts, pe[p0], xg, sums, (g[p0:p1], u[p0:p1], act[p0:p1]), f0, f1)
     barrier(sync, nt)
     a, b = _share(x.shape[1], tid, nt)
     if b > a:
         for gi in range(ng):
             p0, p1 = gs[gi], gs[gi + 1]
             ag = np.ascontiguousarray(act[p0:p1])
-            down_rows(etab, dims, kinds, pe[p0], ag, exact_sums(ag, kinds[2], True), ys[p0:p1], a, b, addrs)
+            down_rows(experts, pe[p0], ag, exact_sums(ag, kinds[2], True), ys[p0:p1], a, b)
         for r in range(R):
             combine_rows(ys, pw, rp[r], x, r, a, b)
     barrier(sync, nt)

@@ -159,7 +159,7 @@ def _pack_x(x, xp):
 
 
 @njit(**KW)
-def _sweep(bp, xp, y, o0, n):
+def _panel_tiles(bp, xp, y, o0, n):
     # y[:, o0 : o0 + n] = x @ W[o0 : o0 + n].T from the packed panel bp, one x block at a
     # time (it stays in L1 across the NS sub-panels). Partial tiles (the last x block, a
     # panel of fewer than NR rows) go through c, computed from zero-padded copies, so every
@@ -327,7 +327,7 @@ _widen_q4_1 = _make_widen(20, 2)
 
 
 @njit(**KW)
-def _pack_stored(data, kind, lut, o0, n, tmp, bp, kq):
+def _pack_panel(data, kind, lut, o0, n, tmp, bp, kq):
     bits = tmp.view(np.uint32)
     for j in range(n):
         if kind == Q4_1:
@@ -348,11 +348,15 @@ def _pack_stored(data, kind, lut, o0, n, tmp, bp, kq):
 
 
 @njit(**KW)
-def _gemm_panels(i, data, kind, lut, y, xp, bps, tmps, nxt, n_p, kq, calls):
-    """Thread i of matmul_widened: claims panels from the counter nxt until none of n_p are
-    left, packing each into its own scratch bps[i] / tmps[i] and sweeping x over it. calls:
-    the addresses of _pack_stored and _sweep (panel_addresses), called through them so that
-    each compiles once, not again here (kernels/native_call.py)."""
+def _gemm_panels(i, weight, y, scratch, counter, calls):
+    """Thread i of matmul_widened: claims panels from the counter (nxt, n_p) until none of n_p
+    are left, packing each panel of weight (data, kind, lut, kq) into its own scratch bps[i] /
+    tmps[i] (scratch: (xp, bps, tmps)) and sweeping x over it. calls: the addresses of
+    _pack_panel and _panel_tiles (panel_addresses), called through them so that each compiles
+    once, not again here (kernels/native_call.py)."""
+    data, kind, lut, kq = weight
+    xp, bps, tmps = scratch
+    nxt, n_p = counter
     bp, tmp = bps[i], tmps[i]
     o_n = data.shape[0]
     p = _claim(nxt)
@@ -361,8 +365,8 @@ def _gemm_panels(i, data, kind, lut, y, xp, bps, tmps, nxt, n_p, kq, calls):
         n = min(NR, o_n - o0)
         if n < NR:
             bp[:] = 0
-        call_native(calls[0], (data, kind, lut, np.int64(o0), np.int64(n), tmp, bp, kq))  # _pack_stored
-        call_native(calls[1], (bp, xp, y, np.int64(o0), np.int64(n)))  # _sweep
+        call_native(calls[0], (data, kind, lut, np.int64(o0), np.int64(n), tmp, bp, kq))  # _pack_panel
+        call_native(calls[1], (bp, xp, y, np.int64(o0), np.int64(n)))  # _panel_tiles
         p = _claim(nxt)
 
 
@@ -387,11 +391,11 @@ def _scratch_arrays(*shapes):
 
 
 def panel_addresses(data, kind, y, xp, bps, tmps, kq) -> tuple[int, int]:
-    """The addresses of _pack_stored and _sweep for the types _gemm_panels calls them with
+    """The addresses of _pack_panel and _panel_tiles for the types _gemm_panels calls them with
     (a thread's scratch is bps[i] / tmps[i], a C row of each), compiled with SLP as the
     rest of the GEMM: each compiles once, not again into _gemm_panels."""
-    pack = address_for(_pack_stored, (data, kind, F16_LUT, 0, 0, tmps[0], bps[0], kq), slp=True)
-    return pack, address_for(_sweep, (bps[0], xp, y, 0, 0), slp=True)
+    pack = address_for(_pack_panel, (data, kind, F16_LUT, 0, 0, tmps[0], bps[0], kq), slp=True)
+    return pack, address_for(_panel_tiles, (bps[0], xp, y, 0, 0), slp=True)
 
 
 def matmul_widened(x, w, out):
@@ -409,5 +413,6 @@ def matmul_widened(x, w, out):
     call_slp(_pack_x, x, xp)
     calls = panel_addresses(data, kind, out, xp, bps, tmps, kq)
     nxt = np.zeros(1, np.int64)  # the panel counter
-    run_parallel(p_n, _gemm_panels, (data, kind, F16_LUT, out, xp, bps, tmps, nxt, n_p, kq, calls), slp=True)
+    weight, scratch = (data, kind, F16_LUT, kq), (xp, bps, tmps)
+    run_parallel(p_n, _gemm_panels, (weight, out, scratch, (nxt, n_p), calls), slp=True)
     return out

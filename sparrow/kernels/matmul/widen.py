@@ -434,13 +434,13 @@ def kq_rows_address(data) -> int:
 
 @njit(**KW)
 def _rows_chunk(c, addrs, data, kind, x, sx, y):
-    # rows [c ROWS, (c + 1) ROWS) of _mv_rows, through rows_exact's address (addrs: it and its kq)
+    # rows [c ROWS, (c + 1) ROWS) of _matvec_rows, through rows_exact's address (addrs: it and its kq)
     xc, ya = np.ascontiguousarray(x), y[:, 0 : y.shape[1]]  # the types exact_rows_address compiled for
     o0, o1 = np.int64(c * _ROWS), np.int64(min(data.shape[0], (c + 1) * _ROWS))
     call_native(addrs[0], (data, np.int64(kind), xc, sx, ya, o0, o1, addrs[1]))
 
 
-def _mv_rows(addrs, data, kind, x, y, kq):
+def _matvec_rows(addrs, data, kind, x, y, kq):
     """y = x @ data.T on every thread, in chunks of ROWS output rows (parallel over output rows
     only, so each y[t, o] has one summation order whatever T and the thread count); addrs:
     (rows_exact's address, its kq), kq: which sums it takes (exact_sums)."""
@@ -449,7 +449,7 @@ def _mv_rows(addrs, data, kind, x, y, kq):
 
 
 @njit(**KW)
-def _mv_rows_serial(addrs, data, kind, x, y, kq):
+def _matvec_rows_serial(addrs, data, kind, x, y, kq):
     # the same rows without the thread pool: a parallel launch costs ~50-180 us here
     xc, ya = np.ascontiguousarray(x), y[:, 0 : y.shape[1]]
     call_native(addrs[0], (data, np.int64(kind), xc, exact_sums(xc, kind, kq), ya, np.int64(0),
@@ -457,7 +457,7 @@ def _mv_rows_serial(addrs, data, kind, x, y, kq):
 
 
 @njit(parallel=True, **KW)
-def _mv_stored(data, kind, lut, x, y):
+def _matvec_stored(data, kind, lut, x, y):
     # Each stored row is widened to f32 once (bit-identical to Weight.dequantize()), then
     # dotted with each x row in f32: activations are never quantised, so decode matches the
     # prefill path and the f32 reference to rounding (int8 activations, as llama.cpp does,
@@ -478,10 +478,10 @@ def matvec_widened(x, w, out):
     if fmt.kind == FP32:
         _mv_f32(w.data, x, out)
     elif fmt.row_dot == "widened":  # f16, bf16
-        call_slp(_mv_stored, w.data, fmt.kind, F16_LUT, x, out)
+        call_slp(_matvec_stored, w.data, fmt.kind, F16_LUT, x, out)
     else:  # the block row dots here or kquants'
         small = x.shape[0] * w.data.shape[0] * x.shape[1] < PARALLEL_MIN_MACS
         kq = True if fmt.row_dot == "kquants" else None
         addrs = (exact_rows_address(w.data), kq_rows_address(w.data) if kq else 0)
-        (_mv_rows_serial if small else _mv_rows)(addrs, w.data, fmt.kind, x, out, kq)
+        (_matvec_rows_serial if small else _matvec_rows)(addrs, w.data, fmt.kind, x, out, kq)
     return out

@@ -31,9 +31,9 @@ from numba.extending import intrinsic
 
 from sparrow.kernels import cpu
 from sparrow.kernels.formats import AMX_FORMATS, KIND, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
-from sparrow.kernels.ir import F32, I8, I16, I32, V16F, V16I32, c64, fma, opaque, splat16
+from sparrow.kernels.ir import F32, I8, I16, I32, V16F, V16I16, V16I32, V32I8, c64, call, fma, opaque, splat16
 from sparrow.kernels.matmul.q8.groups import GROUP_BYTES, REGIONS, load, nibble
-from sparrow.kernels.matmul.q8.ir import V16I16, V32I8, call, splat
+from sparrow.kernels.matmul.q8.ir import splat
 from sparrow.kernels.matmul.q8.kquant_groups import _CODES, _Q6_QH, _Q6_QL, _Q6_SC
 from sparrow.kernels.matmul.widen import F16_LUT
 from sparrow.kernels.options import KW
@@ -366,7 +366,10 @@ _tiles_q8_0, _tiles_q4_0, _tiles_q4_1, _tiles_q4_k, _tiles_q6_k = (_tiles(q) for
 
 
 @njit(**KW)
-def _run_tiles(kind, cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n):
+def _run_tiles(kind, cfg, x, pan, cbuf, y, o0, t_n):
+    # the tiles of kind: x (xa, dx, sx) in tile_major's layout, pan (bpan, dpan, mpan, span) panel's
+    xa, dx, sx = x
+    bpan, dpan, mpan, span = pan
     if kind == Q8_0:
         _tiles_q8_0(cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n)
     elif kind == Q4_0:
@@ -404,7 +407,7 @@ def _matmul(kind, cfg, data, bb, lut, xa, dx, sx, y):
         span = np.empty((nb, 2, TILE), np.int32)
         cbuf = np.empty((5 * TILE, TILE), np.int32)
         panel(kind, data, 2 * pi, bb, lut, bpan, dpan, mpan, span)
-        _run_tiles(kind, cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, TILE * pi, t_n)
+        _run_tiles(kind, cfg, (xa, dx, sx), (bpan, dpan, mpan, span), cbuf, y, TILE * pi, t_n)
 
 
 def matmul(xa, dxa, sxa, data, qtype, y):

@@ -40,23 +40,9 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from sparrow.kernels.formats import BLOCK_BYTES  # one row's block, as stored
-from sparrow.kernels.ir import F32, I8, I32, I64, c64, fma, shuffle, splat16, zeroed
-from sparrow.kernels.matmul.q8.ir import (
-    AVX2,
-    DOT4,
-    I8MM,
-    V8F,
-    V8I32,
-    V32I8,
-    absb,
-    bcast4,
-    dpbssd,
-    dpbusd,
-    maddubs,
-    maddwd,
-    smmla,
-    splat,
-)
+from sparrow.kernels.ir import F32, I8, I32, I64, V8F, V8I32, V32I8, c64, fma, shuffle, splat16, zeroed
+from sparrow.kernels.matmul.q8.arch.arm64 import smmla
+from sparrow.kernels.matmul.q8.ir import AVX2, DOT4, I8MM, absb, bcast4, dpbssd, dpbusd, maddubs, maddwd, splat
 
 GROUP = 8
 # A stored block's byte ranges (src, dst, length, width): bytes src .. src + length - 1 of a
@@ -363,35 +349,41 @@ TILE_X_ROWS = 4  # x rows a tile reads each unpacked weight chunk for (batched d
 
 
 def make_groups(emit_for):
-    """An intrinsic groups(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n): y[t, o] for x rows
-    t0 .. t0 + mr - 1 (1 <= mr <= TILE_X_ROWS) and the rows o < o_n of groups g0 .. g1 - 1 of data
-    (interleave's [G, group bytes]); xq int8 [T, K], dx / sx f32 and bs int32 (8 sum(code_x)
-    per block, read by q4_0) [T, K / 32] as q8.quantized.quantize gives them, y f32 [T, >= o_n].
-    emit_for(mr) gives the IR of one group against mr x rows (emit_tile's signature); each mr
-    has its own loop (its accumulators in registers), chosen at run time."""
+    """An intrinsic groups(data, g0, g1, x8, y, t0, mr, o_n): y[t, o] for x rows t0 .. t0 + mr -
+    1 (1 <= mr <= TILE_X_ROWS) and the rows o < o_n of groups g0 .. g1 - 1 of data (interleave's
+    [G, group bytes]); x8 (xq, dx, sx, bs): xq int8 [T, K], dx / sx f32 and bs int32 (8
+    sum(code_x) per block, read by q4_0) [T, K / 32] as q8.quantized.quantize gives them, y f32
+    [T, >= o_n]. emit_for(mr) gives the IR of one group against mr x rows (emit_tile's
+    signature); each mr has its own loop (its accumulators in registers), chosen at run time."""
 
-    def groups(typingctx, data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n):
-        if not (isinstance(data, types.Array) and data.ndim == 2):
+    def groups(typingctx, data, g0, g1, x8, y, t0, mr, o_n):
+        if not (isinstance(data, types.Array) and data.ndim == 2 and isinstance(x8, types.BaseTuple)):
             return None
-        sig = types.none(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
+        sig = types.none(data, g0, g1, x8, y, t0, mr, o_n)
 
         def codegen(context, builder, signature, args):
             b = builder
             d = context.make_array(signature.args[0])(context, b, args[0])
-            arrs = [context.make_array(t)(context, b, a) for t, a in zip(signature.args[3:8], args[3:8])]
-            t0, o_n = args[8], args[10]
+            arrs = tile_arrays(context, b, signature.args[3:5], args[3:5])
+            t0, o_n = args[5], args[7]
             stride = b.extract_value(d.strides, 0)
             base = b.bitcast(d.data, I8.as_pointer())
             nb = b.extract_value(arrs[1].shape, 1)
             ystride = b.extract_value(arrs[4].strides, 1)
             for m in range(1, TILE_X_ROWS + 1):
-                with b.if_then(b.icmp_signed("==", args[9], c64(m))):
-                    _tile_loop(b, emit_for(m), m, base, stride, arrs, t0, args[1], args[2], nb, ystride, o_n)
+                with b.if_then(b.icmp_signed("==", args[6], c64(m))):
+                    _tile_loop(b, emit_for(m), m, (base, stride, args[1], args[2], nb), arrs, t0, ystride, o_n)
             return context.get_dummy_value()
 
         return sig, codegen
 
     return intrinsic(groups)
+
+
+def tile_arrays(context, b, tys, vals):
+    """The arrays [xq, dx, sx, bs, y] of a tile intrinsic's (x8, y) arguments (types, values)."""
+    x8 = cgutils.unpack_tuple(b, vals[0], len(tys[0]))
+    return [context.make_array(t)(context, b, v) for t, v in zip((*tys[0], tys[1]), (*x8, vals[1]))]
 
 
 def tile_rows(b, arrs, t0, mr):
@@ -406,8 +398,10 @@ def tile_rows(b, arrs, t0, mr):
     return [rows(a, ty) for a, ty in zip(arrs, tys)]
 
 
-def _tile_loop(b, emit, mr, base, stride, arrs, t0, g0, g1, nb, ystride, o_n):
-    """The IR of make_groups' loop over groups for mr x rows."""
+def _tile_loop(b, emit, mr, sweep, arrs, t0, ystride, o_n):
+    """The IR of make_groups' loop over groups for mr x rows; sweep: (base, stride, g0, g1,
+    nb), data's byte pointer and row stride, the groups g0 .. g1 - 1 and the blocks a row."""
+    base, stride, g0, g1, nb = sweep
     xps, dxps, sxps, bsps, yps = tile_rows(b, arrs, t0, mr)
     with cgutils.for_range_slice(b, g0, g1, c64(1)) as (g, _):
         vs = emit(b, b.gep(base, [b.mul(g, stride)]), xps, dxps, sxps, bsps, nb)

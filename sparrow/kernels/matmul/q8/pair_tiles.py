@@ -19,7 +19,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from sparrow.kernels.ir import I8, V16F, V16I32, c64, fma, shuffle, splat16, zeroed
+from sparrow.kernels.ir import I8, V8I8, V16F, V16I8, V16I32, V32I8, V64I8, c64, fma, shuffle, splat16, zeroed
 from sparrow.kernels.matmul.q8.groups import (
     CODES_AT,
     GROUP,
@@ -31,9 +31,10 @@ from sparrow.kernels.matmul.q8.groups import (
     codes5,
     load,
     nibble,
+    tile_arrays,
     tile_rows,
 )
-from sparrow.kernels.matmul.q8.ir import V8I8, V16I8, V32I8, V64I8, bcast4, dpbusd16, splat
+from sparrow.kernels.matmul.q8.ir import bcast4, dpbusd16, splat
 from sparrow.kernels.matmul.q8.kquant_groups import _CODES, _Q6_QH, _Q6_QL, _Q6_SC
 
 PAIR_X_ROWS = 6  # x rows a pair tile reads each unpacked chunk for
@@ -201,25 +202,25 @@ def emit_pair_q6_k(mr):
 
 
 def make_pairs(emit_for):
-    """An intrinsic pairs(data, g0, g1, xq, dx, sx, bs, y, t0, mr): y[t, 8 g0 .. 8 g1 - 1] for
+    """An intrinsic pairs(data, g0, g1, x8, y, t0, mr): y[t, 8 g0 .. 8 g1 - 1] for
     x rows t0 .. t0 + mr - 1 (1 <= mr <= PAIR_X_ROWS), groups g0 .. g1 - 1 of data taken two at a
     time: g1 - g0 even, every row of those groups a row of y, y's rows contiguous (arguments
     as q8.groups.make_groups', which covers what this does not)."""
 
-    def pairs(typingctx, data, g0, g1, xq, dx, sx, bs, y, t0, mr):
-        if not (isinstance(data, types.Array) and data.ndim == 2):
+    def pairs(typingctx, data, g0, g1, x8, y, t0, mr):
+        if not (isinstance(data, types.Array) and data.ndim == 2 and isinstance(x8, types.BaseTuple)):
             return None
-        sig = types.none(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
+        sig = types.none(data, g0, g1, x8, y, t0, mr)
 
         def codegen(context, builder, signature, args):
             b = builder
             d = context.make_array(signature.args[0])(context, b, args[0])
-            arrs = [context.make_array(t)(context, b, a) for t, a in zip(signature.args[3:8], args[3:8])]
+            arrs = tile_arrays(context, b, signature.args[3:5], args[3:5])
             stride, base = b.extract_value(d.strides, 0), b.bitcast(d.data, I8.as_pointer())
             nb = b.extract_value(arrs[1].shape, 1)
             for m in range(1, PAIR_X_ROWS + 1):
-                with b.if_then(b.icmp_signed("==", args[9], c64(m))):
-                    _pair_loop(b, emit_for(m), m, base, stride, arrs, args[8], args[1], args[2], nb)
+                with b.if_then(b.icmp_signed("==", args[6], c64(m))):
+                    _pair_loop(b, emit_for(m), m, (base, stride, args[1], args[2], nb), arrs, args[5])
             return context.get_dummy_value()
 
         return sig, codegen
@@ -227,7 +228,9 @@ def make_pairs(emit_for):
     return intrinsic(pairs)
 
 
-def _pair_loop(b, emit, mr, base, stride, arrs, t0, g0, g1, nb):
+def _pair_loop(b, emit, mr, sweep, arrs, t0):
+    """The IR of make_pairs' loop over pairs of groups for mr x rows (sweep: as q8.groups._tile_loop's)."""
+    base, stride, g0, g1, nb = sweep
     xps, dxps, sxps, bsps, yps = tile_rows(b, arrs, t0, mr)
     with cgutils.for_range(b, b.sdiv(b.sub(g1, g0), c64(2))) as loop:
         g = b.add(g0, b.shl(loop.index, c64(1)))

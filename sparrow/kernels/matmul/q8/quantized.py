@@ -40,7 +40,7 @@ from sparrow.kernels.formats import (
     X8_Q8_0,
     ZMM_PAIR_KINDS,
 )
-from sparrow.kernels.ir import F32, I8, I32, V16F, V16I32, c64, shuffle, splat16
+from sparrow.kernels.ir import F32, I8, I32, V16F, V16I8, V16I32, c64, call, shuffle, splat16
 from sparrow.kernels.matmul.q8 import amx
 from sparrow.kernels.matmul.q8.groups import (
     GROUP,
@@ -52,7 +52,7 @@ from sparrow.kernels.matmul.q8.groups import (
     groups_q8_0,
     interleave,
 )
-from sparrow.kernels.matmul.q8.ir import AVX2, V16I8, VNNI512, call
+from sparrow.kernels.matmul.q8.ir import AVX2, VNNI512
 from sparrow.kernels.matmul.q8.kquant_groups import groups_q4_k, groups_q5_k, groups_q6_k
 from sparrow.kernels.matmul.q8.pair_tiles import (
     PAIR_X_ROWS,
@@ -184,24 +184,25 @@ def code_sums(xq, n, times):
 
 
 @njit(**KW)
-def _tile(data, kind, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n):
-    """y[t0 : t0 + mr, rows of groups g0 .. g1 - 1] (mr <= q8.groups.TILE_X_ROWS) for an interleaved kind."""
+def _tile(data, kind, g0, g1, x8, y, t0, mr, o_n):
+    """y[t0 : t0 + mr, rows of groups g0 .. g1 - 1] (mr <= q8.groups.TILE_X_ROWS) for an interleaved
+    kind; x8: (xq, dx, sx, bs), the quantised x rows and their sums (q8.groups.make_groups)."""
     if kind == X8_Q8_0:
-        groups_q8_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
+        groups_q8_0(data, g0, g1, x8, y, t0, mr, o_n)
     elif kind == X8_Q4_0:
-        groups_q4_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
+        groups_q4_0(data, g0, g1, x8, y, t0, mr, o_n)
     elif kind == X8_Q4_1:
-        groups_q4_1(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
+        groups_q4_1(data, g0, g1, x8, y, t0, mr, o_n)
     elif kind == X8_Q4_K:
-        groups_q4_k(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
+        groups_q4_k(data, g0, g1, x8, y, t0, mr, o_n)
     elif kind == X8_Q5_K:
-        groups_q5_k(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
+        groups_q5_k(data, g0, g1, x8, y, t0, mr, o_n)
     elif kind == X8_Q6_K:
-        groups_q6_k(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
+        groups_q6_k(data, g0, g1, x8, y, t0, mr, o_n)
     elif kind == X8_Q5_0:
-        groups_q5_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
+        groups_q5_0(data, g0, g1, x8, y, t0, mr, o_n)
     else:
-        groups_q5_1(data, g0, g1, xq, dx, sx, bs, y, t0, mr, o_n)
+        groups_q5_1(data, g0, g1, x8, y, t0, mr, o_n)
 
 
 GROUP_CHUNK = 16  # groups (128 rows) a tile pass covers before the next x rows, when T > TILE_X_ROWS
@@ -211,22 +212,23 @@ GROUP_CHUNK = 16  # groups (128 rows) a tile pass covers before the next x rows,
 def _pair_tiles(data, kind, g0, g1, xq, dx, sx, bs, y):
     """q8.pair_tiles's tiles over groups g0 .. g1 - 1 (an even count of full groups), every x row."""
     t_n = xq.shape[0]
+    x8 = (xq, dx, sx, bs)
     for t0 in range(0, t_n, PAIR_X_ROWS):
         mr = min(PAIR_X_ROWS, t_n - t0)
         if kind == X8_Q4_0:
-            pairs_q4_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
+            pairs_q4_0(data, g0, g1, x8, y, t0, mr)
         elif kind == X8_Q8_0:
-            pairs_q8_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
+            pairs_q8_0(data, g0, g1, x8, y, t0, mr)
         elif kind == X8_Q4_1:
-            pairs_q4_1(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
+            pairs_q4_1(data, g0, g1, x8, y, t0, mr)
         elif kind == X8_Q4_K:
-            pairs_q4_k(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
+            pairs_q4_k(data, g0, g1, x8, y, t0, mr)
         elif kind == X8_Q6_K:
-            pairs_q6_k(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
+            pairs_q6_k(data, g0, g1, x8, y, t0, mr)
         elif kind == X8_Q5_0:
-            pairs_q5_0(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
+            pairs_q5_0(data, g0, g1, x8, y, t0, mr)
         else:
-            pairs_q5_1(data, g0, g1, xq, dx, sx, bs, y, t0, mr)
+            pairs_q5_1(data, g0, g1, x8, y, t0, mr)
 
 
 @njit(**KW)
@@ -236,6 +238,7 @@ def x8_rows(data, kind, xq, dx, sx, bs, y, g0, g1):
     while the tiles pass. Where takes_pairs, groups go in pairs through q8.pair_tiles's zmm tiles (the
     same bits), the rest as before."""
     t_n, o_n = xq.shape[0], y.shape[1]
+    x8 = (xq, dx, sx, bs)
     step = max(g1 - g0, 1) if t_n <= TILE_X_ROWS else GROUP_CHUNK
     pairs = takes_pairs(kind, t_n) and y.strides[1] == 4
     for c in range(g0, g1, step):
@@ -246,7 +249,7 @@ def x8_rows(data, kind, xq, dx, sx, bs, y, g0, g1):
             _pair_tiles(data, kind, c, p, xq, dx, sx, bs, y)
         if p < e:
             for t0 in range(0, t_n, TILE_X_ROWS):
-                _tile(data, kind, p, e, xq, dx, sx, bs, y, t0, min(TILE_X_ROWS, t_n - t0), o_n)
+                _tile(data, kind, p, e, x8, y, t0, min(TILE_X_ROWS, t_n - t0), o_n)
 
 
 @njit(**KW)
