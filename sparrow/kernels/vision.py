@@ -12,7 +12,7 @@ import numpy as np
 from numba import njit, prange
 
 from sparrow.kernels.attention.prefill import BK, key_blocks
-from sparrow.kernels.attention.rows import exp_sum, row_max
+from sparrow.kernels.attention.rows import softmax_step
 from sparrow.kernels.attention.tile import mm_add
 from sparrow.kernels.elementwise import exp_parts
 from sparrow.kernels.ir import fma32
@@ -116,16 +116,7 @@ def _attend_item(i, qt, q, KT, V, out):
         S[:] = 0
         mm_add(Q, KT[h, b], S, D)  # [R, BK]
         for r in range(R):
-            row = S[r]
-            mx = row_max(row, 0, kn)
-            if mx > m[r]:
-                if m[r] > -np.inf:
-                    c = np.float32(np.exp(m[r] - mx))
-                    for d in range(D):
-                        O[r, d] *= c
-                    den[r] *= c
-                m[r] = mx
-            den[r] += exp_sum(row, m[r], kn, row)  # row[:kn] = exp(row - m), row[kn:] = 0
+            softmax_step(S[r], kn, S[r], r, m, den, O)  # S[r, :kn] = exp(S[r] - m), S[r, kn:] = 0
         mm_add(S, V[h, k0 : k0 + kn], O, kn)  # [R, D]
     for r in range(R):
         inv = np.float32(1.0) / den[r]

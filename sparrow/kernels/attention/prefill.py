@@ -24,7 +24,7 @@ are the same for any thread count, work split or prefill chunking.
 import numpy as np
 from numba import njit
 
-from sparrow.kernels.attention.rows import exp_shifted, exp_sum, prefetch, row_max
+from sparrow.kernels.attention.rows import exp_shifted, prefetch, softmax_step
 from sparrow.kernels.attention.tile import mm_add
 from sparrow.kernels.native_call import address_for, call_native
 from sparrow.kernels.parallel import run_parallel
@@ -106,15 +106,7 @@ def _prefill_attention_item(qa, kv, start, group, t0, t1, out, probs):
                     if want_p:
                         mb[r, b] = -np.inf  # weight 0 (exp_shifted's clamp)
                     continue
-                mx = row_max(row, 0, nv)
-                if mx > m[r]:
-                    if m[r] > -np.inf:
-                        c = np.float32(np.exp(m[r] - mx))
-                        for d in range(D):
-                            O[r, d] *= c
-                        den[r] *= c
-                    m[r] = mx
-                den[r] += exp_sum(row, m[r], nv, w)  # w[:nv] = exp(row - m), w[nv:] = 0
+                softmax_step(row, nv, w, r, m, den, O)  # w[:nv] = exp(row - m), w[nv:] = 0
                 if want_p:
                     mb[r, b] = m[r]
             mm_add(W, V2[k0 : k0 + kn], O, kn)  # [R, D]

@@ -519,3 +519,20 @@ def row_max(typingctx, s, i, n):
         return b.load(out)
 
     return sig, codegen
+
+
+@njit(cache=True, nogil=True)
+def softmax_step(row, n, w, r, m, den, O):
+    """Query row r's step of the online softmax over a block of keys (the text prefill's
+    attention and the vision tower's): where the max of the scores row[:n] passes m[r], O[r]
+    and den[r] are scaled by exp(m[r] - max) and m[r] becomes it; then w[:n] = exp(row - m[r]),
+    w[n:] = 0 (w may be row) and den[r] += their sum in exp_sum's order."""
+    mx = row_max(row, 0, n)
+    if mx > m[r]:
+        if m[r] > -np.inf:
+            c = np.float32(np.exp(m[r] - mx))
+            for d in range(O.shape[1]):
+                O[r, d] *= c
+            den[r] *= c
+        m[r] = mx
+    den[r] += exp_sum(row, m[r], n, w)
