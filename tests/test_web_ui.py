@@ -302,7 +302,8 @@ def test_stop_a_generation(server, browser):
 
     type_message(browser, "And another long one, please.")
     wait(browser, lambda: by_id(browser, "stop").is_displayed())
-    wait(browser, lambda: len(last_answer(browser).find_element("css selector", ".content").text) > 5)
+    # at once, not after some text: a random-seeded answer can end on its own while the test
+    # waits for text (it did in a warm suite run); the mid-stream stop is checked above
     by_id(browser, "input").send_keys(Keys.ESCAPE)
     _, finish = wait(browser, lambda: finished(browser))
     assert finish == "stopped"
