@@ -42,7 +42,7 @@ import math
 import numpy as np
 from numba import njit
 
-from sparrow.kernels.elementwise import exp_parts
+from sparrow.kernels.elementwise import exp_parts, over_one_plus_exp
 from sparrow.kernels.ir import fma32, lane_dot
 from sparrow.kernels.options import KW as _KW
 from sparrow.kernels.parallel import run_parallel
@@ -99,34 +99,9 @@ def _rule_run(S, Q, K, V, dec, beta, O, mem, nxt):
 
 
 @njit(**_KW)
-def _silu1(x):
-    # x / (1 + exp(-x)) with exp by exp_parts (elementwise.silu_mul's form)
-    p, k = exp_parts(min(max(-x, np.float32(-87.0)), np.float32(88.0)))
-    two_k = np.float32(math.ldexp(1.0, int(k)))  # exact: k in [-126, 128]
-    return x / fma32(p, two_k, np.float32(1))
-
-
-@njit(**_KW)
-def _silu_into(x, out, n0, n1, pbuf, ebits):
-    # out[i] = _silu1(x[i]) for i in [n0, n1) (out may be x), in loops that vectorise: 2**k is
-    # built in exponent bits (k in [-125, 127] after the clamp: the value ldexp gives), and no
-    # loop writes an array it reads at another index (an in-place write would fail LLVM's
-    # overlap check and run the scalar loop)
-    fb = ebits.view(np.float32)
-    for i in range(n0, n1):
-        p, k = exp_parts(min(max(-x[i], np.float32(-87.0)), np.float32(88.0)))
-        pbuf[i] = p
-        ebits[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
-    for i in range(n0, n1):
-        pbuf[i] = x[i] / fma32(pbuf[i], fb[i], np.float32(1))
-    for i in range(n0, n1):
-        out[i] = pbuf[i]
-
-
-@njit(**_KW)
 def _sigmoid1(x):
-    # 1 / (1 + exp(-x)) with exp by exp_parts, as _silu1 (Qwen3.5's attention output gate and
-    # shared expert gate)
+    # 1 / (1 + exp(-x)) with exp by exp_parts, as elementwise.over_one_plus_exp (Qwen3.5's
+    # attention output gate and shared expert gate)
     p, k = exp_parts(min(max(-x, np.float32(-87.0)), np.float32(88.0)))
     two_k = np.float32(math.ldexp(1.0, int(k)))
     return np.float32(1) / fma32(p, two_k, np.float32(1))
@@ -174,7 +149,7 @@ def _conv_silu_channels(x, w, state, out, c0, c1):
             wj = wt[j]
             for c in range(n):
                 raw[c] += wj[c] * src[c]
-        _silu_into(raw, out[t, c0:c1], 0, n, pbuf, ebits)
+        over_one_plus_exp(raw, raw, out[t, c0:c1], n, pbuf, ebits)  # silu
     # the state becomes the last K-1 inputs
     for c in range(c0, c1):
         if T >= K - 1:
@@ -228,7 +203,8 @@ def _deltanet_value_head(h, inputs, weights, state, y):
     gate = np.empty(dv, np.float32)
     ebits = np.empty(dv, np.int32)
     for t in range(T):
-        _silu_into(z[t, h * dv : (h + 1) * dv], gate, 0, dv, mem, ebits)  # silu(z), mem as scratch
+        zt = z[t, h * dv : (h + 1) * dv]
+        over_one_plus_exp(zt, zt, gate, dv, mem, ebits)  # silu(z), mem as scratch
         o = O[t]
         inv = np.float32(1) / np.float32(math.sqrt(lane_dot(o, o) / np.float32(dv) + eps))
         for j in range(dv):

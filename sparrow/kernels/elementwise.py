@@ -110,6 +110,23 @@ def _silu_mul(gu, f, out):
             o[i] = gu[t, i] / fma32(o[i], fb[i], np.float32(1)) * gu[t, f + i]
 
 
+@njit(**_KW)
+def over_one_plus_exp(x, y, out, n, pbuf, ebits):
+    """out[i] = x[i] / (1 + exp(-y[i])) for i < n (x may be y; out must be neither): silu(x)
+    with y = x, a sigmoid gate, gelu-tanh's x sigmoid(2u). exp(-y) = p 2**k by exp_parts, the
+    argument clamped to [-87, 88] (finite f32), 2**k built in the exponent bits of ebits (k in
+    [-125, 127]: the value ldexp gives), p kept in pbuf; _silu_mul's arithmetic, in loops that
+    vectorise (no loop writes an array it reads at another index, which would fail LLVM's
+    overlap check and run the scalar loop)."""
+    fb = ebits.view(np.float32)
+    for i in range(n):
+        p, k = exp_parts(min(max(-y[i], np.float32(-87.0)), np.float32(88.0)))
+        pbuf[i] = p
+        ebits[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
+    for i in range(n):
+        out[i] = x[i] / fma32(pbuf[i], fb[i], np.float32(1))
+
+
 def rope_powers(theta: float, dim: int) -> np.ndarray:
     """theta ** e [dim / 2] in f32 for RoPE's exponents e = f32(2 i) / f32(dim), as transformers
     computes them: the power in float64 by the C library's pow (correctly rounded or within an

@@ -14,7 +14,7 @@ from numba import njit, prange
 from sparrow.kernels.attention.prefill import BK, key_blocks
 from sparrow.kernels.attention.rows import softmax_step
 from sparrow.kernels.attention.tile import mm_add
-from sparrow.kernels.elementwise import exp_parts
+from sparrow.kernels.elementwise import over_one_plus_exp
 from sparrow.kernels.ir import fma32
 from sparrow.kernels.options import KW
 from sparrow.kernels.parallel import run_parallel
@@ -61,21 +61,17 @@ _C = np.float32(2.0 * math.sqrt(2.0 / math.pi))
 @njit(**_KW)
 def _gelu_tanh(x, out):
     """0.5 x (1 + tanh(u)) with u = sqrt(2 / pi) (x + 0.044715 x^3), as x / (1 + exp(-2u)) (the
-    same function: 0.5 (1 + tanh(u)) = sigmoid(2u)), exp by exp_parts so that the loop
-    vectorises; the argument clamped to [-87, 88] (finite f32)."""
+    same function: 0.5 (1 + tanh(u)) = sigmoid(2u)) by elementwise.over_one_plus_exp, whose
+    loops vectorise."""
     n = x.shape[1]
     for t in prange(x.shape[0]):
+        u2 = np.empty(n, np.float32)
+        pbuf = np.empty(n, np.float32)
         ebits = np.empty(n, np.int32)
-        fb = ebits.view(np.float32)
-        o = out[t]
         for i in range(n):
             v = x[t, i]
-            u = _C * fma32(np.float32(0.044715) * v * v, v, v)  # 2u
-            p, k = exp_parts(min(max(-u, np.float32(-87.0)), np.float32(88.0)))
-            o[i] = p
-            ebits[i] = (np.int32(k) + np.int32(127)) << np.int32(23)
-        for i in range(n):
-            o[i] = x[t, i] / fma32(o[i], fb[i], np.float32(1))
+            u2[i] = _C * fma32(np.float32(0.044715) * v * v, v, v)  # 2u
+        over_one_plus_exp(x[t], u2, out[t], n, pbuf, ebits)
 
 
 def gelu(x: np.ndarray, approximate: str) -> np.ndarray:
