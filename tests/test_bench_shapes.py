@@ -690,7 +690,7 @@ def _hf_folder(tiny: dict, folder: str, moe: bool) -> str:
     import shutil
 
     transformers = pytest.importorskip("transformers")
-    from reference_models import save_default_tokenizer
+    from reference_models import rewrite_config, save_default_tokenizer
 
     cfg = dict(
         vocab_size=tiny["vocab"], hidden_size=tiny["hidden"], num_hidden_layers=tiny["layers"],
@@ -719,11 +719,7 @@ def _hf_folder(tiny: dict, folder: str, moe: bool) -> str:
     for name in os.listdir(folder + "-tok"):
         shutil.copy(os.path.join(folder + "-tok", name), folder)
     if moe:  # the converter keys its pre-tokenizer on model_type (see test_qwen3_5_gguf.py): dense's
-        with open(os.path.join(folder, "config.json")) as fh:
-            c = json.load(fh)
-        c["model_type"] = "qwen3_5_text"
-        with open(os.path.join(folder, "config.json"), "w") as fh:
-            json.dump(c, fh)
+        rewrite_config(folder, lambda cfg: cfg.update(model_type="qwen3_5_text"))
     return folder
 
 

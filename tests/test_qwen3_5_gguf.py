@@ -10,7 +10,6 @@ A = -exp(A_log) stored, the value heads tiled over the key heads instead of grou
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -22,7 +21,7 @@ from test_qwen3_5 import PROMPT, _build, _prefill_then_decode
 from test_qwen3_5_mtp import _add_mtp, _head_logits, _hidden_rows, _mtp_layer_model, _random_head
 
 import sparrow
-from reference_models import save_default_tokenizer
+from reference_models import rewrite_config, save_default_tokenizer
 from sparrow.errors import SparrowError
 
 torch = pytest.importorskip("torch")
@@ -51,11 +50,7 @@ def for_converter(folder: str, dst: str) -> str:
     whose hash the converter does not know for the test vocabulary; the converter picks its
     model class from `architectures`, so the copy converts the same weights."""
     shutil.copytree(folder, dst)
-    with open(os.path.join(dst, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["model_type"] = "qwen3_5_text"
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    rewrite_config(dst, lambda cfg: cfg.update(model_type="qwen3_5_text"))
     return dst
 
 
