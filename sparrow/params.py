@@ -14,7 +14,10 @@ KV_DTYPES = ("f32", "f16", "int8")
 # block selectors: the article's (spec) and sparrow's (docs/SPARSE_SELECT_V2.md, docs/SPARSE_SELECT_V3.md)
 SELECTORS = ("seed", "v2", "v3")
 V2_DENSE_LAYERS = 2  # v2 runs the first layers exact: they hold most of k=8's loss (docs/evaluation.md, "Selector v2")
-# v3's flags word (kernels/attention/select.py reads it back: V3_ON, V3_MIN_SHIFT, V3_P_SHIFT)
+# The selector word the kernels take (SparseParams.flags; kernels/attention/select.py reads it):
+# v2's bits, then v3's bit and its budget in the same int: bits 8..23 min_blocks, bits 24..40 p
+# in units of 2**-16 (0: a fixed k)
+V2_ON, V2_SINK, V2_RECENT = 1, 2, 4
 V3_ON, V3_MIN_SHIFT, V3_P_SHIFT, V3_P_ONE = 8, 8, 24, 1 << 16
 QUANTIZE = (None, "q8_0")  # weight conversions at load: none, or f32/f16/bf16 -> q8_0
 
@@ -102,7 +105,7 @@ class SparseParams:
         if self.select == "v3":
             p = 0 if self.p is None else max(1, round(self.p * V3_P_ONE))
             return V3_ON | (self.min_blocks << V3_MIN_SHIFT) | (p << V3_P_SHIFT)
-        return 1 | (2 if self.sink else 0) | (4 if self.recent else 0)
+        return V2_ON | (V2_SINK if self.sink else 0) | (V2_RECENT if self.recent else 0)
 
     @property
     def label(self) -> str:

@@ -231,7 +231,8 @@ def test_settings_are_validated_naming_the_field():
 
 
 def test_flags_word_round_trips():
-    from sparrow.kernels.attention.select import V3_ON, v3_budget
+    from sparrow.kernels.attention.select import v3_budget
+    from sparrow.params import V3_ON
 
     sp = SparseParams(select="v3", k=40, p=0.95, min_blocks=3)
     assert sp.flags & V3_ON and not sp.flags & 7  # no v2 bit

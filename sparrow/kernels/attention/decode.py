@@ -35,8 +35,6 @@ from sparrow.kernels.attention.rows import accum, dots, exp_sum, max_at, prefetc
 from sparrow.kernels.attention.select import (
     STAGE_PROBE,
     STAGE_SCORE,
-    V2_ON,
-    V3_ON,
     fill_probe_nb,
     quantize_key_rows,
     reserve_importance_nb,
@@ -46,6 +44,7 @@ from sparrow.kernels.attention.select import (
     v2_query,
     v3_query,
 )
+from sparrow.params import V2_ON, V3_ON
 
 # ---------------------------------------------------------------- one KV head's group
 

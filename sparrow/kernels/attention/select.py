@@ -23,6 +23,14 @@ from numba.extending import overload
 
 from sparrow.kernels.elementwise import _quant_rows
 from sparrow.kernels.ir import f16_bits
+from sparrow.params import (
+    V2_ON,
+    V2_RECENT,
+    V2_SINK,
+    V3_MIN_SHIFT,
+    V3_P_ONE,
+    V3_P_SHIFT,
+)
 
 STAGE_IMPORTANCE = 0
 STAGE_PROBE = 1
@@ -30,11 +38,6 @@ STAGE_RECENCY = 2
 STAGE_SINK = 3
 STAGE_SCORE = 4
 STAGE_NAMES = ("importance", "probe", "recency", "sink", "score")
-V2_ON, V2_SINK, V2_RECENT = 1, 2, 4  # SparseParams.flags bits
-# v3's SparseParams.flags: bit 3, then its budget in the same int (the kernels' signatures carry
-# one selector word): bits 8..23 min_blocks, bits 24..40 p in units of 2**-16 (0: a fixed k)
-V3_ON = 8
-V3_MIN_SHIFT, V3_P_SHIFT, V3_P_ONE = 8, 24, 1 << 16
 
 PROBE_START = -1e30
 
