@@ -94,3 +94,49 @@ def test_named_ids_are_the_table_ids():
         assert getattr(formats, {"f16": "FP16", "f32": "FP32"}.get(f.name, f.name.upper())) == f.kind
         if f.x8 is not None:
             assert getattr(formats, "X8_" + f.name.upper()) == f.x8
+
+
+def test_each_dispatch_table_holds_exactly_the_formats_claiming_it():
+    """The kernels dispatch on a format's id through tables (kernels/dispatch.by_kind) built from
+    the format records: each table's kinds are those of the records claiming its kernels."""
+    from sparrow.kernels.matmul import kquants
+    from sparrow.kernels.matmul import widen as _widen
+
+    def claiming(pred, field="kind"):
+        return sorted(getattr(f, field) for f in FORMATS if pred(f))
+
+    for table in (kquants.widen_kq, kquants.rows_kq, kquants._rows_x):
+        assert sorted(table.kinds) == claiming(lambda f: f.row_dot == "kquants")
+    for table in (_widen.widen_blocks, _widen.rows_blocks, _widen.rows_x_blocks):
+        assert sorted(table.kinds) == claiming(lambda f: f.row_dot == "blocks")
+    assert sorted(_q8act._group_tiles.kinds) == claiming(lambda f: f.x8 is not None, "x8")
+    assert sorted(_q8act._pairs.kinds) == claiming(lambda f: f.zmm_pairs, "x8")
+    for table in (_amx._unpack_row, _amx._format_tiles):
+        assert sorted(table.kinds) == claiming(lambda f: f.amx)
+
+
+def test_a_dispatch_table_calls_the_kernel_of_its_kind():
+    import numba
+
+    from sparrow.kernels.dispatch import by_kind
+
+    @numba.njit
+    def add(x, y):
+        y[0] = x[0] + 1
+
+    @numba.njit
+    def times(x, y):
+        y[0] = x[0] * 10
+
+    @numba.njit
+    def other(x, y):
+        y[0] = -1
+
+    table = by_kind("test_formats_table", {3: add, 7: times}, default=other)
+    x, y = np.array([2.0]), np.zeros(1)
+    assert table.kinds == (3, 7)
+    for kind, want in ((3, 3.0), (7, 20.0), (5, -1.0)):
+        table(kind, x, y)
+        assert y[0] == want, kind
+    with pytest.raises(ValueError, match="second dispatcher"):
+        by_kind("test_formats_table", {3: add})

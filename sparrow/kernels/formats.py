@@ -8,9 +8,10 @@ Two ids number a format's rows, one range each:
 Kernels branch on the named constants below (Q4_0, X8_Q4_K, ...), never on literal numbers;
 numba freezes module-level ints into the compiled code, so a named branch costs nothing. Every
 x8 id is above every kind id, so `kind >= X8_FIRST` tells interleaved rows from stored ones
-(checked at import). A new format is one record here plus its kernels; tests/test_formats.py
-walks this table and checks that each branch chain handles exactly the formats that claim
-the capability.
+(checked at import). Kernel modules dispatch on these ids through tables built from the records
+(kernels/dispatch.by_kind: each module's table holds the kernels of the formats claiming them), so
+a new format is one record here plus its kernels; tests/test_formats.py walks this table and
+checks that each dispatch table holds exactly the formats that claim the capability.
 """
 
 from typing import NamedTuple

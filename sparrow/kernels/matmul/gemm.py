@@ -40,8 +40,8 @@ from numba.extending import intrinsic
 
 from sparrow.kernels import cpu
 from sparrow.kernels.cpu import micro_tile
-from sparrow.kernels.formats import KIND, KQ_KIND, Q4_0, Q4_1, Q8_0
-from sparrow.kernels.ir import F32, I8, I32, I64, V16F, fma
+from sparrow.kernels.formats import KIND, KQ_KIND
+from sparrow.kernels.ir import F32, I32, I64, fma
 from sparrow.kernels.matmul.widen import F16_LUT, call_slp, widen_row
 from sparrow.kernels.native_call import address_for, call_native
 from sparrow.kernels.options import KW
@@ -262,82 +262,11 @@ def _transpose_into(rows, n, bp):
             bp[j // NK * k_n + kk, j % NK] = rows[j, kk]
 
 
-def _make_widen(bb, off):
-    """Vector widen of one q8_0 (off 0) / q4_0 (off 1) / q4_1 (off 2) row, bb bytes a block.
-
-    The same f32 operations as widen_row (d * q, then + m; no fma), so the same bits.
-    """
-
-    @intrinsic
-    def widen(typingctx, row, out):
-        sig = types.void(row, out)
-
-        def codegen(context, builder, signature, args):
-            ra = context.make_array(signature.args[0])(context, builder, args[0])
-            oa = context.make_array(signature.args[1])(context, builder, args[1])
-            rp = builder.bitcast(ra.data, I8.as_pointer())
-            i64 = ir.IntType(64)
-            c64 = lambda v: ir.Constant(i64, v)  # noqa: E731
-            v16i8 = ir.VectorType(I8, 16)
-            undef = ir.Constant(V16F, ir.Undefined)
-            splat0 = ir.Constant(ir.VectorType(I32, 16), [0] * 16)
-
-            def half(at):
-                ptr = builder.bitcast(builder.gep(rp, [at]), ir.HalfType().as_pointer())
-                h = builder.fpext(builder.load(ptr, align=1), F32)
-                return builder.shuffle_vector(builder.insert_element(undef, h, ir.Constant(I32, 0)), undef, splat0)
-
-            def bytes16(at):
-                return builder.load(builder.bitcast(builder.gep(rp, [at]), v16i8.as_pointer()), align=1)
-
-            nb = builder.lshr(builder.extract_value(oa.shape, 0), c64(5))
-            with cgutils.for_range(builder, nb) as loop:
-                b = loop.index
-                p = builder.mul(b, c64(bb))
-                d = half(p)
-                if off == 0:
-                    lo = builder.sitofp(bytes16(builder.add(p, c64(2))), V16F)
-                    hi = builder.sitofp(bytes16(builder.add(p, c64(18))), V16F)
-                else:
-                    q = builder.zext(bytes16(builder.add(p, c64(2 if off == 1 else 4))), ir.VectorType(I32, 16))
-                    lo = builder.and_(q, ir.Constant(ir.VectorType(I32, 16), [15] * 16))
-                    hi = builder.lshr(q, ir.Constant(ir.VectorType(I32, 16), [4] * 16))
-                    if off == 1:
-                        eight = ir.Constant(ir.VectorType(I32, 16), [8] * 16)
-                        lo, hi = (builder.sitofp(builder.sub(v, eight), V16F) for v in (lo, hi))
-                    else:
-                        lo, hi = (builder.uitofp(v, V16F) for v in (lo, hi))
-                lo, hi = builder.fmul(d, lo), builder.fmul(d, hi)
-                if off == 2:
-                    m = half(builder.add(p, c64(2)))
-                    lo, hi = builder.fadd(lo, m), builder.fadd(hi, m)
-                dst = builder.gep(oa.data, [builder.mul(b, c64(32))])
-                builder.store(lo, builder.bitcast(dst, V16F.as_pointer()), align=4)
-                builder.store(hi, builder.bitcast(builder.gep(dst, [c64(16)]), V16F.as_pointer()), align=4)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return widen
-
-
-_widen_q8_0 = _make_widen(34, 0)
-_widen_q4_0 = _make_widen(18, 1)
-_widen_q4_1 = _make_widen(20, 2)
-
-
 @njit(**KW)
 def _pack_panel(data, kind, lut, o0, n, tmp, bp, kq):
     bits = tmp.view(np.uint32)
     for j in range(n):
-        if kind == Q4_1:
-            _widen_q4_1(data[o0 + j], tmp[j])
-        elif kind == Q4_0:
-            _widen_q4_0(data[o0 + j], tmp[j])
-        elif kind == Q8_0:
-            _widen_q8_0(data[o0 + j], tmp[j])
-        else:
-            widen_row(data[o0 + j], kind, lut, tmp[j], bits[j], kq)
+        widen_row(data[o0 + j], kind, lut, tmp[j], bits[j], kq)
     _transpose_into(tmp, n, bp)
 
 

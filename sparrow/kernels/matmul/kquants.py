@@ -34,7 +34,8 @@ from numba import njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from sparrow.kernels.formats import BY_NAME, KQ_KIND, Q4_K, Q5_0, Q5_K, Q6_K
+from sparrow.kernels.dispatch import by_kind
+from sparrow.kernels.formats import BY_NAME, KQ_KIND
 from sparrow.kernels.ir import (
     F32,
     I8,
@@ -357,54 +358,16 @@ def _make_widen(qtype):
     return widen
 
 
-# rows(data, o0, o1, x, sx, y): y[o] for rows o0..o1-1 (the row loop compiled, ir.make_rows)
-rows_q5_0 = make_rows(_emit_rowdot("q5_0"), 2)
-rows_q5_1 = make_rows(_emit_rowdot("q5_1"), 2)
-rows_q4_k = make_rows(_emit_rowdot("q4_k"), 2, together=2)
-rows_q5_k = make_rows(_emit_rowdot("q5_k"), 2, together=2)
-rows_q6_k = make_rows(_emit_rowdot("q6_k"), 2)  # two at a time: 14% slower from memory on Zen 4
-# rows_x(data, o0, o1, x, sx, y): y[t, o] for rows o0..o1-1 and every x row (ir.make_rows_x)
-rows_x_q5_0 = make_rows_x(_emit_rowdot_x("q5_0"))
-rows_x_q5_1 = make_rows_x(_emit_rowdot_x("q5_1"))
-rows_x_q4_k = make_rows_x(_emit_rowdot_x("q4_k"))
-rows_x_q5_k = make_rows_x(_emit_rowdot_x("q5_k"))
-rows_x_q6_k = make_rows_x(_emit_rowdot_x("q6_k"))
-_widen_q5_0 = _make_widen("q5_0")
-_widen_q5_1 = _make_widen("q5_1")
-_widen_q4_k = _make_widen("q4_k")
-_widen_q5_k = _make_widen("q5_k")
-_widen_q6_k = _make_widen("q6_k")
-
-
-@njit(**KW)
-def widen_kq(row, kind, lut, out):
-    """One stored row of a KQ_KIND kind -> f32 out [K] (lut unused: widen_row's signature)."""
-    if kind == Q4_K:
-        _widen_q4_k(row, out)
-    elif kind == Q6_K:
-        _widen_q6_k(row, out)
-    elif kind == Q5_K:
-        _widen_q5_k(row, out)
-    elif kind == Q5_0:
-        _widen_q5_0(row, out)
-    else:
-        _widen_q5_1(row, out)
-
-
-@njit(**KW)
-def rows_kq(data, kind, x, sx, y, o0, o1):
-    """y[o] = stored row o of a KQ_KIND kind dotted with one f32 x row, o0 <= o < o1; sx:
-    x's 32-value sums (_x_block_sums). The one entry point for callers outside this module."""
-    if kind == Q4_K:
-        rows_q4_k(data, o0, o1, x, sx, y)
-    elif kind == Q6_K:
-        rows_q6_k(data, o0, o1, x, sx, y)
-    elif kind == Q5_K:
-        rows_q5_k(data, o0, o1, x, sx, y)
-    elif kind == Q5_0:
-        rows_q5_0(data, o0, o1, x, sx, y)
-    else:
-        rows_q5_1(data, o0, o1, x, sx, y)
+# Each KQ_KIND format's kernels, dispatched on its kind (kernels/dispatch.py):
+# widen_kq(kind, row, out): one stored row -> f32 out [K];
+# rows_kq(kind, data, o0, o1, x, sx, y): y[o] = row o . x for o0 <= o < o1, one f32 x row; sx:
+#   x's 32-value sums (sums()). The row loop is compiled (ir.make_rows): q4_k / q5_k two rows
+#   together, q6_k one at a time (two were 14% slower from memory on Zen 4);
+# _rows_x(kind, data, o0, o1, x, sx, y): y[t, o] for every x row, each block decoded once (ir.make_rows_x).
+_KQ, _TOGETHER = KQ_KIND.items(), {"q4_k": 2, "q5_k": 2}
+widen_kq = by_kind("widen_kq", {k: _make_widen(q) for q, k in _KQ})
+rows_kq = by_kind("rows_kq", {k: make_rows(_emit_rowdot(q), 2, together=_TOGETHER.get(q, 1)) for q, k in _KQ})
+_rows_x = by_kind("rows_x_kq", {k: make_rows_x(_emit_rowdot_x(q)) for q, k in _KQ})
 
 
 @njit(**KW)
@@ -425,18 +388,9 @@ def rows_chunked(data, kind, x, sx, y, o0, o1):
     """rows_kq for every x row (sx: sums(x)): 2..MULTI_T x rows share each decoded block
     (rows_x_*, the same bits), more go in chunks of rows so a batch reads each from cache."""
     if 1 < x.shape[0] <= MULTI_T:
-        if kind == Q4_K:
-            rows_x_q4_k(data, o0, o1, x, sx, y)
-        elif kind == Q6_K:
-            rows_x_q6_k(data, o0, o1, x, sx, y)
-        elif kind == Q5_K:
-            rows_x_q5_k(data, o0, o1, x, sx, y)
-        elif kind == Q5_0:
-            rows_x_q5_0(data, o0, o1, x, sx, y)
-        else:
-            rows_x_q5_1(data, o0, o1, x, sx, y)
+        _rows_x(kind, data, o0, o1, x, sx, y)
         return
     step = row_step(o0, o1, x.shape[0])
     for c in range(o0, o1, step):
         for t in range(x.shape[0]):
-            rows_kq(data, kind, x[t], sx[t], y[t], c, min(o1, c + step))
+            rows_kq(kind, data, c, min(o1, c + step), x[t], sx[t], y[t])

@@ -16,13 +16,16 @@ import numba.core.config as _nbconfig
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange
-from numba.core import cgutils
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 from sparrow.kernels.cpu import ROW_DOT_GROUPS, ROW_DOTS
-from sparrow.kernels.formats import BF16, BY_NAME, FP16, FP32, KQ_FIRST, Q4_0, Q4_1, Q8_0
+from sparrow.kernels.dispatch import by_kind
+from sparrow.kernels.formats import BF16, BY_NAME, FORMATS, FP16, FP32, KQ_FIRST
 from sparrow.kernels.ir import (
     F32,
     I8,
+    I32,
     I64,
     MULTI_T,
     V16F,
@@ -98,7 +101,7 @@ def widen_row(row, kind, lut, out, out_bits, kq):
     so numba prunes the K-quant widening (5 vector-IR kernels) before typing it."""
     k = out.shape[0]
     if kq is not None and kind >= KQ_FIRST:
-        widen_kq(row, kind, lut, out)
+        widen_kq(kind, row, out)
         return
     if kind == FP32:
         for i in range(k):
@@ -112,24 +115,7 @@ def widen_row(row, kind, lut, out, out_bits, kq):
         for i in range(k):
             out_bits[i] = np.uint32(row[i]) << np.uint32(16)
         return
-    bb = 34 if kind == Q8_0 else (18 if kind == Q4_0 else 20)
-    for b in range(k // 32):
-        p = b * bb
-        d = lut[np.int32(row[p]) | (np.int32(row[p + 1]) << 8)]
-        if kind == Q8_0:
-            for j in range(32):
-                out[b * 32 + j] = d * np.float32(np.int8(row[p + 2 + j]))
-        elif kind == Q4_0:
-            for j in range(16):
-                q = np.int32(row[p + 2 + j])
-                out[b * 32 + j] = d * np.float32((q & 15) - 8)
-                out[b * 32 + 16 + j] = d * np.float32((q >> 4) - 8)
-        else:
-            m = lut[np.int32(row[p + 2]) | (np.int32(row[p + 3]) << 8)]
-            for j in range(16):
-                q = np.int32(row[p + 4 + j])
-                out[b * 32 + j] = d * np.float32(q & 15) + m
-                out[b * 32 + 16 + j] = d * np.float32(q >> 4) + m
+    widen_blocks(kind, row, out)
 
 
 @njit(parallel=True, **KW)
@@ -290,12 +276,6 @@ def _emit_rowdot(qtype):
     return emit
 
 
-# rows(data, o0, o1, x, sx, y): y[o] for rows o0..o1-1 (the row loop compiled, ir.make_rows)
-rows_q8_0 = make_rows(_emit_rowdot("q8_0"), 2)  # no constant term: one at a time was faster
-rows_q4_0 = make_rows(_emit_rowdot("q4_0"), 2, together=ROW_DOTS)
-rows_q4_1 = make_rows(_emit_rowdot("q4_1"), 2, together=ROW_DOTS)
-
-
 def _emit_rowdot_x(qtype):
     """One row dotted with several x rows, as ir.make_rows_x calls it: each block's codes and
     scales decoded once, then for every x row _emit_rowdot's operations in its order (q . x as
@@ -340,10 +320,75 @@ def _emit_rowdot_x(qtype):
     return emit
 
 
-# rows_x(data, o0, o1, x, sx, y): y[t, o] for rows o0..o1-1 and every x row (up to MULTI_T)
-rows_x_q8_0 = make_rows_x(_emit_rowdot_x("q8_0"))
-rows_x_q4_0 = make_rows_x(_emit_rowdot_x("q4_0"))
-rows_x_q4_1 = make_rows_x(_emit_rowdot_x("q4_1"))
+def _make_widen(qtype):
+    """widen(row, out): one stored q8_0 / q4_0 / q4_1 row -> f32 out [K], a block per step in
+    vector IR: d * q, then + m (no fma), Weight.dequantize's f32 operations and bits."""
+    bb, off = BY_NAME[qtype].block_bytes, ("q8_0", "q4_0", "q4_1").index(qtype)
+
+    @intrinsic
+    def widen(typingctx, row, out):
+        sig = types.void(row, out)
+
+        def codegen(context, builder, signature, args):
+            ra = context.make_array(signature.args[0])(context, builder, args[0])
+            oa = context.make_array(signature.args[1])(context, builder, args[1])
+            rp = builder.bitcast(ra.data, I8.as_pointer())
+            v16i8 = ir.VectorType(I8, 16)
+            undef = ir.Constant(V16F, ir.Undefined)
+            splat0 = ir.Constant(ir.VectorType(I32, 16), [0] * 16)
+
+            def half(at):
+                ptr = builder.bitcast(builder.gep(rp, [at]), ir.HalfType().as_pointer())
+                h = builder.fpext(builder.load(ptr, align=1), F32)
+                return builder.shuffle_vector(builder.insert_element(undef, h, ir.Constant(I32, 0)), undef, splat0)
+
+            def bytes16(at):
+                return builder.load(builder.bitcast(builder.gep(rp, [at]), v16i8.as_pointer()), align=1)
+
+            nb = builder.lshr(builder.extract_value(oa.shape, 0), c64(5))
+            with cgutils.for_range(builder, nb) as loop:
+                b = loop.index
+                p = builder.mul(b, c64(bb))
+                d = half(p)
+                if off == 0:
+                    lo = builder.sitofp(bytes16(builder.add(p, c64(2))), V16F)
+                    hi = builder.sitofp(bytes16(builder.add(p, c64(18))), V16F)
+                else:
+                    q = builder.zext(bytes16(builder.add(p, c64(2 if off == 1 else 4))), ir.VectorType(I32, 16))
+                    lo = builder.and_(q, ir.Constant(ir.VectorType(I32, 16), [15] * 16))
+                    hi = builder.lshr(q, ir.Constant(ir.VectorType(I32, 16), [4] * 16))
+                    if off == 1:
+                        eight = ir.Constant(ir.VectorType(I32, 16), [8] * 16)
+                        lo, hi = (builder.sitofp(builder.sub(v, eight), V16F) for v in (lo, hi))
+                    else:
+                        lo, hi = (builder.uitofp(v, V16F) for v in (lo, hi))
+                lo, hi = builder.fmul(d, lo), builder.fmul(d, hi)
+                if off == 2:
+                    m = half(builder.add(p, c64(2)))
+                    lo, hi = builder.fadd(lo, m), builder.fadd(hi, m)
+                dst = builder.gep(oa.data, [builder.mul(b, c64(32))])
+                builder.store(lo, builder.bitcast(dst, V16F.as_pointer()), align=4)
+                builder.store(hi, builder.bitcast(builder.gep(dst, [c64(16)]), V16F.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return widen
+
+
+# The block formats' kernels (row_dot "blocks"), dispatched on their kind (kernels/dispatch.py):
+# widen_blocks(kind, row, out): one stored row -> f32 out [K];
+# rows_blocks(kind, data, o0, o1, x, sx, y): y[o] = row o . x for o0 <= o < o1 (the row loop
+#   compiled, ir.make_rows); q4_0 / q4_1 ROW_DOTS rows together (their constant terms' fma
+#   chains overlap), q8_0 one at a time (no constant term: one at a time was faster);
+# rows_x_blocks(kind, data, o0, o1, x, sx, y): y[t, o] for every x row (up to MULTI_T).
+_BLOCKS = {f.name: f.kind for f in FORMATS if f.row_dot == "blocks"}
+_TOGETHER = {"q4_0": ROW_DOTS, "q4_1": ROW_DOTS}
+widen_blocks = by_kind("widen_blocks", {k: _make_widen(q) for q, k in _BLOCKS.items()})
+rows_blocks = by_kind(
+    "rows_blocks", {k: make_rows(_emit_rowdot(q), 2, together=_TOGETHER.get(q, 1)) for q, k in _BLOCKS.items()}
+)
+rows_x_blocks = by_kind("rows_x_blocks", {k: make_rows_x(_emit_rowdot_x(q)) for q, k in _BLOCKS.items()})
 
 
 @njit(**KW)
@@ -368,23 +413,13 @@ def _x_block_sums(x):
 @njit(**KW)
 def _rows_blocks(data, kind, x, sx, y, o0, o1):
     if 1 < x.shape[0] <= MULTI_T:  # each block decoded once for every x row (the same bits)
-        if kind == Q4_1:
-            rows_x_q4_1(data, o0, o1, x, sx, y)
-        elif kind == Q4_0:
-            rows_x_q4_0(data, o0, o1, x, sx, y)
-        else:
-            rows_x_q8_0(data, o0, o1, x, sx, y)
+        rows_x_blocks(kind, data, o0, o1, x, sx, y)
         return
     step = row_step(o0, o1, x.shape[0])
     for c in range(o0, o1, step):
         e = min(o1, c + step)
         for t in range(x.shape[0]):
-            if kind == Q4_1:
-                rows_q4_1(data, c, e, x[t], sx[t], y[t])
-            elif kind == Q4_0:
-                rows_q4_0(data, c, e, x[t], sx[t], y[t])
-            else:
-                rows_q8_0(data, c, e, x[t], sx[t], y[t])
+            rows_blocks(kind, data, c, e, x[t], sx[t], y[t])
 
 
 @njit(**KW)

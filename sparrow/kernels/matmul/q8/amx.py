@@ -30,7 +30,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from sparrow.kernels import cpu
-from sparrow.kernels.formats import AMX_FORMATS, KIND, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
+from sparrow.kernels.dispatch import by_kind
+from sparrow.kernels.formats import AMX_FORMATS, KIND, Q4_1, Q4_K, Q6_K
 from sparrow.kernels.ir import F32, I8, I16, I32, V16F, V16I16, V16I32, V32I8, c64, call, fma, opaque, splat16
 from sparrow.kernels.matmul.q8.groups import GROUP_BYTES, REGIONS, load, nibble
 from sparrow.kernels.matmul.q8.ir import splat
@@ -149,7 +150,8 @@ def _at(b, p, off):
     return b.bitcast(b.gep(p, [c64(off)]), V32I8.as_pointer())
 
 
-_unpack_q8_0, _unpack_q4_0, _unpack_q4_1, _unpack_q4_k, _unpack_q6_k = (_unpack(q) for q in FORMATS)
+# _unpack_row(kind, row, nb, bpan, h): row's codes -> half h of B tiles bpan, each AMX format's
+_unpack_row = by_kind("amx_unpack", {KIND[q]: _unpack(q) for q in FORMATS})
 
 
 @njit(**KW)
@@ -167,16 +169,7 @@ def panel(kind, data, g, bb, lut, bpan, dpan, mpan, span):
             span[:, :, 8 * h : 8 * h + 8] = 0
             continue
         row = data[g + h]
-        if kind == Q8_0:
-            _unpack_q8_0(row, nb, bpan, h)
-        elif kind == Q4_0:
-            _unpack_q4_0(row, nb, bpan, h)
-        elif kind == Q4_1:
-            _unpack_q4_1(row, nb, bpan, h)
-        elif kind == Q4_K:
-            _unpack_q4_k(row, nb, bpan, h)
-        else:
-            _unpack_q6_k(row, nb, bpan, h)
+        _unpack_row(kind, row, nb, bpan, h)
         for b in range(nb):
             if kind == Q6_K:  # q6_k: super-block b // 8, its scales 2 j, 2 j + 1 (int8)
                 p, j = (b // 8) * bb, b % 8
@@ -362,7 +355,7 @@ def _tiles(qtype):
     return intrinsic(tiles)
 
 
-_tiles_q8_0, _tiles_q4_0, _tiles_q4_1, _tiles_q4_k, _tiles_q6_k = (_tiles(q) for q in FORMATS)
+_format_tiles = by_kind("amx_tiles", {KIND[q]: _tiles(q) for q in FORMATS})  # each AMX format's tiles
 
 
 @njit(**KW)
@@ -370,16 +363,7 @@ def _run_tiles(kind, cfg, x, pan, cbuf, y, o0, t_n):
     # the tiles of kind: x (xa, dx, sx) in tile_major's layout, pan (bpan, dpan, mpan, span) panel's
     xa, dx, sx = x
     bpan, dpan, mpan, span = pan
-    if kind == Q8_0:
-        _tiles_q8_0(cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n)
-    elif kind == Q4_0:
-        _tiles_q4_0(cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n)
-    elif kind == Q4_1:
-        _tiles_q4_1(cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n)
-    elif kind == Q4_K:
-        _tiles_q4_k(cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n)
-    else:
-        _tiles_q6_k(cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n)
+    _format_tiles(kind, cfg, xa, bpan, dpan, mpan, span, dx, sx, cbuf, y, o0, t_n)
 
 
 def tile_major(xq, dx, sx):

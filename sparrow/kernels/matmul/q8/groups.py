@@ -419,6 +419,5 @@ def _tile_loop(b, emit, mr, sweep, arrs, t0, ystride, o_n):
                         b.store(b.extract_element(v, lp.index), b.bitcast(at, F32.as_pointer()))
 
 
-groups_q8_0, groups_q4_0, groups_q4_1, groups_q5_0, groups_q5_1 = (
-    make_groups(partial(emit_tile, q)) for q in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
-)
+# tiles(data, g0, g1, x8, y, t0, mr, o_n) of each format of 32-value blocks the q8 mode runs
+GROUPS = {q: make_groups(partial(emit_tile, q)) for q in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")}

@@ -164,5 +164,6 @@ def emit_q6_k(mr):
     return emit
 
 
-groups_q4_k, groups_q5_k = (make_groups(partial(emit_k, q)) for q in ("q4_k", "q5_k"))
-groups_q6_k = make_groups(emit_q6_k)
+# tiles(data, g0, g1, x8, y, t0, mr, o_n) of each K-quant the q8 mode runs
+GROUPS = {"q4_k": make_groups(partial(emit_k, "q4_k")), "q5_k": make_groups(partial(emit_k, "q5_k"))}
+GROUPS["q6_k"] = make_groups(emit_q6_k)

@@ -241,8 +241,7 @@ def _pair_loop(b, emit, mr, sweep, arrs, t0):
             b.store(v, b.bitcast(b.gep(yp, [o]), V16F.as_pointer()), align=4)
 
 
-pairs_q8_0, pairs_q4_0, pairs_q4_1, pairs_q5_0, pairs_q5_1 = (
-    make_pairs(partial(emit_pair, q)) for q in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
-)
-pairs_q4_k = make_pairs(emit_pair_q4_k)
-pairs_q6_k = make_pairs(emit_pair_q6_k)
+# pairs(data, g0, g1, x8, y, t0, mr) of each format claiming zmm pair tiles (formats.py's zmm_pairs)
+PAIRS = {q: make_pairs(partial(emit_pair, q)) for q in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")}
+PAIRS["q4_k"] = make_pairs(emit_pair_q4_k)
+PAIRS["q6_k"] = make_pairs(emit_pair_q6_k)

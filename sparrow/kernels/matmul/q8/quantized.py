@@ -26,44 +26,15 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from sparrow.kernels.cpu import FEATURES as CPU_FEATURES
+from sparrow.kernels.dispatch import by_kind
 from sparrow.kernels.elementwise import PAR_ROWS
-from sparrow.kernels.formats import (
-    BY_NAME,
-    X8_FIRST,
-    X8_KIND,
-    X8_Q4_0,
-    X8_Q4_1,
-    X8_Q4_K,
-    X8_Q5_0,
-    X8_Q5_K,
-    X8_Q6_K,
-    X8_Q8_0,
-    ZMM_PAIR_KINDS,
-)
+from sparrow.kernels.formats import BY_NAME, X8_FIRST, X8_KIND, X8_Q4_0, X8_Q5_0, X8_Q6_K, X8_Q8_0, ZMM_PAIR_KINDS
 from sparrow.kernels.ir import F32, I8, I32, V16F, V16I8, V16I32, c64, call, shuffle, splat16
-from sparrow.kernels.matmul.q8 import amx
-from sparrow.kernels.matmul.q8.groups import (
-    GROUP,
-    TILE_X_ROWS,
-    groups_q4_0,
-    groups_q4_1,
-    groups_q5_0,
-    groups_q5_1,
-    groups_q8_0,
-    interleave,
-)
+from sparrow.kernels.matmul.q8 import amx, kquant_groups, pair_tiles
+from sparrow.kernels.matmul.q8 import groups as _groups
+from sparrow.kernels.matmul.q8.groups import GROUP, TILE_X_ROWS, interleave
 from sparrow.kernels.matmul.q8.ir import AVX2, VNNI512
-from sparrow.kernels.matmul.q8.kquant_groups import groups_q4_k, groups_q5_k, groups_q6_k
-from sparrow.kernels.matmul.q8.pair_tiles import (
-    PAIR_X_ROWS,
-    pairs_q4_0,
-    pairs_q4_1,
-    pairs_q4_k,
-    pairs_q5_0,
-    pairs_q5_1,
-    pairs_q6_k,
-    pairs_q8_0,
-)
+from sparrow.kernels.matmul.q8.pair_tiles import PAIR_X_ROWS
 from sparrow.kernels.matmul.widen import call_slp
 from sparrow.kernels.native_call import address_for, call_native
 from sparrow.kernels.options import KW, PARALLEL_MIN_MACS
@@ -71,7 +42,6 @@ from sparrow.kernels.options import ROWS as _ROWS
 from sparrow.kernels.parallel import run_parallel
 from sparrow.memory import MADV_DONTNEED, advise_mapped_pages
 
-# formats.py's X8_KIND: q8_0, q4_0, q4_1, q5_0, q5_1 in q8.groups; q4_k, q5_k, q6_k in q8.kquant_groups
 __all__ = ["AVX2", "CPU_FEATURES", "Q8Weight", "matmul_amx", "matvec_q8", "quantize", "rows_q8"]
 
 
@@ -183,26 +153,13 @@ def code_sums(xq, n, times):
     return out
 
 
-@njit(**KW)
-def _tile(data, kind, g0, g1, x8, y, t0, mr, o_n):
-    """y[t0 : t0 + mr, rows of groups g0 .. g1 - 1] (mr <= q8.groups.TILE_X_ROWS) for an interleaved
-    kind; x8: (xq, dx, sx, bs), the quantised x rows and their sums (q8.groups.make_groups)."""
-    if kind == X8_Q8_0:
-        groups_q8_0(data, g0, g1, x8, y, t0, mr, o_n)
-    elif kind == X8_Q4_0:
-        groups_q4_0(data, g0, g1, x8, y, t0, mr, o_n)
-    elif kind == X8_Q4_1:
-        groups_q4_1(data, g0, g1, x8, y, t0, mr, o_n)
-    elif kind == X8_Q4_K:
-        groups_q4_k(data, g0, g1, x8, y, t0, mr, o_n)
-    elif kind == X8_Q5_K:
-        groups_q5_k(data, g0, g1, x8, y, t0, mr, o_n)
-    elif kind == X8_Q6_K:
-        groups_q6_k(data, g0, g1, x8, y, t0, mr, o_n)
-    elif kind == X8_Q5_0:
-        groups_q5_0(data, g0, g1, x8, y, t0, mr, o_n)
-    else:
-        groups_q5_1(data, g0, g1, x8, y, t0, mr, o_n)
+# Each interleaved format's tiles (formats.py's X8_KIND: q8_0, q4_0, q4_1, q5_0, q5_1 in q8.groups;
+# the K-quants in q8.kquant_groups) and zmm pair tiles (those claiming zmm_pairs), by x8 kind.
+_X8_TILES = {**_groups.GROUPS, **kquant_groups.GROUPS}
+# _group_tiles(kind, data, g0, g1, x8, y, t0, mr, o_n): y[t0 : t0 + mr, rows of groups g0 .. g1 - 1]
+# (mr <= q8.groups.TILE_X_ROWS); x8: (xq, dx, sx, bs), the quantised x rows and their sums
+_group_tiles = by_kind("q8_group_tiles", {k: _X8_TILES[q] for q, k in X8_KIND.items()})
+_pairs = by_kind("q8_pair_tiles", {k: pair_tiles.PAIRS[q] for q, k in X8_KIND.items() if q in pair_tiles.PAIRS})
 
 
 GROUP_CHUNK = 16  # groups (128 rows) a tile pass covers before the next x rows, when T > TILE_X_ROWS
@@ -215,20 +172,7 @@ def _pair_tiles(data, kind, g0, g1, xq, dx, sx, bs, y):
     x8 = (xq, dx, sx, bs)
     for t0 in range(0, t_n, PAIR_X_ROWS):
         mr = min(PAIR_X_ROWS, t_n - t0)
-        if kind == X8_Q4_0:
-            pairs_q4_0(data, g0, g1, x8, y, t0, mr)
-        elif kind == X8_Q8_0:
-            pairs_q8_0(data, g0, g1, x8, y, t0, mr)
-        elif kind == X8_Q4_1:
-            pairs_q4_1(data, g0, g1, x8, y, t0, mr)
-        elif kind == X8_Q4_K:
-            pairs_q4_k(data, g0, g1, x8, y, t0, mr)
-        elif kind == X8_Q6_K:
-            pairs_q6_k(data, g0, g1, x8, y, t0, mr)
-        elif kind == X8_Q5_0:
-            pairs_q5_0(data, g0, g1, x8, y, t0, mr)
-        else:
-            pairs_q5_1(data, g0, g1, x8, y, t0, mr)
+        _pairs(kind, data, g0, g1, x8, y, t0, mr)
 
 
 @njit(**KW)
@@ -249,7 +193,7 @@ def x8_rows(data, kind, xq, dx, sx, bs, y, g0, g1):
             _pair_tiles(data, kind, c, p, xq, dx, sx, bs, y)
         if p < e:
             for t0 in range(0, t_n, TILE_X_ROWS):
-                _tile(data, kind, p, e, x8, y, t0, min(TILE_X_ROWS, t_n - t0), o_n)
+                _group_tiles(kind, data, p, e, x8, y, t0, min(TILE_X_ROWS, t_n - t0), o_n)
 
 
 @njit(**KW)
