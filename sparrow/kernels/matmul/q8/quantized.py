@@ -28,7 +28,17 @@ from numba.extending import intrinsic
 from sparrow.kernels.cpu import FEATURES as CPU_FEATURES
 from sparrow.kernels.dispatch import by_kind
 from sparrow.kernels.elementwise import PAR_ROWS
-from sparrow.kernels.formats import BY_NAME, X8_FIRST, X8_KIND, X8_Q4_0, X8_Q5_0, X8_Q6_K, X8_Q8_0, ZMM_PAIR_KINDS
+from sparrow.kernels.formats import (
+    BY_NAME,
+    FORMATS,
+    X8_FIRST,
+    X8_KIND,
+    X8_Q4_0,
+    X8_Q5_0,
+    X8_Q6_K,
+    X8_Q8_0,
+    ZMM_PAIR_KINDS,
+)
 from sparrow.kernels.ir import F32, I8, I32, V16F, V16I8, V16I32, c64, call, shuffle, splat16
 from sparrow.kernels.matmul.q8 import amx, kquant_groups, pair_tiles
 from sparrow.kernels.matmul.q8 import groups as _groups
@@ -159,7 +169,7 @@ _X8_TILES = {**_groups.GROUPS, **kquant_groups.GROUPS}
 # _group_tiles(kind, data, g0, g1, x8, y, t0, mr, o_n): y[t0 : t0 + mr, rows of groups g0 .. g1 - 1]
 # (mr <= q8.groups.TILE_X_ROWS); x8: (xq, dx, sx, bs), the quantised x rows and their sums
 _group_tiles = by_kind("q8_group_tiles", {k: _X8_TILES[q] for q, k in X8_KIND.items()})
-_pairs = by_kind("q8_pair_tiles", {k: pair_tiles.PAIRS[q] for q, k in X8_KIND.items() if q in pair_tiles.PAIRS})
+_pairs = by_kind("q8_pair_tiles", {f.x8: pair_tiles.PAIRS[f.name] for f in FORMATS if f.zmm_pairs})
 
 
 GROUP_CHUNK = 16  # groups (128 rows) a tile pass covers before the next x rows, when T > TILE_X_ROWS
