@@ -140,3 +140,6 @@ def test_a_dispatch_table_calls_the_kernel_of_its_kind():
         assert y[0] == want, kind
     with pytest.raises(ValueError, match="second dispatcher"):
         by_kind("test_formats_table", {3: add})
+    for name, table in (("not a name", {3: add}), ("test_formats_empty", {})):
+        with pytest.raises(ValueError, match="needs a Python name and at least one kernel"):
+            by_kind(name, table)
