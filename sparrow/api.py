@@ -256,7 +256,8 @@ class LLM:
 
         Settings come as objects (`sampling`, `sparse`) or as keyword conveniences: any
         SamplingParams field (max_tokens=256, temperature=0.0, top_p, top_k, min_p, the
-        penalties, seed, stop, logprobs) and sparse_attn, sparse_k, sparse_block,
+        penalties, seed, stop, logprobs) and sparse_attn (True / "on", False / "off", or
+        "auto": v3 with top-p 0.95 from the context where it pays), sparse_k, sparse_block,
         sparse_probe, sparse_prefill, sparse_select, sparse_p, sparse_min_blocks (v3's top-p
         budget). trace: a list that receives, per decoded token, the sparse selections
         [(layer, [(head, blocks, stages, mass)])].

@@ -12,7 +12,16 @@ import sys
 import time
 
 from .errors import SparrowError
-from .params import KV_DTYPES, QUANTIZE, SELECTORS, SPECULATIVE_METHODS, SamplingParams, SparseParams
+from .params import (
+    KV_DTYPES,
+    QUANTIZE,
+    SELECTORS,
+    SPARSE_ATTN,
+    SPARSE_ATTN_DEFAULT,
+    SPECULATIVE_METHODS,
+    SamplingParams,
+    SparseParams,
+)
 from .request import sampling_from_flags, speculative_from_flags
 
 DEMO_PROMPT = "In three sentences, why is the sky blue?"
@@ -87,16 +96,25 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g = p.add_argument_group("sparse attention")
-    g.add_argument("--sparse-attn", action="store_true", help="block-sparse top-k decode attention")
-    g.add_argument("--sparse-k", type=int, default=32, help="blocks per query head")
-    g.add_argument("--sparse-block", type=int, default=32, help="tokens per block")
-    g.add_argument("--sparse-probe", type=int, default=8, help="probe keys per block (seed selector)")
+    g.add_argument(
+        "--sparse-attn",
+        nargs="?",
+        const="on",
+        default=None,
+        choices=SPARSE_ATTN,
+        help=f"block-sparse top-k decode attention: off, on (alone: on) or auto (v3 with a top-p budget from the "
+        f"context length where sparse decode pays on this CPU; default {SPARSE_ATTN_DEFAULT})",
+    )
+    g.add_argument("--sparse-k", type=int, default=None, help="blocks per query head (default 32)")
+    g.add_argument("--sparse-block", type=int, default=None, help="tokens per block (default 32)")
+    g.add_argument("--sparse-probe", type=int, default=None, help="probe keys per block (seed selector; default 8)")
     g.add_argument(
         "--sparse-select",
         choices=SELECTORS,
-        default="seed",
-        help="block selector: seed (the article's, default), v2 (block summaries; docs/SPARSE_SELECT_V2.md) or v3 "
-        "(every key scored in int8, blocks by estimated softmax mass; docs/SPARSE_SELECT_V3.md)",
+        default=None,
+        help="block selector: seed (the article's, the default of on), v2 (block summaries; "
+        "docs/SPARSE_SELECT_V2.md) or v3 (every key scored in int8, blocks by estimated softmax mass; "
+        "docs/SPARSE_SELECT_V3.md; auto's)",
     )
     g.add_argument(
         "--sparse-p",
@@ -107,7 +125,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
         "at most --sparse-k (default: always --sparse-k blocks)",
     )
     g.add_argument(
-        "--sparse-min-blocks", type=int, default=1, metavar="N", help="v3 with --sparse-p: at least N blocks"
+        "--sparse-min-blocks", type=int, default=None, metavar="N", help="v3 with --sparse-p: at least N blocks"
     )
     g.add_argument("--sparse-prefill", action="store_true", help="select blocks during prefill too")
     g.add_argument(
@@ -307,12 +325,19 @@ def _think_kwargs(a) -> dict:
     return {"enable_thinking": False} if getattr(a, "no_think", False) else {}
 
 
+def _attention_words(sparse: SparseParams | None) -> str:
+    if sparse is None:
+        return "exact attention"
+    frm = "" if sparse.from_context == 0 else " past the context where it pays"
+    return f"sparse attention {sparse.label}, at most {sparse.k} blocks{frm}"
+
+
 def cmd_chat(a) -> None:
     a.params = _params(a)
     llm = _load(a)
     messages = [{"role": "system", "content": a.system}] if a.system else []
     print(
-        f"sparrow chat with {llm.name} ({f'sparse k={a.sparse_k}' if a.sparse_attn else 'exact attention'}). "
+        f"sparrow chat with {llm.name} ({_attention_words(a.params[1])}). "
         "/reset clears the conversation, /image PATH attaches an image to your next message, /exit or Ctrl-D quits.",
         file=sys.stderr,
     )

@@ -13,6 +13,12 @@ from .errors import SparrowError
 KV_DTYPES = ("f32", "f16", "int8")
 # block selectors: the article's (spec) and sparrow's (docs/SPARSE_SELECT_V2.md, docs/SPARSE_SELECT_V3.md)
 SELECTORS = ("seed", "v2", "v3")
+# --sparse-attn: exact; sparse at every length; sparse past the context where it pays on this CPU
+# (SparseParams.auto: the selector and budget issue 70's measurements chose, from the crossover of
+# kernels/attention/crossover.py), the default
+SPARSE_ATTN = ("off", "on", "auto")
+SPARSE_ATTN_DEFAULT = "off"
+AUTO_K, AUTO_P = 32, 0.95  # auto's budget: v3, top-p 0.95 of the estimated mass, at most 32 blocks
 V2_DENSE_LAYERS = 2  # v2 runs the first layers exact: they hold most of k=8's loss (docs/evaluation.md, "Selector v2")
 # The selector word the kernels take (SparseParams.flags; kernels/attention/select.py reads it):
 # v2's bits, then v3's bit and its budget in the same int: bits 8..23 min_blocks, bits 24..40 p
@@ -48,6 +54,9 @@ class SparseParams:
     # v2 ablation switches (bench --selectors v2-nosink, v2-norecent): always take block 0 / the last block
     sink: bool = True
     recent: bool = True
+    # sparse once a decoded token attends over this many positions, exact (bit for bit) below;
+    # None: where sparse decode starts to pay on this CPU (sparse_attn='auto'; state.sparse.sparse_at)
+    from_context: int | None = 0
 
     def __post_init__(self):
         for name in ("k", "block", "probe"):
@@ -69,6 +78,14 @@ class SparseParams:
         if self.select == "v3" and not (self.sink and self.recent):
             raise SparrowError("sink and recent are v2 settings: v3 forces no block in (sparse_select='v3')")
         self._check_budget()
+        f = self.from_context
+        if f is not None and (isinstance(f, bool) or not isinstance(f, int) or f < 0):
+            raise SparrowError(f"sparse_from_context must be an integer >= 0, got {f!r}")
+
+    @classmethod
+    def auto(cls, block: int = 32) -> SparseParams:
+        """sparse_attn='auto': v3 with the top-p budget, exact below the CPU's crossover."""
+        return cls(k=AUTO_K, block=block, select="v3", p=AUTO_P, from_context=None)
 
     def _check_budget(self):
         """p and min_blocks: v3's top-p budget (each error names the field)."""
@@ -111,26 +128,33 @@ class SparseParams:
     def label(self) -> str:
         """Short name for tables and records: seed, v2, v2-nosink, v2-norecent, v2-dense0, v3,
         v3-p0.95, v3-p0.9-min4, ..."""
+        frm = [] if self.from_context == 0 else [f"from{'auto' if self.from_context is None else self.from_context}"]
         if self.select == "seed":
-            return "seed"
+            return "-".join(["seed"] + frm)
         if self.select == "v3":
             parts = ["v3"] + ([f"p{self.p:g}"] if self.p is not None else [])
             parts += [f"min{self.min_blocks}"] if self.min_blocks != 1 else []
-            return "-".join(parts + ([f"dense{self.dense_layers}"] if self.dense_layers != V2_DENSE_LAYERS else []))
+            parts += [f"dense{self.dense_layers}"] if self.dense_layers != V2_DENSE_LAYERS else []
+            return "-".join(parts + frm)
         parts = ["v2"] + (["nosink"] if not self.sink else []) + (["norecent"] if not self.recent else [])
         if self.dense_layers != V2_DENSE_LAYERS:
             parts.append(f"dense{self.dense_layers}")
-        return "-".join(parts)
+        return "-".join(parts + frm)
 
     @classmethod
     def from_label(cls, label: str, **kw) -> SparseParams:
         """Inverse of `label` (bench --selectors): "seed", "v2", "v2-nosink-norecent-dense0", "v3-p0.95", ..."""
         head, *mods = label.strip().split("-")
+        opts: dict = {"select": head}
+        if mods and mods[-1].startswith("from"):  # any selector: from<N> / fromauto
+            f = mods.pop()[4:]
+            if f != "auto" and not f.isdigit():
+                raise SparrowError(f"unknown selector modifier {'from' + f!r} in {label!r} (from<N>, fromauto)")
+            opts["from_context"] = None if f == "auto" else int(f)
         if head not in SELECTORS or (head == "seed" and mods):
             raise SparrowError(
                 f"unknown selector {label!r} (seed, v2, v2-nosink, v2-norecent, v2-dense<N>, v3, v3-p<P>, v3-min<N>)"
             )
-        opts = {"select": head}
         for m in mods:
             if m in ("nosink", "norecent"):
                 opts["sink" if m == "nosink" else "recent"] = False
@@ -149,28 +173,45 @@ class SparseParams:
     @classmethod
     def from_options(
         cls,
-        sparse_attn: bool = False,
-        sparse_k: int = 32,
-        sparse_block: int = 32,
-        sparse_probe: int = 8,
+        sparse_attn: bool | str | None = None,
+        sparse_k: int | None = None,
+        sparse_block: int | None = None,
+        sparse_probe: int | None = None,
         sparse_prefill: bool = False,
-        sparse_select: str = "seed",
+        sparse_select: str | None = None,
         sparse_p: float | None = None,
-        sparse_min_blocks: int = 1,
+        sparse_min_blocks: int | None = None,
     ) -> SparseParams | None:
         """The flat option names the CLI, the HTTP API and `LLM` keywords use -> settings or
-        None (exact attention)."""
-        if not sparse_attn:
+        None (exact attention). sparse_attn: "off" / False, "on" / True, "auto" (None:
+        SPARSE_ATTN_DEFAULT); the other options refine the mode's settings (auto: v3, top-p 0.95,
+        at most 32 blocks, from the crossover on)."""
+        mode = sparse_mode(sparse_attn)
+        if mode == "off":
             return None
+        auto = mode == "auto"
+        select = sparse_select or ("v3" if auto else "seed")
         return cls(
-            k=sparse_k,
-            block=sparse_block,
-            probe=sparse_probe,
-            prefill=sparse_prefill,
-            select=sparse_select,
-            p=sparse_p,
-            min_blocks=sparse_min_blocks,
+            k=(AUTO_K if auto else 32) if sparse_k is None else sparse_k,
+            block=32 if sparse_block is None else sparse_block,
+            probe=8 if sparse_probe is None else sparse_probe,
+            prefill=bool(sparse_prefill),
+            select=select,
+            p=sparse_p if sparse_p is not None or not auto or select != "v3" else AUTO_P,
+            min_blocks=1 if sparse_min_blocks is None else sparse_min_blocks,
+            from_context=None if auto else 0,
         )
+
+
+def sparse_mode(value) -> str:
+    """sparse_attn as given (a bool, "off" / "on" / "auto", None for the default) -> its mode."""
+    if value is None:
+        return SPARSE_ATTN_DEFAULT
+    if value is True or value is False:
+        return "on" if value else "off"
+    if value not in SPARSE_ATTN:
+        raise SparrowError(f"sparse_attn must be true, false or one of {', '.join(SPARSE_ATTN)}, got {value!r}")
+    return value
 
 
 SPARSE_OPTIONS = (

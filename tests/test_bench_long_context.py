@@ -4,6 +4,8 @@ resident memory within the bound the bench states."""
 
 import json
 
+import pytest
+
 from sparrow.state.sparse import SNAPSHOT_COPIES
 from sparrow_lab.bench import long_context
 
@@ -20,7 +22,7 @@ def test_long_context_bench_memory_within_bound(tmp_path, capsys):
     assert "| 16384 (synthesised cache) | sparrow, sparse v2 k=32 |" in table
     assert "| 256 | sparrow, exact |" in table
     row = rec["contexts"]["256"]
-    assert set(row["tok_s"]["sparrow"]) == {"exact", "seed", "v2"}
+    assert set(row["tok_s"]["sparrow"]) == {"exact", "seed", "v2", "v3"}
     assert all(v > 0 for v in row["tok_s"]["sparrow"].values())
     assert row["ttft_s"]["sparrow"] > 0
     mem = rec["synth"]["16384"]["memory"]["sparrow"]
@@ -28,6 +30,7 @@ def test_long_context_bench_memory_within_bound(tmp_path, capsys):
     kv = (30 * 3 * 64 * 2 * 4 + 30 * 4 * (1 + SNAPSHOT_COPIES)) * (16384 + 2) / 2**20
     assert abs(mem["kv_mib"] - kv) < 1e-6
     assert mem["side_mib"]["seed"] > 0 and mem["side_mib"]["v2"] > 0
+    assert mem["side_mib"]["v3"] == pytest.approx(30 * 3 * (64 + 4) * 16416 / 2**20, rel=0.01)  # int8 codes + scale
     # the synthesised cache is written whole, so the measured peak sees all of it ...
     assert mem["peak_mib"] - mem["base_mib"] >= 0.95 * mem["kv_mib"]
     # ... and stays within the stated bound: no second copy of the cache anywhere

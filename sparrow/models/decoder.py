@@ -21,6 +21,7 @@ from ..memory import MADV_DONTNEED, MADV_RANDOM, advise_mapped_pages, release_me
 from ..params import SparseParams
 from ..quant import Weight
 from ..state.cache import KVCache
+from ..state.sparse import sparse_at
 from .attention import Selections, decode_attention, prefill_attention, verify_attention
 from .fused import FusedDecode
 from .layers import MLP, FusedLinear, rms_norm
@@ -42,6 +43,10 @@ class Segment:
     trace: list | Selections | None = None
     vision: object | None = None  # models.qwen3_vl.SegmentVision: M-RoPE positions, image embeddings
     rope_delta: int = 0  # rope position minus cache position (decode after an image prompt)
+
+    def __post_init__(self):
+        # sparse settings that start at a context length (auto) are exact below it
+        self.sparse = sparse_at(self.sparse, self.start + len(self.tokens), self.cache.head_dim)
 
 
 def _verify_run(segments: list[Segment], j: int) -> int:

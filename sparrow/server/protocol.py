@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ValidationError
 
 from ..errors import SparrowError
-from ..params import SamplingParams, SparseParams
+from ..params import SPARSE_OPTIONS, SamplingParams, SparseParams
 from ..structured import Structured, StructuredError
 from .schema import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TextPart, TokenizeRequest
 
@@ -234,22 +234,12 @@ def _common(r, chat: bool, defaults: dict | None) -> GenRequest:
         logprobs=logprobs,
         logit_bias={int(k): v for k, v in bias.items()},
     )
-    sparse = None
-    if r.sparse_attn:
-        try:
-            sparse = SparseParams(
-                k=32 if r.sparse_k is None else r.sparse_k,
-                block=32 if r.sparse_block is None else r.sparse_block,
-                probe=8 if r.sparse_probe is None else r.sparse_probe,
-                prefill=bool(r.sparse_prefill),
-                select=r.sparse_select or "seed",
-                p=r.sparse_p,
-                min_blocks=1 if r.sparse_min_blocks is None else r.sparse_min_blocks,
-            )
-        except SparrowError as e:
-            raise _bad("sparse_attn", str(e)) from None
+    try:
+        sparse = SparseParams.from_options(**{k: getattr(r, k) for k in SPARSE_OPTIONS})
+    except SparrowError as e:
+        raise _bad("sparse_attn", str(e)) from None
     if r.sparse_trace and sparse is None:
-        raise _bad("sparse_trace", "'sparse_trace' traces sparse attention: it requires 'sparse_attn': true")
+        raise _bad("sparse_trace", "'sparse_trace' traces sparse attention: it requires 'sparse_attn': true or 'auto'")
     if r.sparse_trace and (r.n or 1) > 1:
         raise _bad("sparse_trace", "'sparse_trace' traces one choice: it requires 'n': 1")
     if r.sparse_trace and r.speculative not in (None, "none"):

@@ -14,10 +14,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, NonNegativeInt, Tag, field_validator, model_validator
 
-from ..params import KV_DTYPES, MAX_SPEC_TOKENS, REPETITION_PENALTY, SELECTORS, SPECULATIVE_METHODS
+from ..params import KV_DTYPES, MAX_SPEC_TOKENS, REPETITION_PENALTY, SELECTORS, SPARSE_ATTN, SPECULATIVE_METHODS
 
 KVDType = Literal[KV_DTYPES]  # type: ignore[valid-type]
 Selector = Literal[SELECTORS]  # type: ignore[valid-type]
+SparseMode = Literal[SPARSE_ATTN]  # type: ignore[valid-type]
 SpecMethod = Literal[(*SPECULATIVE_METHODS, "none")]  # type: ignore[valid-type]
 
 
@@ -248,12 +249,18 @@ class _Sampling(_Model):
     stop: str | list[str] | None = Field(None, description="at most 16 stop strings")
     ignore_eos: bool | None = None
     stop_token_ids: list[NonNegativeInt] | None = None
-    sparse_attn: bool | None = Field(None, description="sparse decode attention for this request")
+    sparse_attn: bool | SparseMode | None = Field(
+        None,
+        description="sparse decode attention for this request: true / 'on', false / 'off', or 'auto' (v3 with a "
+        "top-p budget past the context where sparse decode pays on this CPU); default: the server's",
+    )
     sparse_k: int | None = Field(None, ge=1)
     sparse_block: int | None = Field(None, ge=1)
     sparse_probe: int | None = Field(None, ge=1)
     sparse_prefill: bool | None = None
-    sparse_select: Selector | None = Field(None, description="block selector: seed (default), v2 or v3")
+    sparse_select: Selector | None = Field(
+        None, description="block selector: seed (the default of 'on'), v2 or v3 (auto's)"
+    )
     sparse_p: float | None = Field(
         None,
         gt=0.0,

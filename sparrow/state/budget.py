@@ -28,6 +28,7 @@ import re
 import threading
 
 from ..errors import SparrowError
+from .sparse import sparse_at
 
 PAGE = 32  # positions; the sparse attention block size
 GROW_FRACTION = 8  # a growing cache adds at least 1/GROW_FRACTION of its capacity
@@ -76,13 +77,17 @@ def pages(n: int) -> int:
     return -(-int(n) // PAGE) * PAGE
 
 
-def probe_of(sparse, speculative=None) -> list:
+def probe_of(sparse, speculative=None, positions: int | None = None, head_dim: int = 0) -> list:
     """What a request's decode copies beside its KV (KVCache.bytes_at's keys): (block, n_probe)
-    for the seed's probe keys, (block, "v2") for v2's block summaries, for its sparse attention
-    and for its sparse drafter (speculative 'sparse': the drafter's selector copies are made in
-    the same cache, an exact target's too); empty for exact attention without."""
+    for the seed's probe keys, (block, "v2") for v2's block summaries, (block, "v3") for v3's
+    key codes, for its sparse attention and for its sparse drafter (speculative 'sparse': the
+    drafter's selector copies are made in the same cache, an exact target's too); empty for
+    exact attention without. positions: the most the request holds in a cache of head_dim;
+    settings that start at a longer context (auto below its crossover) copy nothing (None:
+    count them)."""
     drafter = speculative.sparse if speculative is not None and speculative.method == "sparse" else None
-    return [sp.copy_key for sp in (sparse, drafter) if sp is not None]
+    used = [sp if positions is None else sparse_at(sp, positions, head_dim) for sp in (sparse, drafter)]
+    return [sp.copy_key for sp in used if sp is not None]
 
 
 class KVPool:

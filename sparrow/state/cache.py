@@ -25,6 +25,7 @@ class KVCache:
             raise SparrowError(f"KV cache capacity must be >= 1 (got {capacity})")
         self.dtype = dtype
         self.capacity = capacity
+        self.head_dim = head_dim
         self.layers = [layer_cache(dtype, n_kv_heads, head_dim, capacity) for _ in range(n_layers)]
         self.sparse = [SparseState(capacity) for _ in range(n_layers)]
         self.length = 0

@@ -28,11 +28,6 @@ from .prefix import Hit, PrefixCache, check_disk_setting, prefix_key, reusable
 log = logging.getLogger("sparrow.engine")
 
 
-def _copies(req) -> list:
-    """The selector copies a request's cache is charged for (budget.probe_of)."""
-    return probe_of(req.sparse, req.speculative)
-
-
 class KVManager:
     """Works on the engine's Request objects (engine.py) and its scheduler's queues, duck-typed:
     new_sequence(req) makes a request's Sequence with no cache (the engine's, so this package
@@ -61,11 +56,21 @@ class KVManager:
         self, positions: int, kv_dtype: str | None = None, sparse: SparseParams | None = None, speculative=None
     ) -> int:
         """What a cache of `positions` (rounded up to pages) is charged."""
-        dtype = kv_dtype or self.llm.kv_dtype
+        t = self._template(kv_dtype or self.llm.kv_dtype)
+        return t.bytes_at(pages(positions), probe_of(sparse, speculative, positions, t.head_dim))
+
+    def _template(self, dtype: str):
+        """A 1-position cache of kv kind dtype: what prices capacities."""
         t = self._templates.get(dtype)
         if t is None:
             t = self._templates[dtype] = self.runner.model.new_cache(1, dtype)
-        return t.bytes_at(pages(positions), probe_of(sparse, speculative))
+        return t
+
+    def _copies(self, req) -> list:
+        """The selector copies a request's cache is charged for (budget.probe_of): none for
+        settings that start past the most positions it can hold."""
+        t = self._template(req.kv_dtype or self.llm.kv_dtype)
+        return probe_of(req.sparse, req.speculative, len(req.seq.slot.prompt) + req.params.max_tokens, t.head_dim)
 
     def check_fits(self, n_prompt: int, max_tokens: int, kv_dtype=None, sparse=None, speculative=None) -> None:
         """A request must fit in the budget alone, so that preemption can always make room for it."""
@@ -123,7 +128,7 @@ class KVManager:
                 hit = Hit()
             snapshots = hit.entry.snapshots if hit.entry is not None else {}
             cache = self.runner.model.new_cache(1, req.kv_dtype or self.llm.kv_dtype)
-            ok = self.pool.resize(cache, capacity, _copies(req))
+            ok = self.pool.resize(cache, capacity, self._copies(req))
             # No room for a copy of the hit: the whole entry becomes this request's where it can
             # (its prompt extends the entry, nobody else copies from it: a chat's next turn in a
             # budget that holds one conversation). Copying while there is room keeps the entry
@@ -133,7 +138,7 @@ class KVManager:
                 slot.snapshots = {b: v for b, v in snapshots.items() if b <= hit.tokens}
                 if n_out == 0:
                     req.cached_tokens = hit.tokens
-                if not self.pool.resize(taken, capacity, _copies(req)):
+                if not self.pool.resize(taken, capacity, self._copies(req)):
                     self.pool.release(taken)
                     slot.snapshots, req.cached_tokens = {}, 0
                     return False
@@ -174,7 +179,7 @@ class KVManager:
             if entry is None:
                 return None
             cache = self.runner.model.new_cache(1, req.kv_dtype or self.llm.kv_dtype)
-            if not self.pool.resize(cache, capacity, _copies(req)):
+            if not self.pool.resize(cache, capacity, self._copies(req)):
                 return None
             read = self._reads[req.id] = self.prefix.disk.read_async(entry, n, cache)
         if self.scheduler.running and not read.done.is_set():
@@ -238,7 +243,7 @@ class KVManager:
         like a preempted request) when the budget has no room."""
         src = parent.seq.slot.cache
         cache = self.runner.model.new_cache(1, child.kv_dtype or self.llm.kv_dtype)
-        if not self.pool.resize(cache, self._first_capacity(child, 0), _copies(child)):
+        if not self.pool.resize(cache, self._first_capacity(child, 0), self._copies(child)):
             return False
         n = src.length
         cache.copy_prefix(src, n, src.importance_snapshot())
@@ -280,7 +285,7 @@ class KVManager:
         worth another request's KV)."""
         cache = req.seq.slot.cache
         ceiling = len(req.seq.slot.prompt) + req.params.max_tokens
-        while n > 0 and not self.pool.grow(cache, cache.length + 1 + n, ceiling, _copies(req)):
+        while n > 0 and not self.pool.grow(cache, cache.length + 1 + n, ceiling, self._copies(req)):
             n = min(n - 1, cache.capacity - cache.length - 1)
         return max(0, n)
 
@@ -293,7 +298,7 @@ class KVManager:
             if slot is None or slot.cache is None:
                 continue
             ceiling = len(slot.prompt) + r.params.max_tokens
-            while not self.pool.grow(slot.cache, slot.cache.length + 1, ceiling, _copies(r)):
+            while not self.pool.grow(slot.cache, slot.cache.length + 1, ceiling, self._copies(r)):
                 if self._reads and self._drop_read(next(reversed(self._reads))):
                     continue  # the head's read from disk first: it reads again when admitted
                 holders = [h for h in self.scheduler.running if h.seq.slot.cache is not None]

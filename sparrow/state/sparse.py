@@ -8,6 +8,18 @@ thins the prefill's importance snapshots (and a recurrent state's copies) at chu
 
 import numpy as np
 
+from ..kernels.attention.crossover import sparse_from
+
+
+def sparse_at(sparse, context: int, head_dim: int):
+    """The settings a step whose queries attend over `context` positions of a cache of
+    `head_dim` runs with: `sparse` itself, or None (exact attention, bit for bit) while context
+    is below its from_context (None: auto, the CPU's crossover, kernels/attention/crossover.py)."""
+    if sparse is None or sparse.from_context == 0:
+        return sparse
+    start = sparse_from(head_dim) if sparse.from_context is None else sparse.from_context
+    return sparse if context >= start else None
+
 
 class SparseState:
     """What block-sparse attention keeps about one layer's positions, beside its LayerCache:

@@ -1,4 +1,5 @@
-"""Decode-attention micro-benchmark: exact vs block-sparse top-k on one Qwen3-0.6B-shaped layer.
+"""Decode-attention micro-benchmark: exact vs block-sparse top-k on one layer (Qwen3-0.6B's shape,
+or another with --shape).
 
 Random K/V/query and random importance; per context and KV dtype the exact and sparse kernels
 run interleaved (exact, k=32, k=16, ... then again) so machine-load drift hits them alike. The
@@ -18,17 +19,19 @@ from sparrow.models.attention import decode_attention
 from sparrow.params import KV_DTYPES, SparseParams
 from sparrow.state.cache import KVCache
 
-N_HEADS, N_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
+# layer shapes by name: (query heads, KV heads, head_dim)
+SHAPES = {"qwen3-0.6b": (16, 8, 128), "smollm2-135m": (9, 3, 64), "qwen3.5-0.8b": (8, 2, 256)}
+N_HEADS, N_KV_HEADS, HEAD_DIM = SHAPES["qwen3-0.6b"]
 _FILL_CHUNK = 2048
 
 
-def _filled_layer(kv_dtype, capacity, rng):
+def _filled_layer(kv_dtype, capacity, rng, kvh, d):
     """(layer cache, its sparse state) of a one-layer cache full of random K/V and importance."""
-    cache = KVCache(1, N_KV_HEADS, HEAD_DIM, capacity, kv_dtype)
+    cache = KVCache(1, kvh, d, capacity, kv_dtype)
     for s0 in range(0, capacity, _FILL_CHUNK):
         n = min(_FILL_CHUNK, capacity - s0)
-        k = rng.standard_normal((n, N_KV_HEADS, HEAD_DIM), dtype=np.float32)  # [n, KVH, D]
-        v = rng.standard_normal((n, N_KV_HEADS, HEAD_DIM), dtype=np.float32)  # [n, KVH, D]
+        k = rng.standard_normal((n, kvh, d), dtype=np.float32)  # [n, KVH, D]
+        v = rng.standard_normal((n, kvh, d), dtype=np.float32)  # [n, KVH, D]
         cache.append(0, s0, k, v)
     cache.sparse[0].importance[:] = rng.random(capacity, dtype=np.float32)
     return cache.layers[0], cache.sparse[0]
@@ -43,6 +46,7 @@ def run(
     threads=None,
     clock="wall",
     selectors=("seed",),
+    shape=(N_HEADS, N_KV_HEADS, HEAD_DIM),
 ):
     """Returns one dict per (kv_dtype, context, mode): mode "exact", "k=<k>" (the seed selector)
     or "<selector> k=<k>", median ms per decoded token for this one layer, and for sparse modes
@@ -55,14 +59,15 @@ def run(
     saved = numba.get_num_threads()
     if threads:
         numba.set_num_threads(threads)
-    scale = 1.0 / math.sqrt(HEAD_DIM)
+    n_heads, kvh, d = shape
+    scale = 1.0 / math.sqrt(d)
     rows = []
     try:
         for kv_dtype in kv_dtypes:
             rng = np.random.default_rng(seed)
-            layer, state = _filled_layer(kv_dtype, max(contexts), rng)
+            layer, state = _filled_layer(kv_dtype, max(contexts), rng, kvh, d)
             for ctx in contexts:
-                q = rng.standard_normal((N_HEADS, HEAD_DIM), dtype=np.float32)  # [H, D]
+                q = rng.standard_normal((n_heads, d), dtype=np.float32)  # [H, D]
                 modes = [("exact", None)] + [
                     (f"k={k}" if sel == "seed" else f"{sel} k={k}", SparseParams.from_label(sel, k=k))
                     for k in ks
@@ -120,10 +125,11 @@ def format_table(rows):
 def main(argv=None):
     p = argparse.ArgumentParser(
         prog="sparrow bench attention",
-        description="Decode attention ms/token for one Qwen3-0.6B-shaped layer "
-        f"({N_HEADS} q heads, {N_KV_HEADS} KV heads, head_dim {HEAD_DIM}): "
+        description="Decode attention ms/token for one layer (default Qwen3-0.6B's: "
+        f"{N_HEADS} q heads, {N_KV_HEADS} KV heads, head_dim {HEAD_DIM}): "
         "exact vs block-sparse top-k, random tensors.",
     )
+    p.add_argument("--shape", choices=SHAPES, default="qwen3-0.6b", help="the layer's heads, KV heads and head_dim")
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     p.add_argument("--ks", type=int, nargs="+", default=[32, 16, 8])
     p.add_argument(
@@ -154,13 +160,16 @@ def main(argv=None):
     selectors = tuple(x.strip() for x in a.selectors.split(",") if x.strip())
     for sel in selectors:
         SparseParams.from_label(sel)  # a bad name fails before the long fill
-    rows = run(tuple(a.contexts), tuple(a.ks), tuple(a.kv_dtypes), a.repeats, a.seed, a.threads, a.clock, selectors)
+    shape = SHAPES[a.shape]
+    rows = run(
+        tuple(a.contexts), tuple(a.ks), tuple(a.kv_dtypes), a.repeats, a.seed, a.threads, a.clock, selectors, shape
+    )
     report.write_json(
         out,
         {
             "bench": "attention",
             "argv": list(sys.argv[1:] if argv is None else argv),
-            "shape": {"heads": N_HEADS, "kv_heads": N_KV_HEADS, "head_dim": HEAD_DIM},
+            "shape": {"name": a.shape, "heads": shape[0], "kv_heads": shape[1], "head_dim": shape[2]},
             "repeats": a.repeats,
             "seed": a.seed,
             "clock": a.clock,

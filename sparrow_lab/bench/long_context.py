@@ -66,9 +66,16 @@ from sparrow_lab.bench.host import (
 )
 
 WORK_MIB = 256  # prefill chunk work buffers (scores, activations) the bound allows beyond the cache
-SPARROW_MODES = ("exact", "seed", "v2")
+SPARROW_MODES = ("exact", "seed", "v2", "v3")  # v3: with auto's top-p budget (SparseParams.auto, from 0)
 LLAMA = {"llama_off": False, "llama_on": True}  # child role -> flash attention
 SPARSE_PREFILL = "sparrow_sp"  # child role: sparse prefill, then decode with the same selector
+
+
+def _mode_params(mode: str, k: int):
+    """A sparse decode mode's settings: the selector at k; v3 with auto's top-p budget."""
+    from sparrow.params import AUTO_P, SparseParams
+
+    return SparseParams(k=k, select=mode, p=AUTO_P if mode == "v3" else None)
 
 
 def sparrow_modes(prefill_select: str | None) -> tuple:
@@ -101,7 +108,7 @@ class SparrowEngine:
         self.kv = kv
         self.modes = sparrow_modes(prefill_select)
         if prefill_select is None:
-            self.sparse = {m: SparseParams(k=sparse_k, select=m) for m in SPARROW_MODES if m != "exact"}
+            self.sparse = {m: _mode_params(m, sparse_k) for m in SPARROW_MODES if m != "exact"}
             self.prefill_sparse = None
         else:
             self.prefill_sparse = SparseParams(k=sparse_k, select=prefill_select, prefill=True)
@@ -477,7 +484,7 @@ def markdown(rec) -> str:
     if cfg.get("shape"):
         model += f" (random weights, {cfg['shape']} shapes, {cfg['type']})"
     k = cfg["sparse_k"]
-    names = {"exact": "exact", "seed": f"sparse seed k={k}", "v2": f"sparse v2 k={k}"}
+    names = {"exact": "exact", "seed": f"sparse seed k={k}", "v2": f"sparse v2 k={k}", "v3": f"sparse v3 p=0.95 k={k}"}
     sp_sel = cfg.get("sparse_prefill")
     act = cfg.get("activations", "f32") + (" (the file's default)" if cfg.get("activations_asked") == "auto" else "")
     lines = [
@@ -553,7 +560,7 @@ def markdown(rec) -> str:
         "",
     ]
     lines += [
-        "| context | peak | bound | base (weights, code) | KV | side: seed / v2 | within |",
+        "| context | peak | bound | base (weights, code) | KV | side: seed / v2 / v3 | within |",
         "|---|---|---|---|---|---|---|",
     ]
     for label, rows in (("", rec["contexts"]), (" (synth)", rec["synth"])):
@@ -565,7 +572,7 @@ def markdown(rec) -> str:
                 side = m["side_mib"]
                 lines.append(
                     f"| {ctx}{label}{tag} | {f(m['peak_mib'], 0)} | {f(m['bound_mib'], 0)} | {f(m['base_mib'], 0)} | "
-                    f"{f(m['kv_mib'], 0)} | {f(side.get('seed'), 0)} / {f(side.get('v2'), 0)} | "
+                    f"{f(m['kv_mib'], 0)} | {' / '.join(f(side.get(s), 0) for s in ('seed', 'v2', 'v3'))} | "
                     f"{'yes' if m['within_bound'] else 'NO'} |"
                 )
     return "\n".join(lines)

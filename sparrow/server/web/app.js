@@ -109,6 +109,7 @@ function request(messages) {
     body.sparse_attn = true;
     body.sparse_k = Number(num("sparse-k") || 32);
     body.sparse_select = $("sparse-select").value;
+    if (body.sparse_select === "v3" && num("sparse-p") !== "") body.sparse_p = Number(num("sparse-p"));
     if ($("sparse-trace").checked) body.sparse_trace = true;
   }
   if (!$("think").checked) body.chat_template_kwargs = { enable_thinking: false };
@@ -320,7 +321,7 @@ function decodeStep(step, rows) {
 
 const sparseView = {
   header: null, steps: [], codes: [], cursor: { row: 0, block: 0 }, selected: null, matches: [],
-  cell: 6, rowH: 2, gap: 2, nMax: 1, x0: 30, // x0: the gutter of layer labels
+  cell: 6, rowH: 2, gap: 2, nMax: 1, x0: 30, bar: 26, // x0: the gutter of layer labels; bar: each row's budget
 
   open(header, steps) {
     this.header = header;
@@ -332,7 +333,8 @@ const sparseView = {
     const rows = header.layers.length * header.heads;
     $("sparse-view").hidden = false;
     $("sv-summary").textContent =
-      `k = ${header.k} blocks of ${header.block} tokens, selector ${header.selector}; ` +
+      `k = ${header.k} blocks of ${header.block} tokens` + (header.p ? ` (top-p ${header.p}: each head takes what it needs)` : "") +
+      `, selector ${header.selector}; ` +
       `${header.layers.length} layers × ${header.heads} heads = ${rows} rows; ` +
       `prompt ${header.prompt_tokens} tokens (${header.prompt_blocks.length} blocks).`;
     const legend = $("sv-legend");
@@ -373,12 +375,28 @@ const sparseView = {
     return this.codes[i];
   },
 
+  budgets(i) {
+    // blocks each row (layer, head) read at step i: the budget it took
+    const codes = this.stepCodes(i);
+    const n = this.steps[i].blocks || 0;
+    const out = new Int32Array(this.rows());
+    if (codes) for (let r = 0; r < out.length; r++) for (let b = 0; b < n; b++) if (codes[r * n + b] >= 0) out[r]++;
+    return out;
+  },
+
   show(i) {
     this.index = i;
     $("sv-token").value = i;
     const s = this.steps[i];
+    let budget = "";
+    if (s.data) {
+      const counts = Array.from(this.budgets(i));
+      const mean = counts.reduce((a, c) => a + c, 0) / counts.length;
+      budget = `; heads read ${Math.min(...counts)}–${Math.max(...counts)} blocks, ${mean.toFixed(1)} on average`;
+    }
     $("sv-token-label").textContent = `${i} ${JSON.stringify(s.token)}` +
-      (s.data ? ` (position ${s.position}, ${s.blocks} blocks)` : " (from the prefill: no selection)");
+      (s.data ? ` (position ${s.position}, ${s.blocks} blocks${budget})`
+        : i === 0 ? " (from the prefill: no selection)" : " (exact attention at this length: no selection)");
     for (const b of $("sv-tokens").children) b.setAttribute("aria-pressed", String(Number(b.dataset.index) === i));
     this.draw();
     if (this.selected !== null) this.showBlock(this.selected);
@@ -390,7 +408,7 @@ const sparseView = {
     const L = this.header.layers.length;
     const wrap = canvas.parentElement.clientWidth || 600;
     this.cell = Math.max(2, Math.min(12, Math.floor((wrap - this.x0) / this.nMax)));
-    canvas.width = this.x0 + this.cell * this.nMax;
+    canvas.width = this.x0 + this.cell * this.nMax + this.bar;
     canvas.height = L * (H * this.rowH + this.gap);
     canvas.dataset.x0 = this.x0;
     canvas.dataset.cellW = this.cell;
@@ -415,6 +433,12 @@ const sparseView = {
         ctx.fillStyle = c < 0 ? UNREAD : colors[c];
         ctx.fillRect(b * this.cell, y, this.cell - (this.cell > 3 ? 1 : 0), this.rowH);
       }
+    }
+    const counts = this.budgets(this.index); // each row's budget: a bar right of the grid, k = full width
+    ctx.fillStyle = "#0f766e";
+    for (let r = 0; r < L * H; r++) {
+      const w = Math.min(1, counts[r] / this.header.k) * (this.bar - 4);
+      ctx.fillRect(this.cell * this.nMax + 3, this.rowY(r), w, this.rowH);
     }
     ctx.fillStyle = "rgba(220, 38, 38, 0.9)"; // search matches: a tick above each layer band
     for (const b of this.matches) {
@@ -457,8 +481,9 @@ const sparseView = {
       const c = codes ? codes[row * s.blocks + block] : -1;
       what = c < 0 ? "not read" : `read (${this.header.stages[c]})`;
     }
+    const took = codes ? ` · this head read ${this.budgets(this.index)[row]} of ${s.blocks} blocks` : "";
     return `layer ${layer} · head ${row % H} · block ${block} ` +
-      `(tokens ${block * this.header.block}–${(block + 1) * this.header.block - 1}): ${what}`;
+      `(tokens ${block * this.header.block}–${(block + 1) * this.header.block - 1}): ${what}${took}`;
   },
 
   blockText(b) {
