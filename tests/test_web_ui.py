@@ -406,6 +406,40 @@ def test_sparse_view_shows_the_needle_block_read_at_k32_not_at_k1(server, browse
     assert all(_grid_cell(browser, layer, h, block) == UNREAD for h in range(9))
 
 
+def test_sparse_view_shows_the_budget_each_head_took(server, browser, needle):
+    """v3 with top-p: each head reads what its attention needs; the page says how many blocks the
+    heads read at a token, as the server's trace counts them."""
+    body = {
+        "messages": [{"role": "user", "content": needle}],
+        "max_tokens": 3,
+        "temperature": 0,
+        "sparse_attn": True,
+        "sparse_select": "v3",
+        "sparse_p": 0.5,
+        "sparse_trace": True,
+    }
+    tr = api_chat(server, body)["choices"][0]["sparse_trace"]
+    assert tr["p"] == 0.5
+    counts = (decode(tr["steps"][1], len(tr["layers"]), tr["heads"]) >= 0).sum(axis=2)  # [layers, heads]
+    assert counts.min() < counts.max() <= 32  # budgets differ between heads
+    open_page(browser, server)
+    new_chat(browser)
+    for name, value in (("temperature", "0"), ("max-tokens", "3"), ("seed", ""), ("sparse-k", "32")):
+        set_field(browser, name, value)
+    set_field(browser, "sparse", True)
+    set_field(browser, "sparse-trace", True)
+    set_field(browser, "sparse-select", "v3")
+    set_field(browser, "sparse-p", "0.5")
+    type_message(browser, needle)
+    msg, _ = wait(browser, lambda: finished(browser), what="the v3 answer")
+    msg.find_element("css selector", "button.show-sparse").click()
+    label = by_id(browser, "sv-token-label").text
+    want = f"heads read {counts.min()}\u2013{counts.max()} blocks, {counts.mean():.1f} on average"
+    assert want in label, (want, label)
+    set_field(browser, "sparse-select", "seed")  # as the other tests expect the form
+    set_field(browser, "sparse-p", "")
+
+
 # ---------------------------------------------------------------------- robustness
 def test_model_output_is_never_html(server, browser):
     """The model's text, reasoning and the prompt's text come back as text: the answer stream is
