@@ -354,7 +354,7 @@ def _fma_order_dot(q, k):
     return tot
 
 
-@pytest.mark.parametrize("dim", [64, 128, 48, 40, 8])
+@pytest.mark.parametrize("dim", [64, 128, 256, 48, 40, 8])
 def test_row_kernels_against_documented_order(dim):
     from numba import njit
 

@@ -232,28 +232,38 @@ def verify_head(kh, queries, kv, start, scale, G, bs, out):
                 out[r, kh * G + g, d] = ro[r * G + g, d]
 
 
+_PROBE_CHUNK = 256  # probe-key rows scored by every head of a group in turn: 128 KB at D=256 f16, L2-resident
+
+
 @njit(cache=True, nogil=True)
-def _probe(q, qs, kv, seq_len, bs, n_probe, side, tmp, probe):
-    """probe[b] = max over block b's probe keys of q . K (int8: times qs * ks), spec stage 1,
-    for one query head q [D] and KV head (kv). Blocks below n_copied read side's contiguous
-    copy P2 (one dots call for all of them)."""
+def _probe_group(q, qs, h0, kv, seq_len, bs, n_probe, side, probe):
+    """probe[g, b] = max over block b's probe keys of q[h0 + g] . K (int8: times qs * ks), spec
+    stage 1, for the G query heads of one KV head (kv). Blocks below n_copied read side's
+    contiguous copy P2 in chunks that every head of the group dots while the chunk is in cache
+    (the group reads the copy once, not G times); each dot is the one a whole-copy call gives,
+    so the chunks never change a bit. Later blocks: strided reads of K."""
     K2, _, ks, _, int8 = kv
     _, P2, ps, per_block, n_copied = side
-    nb = probe.shape[0]
-    if n_copied > 0:
-        n = dots(q, P2, 0, n_copied * per_block, 1, tmp, 0, n_copied * per_block)
-        if int8:
-            _scale_rows(tmp, 0, n, qs, ps, 0, 1)
+    G, nb = probe.shape
+    rows = n_copied * per_block
+    tmp = np.empty((G, max(bs, rows)), dtype=np.float32)  # [G, rows] each head's probe scores
+    for c0 in range(0, rows, _PROBE_CHUNK):
+        c1 = min(c0 + _PROBE_CHUNK, rows)
+        for g in range(G):
+            n = dots(q[h0 + g], P2, c0, c1, 1, tmp[g], c0, min(c1 + _PROBE_CHUNK, rows) if g == 0 else c0)
+            if int8:
+                _scale_rows(tmp[g], c0, n, qs[h0 + g], ps, c0, 1)
+    for g in range(G):
         for b in range(n_copied):
-            probe[b] = max(np.float32(-1e30), max_at(tmp, b * per_block, per_block))
-    for b in range(n_copied, nb):  # blocks without a copy: strided reads of K
-        p0 = b * bs
-        p1 = min(p0 + bs, seq_len)
-        step = max(1, (p1 - p0) // n_probe)
-        n = dots(q, K2, p0, p1, step, tmp, 0, p0)
-        if int8:
-            _scale_rows(tmp, 0, n, qs, ks, p0, step)
-        probe[b] = max(np.float32(-1e30), max_at(tmp, 0, n))
+            probe[g, b] = max(np.float32(-1e30), max_at(tmp[g], b * per_block, per_block))
+        for b in range(n_copied, nb):  # blocks without a copy: strided reads of K
+            p0 = b * bs
+            p1 = min(p0 + bs, seq_len)
+            step = max(1, (p1 - p0) // n_probe)
+            n = dots(q[h0 + g], K2, p0, p1, step, tmp[g], 0, p0)
+            if int8:
+                _scale_rows(tmp[g], 0, n, qs[h0 + g], ks, p0, step)
+            probe[g, b] = max(np.float32(-1e30), max_at(tmp[g], 0, n))
 
 
 _V2_CHUNK = 64  # summary rows scored by every head of a group in turn: 32 KB at D=128, L2-resident
@@ -352,20 +362,20 @@ def _select(queries, kv, h0, seq_len, settings, side, picks, select):
     entry) as the attention takes them."""
     q, _, qs = queries
     scale, bs, sparse, k_blocks, n_probe, flags, lut = settings
-    reserved, _, _, per_block, n_copied = side
+    reserved, _, _, _, n_copied = side
     sel, stages, nsel, mark, ntok = picks
     G = mark.shape[0]
     nb = (seq_len + bs - 1) // bs
     if select is not None and sparse and k_blocks < nb:  # with k >= nb every block is taken whatever the probes say
-        probe = np.empty(nb, dtype=np.float32)
-        tmp = np.empty(max(bs, n_copied * per_block), dtype=np.float32)
-        scores = np.empty((G, nb) if flags & (V2_ON | V3_ON) else (1, 1), dtype=np.float32)
+        scores = np.empty((G, nb), dtype=np.float32)  # [G, nb] probe maxima (seed), scores (v2), masses (v3)
         if flags & V3_ON:
             K2, _, ks, _, int8 = kv
             _, P2, ps, _, _ = side
             _v3_scores((q, qs, int8, scale, h0), (K2, ks, lut), (P2, ps, n_copied), seq_len, bs, scores)
         elif flags & V2_ON:
             _v2_scores(q, qs, kv, h0, seq_len, settings, side, scores)
+        else:
+            _probe_group(q, qs, h0, kv, seq_len, bs, n_probe, side, scores)
         for g in range(G):
             h = h0 + g
             if flags & V3_ON:
@@ -373,8 +383,7 @@ def _select(queries, kv, h0, seq_len, settings, side, picks, select):
             elif flags & V2_ON:
                 n = select_v2_nb(scores[g], flags, k_blocks, sel[h], stages[h])
             else:
-                _probe(q[h], qs[h], kv, seq_len, bs, n_probe, side, tmp, probe)
-                n = fill_probe_nb(probe, reserved, k_blocks, sel[h], stages[h])
+                n = fill_probe_nb(scores[g], reserved, k_blocks, sel[h], stages[h])
             nsel[h] = n
             for j in range(n):
                 b = sel[h, j]

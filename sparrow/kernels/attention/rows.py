@@ -221,7 +221,11 @@ def dots(typingctx, q, K2, t0, t1, step, s, off, ahead):
                     with d128:
                         _dots_fixed(builder, kind, ptrs, 128, walk, n, args[7])
                     with rest:
-                        _dots_generic(builder, kind, ptrs, d, walk, ir.Constant(_I64, 0), n)
+                        with builder.if_else(builder.icmp_signed("==", d, ir.Constant(_I64, 256))) as (d256, other2):
+                            with d256:
+                                _dots_fixed(builder, kind, ptrs, 256, walk, n, args[7])
+                            with other2:
+                                _dots_generic(builder, kind, ptrs, d, walk, ir.Constant(_I64, 0), n)
         return n
 
     return sig, codegen
