@@ -28,6 +28,7 @@ from sparrow.errors import SparrowError
 from sparrow.kernels.deltanet import gated_deltanet
 from sparrow.models.decoder import Segment
 from sparrow.params import SamplingParams, SparseParams, SpeculativeParams
+from sparrow.request import GenerationRequest
 from sparrow.state.recurrent import HybridCache
 
 torch = pytest.importorskip("torch")
@@ -350,6 +351,42 @@ def test_sparse_attention_selects_within_the_full_attention_layers(llms):
     assert len(out) == 3 and trace
     layers = {layer for step in trace for layer, _ in step}
     assert layers == {0, 1}  # the model's two full-attention layers, by KV index
+
+
+def test_the_servers_sparse_trace_names_the_full_attention_layers(llms):
+    """sparse_trace on a hybrid model: the header lists the full-attention layers by their index in
+    the model, and every step's data decodes to one row a head of each of them."""
+    import threading
+
+    from sparrow.engine.engine import Engine
+    from sparrow.server.sparse_trace import Tracer, decode
+
+    llm = llms["dense"]
+    ids = [int(t) for t in PROMPT[:100]]
+    sp = SparseParams(k=2, block=16)
+    tracer = Tracer(llm, sp, ids)
+    assert tracer.header["layers"] == llm.config.full_attention_layers and "kv_layers" not in tracer.header
+    outs, done = [], threading.Event()
+
+    def emit(kind, out):
+        assert kind == "token", out
+        outs.append(out)
+        if out.finish_reason:
+            done.set()
+
+    engine = Engine(llm.handle)
+    engine.start(warmup=False)
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        engine.submit(GenerationRequest(ids, params, sp, trace=True), emit)
+        assert done.wait(120)
+    finally:
+        engine.stop()
+    steps = [tracer.step(out) for out in outs]
+    assert "data" not in steps[0] and all("data" in s for s in steps[1:])
+    for s in steps[1:]:
+        codes = decode(s, len(tracer.header["layers"]), tracer.header["heads"])  # [layers, heads, blocks]
+        assert ((codes >= 0).sum(axis=2) == 2).all()  # k = 2 blocks a head in every full-attention layer
 
 
 def test_a_second_request_reuses_the_prefix_cache_with_the_same_bits(llms):

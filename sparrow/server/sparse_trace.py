@@ -2,7 +2,8 @@
 
 Opt-in per request (`"sparse_trace": true` with `"sparse_attn": true`). A header goes first (in
 the stream's first chunk, or the whole answer's choice): the block size, the selector, the
-traced layers, the heads, the stage names and the text of each prompt block, so that a client
+traced layers (by their index in the model: a hybrid model's full-attention layers), the heads,
+the stage names and the text of each prompt block, so that a client
 can show what a block holds without tokenizing. Then one step per generated token:
 
     {"token": "text of this token", "position": p, "blocks": n, "data": "<base64>"}
@@ -39,7 +40,10 @@ def header(llm, sparse, prompt_ids) -> dict:
     """The fields a client needs before the first step."""
     cfg = llm.config
     bs = sparse.block
-    layers = [i for i in range(cfg.num_hidden_layers) if sparse.for_layer(i) is not None]  # v2: early layers exact
+    # the layers that select: KV layers (a hybrid model's full-attention ones) past v2 / v3's
+    # exact first ones, named by their index in the model
+    full = cfg.full_attention_layers
+    kv = [j for j in range(len(full)) if sparse.for_layer(j) is not None]
     ids = [int(t) for t in prompt_ids]
     texts = [llm.tokenizer.decode(ids[a : a + bs]) for a in range(0, len(ids), bs)]
     return {
@@ -47,7 +51,8 @@ def header(llm, sparse, prompt_ids) -> dict:
         "k": sparse.k,
         "p": sparse.p,  # v3's top-p budget (None: k blocks a head); each head's count is its bitmap's bits
         "selector": sparse.label,
-        "layers": layers,
+        "layers": [full[j] for j in kv],
+        "kv_layers": kv,  # the same layers by their index among the KV layers (the trace arrays' rows)
         "heads": cfg.num_attention_heads,
         "stages": list(STAGE_NAMES),
         "prompt_tokens": len(ids),
@@ -99,7 +104,7 @@ class Tracer:
     def __init__(self, llm, sparse, prompt_ids):
         self.header = header(llm, sparse, prompt_ids)
         self.tokenizer = llm.tokenizer
-        self.layers = np.asarray(self.header["layers"], np.int64)
+        self.layers = np.asarray(self.header.pop("kv_layers"), np.int64)
         self.position = len(prompt_ids) - 1  # the query that chose the next token's blocks
 
     def step(self, out) -> dict:
