@@ -127,6 +127,13 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--sparse-min-blocks", type=int, default=None, metavar="N", help="v3 with --sparse-p: at least N blocks"
     )
+    g.add_argument(
+        "--sparse-dense-layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="v2 / v3: the first N layers with a KV cache decode exact (default 2)",
+    )
     g.add_argument("--sparse-prefill", action="store_true", help="select blocks during prefill too")
     g.add_argument(
         "--sparse-trace", default=None, metavar="FILE", help="write selected blocks per token/layer/head as JSON lines"

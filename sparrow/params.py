@@ -72,9 +72,9 @@ class SparseParams:
             self.dense_layers = 0 if self.select == "seed" else V2_DENSE_LAYERS
         d = self.dense_layers
         if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-            raise SparrowError(f"dense_layers must be an integer >= 0, got {d!r}")
+            raise SparrowError(f"sparse_dense_layers must be an integer >= 0, got {d!r}")
         if self.select == "seed" and (d or not (self.sink and self.recent)):
-            raise SparrowError("dense_layers, sink and recent are v2 settings (sparse_select='v2')")
+            raise SparrowError("sparse_dense_layers, sink and recent are v2 / v3 settings (sparse_select='v2' or 'v3')")
         if self.select == "v3" and not (self.sink and self.recent):
             raise SparrowError("sink and recent are v2 settings: v3 forces no block in (sparse_select='v3')")
         self._check_budget()
@@ -181,6 +181,7 @@ class SparseParams:
         sparse_select: str | None = None,
         sparse_p: float | None = None,
         sparse_min_blocks: int | None = None,
+        sparse_dense_layers: int | None = None,
     ) -> SparseParams | None:
         """The flat option names the CLI, the HTTP API and `LLM` keywords use -> settings or
         None (exact attention). sparse_attn: "off" / False, "on" / True, "auto" (None:
@@ -199,6 +200,7 @@ class SparseParams:
             select=select,
             p=sparse_p if sparse_p is not None or not auto or select != "v3" else AUTO_P,
             min_blocks=1 if sparse_min_blocks is None else sparse_min_blocks,
+            dense_layers=sparse_dense_layers,
             from_context=None if auto else 0,
         )
 
@@ -223,6 +225,7 @@ SPARSE_OPTIONS = (
     "sparse_select",
     "sparse_p",
     "sparse_min_blocks",
+    "sparse_dense_layers",
 )
 
 

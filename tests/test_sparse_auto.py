@@ -46,10 +46,14 @@ def test_sparse_at_turns_on_at_the_context_the_table_gives(monkeypatch):
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_exact_below_from_context_bit_for_bit_and_sparse_from_it(default_llm, fused):
+def test_exact_below_from_context_bit_for_bit_and_sparse_from_it(default_llm, fused, monkeypatch):
     """Steps attending over fewer positions than from_context are exact attention's bits; the
     first step at from_context selects (k=2 blocks leave most of the context out)."""
     from test_fused_decode import _decode
+
+    from sparrow.models import fused as fused_mod
+
+    monkeypatch.setattr(fused_mod, "BACKOFF_STEPS", 0)  # a busy machine must not send steps staged
 
     ids = np.asarray(default_llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 30)[:300])
     at = 290  # the step at position 289 attends over 290 positions
@@ -89,11 +93,18 @@ def test_cli_and_server_take_the_mode():
     assert cli("--sparse-attn").select == "seed"  # alone: on, as before
     assert cli("--sparse-attn", "auto").from_context is None
     assert cli("--sparse-attn", "off") is None
+    assert cli("--sparse-attn", "--sparse-select", "v2", "--sparse-dense-layers", "0").dense_layers == 0
     assert (cli() is None) == (SPARSE_ATTN_DEFAULT == "off")
     chat = [{"role": "user", "content": "hi"}]
     assert parse_chat({"messages": chat, "sparse_attn": "auto"}).sparse == SparseParams.auto()
     assert parse_chat({"messages": chat, "sparse_attn": True}).sparse.select == "seed"
     assert parse_chat({"messages": chat, "sparse_attn": "off"}).sparse is None
-    with pytest.raises(APIError) as e:
-        parse_chat({"messages": chat, "sparse_attn": "maybe"})
-    assert e.value.param == "sparse_attn"
+    assert parse_chat({"messages": chat, "sparse_attn": "auto", "sparse_dense_layers": 0}).sparse.dense_layers == 0
+    for bad, param in [
+        ({"sparse_attn": "maybe"}, "sparse_attn"),
+        ({"sparse_attn": True, "sparse_dense_layers": 1}, "sparse_attn"),  # the seed has no exact layers
+        ({"sparse_attn": True, "sparse_select": "v2", "sparse_dense_layers": -1}, "sparse_dense_layers"),
+    ]:
+        with pytest.raises(APIError) as e:
+            parse_chat({"messages": chat, **bad})
+        assert e.value.param == param, bad

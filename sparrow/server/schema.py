@@ -269,6 +269,9 @@ class _Sampling(_Model):
         "at most sparse_k (default: always sparse_k blocks)",
     )
     sparse_min_blocks: int | None = Field(None, ge=1, description="v3 with sparse_p: at least this many blocks")
+    sparse_dense_layers: int | None = Field(
+        None, ge=0, description="v2 / v3: the first layers with a KV cache decode exact (default 2)"
+    )
     kv_dtype: KVDType | None = Field(None, description="KV cache type for this request (default: the server's)")
     speculative: SpecMethod | None = Field(
         None,

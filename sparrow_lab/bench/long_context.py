@@ -41,6 +41,7 @@ fixed allowance for a prefill chunk's work buffers (WORK_MIB). The table prints 
 """
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -66,22 +67,18 @@ from sparrow_lab.bench.host import (
 )
 
 WORK_MIB = 256  # prefill chunk work buffers (scores, activations) the bound allows beyond the cache
-SPARROW_MODES = ("exact", "seed", "v2", "v3")  # v3: with auto's top-p budget (SparseParams.auto, from 0)
+SELECTORS_DEFAULT = "seed,v2,v3-p0.95"  # sparse decode modes beside exact (SparseParams labels)
 LLAMA = {"llama_off": False, "llama_on": True}  # child role -> flash attention
 SPARSE_PREFILL = "sparrow_sp"  # child role: sparse prefill, then decode with the same selector
 
 
-def _mode_params(mode: str, k: int):
-    """A sparse decode mode's settings: the selector at k; v3 with auto's top-p budget."""
-    from sparrow.params import AUTO_P, SparseParams
-
-    return SparseParams(k=k, select=mode, p=AUTO_P if mode == "v3" else None)
-
-
-def sparrow_modes(prefill_select: str | None) -> tuple:
-    """The decode modes of a sparrow child: every mode after an exact prefill, or the sparse
-    prefill's own selector alone (what both the child and the parent's handle on it use)."""
-    return SPARROW_MODES if prefill_select is None else (prefill_select,)
+def sparrow_modes(prefill_select: str | None, selectors: str = SELECTORS_DEFAULT) -> tuple:
+    """The decode modes of a sparrow child: exact and each selector label after an exact
+    prefill, or the sparse prefill's own selector alone (what both the child and the parent's
+    handle on it use)."""
+    if prefill_select is not None:
+        return (prefill_select,)
+    return ("exact", *(x.strip() for x in selectors.split(",") if x.strip()))
 
 
 def memory() -> dict:
@@ -96,7 +93,7 @@ def memory() -> dict:
 class SparrowEngine:
     """sparrow's runner over one cache of the chosen KV kind."""
 
-    def __init__(self, path, threads, kv, sparse_k, prefill_select=None, activations="f32"):
+    def __init__(self, path, threads, kv, sparse_k, prefill_select=None, activations="f32", selectors=None):
         """prefill_select: None prefills exact and decodes in every mode; a selector prefills
         sparse with it and decodes with it alone. activations: "f32", "q8", or "auto" for the
         mode the file loads in unless told (models/activations.py)."""
@@ -106,9 +103,9 @@ class SparrowEngine:
         self.llm = load(path, threads=threads, activations=None if activations == "auto" else activations)
         self.model = self.llm.model
         self.kv = kv
-        self.modes = sparrow_modes(prefill_select)
+        self.modes = sparrow_modes(prefill_select, selectors or SELECTORS_DEFAULT)
         if prefill_select is None:
-            self.sparse = {m: _mode_params(m, sparse_k) for m in SPARROW_MODES if m != "exact"}
+            self.sparse = {m: SparseParams.from_label(m, k=sparse_k) for m in self.modes if m != "exact"}
             self.prefill_sparse = None
         else:
             self.prefill_sparse = SparseParams(k=sparse_k, select=prefill_select, prefill=True)
@@ -281,7 +278,7 @@ def _child_main(a) -> None:
     sys.stdout = sys.stderr
     if a._child in ("sparrow", SPARSE_PREFILL):
         select = a.sparse_prefill if a._child == SPARSE_PREFILL else None
-        engine = SparrowEngine(a.path, a.threads, a.kv, a.sparse_k, select, a.activations)
+        engine = SparrowEngine(a.path, a.threads, a.kv, a.sparse_k, select, a.activations, a.selectors)
     else:
         engine = LlamaEngine(a.path, a.threads, LLAMA[a._child])
     for line in sys.stdin:
@@ -299,12 +296,12 @@ class Child:
     def __init__(self, role, path, a):
         cmd = [sys.executable, "-m", "sparrow_lab.bench.long_context", "--_child", role, "--path", path]
         cmd += ["--threads", str(a.threads), "--kv", a.kv, "--sparse-k", str(a.sparse_k)]
-        cmd += ["--activations", a.activations]
+        cmd += ["--activations", a.activations, "--selectors", a.selectors]
         if role == SPARSE_PREFILL:
             cmd += ["--sparse-prefill", a.sparse_prefill]
         self.role = role
         select = a.sparse_prefill if role == SPARSE_PREFILL else None
-        self.modes = ("exact",) if role in LLAMA else sparrow_modes(select)
+        self.modes = ("exact",) if role in LLAMA else sparrow_modes(select, a.selectors)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def ask(self, op, **kw):
@@ -484,7 +481,12 @@ def markdown(rec) -> str:
     if cfg.get("shape"):
         model += f" (random weights, {cfg['shape']} shapes, {cfg['type']})"
     k = cfg["sparse_k"]
-    names = {"exact": "exact", "seed": f"sparse seed k={k}", "v2": f"sparse v2 k={k}", "v3": f"sparse v3 p=0.95 k={k}"}
+    names = collections.defaultdict(lambda: "", exact="exact")
+    for m in {m for row in rec["contexts"].values() for modes in row["tok_s"].values() for m in modes} | {
+        m for row in rec["synth"].values() for m in row["tok_s"]["sparrow"]
+    }:
+        if m != "exact":
+            names[m] = f"sparse {m} k={k}"
     sp_sel = cfg.get("sparse_prefill")
     act = cfg.get("activations", "f32") + (" (the file's default)" if cfg.get("activations_asked") == "auto" else "")
     lines = [
@@ -560,7 +562,7 @@ def markdown(rec) -> str:
         "",
     ]
     lines += [
-        "| context | peak | bound | base (weights, code) | KV | side: seed / v2 / v3 | within |",
+        "| context | peak | bound | base (weights, code) | KV | side copies | within |",
         "|---|---|---|---|---|---|---|",
     ]
     for label, rows in (("", rec["contexts"]), (" (synth)", rec["synth"])):
@@ -572,7 +574,7 @@ def markdown(rec) -> str:
                 side = m["side_mib"]
                 lines.append(
                     f"| {ctx}{label}{tag} | {f(m['peak_mib'], 0)} | {f(m['bound_mib'], 0)} | {f(m['base_mib'], 0)} | "
-                    f"{f(m['kv_mib'], 0)} | {' / '.join(f(side.get(s), 0) for s in ('seed', 'v2', 'v3'))} | "
+                    f"{f(m['kv_mib'], 0)} | {', '.join(f'{sel} {f(v, 0)}' for sel, v in side.items())} | "
                     f"{'yes' if m['within_bound'] else 'NO'} |"
                 )
     return "\n".join(lines)
@@ -594,6 +596,12 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode", type=int, default=16, help="decoded tokens per context, mode and round")
     ap.add_argument("--sparse-k", type=int, default=32)
+    ap.add_argument(
+        "--selectors",
+        default=SELECTORS_DEFAULT,
+        help="sparse decode modes timed beside exact, comma-separated selector labels (seed, v2, v2-dense0, v3, "
+        "v3-p0.95, ...)",
+    )
     ap.add_argument(
         "--activations",
         default="f32",
