@@ -387,6 +387,8 @@ def test_bench_speed_on_tiny_shape(tmp_path, monkeypatch, capsys):
     md = capsys.readouterr().out
     assert "random weights, tiny shapes, q8_0" in md and "CPU: " in md and "vector extensions" in md
     assert "sparrow's code paths on this CPU" in md
+    assert rec["default_activations"]["mode"] == "f32"  # q8_0 weights: exact (models/activations.py)
+    assert "sparrow's default activations for this file on this CPU: f32 (mostly q8_0 weights" in md
     assert (
         "Load average (1 min): 99.0 at start" in md
         and "1/5/15 min at start" in md

@@ -483,12 +483,23 @@ def _stored(name, fmt, nbytes, shape=(64, 64)):
 def test_default_activations_rule():
     """models/activations.py: q8 where most q8-mode bytes are in a format whose exact decode
     trails llama.cpp's and there are enough of them; exact otherwise; experts never count."""
-    from sparrow.models.activations import Q8_FROM_BYTES, TRAILS, default_activations
+    from sparrow.kernels.cpu import VECTOR_PATH
+    from sparrow.models.activations import Q8_FROM_BYTES, RULES, TRAILS, default_activations
 
     big, small = Q8_FROM_BYTES, Q8_FROM_BYTES // 4
 
     def rule(*tensors, quantize=None):
         return default_activations({t.name: t for t in tensors}, quantize)
+
+    # the table per CPU path: each measured path's row, and the answer it gives for the default
+    # model (~80 MB of q4_1: exact) and the 1.7B shape's Q4_0 (~1 GB: q8), named in the reason
+    assert RULES["avx512"] == (TRAILS, Q8_FROM_BYTES) and RULES["avx2"] == (TRAILS, Q8_FROM_BYTES)
+    for path in (*RULES, "neon", "generic"):
+        small_model = default_activations({"w": _stored("w", "q4_1", 80 << 20)}, None, path)
+        big_model = default_activations({"w": _stored("w", "q4_0", 1 << 30)}, None, path)
+        assert (small_model[0], big_model[0]) == ("f32", "q8"), path
+        assert f"{path} path" in small_model[1] and ("not measured" in big_model[1]) == (path not in RULES)
+    assert f"the {VECTOR_PATH} path" in rule(_stored("w", "q4_0", big))[1]
 
     for fmt in TRAILS:
         assert rule(_stored("model.layers.0.mlp.down_proj.weight", fmt, big))[0] == "q8", fmt
@@ -500,7 +511,7 @@ def test_default_activations_rule():
     assert rule(_stored("a.weight", "q4_k", small), _stored("b.weight", "q6_k", small))[0] == "f32"
     # f16 weights: exact, unless --quantize made them a format that trails (q8_0 does not)
     f16 = _stored("model.layers.0.mlp.down_proj.weight", "f16", 4 * big)
-    assert rule(f16) == ("f32", "no weights the q8 mode runs")
+    assert rule(f16)[1].startswith("no weights the q8 mode runs")
     assert rule(f16, quantize="q8_0")[0] == "f32"
     # MoE experts stay exact in both modes, so they do not count; a tied embedding is the head
     assert rule(_stored("model.layers.0.mlp.experts.3.up_proj.weight", "q4_k", 4 * big))[0] == "f32"

@@ -48,6 +48,9 @@ I8MM = "+i8mm" in _FEATS  # aarch64's smmla (Armv8.6 i8mm: Neoverse N2 / V1, Cor
 
 
 AARCH64 = platform.machine().lower() in ("aarch64", "arm64")  # 64-bit Arm (row_dot_shape)
+# the vector path, for the choices measured per path (models/activations.py's default mode,
+# kernels/attention/crossover.py): 16-lane AVX-512, 8-lane AVX2, NEON, or generic vector IR
+VECTOR_PATH = "avx512" if AVX512F else "avx2" if AVX2 else "neon" if AARCH64 else "generic"
 
 
 def row_dot_shape(aarch64: bool) -> tuple[int, bool]:
@@ -189,6 +192,7 @@ def describe() -> dict:
     return dict(
         name=NAME,
         arch=platform.machine().lower(),
+        vector_path=VECTOR_PATH,
         avx2=AVX2,
         avx512f=AVX512F,
         vnni=VNNI,

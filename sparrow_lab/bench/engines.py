@@ -33,9 +33,12 @@ class SparrowRunner:
 
     def __init__(self, path, threads, capacity, select="seed"):
         from sparrow.api import load
+        from sparrow.models.activations import default_activations
 
         self.select = select  # the block selector of the sparse modes
         self.llm = load(path, threads=threads, activations="f32")
+        # the mode a user of this file gets on this CPU, and why (the bench times both modes)
+        self.default_activations = default_activations(self.llm.checkpoint.tensors)
         self.model = self.llm.model
         self._llms = {"f32": self.llm}  # activations mode -> the LLM whose model runs it (_llm)
         self.cache = self.model.new_cache(capacity, "f32")

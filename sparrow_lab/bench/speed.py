@@ -238,6 +238,8 @@ def main(argv=None):
     modes = tuple(m for m in MODES if a.activations == "q8" or MODES[m][2] == "f32")
     runners = [SparrowRunner(path, a.threads, capacity, a.sparse_select)]
     rng = np.random.default_rng(0)
+    mode, why = runners[0].default_activations
+    rec["default_activations"] = {"mode": mode, "why": why}
     prompt = random_ids(rng, runners[0].model.config, contexts[-1]).tolist()
     feed = random_ids(rng, runners[0].model.config, a.decode).tolist()
     if compare:

@@ -109,6 +109,11 @@ def header(rec) -> list[str]:
         f"CPU: {cpu.get('model', '?')} ({cpu.get('cpus', os.cpu_count())} CPUs{l2}); vector extensions: {ext}.",
         "",
         *([kernel_cpu.paths_line(rec["paths"]), ""] if rec.get("paths") else []),
+        *(
+            [f"sparrow's default activations for this file on this CPU: {da['mode']} ({da['why']}).", ""]
+            if (da := rec.get("default_activations"))
+            else []
+        ),
         f"Load average (1 min): {rec['load_start']} at start, {rec.get('load_end', '-')} at end"
         + (" (1/5/15 min at start: {}/{}/{})".format(*rec["loadavg_start"]) if rec.get("loadavg_start") else "")
         + (

@@ -13,7 +13,7 @@ and Qwen3.5's (256) layer shapes, 2 threads (`sparrow bench attention --shape ..
 docs/evaluation.md, "Where auto turns sparse on").
 """
 
-from ..cpu import AVX512F
+from ..cpu import VECTOR_PATH
 
 # vector path -> {head_dim: context from which sparse pays}; a head_dim between two rows takes
 # the smaller head_dim's (the later) crossover. CPUs without AVX2 (generic, aarch64) take the
@@ -25,8 +25,8 @@ SPARSE_FROM = {
 
 
 def vector_path() -> str:
-    """The row of SPARSE_FROM this CPU takes: 16-lane (AVX-512), else 8-lane (AVX2 and others)."""
-    return "avx512" if AVX512F else "avx2"
+    """The row of SPARSE_FROM this CPU takes: its own, else the 8-lane (AVX2) one."""
+    return VECTOR_PATH if VECTOR_PATH in SPARSE_FROM else "avx2"
 
 
 def sparse_from(head_dim: int) -> int:
