@@ -277,7 +277,7 @@ SEED_DIGEST = "01da5882d6d6cc45a4e4ab9a082b9927e60fa4aff9f46ef5342920c7ab0a778c"
 def test_settings_are_validated():
     with pytest.raises(SparrowError, match="sparse_select"):
         SparseParams(select="quest")
-    with pytest.raises(SparrowError, match="v2 settings"):
+    with pytest.raises(SparrowError, match="v2 / v3 settings"):
         SparseParams(dense_layers=2)
     with pytest.raises(SparrowError, match="dense_layers"):
         SparseParams(select="v2", dense_layers=-1)
