@@ -84,9 +84,10 @@ class SparseParams:
             raise SparrowError(f"sparse_from_context must be an integer >= 0, got {f!r}")
 
     @classmethod
-    def auto(cls, block: int = 32) -> SparseParams:
-        """sparse_attn='auto': v3 with the top-p budget, exact below the CPU's crossover."""
-        return cls(k=AUTO_K, block=block, select="v3", p=AUTO_P, from_context=None)
+    def auto(cls) -> SparseParams:
+        """sparse_attn='auto' with nothing refined: v3 with the top-p budget, exact below the
+        CPU's crossover (from_options decides its settings)."""
+        return cls.from_options(sparse_attn="auto")
 
     def _check_budget(self):
         """p and min_blocks: v3's top-p budget (each error names the field)."""
@@ -199,7 +200,7 @@ class SparseParams:
             probe=8 if sparse_probe is None else sparse_probe,
             prefill=bool(sparse_prefill),
             select=select,
-            p=sparse_p if sparse_p is not None or not auto or select != "v3" else AUTO_P,
+            p=AUTO_P if auto and select == "v3" and sparse_p is None else sparse_p,
             min_blocks=1 if sparse_min_blocks is None else sparse_min_blocks,
             dense_layers=sparse_dense_layers,
             from_context=None if auto else 0,

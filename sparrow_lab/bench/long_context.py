@@ -41,7 +41,6 @@ fixed allowance for a prefill chunk's work buffers (WORK_MIB). The table prints 
 """
 
 import argparse
-import collections
 import gc
 import json
 import os
@@ -481,12 +480,10 @@ def markdown(rec) -> str:
     if cfg.get("shape"):
         model += f" (random weights, {cfg['shape']} shapes, {cfg['type']})"
     k = cfg["sparse_k"]
-    names = collections.defaultdict(lambda: "", exact="exact")
-    for m in {m for row in rec["contexts"].values() for modes in row["tok_s"].values() for m in modes} | {
-        m for row in rec["synth"].values() for m in row["tok_s"]["sparrow"]
-    }:
-        if m != "exact":
-            names[m] = f"sparse {m} k={k}"
+
+    def name(mode):
+        return "exact" if mode == "exact" else f"sparse {mode} k={k}"
+
     sp_sel = cfg.get("sparse_prefill")
     act = cfg.get("activations", "f32") + (" (the file's default)" if cfg.get("activations_asked") == "auto" else "")
     lines = [
@@ -523,9 +520,9 @@ def markdown(rec) -> str:
             ttft = row["ttft_s"][role]
             for m, v in modes.items():
                 if role == "sparrow":
-                    eng, ratio = "sparrow, " + names[m], f(row["ratio"].get(m), 2)
+                    eng, ratio = "sparrow, " + name(m), f(row["ratio"].get(m), 2)
                 elif role == SPARSE_PREFILL:
-                    eng = f"sparrow, sparse prefill {m} k={k}, then {names[m]}"
+                    eng = f"sparrow, sparse prefill {m} k={k}, then {name(m)}"
                     ratio = f(row["ratio_sparse_prefill"].get(m), 2)
                 else:
                     eng, ratio = f"llama.cpp, FA {'on' if LLAMA[role] else 'off'}", ""
@@ -537,7 +534,7 @@ def markdown(rec) -> str:
         mem = row["memory"]["sparrow"]
         for m, v in row["tok_s"]["sparrow"].items():
             lines.append(
-                f"| {ctx} (synthesised cache) | sparrow, {names[m]} | - | {f(v)} | - | {f(mem['peak_mib'], 0)} |"
+                f"| {ctx} (synthesised cache) | sparrow, {name(m)} | - | {f(v)} | - | {f(mem['peak_mib'], 0)} |"
             )
     if sp_sel and rec["contexts"]:
         lines += [

@@ -320,13 +320,14 @@ function decodeStep(step, rows) {
 }
 
 const sparseView = {
-  header: null, steps: [], codes: [], cursor: { row: 0, block: 0 }, selected: null, matches: [],
+  header: null, steps: [], codes: [], counts: [], cursor: { row: 0, block: 0 }, selected: null, matches: [],
   cell: 6, rowH: 2, gap: 2, nMax: 1, x0: 30, bar: 26, // x0: the gutter of layer labels; bar: each row's budget
 
   open(header, steps) {
     this.header = header;
     this.steps = steps;
     this.codes = steps.map(() => null);
+    this.counts = steps.map(() => null);
     this.selected = null;
     this.matches = [];
     this.nMax = Math.max(1, ...steps.map((s) => s.blocks || 0));
@@ -376,12 +377,13 @@ const sparseView = {
   },
 
   budgets(i) {
-    // blocks each row (layer, head) read at step i: the budget it took
+    // blocks each row (layer, head) read at step i: the budget it took (counted once a step)
+    if (this.counts[i]) return this.counts[i];
     const codes = this.stepCodes(i);
     const n = this.steps[i].blocks || 0;
     const out = new Int32Array(this.rows());
     if (codes) for (let r = 0; r < out.length; r++) for (let b = 0; b < n; b++) if (codes[r * n + b] >= 0) out[r]++;
-    return out;
+    return (this.counts[i] = out);
   },
 
   show(i) {
