@@ -27,6 +27,7 @@ import pytest
 from test_gemm import bits, fma32, fma_order_reference
 
 import sparrow
+from sparrow.kernels import deltanet as _dn
 from sparrow.kernels import elementwise as _el
 from sparrow.kernels.attention import rows as _rows
 from sparrow.kernels.linear import SMALL_T, linear
@@ -168,6 +169,13 @@ def reductions():
     _rows.exp_shifted(e, np.float32(0), len(e), np.empty(len(e), np.int32))
     out["exp"] = e
     out["silu"] = _el.silu_mul(gu, gu.shape[1] // 2)
+    for dk, dv in ((24, 100), (128, 128)):  # the delta rule's column groups: wide, 16, fewer
+        rng = np.random.default_rng(dv)
+        Q, K, V = (rng.normal(0, 0.3, (5, n)).astype(np.float32) for n in (dk, dk, dv))
+        dec, beta = rng.uniform(0.7, 1.0, 5).astype(np.float32), rng.uniform(0, 1, 5).astype(np.float32)
+        S, O = rng.normal(size=(dk, dv)).astype(np.float32), np.empty((5, dv), np.float32)
+        _dn._rule_run(S, Q, K, V, dec, beta, O, np.empty(dv, np.float32), np.empty(dv, np.float32))
+        out[f"rule{dv}"], out[f"rule_state{dv}"] = O, S
     return out
 
 

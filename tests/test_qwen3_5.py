@@ -18,6 +18,7 @@ import shutil
 
 import numpy as np
 import pytest
+from test_gemm import bits, fma32
 
 import sparrow
 from reference_models import save_default_tokenizer
@@ -25,7 +26,7 @@ from sparrow.engine.generate import generate_step
 from sparrow.engine.sequence import Sequence
 from sparrow.engine.speculative import make_speculator
 from sparrow.errors import SparrowError
-from sparrow.kernels.deltanet import gated_deltanet
+from sparrow.kernels.deltanet import _rule_run, gated_deltanet
 from sparrow.models.decoder import Segment
 from sparrow.params import SamplingParams, SparseParams, SpeculativeParams
 from sparrow.request import GenerationRequest
@@ -258,6 +259,43 @@ def test_a_deltanet_layer_gives_the_same_bits_however_tokens_are_split():
             zz = z[t, h * Dv : (h + 1) * Dv]
             want[t, h] = o / np.sqrt(np.mean(o * o) + 1e-6) * norm_w * zz / (1 + np.exp(-zz))
     assert np.allclose(runs[0][0].reshape(T, Hv, Dv), want, rtol=1e-4, atol=1e-5)
+
+
+def rule_reference(S, Q, K, V, dec, beta):
+    """The delta rule in the order kernels/deltanet.py documents, element by element in f32
+    (every fma rounded once: test_gemm.fma32): o [T, Dv], and S advanced in place."""
+    S64 = lambda a: a.astype(np.float64)  # noqa: E731
+    O = np.zeros((len(Q), S.shape[1]), np.float32)
+    for t in range(len(Q)):
+        mem = np.zeros(S.shape[1], np.float32)
+        for i in range(S.shape[0]):  # decay, k @ S (i ascending)
+            S[i] = S[i] * dec[t]
+            mem = fma32(S64(S[i]) * np.float64(K[t, i]), mem)
+        delta = (V[t] - mem) * beta[t]
+        for i in range(S.shape[0]):  # update, q @ S
+            S[i] = fma32(np.float64(K[t, i]) * S64(delta), S[i])
+            O[t] = fma32(S64(S[i]) * np.float64(Q[t, i]), O[t])
+    return O
+
+
+@pytest.mark.parametrize("dk, dv", [(24, 100), (16, 8), (128, 128)])
+def test_the_delta_rule_follows_its_documented_order(dk, dv):
+    """_rule_run (its column groups of RULE_COLS, 16 and fewer columns, as a prefill run and
+    as decode steps) against the documented order written out in numpy, bit for bit."""
+    rng = np.random.default_rng(dk + dv)
+    T = 6
+    Q, K = (rng.normal(0, 0.3, (T, dk)).astype(np.float32) for _ in range(2))
+    V = rng.normal(size=(T, dv)).astype(np.float32)
+    dec, beta = rng.uniform(0.7, 1.0, T).astype(np.float32), rng.uniform(0, 1, T).astype(np.float32)
+    S0 = rng.normal(size=(dk, dv)).astype(np.float32)
+    want_S = S0.copy()
+    want = rule_reference(want_S, Q, K, V, dec, beta)
+    for cuts in ([0, T], list(range(T + 1))):
+        S, out = S0.copy(), np.full((T, dv), np.nan, np.float32)
+        for i, j in zip(cuts, cuts[1:]):
+            scratch = [np.empty(dv, np.float32) for _ in range(2)]
+            _rule_run(S, Q[i:j], K[i:j], V[i:j], dec[i:j], beta[i:j], out[i:j], *scratch)
+        assert np.array_equal(bits(out), bits(want)) and np.array_equal(bits(S), bits(want_S)), cuts
 
 
 def test_hybrid_cache_rolls_back_only_to_positions_it_kept():

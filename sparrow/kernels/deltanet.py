@@ -16,10 +16,11 @@ this recurrent form, for prefill as for decode. transformers' prefill reorders t
 into 64-token chunks (torch_chunk_gated_delta_rule) to feed GPU matmuls. The recurrent order
 buys one property: a token's output and the state after it have the same bits whether the
 token came in a prefill chunk of any length, a decode step or a speculative verification, so
-prefix-cache checkpoints and speculative rollbacks are exact. Its price is prefill time: the
-rule is only Dk * Dv * 4 flops a token and head (~1% of a prefill's projection flops at
-Qwen3.5's shapes), but at vector-loop speed it is ~12% of a 512-token prefill at the 0.8B
-shapes (docs/qwen3_5.md).
+prefix-cache checkpoints and speculative rollbacks are exact. It costs prefill little: the
+rule is ~7 flops a state element and token, and with each group of columns of S held in L1
+and its two sums in registers (_rule_pass) it runs at ~130 GFLOP/s a Zen 5 core, 0.44 ms
+for a head's 512 tokens at Dk = Dv = 128, ~4% of a 512-token prefill at the 0.8B shapes.
+transformers' 64-token chunks do ~1.4x those flops (docs/qwen3_5.md).
 
 Heads are independent, so a run's bits do not depend on the thread count. Every multiply-add of
 the rule is an explicit fma (ir.fma32) and its sums run in the order written, so the bits do not
@@ -41,11 +42,163 @@ import math
 
 import numpy as np
 from numba import njit
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
+from sparrow.kernels.cpu import AVX512F
 from sparrow.kernels.elementwise import exp_parts, over_one_plus_exp
-from sparrow.kernels.ir import fma32, lane_dot
+from sparrow.kernels.ir import I8, V16F, c64, fma, fma32, lane_dot, splat16
 from sparrow.kernels.options import KW as _KW
 from sparrow.kernels.parallel import run_parallel
+
+
+def _rule_pass(mode, nvec):
+    """An intrinsic pass(S, j0, ka, qa, kb, x, acc1, acc2, d) over every row i of S [Dk, Dv]
+    (C order) in columns j0 .. j0 + 16 nvec - 1, the accumulators acc1 / acc2 (1-D f32, same
+    columns) held in registers across the rows and stored back after; ka, qa, kb, x 1-D f32
+    (contiguous), d f32. Each element sees the rule's operations as _rule_run lists them:
+      "decay": s = S * d;  S = s;  acc1 += s * ka_i                    (x, qa, kb, acc2 unused)
+      "mid":   s = S + ka_i * x;  acc1 += s * qa_i;  s = s * d;  S = s;  acc2 += s * kb_i
+      "last":  s = S + ka_i * x;  S = s;  acc1 += s * qa_i            (kb, acc2 unused)
+    (+= an fma). A numba loop over j inside the loop over i kept o and the next token's k @ S
+    in memory, a load and a store each per row: 1.15 ms for a head's 512 tokens at Dk = Dv =
+    128 on a Zen 5 core; with them in registers 0.3 ms."""
+
+    def typer(typingctx, S, j0, ka, qa, kb, x, acc1, acc2, d):
+        f32 = types.Array(types.float32, 1, "C")
+        if not (S == types.Array(types.float32, 2, "C") and all(a == f32 for a in (ka, qa, kb, x, acc1, acc2))):
+            return None
+        sig = types.none(S, j0, ka, qa, kb, x, acc1, acc2, d)
+
+        def codegen(context, builder, signature, args):
+            b = builder
+            arr = [
+                context.make_array(t)(context, b, a) if isinstance(t, types.Array) else None
+                for t, a in zip(signature.args, args)
+            ]
+            base = b.bitcast(arr[0].data, I8.as_pointer())
+            rows, stride = b.extract_value(arr[0].shape, 0), b.extract_value(arr[0].strides, 0)
+            j0 = context.cast(b, args[1], signature.args[1], types.int64)
+            pk, pq, pn, px, p1, p2 = (arr[i].data for i in range(2, 8))
+            dv = splat16(b, args[8])
+
+            def at(p, v):  # <16 x float>* to columns j0 + 16 v .. of a 1-D array
+                return b.bitcast(b.gep(p, [b.add(j0, c64(16 * v))]), V16F.as_pointer())
+
+            xs = [b.load(at(px, v), align=4) for v in range(nvec)] if mode != "decay" else []
+            n_acc = 2 if mode == "mid" else 1
+            accs = [[cgutils.alloca_once(b, V16F) for _ in range(nvec)] for _ in range(n_acc)]
+            for slots, p in zip(accs, (p1, p2)):
+                for v, slot in enumerate(slots):
+                    b.store(b.load(at(p, v), align=4), slot)
+            col = b.mul(j0, c64(4))
+            with cgutils.for_range(b, rows) as loop:
+                i = loop.index
+                row = b.gep(base, [b.add(b.mul(i, stride), col)])
+                ki = splat16(b, b.load(b.gep(pk, [i])))
+                qi = splat16(b, b.load(b.gep(pq, [i]))) if mode != "decay" else None
+                kn = splat16(b, b.load(b.gep(pn, [i]))) if mode == "mid" else None
+                for v in range(nvec):
+                    sp = b.bitcast(b.gep(row, [c64(64 * v)]), V16F.as_pointer())
+                    s = b.load(sp, align=4)
+                    a1 = accs[0][v]
+                    if mode == "decay":
+                        s = b.fmul(s, dv)
+                        b.store(s, sp, align=4)
+                        b.store(fma(b, s, ki, b.load(a1)), a1)
+                    elif mode == "mid":
+                        s = fma(b, ki, xs[v], s)
+                        b.store(fma(b, s, qi, b.load(a1)), a1)
+                        s = b.fmul(s, dv)
+                        b.store(s, sp, align=4)
+                        b.store(fma(b, s, kn, b.load(accs[1][v])), accs[1][v])
+                    else:
+                        s = fma(b, ki, xs[v], s)
+                        b.store(s, sp, align=4)
+                        b.store(fma(b, s, qi, b.load(a1)), a1)
+            for slots, p in zip(accs, (p1, p2)):
+                for v, slot in enumerate(slots):
+                    b.store(b.load(slot), at(p, v), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    # numba's @intrinsic reads the argument names
+    def rule_pass(typingctx, S, j0, ka, qa, kb, x, acc1, acc2, d):
+        return typer(typingctx, S, j0, ka, qa, kb, x, acc1, acc2, d)
+
+    return intrinsic(rule_pass)
+
+
+# columns a wide pass takes: 4 zmm a row on AVX-512 (mid: 12 vectors live), 2 <16 x float> on
+# AVX2 (each two ymm: 6 of 16 registers live); the bits do not depend on it
+RULE_VECS = 4 if AVX512F else 2
+RULE_COLS = 16 * RULE_VECS
+_DECAY_W, _MID_W, _LAST_W = (_rule_pass(m, RULE_VECS) for m in ("decay", "mid", "last"))
+_DECAY_16, _MID_16, _LAST_16 = (_rule_pass(m, 1) for m in ("decay", "mid", "last"))
+
+
+@njit(**_KW)
+def _pass(mode, S, j0, w, ka, qa, kb, x, acc1, acc2, d):
+    # one pass over columns j0 .. j0 + w - 1 (w: RULE_COLS, 16 or fewer than 16)
+    if w == RULE_COLS:
+        if mode == 0:
+            _DECAY_W(S, j0, ka, qa, kb, x, acc1, acc2, d)
+        elif mode == 1:
+            _MID_W(S, j0, ka, qa, kb, x, acc1, acc2, d)
+        else:
+            _LAST_W(S, j0, ka, qa, kb, x, acc1, acc2, d)
+    elif w == 16:
+        if mode == 0:
+            _DECAY_16(S, j0, ka, qa, kb, x, acc1, acc2, d)
+        elif mode == 1:
+            _MID_16(S, j0, ka, qa, kb, x, acc1, acc2, d)
+        else:
+            _LAST_16(S, j0, ka, qa, kb, x, acc1, acc2, d)
+    else:
+        for i in range(S.shape[0]):
+            Si = S[i, j0 : j0 + w]
+            for jj in range(w):
+                j = j0 + jj
+                if mode == 0:
+                    s = Si[jj] * d
+                    Si[jj] = s
+                    acc1[j] = fma32(s, ka[i], acc1[j])
+                elif mode == 1:
+                    s = fma32(ka[i], x[j], Si[jj])
+                    acc1[j] = fma32(s, qa[i], acc1[j])
+                    s = s * d
+                    Si[jj] = s
+                    acc2[j] = fma32(s, kb[i], acc2[j])
+                else:
+                    s = fma32(ka[i], x[j], Si[jj])
+                    Si[jj] = s
+                    acc1[j] = fma32(s, qa[i], acc1[j])
+
+
+@njit(**_KW)
+def _rule_columns(S, Q, K, V, dec, beta, O, mem, nxt, j0, w):
+    # tokens 0..T-1 of the rule on columns j0 .. j0 + w - 1 of S: a column of S, its delta and
+    # its outputs never read another column, so the columns run one group after another, each
+    # group's part of S staying in L1 over the whole run
+    T = Q.shape[0]
+    j1 = j0 + w
+    for j in range(j0, j1):
+        mem[j] = np.float32(0)
+    _pass(0, S, j0, w, K[0], K[0], K[0], mem, mem, mem, dec[0])  # decay, k @ S
+    for t in range(T):
+        b = beta[t]
+        o = O[t]
+        for j in range(j0, j1):
+            mem[j] = (V[t, j] - mem[j]) * b  # delta
+            o[j] = np.float32(0)
+        if t + 1 < T:
+            for j in range(j0, j1):
+                nxt[j] = np.float32(0)
+            _pass(1, S, j0, w, K[t], Q[t], K[t + 1], mem, o, nxt, dec[t + 1])
+            mem, nxt = nxt, mem
+        else:
+            _pass(2, S, j0, w, K[t], Q[t], K[t], mem, o, o, np.float32(0))
 
 
 @njit(**_KW)
@@ -56,46 +209,15 @@ def _rule_run(S, Q, K, V, dec, beta, O, mem, nxt):
     # element and every sum sees the operations of the rule as written above, in its order:
     #   decay and k @ S:  s = S * d;  S = s;  mem += s * k_i        (fma, i ascending)
     #   update, output:   s = S + k_i * delta;  S = s;  o += s * q_i (fma, i ascending)
-    dk, dv = S.shape
-    T = Q.shape[0]
-    if T == 0:
+    dv = S.shape[1]
+    if Q.shape[0] == 0:
         return
-    d = dec[0]
-    for j in range(dv):
-        mem[j] = np.float32(0)
-    for i in range(dk):
-        ki = K[0, i]
-        for j in range(dv):
-            s = S[i, j] * d
-            S[i, j] = s
-            mem[j] = fma32(s, ki, mem[j])
-    for t in range(T):
-        b = beta[t]
-        for j in range(dv):
-            mem[j] = (V[t, j] - mem[j]) * b  # delta
-        o = O[t]
-        for j in range(dv):
-            o[j] = np.float32(0)
-        if t + 1 < T:
-            dn = dec[t + 1]
-            for j in range(dv):
-                nxt[j] = np.float32(0)
-            for i in range(dk):
-                ki, qi, kn = K[t, i], Q[t, i], K[t + 1, i]
-                for j in range(dv):
-                    s = fma32(ki, mem[j], S[i, j])
-                    o[j] = fma32(s, qi, o[j])
-                    s = s * dn
-                    S[i, j] = s
-                    nxt[j] = fma32(s, kn, nxt[j])
-            mem, nxt = nxt, mem
-        else:
-            for i in range(dk):
-                ki, qi = K[t, i], Q[t, i]
-                for j in range(dv):
-                    s = fma32(ki, mem[j], S[i, j])
-                    S[i, j] = s
-                    o[j] = fma32(s, qi, o[j])
+    j0 = 0
+    while j0 < dv:
+        left = dv - j0
+        w = RULE_COLS if left >= RULE_COLS else 16 if left >= 16 else left
+        _rule_columns(S, Q, K, V, dec, beta, O, mem, nxt, j0, w)
+        j0 += w
 
 
 @njit(**_KW)
