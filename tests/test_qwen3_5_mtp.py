@@ -55,14 +55,15 @@ def _rms_norm_class(kind: str):
     return Qwen3_5RMSNorm
 
 
-def _mtp_layer_model(kind: str, seed: int, scale: float, tmp: str):
+def _mtp_layer_model(kind: str, seed: int, scale: float, tmp: str, spec: dict | None = None):
     """A one-layer transformers model (full attention) whose layer is the MTP's decoder layer,
     seeded as test_qwen3_5 seeds its models, matrices times `scale` -> (model, its layer's
     tensors as the checkpoint names them, mtp.layers.0.*)."""
     from safetensors.numpy import load_file
 
     cfg_cls, model_cls = _classes(kind)
-    one = model_cls(cfg_cls(**dict(SPECS[kind], num_hidden_layers=1, layer_types=["full_attention"]))).float().eval()
+    spec = spec or SPECS[kind]
+    one = model_cls(cfg_cls(**dict(spec, num_hidden_layers=1, layer_types=["full_attention"]))).float().eval()
     _seed(one, seed)
     with torch.no_grad():
         for name, p in one.named_parameters():
@@ -198,14 +199,15 @@ def test_hidden_rows_are_the_rows_the_head_reads(mtp_models):
     assert sorted(cache.hidden) == list(range(33))
 
 
-def _predictable(kind: str, root: str, tok: str) -> str:
+def _predictable(kind: str, root: str, tok: str, spec: dict | None = None) -> str:
     """A tiny Qwen3.5 whose layers barely move the residual stream (matrices times 0.1, a near
     bigram model) with an MTP head that drafts the bigram's next token: fc passes the normed
     embedding of t_{i+1} only, its layer's matrices are small, its final norm is the target's.
     Its drafts are often kept and sometimes refused."""
+    spec = spec or SPECS[kind]
     folder = os.path.join(root, kind)
     cfg_cls, model_cls = _classes(kind)
-    model = model_cls(cfg_cls(**SPECS[kind])).float().eval()
+    model = model_cls(cfg_cls(**spec)).float().eval()
     _seed(model, 21)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -214,7 +216,8 @@ def _predictable(kind: str, root: str, tok: str) -> str:
     model.save_pretrained(folder)
     for f in os.listdir(tok):
         shutil.copy(os.path.join(tok, f), folder)
-    _, layer = _mtp_layer_model(kind, 22, 0.05, os.path.join(root, kind + "_one"))
+    _, layer = _mtp_layer_model(kind, 22, 0.05, os.path.join(root, kind + "_one"), spec)
+    E = spec["hidden_size"]
     final = model.model.norm.weight.detach().numpy().copy()
     head = {
         "mtp.fc.weight": np.concatenate([np.eye(E), np.zeros((E, E))], axis=1).astype(np.float32),
@@ -227,11 +230,26 @@ def _predictable(kind: str, root: str, tok: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def predictable(tmp_path_factory):
+def predictable_folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen3_5_mtp_predictable")
     tok = str(root / "tok")
     save_default_tokenizer(tok)
-    return {kind: sparrow.load(_predictable(kind, str(root), tok), threads=2) for kind in ("dense", "moe")}
+    return {kind: _predictable(kind, str(root), tok) for kind in ("dense", "moe")}
+
+
+# block-shaped (every projection's input a multiple of 32), so that q8_0 runs the fused step
+BLOCKS = dict(
+    num_attention_heads=2, head_dim=32, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16
+)
+BLOCK_SPECS = {
+    "dense": dict(SPECS["dense"], **BLOCKS, hidden_size=64, intermediate_size=96),
+    "moe": dict(SPECS["moe"], **BLOCKS, hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+}
+
+
+@pytest.fixture(scope="module")
+def predictable(predictable_folders):
+    return {kind: sparrow.load(folder, threads=2) for kind, folder in predictable_folders.items()}
 
 
 def _run(llm, ids, sampling, spec=None):
@@ -261,6 +279,32 @@ def test_mtp_speculative_decoding_equals_plain(predictable, kind, sampling):
     # several rounds, drafts kept and drafts refused
     assert 0 < counts["accepted_tokens"] < counts["drafted_tokens"], counts
     assert got[2].hidden is None  # released: the prefix cache keeps no hidden rows
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_mtp_speculative_decoding_takes_the_fused_step(tmp_path, kind):
+    """In Q8_0 the target's decode and verification steps run fused while the drafter reads
+    their hidden rows (the fused step writes them as the staged head does): the tokens,
+    logits and state of plain decoding, fused or staged."""
+    save_default_tokenizer(str(tmp_path / "tok"))
+    folder = _predictable(kind, str(tmp_path), str(tmp_path / "tok"), BLOCK_SPECS[kind])
+    llm = sparrow.load(folder, quantize="q8_0", threads=2)
+    plan = llm.model.fused_step()
+    assert plan is not None
+    ids = [int(t) for t in PROMPT[:30]]
+    sampling = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    spec = SpeculativeParams(method="mtp", tokens=3)
+    plain = _run(llm, ids, sampling)
+    steps, verified = plan.steps, plan.verified
+    got = _run(llm, ids, sampling, spec)
+    assert plan.verified > verified and plan.steps > steps  # verification rows and decode steps ran fused
+    assert_same_run(got, plain)
+    assert 0 < got[3].counts["accepted_tokens"] < got[3].counts["drafted_tokens"], got[3].counts
+    llm.model.use_fused = False
+    try:
+        assert_same_run(_run(llm, ids, sampling, spec), plain)  # the staged head's hidden rows: the same drafts
+    finally:
+        llm.model.use_fused = True
 
 
 def test_mtp_drafter_keeps_only_verified_rows_in_its_cache(predictable):

@@ -29,6 +29,7 @@ import numba
 import numpy as np
 
 from ..errors import SparrowError
+from ..kernels.elementwise import rms_norm
 from ..kernels.formats import FORMATS, KIND, KQ_FIRST, X8_FIRST
 from ..kernels.fused import decode_step as _ds
 from ..kernels.fused import sync
@@ -479,6 +480,7 @@ class FusedDecode:
         else:
             for s in batch:
                 s.cache.length = int(s.start) + 1
+        self._keep_hidden(segs, x, pos if batch is None else None)
         self.steps += 1
         if self.sync[2] * CONTENDED > 6 * L:  # more than 1/CONTENDED of the barriers waited long
             if self.staged_s is None or self.staged_s < (time.perf_counter() - t0) / R:
@@ -486,6 +488,20 @@ class FusedDecode:
         if head_kind < 0:
             return model.head(x)
         return logits
+
+    def _keep_hidden(self, segs, x, pos) -> None:
+        """Where a cache keeps its hidden rows (KVCache.hidden, an MTP drafter's), each row's
+        final-normed hidden state, as the staged head writes them (x [R, E]: the step's final
+        residual rows; pos: the first row's position for one sequence's rows, None for a batch,
+        one row a sequence)."""
+        model = self.model
+        for r, s in enumerate(segs):
+            if s.cache.hidden is None:
+                continue
+            rows = x if pos is not None else x[r : r + 1]
+            first = pos if pos is not None else int(s.start)
+            normed = rms_norm(rows, model.norm, model.config.rms_norm_eps)  # [R | 1, E]
+            s.cache.hidden.update(zip(range(first, first + len(normed)), normed))
 
 
 class _Hybrid:

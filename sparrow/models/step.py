@@ -28,8 +28,7 @@ def choose(model, segments, all_logits: bool = False) -> str:
     """The path a forward of `segments` (models.decoder.Segment) takes on `model`: one of PATHS.
 
     - STAGED when every position's logits are asked for (all_logits: the fused steps give each
-      segment's last row only), when a segment's cache keeps its hidden rows (KVCache.hidden:
-      an MTP drafter's; the staged head writes them), when the model's fused step is off (`model.use_fused`: the
+      segment's last row only), when the model's fused step is off (`model.use_fused`: the
       SPARROW_FUSED switch, or a test or benchmark that wants the staged path), while a timer
       times the stages (`model.timer`, a models.timing.Timer with stages: the fused step is
       one call), or when the model has no fused step (`model.fused_step()` is None: FusedDecode.plan refused its
@@ -46,7 +45,7 @@ def choose(model, segments, all_logits: bool = False) -> str:
       verification's) take BACKOFF instead (the staged forward, counted and timed per row)
       until FusedDecode.backoff runs out.
     """
-    if all_logits or not model.use_fused or any(s.cache.hidden is not None for s in segments):
+    if all_logits or not model.use_fused:
         return STAGED
     if model.timer is not None and model.timer.stages:
         return STAGED
