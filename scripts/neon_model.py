@@ -50,15 +50,16 @@ ROW_DOTS = {
 GEMM_TILES = [(4, 3, 8), (8, 3, 4), (4, 6, 4), (6, 4, 4), (12, 2, 4), (8, 2, 4), (4, 4, 4)]
 
 
-def loop_of(module: ir.Module, cpu: str) -> list[str]:
-    """The longest loop of module compiled at O3 for an aarch64 cpu; loops not unrolled, so that
-    a loop pass covers the blocks the IR gives it (unrolling repeats the same code a block)."""
-    return cross.longest_loop(cross.assembly(module, cross.target_machine(AARCH64, cpu, FEATURES), unroll=False))
+def loop_of(module: ir.Module, cpu: str, triple: str = AARCH64, features: str = FEATURES) -> list[str]:
+    """The longest loop of module compiled at O3 for cpu (an aarch64 one unless triple and
+    features say otherwise); loops not unrolled, so that a loop pass covers the blocks the IR
+    gives it (unrolling repeats the same code a block)."""
+    return cross.longest_loop(cross.assembly(module, cross.target_machine(triple, cpu, features), unroll=False))
 
 
-def cycles(body: list[str], mca: str, cpu: str, iterations: int = 200) -> float:
+def cycles(body: list[str], mca: str, cpu: str, iterations: int = 200, triple: str = "aarch64") -> float:
     out = subprocess.run(
-        [mca, "-mtriple=aarch64", f"-mcpu={cpu}", f"-iterations={iterations}"],
+        [mca, f"-mtriple={triple}", f"-mcpu={cpu}", f"-iterations={iterations}"],
         input="\n".join(body),
         capture_output=True,
         text=True,
@@ -67,10 +68,10 @@ def cycles(body: list[str], mca: str, cpu: str, iterations: int = 200) -> float:
     return int(re.search(r"Total Cycles:\s+(\d+)", out).group(1)) / iterations
 
 
-def row_dot_module(emit, rows: int) -> ir.Module:
+def row_dot_module(emit, rows: int, triple: str = AARCH64) -> ir.Module:
     """rows rows dotted with one f32 x (make_rows' emitter interface) as a function of pointers."""
     m = ir.Module("rows")
-    m.triple = AARCH64
+    m.triple = triple
     p8, pf = I8.as_pointer(), F32.as_pointer()
     fn = ir.Function(m, ir.FunctionType(ir.VoidType(), [p8] * rows + [p8, p8, I64, I64, pf]), "rows")
     b = ir.IRBuilder(fn.append_basic_block())

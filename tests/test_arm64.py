@@ -7,6 +7,7 @@ What runs on aarch64 itself (the kernel suites, each CPU path against the others
 `sparrow generate`) is scripts/arm64_qemu.sh's job: it takes ~30 min under emulation.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -236,6 +237,36 @@ def test_neon_model_script_names_a_missing_llvm_mca():
         .splitlines()[-1]
         .endswith("--mca no-such-llvm-mca: not found (LLVM 17 or later's llvm-mca; Debian: apt install llvm-19)")
     )
+
+
+def test_x86_model_script_compiles_each_paths_code():
+    """scripts/x86_model.py hands llvm-mca the AVX2 path's loops in ymm registers only and the
+    AVX-512 path's in zmm (in a child: it sets the emitters' flags); without its llvm-mca, one
+    line naming the option, exit status 2."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "scripts", "x86_model.py")
+    child = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import x86_model as xm, neon_model as nm\n"
+        "from sparrow.kernels.matmul import widen\n"
+        "from sparrow.kernels.matmul.q8 import groups\n"
+        "out = {}\n"
+        "for path in ('avx2', 'avx512'):\n"
+        "    feats = xm.emit_as(path)\n"
+        "    for name, m in (('rows', nm.row_dot_module(widen._emit_rowdot('q4_0'), 2, xm.X86)),\n"
+        "                    ('q8', groups.tile_module('q4_0', 1, xm.X86))):\n"
+        "        body = ' '.join(nm.loop_of(m, 'znver4' if path == 'avx512' else 'znver3', xm.X86, feats))\n"
+        "        out[path + '/' + name] = ['zmm' in body, 'ymm' in body, 'vpdpbusd' in body, 'vpmaddubsw' in body]\n"
+        "print(json.dumps(out))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", child, os.path.dirname(script)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["avx2/rows"][:2] == [False, True] and got["avx2/q8"] == [False, True, False, True], got
+    assert got["avx512/rows"][0] and got["avx512/q8"][2] and not got["avx512/q8"][3], got
+    res = subprocess.run([sys.executable, script, "--mca", "no-such-llvm-mca"], capture_output=True, text=True)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.endswith("--mca no-such-llvm-mca: not found (Debian: apt install llvm-19)")
 
 
 # ------------------------------------------------------------ big.LITTLE: threads and placement
