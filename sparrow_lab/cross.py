@@ -1,7 +1,7 @@
 """Kernel IR compiled for a CPU other than this one (an aarch64 core from an x86 host, or an
 x86 path this host's CPU lacks). tests/test_arm64.py reads the assembly and runs what this host
-can; scripts/neon_model.py hands the loops to llvm-mca. It is lab tooling, outside the engine
-package: numba compiles the kernels the engine runs for this CPU.
+can; scripts/neon_model.py and x86_model.py hand the loops to llvm-mca. It is lab tooling,
+outside the engine package: numba compiles the kernels the engine runs for this CPU.
 """
 
 import re
