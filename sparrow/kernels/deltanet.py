@@ -61,12 +61,13 @@ def _rule_pass(mode, nvec):
       "mid":   s = S + ka_i * x;  acc1 += s * qa_i;  s = s * d;  S = s;  acc2 += s * kb_i
       "last":  s = S + ka_i * x;  S = s;  acc1 += s * qa_i            (kb, acc2 unused)
     (+= an fma). A numba loop over j inside the loop over i kept o and the next token's k @ S
-    in memory, a load and a store each per row: 1.15 ms for a head's 512 tokens at Dk = Dv =
-    128 on a Zen 5 core; with them in registers 0.3 ms."""
+    in memory, a load and a store each per row: 1.23 ms for a head's 512 tokens at Dk = Dv =
+    128 on a Zen 5 core; with them in registers 0.44 ms."""
 
     def typer(typingctx, S, j0, ka, qa, kb, x, acc1, acc2, d):
         f32 = types.Array(types.float32, 1, "C")
-        if not (S == types.Array(types.float32, 2, "C") and all(a == f32 for a in (ka, qa, kb, x, acc1, acc2))):
+        arrays_ok = S == types.Array(types.float32, 2, "C") and all(a == f32 for a in (ka, qa, kb, x, acc1, acc2))
+        if not (arrays_ok and isinstance(j0, types.Integer) and d == types.float32):
             return None
         sig = types.none(S, j0, ka, qa, kb, x, acc1, acc2, d)
 
@@ -130,8 +131,8 @@ def _rule_pass(mode, nvec):
     return intrinsic(rule_pass)
 
 
-# columns a wide pass takes: 4 zmm a row on AVX-512 (mid: 12 vectors live), 2 <16 x float> on
-# AVX2 (each two ymm: 6 of 16 registers live); the bits do not depend on it
+# columns a wide pass takes: 4 zmm a row on AVX-512 (mid: 12 of 32 registers live), 2 <16 x
+# float> on AVX2 (each two ymm: 12 of 16 live); the bits do not depend on it
 RULE_VECS = 4 if AVX512F else 2
 RULE_COLS = 16 * RULE_VECS
 _DECAY_W, _MID_W, _LAST_W = (_rule_pass(m, RULE_VECS) for m in ("decay", "mid", "last"))
