@@ -138,7 +138,8 @@ class KVCache:
     states: Mapping[int, tuple] = MappingProxyType({})  # prefill boundary -> copies of those arrays
     keep_every_row = False  # the model keeps a copy after each row of this cache (verification)
     # position -> the model's final-normed hidden row there ([E] f32), written by each forward
-    # while this is a dict (the `mtp` drafter's, which takes them; models.Decoder.staged_logits)
+    # while this is a dict (the `mtp` drafter's, which takes them; models.Decoder.staged_logits
+    # and the fused step's FusedDecode._keep_hidden)
     hidden: dict | None = None
 
     def checkpoint(self, chunk: int) -> None:
