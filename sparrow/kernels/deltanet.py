@@ -51,82 +51,90 @@ from sparrow.kernels.ir import I8, V16F, c64, fma, fma32, lane_dot, splat16
 from sparrow.kernels.options import KW as _KW
 from sparrow.kernels.parallel import run_parallel
 
+DECAY, MID, LAST = 0, 1, 2  # a pass's kind (_rule_pass)
 
-def _rule_pass(mode, nvec):
-    """An intrinsic pass(S, j0, ka, qa, kb, x, acc1, acc2, d) over every row i of S [Dk, Dv]
-    (C order) in columns j0 .. j0 + 16 nvec - 1, the accumulators acc1 / acc2 (1-D f32, same
-    columns) held in registers across the rows and stored back after; ka, qa, kb, x 1-D f32
-    (contiguous), d f32. Each element sees the rule's operations as _rule_run lists them:
-      "decay": s = S * d;  S = s;  acc1 += s * ka_i                    (x, qa, kb, acc2 unused)
-      "mid":   s = S + ka_i * x;  acc1 += s * qa_i;  s = s * d;  S = s;  acc2 += s * kb_i
-      "last":  s = S + ka_i * x;  S = s;  acc1 += s * qa_i            (kb, acc2 unused)
+
+def _rule_pass(nvec):
+    """An intrinsic pass(kind, S, j0, ka, qa, kb, x, acc1, acc2, d) over every row i of S [Dk,
+    Dv] (C order) in columns j0 .. j0 + 16 nvec - 1, the accumulators acc1 / acc2 (1-D f32,
+    same columns) held in registers across the rows and stored back after; ka, qa, kb, x 1-D
+    f32 (contiguous), d f32. Each element sees the rule's operations as _rule_run lists them:
+      DECAY: s = S * d;  S = s;  acc1 += s * ka_i                      (x, qa, kb, acc2 unused)
+      MID:   s = S + ka_i * x;  acc1 += s * qa_i;  s = s * d;  S = s;  acc2 += s * kb_i
+      LAST:  s = S + ka_i * x;  S = s;  acc1 += s * qa_i              (kb, acc2 unused)
     (+= an fma). A numba loop over j inside the loop over i kept o and the next token's k @ S
     in memory, a load and a store each per row: 1.23 ms for a head's 512 tokens at Dk = Dv =
     128 on a Zen 5 core; with them in registers 0.44 ms."""
 
-    def typer(typingctx, S, j0, ka, qa, kb, x, acc1, acc2, d):
+    def emit(b, kind, args):
+        S, j0, pk, pq, pn, px, p1, p2, d = args
+        base = b.bitcast(S.data, I8.as_pointer())
+        rows, stride = b.extract_value(S.shape, 0), b.extract_value(S.strides, 0)
+        dv = splat16(b, d)
+
+        def at(p, v):  # <16 x float>* to columns j0 + 16 v .. of a 1-D array
+            return b.bitcast(b.gep(p, [b.add(j0, c64(16 * v))]), V16F.as_pointer())
+
+        xs = [b.load(at(px, v), align=4) for v in range(nvec)] if kind != DECAY else []
+        accs = [[cgutils.alloca_once(b, V16F) for _ in range(nvec)] for _ in range(2 if kind == MID else 1)]
+        for slots, p in zip(accs, (p1, p2)):
+            for v, slot in enumerate(slots):
+                b.store(b.load(at(p, v), align=4), slot)
+        col = b.mul(j0, c64(4))
+        with cgutils.for_range(b, rows) as loop:
+            i = loop.index
+            row = b.gep(base, [b.add(b.mul(i, stride), col)])
+            ki = splat16(b, b.load(b.gep(pk, [i])))
+            qi = splat16(b, b.load(b.gep(pq, [i]))) if kind != DECAY else None
+            kn = splat16(b, b.load(b.gep(pn, [i]))) if kind == MID else None
+            for v in range(nvec):
+                sp = b.bitcast(b.gep(row, [c64(64 * v)]), V16F.as_pointer())
+                s = b.load(sp, align=4)
+                a1 = accs[0][v]
+                if kind == DECAY:
+                    s = b.fmul(s, dv)
+                    b.store(s, sp, align=4)
+                    b.store(fma(b, s, ki, b.load(a1)), a1)
+                elif kind == MID:
+                    s = fma(b, ki, xs[v], s)
+                    b.store(fma(b, s, qi, b.load(a1)), a1)
+                    s = b.fmul(s, dv)
+                    b.store(s, sp, align=4)
+                    b.store(fma(b, s, kn, b.load(accs[1][v])), accs[1][v])
+                else:
+                    s = fma(b, ki, xs[v], s)
+                    b.store(s, sp, align=4)
+                    b.store(fma(b, s, qi, b.load(a1)), a1)
+        for slots, p in zip(accs, (p1, p2)):
+            for v, slot in enumerate(slots):
+                b.store(b.load(slot), at(p, v), align=4)
+
+    def rule_pass(typingctx, kind, S, j0, ka, qa, kb, x, acc1, acc2, d):
         f32 = types.Array(types.float32, 1, "C")
         arrays_ok = S == types.Array(types.float32, 2, "C") and all(a == f32 for a in (ka, qa, kb, x, acc1, acc2))
-        if not (arrays_ok and isinstance(j0, types.Integer) and d == types.float32):
+        scalars_ok = isinstance(kind, types.Integer) and isinstance(j0, types.Integer) and d == types.float32
+        if not (arrays_ok and scalars_ok):
             return None
-        sig = types.none(S, j0, ka, qa, kb, x, acc1, acc2, d)
+        sig = types.none(kind, S, j0, ka, qa, kb, x, acc1, acc2, d)
 
-        def codegen(context, builder, signature, args):
-            b = builder
-            arr = [
-                context.make_array(t)(context, b, a) if isinstance(t, types.Array) else None
-                for t, a in zip(signature.args, args)
-            ]
-            base = b.bitcast(arr[0].data, I8.as_pointer())
-            rows, stride = b.extract_value(arr[0].shape, 0), b.extract_value(arr[0].strides, 0)
-            j0 = context.cast(b, args[1], signature.args[1], types.int64)
-            pk, pq, pn, px, p1, p2 = (arr[i].data for i in range(2, 8))
-            dv = splat16(b, args[8])
-
-            def at(p, v):  # <16 x float>* to columns j0 + 16 v .. of a 1-D array
-                return b.bitcast(b.gep(p, [b.add(j0, c64(16 * v))]), V16F.as_pointer())
-
-            xs = [b.load(at(px, v), align=4) for v in range(nvec)] if mode != "decay" else []
-            n_acc = 2 if mode == "mid" else 1
-            accs = [[cgutils.alloca_once(b, V16F) for _ in range(nvec)] for _ in range(n_acc)]
-            for slots, p in zip(accs, (p1, p2)):
-                for v, slot in enumerate(slots):
-                    b.store(b.load(at(p, v), align=4), slot)
-            col = b.mul(j0, c64(4))
-            with cgutils.for_range(b, rows) as loop:
-                i = loop.index
-                row = b.gep(base, [b.add(b.mul(i, stride), col)])
-                ki = splat16(b, b.load(b.gep(pk, [i])))
-                qi = splat16(b, b.load(b.gep(pq, [i]))) if mode != "decay" else None
-                kn = splat16(b, b.load(b.gep(pn, [i]))) if mode == "mid" else None
-                for v in range(nvec):
-                    sp = b.bitcast(b.gep(row, [c64(64 * v)]), V16F.as_pointer())
-                    s = b.load(sp, align=4)
-                    a1 = accs[0][v]
-                    if mode == "decay":
-                        s = b.fmul(s, dv)
-                        b.store(s, sp, align=4)
-                        b.store(fma(b, s, ki, b.load(a1)), a1)
-                    elif mode == "mid":
-                        s = fma(b, ki, xs[v], s)
-                        b.store(fma(b, s, qi, b.load(a1)), a1)
-                        s = b.fmul(s, dv)
-                        b.store(s, sp, align=4)
-                        b.store(fma(b, s, kn, b.load(accs[1][v])), accs[1][v])
-                    else:
-                        s = fma(b, ki, xs[v], s)
-                        b.store(s, sp, align=4)
-                        b.store(fma(b, s, qi, b.load(a1)), a1)
-            for slots, p in zip(accs, (p1, p2)):
-                for v, slot in enumerate(slots):
-                    b.store(b.load(slot), at(p, v), align=4)
+        def codegen(context, b, signature, args):
+            arrs = [context.make_array(t)(context, b, v) for t, v in zip(signature.args[3:9], args[3:9])]
+            S = context.make_array(signature.args[1])(context, b, args[1])
+            j0 = context.cast(b, args[2], signature.args[2], types.int64)
+            parts = (S, j0, *(a.data for a in arrs), args[9])
+            kind = context.cast(b, args[0], signature.args[0], types.int64)
+            with b.if_else(b.icmp_signed("==", kind, c64(DECAY))) as (decay, other):
+                with decay:
+                    emit(b, DECAY, parts)
+                with other:
+                    with b.if_else(b.icmp_signed("==", kind, c64(MID))) as (mid, last):
+                        with mid:
+                            emit(b, MID, parts)
+                        with last:
+                            emit(b, LAST, parts)
             return context.get_dummy_value()
 
         return sig, codegen
-
-    # numba's @intrinsic reads the argument names
-    def rule_pass(typingctx, S, j0, ka, qa, kb, x, acc1, acc2, d):
-        return typer(typingctx, S, j0, ka, qa, kb, x, acc1, acc2, d)
 
     return intrinsic(rule_pass)
 
@@ -135,37 +143,26 @@ def _rule_pass(mode, nvec):
 # float> on AVX2 (each two ymm: 12 of 16 live); the bits do not depend on it
 RULE_VECS = 4 if AVX512F else 2
 RULE_COLS = 16 * RULE_VECS
-_DECAY_W, _MID_W, _LAST_W = (_rule_pass(m, RULE_VECS) for m in ("decay", "mid", "last"))
-_DECAY_16, _MID_16, _LAST_16 = (_rule_pass(m, 1) for m in ("decay", "mid", "last"))
+_PASS_WIDE, _PASS_16 = _rule_pass(RULE_VECS), _rule_pass(1)
 
 
 @njit(**_KW)
-def _pass(mode, S, j0, w, ka, qa, kb, x, acc1, acc2, d):
-    # one pass over columns j0 .. j0 + w - 1 (w: RULE_COLS, 16 or fewer than 16)
+def _pass(kind, S, j0, w, ka, qa, kb, x, acc1, acc2, d):
+    # one pass of `kind` over columns j0 .. j0 + w - 1 (w: RULE_COLS, 16 or fewer than 16)
     if w == RULE_COLS:
-        if mode == 0:
-            _DECAY_W(S, j0, ka, qa, kb, x, acc1, acc2, d)
-        elif mode == 1:
-            _MID_W(S, j0, ka, qa, kb, x, acc1, acc2, d)
-        else:
-            _LAST_W(S, j0, ka, qa, kb, x, acc1, acc2, d)
+        _PASS_WIDE(kind, S, j0, ka, qa, kb, x, acc1, acc2, d)
     elif w == 16:
-        if mode == 0:
-            _DECAY_16(S, j0, ka, qa, kb, x, acc1, acc2, d)
-        elif mode == 1:
-            _MID_16(S, j0, ka, qa, kb, x, acc1, acc2, d)
-        else:
-            _LAST_16(S, j0, ka, qa, kb, x, acc1, acc2, d)
+        _PASS_16(kind, S, j0, ka, qa, kb, x, acc1, acc2, d)
     else:
         for i in range(S.shape[0]):
             Si = S[i, j0 : j0 + w]
             for jj in range(w):
                 j = j0 + jj
-                if mode == 0:
+                if kind == DECAY:
                     s = Si[jj] * d
                     Si[jj] = s
                     acc1[j] = fma32(s, ka[i], acc1[j])
-                elif mode == 1:
+                elif kind == MID:
                     s = fma32(ka[i], x[j], Si[jj])
                     acc1[j] = fma32(s, qa[i], acc1[j])
                     s = s * d
@@ -186,7 +183,7 @@ def _rule_columns(S, Q, K, V, dec, beta, O, mem, nxt, j0, w):
     j1 = j0 + w
     for j in range(j0, j1):
         mem[j] = np.float32(0)
-    _pass(0, S, j0, w, K[0], K[0], K[0], mem, mem, mem, dec[0])  # decay, k @ S
+    _pass(DECAY, S, j0, w, K[0], K[0], K[0], mem, mem, mem, dec[0])  # k @ S
     for t in range(T):
         b = beta[t]
         o = O[t]
@@ -196,10 +193,10 @@ def _rule_columns(S, Q, K, V, dec, beta, O, mem, nxt, j0, w):
         if t + 1 < T:
             for j in range(j0, j1):
                 nxt[j] = np.float32(0)
-            _pass(1, S, j0, w, K[t], Q[t], K[t + 1], mem, o, nxt, dec[t + 1])
+            _pass(MID, S, j0, w, K[t], Q[t], K[t + 1], mem, o, nxt, dec[t + 1])
             mem, nxt = nxt, mem
         else:
-            _pass(2, S, j0, w, K[t], Q[t], K[t], mem, o, o, np.float32(0))
+            _pass(LAST, S, j0, w, K[t], Q[t], K[t], mem, o, o, np.float32(0))
 
 
 @njit(**_KW)
