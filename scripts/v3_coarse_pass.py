@@ -104,6 +104,7 @@ def main() -> None:
     print(f"default model, {len(ids)}-token prompt, k = {args.k}, {len(a)} head-steps")
     print(f"exact pruning by the bound: share of blocks scored, mean {a[:, 1].mean():.3f}, min {a[:, 1].min():.3f}")
     sel = a[a[:, 0] >= 2]
+    print(f"filters, over the {len(sel)} head-steps past v3's 2 dense layers:")
     for i, c in enumerate(FILTERS):
         kept, mass = sel[:, 2 + 2 * i], sel[:, 3 + 2 * i]
         print(

@@ -4,8 +4,8 @@ an AVX2 CPU cost what 32 zmm registers did not).
 
 sparrow's IR is written in <16 x float> vectors (one zmm, or two ymm on AVX2) and its tiles were
 shaped on AVX-512 machines. This compiles the same IR twice with llvmlite, as the engine's
-numba build would for each path (kernels/cpu.py's flags: AVX-512's emitters, then AVX2's with
-no AVX-512, no VNNI), and asks llvm-mca (scripts/neon_model.py's method) how many cycles a
+numba build would for each path (kernels/cpu.py's flags: AVX2's emitters with no AVX-512 and no
+VNNI, then AVX-512's with VNNI), and asks llvm-mca (scripts/neon_model.py's method) how many cycles a
 loop pass takes on a core of each kind, and how often the loop touches the stack (spills):
 
 - each stored format's exact decode row dot (a 32-value block's cycles, and bytes of weights a
@@ -20,6 +20,7 @@ The model is LLVM's, not silicon: `sparrow bench speed` on the CPU is the measur
 
 import argparse
 import os
+import re
 import shutil
 import sys
 
@@ -42,15 +43,16 @@ GEMM_TILE = {"avx2": gemm.micro_tile("+avx2"), "avx512": gemm.micro_tile("+avx51
 
 
 def spills(body: list[str]) -> int:
-    """Loop instructions that address the stack (a register spilled, or reloaded)."""
-    return sum(1 for line in body if "(%rsp)" in line or "(%rbp)" in line)
+    """Loop instructions with a memory operand on the stack pointer (a register spilled or
+    reloaded, or a buffer the IR keeps on the stack on purpose)."""
+    return sum(1 for line in body if re.search(r"\(%rsp[,)]", line))
 
 
 def emit_as(path: str) -> str:
     """Sets the emitters' flags for path; returns its features."""
     feats, avx512, vnni = PATHS[path]
     kir.AVX512F = avx512
-    q8ir.VNNI = groups.DOT4 = q8ir.DOT4 = vnni
+    q8ir.VNNI = groups.DOT4 = q8ir.DOT4 = q8ir.VNNI512 = vnni
     q8ir.AVX2 = groups.AVX2 = True
     q8ir.DOTPROD = groups.I8MM = q8ir.I8MM = False
     return feats

@@ -169,7 +169,7 @@ def reductions():
     _rows.exp_shifted(e, np.float32(0), len(e), np.empty(len(e), np.int32))
     out["exp"] = e
     out["silu"] = _el.silu_mul(gu, gu.shape[1] // 2)
-    for dk, dv in ((24, 100), (128, 128)):  # the delta rule's column groups: wide, 16, fewer
+    for dk, dv in ((24, 120), (128, 128)):  # the delta rule's column groups: wide, 16, fewer
         rng = np.random.default_rng(dv)
         Q, K, V = (rng.normal(0, 0.3, (5, n)).astype(np.float32) for n in (dk, dk, dv))
         dec, beta = rng.uniform(0.7, 1.0, 5).astype(np.float32), rng.uniform(0, 1, 5).astype(np.float32)

@@ -281,30 +281,48 @@ def test_mtp_speculative_decoding_equals_plain(predictable, kind, sampling):
     assert got[2].hidden is None  # released: the prefix cache keeps no hidden rows
 
 
+def _hidden_after_steps(model, ids, fused: bool) -> dict:
+    """A cache's hidden rows after a prefill of ids[:20], four decode steps and a verification
+    of four rows, on the fused or the staged path."""
+    model.use_fused = fused
+    try:
+        cache = model.new_cache(64)
+        cache.hidden = {}
+        model.forward([Segment(ids[:20], cache, 0)])
+        for p in range(20, 24):
+            model.forward([Segment(ids[p : p + 1], cache, p, decode=True)])
+        with cache.keeping_every_row():
+            model.forward([Segment(ids[p : p + 1], cache, p, decode=True) for p in range(24, 28)])
+        return cache.hidden
+    finally:
+        model.use_fused = True
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_mtp_speculative_decoding_takes_the_fused_step(tmp_path, kind):
     """In Q8_0 the target's decode and verification steps run fused while the drafter reads
-    their hidden rows (the fused step writes them as the staged head does): the tokens,
-    logits and state of plain decoding, fused or staged."""
+    their hidden rows: the fused step writes, at the same positions, the bits the staged head
+    writes; and speculation with the MTP layer gives plain decoding's tokens, logits and state."""
     save_default_tokenizer(str(tmp_path / "tok"))
     folder = _predictable(kind, str(tmp_path), str(tmp_path / "tok"), BLOCK_SPECS[kind])
     llm = sparrow.load(folder, quantize="q8_0", threads=2)
     plan = llm.model.fused_step()
     assert plan is not None
-    ids = [int(t) for t in PROMPT[:30]]
+    ids = np.array([int(t) for t in PROMPT[:30]])
+    single, verified = plan.steps - plan.verified, plan.verified
+    fused = _hidden_after_steps(llm.model, ids, fused=True)
+    assert plan.steps - plan.verified == single + 4 and plan.verified == verified + 1  # both kinds ran fused
+    staged = _hidden_after_steps(llm.model, ids, fused=False)
+    assert sorted(fused) == sorted(staged) == list(range(28))
+    for p in range(28):
+        assert fused[p].tobytes() == staged[p].tobytes(), p
     sampling = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    spec = SpeculativeParams(method="mtp", tokens=3)
-    plain = _run(llm, ids, sampling)
-    steps, verified = plan.steps, plan.verified
-    got = _run(llm, ids, sampling, spec)
-    assert plan.verified > verified and plan.steps > steps  # verification rows and decode steps ran fused
+    plain = _run(llm, [int(t) for t in ids], sampling)
+    verified = plan.verified
+    got = _run(llm, [int(t) for t in ids], sampling, SpeculativeParams(method="mtp", tokens=3))
+    assert plan.verified > verified  # the request's verifications ran fused
     assert_same_run(got, plain)
     assert 0 < got[3].counts["accepted_tokens"] < got[3].counts["drafted_tokens"], got[3].counts
-    llm.model.use_fused = False
-    try:
-        assert_same_run(_run(llm, ids, sampling, spec), plain)  # the staged head's hidden rows: the same drafts
-    finally:
-        llm.model.use_fused = True
 
 
 def test_mtp_drafter_keeps_only_verified_rows_in_its_cache(predictable):
