@@ -27,6 +27,7 @@ from sparrow.engine.sequence import Sequence
 from sparrow.engine.speculative import MTPDrafter, make_speculator
 from sparrow.errors import SparrowError
 from sparrow.kernels.linear import linear
+from sparrow.models import fused as fused_mod
 from sparrow.models.decoder import Segment
 from sparrow.params import SamplingParams, SpeculativeParams
 
@@ -299,15 +300,17 @@ def _hidden_after_steps(model, ids, fused: bool) -> dict:
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_mtp_speculative_decoding_takes_the_fused_step(tmp_path, kind):
+def test_mtp_speculative_decoding_takes_the_fused_step(tmp_path, kind, monkeypatch):
     """In Q8_0 the target's decode and verification steps run fused while the drafter reads
     their hidden rows: the fused step writes, at the same positions, the bits the staged head
     writes; and speculation with the MTP layer gives plain decoding's tokens, logits and state."""
+    monkeypatch.setattr(fused_mod, "BACKOFF_STEPS", 0)  # a busy machine must not send steps staged
     save_default_tokenizer(str(tmp_path / "tok"))
     folder = _predictable(kind, str(tmp_path), str(tmp_path / "tok"), BLOCK_SPECS[kind])
     llm = sparrow.load(folder, quantize="q8_0", threads=2)
     plan = llm.model.fused_step()
     assert plan is not None
+    plan.backoff = 0
     ids = np.array([int(t) for t in PROMPT[:30]])
     single, verified = plan.steps - plan.verified, plan.verified
     fused = _hidden_after_steps(llm.model, ids, fused=True)
