@@ -25,10 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from v3_fewer_bytes import BLOCK, block_mass, codes  # noqa: E402
 
 import sparrow  # noqa: E402
-from sparrow.models import decoder  # noqa: E402
 from sparrow.params import SparseParams  # noqa: E402
 from sparrow_lab.eval import fidelity as fid  # noqa: E402
-from sparrow_lab.eval.oracle import oracle_attention, oracle_params  # noqa: E402
+from sparrow_lab.eval.oracle import attend_chosen, decode_attention_by, oracle_attention, oracle_params  # noqa: E402
 from sparrow_lab.eval.prompts import make_prompt  # noqa: E402
 
 
@@ -44,30 +43,16 @@ def attend(q, kv, seq_len, scale, k, bits):
         for h in range(kh * group, (kh + 1) * group):
             cq, sq = codes(q[h][None])
             mass = block_mass(cq[0], sq[0], ck, sk, seq_len, scale)
-            keep = np.zeros(seq_len, bool)
-            for b in np.argsort(-mass, kind="stable")[:k]:
-                keep[b * BLOCK : (b + 1) * BLOCK] = True
-            s = (K[keep] @ q[h].astype(np.float64)) * scale
-            p = np.exp(s - s.max())
-            out[h] = (p @ V[keep]) / p.sum()
+            s = (K @ q[h].astype(np.float64)) * scale  # [n]
+            out[h] = attend_chosen(np.exp(s - s.max()), V, np.argsort(-mass, kind="stable")[:k], BLOCK)
     return out
 
 
-@contextlib.contextmanager
 def v3_replica(model, bits):
-    original = decoder.decode_attention
-
-    def decode_attention(q, kv, state, seq_len, scale, sparse=None, trace=None, into=None):
-        if sparse is None or sparse.k * sparse.block >= seq_len:
-            return original(q, kv, state, seq_len, scale, sparse, trace, into)
-        return attend(np.asarray(q, np.float32), kv, seq_len, scale, sparse.k, bits)
-
-    fused = model.use_fused
-    decoder.decode_attention, model.use_fused = decode_attention, False
-    try:
-        yield
-    finally:
-        decoder.decode_attention, model.use_fused = original, fused
+    """While active, the model's sparse decode rows take v3's blocks by `bits`-bit key codes."""
+    return decode_attention_by(
+        model, lambda q, kv, seq_len, scale, sp, trace: attend(q, kv, seq_len, scale, sp.k, bits)
+    )
 
 
 def main() -> None:

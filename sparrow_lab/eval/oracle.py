@@ -32,6 +32,16 @@ def oracle_params(**kw) -> OracleParams:
     return OracleParams(select="v2", **kw)
 
 
+def attend_chosen(p, V, chosen, block) -> np.ndarray:
+    """Exact attention over the blocks `chosen`, from every position's softmax numerator p [n]
+    (float64, any common shift) and the values V [n, D] -> [D]."""
+    keep = np.zeros(len(p), bool)
+    for b in chosen:
+        keep[b * block : (b + 1) * block] = True
+    w = p * keep
+    return (w @ V) / w.sum()
+
+
 def attend(q, layer, seq_len, scale, k, block, trace=None) -> np.ndarray:
     """q [H, D] over positions 0..seq_len-1 of `layer`, each head over its k blocks of largest
     exact softmax mass (ties: the lower block) -> [H, D] float32."""
@@ -47,20 +57,17 @@ def attend(q, layer, seq_len, scale, k, block, trace=None) -> np.ndarray:
             p = np.exp(s - s.max())
             mass = np.add.reduceat(p, starts)  # [blocks]
             chosen = np.sort(np.argsort(-mass, kind="stable")[:k])
-            keep = np.zeros(seq_len, bool)
-            for b in chosen:
-                keep[b * block : (b + 1) * block] = True
-            w = p * keep
-            out[h] = (w @ V) / w.sum()
+            out[h] = attend_chosen(p, V, chosen, block)
             if trace is not None:
                 trace.append((h, chosen.tolist(), ["oracle"] * len(chosen), float(mass[chosen].sum() / mass.sum())))
     return out
 
 
 @contextlib.contextmanager
-def oracle_attention(model):
-    """While active, `model`'s decode attention with sparse settings is the oracle's (the staged
-    path: the fused step's attention is compiled and cannot be replaced)."""
+def decode_attention_by(model, attend_rows):
+    """While active, `model`'s decode attention with sparse settings that leave blocks out is
+    attend_rows(q [H, D] float32, layer, seq_len, scale, sparse, trace) -> [H, D] (the staged
+    path: the fused step's attention is compiled and cannot be replaced); other rows are exact."""
     from sparrow.models import decoder
 
     original = decoder.decode_attention
@@ -68,7 +75,7 @@ def oracle_attention(model):
     def decode_attention(q, layer, state, seq_len, scale, sparse=None, trace=None, into=None):
         if sparse is None or sparse.k * sparse.block >= seq_len:
             return original(q, layer, state, seq_len, scale, sparse, trace, into)
-        return attend(np.asarray(q, np.float32), layer, seq_len, scale, sparse.k, sparse.block, trace)
+        return attend_rows(np.asarray(q, np.float32), layer, seq_len, scale, sparse, trace)
 
     fused = model.use_fused
     decoder.decode_attention, model.use_fused = decode_attention, False
@@ -76,3 +83,11 @@ def oracle_attention(model):
         yield
     finally:
         decoder.decode_attention, model.use_fused = original, fused
+
+
+def oracle_attention(model):
+    """While active (a context manager), `model`'s decode attention with sparse settings is the
+    oracle's (decode_attention_by)."""
+    return decode_attention_by(
+        model, lambda q, layer, seq_len, scale, sp, trace: attend(q, layer, seq_len, scale, sp.k, sp.block, trace)
+    )
