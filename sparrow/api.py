@@ -259,8 +259,9 @@ class LLM:
         penalties, seed, stop, logprobs) and sparse_attn (True / "on", False / "off", or
         "auto": v3 with top-p 0.95 from the context where it pays), sparse_k, sparse_block,
         sparse_probe, sparse_prefill, sparse_select, sparse_p, sparse_min_blocks (v3's top-p
-        budget), sparse_dense_layers (v2 / v3's exact first KV layers). trace: a list that
-        receives, per decoded token, the sparse selections [(layer, [(head, blocks, stages, mass)])].
+        budget), sparse_key_bits (v3's key codes: 8 or 4), sparse_dense_layers (v2 / v3's exact
+        first KV layers). trace: a list that receives, per decoded token, the sparse selections
+        [(layer, [(head, blocks, stages, mass)])].
 
         speculative (or the keywords speculative="ngram" | "draft" | "sparse" | "mtp", spec_tokens=4,
         spec_ngram, draft_model=PATH, spec_sparse_k, spec_sparse_select, spec_adaptive):

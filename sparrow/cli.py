@@ -19,6 +19,7 @@ from .params import (
     SPARSE_ATTN,
     SPARSE_ATTN_DEFAULT,
     SPECULATIVE_METHODS,
+    V3_KEY_BITS,
     SamplingParams,
     SparseParams,
 )
@@ -126,6 +127,13 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--sparse-min-blocks", type=int, default=None, metavar="N", help="v3 with --sparse-p: at least N blocks"
+    )
+    g.add_argument(
+        "--sparse-key-bits",
+        type=int,
+        choices=V3_KEY_BITS,
+        default=None,
+        help="v3: score keys by int8 codes (8, the default) or 4-bit ones (half the bytes a key read)",
     )
     g.add_argument(
         "--sparse-dense-layers",

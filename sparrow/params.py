@@ -22,10 +22,11 @@ SPARSE_ATTN_DEFAULT = "off"
 AUTO_K, AUTO_P = 32, 0.95  # auto's budget: v3, top-p 0.95 of the estimated mass, at most 32 blocks
 V2_DENSE_LAYERS = 2  # v2 runs the first layers exact: they hold most of k=8's loss (docs/evaluation.md, "Selector v2")
 # The selector word the kernels take (SparseParams.flags; kernels/attention/select.py reads it):
-# v2's bits, then v3's bit and its budget in the same int: bits 8..23 min_blocks, bits 24..40 p
-# in units of 2**-16 (0: a fixed k)
+# v2's bits, then v3's bit, its 4-bit key codes' bit and its budget in the same int: bits 8..23
+# min_blocks, bits 24..40 p in units of 2**-16 (0: a fixed k)
 V2_ON, V2_SINK, V2_RECENT = 1, 2, 4
-V3_ON, V3_MIN_SHIFT, V3_P_SHIFT, V3_P_ONE = 8, 8, 24, 1 << 16
+V3_ON, V3_KEY4, V3_MIN_SHIFT, V3_P_SHIFT, V3_P_ONE = 8, 16, 8, 24, 1 << 16
+V3_KEY_BITS = (8, 4)  # v3's key codes: int8 (the default) or 4-bit (half the bytes a key)
 QUANTIZE = (None, "q8_0")  # weight conversions at load: none, or f32/f16/bf16 -> q8_0
 
 
@@ -52,6 +53,7 @@ class SparseParams:
     # reaches p (None: always k), at least min_blocks and at most k
     p: float | None = None
     min_blocks: int = 1
+    key_bits: int = 8  # v3: the bits of the key codes it scores (8, or 4: half the bytes a key)
     # v2 ablation switches (bench --selectors v2-nosink, v2-norecent): always take block 0 / the last block
     sink: bool = True
     recent: bool = True
@@ -78,6 +80,13 @@ class SparseParams:
             raise SparrowError("sparse_dense_layers, sink and recent are v2 / v3 settings (sparse_select='v2' or 'v3')")
         if self.select == "v3" and not (self.sink and self.recent):
             raise SparrowError("sink and recent are v2 settings: v3 forces no block in (sparse_select='v3')")
+        kb = self.key_bits
+        if isinstance(kb, bool) or not isinstance(kb, int) or kb not in V3_KEY_BITS:
+            raise SparrowError(f"sparse_key_bits must be 8 or 4, got {self.key_bits!r}")
+        if self.key_bits != 8 and self.select != "v3":
+            raise SparrowError(
+                f"sparse_key_bits is a v3 setting (sparse_select='v3'), got sparse_select={self.select!r}"
+            )
         self._check_budget()
         f = self.from_context
         if f is not None and (isinstance(f, bool) or not isinstance(f, int) or f < 0):
@@ -112,29 +121,34 @@ class SparseParams:
     @property
     def copy_key(self) -> tuple:
         """Which copy beside the KV this selector's decode reads (SparseState.copy_for, the KV
-        budget's charge): (block, n_probe) the seed's probe keys, (block, "v2") v2's summaries."""
-        return (self.block, self.select) if self.select != "seed" else (self.block, self.probe)
+        budget's charge): (block, n_probe) the seed's probe keys, (block, "v2") v2's summaries,
+        (block, "v3") v3's int8 key codes, (block, "v3q4") its 4-bit ones."""
+        if self.select == "seed":
+            return self.block, self.probe
+        return self.block, "v3q4" if self.key_bits == 4 else self.select
 
     @property
     def flags(self) -> int:
         """The selector as the kernels take it: 0 seed; v2 = 1, + 2 with the sink, + 4 with recency;
-        v3 = 8 + min_blocks << 8 + p << 24, p in units of 2**-16 rounded to nearest (0: fixed k)."""
+        v3 = 8 (+ 16 with 4-bit key codes) + min_blocks << 8 + p << 24, p in units of 2**-16 rounded
+        to nearest (0: fixed k)."""
         if self.select == "seed":
             return 0
         if self.select == "v3":
             p = 0 if self.p is None else max(1, round(self.p * V3_P_ONE))
-            return V3_ON | (self.min_blocks << V3_MIN_SHIFT) | (p << V3_P_SHIFT)
+            key4 = V3_KEY4 if self.key_bits == 4 else 0
+            return V3_ON | key4 | (self.min_blocks << V3_MIN_SHIFT) | (p << V3_P_SHIFT)
         return V2_ON | (V2_SINK if self.sink else 0) | (V2_RECENT if self.recent else 0)
 
     @property
     def label(self) -> str:
         """Short name for tables and records: seed, v2, v2-nosink, v2-norecent, v2-dense0, v3,
-        v3-p0.95, v3-p0.9-min4, ..."""
+        v3-p0.95, v3-p0.9-min4, v3-q4-p0.95, ..."""
         frm = [] if self.from_context == 0 else [f"from{'auto' if self.from_context is None else self.from_context}"]
         if self.select == "seed":
             return "-".join(["seed"] + frm)
         if self.select == "v3":
-            parts = ["v3"] + ([f"p{self.p:g}"] if self.p is not None else [])
+            parts = ["v3"] + (["q4"] if self.key_bits == 4 else []) + ([f"p{self.p:g}"] if self.p is not None else [])
             parts += [f"min{self.min_blocks}"] if self.min_blocks != 1 else []
             parts += [f"dense{self.dense_layers}"] if self.dense_layers != V2_DENSE_LAYERS else []
             return "-".join(parts + frm)
@@ -155,20 +169,23 @@ class SparseParams:
             opts["from_context"] = None if f == "auto" else int(f)
         if head not in SELECTORS or (head == "seed" and mods):
             raise SparrowError(
-                f"unknown selector {label!r} (seed, v2, v2-nosink, v2-norecent, v2-dense<N>, v3, v3-p<P>, v3-min<N>)"
+                f"unknown selector {label!r} (seed, v2, v2-nosink, v2-norecent, v2-dense<N>, "
+                "v3, v3-q4, v3-p<P>, v3-min<N>)"
             )
         for m in mods:
             if m in ("nosink", "norecent"):
                 opts["sink" if m == "nosink" else "recent"] = False
             elif m.startswith("dense") and m[5:].isdigit():
                 opts["dense_layers"] = int(m[5:])
+            elif head == "v3" and m == "q4":
+                opts["key_bits"] = 4
             elif head == "v3" and m.startswith("min") and m[3:].isdigit():
                 opts["min_blocks"] = int(m[3:])
             elif head == "v3" and m.startswith("p") and _is_number(m[1:]):
                 opts["p"] = float(m[1:])
             else:
                 raise SparrowError(
-                    f"unknown selector modifier {m!r} in {label!r} (nosink, norecent, dense<N>; v3: p<P>, min<N>)"
+                    f"unknown selector modifier {m!r} in {label!r} (nosink, norecent, dense<N>; v3: q4, p<P>, min<N>)"
                 )
         return cls(**opts, **kw)
 
@@ -184,6 +201,7 @@ class SparseParams:
         sparse_p: float | None = None,
         sparse_min_blocks: int | None = None,
         sparse_dense_layers: int | None = None,
+        sparse_key_bits: int | None = None,
     ) -> SparseParams | None:
         """The flat option names the CLI, the HTTP API and `LLM` keywords use -> settings or
         None (exact attention). sparse_attn: "off" / False, "on" / True, "auto" (None:
@@ -203,6 +221,7 @@ class SparseParams:
             p=AUTO_P if auto and select == "v3" and sparse_p is None else sparse_p,
             min_blocks=1 if sparse_min_blocks is None else sparse_min_blocks,
             dense_layers=sparse_dense_layers,
+            key_bits=8 if sparse_key_bits is None else sparse_key_bits,
             from_context=None if auto else 0,
         )
 
@@ -228,6 +247,7 @@ SPARSE_OPTIONS = (
     "sparse_p",
     "sparse_min_blocks",
     "sparse_dense_layers",
+    "sparse_key_bits",
 )
 
 

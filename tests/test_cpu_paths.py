@@ -29,6 +29,7 @@ from test_gemm import bits, fma32, fma_order_reference
 import sparrow
 from sparrow.kernels import deltanet as _dn
 from sparrow.kernels import elementwise as _el
+from sparrow.kernels.attention import codes4 as _codes4
 from sparrow.kernels.attention import rows as _rows
 from sparrow.kernels.linear import SMALL_T, linear
 from sparrow.kernels.matmul import gemm as gemm
@@ -176,6 +177,28 @@ def reductions():
         S, O = rng.normal(size=(dk, dv)).astype(np.float32), np.empty((5, dv), np.float32)
         _dn._rule_run(S, Q, K, V, dec, beta, O, np.empty(dv, np.float32), np.empty(dv, np.float32))
         out[f"rule{dv}"], out[f"rule_state{dv}"] = O, S
+    out["tiles4"] = tile_scores4_case()
+    return out
+
+
+@numba.njit
+def _tile_scores4(tiles, n_tiles, qc, corr, f, ks, out):
+    _codes4.tile_scores4(tiles, 0, n_tiles, qc, corr, f, ks, out)
+
+
+def tile_scores4_case():
+    """v3's 4-bit key codes (attention.codes4) of 40 random keys of head_dim 44 (two tiles and
+    a half, the dims padded to 48) scored against random int8 query codes: vpdpbusd, pmaddubsw
+    + pmaddwd or the generic vector IR by the CPU path, the same integers and floats."""
+    rng = np.random.default_rng(44)
+    K = (rng.standard_normal((1, 48, 44)) * 3).astype(np.float32)  # [KVH, C, D]
+    tiles = np.zeros((1, 3, 8 * _codes4.padded(44)), np.int8)
+    scale = np.zeros((1, 48), np.float32)
+    _codes4.pack_keys4(K, np.zeros((1, 48), np.float32), np.zeros(1, np.float32), 0, 40, tiles, scale)
+    qc = np.zeros(48, np.int8)
+    qc[:44] = rng.integers(-127, 128, 44)
+    out = np.zeros(48, np.float32)
+    _tile_scores4(tiles[0], 3, qc, np.int32(8 * int(qc.sum(dtype=np.int64))), np.float32(0.0371), scale[0], out)
     return out
 
 

@@ -26,28 +26,37 @@ SCALE = 1 / math.sqrt(D)
 
 
 # ---------------------------------------------------------------- the reference, from the doc
-def ref_codes(x):
+def ref_codes(x, top=127):
     """Rows float32 [n, D] -> (codes float64 [n, D], scales float64 [n]): the int8 cache's rule,
-    scale = absmax / 127 in float32, codes = rint(x / scale) within +-127 (zero rows: 0, 0)."""
+    scale = absmax / 127 in float32, codes = rint(x / scale) within +-127 (zero rows: 0, 0);
+    top=7: the 4-bit rule, the same with 7."""
     x = np.asarray(x, np.float32)
-    scale = np.abs(x).max(axis=1) / np.float32(127)  # float32
+    scale = np.abs(x).max(axis=1) / np.float32(top)  # float32
     safe = np.where(scale > 0, scale, np.float32(1))
-    codes = np.clip(np.rint(x / safe[:, None]), -127, 127)
+    codes = np.clip(np.rint(x / safe[:, None]), -top, top)
     return codes.astype(np.float64), scale.astype(np.float64)
 
 
-def ref_key_codes(layer, kh, seq_len):
-    """An int8 cache's stored codes and scales; float keys (f16 widened) quantised as above."""
+def ref_key_codes(layer, kh, seq_len, bits=8):
+    """An int8 cache's stored codes and scales; float keys (f16 widened) quantised as above.
+    4 bits: every kind's keys as float32 (an int8 key: code times scale in float32), by the
+    4-bit rule."""
+    if bits == 4:
+        if layer.kind == "int8":
+            keys = layer.k[kh, :seq_len].astype(np.float32) * layer.k_scale[kh, :seq_len, None]
+        else:
+            keys = stored_rows(layer, layer.k, layer.k_scale, kh, seq_len)[0].astype(np.float32)
+        return ref_codes(keys, top=7)
     if layer.kind == "int8":
         return layer.k[kh, :seq_len].astype(np.float64), layer.k_scale[kh, :seq_len].astype(np.float64)
     return ref_codes(stored_rows(layer, layer.k, layer.k_scale, kh, seq_len)[0])
 
 
-def ref_block_mass(qh, layer, kh, seq_len, block):
+def ref_block_mass(qh, layer, kh, seq_len, block, bits=8):
     """Per block: the log of sum over its keys of exp(estimated score), estimated score =
-    (query codes . key codes) * query scale * key scale * softmax scale."""
+    (query codes . key codes) * query scale * key scale * softmax scale; key codes of `bits`."""
     qc, qs = ref_codes(qh[None])
-    kc, ks = ref_key_codes(layer, kh, seq_len)
+    kc, ks = ref_key_codes(layer, kh, seq_len, bits)
     est = (kc @ qc[0]) * qs[0] * ks * SCALE  # [S]
     out = []
     for p0 in range(0, seq_len, block):
@@ -83,7 +92,8 @@ def check_v3(cache, qv, seq_len, sp):
     assert [rec[0] for rec in trace] == list(range(H))
     p = None if sp.p is None else round(sp.p * 65536) / 65536  # the doc: p to 2**-16
     for h, blocks, stages, mass in trace:
-        want = ref_select(ref_block_mass(qv[h], layer, h // G, seq_len, sp.block), sp.k, p, sp.min_blocks)
+        mass_h = ref_block_mass(qv[h], layer, h // G, seq_len, sp.block, sp.key_bits)
+        want = ref_select(mass_h, sp.k, p, sp.min_blocks)
         assert blocks == want, (seq_len, h)
         assert stages == ["score"] * len(blocks)
         ref, _, _ = spec_attend(qv[h], layer, h // G, seq_len, blocks, sp.block, SCALE)
@@ -148,11 +158,14 @@ def test_identical_blocks_tie_to_the_lower_index(dtype):
 @pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
 @pytest.mark.parametrize("k,p,min_blocks", [(1, None, 1), (3, None, 1), (8, None, 1), (6, 0.5, 1), (9, 0.9, 2)])
 @pytest.mark.parametrize("block", [16, 26])
-def test_decode_matches_reference(dtype, k, p, min_blocks, block):
+@pytest.mark.parametrize("bits", [8, 4])
+def test_decode_matches_reference(dtype, k, p, min_blocks, block, bits):
+    # 4 bits at block 26: whole tiles of 16 keys end inside blocks, the keys past them are coded on the fly
     S = 200  # block 16: 12 full blocks and a short one; 26: 7 full and one of 18
     cache, q, _, _ = filled(dtype, S, seed=41 + k)
     q[-1] *= 3  # peaked attention, so that p takes fewer than k blocks on some heads
-    check_v3(cache, q[-1], S, SparseParams(k=k, block=block, select="v3", p=p, min_blocks=min_blocks))
+    sp = SparseParams(k=k, block=block, select="v3", p=p, min_blocks=min_blocks, key_bits=bits)
+    check_v3(cache, q[-1], S, sp)
 
 
 def test_p_chooses_a_budget_per_head():
@@ -164,10 +177,11 @@ def test_p_chooses_a_budget_per_head():
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "int8"])
-def test_growing_cache_step_by_step_equals_a_fresh_cache(dtype):
+@pytest.mark.parametrize("bits", [8, 4])
+def test_growing_cache_step_by_step_equals_a_fresh_cache(dtype, bits):
     # the key-code copy grows block by block; rows not in it yet are quantised on the fly:
     # either way the same bits as a fresh cache decoded once
-    sp = SparseParams(k=3, block=16, select="v3", p=0.7)
+    sp = SparseParams(k=3, block=24 if bits == 4 else 16, select="v3", p=0.7, key_bits=bits)
     grow, q = decoded_growing(dtype, 100, sp)
     check_v3(grow, q[-1], 100, sp)
 
@@ -176,7 +190,11 @@ def test_growing_cache_step_by_step_equals_a_fresh_cache(dtype):
 def test_k_covering_every_block_is_exact_bit_for_bit(dtype):
     cache, q, _, _ = filled(dtype, 170, seed=12)
     exact = decode_attention(q[-1], cache.layers[0], cache.sparse[0], 170, SCALE, None)
-    for sp in (SparseParams(k=11, block=16, select="v3"), SparseParams(k=64, block=16, select="v3", p=0.5)):
+    for sp in (
+        SparseParams(k=11, block=16, select="v3"),
+        SparseParams(k=64, block=16, select="v3", p=0.5),
+        SparseParams(k=11, block=16, select="v3", key_bits=4),
+    ):
         assert np.array_equal(decode_attention(q[-1], cache.layers[0], cache.sparse[0], 170, SCALE, sp), exact)
 
 
@@ -192,16 +210,71 @@ def test_int8_codes_are_the_cache_itself():
     assert codes32.nbytes == cache32.bytes_at(cache32.capacity, (16, "v3")) - cache32.bytes_at(cache32.capacity)
 
 
-@pytest.mark.parametrize("dtype", ["f32", "int8"])
-def test_sparse_prefill_matches_reference(dtype):
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+def test_4bit_codes_copy_and_tile_scores(dtype):
+    """KeyCodes4 holds the 4-bit rule's codes in the tile layout (attention.codes4's docstring,
+    unpacked here by that text), charged by the KV budget as it measures; the tiles' scores are
+    v3's estimate, (query codes . key codes) * ((query scale * softmax scale) * key scale) in
+    float32, bit for bit (tests/test_cpu_paths.py compares them on the other CPU paths)."""
+    from test_cpu_paths import _tile_scores4
+
+    cache, q, _, _ = filled(dtype, 100, seed=6)
+    layer, st = cache.layers[0], cache.sparse[0]
+    codes, n = st.copy_for(layer, SparseParams(k=2, block=24, select="v3", key_bits=4), 100)
+    assert n == 4 and codes.blocks == 4  # 96 keys: 6 whole tiles
+    assert codes.nbytes == cache.bytes_at(cache.capacity, (24, "v3q4")) - cache.bytes_at(cache.capacity)
+    qc, qs = ref_codes(q[-1, :1])
+    for kh in range(KVH):
+        want, want_scale = ref_key_codes(layer, kh, 96, bits=4)
+        t = codes.rows[kh, :6].view(np.uint8).reshape(6, D // 8, 16, 4)  # [tile, chunk, key, byte]
+        lo, hi = (t & 15).astype(np.int64) - 8, (t >> 4).astype(np.int64) - 8
+        got = np.concatenate([lo, hi], axis=3).transpose(0, 2, 1, 3).reshape(96, D)  # dims 8c..8c+7 of chunk c
+        assert np.array_equal(got, want) and np.array_equal(codes.scale[kh, :96], want_scale.astype(np.float32))
+        f = np.float32(np.float32(qs[0]) * np.float32(SCALE))
+        out = np.empty(96, np.float32)
+        qc8 = qc[0].astype(np.int8)
+        _tile_scores4(codes.rows[kh], 6, qc8, np.int32(8 * int(qc8.sum(dtype=np.int64))), f, codes.scale[kh], out)
+        dots = (want @ qc[0]).astype(np.float32)  # exact integers
+        assert np.array_equal(out, dots * (f * codes.scale[kh, :96]))
+
+
+def test_4bit_codes_pad_a_head_dim_off_eight():
+    """head_dim 20 (not a multiple of 8): its tiles keep 24 dims, the last 4 zero codes against
+    zero query codes; the blocks are the reference's."""
+    from sparrow.state.cache import KVCache
+
+    rng = np.random.default_rng(3)
+    cache = KVCache(1, 1, 20, 64, "f16")
+    cache.append(
+        0, 0, rng.standard_normal((64, 1, 20), dtype=np.float32), rng.standard_normal((64, 1, 20), dtype=np.float32)
+    )
+    qv = rng.standard_normal((2, 20), dtype=np.float32) * 3
+    sp = SparseParams(k=2, block=8, select="v3", key_bits=4)
+    trace = []
+    decode_attention(qv, cache.layers[0], cache.sparse[0], 64, 1 / math.sqrt(20), sp, trace)
+    assert cache.sparse[0].copy_for(cache.layers[0], sp, 64)[0].rows.shape == (1, 4, 8 * 24)
+    for h, blocks, _, _ in trace:
+        qc, qs = ref_codes(qv[h][None])
+        kc, ks = ref_key_codes(cache.layers[0], 0, 64, bits=4)
+        est = (kc @ qc[0]) * qs[0] * ks / math.sqrt(20)
+        mass = [
+            est[p : p + 8].max() + math.log(np.exp(est[p : p + 8] - est[p : p + 8].max()).sum())
+            for p in range(0, 64, 8)
+        ]
+        assert blocks == ref_select(mass, 2)
+
+
+@pytest.mark.parametrize("dtype,bits", [("f32", 8), ("int8", 8), ("f16", 4)])
+def test_sparse_prefill_matches_reference(dtype, bits):
     cache, q, _, _ = filled(dtype, 90, seed=23)
     layer = cache.layers[0]
-    sp = SparseParams(k=3, block=16, prefill=True, select="v3", p=0.6)
+    sp = SparseParams(k=3, block=16, prefill=True, select="v3", p=0.6, key_bits=bits)
     out = prefill_attention(q[60:], layer, cache.sparse[0], 60, SCALE, sp)  # [30, H, D]
     for t in range(30):
         n = 61 + t
         for h in range(H):
-            blocks = ref_select(ref_block_mass(q[60 + t, h], layer, h // G, n, 16), 3, round(0.6 * 65536) / 65536)
+            mass = ref_block_mass(q[60 + t, h], layer, h // G, n, 16, bits)
+            blocks = ref_select(mass, 3, round(0.6 * 65536) / 65536)
             ref, _, _ = spec_attend(q[60 + t, h], layer, h // G, n, blocks, 16, SCALE)
             np.testing.assert_allclose(out[t, h], ref, rtol=1e-5, atol=1e-6)
 
@@ -222,8 +295,14 @@ def test_settings_are_validated_naming_the_field():
     with pytest.raises(SparrowError, match="v3 forces no block"):
         SparseParams(select="v3", sink=False)
     assert SparseParams(select="v3").dense_layers == 2
-    for label in ("v3", "v3-p0.95", "v3-p0.9-min4", "v3-dense0"):
+    for label in ("v3", "v3-p0.95", "v3-p0.9-min4", "v3-dense0", "v3-q4", "v3-q4-p0.95"):
         assert SparseParams.from_label(label, k=8).label == label
+    for bad in (2, 16, 8.0, True, "4"):
+        with pytest.raises(SparrowError, match="sparse_key_bits must be 8 or 4"):
+            SparseParams(select="v3", key_bits=bad)
+    with pytest.raises(SparrowError, match="sparse_key_bits is a v3 setting"):
+        SparseParams(select="v2", key_bits=4)
+    assert SparseParams.from_options(sparse_attn="auto", sparse_key_bits=4).copy_key == (32, "v3q4")
     with pytest.raises(SparrowError, match="unknown selector modifier"):
         SparseParams.from_label("v2-p0.9")
     sp = SparseParams.from_options(sparse_attn=True, sparse_select="v3", sparse_p=0.95, sparse_min_blocks=2)
@@ -240,10 +319,18 @@ def test_flags_word_round_trips():
     assert v3_budget(SparseParams(select="v3", p=1.0).flags) == (1, 65536)
     assert v3_budget(SparseParams(select="v3", p=1e-9).flags) == (1, 1)  # p never rounds to "fixed k"
     assert v3_budget(SparseParams(select="v3").flags) == (1, 0)
+    from sparrow.params import V3_KEY4
+
+    four = SparseParams(select="v3", k=40, p=0.95, min_blocks=3, key_bits=4).flags
+    assert four == sp.flags | V3_KEY4 and not sp.flags & V3_KEY4 and v3_budget(four) == (3, round(0.95 * 65536))
 
 
 # ---------------------------------------------------------------- the model's decode paths
-V3_MODEL = (SparseParams(k=3, select="v3"), SparseParams(k=5, block=16, select="v3", p=0.8, min_blocks=2))
+V3_MODEL = (
+    SparseParams(k=3, select="v3"),
+    SparseParams(k=5, block=16, select="v3", p=0.8, min_blocks=2),
+    SparseParams(k=4, block=24, select="v3", p=0.9, key_bits=4),
+)
 
 
 @pytest.mark.parametrize("kv", ["f32", "f16", "int8"])
@@ -293,16 +380,21 @@ def test_cli_flags_and_server_fields_reach_the_settings():
     from sparrow.server.protocol import APIError, parse_chat
 
     argv = ["generate", "--prompt", "x", "--sparse-attn", "--sparse-select", "v3", "--sparse-p", "0.9"]
-    sp = sampling_from_flags(build_parser().parse_args(argv + ["--sparse-min-blocks", "2"]))[1]
-    assert (sp.select, sp.p, sp.min_blocks, sp.k) == ("v3", 0.9, 2, 32)
+    sp = sampling_from_flags(build_parser().parse_args(argv + ["--sparse-min-blocks", "2", "--sparse-key-bits", "4"]))[
+        1
+    ]
+    assert (sp.select, sp.p, sp.min_blocks, sp.k, sp.key_bits) == ("v3", 0.9, 2, 32, 4)
     chat = [{"role": "user", "content": "hi"}]
     body = {"messages": chat, "sparse_attn": True, "sparse_select": "v3", "sparse_p": 0.8, "sparse_min_blocks": 3}
     sp = parse_chat(body).sparse
-    assert (sp.select, sp.p, sp.min_blocks) == ("v3", 0.8, 3)
+    assert (sp.select, sp.p, sp.min_blocks, sp.key_bits) == ("v3", 0.8, 3, 8)
+    assert parse_chat({**body, "sparse_key_bits": 4}).sparse.key_bits == 4
     for bad, param in [
         ({"sparse_p": 1.5}, "sparse_p"),
         ({"sparse_p": 0}, "sparse_p"),
         ({"sparse_min_blocks": 0}, "sparse_min_blocks"),
+        ({"sparse_key_bits": 2}, "sparse_key_bits"),
+        ({"sparse_key_bits": "4"}, "sparse_key_bits"),
         ({"sparse_select": "v2"}, "sparse_attn"),  # p with another selector: SparseParams says so
     ]:
         with pytest.raises(APIError) as e:

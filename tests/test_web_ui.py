@@ -407,8 +407,8 @@ def test_sparse_view_shows_the_needle_block_read_at_k32_not_at_k1(server, browse
 
 
 def test_sparse_view_shows_the_budget_each_head_took(server, browser, needle):
-    """v3 with top-p: each head reads what its attention needs; the page says how many blocks the
-    heads read at a token, as the server's trace counts them."""
+    """v3 with top-p (on 4-bit key codes): each head reads what its attention needs; the page says
+    how many blocks the heads read at a token, as the server's trace counts them."""
     body = {
         "messages": [{"role": "user", "content": needle}],
         "max_tokens": 3,
@@ -416,6 +416,7 @@ def test_sparse_view_shows_the_budget_each_head_took(server, browser, needle):
         "sparse_attn": True,
         "sparse_select": "v3",
         "sparse_p": 0.5,
+        "sparse_key_bits": 4,
         "sparse_trace": True,
     }
     tr = api_chat(server, body)["choices"][0]["sparse_trace"]
@@ -430,6 +431,7 @@ def test_sparse_view_shows_the_budget_each_head_took(server, browser, needle):
     set_field(browser, "sparse-trace", True)
     set_field(browser, "sparse-select", "v3")
     set_field(browser, "sparse-p", "0.5")
+    set_field(browser, "sparse-key-bits", "4")
     type_message(browser, needle)
     msg, _ = wait(browser, lambda: finished(browser), what="the v3 answer")
     msg.find_element("css selector", "button.show-sparse").click()
@@ -438,6 +440,7 @@ def test_sparse_view_shows_the_budget_each_head_took(server, browser, needle):
     assert want in label, (want, label)
     set_field(browser, "sparse-select", "seed")  # as the other tests expect the form
     set_field(browser, "sparse-p", "")
+    set_field(browser, "sparse-key-bits", "8")
 
 
 # ---------------------------------------------------------------------- robustness

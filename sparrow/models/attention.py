@@ -73,7 +73,7 @@ def _check_heads(H, layer):
     return H // layer.n_kv_heads
 
 
-def decode_attention(q, layer, state, seq_len, scale, sparse=None, trace=None, into=None):
+def decode_attention(q, layer, state, seq_len, scale, sparse=None, trace=None, into=None, attend=True):
     """Attention of q [H, D] (position seq_len-1, already appended) over positions
     0..seq_len-1 of the layer cache -> [H, D].
 
@@ -82,7 +82,9 @@ def decode_attention(q, layer, state, seq_len, scale, sparse=None, trace=None, i
     trace: with sparse, appends (head, block ids ascending, stage names, mass) per query head,
     mass being the share of the exact softmax mass inside the selected blocks; exact attention
     records nothing. into: (sel [H, nb], stages [H, nb], nsel [H]), this layer's rows of a
-    Selections step, which the kernel writes the selection to.
+    Selections step, which the kernel writes the selection to. attend=False: the selection
+    alone (into, if given, receives it), returns None: what `sparrow bench attention` times
+    as a selector's cost a token.
     """
     q = np.ascontiguousarray(q, dtype=np.float32)  # [H, D]
     H, D = q.shape
@@ -104,7 +106,10 @@ def decode_attention(q, layer, state, seq_len, scale, sparse=None, trace=None, i
         probe_rows, probe_scale, per_block, n_copied = layer.k, layer.k_scale, 1, 0
     copy = (probe_rows, probe_scale, per_block, n_copied)
     settings = _settings(scale, bs, sparse, nb)
-    decode_kernel((qd, qa, qs), _kv(layer), state.importance, seq_len, group, settings, copy, out, (sel, stages, nsel))
+    selection = (sel, stages, nsel)
+    decode_kernel((qd, qa, qs), _kv(layer), state.importance, seq_len, group, settings, copy, out, selection, attend)
+    if not attend:
+        return None
     if trace is not None and sparse is not None:
         for h in range(H):
             n = nsel[h]

@@ -272,6 +272,9 @@ class _Sampling(_Model):
     sparse_dense_layers: int | None = Field(
         None, ge=0, description="v2 / v3: the first layers with a KV cache decode exact (default 2)"
     )
+    sparse_key_bits: Literal[8, 4] | None = Field(
+        None, description="v3: score keys by int8 codes (8, the default) or 4-bit ones (half the bytes a key)"
+    )
     kv_dtype: KVDType | None = Field(None, description="KV cache type for this request (default: the server's)")
     speculative: SpecMethod | None = Field(
         None,

@@ -12,7 +12,7 @@ import numpy as np
 
 from sparrow.errors import SparrowError
 
-from .sparse import SNAPSHOT_COPIES, BlockSummaries, KeyCodes, ProbeKeys, SparseState
+from .sparse import SNAPSHOT_COPIES, BlockSummaries, KeyCodes, KeyCodes4, ProbeKeys, SparseState
 from .storage import layer_cache
 
 
@@ -92,7 +92,8 @@ class KVCache:
         importance snapshots kept for the prefix cache (at most SNAPSHOT_COPIES importance
         arrays), plus the copies sparse decode makes: the seed's probe keys when probe = (block,
         n_probe), v2's block summaries when probe = (block, "v2"), v3's key codes when (block,
-        "v3"); probe may be a list of such keys (a sparse target and its sparse drafter), each copy charged once."""
+        "v3") or (block, "v3q4"); probe may be a list of such keys (a sparse target and its
+        sparse drafter), each copy charged once."""
         kind = type(self.layers[0])
         kvh, d = self.layers[0].n_kv_heads, self.layers[0].head_dim
         per_layer = kind.bytes_at(kvh, d, capacity) + 4 * capacity * (1 + SNAPSHOT_COPIES)
@@ -102,6 +103,8 @@ class KVCache:
                 per_layer += BlockSummaries.bytes_at(kvh, d, capacity, key[0])
             elif key[1] == "v3":
                 per_layer += KeyCodes.bytes_at(kind, kvh, d, capacity, key[0])
+            elif key[1] == "v3q4":
+                per_layer += KeyCodes4.bytes_at(kvh, d, capacity, key[0])
             else:
                 per_layer += ProbeKeys.bytes_at(kind, kvh, d, capacity, *key)
         return len(self.layers) * per_layer

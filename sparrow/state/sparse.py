@@ -1,7 +1,7 @@
 """What block-sparse attention keeps beside one layer's K/V (SparseState): the prefill
 importance of each position, and the copies sparse decode reads instead of K: the seed
-selector's probe keys (ProbeKeys), v2's block summaries (BlockSummaries) and v3's int8 key
-codes (KeyCodes). They describe the
+selector's probe keys (ProbeKeys), v2's block summaries (BlockSummaries) and v3's int8 or
+4-bit key codes (KeyCodes, KeyCodes4). They describe the
 cache's contents, so rewriting or dropping positions clears them there. Also the rule that
 thins the prefill's importance snapshots (and a recurrent state's copies) at chunk boundaries.
 """
@@ -70,6 +70,8 @@ class SparseState:
             return self.block_summaries(layer, block, seq_len)
         if what == "v3":
             return self._copy(layer, (block, "v3"), lambda: KeyCodes(layer, block), seq_len)
+        if what == "v3q4":
+            return self._copy(layer, (block, "v3q4"), lambda: KeyCodes4(layer, block), seq_len)
         return self.probe_keys(layer, block, what, seq_len)
 
     def _copy(self, layer, key, make, seq_len):
@@ -245,6 +247,58 @@ class KeyCodes:
         if not out.aliases_cache:
             r = blocks * self.block
             out.rows[:, :r], out.scale[:, :r] = self.rows[:, :r], self.scale[:, :r]
+        out.blocks = blocks
+        return out
+
+
+class KeyCodes4:
+    """v3's 4-bit key codes (key_bits 4, docs/SPARSE_SELECT_V3.md): tiles[kh] ([n / 16, D * 8]
+    int8, kernels/attention/codes4's layout) and scale[kh, t] for the keys of the first `blocks`
+    full blocks, made once per block on first use from the keys as stored (every KV kind: an
+    int8 cache's codes are not these). D / 2 + 4 bytes a key per KV head: 1/8 of an f32 K, 1/4
+    of an f16 one, about half of an int8 one."""
+
+    def __init__(self, layer, block):
+        from sparrow.kernels.attention.codes4 import TILE, padded
+
+        self.block, self.per_block = block, block
+        n = (layer.capacity // block) * block
+        tiles, width = -(-n // TILE), padded(layer.head_dim) * 8
+        self.rows = np.zeros((layer.n_kv_heads, tiles, width), np.int8)  # [KVH, tiles, 8 padded(D)]
+        self.scale = np.zeros((layer.n_kv_heads, self.rows.shape[1] * TILE), np.float32)  # [KVH, 16 tiles]
+        self.blocks = 0
+
+    def extend(self, layer, full_blocks):
+        """Codes of the keys of blocks blocks..full_blocks-1 of layer (nothing if already there)."""
+        from sparrow.kernels.attention.codes4 import pack_keys4
+        from sparrow.kernels.matmul.widen import F16_LUT
+
+        if full_blocks > self.blocks:
+            r0, r1 = self.blocks * self.block, full_blocks * self.block
+            pack_keys4(layer.k, layer.k_scale, F16_LUT, r0, r1, self.rows, self.scale)
+            self.blocks = full_blocks
+
+    @property
+    def nbytes(self):
+        return self.rows.nbytes + self.scale.nbytes
+
+    @staticmethod
+    def bytes_at(n_kv_heads, head_dim, capacity, block):
+        """nbytes of KeyCodes4(layer, block) for a layer of `capacity`."""
+        from sparrow.kernels.attention.codes4 import TILE, padded
+
+        tiles = -(-((capacity // block) * block) // TILE)
+        return n_kv_heads * tiles * TILE * (padded(head_dim) // 2 + 4)
+
+    def resized(self, layer, blocks):
+        """A copy for `layer` (resized) keeping the first `blocks` full blocks."""
+        from sparrow.kernels.attention.codes4 import TILE
+
+        out = KeyCodes4(layer, self.block)
+        blocks = min(blocks, layer.capacity // self.block)
+        r = blocks * self.block
+        t = -(-r // TILE)  # the tiles holding rows 0..r-1
+        out.rows[:, :t], out.scale[:, :r] = self.rows[:, :t], self.scale[:, :r]
         out.blocks = blocks
         return out
 

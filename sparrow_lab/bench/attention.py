@@ -3,7 +3,9 @@ or another with --shape).
 
 Random K/V/query and random importance; per context and KV dtype the exact and sparse kernels
 run interleaved (exact, k=32, k=16, ... then again) so machine-load drift hits them alike. The
-ratio is the median over repeats of exact_ms / sparse_ms from the same round.
+ratio is the median over repeats of exact_ms / sparse_ms from the same round. Each sparse mode's
+selection alone (the blocks chosen, nothing attended) is timed in the same rounds: what the
+selector costs a token, the rest being the attention over what it chose.
 """
 
 import argparse
@@ -74,6 +76,7 @@ def run(
                     for sel in selectors
                 ]
                 times = {name: [] for name, _ in modes}
+                select = {name: [] for name, sp in modes if sp is not None}
                 for _, sp in modes:  # warm-up: JIT compile and page in the cache
                     decode_attention(q, layer, state, ctx, scale, sp)
                 for _ in range(repeats):
@@ -81,6 +84,10 @@ def run(
                         t0 = timer()
                         decode_attention(q, layer, state, ctx, scale, sp)
                         times[name].append(1e3 * (timer() - t0))
+                        if sp is not None:
+                            t0 = timer()
+                            decode_attention(q, layer, state, ctx, scale, sp, attend=False)
+                            select[name].append(1e3 * (timer() - t0))
                 for name, sp in modes:
                     row = {
                         "kv_dtype": kv_dtype,
@@ -95,6 +102,7 @@ def run(
                     if sp is not None:
                         nb = -(-ctx // sp.block)
                         row["blocks"] = nb
+                        row["select_ms"] = statistics.median(select[name])
                         row["ratio"] = statistics.median(e / s for e, s in zip(times["exact"], times[name]))
                     rows.append(row)
             del layer
@@ -104,9 +112,11 @@ def run(
 
 
 def format_table(rows):
+    """Per KV dtype and context: exact ms, each sparse mode's ms (exact / sparse) and [its
+    selection alone]."""
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     head = f"{'kv':>5} {'context':>8} " + " ".join(
-        f"{m + ' ms':>10}" if m == "exact" else f"{m + ' ms (x)':>18}" for m in modes
+        f"{m + ' ms':>10}" if m == "exact" else f"{m + ' ms (x) [select]':>27}" for m in modes
     )
     lines = [head, "-" * len(head)]
     keys = list(dict.fromkeys((r["kv_dtype"], r["context"]) for r in rows))
@@ -117,7 +127,7 @@ def format_table(rows):
             if m == "exact":
                 cells.append(f"{r['ms']:>10.2f}")
             else:
-                cells.append(f"{r['ms']:>9.2f} ({r['ratio']:>4.1f}x)".rjust(18))
+                cells.append(f"{r['ms']:>9.2f} ({r['ratio']:>4.1f}x) [{r['select_ms']:>5.2f}]".rjust(27))
         lines.append(f"{kv:>5} {ctx:>8} " + " ".join(cells))
     return "\n".join(lines)
 
@@ -180,7 +190,7 @@ def main(argv=None):
     )
     print(
         f"decode attention, one layer, {a.clock}-clock ms/token (median of {a.repeats}); "
-        f"(x) = exact/sparse, paired per round; numba threads {rows[0]['threads']}"
+        f"(x) = exact/sparse, paired per round; [select] = the selection alone; numba threads {rows[0]['threads']}"
     )
     print(format_table(rows))
     print(f"wrote {out}", file=sys.stderr)

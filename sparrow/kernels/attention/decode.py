@@ -31,11 +31,13 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from sparrow.kernels.attention.codes4 import OFFSET, TILE, padded, quantize4, tile_scores4
 from sparrow.kernels.attention.rows import accum, dots, exp_sum, max_at, prefetch, row_max, widen
 from sparrow.kernels.attention.select import (
     STAGE_PROBE,
     STAGE_SCORE,
     fill_probe_nb,
+    key_f32,
     quantize_key_rows,
     reserve_importance_nb,
     select_v2_nb,
@@ -44,7 +46,7 @@ from sparrow.kernels.attention.select import (
     v2_query,
     v3_query,
 )
-from sparrow.params import V2_ON, V3_ON
+from sparrow.params import V2_ON, V3_KEY4, V3_ON
 
 # ---------------------------------------------------------------- one KV head's group
 
@@ -311,7 +313,7 @@ def _v3_scores(query, keys, codes, seq_len, bs, mass):
     q, qs, int8, scale, h0 = query
     K2, ks, lut = keys
     P2, ps, n_copied = codes
-    G, nb = mass.shape
+    G = mass.shape[0]
     D = q.shape[1]
     qc = np.empty((G, D), dtype=np.float32)  # [G, D] query codes as exact float32 integers
     f = np.empty(G, dtype=np.float32)  # query scale * softmax scale
@@ -330,7 +332,63 @@ def _v3_scores(query, keys, codes, seq_len, bs, mass):
     for g in range(G):
         n = dots(qc[g], tail, 0, seq_len - c_end, 1, est[g], c_end, 0)
         _scale_rows(est[g], c_end, n, f[g], tail_scale, 0, 1)
-        for b in range(nb):  # the block's log-sum-exp; its exp weights overwrite its scores
+    _block_masses(est, seq_len, bs, mass)
+
+
+_V3_TILES = 16  # 4-bit tiles scored by every head of a group in turn: 256 keys, 16 KB at D=128
+
+
+@njit(cache=True, nogil=True)
+def _v3_scores4(query, keys, codes, seq_len, bs, mass):
+    """_v3_scores on 4-bit key codes (v3's key_bits 4): every key's estimate from the int8 query
+    codes and the key's 4-bit ones, then the blocks' log masses as there.
+
+    codes (T2, ps, n_copied): the tiles of the first n_copied full blocks' keys ([n_tiles, D * 8]
+    int8, attention.codes4) and their scales: state.sparse.KeyCodes4. Its whole tiles are
+    scored 16 keys a vector; later keys are quantised here by the same rule and dotted one by
+    one, the same integers, so the copy never changes a bit of the result."""
+    q, qs, int8, scale, h0 = query
+    K2, ks, lut = keys
+    T2, ps, n_copied = codes
+    G = mass.shape[0]
+    D = q.shape[1]
+    qc = np.zeros((G, padded(D)), dtype=np.int8)  # [G, padded(D)] query codes, zeros past D
+    corr = np.empty(G, dtype=np.int32)  # OFFSET * sum(qc): what the tiles' offset codes add
+    f = np.empty(G, dtype=np.float32)  # query scale * softmax scale
+    qf = np.empty(D, dtype=np.float32)
+    for g in range(G):
+        f[g] = v3_query(q[h0 + g], qs[h0 + g], int8, qf) * scale
+        total = 0
+        for d in range(D):
+            qc[g, d] = np.int8(qf[d])
+            total += qc[g, d]
+        corr[g] = OFFSET * total
+    n_tiles = n_copied * bs // TILE
+    est = np.empty((G, seq_len), dtype=np.float32)  # [G, S] every key's estimated score
+    for t0 in range(0, n_tiles, _V3_TILES):
+        t1 = min(t0 + _V3_TILES, n_tiles)
+        for g in range(G):
+            tile_scores4(T2, t0, t1, qc[g], corr[g], f[g], ps, est[g])
+    row = np.empty(D, dtype=np.float32)
+    c4 = np.empty(D, dtype=np.int8)
+    for t in range(n_tiles * TILE, seq_len):  # past the copy's whole tiles
+        for d in range(D):
+            row[d] = key_f32(K2, ks, lut, t, d)
+        s4 = quantize4(row, c4)
+        for g in range(G):
+            dot = 0
+            for d in range(D):
+                dot += np.int32(c4[d]) * np.int32(qc[g, d])
+            est[g, t] = np.float32(dot) * (f[g] * s4)
+    _block_masses(est, seq_len, bs, mass)
+
+
+@njit(cache=True, nogil=True)
+def _block_masses(est, seq_len, bs, mass):
+    """mass[g, b] = max + log(sum of exp(est - max)) over block b's keys of row g of est (its
+    exp weights overwrite the scores)."""
+    for g in range(mass.shape[0]):
+        for b in range(mass.shape[1]):
             p0, p1 = b * bs, min(b * bs + bs, seq_len)
             m = row_max(est[g], p0, p1 - p0)
             total = exp_sum(est[g][p0:p1], m, p1 - p0, est[g][p0:p1])
@@ -371,7 +429,12 @@ def _select(queries, kv, h0, seq_len, settings, side, picks, select):
         if flags & V3_ON:
             K2, _, ks, _, int8 = kv
             _, P2, ps, _, _ = side
-            _v3_scores((q, qs, int8, scale, h0), (K2, ks, lut), (P2, ps, n_copied), seq_len, bs, scores)
+            if flags & V3_KEY4:
+                # the tiles as bytes: the kernel is typed for every selector's copy, v3-q4's is int8
+                T2 = P2.view(np.int8)
+                _v3_scores4((q, qs, int8, scale, h0), (K2, ks, lut), (T2, ps, n_copied), seq_len, bs, scores)
+            else:
+                _v3_scores((q, qs, int8, scale, h0), (K2, ks, lut), (P2, ps, n_copied), seq_len, bs, scores)
         elif flags & V2_ON:
             _v2_scores(q, qs, kv, h0, seq_len, settings, side, scores)
         else:
@@ -414,11 +477,12 @@ def importance_per_block(imp, seq_len, bs):
 
 
 @njit(cache=True, nogil=True)
-def decode_kernel(queries, kv, imp, seq_len, G, settings, copy, out, selection):
+def decode_kernel(queries, kv, imp, seq_len, G, settings, copy, out, selection, attend):
     """Decode attention of one query position over positions 0..seq_len-1 of a cache (kv),
     every KV head's group in turn: queries [H, D] -> out [H, D], the selection in selection.
     imp: the cache's prefill importance per position (seed selector only); copy: (P [KVH, n,
-    D | 2D], ps, per_block, n_copied), the probe-key copy or block summaries (side's tail)."""
+    D | 2D], ps, per_block, n_copied), the probe-key copy or block summaries (side's tail).
+    attend False: the selection alone, out untouched (what a selector costs a token)."""
     # Serial over KV heads: with 3 KV heads on 2 cores a prange over them measured slower at
     # every context up to 7K and every KV type (sparse f32 at 7K: 16.5 vs 12.6 ms a token,
     # workers pinned), the launch and the 2:1 split costing more than the second core gives.
@@ -435,8 +499,12 @@ def decode_kernel(queries, kv, imp, seq_len, G, settings, copy, out, selection):
         reserved = np.full(nb, -1, dtype=np.int8)
     for kh in range(K.shape[0]):
         side = (reserved, P[kh], ps[kh], per_block, n_copied)
-        select_and_attend(queries, (K[kh], V[kh], ks[kh], vs[kh], int8), kh * G, G, seq_len, settings, side, out,
-                          selection, True)  # fmt: skip
+        head_kv = (K[kh], V[kh], ks[kh], vs[kh], int8)
+        if attend:
+            select_and_attend(queries, head_kv, kh * G, G, seq_len, settings, side, out, selection, True)
+        else:
+            picks = selection + (np.zeros((G, nb), dtype=np.bool_), np.zeros(G, dtype=np.int64))
+            _select(queries, head_kv, kh * G, seq_len, settings, side, picks, True)
 
 
 # queries of a sparse prefill attended together (sparse_prefill_kernel): their G heads each

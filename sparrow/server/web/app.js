@@ -110,6 +110,7 @@ function request(messages) {
     body.sparse_k = Number(num("sparse-k") || 32);
     body.sparse_select = $("sparse-select").value;
     if (body.sparse_select === "v3" && num("sparse-p") !== "") body.sparse_p = Number(num("sparse-p"));
+    if (body.sparse_select === "v3" && $("sparse-key-bits").value === "4") body.sparse_key_bits = 4;
     if ($("sparse-trace").checked) body.sparse_trace = true;
   }
   if (!$("think").checked) body.chat_template_kwargs = { enable_thinking: false };
