@@ -332,7 +332,7 @@ def _v3_scores(query, keys, codes, seq_len, bs, mass):
     for g in range(G):
         n = dots(qc[g], tail, 0, seq_len - c_end, 1, est[g], c_end, 0)
         _scale_rows(est[g], c_end, n, f[g], tail_scale, 0, 1)
-    _block_masses(est, seq_len, bs, mass)
+    _block_masses(est, seq_len, bs, mass, 0, mass.shape[1])
 
 
 _V3_TILES = 16  # 4-bit tiles scored by every head of a group in turn: 256 keys, 16 KB at D=128
@@ -365,10 +365,13 @@ def _v3_scores4(query, keys, codes, seq_len, bs, mass):
         corr[g] = OFFSET * total
     n_tiles = n_copied * bs // TILE
     est = np.empty((G, seq_len), dtype=np.float32)  # [G, S] every key's estimated score
+    done = 0  # blocks whose masses are taken, each as soon as its keys are scored (still in cache)
     for t0 in range(0, n_tiles, _V3_TILES):
         t1 = min(t0 + _V3_TILES, n_tiles)
         for g in range(G):
             tile_scores4(T2, t0, t1, qc[g], corr[g], f[g], ps, est[g])
+        _block_masses(est, seq_len, bs, mass, done, t1 * TILE // bs)
+        done = t1 * TILE // bs
     row = np.empty(D, dtype=np.float32)
     c4 = np.empty(D, dtype=np.int8)
     for t in range(n_tiles * TILE, seq_len):  # past the copy's whole tiles
@@ -380,15 +383,15 @@ def _v3_scores4(query, keys, codes, seq_len, bs, mass):
             for d in range(D):
                 dot += np.int32(c4[d]) * np.int32(qc[g, d])
             est[g, t] = np.float32(dot) * (f[g] * s4)
-    _block_masses(est, seq_len, bs, mass)
+    _block_masses(est, seq_len, bs, mass, done, mass.shape[1])
 
 
 @njit(cache=True, nogil=True)
-def _block_masses(est, seq_len, bs, mass):
+def _block_masses(est, seq_len, bs, mass, b0, b1):
     """mass[g, b] = max + log(sum of exp(est - max)) over block b's keys of row g of est (its
-    exp weights overwrite the scores)."""
+    exp weights overwrite the scores), for blocks b0 <= b < b1."""
     for g in range(mass.shape[0]):
-        for b in range(mass.shape[1]):
+        for b in range(b0, b1):
             p0, p1 = b * bs, min(b * bs + bs, seq_len)
             m = row_max(est[g], p0, p1 - p0)
             total = exp_sum(est[g][p0:p1], m, p1 - p0, est[g][p0:p1])
