@@ -257,7 +257,7 @@ class LLM:
         Settings come as objects (`sampling`, `sparse`) or as keyword conveniences: any
         SamplingParams field (max_tokens=256, temperature=0.0, top_p, top_k, min_p, the
         penalties, seed, stop, logprobs) and sparse_attn (True / "on", False / "off", or
-        "auto": v3 with top-p 0.95 from the context where it pays), sparse_k, sparse_block,
+        "auto": v3 on 4-bit key codes with top-p 0.95 from the context where it pays), sparse_k, sparse_block,
         sparse_probe, sparse_prefill, sparse_select, sparse_p, sparse_min_blocks (v3's top-p
         budget), sparse_key_bits (v3's key codes: 8 or 4), sparse_dense_layers (v2 / v3's exact
         first KV layers). trace: a list that receives, per decoded token, the sparse selections

@@ -103,8 +103,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
         const="on",
         default=None,
         choices=SPARSE_ATTN,
-        help=f"block-sparse top-k decode attention: off, on (alone: on) or auto (v3 with a top-p budget from the "
-        f"context length where sparse decode pays on this CPU; default {SPARSE_ATTN_DEFAULT})",
+        help="block-sparse top-k decode attention: off, on (alone: on) or auto (v3 on 4-bit key codes with a "
+        f"top-p budget from the context length where sparse decode pays on this CPU; default {SPARSE_ATTN_DEFAULT})",
     )
     g.add_argument("--sparse-k", type=int, default=None, help="blocks per query head (default 32)")
     g.add_argument("--sparse-block", type=int, default=None, help="tokens per block (default 32)")

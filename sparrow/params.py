@@ -14,12 +14,15 @@ KV_DTYPES = ("f32", "f16", "int8")
 # block selectors: the article's (spec) and sparrow's (docs/SPARSE_SELECT_V2.md, docs/SPARSE_SELECT_V3.md)
 SELECTORS = ("seed", "v2", "v3")
 # --sparse-attn: exact; sparse at every length; sparse past the context where it pays on this CPU
-# (SparseParams.auto: v3 with a top-p budget, from the crossover of kernels/attention/crossover.py)
+# (SparseParams.auto: v3 on 4-bit key codes with a top-p budget, from the crossover of
+# kernels/attention/crossover.py)
 SPARSE_ATTN = ("off", "on", "auto")
 # auto meets issue 70's KL, recall and aggregation bars but not its greedy-text bar, which no
 # choice of blocks meets on the default model (docs/evaluation.md): so it stays opt-in
 SPARSE_ATTN_DEFAULT = "off"
-AUTO_K, AUTO_P = 32, 0.95  # auto's budget: v3, top-p 0.95 of the estimated mass, at most 32 blocks
+# auto's settings: v3 on 4-bit key codes (half the bytes a key of int8 ones, for 1.0-1.1x their KL,
+# docs/evaluation.md), top-p 0.95 of the estimated mass, at most 32 blocks
+AUTO_K, AUTO_P, AUTO_KEY_BITS = 32, 0.95, 4
 V2_DENSE_LAYERS = 2  # v2 runs the first layers exact: they hold most of k=8's loss (docs/evaluation.md, "Selector v2")
 # The selector word the kernels take (SparseParams.flags; kernels/attention/select.py reads it):
 # v2's bits, then v3's bit, its 4-bit key codes' bit and its budget in the same int: bits 8..23
@@ -94,8 +97,8 @@ class SparseParams:
 
     @classmethod
     def auto(cls) -> SparseParams:
-        """sparse_attn='auto' with nothing refined: v3 with the top-p budget, exact below the
-        CPU's crossover (from_options decides its settings)."""
+        """sparse_attn='auto' with nothing refined: v3 on 4-bit key codes with the top-p budget,
+        exact below the CPU's crossover (from_options decides its settings)."""
         return cls.from_options(sparse_attn="auto")
 
     def _check_budget(self):
@@ -205,8 +208,8 @@ class SparseParams:
     ) -> SparseParams | None:
         """The flat option names the CLI, the HTTP API and `LLM` keywords use -> settings or
         None (exact attention). sparse_attn: "off" / False, "on" / True, "auto" (None:
-        SPARSE_ATTN_DEFAULT); the other options refine the mode's settings (auto: v3, top-p 0.95,
-        at most 32 blocks, from the crossover on)."""
+        SPARSE_ATTN_DEFAULT); the other options refine the mode's settings (auto: v3 on 4-bit key
+        codes, top-p 0.95, at most 32 blocks, from the crossover on)."""
         mode = sparse_mode(sparse_attn)
         if mode == "off":
             return None
@@ -221,7 +224,7 @@ class SparseParams:
             p=AUTO_P if auto and select == "v3" and sparse_p is None else sparse_p,
             min_blocks=1 if sparse_min_blocks is None else sparse_min_blocks,
             dense_layers=sparse_dense_layers,
-            key_bits=8 if sparse_key_bits is None else sparse_key_bits,
+            key_bits=(AUTO_KEY_BITS if auto and select == "v3" else 8) if sparse_key_bits is None else sparse_key_bits,
             from_context=None if auto else 0,
         )
 

@@ -10,15 +10,18 @@ from sparrow.params import AUTO_K, AUTO_P, SPARSE_ATTN_DEFAULT, SparseParams
 from sparrow.state.sparse import sparse_at
 
 
-def test_auto_is_v3_with_top_p_from_the_crossover():
+def test_auto_is_v3_on_4bit_codes_with_top_p_from_the_crossover():
     auto = SparseParams.from_options(sparse_attn="auto")
-    assert (auto.select, auto.k, auto.p, auto.from_context) == ("v3", AUTO_K, AUTO_P, None)
-    assert auto.label == "v3-p0.95-fromauto"
+    assert (auto.select, auto.k, auto.p, auto.key_bits, auto.from_context) == ("v3", AUTO_K, AUTO_P, 4, None)
+    assert auto.label == "v3-q4-p0.95-fromauto"
     assert SparseParams.from_label(auto.label) == auto
     assert SparseParams.from_label("seed-from4096").from_context == 4096
     # the other options refine auto's settings; on keeps its seed default
     assert SparseParams.from_options(sparse_attn="auto", sparse_k=64).k == 64
     assert SparseParams.from_options(sparse_attn="auto", sparse_select="v2").p is None
+    assert SparseParams.from_options(sparse_attn="auto", sparse_select="v2").key_bits == 8
+    assert SparseParams.from_options(sparse_attn="auto", sparse_key_bits=8).label == "v3-p0.95-fromauto"
+    assert SparseParams.from_options(sparse_attn="on", sparse_select="v3").key_bits == 8
     assert SparseParams.from_options(sparse_attn="on").select == "seed"
     assert SparseParams.from_options(sparse_attn=False) is None and SparseParams.from_options(sparse_attn="off") is None
     default = SparseParams.from_options()
@@ -70,7 +73,7 @@ def test_the_budget_charges_the_codes_only_where_auto_turns_on(default_llm, monk
 
     monkeypatch.setitem(crossover.SPARSE_FROM, crossover.vector_path(), {64: 1024})
     auto = SparseParams.auto()
-    assert probe_of(auto, None, 1023, 64) == [] and probe_of(auto, None, 1024, 64) == [(32, "v3")]
+    assert probe_of(auto, None, 1023, 64) == [] and probe_of(auto, None, 1024, 64) == [(32, "v3q4")]
     from sparrow.engine.engine import Engine
 
     engine = Engine(default_llm.handle)  # its manager prices a request with the model's head_dim
@@ -78,6 +81,7 @@ def test_the_budget_charges_the_codes_only_where_auto_turns_on(default_llm, monk
         assert default_llm.config.head_dim == 64
         assert engine.kv.kv_bytes(1000, "f32", auto) == engine.kv.kv_bytes(1000, "f32", None)
         assert engine.kv.kv_bytes(2048, "f32", auto) > engine.kv.kv_bytes(2048, "f32", None)
+        assert engine.kv.kv_bytes(2048, "int8", auto) > engine.kv.kv_bytes(2048, "int8", None)  # a copy for int8 too
     finally:
         engine.stop()
 

@@ -251,8 +251,8 @@ class _Sampling(_Model):
     stop_token_ids: list[NonNegativeInt] | None = None
     sparse_attn: bool | SparseMode | None = Field(
         None,
-        description="sparse decode attention for this request: true / 'on', false / 'off', or 'auto' (v3 with a "
-        "top-p budget past the context where sparse decode pays on this CPU); default 'off'",
+        description="sparse decode attention for this request: true / 'on', false / 'off', or 'auto' (v3 on "
+        "4-bit key codes with a top-p budget past the context where sparse decode pays on this CPU); default 'off'",
     )
     sparse_k: int | None = Field(None, ge=1)
     sparse_block: int | None = Field(None, ge=1)

@@ -1,16 +1,16 @@
 """Where block-sparse decode starts to pay on this CPU: the context length from which
 `--sparse-attn auto` decodes sparse (state.sparse.sparse_at reads it; below it, exact).
 
-Auto's selector (v3, SparseParams.auto) scores every key in int8 before it attends over the
-blocks it chose, so at short contexts it costs more than exact attention and past a length it
-costs less. That length is a property of the attention kernels on the CPU's vector width and
-of the layer's head_dim (v3 pays an exp and a scale a key whatever its width, exact attention's
-reads grow with it), not of the model's weights. SPARSE_FROM holds, per vector width and head_dim,
-the first context measured (2K, 3K, 4K, 6K, 8K, ...) from which auto's selector (on random
-tensors it takes all its 32 blocks, its costliest case) decoded one layer at least 1.1x faster
-than exact attention for every KV kind, on the default model's (head_dim 64), Qwen3-0.6B's (128)
-and Qwen3.5's (256) layer shapes, 2 threads (`sparrow bench attention --shape ...`;
-docs/evaluation.md, "Where auto turns sparse on").
+Auto's selector (v3 on 4-bit key codes, SparseParams.auto) scores every key before it attends
+over the blocks it chose, so at short contexts it costs more than exact attention and past a
+length it costs less. That length is a property of the attention kernels on the CPU's vector
+width and of the layer's head_dim (v3 pays an exp and a scale a key whatever its width, exact
+attention's reads grow with it), not of the model's weights. SPARSE_FROM holds, per vector width
+and head_dim, the first context measured (2K, 3K, 4K, 6K, 8K, ...) from which auto's selector
+(`v3-q4-p0.95`; on random tensors it takes all its 32 blocks, its costliest case) decoded one
+layer at least 1.1x faster than exact attention for every KV kind, on the default model's
+(head_dim 64), Qwen3-0.6B's (128) and Qwen3.5's (256) layer shapes, 2 threads (`sparrow bench
+attention --shape ...`; docs/evaluation.md, "Where auto turns sparse on").
 """
 
 from ..cpu import VECTOR_PATH
@@ -19,8 +19,8 @@ from ..cpu import VECTOR_PATH
 # the smaller head_dim's (the later) crossover. CPUs without AVX2 (generic, aarch64) take the
 # 8-lane path's rows: their widths were not measured.
 SPARSE_FROM = {
-    "avx512": {64: 6144, 128: 4096, 256: 3072},  # AMD EPYC Zen 5
-    "avx2": {64: 6144, 128: 3072, 256: 3072},  # the same CPU, compiled for haswell (AVX2 + FMA)
+    "avx512": {64: 3072, 128: 2048, 256: 2048},  # AMD EPYC Zen 5
+    "avx2": {64: 3072, 128: 2048, 256: 2048},  # the same CPU, compiled for haswell (AVX2 + FMA)
 }
 
 
