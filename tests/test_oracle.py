@@ -64,3 +64,20 @@ def test_oracle_rows_in_a_fidelity_run():
     from sparrow.models.attention import decode_attention
 
     assert decoder.decode_attention is decode_attention and llm.model.use_fused
+
+
+def test_oracle_label_takes_its_dense_layers():
+    """`oracle-dense<N>` (a hybrid model's few attending layers all selecting) is the oracle with
+    N exact first KV layers; its rows are the oracle's when a run prints KL over the oracle's."""
+    from sparrow.errors import SparrowError
+    from sparrow_lab.eval.report import oracle_gap
+
+    o = oracle.oracle_from_label("oracle-dense0", k=8)
+    assert (o.label, o.dense_layers, o.k) == ("oracle-dense0", 0, 8)
+    assert oracle.oracle_from_label("oracle", k=8) == oracle.oracle_params(k=8)
+    for bad in ("oracle-nosink", "oracle-dense", "oracle-dense0-dense1"):
+        with pytest.raises(SparrowError, match="unknown oracle"):
+            oracle.oracle_from_label(bad)
+    rows = [{"selector": "oracle-dense0", "blocks": b, "kl": kl} for b, kl in ((8.0, 0.04), (16.0, 0.01))]
+    assert oracle_gap({"selector": "v3-dense0", "blocks": 16.0, "kl": 0.02}, rows) == pytest.approx(2.0)
+    assert oracle_gap(rows[0], rows) is None

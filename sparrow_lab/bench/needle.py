@@ -78,7 +78,7 @@ def _ints(s: str, what: str) -> list[int]:
 
 def parse_grid(a) -> dict:
     from sparrow.params import SparseParams
-    from sparrow_lab.eval.oracle import oracle_params
+    from sparrow_lab.eval.oracle import is_oracle, oracle_from_label
     from sparrow_lab.eval.prompts import TASKS, parse_length
 
     tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
@@ -94,14 +94,14 @@ def parse_grid(a) -> dict:
     selectors = [x.strip() for x in a.selectors.split(",") if x.strip()]
     if not selectors:
         raise SparrowError("--selectors is empty")
-    if a.sparse_prefill and "oracle" in selectors:
+    if a.sparse_prefill and any(is_oracle(s) for s in selectors):
         raise SparrowError(
             "--selectors oracle cannot be combined with --sparse-prefill: the oracle chooses blocks for decode only"
         )
 
     def params(sel, k):
-        if sel == "oracle":
-            return oracle_params(k=k, block=a.block, probe=a.probe)
+        if is_oracle(sel):
+            return oracle_from_label(sel, k=k, block=a.block, probe=a.probe)
         return SparseParams.from_label(sel, k=k, block=a.block, probe=a.probe, prefill=a.sparse_prefill)
 
     configs = [None] + [params(sel, k) for sel in selectors for k in ks]

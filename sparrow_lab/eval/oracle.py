@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparrow.params import SparseParams
+from sparrow.errors import SparrowError
+from sparrow.params import V2_DENSE_LAYERS, SparseParams
 
 
 @dataclass
@@ -25,7 +26,21 @@ class OracleParams(SparseParams):
 
     @property
     def label(self) -> str:
-        return "oracle"
+        return "oracle" if self.dense_layers == V2_DENSE_LAYERS else f"oracle-dense{self.dense_layers}"
+
+
+def is_oracle(label) -> bool:
+    """Whether a record's selector label is the oracle's (`oracle`, `oracle-dense<N>`)."""
+    return isinstance(label, str) and label.split("-")[0] == "oracle"
+
+
+def oracle_from_label(label: str, **kw) -> OracleParams:
+    """`oracle` or `oracle-dense<N>` (bench --selectors: N first KV layers exact, as v2's
+    dense<N>; a hybrid model's few attending layers all select with dense0)."""
+    _, *mods = label.split("-")
+    if len(mods) > 1 or (mods and not (mods[0].startswith("dense") and mods[0][5:].isdigit())):
+        raise SparrowError(f"unknown oracle {label!r} (oracle, oracle-dense<N>)")
+    return oracle_params(dense_layers=int(mods[0][5:]) if mods else V2_DENSE_LAYERS, **kw)
 
 
 def oracle_params(**kw) -> OracleParams:

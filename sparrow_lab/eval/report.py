@@ -16,6 +16,7 @@ import time
 from collections import defaultdict
 
 from sparrow.errors import SparrowError
+from sparrow_lab.eval.oracle import is_oracle
 
 
 def run_dir(bench: str, out: str | None) -> str:
@@ -144,9 +145,9 @@ def oracle_gap(s: dict, summaries: list[dict]) -> float | None:
     """s's KL over the oracle's at s's mean blocks read: the oracle's KL interpolated linearly in
     log(blocks) and log(KL) between the two oracle rows around it (an oracle row at exactly as
     many blocks is read as is); None for the oracle, exact, or outside the oracle rows run."""
-    if s.get("selector") in (None, "oracle") or s.get("blocks") is None or s.get("kl") is None:
+    if s.get("selector") is None or is_oracle(s["selector"]) or s.get("blocks") is None or s.get("kl") is None:
         return None
-    pts = sorted((o["blocks"], o["kl"]) for o in summaries if o.get("selector") == "oracle" and o.get("blocks"))
+    pts = sorted((o["blocks"], o["kl"]) for o in summaries if is_oracle(o.get("selector")) and o.get("blocks"))
     for (b0, k0), (b1, k1) in zip(pts, pts[1:] + pts[-1:]):
         if b0 <= s["blocks"] <= b1 and k0 > 0 and k1 > 0:
             t = 0.0 if b1 == b0 else math.log(s["blocks"] / b0) / math.log(b1 / b0)
