@@ -238,6 +238,31 @@ def test_4bit_codes_copy_and_tile_scores(dtype):
         assert np.array_equal(out, dots * (f * codes.scale[kh, :96]))
 
 
+@pytest.mark.parametrize("block", [20, 32])
+def test_4bit_codes_after_a_rollback_are_a_shorter_cache_s(block):
+    """KVCache.rollback (a speculative step's refused drafts) leaves the 4-bit copy as decoding
+    the shorter cache alone makes it: the lanes of the dropped keys zeroed, in a tile shared
+    with kept keys too (block 20: 40 keys kept, tile 2 half full); the next step the same bits."""
+    from sparrow.state.cache import KVCache
+
+    _, q, K, V = filled("f16", 100, seed=13)
+    sp = SparseParams(k=2, block=block, select="v3", key_bits=4)
+    long, short = KVCache(1, KVH, D, 100, "f16"), KVCache(1, KVH, D, 100, "f16")
+    long.append(0, 0, K[:100], V[:100])
+    long.length = 100  # the model's step sets it
+    decode_attention(q[-1], long.layers[0], long.sparse[0], 100, SCALE, sp)  # the copy: 100 // block blocks
+    long.rollback(50)
+    short.append(0, 0, K[:50], V[:50])
+    decode_attention(q[49], short.layers[0], short.sparse[0], 50, SCALE, sp)
+    a, b = (c.sparse[0].copy_for(c.layers[0], sp, 50)[0] for c in (long, short))
+    assert a.blocks == b.blocks == 50 // block
+    assert np.array_equal(a.rows, b.rows) and np.array_equal(a.scale, b.scale)
+    for c in (long, short):
+        c.append(0, 50, K[50:51], V[50:51])
+    outs = [decode_attention(q[50], c.layers[0], c.sparse[0], 51, SCALE, sp) for c in (long, short)]
+    assert outs[0].tobytes() == outs[1].tobytes()
+
+
 def test_4bit_codes_pad_a_head_dim_off_eight():
     """head_dim 20 (not a multiple of 8): its tiles keep 24 dims, the last 4 zero codes against
     zero query codes; the blocks are the reference's."""

@@ -43,9 +43,7 @@ class SparseState:
     def clear_copies_past(self):
         """Zeroes each copy's rows past its valid blocks (KVCache.rollback)."""
         for p in self._probes.values():
-            if not p.aliases_cache:  # v3's codes of an int8 cache are K itself
-                p.rows[:, p.blocks * p.per_block :] = 0
-                p.scale[:, p.blocks * p.per_block :] = 0
+            p.clear_past()
 
     def _forget_blocks_from(self, pos):
         for p in self._probes.values():
@@ -108,12 +106,23 @@ class SparseState:
         return out
 
 
-class ProbeKeys:
+class _RowCopy:
+    """A copy of `per_block` rows a full block (rows [KVH, n, ...], scale [KVH, n | 1]), the
+    first `blocks` valid."""
+
+    aliases_cache = False  # a copy of its own (KeyCodes of an int8 cache are K itself)
+
+    def clear_past(self):
+        """Zeroes the rows past the valid blocks (a copy never extended there holds zeros)."""
+        if not self.aliases_cache:
+            self.rows[:, self.blocks * self.per_block :] = 0
+            self.scale[:, self.blocks * self.per_block :] = 0
+
+
+class ProbeKeys(_RowCopy):
     """Probe rows of full blocks: rows[kh, b * per_block + j] = K[kh, b * block + j * step]
     (step = max(1, block // n_probe), the spec's probe positions of a full block), with their
     int8 scales; the first `blocks` full blocks are valid."""
-
-    aliases_cache = False  # a copy of its own (KeyCodes of an int8 cache are K itself)
 
     def __init__(self, layer, block, n_probe):
         self.block, self.n_probe, self.step = block, n_probe, max(1, block // n_probe)
@@ -159,14 +168,13 @@ class ProbeKeys:
         return n_kv_heads * (n * row + 4 * (n if layer_kind.scaled else 1))
 
 
-class BlockSummaries:
+class BlockSummaries(_RowCopy):
     """v2's block summaries: rows[kh, b] = [mean, variance] of the keys of full block b,
     float16 bits [2D] (sparse_select.summarise_block), so a block's score is one 2D-wide dot;
     the first `blocks` full blocks are valid. 2 rows of f16 per block: 1/32 of an f32 K and
     1/8 of an int8 one, where the seed's probe copy is 1/4 of K's bytes."""
 
     per_block = 1
-    aliases_cache = False
 
     def __init__(self, layer, block):
         self.block = block
@@ -202,7 +210,7 @@ class BlockSummaries:
         return out
 
 
-class KeyCodes:
+class KeyCodes(_RowCopy):
     """v3's int8 key codes (docs/SPARSE_SELECT_V3.md): rows[kh, t] and scale[kh, t] for the rows
     of the first `blocks` full blocks, as the int8 cache stores a key (absmax / 127 per row).
     A float cache's keys are quantised once per block, on first use (D + 4 bytes a key: 1/4 of
@@ -281,6 +289,20 @@ class KeyCodes4:
     @property
     def nbytes(self):
         return self.rows.nbytes + self.scale.nbytes
+
+    def clear_past(self):
+        """Zeroes the lanes of the keys past the valid blocks (a copy never extended there holds
+        zeros), in the tile that holds the last valid key too."""
+        from sparrow.kernels.attention.codes4 import CHUNK, TILE
+
+        r = self.blocks * self.block
+        t = r // TILE
+        if r % TILE:  # [KVH, chunks, 16 keys, 4 bytes]: the tile's keys r % 16 .. 15
+            kvh, width = self.rows.shape[0], self.rows.shape[2]
+            self.rows[:, t].reshape(kvh, width // CHUNK, TILE, 4)[:, :, r % TILE :] = 0
+            t += 1
+        self.rows[:, t:] = 0
+        self.scale[:, r:] = 0
 
     @staticmethod
     def bytes_at(n_kv_heads, head_dim, capacity, block):
