@@ -81,3 +81,6 @@ def test_oracle_label_takes_its_dense_layers():
     rows = [{"selector": "oracle-dense0", "blocks": b, "kl": kl} for b, kl in ((8.0, 0.04), (16.0, 0.01))]
     assert oracle_gap({"selector": "v3-dense0", "blocks": 16.0, "kl": 0.02}, rows) == pytest.approx(2.0)
     assert oracle_gap(rows[0], rows) is None
+    both = rows + [{"selector": "oracle", "blocks": 16.0, "kl": 0.005}]  # each row meets its own oracle
+    assert oracle_gap({"selector": "v3-dense0", "blocks": 16.0, "kl": 0.02}, both) == pytest.approx(2.0)
+    assert oracle_gap({"selector": "v3", "blocks": 16.0, "kl": 0.02}, both) == pytest.approx(4.0)

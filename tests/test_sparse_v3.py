@@ -263,6 +263,19 @@ def test_4bit_codes_after_a_rollback_are_a_shorter_cache_s(block):
     assert outs[0].tobytes() == outs[1].tobytes()
 
 
+def test_the_selection_alone_is_the_one_attention_takes():
+    """decode_attention(attend=False), what `sparrow bench attention` times as a selector's cost,
+    writes the blocks and stages a full call takes, and returns nothing."""
+    cache, q, _, _ = filled("f16", 200, seed=5)
+    layer, st = cache.layers[0], cache.sparse[0]
+    sps = (SparseParams(k=3, block=16, select="v3", key_bits=4, p=0.8), SparseParams(k=3, block=16, select="v2"))
+    for sp in (*sps, SparseParams(k=3, block=16)):
+        got, want = ((np.full((H, 13), -1), np.full((H, 13), -1, np.int8), np.zeros(H, np.int64)) for _ in "ab")
+        assert decode_attention(q[-1], layer, st, 200, SCALE, sp, into=got, attend=False) is None
+        decode_attention(q[-1], layer, st, 200, SCALE, sp, into=want)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want)) and got[2].min() >= 1, sp
+
+
 def test_4bit_codes_pad_a_head_dim_off_eight():
     """head_dim 20 (not a multiple of 8): its tiles keep 24 dims, the last 4 zero codes against
     zero query codes; the blocks are the reference's."""

@@ -31,6 +31,7 @@ TEXT = (
     "benches. The committee met again on Friday to review the budget and agreed the same."
 )
 SEED, SPARSE = SparseParams(k=2, block=16), SparseParams(k=2, block=16, select="v2")
+V3Q4 = SparseParams(k=2, block=24, select="v3", key_bits=4, p=0.9)  # blocks of 24: tiles shared across blocks
 
 
 def _prompt(llm, repeat: int = 3) -> list[int]:
@@ -60,12 +61,14 @@ def _run(llm, ids, sampling, kv="f32", sparse=None, spec=None, constraint=None):
 
 def _assert_same_cache(a, b):
     """K/V (and int8 scales) over the whole capacity and the prefill importance, bit for bit;
-    and the copies sparse decode keeps beside K (the seed's probe keys, v2's block summaries).
+    and the copies sparse decode keeps beside K (the seed's probe keys, v2's block summaries,
+    v3's int8 or 4-bit key codes).
 
     Those copies are built lazily from K, and how far depends on the path, not on speculation:
     the fused single-sequence step copies the full blocks below its position in every layer,
     the staged path those below seq_len in the sparse layers only. So each copy's valid blocks
-    must equal a fresh build from the final K (equal on both sides); rows past them are never read."""
+    must equal a fresh build from the final K (equal on both sides); what lies past them is
+    never read, and is compared as its clear_past leaves it (zeros, as a fresh copy's)."""
     assert a.length == b.length and a.capacity == b.capacity
     for la, lb, sa, sb in zip(a.layers, b.layers, a.sparse, b.sparse):
         assert np.array_equal(la.k, lb.k) and np.array_equal(la.v, lb.v)
@@ -73,12 +76,14 @@ def _assert_same_cache(a, b):
         assert np.array_equal(sa.importance.view(np.uint32), sb.importance.view(np.uint32))
         for st in (sa, sb):
             for key, have in st._probes.items():
-                fresh = type(have)(la, have.block) if key[1] == "v2" else type(have)(la, have.block, have.n_probe)
+                own = isinstance(key[1], str)  # v2's and v3's copies: (layer, block)
+                fresh = type(have)(la, have.block) if own else type(have)(la, have.block, have.n_probe)
                 fresh.extend(la, have.blocks)
-                n = have.blocks * have.per_block
                 assert have.blocks <= a.length // have.block, key
-                assert np.array_equal(have.rows[:, :n], fresh.rows[:, :n]), key
-                assert np.array_equal(have.scale[:, :n], fresh.scale[:, :n]), key
+                kept = copy.deepcopy(have)
+                kept.clear_past()
+                assert np.array_equal(kept.rows, fresh.rows), key
+                assert np.array_equal(kept.scale, fresh.scale), key
 
 
 def _check(llm, ids, sampling, spec, kv="f32", sparse=None):
@@ -268,6 +273,7 @@ def test_ngram_greedy_equals_plain(default_llm, kv, k):
 def test_ngram_sparse_target_equals_plain(default_llm, k, sampling):
     _check(default_llm, _prompt(default_llm), sampling, SpeculativeParams("ngram", k), "f16", SEED)
     _check(default_llm, _prompt(default_llm), sampling, SpeculativeParams("ngram", k), "int8", SPARSE)
+    _check(default_llm, _prompt(default_llm), sampling, SpeculativeParams("ngram", k), "f16", V3Q4)
 
 
 @pytest.mark.parametrize("kv", ["f32", "f16", "int8"])

@@ -51,7 +51,7 @@ def _run_together(eng, group):
 
 def test_no_request_compiles_after_the_servers_warm_up(default_llm):
     """After Engine.start's warm-up, a mix of every request kind (exact, a short prompt,
-    batched, both selectors, sparse prefill, the sparse_trace field's traced decode, alone and
+    batched, every selector (v3 on both key codes), sparse prefill, the sparse_trace field's traced decode, alone and
     together) compiles or loads no kernel: each would be a compile inside a request on a cold
     cache."""
     ready = threading.Event()
@@ -72,6 +72,8 @@ def test_no_request_compiles_after_the_servers_warm_up(default_llm):
             (long_ids[:40], SparseParams(k=1, block=8, select="v2", prefill=True)),
             (long_ids, SparseParams(k=2, block=16), "traced"),  # fused alone, staged beside others
             (long_ids, SparseParams(k=2, block=16, select="v2"), "traced"),
+            (long_ids, SparseParams(k=2, block=16, select="v3")),
+            (long_ids, SparseParams(k=2, block=24, select="v3", key_bits=4, p=0.9)),  # auto's codes
         ]
         before = _overloads()
         for batch in ([k] for k in kinds), [kinds]:  # each alone, then all at once

@@ -432,8 +432,19 @@ def test_sparse_view_shows_the_budget_each_head_took(server, browser, needle):
     set_field(browser, "sparse-select", "v3")
     set_field(browser, "sparse-p", "0.5")
     set_field(browser, "sparse-key-bits", "4")
+    browser.execute_script(  # what the page sends, passed on unchanged
+        "window.realFetch = window.fetch; window.sentBodies = [];"
+        "window.fetch = (url, opts) => { if (url.endsWith('/v1/chat/completions')) window.sentBodies.push(opts.body);"
+        "  return window.realFetch(url, opts); };"
+    )
     type_message(browser, needle)
     msg, _ = wait(browser, lambda: finished(browser), what="the v3 answer")
+    sent = json.loads(browser.execute_script("window.fetch = window.realFetch; return window.sentBodies.pop()"))
+    assert {k: sent[k] for k in ("sparse_select", "sparse_p", "sparse_key_bits")} == {
+        "sparse_select": "v3",
+        "sparse_p": 0.5,
+        "sparse_key_bits": 4,
+    }
     msg.find_element("css selector", "button.show-sparse").click()
     label = by_id(browser, "sv-token-label").text
     want = f"heads read {counts.min()}\u2013{counts.max()} blocks, {counts.mean():.1f} on average"

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..kernels import linear as _linear
 from ..kernels.elementwise import PAR_ROWS
-from ..params import SparseParams
+from ..params import V3_KEY_BITS, SparseParams
 
 # name -> what it compiles (in the order a server warms them)
 PATHS = {
@@ -25,6 +25,7 @@ PATHS = {
     "batched": "decode of several sequences in one forward",
     "seed": "sparse decode with the seed selector, one sequence and several",
     "v2": "sparse decode with the v2 selector, one sequence and several",
+    "v3": "sparse decode with the v3 selector on int8 and 4-bit key codes (auto's), one sequence and several",
     "sparse-prefill": "sparse prefill (--sparse-prefill, the request's sparse_prefill)",
 }
 SERVER_PATHS = tuple(PATHS)  # any request may ask for sparse attention
@@ -71,6 +72,11 @@ def _path(name: str, runner, ids, kv_dtype) -> None:
         sp = SparseParams(select=name, **_SPARSE)
         _run(runner, ids, kv_dtype, sp, 1)
         _run(runner, ids, kv_dtype, sp, 2)
+    elif name == "v3":
+        for bits in V3_KEY_BITS:  # their copies' packing differs; the kernels' types do not
+            sp = SparseParams(select="v3", key_bits=bits, **_SPARSE)
+            _run(runner, ids, kv_dtype, sp, 1)
+            _run(runner, ids, kv_dtype, sp, 2)
     elif name == "sparse-prefill":
         for select in ("seed", "v2"):
             _run(runner, ids, kv_dtype, SparseParams(select=select, prefill=True, **_SPARSE), 1)

@@ -5,7 +5,7 @@ What one sequence keeps (one object per sequence, made by `model.new_cache(capac
                 Int8Layer), [KVH, capacity, D] per layer, what the attention kernels read.
 - sparse.py     beside each layer, what block-sparse attention keeps (SparseState): the prefill
                 importance of each position and the copies sparse decode reads instead of K
-                (the seed's ProbeKeys, v2's BlockSummaries, v3's KeyCodes); and thin_snapshots,
+                (the seed's ProbeKeys, v2's BlockSummaries, v3's KeyCodes / KeyCodes4); and thin_snapshots,
                 the rule that keeps a few prefill chunk boundaries to return to.
 - cache.py      KVCache: all layers of one sequence (layers[i], sparse[i], length, capacity) and
                 the per-sequence interface below, with K/V's defaults.

@@ -79,12 +79,12 @@ def pages(n: int) -> int:
 
 def probe_of(sparse, speculative=None, positions: int | None = None, head_dim: int = 0) -> list:
     """What a request's decode copies beside its KV (KVCache.bytes_at's keys): (block, n_probe)
-    for the seed's probe keys, (block, "v2") for v2's block summaries, (block, "v3") for v3's
-    key codes, for its sparse attention and for its sparse drafter (speculative 'sparse': the
-    drafter's selector copies are made in the same cache, an exact target's too); empty for
-    exact attention without. positions: the most the request holds in a cache of head_dim;
-    settings that start at a longer context (auto below its crossover) copy nothing (None:
-    count them)."""
+    for the seed's probe keys, (block, "v2") for v2's block summaries, (block, "v3") and (block,
+    "v3q4") for v3's int8 and 4-bit key codes, for its sparse attention and for its sparse
+    drafter (speculative 'sparse': the drafter's selector copies are made in the same cache, an
+    exact target's too); empty for exact attention without. positions: the most the request
+    holds in a cache of head_dim; settings that start at a longer context (auto below its
+    crossover) copy nothing (None: count them)."""
     drafter = speculative.sparse if speculative is not None and speculative.method == "sparse" else None
     used = [sp if positions is None else sparse_at(sp, positions, head_dim) for sp in (sparse, drafter)]
     return [sp.copy_key for sp in used if sp is not None]

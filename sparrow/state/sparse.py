@@ -62,7 +62,8 @@ class SparseState:
 
     def copy_for(self, layer, sparse, seq_len):
         """(copy, n) of what `sparse`'s selector reads: probe_keys for the seed, block_summaries
-        for v2, the int8 key codes (KeyCodes) for v3 (SparseParams.copy_key names it)."""
+        for v2, the int8 key codes (KeyCodes) or 4-bit ones (KeyCodes4) for v3
+        (SparseParams.copy_key names it)."""
         block, what = sparse.copy_key
         if what == "v2":
             return self.block_summaries(layer, block, seq_len)
@@ -260,8 +261,8 @@ class KeyCodes(_RowCopy):
 
 
 class KeyCodes4:
-    """v3's 4-bit key codes (key_bits 4, docs/SPARSE_SELECT_V3.md): tiles[kh] ([n / 16, D * 8]
-    int8, kernels/attention/codes4's layout) and scale[kh, t] for the keys of the first `blocks`
+    """v3's 4-bit key codes (key_bits 4, docs/SPARSE_SELECT_V3.md): rows[kh] ([ceil(n / 16),
+    padded(D) * 8] int8 tiles, kernels/attention/codes4's layout) and scale[kh, t] for the keys of the first `blocks`
     full blocks, made once per block on first use from the keys as stored (every KV kind: an
     int8 cache's codes are not these). D / 2 + 4 bytes a key per KV head: 1/8 of an f32 K, 1/4
     of an f16 one, about half of an int8 one."""
@@ -322,6 +323,7 @@ class KeyCodes4:
         t = -(-r // TILE)  # the tiles holding rows 0..r-1
         out.rows[:, :t], out.scale[:, :r] = self.rows[:, :t], self.scale[:, :r]
         out.blocks = blocks
+        out.clear_past()  # the last tile's lanes past row r-1, as a copy never extended there
         return out
 
 

@@ -144,10 +144,18 @@ def summary_rows(rows: list[dict]) -> list[dict]:
 def oracle_gap(s: dict, summaries: list[dict]) -> float | None:
     """s's KL over the oracle's at s's mean blocks read: the oracle's KL interpolated linearly in
     log(blocks) and log(KL) between the two oracle rows around it (an oracle row at exactly as
-    many blocks is read as is); None for the oracle, exact, or outside the oracle rows run."""
+    many blocks is read as is); None for the oracle, exact, or outside the oracle rows run. The
+    oracle is the one with s's exact first layers (`v3-dense0` against `oracle-dense0`) where
+    the run has it, else `oracle`, else any."""
     if s.get("selector") is None or is_oracle(s["selector"]) or s.get("blocks") is None or s.get("kl") is None:
         return None
-    pts = sorted((o["blocks"], o["kl"]) for o in summaries if is_oracle(o.get("selector")) and o.get("blocks"))
+    dense = [m for m in s["selector"].split("-") if m.startswith("dense")]
+    oracles = [o for o in summaries if is_oracle(o.get("selector")) and o.get("blocks")]
+    for want in ["-".join(["oracle", *dense]), "oracle"]:
+        if any(o["selector"] == want for o in oracles):
+            oracles = [o for o in oracles if o["selector"] == want]
+            break
+    pts = sorted((o["blocks"], o["kl"]) for o in oracles)
     for (b0, k0), (b1, k1) in zip(pts, pts[1:] + pts[-1:]):
         if b0 <= s["blocks"] <= b1 and k0 > 0 and k1 > 0:
             t = 0.0 if b1 == b0 else math.log(s["blocks"] / b0) / math.log(b1 / b0)

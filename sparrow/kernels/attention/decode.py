@@ -403,7 +403,8 @@ def select_and_attend(queries, kv, h0, G, seq_len, settings, side, out, selectio
     """Select blocks for query heads h0..h0+G-1 of one KV head (all of them unless sparse) and
     attend. side: for v2 (flags' V2 bits), P holds the block summaries [n, 2D]
     (state.sparse.BlockSummaries), for v3 (flags' V3 word) the int8 key codes [n * bs, D] with
-    their scales in ps (state.sparse.KeyCodes); n_copied <= seq_len // bs, so only full blocks
+    their scales in ps (state.sparse.KeyCodes), with V3_KEY4 the 4-bit ones in tiles of 16 keys
+    (state.sparse.KeyCodes4); n_copied <= seq_len // bs, so only full blocks
     below seq_len are read from the copy, later blocks are probed in K itself.
     select: None where no caller ever selects (the fused step of exact requests): a type,
     so numba prunes the selection code before typing it; True elsewhere, `sparse` decides."""
@@ -484,7 +485,8 @@ def decode_kernel(queries, kv, imp, seq_len, G, settings, copy, out, selection, 
     """Decode attention of one query position over positions 0..seq_len-1 of a cache (kv),
     every KV head's group in turn: queries [H, D] -> out [H, D], the selection in selection.
     imp: the cache's prefill importance per position (seed selector only); copy: (P [KVH, n,
-    D | 2D], ps, per_block, n_copied), the probe-key copy or block summaries (side's tail).
+    D | 2D], ps, per_block, n_copied), the probe-key copy, block summaries or key codes (side's
+    tail; v3's 4-bit codes are tiles, [KVH, tiles, 8 padded(D)]).
     attend False: the selection alone, out untouched (what a selector costs a token)."""
     # Serial over KV heads: with 3 KV heads on 2 cores a prange over them measured slower at
     # every context up to 7K and every KV type (sparse f32 at 7K: 16.5 vs 12.6 ms a token,
