@@ -26,10 +26,10 @@ import subprocess
 from llvmlite import ir
 
 import sparrow.kernels.ir as kir
+from sparrow.kernels import intdot as q8ir
 from sparrow.kernels.ir import F32, I8, I64
 from sparrow.kernels.matmul import gemm, kquants, widen
 from sparrow.kernels.matmul.q8 import groups
-from sparrow.kernels.matmul.q8 import ir as q8ir
 from sparrow_lab import cross
 
 AARCH64 = "aarch64-unknown-linux-gnu"

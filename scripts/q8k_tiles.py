@@ -28,10 +28,10 @@ from llvmlite import ir
 from numba import njit
 from numba.core import cgutils
 
+from sparrow.kernels.intdot import VNNI512, bcast4, dpbusd16, splat
 from sparrow.kernels.ir import V8I8, V16F, V16I8, V16I32, V32I8, V32I16, V64I8, c64, call, fma, shuffle, splat16, zeroed
 from sparrow.kernels.matmul.q8 import pair_tiles as pt
 from sparrow.kernels.matmul.q8.groups import GROUP, GROUP_BYTES, V8H, nibble
-from sparrow.kernels.matmul.q8.ir import VNNI512, bcast4, dpbusd16, splat
 from sparrow.kernels.matmul.q8.quantized import GROUP_CHUNK, Q8Weight, quantize, x_sums
 from sparrow.quant import Weight
 from sparrow_lab.bench.rows import random_rows

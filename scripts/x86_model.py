@@ -29,9 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import neon_model as nm  # noqa: E402
 
 import sparrow.kernels.ir as kir  # noqa: E402
+from sparrow.kernels import intdot as q8ir  # noqa: E402
 from sparrow.kernels.matmul import gemm, widen  # noqa: E402
 from sparrow.kernels.matmul.q8 import groups  # noqa: E402
-from sparrow.kernels.matmul.q8 import ir as q8ir  # noqa: E402
 
 X86 = "x86_64-unknown-linux-gnu"
 _BASE = "+avx,+avx2,+fma,+f16c,+bmi,+bmi2,+popcnt"

@@ -19,11 +19,11 @@ from llvmlite import ir
 from numba import njit
 
 from sparrow.kernels import cpu
+from sparrow.kernels import intdot as q8ir
 from sparrow.kernels.fused import sync
 from sparrow.kernels.ir import I64
 from sparrow.kernels.matmul import gemm, widen
 from sparrow.kernels.matmul.q8 import groups
-from sparrow.kernels.matmul.q8 import ir as q8ir
 from sparrow.kernels.runtime import default_threads
 from sparrow_lab import cross
 

@@ -536,8 +536,8 @@ def test_one_cpu_description_names_the_paths_taken():
     """kernels/cpu.py is the one reader of the target CPU: the GEMM tile, the q8 mode's integer
     dots and tiles and AMX all come from it, and `sparrow bench speed` prints which it takes."""
     from sparrow.kernels import cpu
+    from sparrow.kernels import intdot as _q8ir
     from sparrow.kernels.matmul.q8 import amx as _amx
-    from sparrow.kernels.matmul.q8 import ir as _q8ir
 
     d = cpu.describe()
     assert (gemm.MR, gemm.NW, gemm.LANES) == cpu.GEMM_TILE == cpu.micro_tile(cpu.FEATURES)

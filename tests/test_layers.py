@@ -58,14 +58,18 @@ ROOTS = (ROOT, LAB)
 # lower ones). The concerns of sub-tier 1 (matmul, attention) never import each other.
 KERNEL_TIERS = [
     # 0: what every kernel shares: the target CPU, the weight formats, compile options, LLVM IR
-    #    helpers, calls through a compiled function's address, dispatch on a format's id, the one
-    #    parallel launcher, numba's setup (threading layer, disk cache, thread counts, compile progress)
+    #    helpers (the integer dots' too, with their forms per architecture), calls through a
+    #    compiled function's address, dispatch on a format's id, the one parallel launcher,
+    #    numba's setup (threading layer, disk cache, thread counts, compile progress)
     (
         "sparrow.kernels.cpu",
         "sparrow.kernels.formats",
         "sparrow.kernels.dispatch",
         "sparrow.kernels.options",
         "sparrow.kernels.ir",
+        "sparrow.kernels.intdot",
+        "sparrow.kernels.arch",
+        "sparrow.kernels.arch.*",
         "sparrow.kernels.native_call",
         "sparrow.kernels.parallel",
         "sparrow.kernels.runtime",

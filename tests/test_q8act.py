@@ -240,7 +240,7 @@ import numpy as np
 from numba import typeof, types
 sys.path.insert(0, sys.argv[1])
 from sparrow.kernels.matmul.q8 import quantized as _q8act
-from sparrow.kernels.matmul.q8 import ir as _q8ir
+from sparrow.kernels import intdot as _q8ir
 
 # compiled, never run: this host may lack the instructions
 data = typeof(np.zeros((1, 1), np.uint8)).copy(readonly=True)

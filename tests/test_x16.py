@@ -17,10 +17,10 @@ from test_kquants import make_kq
 from test_kquants_q8 import extreme_weight, extreme_x, reference
 from test_q8act import q8_outputs, rowdot_reference
 
+from sparrow.kernels import intdot as _q8ir
 from sparrow.kernels.formats import BLOCK_BYTES
 from sparrow.kernels.linear import linear, prepare
 from sparrow.kernels.matmul.q8 import groups as _x8
-from sparrow.kernels.matmul.q8 import ir as _q8ir
 from sparrow.kernels.matmul.q8 import pair_tiles as _x16
 from sparrow.kernels.matmul.q8 import quantized as _q8act
 from sparrow.quant import Weight

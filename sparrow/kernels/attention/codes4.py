@@ -20,8 +20,8 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from sparrow.kernels.attention.select import key_f32
+from sparrow.kernels.intdot import bcast4, dpbusd16, splat
 from sparrow.kernels.ir import F32, V16F, V16I32, V64I8, c64, splat16, zeroed
-from sparrow.kernels.matmul.q8.ir import bcast4, dpbusd16, splat
 
 TILE = 16  # keys a tile
 TOP = 7  # codes in [-TOP, TOP]

@@ -32,9 +32,9 @@ from numba.extending import intrinsic
 from sparrow.kernels import cpu
 from sparrow.kernels.dispatch import by_kind
 from sparrow.kernels.formats import AMX_FORMATS, KIND, Q4_1, Q4_K, Q6_K
+from sparrow.kernels.intdot import splat
 from sparrow.kernels.ir import F32, I8, I16, I32, V16F, V16I16, V16I32, V32I8, c64, call, fma, opaque, splat16
 from sparrow.kernels.matmul.q8.groups import GROUP_BYTES, REGIONS, load, nibble
-from sparrow.kernels.matmul.q8.ir import splat
 from sparrow.kernels.matmul.q8.kquant_groups import _CODES, _Q6_QH, _Q6_QL, _Q6_SC
 from sparrow.kernels.matmul.widen import F16_LUT
 from sparrow.kernels.options import KW

@@ -13,7 +13,7 @@ are elements 4c..4c+3 and its high nibbles 16 + 4c..; a block's 4 chunks, low an
 up in int16 (16 products of |15 * 127| each, <= 30480), so one pmaddwd a block (q5: one per
 2 chunks, codes up to 31). q5's fifth bits come from qh by a byte shuffle and a bit test.
 CPUs with AVX-VNNI or AVX512-VNNI take vpdpbusd instead (pmaddubsw + pmaddwd + paddd in one
-instruction, the same integers), aarch64 CPUs with dotprod sdot (q8.ir.DOT4), in two
+instruction, the same integers), aarch64 CPUs with dotprod sdot (intdot.DOT4), in two
 accumulator chains a block since each dot waits for the last. The K-quant groups
 (q8.kquant_groups) gained nothing from vpdpbusd and keep pmaddubsw. Speeds against a
 row-at-a-time kernel and between these instruction choices: docs/kernels.md.
@@ -39,10 +39,10 @@ from numba import njit, prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from sparrow.kernels.arch.arm64 import smmla
 from sparrow.kernels.formats import BLOCK_BYTES  # one row's block, as stored
+from sparrow.kernels.intdot import AVX2, DOT4, I8MM, absb, bcast4, dpbssd, dpbusd, maddubs, maddwd, splat
 from sparrow.kernels.ir import F32, I8, I32, I64, V8F, V8I32, V32I8, c64, fma, shuffle, splat16, zeroed
-from sparrow.kernels.matmul.q8.arch.arm64 import smmla
-from sparrow.kernels.matmul.q8.ir import AVX2, DOT4, I8MM, absb, bcast4, dpbssd, dpbusd, maddubs, maddwd, splat
 
 GROUP = 8
 # A stored block's byte ranges (src, dst, length, width): bytes src .. src + length - 1 of a

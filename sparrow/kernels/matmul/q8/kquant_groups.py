@@ -30,9 +30,9 @@ from functools import partial
 from llvmlite import ir
 from numba.core import cgutils
 
+from sparrow.kernels.intdot import AVX2, absb, bcast4, maddbs, maddubs, maddwd, splat
 from sparrow.kernels.ir import I16, V8F, V8I8, V8I16, V16I8, V16I16, V32I8, c64, call, fma, shuffle, splat16, zeroed
 from sparrow.kernels.matmul.q8.groups import GROUP_BYTES, V8H, load, make_groups
-from sparrow.kernels.matmul.q8.ir import AVX2, absb, bcast4, maddbs, maddubs, maddwd, splat
 
 _CODES = {"q4_k": 160, "q5_k": 416}  # group offsets of the nibble chunks (q5_k: after 8 qh chunks)
 _QH = 160  # q5_k's high-bit chunks

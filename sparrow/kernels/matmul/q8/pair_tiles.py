@@ -2,7 +2,7 @@
 
 kernels/matmul/q8/groups.py (q8_0 / q4_0 / q4_1 / q5_0 / q5_1) and q8.kquant_groups.py (q4_k / q6_k) keep rows in
 groups of 8 and dot a group against up to TILE_X_ROWS = 4 x rows in ymm registers. On CPUs with AVX512-VNNI
-(q8.ir.VNNI512) a prefill here takes groups g and g + 1 side by side in one <64 x i8>, so each vpdpbusd covers
+(intdot.VNNI512) a prefill here takes groups g and g + 1 side by side in one <64 x i8>, so each vpdpbusd covers
 16 rows, and PAIR_X_ROWS = 6 x rows share each unpacked chunk. Lane r of every vector is row
 8 g + r (r < 8: group g, else row r - 8 of group g + 1). q8_0's signed codes enter vpdpbusd as
 code + 128 (one xor a chunk, shared by the x rows; zmm has no vpsignb, which the ymm tiles use
@@ -19,6 +19,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from sparrow.kernels.intdot import bcast4, dpbusd16, splat
 from sparrow.kernels.ir import I8, V8I8, V16F, V16I8, V16I32, V32I8, V64I8, c64, fma, shuffle, splat16, zeroed
 from sparrow.kernels.matmul.q8.groups import (
     CODES_AT,
@@ -34,7 +35,6 @@ from sparrow.kernels.matmul.q8.groups import (
     tile_arrays,
     tile_rows,
 )
-from sparrow.kernels.matmul.q8.ir import bcast4, dpbusd16, splat
 from sparrow.kernels.matmul.q8.kquant_groups import _CODES, _Q6_QH, _Q6_QL, _Q6_SC
 
 PAIR_X_ROWS = 6  # x rows a pair tile reads each unpacked chunk for

@@ -7,7 +7,7 @@ a block, so on a compute-bound core it decodes faster. Every format it covers (q
 q4_1, q5_0, q5_1 in q8/groups.py; the K-quants q4_k, q5_k, q6_k in q8/kquant_groups.py) is read
 as rows interleaved in groups of 8, built once per weight (docs/kernels.md has the speeds
 against the exact rows); q8.groups and q8.kquant_groups document the
-order, q8.ir holds the IR pieces they share, this module quantises x and dispatches. It is
+order, intdot holds the IR pieces they share, this module quantises x and dispatches. It is
 not exact: on SmolLM2-135M (Q4_1) its decode logits differ from the f32 path by KL 3.1e-3 on
 average and agree on the top token at 98% of 400 positions, which is why it is a mode, the
 default only where exact decode would trail llama.cpp's (models/activations.py).
@@ -39,11 +39,11 @@ from sparrow.kernels.formats import (
     X8_Q8_0,
     ZMM_PAIR_KINDS,
 )
+from sparrow.kernels.intdot import AVX2, VNNI512
 from sparrow.kernels.ir import F32, I8, I32, V16F, V16I8, V16I32, c64, call, shuffle, splat16
 from sparrow.kernels.matmul.q8 import amx, kquant_groups, pair_tiles
 from sparrow.kernels.matmul.q8 import groups as _groups
 from sparrow.kernels.matmul.q8.groups import GROUP, TILE_X_ROWS, interleave
-from sparrow.kernels.matmul.q8.ir import AVX2, VNNI512
 from sparrow.kernels.matmul.q8.pair_tiles import PAIR_X_ROWS
 from sparrow.kernels.matmul.widen import call_slp
 from sparrow.kernels.native_call import address_for, call_native

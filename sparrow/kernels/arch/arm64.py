@@ -1,6 +1,6 @@
-"""aarch64's forms of q8.ir's integer-dot pieces: sdot (dotprod) and smmla (i8mm). q8.ir.emitter
+"""aarch64's forms of intdot's integer-dot pieces: sdot (dotprod) and smmla (i8mm). intdot.emitter
 picks them where the target CPU has the instructions (tests/test_arm64.py checks the assembly);
-each gives the integers of q8.ir's generic form."""
+each gives the integers of intdot's generic form."""
 
 from llvmlite import ir
 

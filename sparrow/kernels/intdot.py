@@ -1,18 +1,20 @@
-"""LLVM IR pieces of the activations="q8" mode's integer dot products (q8.quantized, q8.groups, q8.kquant_groups).
+"""LLVM IR pieces of integer dot products: the activations="q8" mode's (matmul.q8.quantized,
+q8.groups, q8.kquant_groups, q8.pair_tiles) and selector v3's scores on 4-bit key codes
+(attention.codes4).
 
 Every piece computes exact integers, so x86's vpdpbusd (AVX-VNNI / AVX512-VNNI), pmaddubsw /
 pmaddwd / psignb (AVX2), aarch64's sdot (dotprod) and the plain vector IR of the generic path
-give the same values: the q8 mode's bits never depend on which one a CPU takes (tests compile
-the other paths for other CPUs and compare; tests/test_arm64.py checks the aarch64 assembly).
-The generic forms are here; the architectures' own are in q8/arch (x86.py, arm64.py), and
-emitter() is the one place that picks a piece's form from the target CPU's features.
+give the same values: the bits never depend on which one a CPU takes (tests compile the other
+paths for other CPUs and compare; tests/test_arm64.py checks the aarch64 assembly). The generic
+forms are here; the architectures' own are in kernels/arch (x86.py, arm64.py), and emitter() is
+the one place that picks a piece's form from the target CPU's features.
 """
 
 from llvmlite import ir
 
+from sparrow.kernels.arch import arm64, x86
 from sparrow.kernels.cpu import AVX2, DOTPROD, I8MM, VNNI, VNNI512  # noqa: F401 (this module's face: which IR it emits)
 from sparrow.kernels.ir import I8, I32, V16I16, V16I32, V32I16, shuffle
-from sparrow.kernels.matmul.q8.arch import arm64, x86
 
 # dpbusd / dpbssd in one instruction a 4-byte group: x86's vpdpbusd or aarch64's sdot
 DOT4 = VNNI or DOTPROD

@@ -1,6 +1,6 @@
-"""x86's forms of q8.ir's integer-dot pieces: pmaddubsw / pmaddwd / psignb (AVX2) and vpdpbusd
-(AVX-VNNI, AVX512-VNNI). q8.ir.emitter picks them where the target CPU has the instructions;
-each gives the integers of q8.ir's generic form."""
+"""x86's forms of intdot's integer-dot pieces: pmaddubsw / pmaddwd / psignb (AVX2) and vpdpbusd
+(AVX-VNNI, AVX512-VNNI). intdot.emitter picks them where the target CPU has the instructions;
+each gives the integers of intdot's generic form."""
 
 from llvmlite import ir
 
