@@ -163,18 +163,26 @@ def silu_mul(gu: np.ndarray, f: int) -> np.ndarray:
     return h
 
 
+@njit(**_KW, inline="always")
+def quantize_row(x, codes, top):
+    """codes[i] = rint(x[i] / scale) clipped to [-top, top], scale = max |x| / top (float32
+    divisions; a zero row: scale 0, codes 0); returns scale. The int8 KV cache's rule with top
+    127, v3's 4-bit key codes' with 7 (attention.codes4)."""
+    a = np.float32(0)
+    for i in range(x.shape[0]):
+        a = max(a, abs(x[i]))
+    sc = a / np.float32(top)
+    safe = sc if sc > np.float32(0) else np.float32(1)
+    for i in range(x.shape[0]):
+        q = np.float32(np.rint(x[i] / safe))
+        codes[i] = np.int8(min(max(q, np.float32(-top)), np.float32(top)))
+    return sc
+
+
 @njit(**_KW)
 def _quant_rows(x, codes, scale):
     for r in range(x.shape[0]):
-        a = np.float32(0)
-        for i in range(x.shape[1]):
-            a = max(a, abs(x[r, i]))
-        sc = a / np.float32(127.0)
-        scale[r] = sc
-        safe = sc if sc > np.float32(0) else np.float32(1)
-        for i in range(x.shape[1]):
-            q = np.float32(np.rint(x[r, i] / safe))
-            codes[r, i] = np.int8(min(max(q, np.float32(-127)), np.float32(127)))
+        scale[r] = quantize_row(x[r], codes[r], 127)
 
 
 def quantize_int8_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -20,6 +20,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from sparrow.kernels.attention.select import key_f32
+from sparrow.kernels.elementwise import quantize_row
 from sparrow.kernels.intdot import bcast4, dpbusd16, splat
 from sparrow.kernels.ir import F32, V16F, V16I32, V64I8, c64, splat16, zeroed
 
@@ -27,21 +28,6 @@ TILE = 16  # keys a tile
 TOP = 7  # codes in [-TOP, TOP]
 CHUNK = 64  # bytes of a tile chunk: 4 bytes of each of its 16 keys
 OFFSET = 8  # a code is kept as code + OFFSET, in 4 unsigned bits
-
-
-@njit(cache=True, nogil=True, inline="always")
-def quantize4(x, codes):
-    """codes[d] = the 4-bit code of x[d] (float32 row); returns the row's scale (0 for a zero
-    row, whose codes are 0)."""
-    a = np.float32(0)
-    for d in range(x.shape[0]):
-        a = max(a, abs(x[d]))
-    sc = a / np.float32(TOP)
-    safe = sc if sc > np.float32(0) else np.float32(1)
-    for d in range(x.shape[0]):
-        c = np.float32(np.rint(x[d] / safe))
-        codes[d] = np.int8(min(max(c, np.float32(-TOP)), np.float32(TOP)))
-    return sc
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -115,5 +101,5 @@ def pack_keys4(K, ks, lut, r0, r1, tiles, scale):
         for t in range(r0, r1):
             for d in range(K.shape[2]):
                 row[d] = key_f32(K[kh], ks[kh], lut, t, d)
-            scale[kh, t] = quantize4(row, codes[: K.shape[2]])
+            scale[kh, t] = quantize_row(row, codes[: K.shape[2]], TOP)
             put4(tiles[kh], t, codes)

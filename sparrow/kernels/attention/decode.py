@@ -31,7 +31,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from sparrow.kernels.attention.codes4 import OFFSET, TILE, padded, quantize4, tile_scores4
+from sparrow.kernels.attention.codes4 import OFFSET, TILE, TOP, padded, tile_scores4
 from sparrow.kernels.attention.rows import accum, dots, exp_sum, max_at, prefetch, row_max, widen
 from sparrow.kernels.attention.select import (
     STAGE_PROBE,
@@ -46,6 +46,7 @@ from sparrow.kernels.attention.select import (
     v2_query,
     v3_query,
 )
+from sparrow.kernels.elementwise import quantize_row
 from sparrow.params import V2_ON, V3_KEY4, V3_ON
 
 # ---------------------------------------------------------------- one KV head's group
@@ -377,7 +378,7 @@ def _v3_scores4(query, keys, codes, seq_len, bs, mass):
     for t in range(n_tiles * TILE, seq_len):  # past the copy's whole tiles
         for d in range(D):
             row[d] = key_f32(K2, ks, lut, t, d)
-        s4 = quantize4(row, c4)
+        s4 = quantize_row(row, c4, TOP)
         for g in range(G):
             dot = 0
             for d in range(D):
